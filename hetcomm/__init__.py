@@ -1,0 +1,63 @@
+"""hetcomm: communication middleware for Mixture-of-Experts training on heterogeneous clusters.
+
+``import hetcomm`` registers the ``"hetcomm"`` torch.distributed backend, so that
+``dist.init_process_group("hetcomm")`` works; scripts that never import hetcomm get the same
+through torch's ``torch.backends`` entry point (:func:`_autoload`).
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from hetcomm.errors import (  # noqa: E402
+    CollectiveError,
+    ConfigError,
+    HetcommError,
+    PeerTimeout,
+    TopologyParseError,
+    UsageError,
+)
+
+__all__ = [
+    "__version__",
+    "HetcommError",
+    "ConfigError",
+    "TopologyParseError",
+    "CollectiveError",
+    "PeerTimeout",
+    "UsageError",
+    "stats",
+    "reset_stats",
+]
+
+
+def stats():
+    """Per-rail counters of this process (see ``hetcomm.backends.stats``)."""
+    from hetcomm.backends.stats import stats as _stats
+
+    return _stats()
+
+
+def reset_stats() -> None:
+    """Zero every per-rail counter of this process."""
+    from hetcomm.backends.stats import reset_stats as _reset
+
+    _reset()
+
+
+def _autoload() -> None:
+    """Entry point of group ``torch.backends``: torch calls it at the end of ``import torch``.
+
+    Must never raise: an exception here would break ``import torch`` for every program.
+    """
+    try:
+        from hetcomm.backends.registry import register
+
+        register()
+    except Exception:  # pragma: no cover - defensive, see docstring
+        pass
+
+
+from hetcomm.backends.registry import register as _register  # noqa: E402
+
+_register()

@@ -1,0 +1,1 @@
+"""The ``hetcomm`` torch.distributed backend and its rails."""

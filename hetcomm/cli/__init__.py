@@ -1,0 +1,1 @@
+"""Command-line interface: ``hetcomm topo | audit | bench | simulate | train | emulate``."""

@@ -1,0 +1,15 @@
+"""`hetcomm audit` (placeholder until its issue lands)."""
+
+from __future__ import annotations
+
+import argparse
+
+from hetcomm.errors import UsageError
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    return subparsers.add_parser("audit", help="(not implemented yet)")
+
+
+def run(args: argparse.Namespace) -> int:
+    raise UsageError("'hetcomm audit' is not implemented yet")

@@ -1,0 +1,15 @@
+"""`hetcomm bench` (placeholder until its issue lands)."""
+
+from __future__ import annotations
+
+import argparse
+
+from hetcomm.errors import UsageError
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    return subparsers.add_parser("bench", help="(not implemented yet)")
+
+
+def run(args: argparse.Namespace) -> int:
+    raise UsageError("'hetcomm bench' is not implemented yet")

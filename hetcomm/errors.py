@@ -1,0 +1,120 @@
+"""The exceptions hetcomm raises for things a user can get wrong.
+
+Every user-facing error derives from :class:`HetcommError` and from the builtin a caller would
+naturally catch (``ValueError`` for bad input, ``RuntimeError`` for a failed collective), so
+``except ValueError`` keeps working for code that does not know hetcomm. ``assert`` is kept for
+hetcomm's own invariants only.
+
+Messages follow one template: *what* went wrong, *where* (file and line, rank and peer, key),
+and *how to fix it*.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = [
+    "HetcommError",
+    "ConfigError",
+    "TopologyParseError",
+    "CollectiveError",
+    "PeerTimeout",
+    "UsageError",
+]
+
+
+class HetcommError(Exception):
+    """Base class of every error hetcomm raises on purpose."""
+
+
+class UsageError(HetcommError, ValueError):
+    """A command line or API call that cannot be carried out as given (CLI exit code 2)."""
+
+
+class ConfigError(HetcommError, ValueError):
+    """A configuration value (cluster YAML, config dataclass) is missing, unknown or invalid.
+
+    Args:
+        message: what is wrong and how to fix it.
+        key: dotted key of the offending value, e.g. ``nodes[2].nics[0].gbps``.
+        path: file the value came from, when it came from a file.
+        line: 1-based line of the value in ``path``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: Optional[str] = None,
+        path: Optional[str] = None,
+        line: Optional[int] = None,
+    ) -> None:
+        self.key = key
+        self.path = path
+        self.line = line
+        where = []
+        if path is not None:
+            where.append(f"{path}:{line}" if line is not None else str(path))
+        if key is not None:
+            where.append(f"key '{key}'")
+        prefix = (", ".join(where) + ": ") if where else ""
+        super().__init__(prefix + message)
+
+
+class TopologyParseError(HetcommError, ValueError):
+    """Captured tool output that cannot be parsed (empty, truncated, unknown format).
+
+    Args:
+        message: what is wrong and how to fix it.
+        path: the file being parsed (``<stdin>``/``<text>`` when not from a file).
+        line: 1-based line number in that file, when one line is to blame.
+    """
+
+    def __init__(self, message: str, *, path: Optional[str] = None, line: Optional[int] = None):
+        self.path = path
+        self.line = line
+        where = path or "<text>"
+        if line is not None:
+            where = f"{where}:{line}"
+        super().__init__(f"{where}: {message}")
+
+
+class CollectiveError(HetcommError, RuntimeError):
+    """A collective failed on this rank: a peer died, a rail broke, or ranks disagreed.
+
+    Args:
+        message: what happened and what to check.
+        op: the collective, e.g. ``all_to_all_single``.
+        rank: this process's rank in the group.
+        peer: the peer rank at fault, when one is known.
+        rail: the rail (``shm``, ``gloo``, ``nccl``, ``hccl``, ``bridge``) carrying that peer.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: Optional[str] = None,
+        rank: Optional[int] = None,
+        peer: Optional[int] = None,
+        rail: Optional[str] = None,
+    ) -> None:
+        self.op = op
+        self.rank = rank
+        self.peer = peer
+        self.rail = rail
+        parts = []
+        if op is not None:
+            parts.append(op)
+        if rank is not None:
+            parts.append(f"rank {rank}")
+        if peer is not None:
+            parts.append(f"peer {peer}")
+        if rail is not None:
+            parts.append(f"rail {rail}")
+        prefix = ("hetcomm " + ", ".join(parts) + ": ") if parts else "hetcomm: "
+        super().__init__(prefix + message)
+
+
+class PeerTimeout(CollectiveError):
+    """A peer did not answer within the group timeout."""

@@ -1,0 +1,1 @@
+"""Mixture-of-Experts layer over hetcomm."""

@@ -1,0 +1,62 @@
+"""Shared pytest configuration: device markers skip cleanly where the device is missing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(REPO_ROOT, "tests", "fixtures")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def _has_npu() -> bool:
+    try:
+        import torch_npu  # noqa: F401
+        import torch
+
+        return torch.npu.is_available()
+    except Exception:
+        return False
+
+
+def _emulation_unavailable() -> str:
+    if os.geteuid() != 0:
+        return "needs root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs iproute2 (ip, tc)"
+    return ""
+
+
+def pytest_collection_modifyitems(config, items):
+    no_cuda = None if _has_cuda() else pytest.mark.skip(reason="no CUDA device on this machine")
+    no_npu = None if _has_npu() else pytest.mark.skip(reason="no Ascend NPU on this machine")
+    why = _emulation_unavailable()
+    no_emulate = pytest.mark.skip(reason=f"emulation {why}") if why else None
+    for item in items:
+        if no_cuda and "gpu" in item.keywords:
+            item.add_marker(no_cuda)
+        if no_npu and "npu" in item.keywords:
+            item.add_marker(no_npu)
+        if no_emulate and "emulate" in item.keywords:
+            item.add_marker(no_emulate)
+
+
+@pytest.fixture
+def fixture_path():
+    """Path of a file in tests/fixtures."""
+
+    def _path(name: str) -> str:
+        return os.path.join(FIXTURES, name)
+
+    return _path

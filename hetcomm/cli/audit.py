@@ -1,15 +1,67 @@
-"""`hetcomm audit` (placeholder until its issue lands)."""
+"""``hetcomm audit``: topology, findings (what each means, how to fix it) and three answers.
+
+::
+
+    hetcomm audit                                           # this machine
+    hetcomm audit -i nvsmi_topo.txt -i lsmod.txt -i ibstat.txt --size 256M
+    hetcomm audit --cluster configs/clusters/mixed-a100-h800-910b.yaml --json
+    hetcomm audit -i topo.txt --plot links.png              # needs the 'plot' extra
+
+Exit codes: 0 no error findings (warnings/info only), 1 at least one error finding, 2 bad usage
+or unreadable input (the message names the file and line).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
-from hetcomm.errors import UsageError
+from hetcomm.cli.main import EXIT_FINDINGS, EXIT_OK
+from hetcomm.cli.topo import add_input_arguments, load_topology
+
+__all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    return subparsers.add_parser("audit", help="(not implemented yet)")
+    p = subparsers.add_parser(
+        "audit",
+        help="find topology misconfigurations and estimate all-to-all time",
+        description="Audit a topology (this machine, captured tool outputs, a cluster file): "
+                    "findings with fixes, expected all-to-all time per link class, the "
+                    "cross-vendor path, and measured all-to-all results. Exit 1 on error findings.",
+    )
+    add_input_arguments(p)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON document: the topology schema plus an 'answers' key")
+    p.add_argument("--plot", metavar="PNG", default=None,
+                   help="also write a heat map of link classes (needs: pip install 'hetcomm[plot]')")
+    p.add_argument("--size", default="64M", metavar="BYTES",
+                   help="all-to-all size per rank for the estimate, e.g. 64M, 1G (default 64M)")
+    return p
 
 
 def run(args: argparse.Namespace) -> int:
-    raise UsageError("'hetcomm audit' is not implemented yet")
+    from hetcomm.topo.audit import parse_size, run_audit
+    from hetcomm.topo.render import plot_heatmap, render_audit
+
+    size_bytes = parse_size(args.size)  # bad --size fails before any work
+    topo, cluster = load_topology(args)
+    report = run_audit(topo, cluster, size_bytes=size_bytes)  # type: ignore[arg-type]
+    if args.plot:
+        plot_heatmap(topo, args.plot)
+        print(f"hetcomm audit: wrote link-class heat map to {args.plot}", file=sys.stderr)
+    if args.json:
+        doc = topo.to_dict()
+        doc["answers"] = report.answers_dict()
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        text = render_audit(report)
+        if topo.facts.get("formats") == ["live-probe"] and not any(
+            d.vendor in ("nvidia", "ascend") for d in topo.devices
+        ):
+            text += ("\nThis is a CPU-only host. To see a heterogeneous cluster's report, try:\n"
+                     "  hetcomm audit --cluster configs/clusters/mixed-mini.yaml\n")
+        sys.stdout.write(text)
+    return EXIT_FINDINGS if report.num_errors else EXIT_OK

@@ -1,1 +1,35 @@
-"""Mixture-of-Experts layer over hetcomm."""
+"""Mixture-of-Experts layer over hetcomm.
+
+``MoELayer`` is the entry point; the rest is exposed for the training loop and benchmarks
+(placement, wire policy, metrics, replication) and for tests of the individual pieces.
+"""
+
+from hetcomm.moe.calibrate import LoadCalibrator
+from hetcomm.moe.experts import ExpertBank, FFNExpert
+from hetcomm.moe.gate import GateOutput, TopKGate, expert_capacity
+from hetcomm.moe.layer import MoEConfig, MoELayer
+from hetcomm.moe.metrics import MetricsAccumulator, RoutingMetrics, routing_metrics
+from hetcomm.moe.placement import ExpertPlacement, place_experts
+from hetcomm.moe.replicate import HotExpertReplicator
+from hetcomm.moe.wire import WirePolicy, counters, reset_counters, wire_policy
+
+__all__ = [
+    "MoELayer",
+    "MoEConfig",
+    "TopKGate",
+    "GateOutput",
+    "expert_capacity",
+    "LoadCalibrator",
+    "FFNExpert",
+    "ExpertBank",
+    "ExpertPlacement",
+    "place_experts",
+    "HotExpertReplicator",
+    "WirePolicy",
+    "wire_policy",
+    "counters",
+    "reset_counters",
+    "MetricsAccumulator",
+    "RoutingMetrics",
+    "routing_metrics",
+]

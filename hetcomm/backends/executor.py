@@ -1,0 +1,298 @@
+"""Execution of all-to-all steps and plans over the rails (deciding them is ``hetcomm.sched``).
+
+Notation (as in ``hetcomm.sched.plan``): ``n`` ranks, ``T[i][j]`` bytes rank i delivers to rank
+j; a *segment* is ``T[origin][final_dst]``, a chunk a byte range of one segment.
+
+Two entry points:
+
+* :func:`direct_all_to_all` — the default route of ``all_to_all_single``: one step, each peer's
+  rows over that peer's rail, segments cut into chunks of whole rows by a rule every rank agrees
+  on (:func:`chunk_rows`), every rail running at once.
+* :func:`execute_plan` — any :class:`~hetcomm.sched.plan.Plan`, stage by stage: in stage s this
+  rank posts every transfer of stage s it sends or receives, over the rail the transfer names (or
+  the pair's rail), and waits for them before stage s+1. A forwarded chunk lands in a staging
+  buffer (one per segment this rank relays) and leaves from it in a later stage.
+
+Both ends of each pair post their transfers in ``Plan.transfers`` order (direct: peer order,
+then chunk order), which is what the FIFO rails (shm rings, gloo pairs) need. Every wait is
+bounded by a deadline and names the peers and rails still pending when it expires.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from hetcomm.backends.rails.base import Rail, RailOp, Xfer, as_bytes
+from hetcomm.errors import CollectiveError, PeerTimeout
+
+__all__ = ["chunk_rows", "direct_all_to_all", "execute_plan", "drive", "TAG_BASE"]
+
+#: Internal gloo tags start here; user send/recv tags below it never collide with ours.
+TAG_BASE = 1 << 30
+
+
+def tag_for(seq: int, index: int) -> int:
+    """The tag of transfer ``index`` of collective ``seq`` (same on both ends, < 2**31)."""
+    return TAG_BASE + (((seq & 0xFFFF) << 13) | (index & 0x1FFF))
+
+
+def chunk_rows(num_rows: int, row_bytes: int, chunk_bytes: int) -> List[Tuple[int, int]]:
+    """Cut ``num_rows`` rows into ``(start, count)`` chunks of at most ``chunk_bytes`` (>= 1 row).
+
+    Sender and receiver call it with the same arguments (split sizes are checked across ranks
+    first), so both post the same chunks.
+    """
+    if num_rows <= 0:
+        return []
+    per = max(1, chunk_bytes // max(1, row_bytes))
+    return [(s, min(per, num_rows - s)) for s in range(0, num_rows, per)]
+
+
+def _backoff(idle: int) -> None:
+    # 2 cores shared by 4+ ranks: spinning starves the peer we wait for. Yield first, then sleep
+    # in growing steps up to 1 ms (a rail that progresses resets ``idle``).
+    if idle < 32:
+        os.sched_yield()
+    else:
+        time.sleep(min(1e-3, 20e-6 * (idle - 31)))
+
+
+def drive(
+    ops: List[RailOp],
+    deadline: float,
+    op: str,
+    rank: int,
+    diagnose: Optional[Callable[[List[int]], str]] = None,
+    on_arrival: Optional[Callable[[RailOp], None]] = None,
+) -> None:
+    """Poll ``ops`` until all are done; raise :class:`PeerTimeout` at ``deadline`` (monotonic).
+
+    Args:
+        diagnose: given the pending peers, returns extra text for the timeout message (e.g.
+            which of them have exited).
+        on_arrival: called after each poll with the op (lets the caller report landed chunks).
+    """
+    idle = 0
+    pending = list(ops)
+    while pending:
+        still = []
+        progressed = False
+        for o in pending:
+            done = o.poll()
+            if on_arrival is not None:
+                on_arrival(o)
+            if done:
+                o.finish()
+                progressed = True
+            else:
+                progressed = progressed or getattr(o, "progressed", False)
+                still.append(o)
+        pending = still
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            peers = sorted({p for o in pending for p in o.pending_peers()})
+            rails = sorted({o.rail for o in pending})
+            extra = diagnose(peers) if diagnose else ""
+            raise PeerTimeout(
+                f"no answer from peer(s) {peers} over rail(s) {', '.join(rails)} within the group "
+                f"timeout{extra}; check that every rank calls the same collectives in the same order",
+                op=op,
+                rank=rank,
+                peer=peers[0] if peers else None,
+                rail=rails[0] if len(rails) == 1 else None,
+            )
+        idle = 0 if progressed else idle + 1
+        _backoff(idle)
+
+
+def _group_by_rail(xfers: Sequence[Xfer], rail_of: Callable[[int], Rail]) -> Dict[int, Tuple[Rail, List[Xfer]]]:
+    out: Dict[int, Tuple[Rail, List[Xfer]]] = {}
+    for x in xfers:
+        rail = rail_of(x.peer)
+        out.setdefault(id(rail), (rail, []))[1].append(x)
+    return out
+
+
+def start_step(sends: Sequence[Xfer], recvs: Sequence[Xfer], rail_of: Callable[[int], Rail], op: str, seq: int) -> List[RailOp]:
+    """Post ``sends`` and ``recvs``, each over its peer's rail; one RailOp per rail."""
+    s_by = _group_by_rail(sends, rail_of)
+    r_by = _group_by_rail(recvs, rail_of)
+    ops = []
+    for key in list(dict.fromkeys(list(r_by) + list(s_by))):
+        rail = (s_by.get(key) or r_by.get(key))[0]
+        ops.append(rail.start(s_by.get(key, (rail, []))[1], r_by.get(key, (rail, []))[1], op, seq))
+    return ops
+
+
+def direct_all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int],
+    rank: int,
+    rail_of: Callable[[int], Rail],
+    chunk_bytes: int,
+    op: str,
+    seq: int,
+    deadline: float,
+    diagnose: Optional[Callable[[List[int]], str]] = None,
+    on_chunk: Optional[Callable[[int, int, int], None]] = None,
+) -> None:
+    """Run an ``all_to_all_single`` as one step, every peer over its own rail.
+
+    Args:
+        output: ``[sum(output_split_sizes), *row_shape]``, contiguous; rows from rank j land at
+            ``output[sum(output_split_sizes[:j]) : ...]``.
+        input: ``[sum(input_split_sizes), *row_shape]``, contiguous, same dtype.
+        rail_of: the rail for a peer.
+        on_chunk: ``(peer, row_start, num_rows)`` for every received chunk once it landed.
+    """
+    n = len(input_split_sizes)
+    row_bytes = input.element_size() * _row_numel(input)
+    in_off = _offsets(input_split_sizes)
+    out_off = _offsets(output_split_sizes)
+    sends: List[Xfer] = []
+    recvs: List[Xfer] = []
+    # Peer order (me+1, me+2, ...) spreads the first chunks of all ranks over different peers.
+    for k in range(1, n):
+        dst, src = (rank + k) % n, (rank - k) % n
+        for i, (s, c) in enumerate(chunk_rows(input_split_sizes[dst], row_bytes, chunk_bytes)):
+            base = in_off[dst] + s
+            sends.append(Xfer(dst, input[base : base + c], tag_for(seq, i)))
+        for i, (s, c) in enumerate(chunk_rows(output_split_sizes[src], row_bytes, chunk_bytes)):
+            base = out_off[src] + s
+            x = Xfer(src, output[base : base + c], tag_for(seq, i))
+            x.meta = (src, base, c)  # type: ignore[attr-defined]
+            recvs.append(x)
+    # Our own rows: a local copy, done while the rails move the rest.
+    ops = start_step(sends, recvs, rail_of, op, seq)
+    mine = input_split_sizes[rank]
+    if mine:
+        output[out_off[rank] : out_off[rank] + mine].copy_(input[in_off[rank] : in_off[rank] + mine])
+        if on_chunk is not None:
+            on_chunk(rank, out_off[rank], mine)
+    reported = set()
+
+    def arrival(o: RailOp) -> None:
+        if on_chunk is None:
+            return
+        for c in _arrived(o):
+            if id(c) not in reported:
+                reported.add(id(c))
+                m = getattr(c, "meta", None)
+                if m is not None:
+                    on_chunk(*m)
+
+    drive(ops, deadline, op, rank, diagnose, on_arrival=arrival if on_chunk else None)
+    if on_chunk is not None:  # rails that cannot report single chunks: everything at the end
+        for x in recvs:
+            if id(x) not in reported:
+                on_chunk(*x.meta)  # type: ignore[attr-defined]
+
+
+def _arrived(o: RailOp) -> List[Xfer]:
+    return list(getattr(o, "arrived_xfers", []))
+
+
+def _row_numel(t: torch.Tensor) -> int:
+    n = 1
+    for d in t.shape[1:]:
+        n *= d
+    return n
+
+
+def _offsets(sizes: Sequence[int]) -> List[int]:
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return out
+
+
+def execute_plan(
+    plan: "hetcomm.sched.plan.Plan",  # noqa: F821
+    output: torch.Tensor,
+    input: torch.Tensor,
+    rank: int,
+    rail_for: Callable[[int, Optional[str]], Rail],
+    op: str = "all_to_all_single",
+    seq: int = 0,
+    deadline: Optional[float] = None,
+    timeout_s: float = 300.0,
+    diagnose: Optional[Callable[[List[int]], str]] = None,
+) -> None:
+    """Run ``plan`` on this rank: the byte-level all-to-all ``plan.traffic``.
+
+    Args:
+        plan: the plan (``plan.traffic[i][j]`` bytes from rank i to rank j).
+        output: contiguous; its bytes are ``T[0][me] | T[1][me] | ...`` in origin order.
+        input: contiguous; its bytes are ``T[me][0] | T[me][1] | ...`` in destination order.
+        rank: this rank (``0 <= rank < plan.num_ranks``).
+        rail_for: ``(peer, transfer.rail)`` -> the rail to use for that transfer.
+        deadline: monotonic time by which every stage must be done (default now + timeout_s).
+
+    Raises:
+        ValueError: the tensors' byte sizes do not match ``plan.traffic`` for this rank.
+        CollectiveError / PeerTimeout: a transfer failed or a peer went silent.
+    """
+    n = plan.num_ranks
+    traffic = plan.traffic
+    in_b, out_b = as_bytes(input), as_bytes(output)
+    want_in = sum(traffic[rank])
+    want_out = sum(traffic[i][rank] for i in range(n))
+    if in_b.numel() != want_in or out_b.numel() != want_out:
+        raise ValueError(
+            f"hetcomm execute_plan (rank {rank}): input has {in_b.numel()} bytes and output "
+            f"{out_b.numel()}, but the plan's traffic row/column for this rank need {want_in} and "
+            f"{want_out}; build the plan from the same split sizes"
+        )
+    deadline = deadline if deadline is not None else time.monotonic() + timeout_s
+    in_off = _offsets(traffic[rank])
+    out_off = _offsets([traffic[i][rank] for i in range(n)])
+    staging: Dict[Tuple[int, int], torch.Tensor] = {}
+
+    def buffer(origin: int, final_dst: int) -> torch.Tensor:
+        """Where the bytes of segment origin->final_dst are on this rank."""
+        if origin == rank:
+            return in_b[in_off[final_dst] : in_off[final_dst] + traffic[origin][final_dst]]
+        if final_dst == rank:
+            return out_b[out_off[origin] : out_off[origin] + traffic[origin][final_dst]]
+        key = (origin, final_dst)
+        if key not in staging:  # this rank relays the segment: hold it until it is sent on
+            staging[key] = torch.empty(traffic[origin][final_dst], dtype=torch.uint8)
+        return staging[key]
+
+    own = traffic[rank][rank]
+    if own:
+        out_b[out_off[rank] : out_off[rank] + own].copy_(in_b[in_off[rank] : in_off[rank] + own])
+    for s in range(plan.num_stages):
+        sends, recvs, rails = [], [], {}
+        for t in plan.stage(s):
+            if t.src == rank:
+                view = buffer(t.origin, t.final_dst)[t.offset_bytes : t.offset_bytes + t.num_bytes]
+                x = Xfer(t.dst, view, tag_for(seq, t.index))
+                sends.append(x)
+                rails[id(x)] = rail_for(t.dst, t.rail)
+            elif t.dst == rank:
+                view = buffer(t.origin, t.final_dst)[t.offset_bytes : t.offset_bytes + t.num_bytes]
+                x = Xfer(t.src, view, tag_for(seq, t.index))
+                recvs.append(x)
+                rails[id(x)] = rail_for(t.src, t.rail)
+        if not sends and not recvs:
+            continue
+        ops = []
+        by_rail: Dict[int, Tuple[Rail, List[Xfer], List[Xfer]]] = {}
+        for x in recvs:
+            r = rails[id(x)]
+            by_rail.setdefault(id(r), (r, [], []))[2].append(x)
+        for x in sends:
+            r = rails[id(x)]
+            by_rail.setdefault(id(r), (r, [], []))[1].append(x)
+        for r, snd, rcv in by_rail.values():
+            ops.append(r.start(snd, rcv, op, seq))
+        drive(ops, deadline, f"{op} (plan '{plan.strategy}', stage {s})", rank, diagnose)

@@ -1,0 +1,600 @@
+"""``HetcommProcessGroup``: the Python ``dist.ProcessGroup`` behind backend ``"hetcomm"``.
+
+One object per group. It owns:
+
+* an inner ``ProcessGroupGloo`` over the whole group (``gloo0``): the delegated collectives
+  (all_reduce, broadcast, all_gather, reduce_scatter, gather, scatter, reduce, barrier,
+  send/recv) run on it unchanged, so their results are exactly gloo's; it is also registered as
+  the group's C++ fallback backend, so C++ callers of methods the 2.13 trampoline does not
+  forward (functional all_gather/reduce_scatter) reach it;
+* the rails (``shm`` rings for same-node peers, the ``gloo`` rail, ``bridge``, and ``nccl`` /
+  ``hccl`` created on first use) and the choice of rail per peer (:mod:`.select`);
+* one executor thread that runs the routed collectives (``all_to_all_single``, ``all_to_all``,
+  plans) one after another, in call order, so every pair's transfers stay in step.
+
+Routed collectives first check split sizes across ranks (:mod:`.checks`), then move data; their
+Work raises the collective's error from ``wait()`` and from its future.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroupGloo
+from torch.distributed import PrefixStore
+
+from hetcomm.backends import checks
+from hetcomm.backends.executor import direct_all_to_all, execute_plan, tag_for, chunk_rows, drive, start_step, TAG_BASE
+from hetcomm.backends.options import HetcommOptions, options_from_env
+from hetcomm.backends.placement import Placement, build_placement
+from hetcomm.backends.rails.base import Rail, Xfer
+from hetcomm.backends.rails.bridge import BridgeRail
+from hetcomm.backends.rails.gloo import GlooRail
+from hetcomm.backends.rails.shm import ShmRail, shm_supported
+from hetcomm.backends.select import choose_rail, shm_possible
+from hetcomm.backends.work import ChunkArrival, FutureWork, HetcommWork
+from hetcomm.errors import CollectiveError, UsageError
+
+__all__ = ["HetcommProcessGroup"]
+
+log = logging.getLogger("hetcomm.backends")
+_WIRE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _configure_logging() -> None:
+    level = os.environ.get("HETCOMM_LOG", "").strip().upper()
+    if level and not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(getattr(logging, level, logging.INFO))
+
+
+def _device_type(t: torch.Tensor) -> str:
+    return t.device.type
+
+
+class HetcommProcessGroup(dist.ProcessGroup):
+    """A process group whose all-to-alls route every peer over its own rail.
+
+    Args:
+        store: the group's store (already prefixed by c10d).
+        rank: this process's rank in the group.
+        size: number of ranks in the group.
+        timeout: the group timeout; every wait of every collective is bounded by it.
+        options: :class:`HetcommOptions` (``pg_options``); ``HETCOMM_*`` variables fill the
+            fields left at their defaults.
+        global_ranks: global rank of each group rank (empty for the default group).
+        group_id: c10d's id of the group (for logs).
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout: timedelta,
+        options: Optional[HetcommOptions] = None,
+        global_ranks: Sequence[int] = (),
+        group_id: str = "",
+    ):
+        super().__init__(rank, size)  # the 3-arg (store, rank, size) ctor fails in 2.13
+        _configure_logging()
+        if options is not None and not isinstance(options, HetcommOptions):
+            raise UsageError(
+                f"pg_options for backend 'hetcomm' must be hetcomm.backends.HetcommOptions, "
+                f"got {type(options).__name__}"
+            )
+        self.options = options_from_env(options)
+        self._group_name = ""
+        self._group_desc = ""
+        self._group_id = group_id
+        self._store = store
+        self._timeout = timeout
+        self._closed = False
+        self._seq = 0
+        self._gloo = ProcessGroupGloo(PrefixStore("hetcomm/gloo0/", store), rank, size, timeout)
+        # C++ callers of methods the 2.13 trampoline does not forward land on this backend.
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
+        if torch.cuda.is_available():
+            self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
+        self.placement: Placement = build_placement(
+            store, rank, size, global_ranks, self.options.cluster, timeout
+        )
+        allowed = self.options.rails
+        self._shm: Optional[ShmRail] = None
+        if (allowed is None or "shm" in allowed) and shm_supported():
+            local = [r for r in range(size) if shm_possible(self.placement, rank, r)]
+            if len(local) >= 2:
+                self._shm = ShmRail(
+                    store, rank, local, [p.pid for p in self.placement.ranks],
+                    self.placement.ranks[rank].node, self.options.ring_bytes, timeout,
+                )
+        self._gloo_rail = GlooRail(self._gloo, rank)
+        self._bridge = BridgeRail(rank, self._bridge_transport, self._wire_dtype)
+        self._device_rails: Dict[str, Rail] = {}
+        self._routes: Dict[str, List[str]] = {}
+        self._jobs: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._run_jobs, name=f"hetcomm-exec-{group_id}", daemon=True)
+        self._thread.start()
+        self._log_routes()
+
+    # -- identity (c10d needs these on a Python group) ---------------------------------------
+    def getBackendName(self) -> str:
+        return "hetcomm"
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._timeout
+
+    # -- rails ---------------------------------------------------------------------------
+    def rail_names(self, device_type: str = "cpu") -> List[str]:
+        """The rail name for every group rank (``"self"`` for this rank) for ``device_type`` tensors."""
+        if device_type not in self._routes:
+            from hetcomm.backends.rails.hccl import hccl_available
+            from hetcomm.backends.rails.nccl import nccl_available
+
+            me = self.rank()
+            shm_peers = set(self._shm.peers) if self._shm else set()
+            nccl_ok = device_type == "cuda" and nccl_available()
+            hccl_ok = device_type == "npu" and hccl_available()
+            names = []
+            for p in range(self.size()):
+                if p == me:
+                    names.append("self")
+                    continue
+                names.append(
+                    choose_rail(
+                        self.placement, me, p, device_type, self.options.rails,
+                        shm_ok=p in shm_peers, nccl_ok=nccl_ok, hccl_ok=hccl_ok,
+                    )
+                )
+            self._routes[device_type] = names
+        return self._routes[device_type]
+
+    def _rail(self, name: str) -> Rail:
+        if name == "shm":
+            assert self._shm is not None
+            return self._shm
+        if name == "gloo":
+            return self._gloo_rail
+        if name == "bridge":
+            return self._bridge
+        if name not in self._device_rails:
+            me = self.rank()
+            vendor = "nvidia" if name == "nccl" else "ascend"
+            members = [r.group_rank for r in self.placement.ranks if r.vendor == vendor and not r.label_only]
+            if name == "nccl":
+                from hetcomm.backends.rails.nccl import NcclRail
+
+                self._device_rails[name] = NcclRail(self._store, me, members, self._timeout)
+            else:
+                from hetcomm.backends.rails.hccl import HcclRail
+
+                self._device_rails[name] = HcclRail(self._store, me, members, self._timeout)
+        return self._device_rails[name]
+
+    def _rail_of(self, device_type: str) -> Callable[[int], Rail]:
+        names = self.rail_names(device_type)
+        return lambda peer: self._rail(names[peer])
+
+    def _bridge_transport(self, peer: int) -> Rail:
+        if self._shm is not None and peer in self._shm.peers:
+            return self._shm
+        return self._gloo_rail
+
+    def _wire_dtype(self, peer: int, dtype: torch.dtype) -> Optional[torch.dtype]:
+        w = self.options.wire_dtype
+        if w == "exact":
+            return None
+        if w == "cluster":
+            w = self.placement.wire_dtype(self.rank(), peer)
+        return _WIRE[w]
+
+    def _log_routes(self) -> None:
+        if not log.isEnabledFor(logging.INFO):
+            return
+        me = self.rank()
+        names = self.rail_names("cpu")
+        lines = [
+            f"hetcomm group {self._group_id or '0'} rank {me}: {self.placement.describe(me)}"
+            + (f"; cluster '{self.placement.cluster.name}'" if self.placement.cluster else "; no cluster YAML")
+        ]
+        for p in range(self.size()):
+            if p != me:
+                lines.append(
+                    f"  peer {p} [{self.placement.describe(p)}] link {self.placement.link_class(me, p).name}"
+                    f" -> rail {names[p]} (CPU tensors)"
+                )
+        labels = sorted({r.model for r in self.placement.ranks if r.label_only})
+        if labels:
+            lines.append(f"  device kinds that are labels only (CPU processes): {', '.join(labels)}")
+        log.info("\n".join(lines))
+
+    # -- executor thread --------------------------------------------------------------------
+    def _run_jobs(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, work = job
+            try:
+                fn(work)
+            except BaseException as e:  # delivered to the caller through the Work
+                work._complete(e)
+            else:
+                work._complete(None)
+
+    def _submit(self, fn: Callable[[HetcommWork], None], work: HetcommWork) -> HetcommWork:
+        if self._closed:
+            raise CollectiveError("the process group was destroyed", rank=self.rank())
+        self._jobs.put((fn, work))
+        return work
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self._timeout.total_seconds()
+
+    def _diagnose(self, peers: Sequence[int]) -> str:
+        dead = checks.dead_peers(self.placement, self.rank(), None)
+        if dead:
+            return "; exited: " + ", ".join(f"rank {r} (pid {pid})" for r, pid in dead)
+        return ""
+
+    def _gather_meta(self, op: str, seq: int, meta: torch.Tensor):
+        out = [torch.empty_like(meta) for _ in range(self.size())]
+        return out, self._gloo.allgather([out], [meta])
+
+    def _wait_meta(self, op: str, work, out: List[torch.Tensor], unit: str) -> checks.Meta:
+        try:
+            work.wait()
+        except Exception as e:
+            dead = checks.dead_peers(self.placement, self.rank())
+            peer = dead[0][0] if dead else None
+            raise CollectiveError(
+                f"the split-size exchange failed{self._diagnose([])}: {e}",
+                op=op, rank=self.rank(), peer=peer, rail="gloo",
+            ) from e
+        return checks.check_meta(op, self.rank(), out, unit)
+
+    # -- routed collectives -------------------------------------------------------------------
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        """``dist.all_to_all_single``: rows of ``input`` to every rank, each peer over its rail.
+
+        Args:
+            output: ``[sum(output_split_sizes), *S]``; rows from rank j at offset
+                ``sum(output_split_sizes[:j])``.
+            input: ``[sum(input_split_sizes), *S]``, same dtype and device.
+            output_split_sizes / input_split_sizes: rows per rank; empty = equal split.
+
+        Returns:
+            A :class:`HetcommWork`; ``wait()`` raises ``ValueError`` on a cross-rank mismatch and
+            ``CollectiveError``/``PeerTimeout`` naming peer and rail on a failure.
+        """
+        op = "all_to_all_single"
+        n, me = self.size(), self.rank()
+        in_splits = _splits(input_split_sizes, input, n, "input_split_sizes", "input", me)
+        out_splits = _splits(output_split_sizes, output, n, "output_split_sizes", "output", me)
+        if input.dtype != output.dtype:
+            raise UsageError(f"hetcomm {op} (rank {me}): input dtype {input.dtype} != output dtype {output.dtype}")
+        if input.device != output.device:
+            raise UsageError(f"hetcomm {op} (rank {me}): input on {input.device} but output on {output.device}")
+        if tuple(input.shape[1:]) != tuple(output.shape[1:]):
+            raise UsageError(
+                f"hetcomm {op} (rank {me}): input rows have shape {tuple(input.shape[1:])} but output rows "
+                f"{tuple(output.shape[1:])}; both must be [rows, *S] with the same S"
+            )
+        self._seq += 1
+        seq = self._seq
+        row_shape = tuple(input.shape[1:])
+        row_bytes = input.element_size() * _prod(row_shape)
+        use_plan = self._plan_strategy(input)
+        need_meta = self.options.check_splits or use_plan is not None
+        meta_out = meta_work = None
+        if need_meta:
+            meta = checks.encode_meta(op, seq, input.dtype, row_bytes, row_shape, in_splits, out_splits)
+            meta_out, meta_work = self._gather_meta(op, seq, meta)
+        src = input if input.is_contiguous() else input.contiguous()
+        dst = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+        work = HetcommWork([output])
+        rail_of = self._rail_of(_device_type(input))
+
+        def job(w: HetcommWork) -> None:
+            deadline = self._deadline()
+            if need_meta:
+                m = self._wait_meta(op, meta_work, meta_out, "rows")
+            if use_plan is not None:
+                traffic = [[x * row_bytes for x in m.sends(r)] for r in range(n)]
+                plan = self._make_plan(use_plan, traffic)
+                self._run_plan(plan, dst, src, op, seq, deadline)
+                for j in range(n):
+                    w._arrived(ChunkArrival(j, sum(out_splits[:j]), out_splits[j]))
+            else:
+                direct_all_to_all(
+                    dst, src, out_splits, in_splits, me, rail_of, self.options.chunk_bytes, op, seq,
+                    deadline, self._diagnose,
+                    on_chunk=(lambda p, s, c: w._arrived(ChunkArrival(p, s, c))) if dst is output else None,
+                )
+            if dst is not output:
+                output.copy_(dst)
+                for j in range(n):
+                    w._arrived(ChunkArrival(j, sum(out_splits[:j]), out_splits[j]))
+
+        return self._submit(job, work)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        """Pre-2.13 name of :meth:`all_to_all_single` (the trampoline tries both)."""
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """``dist.all_to_all`` (list form): tensors of any, uneven sizes; each peer over its rail.
+
+        Args:
+            output_tensors: ``n`` tensors; ``output_tensors[j]`` receives rank j's
+                ``input_tensors[me]`` (same number of bytes and dtype).
+            input_tensors: ``n`` tensors of one dtype.
+        """
+        op = "all_to_all"
+        n, me = self.size(), self.rank()
+        if len(input_tensors) != n or len(output_tensors) != n:
+            raise UsageError(
+                f"hetcomm {op} (rank {me}): got {len(input_tensors)} input and {len(output_tensors)} "
+                f"output tensors for a group of {n}; pass one per rank"
+            )
+        dtypes = {t.dtype for t in list(input_tensors) + list(output_tensors)}
+        if len(dtypes) != 1:
+            raise UsageError(f"hetcomm {op} (rank {me}): all tensors must share one dtype, got {sorted(map(str, dtypes))}")
+        dtype = input_tensors[0].dtype
+        esize = input_tensors[0].element_size()
+        self._seq += 1
+        seq = self._seq
+        ins = [t.contiguous().reshape(-1) for t in input_tensors]
+        outs = [t.reshape(-1) if t.is_contiguous() else torch.empty(t.numel(), dtype=dtype, device=t.device) for t in output_tensors]
+        meta_out = meta_work = None
+        if self.options.check_splits:
+            meta = checks.encode_meta(op, seq, dtype, esize, (), [t.numel() for t in ins], [t.numel() for t in outs])
+            meta_out, meta_work = self._gather_meta(op, seq, meta)
+        work = HetcommWork(list(output_tensors))
+        rail_of = self._rail_of(_device_type(input_tensors[0]))
+
+        def job(w: HetcommWork) -> None:
+            deadline = self._deadline()
+            if meta_work is not None:
+                self._wait_meta(op, meta_work, meta_out, "elements")
+            sends, recvs = [], []
+            for k in range(1, n):
+                dst, src = (me + k) % n, (me - k) % n
+                for i, (s, c) in enumerate(chunk_rows(ins[dst].numel(), esize, self.options.chunk_bytes)):
+                    sends.append(Xfer(dst, ins[dst][s : s + c], tag_for(seq, i)))
+                for i, (s, c) in enumerate(chunk_rows(outs[src].numel(), esize, self.options.chunk_bytes)):
+                    recvs.append(Xfer(src, outs[src][s : s + c], tag_for(seq, i)))
+            ops = start_step(sends, recvs, rail_of, op, seq)
+            if ins[me].numel() != outs[me].numel():
+                raise UsageError(
+                    f"hetcomm {op} (rank {me}): input_tensors[{me}] has {ins[me].numel()} elements but "
+                    f"output_tensors[{me}] has {outs[me].numel()}"
+                )
+            outs[me].copy_(ins[me])
+            drive(ops, deadline, op, me, self._diagnose)
+            for t, o in zip(output_tensors, outs):
+                if not t.is_contiguous():
+                    t.copy_(o.view(t.shape))
+
+        return self._submit(job, work)
+
+    # -- plans --------------------------------------------------------------------------------
+    def _plan_strategy(self, input: torch.Tensor) -> Optional[str]:
+        strategy = self.options.plan
+        if strategy == "direct" or input.device.type != "cpu":
+            return None
+        cluster = self.placement.cluster
+        if cluster is None or cluster.num_ranks != self.size():
+            return None  # plans are over the whole cluster; subgroups use the direct route
+        return strategy
+
+    def _make_plan(self, strategy: str, traffic: List[List[int]]):
+        try:
+            from hetcomm.sched.planner import plan_all_to_all
+        except ImportError as e:
+            raise UsageError(
+                f"hetcomm: plan '{strategy}' asked for (HETCOMM_PLAN / HetcommOptions.plan) but "
+                f"hetcomm.sched.planner is not available ({e}); use plan='direct'"
+            ) from e
+        return plan_all_to_all(self.placement.cluster, traffic, strategy=strategy)
+
+    def _plan_rail_for(self, peer: int, hint: Optional[str]) -> Rail:
+        names = self.rail_names("cpu")
+        if hint in ("shm", "gloo") and (hint != "shm" or (self._shm is not None and peer in self._shm.peers)):
+            if self.options.rails is None or hint in self.options.rails:
+                return self._rail(hint)
+        name = names[peer]
+        return self._rail("gloo" if name in ("nccl", "hccl") else name)
+
+    def _run_plan(self, plan, output: torch.Tensor, input: torch.Tensor, op: str, seq: int, deadline: float) -> None:
+        execute_plan(plan, output, input, self.rank(), self._plan_rail_for, op=op, seq=seq, deadline=deadline, diagnose=self._diagnose)
+
+    def run_plan(self, plan, output: torch.Tensor, input: torch.Tensor) -> HetcommWork:
+        """Execute a hand-made or planner-made :class:`~hetcomm.sched.plan.Plan` (async).
+
+        Args:
+            plan: ``plan.traffic[i][j]`` bytes from rank i to rank j.
+            output / input: contiguous CPU tensors laid out as in ``all_to_all_single``, in
+                bytes (see :func:`hetcomm.backends.executor.execute_plan`).
+        """
+        self._seq += 1
+        seq = self._seq
+
+        def job(w: HetcommWork) -> None:
+            self._run_plan(plan, output, input, f"plan '{plan.strategy}'", seq, self._deadline())
+
+        return self._submit(job, HetcommWork([output]))
+
+    # -- delegated collectives (results identical to gloo) ------------------------------------
+    def allreduce(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        if opts.reduceOp == dist.ReduceOp.AVG:
+            # gloo has no AVG: SUM, then divide by the group size (truncating for integers).
+            o = dist.AllreduceOptions()
+            o.reduceOp = dist.ReduceOp.SUM
+            o.timeout = opts.timeout
+            fut = self._gloo.allreduce(tensors, o).get_future()
+            return FutureWork(fut.then(lambda f: _divide(f.value(), self.size())))
+        return self._gloo.allreduce(tensors, opts)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self._gloo.allreduce_coalesced(tensors, opts if opts is not None else dist.AllreduceCoalescedOptions())
+
+    def broadcast(self, tensors, opts=None):
+        return self._gloo.broadcast(tensors, opts if opts is not None else dist.BroadcastOptions())
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        return self._gloo.allgather(output_tensors, input_tensors, opts if opts is not None else dist.AllgatherOptions())
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        return self._gloo.allgather_coalesced(output_lists, input_list, opts if opts is not None else dist.AllgatherOptions())
+
+    def all_gather_single(self, output, input, opts=None):
+        return self._gloo._allgather_base(output, input, opts if opts is not None else dist.AllgatherOptions())
+
+    def _allgather_base(self, output, input, opts=None):
+        return self.all_gather_single(output, input, opts)
+
+    def reduce_scatter(self, output_tensors, input_lists, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        if opts.reduceOp == dist.ReduceOp.AVG:
+            o = dist.ReduceScatterOptions()
+            o.reduceOp = dist.ReduceOp.SUM
+            o.timeout = opts.timeout
+            fut = self._gloo.reduce_scatter(output_tensors, input_lists, o).get_future()
+            return FutureWork(fut.then(lambda f: _divide(list(output_tensors), self.size())))
+        return self._gloo.reduce_scatter(output_tensors, input_lists, opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        if opts.reduceOp == dist.ReduceOp.AVG:
+            o = dist.ReduceScatterOptions()
+            o.reduceOp = dist.ReduceOp.SUM
+            o.timeout = opts.timeout
+            fut = self._gloo._reduce_scatter_base(output, input, o).get_future()
+            return FutureWork(fut.then(lambda f: _divide([output], self.size())))
+        return self._gloo._reduce_scatter_base(output, input, opts)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        return self.reduce_scatter_single(output, input, opts)
+
+    def reduce(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.ReduceOptions()
+        if opts.reduceOp == dist.ReduceOp.AVG:
+            o = dist.ReduceOptions()
+            o.reduceOp = dist.ReduceOp.SUM
+            o.rootRank, o.rootTensor, o.timeout = opts.rootRank, opts.rootTensor, opts.timeout
+            root = opts.rootRank
+            fut = self._gloo.reduce(tensors, o).get_future()
+            return FutureWork(fut.then(lambda f: _divide(tensors, self.size()) if self.rank() == root else tensors))
+        return self._gloo.reduce(tensors, opts)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        return self._gloo.gather(output_tensors, input_tensors, opts if opts is not None else dist.GatherOptions())
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        return self._gloo.scatter(output_tensors, input_tensors, opts if opts is not None else dist.ScatterOptions())
+
+    def barrier(self, opts=None):
+        o = dist.BarrierOptions()
+        if opts is not None:
+            o.timeout = opts.timeout
+        return self._gloo.barrier(o)
+
+    def send(self, tensors, dstRank, tag=0):
+        _check_user_tag(tag, self.rank())
+        return self._gloo.send(tensors, dstRank, tag)
+
+    def recv(self, tensors, srcRank, tag=0):
+        _check_user_tag(tag, self.rank())
+        return self._gloo.recv(tensors, srcRank, tag)
+
+    def recv_anysource(self, tensors, tag=0):
+        _check_user_tag(tag, self.rank())
+        return self._gloo.recv_anysource(tensors, tag)
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the executor, release the rails (shm segments), shut the inner gloo down."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._thread.join(timeout=self._timeout.total_seconds())
+        for rail in [self._shm, *self._device_rails.values()]:
+            if rail is not None:
+                rail.close()
+        try:
+            self._gloo.shutdown()
+        except Exception:  # already broken by a failed peer; nothing left to release
+            pass
+
+    def abort(self) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"HetcommProcessGroup(rank={self.rank()}, size={self.size()}, rails={self.rail_names('cpu')})"
+
+
+def _divide(tensors: List[torch.Tensor], n: int) -> List[torch.Tensor]:
+    for t in tensors:
+        if t.is_floating_point() or t.is_complex():
+            t.div_(n)
+        else:
+            t.div_(n, rounding_mode="trunc")
+    return tensors
+
+
+def _check_user_tag(tag: int, rank: int) -> None:
+    if tag >= TAG_BASE:
+        raise UsageError(f"hetcomm send/recv (rank {rank}): tag {tag} is reserved (tags >= {TAG_BASE} are hetcomm's)")
+
+
+def _prod(shape: Sequence[int]) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def _splits(sizes: Sequence[int], t: torch.Tensor, n: int, name: str, tname: str, rank: int) -> List[int]:
+    """Validate split sizes locally (before any exchange); empty = equal split."""
+    rows = t.size(0) if t.dim() > 0 else 1
+    if sizes is None or len(sizes) == 0:
+        if rows % n:
+            raise UsageError(
+                f"hetcomm all_to_all_single (rank {rank}): {tname}.size(0)={rows} is not divisible by the "
+                f"group size {n}; pass {name} explicitly"
+            )
+        return [rows // n] * n
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != n:
+        raise UsageError(f"hetcomm all_to_all_single (rank {rank}): {name} has {len(sizes)} entries for a group of {n}")
+    if any(s < 0 for s in sizes):
+        raise UsageError(f"hetcomm all_to_all_single (rank {rank}): {name}={sizes} has a negative entry")
+    if sum(sizes) != rows:
+        raise UsageError(f"hetcomm all_to_all_single (rank {rank}): sum({name})={sum(sizes)} != {tname}.size(0)={rows}")
+    return sizes

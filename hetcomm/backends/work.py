@@ -1,0 +1,143 @@
+"""Work objects returned by hetcomm collectives.
+
+``HetcommWork`` is completed by the group's executor thread: ``wait()`` blocks until then and
+re-raises the collective's error (``ValueError`` for a cross-rank mismatch, ``CollectiveError`` /
+``PeerTimeout`` for a failed or silent peer); ``get_future()`` gives a torch Future that carries
+the same error at the C++ level (a Python ``Future.set_exception`` would not, see the torch
+backend notes), so DDP and functional collectives see failures too.
+
+``FutureWork`` wraps one inner future plus a finalizer (e.g. the division of an AVG all_reduce).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from datetime import timedelta
+from typing import Any, Callable, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["HetcommWork", "FutureWork", "ChunkArrival"]
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def _unwrap(fut: "torch.futures.Future") -> Any:
+    value = fut.value()
+    if isinstance(value, _Failure):
+        raise value.exc  # raised inside .then: a real (C++-level) error of the chained future
+    return value
+
+
+class ChunkArrival(tuple):
+    """``(peer, row_start, num_rows)``: rows ``[row_start, row_start+num_rows)`` of the output
+    came from ``peer`` and may be read now."""
+
+    __slots__ = ()
+
+    def __new__(cls, peer: int, row_start: int, num_rows: int):
+        return super().__new__(cls, (peer, row_start, num_rows))
+
+    peer = property(lambda self: self[0])
+    row_start = property(lambda self: self[1])
+    num_rows = property(lambda self: self[2])
+
+
+class HetcommWork(dist.Work):
+    """A collective run by the executor thread.
+
+    Args:
+        result: the tensors ``get_future().value()`` returns on success (the outputs).
+    """
+
+    def __init__(self, result: List[torch.Tensor]):
+        super().__init__()
+        self._result = result
+        self._done = threading.Event()
+        self._exc: Optional[BaseException] = None
+        self._base: torch.futures.Future = torch.futures.Future()
+        self._future = self._base.then(_unwrap)
+        self._arrivals: "queue.Queue[Optional[ChunkArrival]]" = queue.Queue()
+
+    # -- executor side ---------------------------------------------------------------------
+    def _arrived(self, arrival: ChunkArrival) -> None:
+        self._arrivals.put(arrival)
+
+    def _complete(self, exc: Optional[BaseException] = None) -> None:
+        self._exc = exc
+        self._done.set()
+        self._arrivals.put(None)
+        self._base.set_result(_Failure(exc) if exc is not None else self._result)
+
+    # -- user side ---------------------------------------------------------------------------
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        """Block until the collective finished; raise its error if it failed.
+
+        The executor enforces the group timeout itself (every wait names the silent peer), so
+        this wait needs no timeout of its own; a non-zero ``timeout`` bounds it anyway.
+        """
+        seconds = timeout.total_seconds() if timeout else 0.0
+        if not self._done.wait(seconds if seconds > 0 else None):
+            from hetcomm.errors import PeerTimeout
+
+            raise PeerTimeout(f"Work.wait timed out after {seconds:.1f} s")
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._exc is None
+
+    def exception(self) -> Optional[BaseException]:
+        return self._exc
+
+    def get_future(self) -> "torch.futures.Future":
+        return self._future
+
+    def result(self) -> List[torch.Tensor]:
+        self.wait()
+        return self._result
+
+    def arrivals(self, timeout: Optional[float] = None) -> Iterator[ChunkArrival]:
+        """Yield output chunks of an ``all_to_all_single`` as they land, until all have.
+
+        The rows of a yielded :class:`ChunkArrival` are final and may be consumed while later
+        chunks are still in flight (only for the direct route; a planned or non-contiguous-output
+        call yields everything at the end). Raises the collective's error, like :meth:`wait`.
+        """
+        while True:
+            item = self._arrivals.get(timeout=timeout)
+            if item is None:
+                self._arrivals.put(None)  # let a second iteration end too
+                self.wait()
+                return
+            yield item
+
+
+class FutureWork(dist.Work):
+    """A Work over one torch Future (already chained with any finalizer)."""
+
+    def __init__(self, future: "torch.futures.Future", on_wait: Optional[Callable[[], None]] = None):
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        self._future.wait()  # raises the inner error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self) -> "torch.futures.Future":
+        return self._future
+
+    def result(self):
+        return self._future.wait()

@@ -1,0 +1,1016 @@
+"""Measurement code behind ``hetcomm bench``: sizes, data patterns, timing loop, table, JSON.
+
+The metrics follow nccl-tests (``doc/PERFORMANCE.md``); ``docs/BENCH.md`` defines every printed
+number. Notation used below::
+
+    n      number of ranks in the group
+    size   bytes per rank: what one rank sends (alltoall) or reduces (allreduce)
+    count  elements per rank, ``size // itemsize`` (alltoall: rounded down to a multiple of n)
+    time   seconds per iteration: each rank times ``iters`` back-to-back calls and divides by
+           ``iters``; the table shows the maximum of that mean over the ranks
+    algbw  size / time
+    busbw  algbw * (n-1)/n (alltoall) or algbw * 2(n-1)/n (allreduce)
+
+A run is one process per rank. ``run_rank`` is the body of a rank, whether the rank was started
+by ``hetcomm bench --nprocs N`` (see ``hetcomm.cli.bench``) or by torchrun; rank 0 returns the
+merged result, which :func:`format_table` renders as the nccl-tests table.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from hetcomm.errors import UsageError
+
+__all__ = [
+    "COLLECTIVES",
+    "DATATYPES",
+    "KNOWN_RAILS",
+    "REDOPS",
+    "BenchConfig",
+    "parse_bytes",
+    "format_bytes",
+    "message_sizes",
+    "bus_factor",
+    "machine_description",
+    "run_rank",
+    "format_table",
+    "alltoall_input",
+    "alltoall_expected",
+    "allreduce_input",
+    "allreduce_expected",
+    "count_wrong",
+    "launch_ranks",
+    "LaunchResult",
+    "RankFailure",
+]
+
+COLLECTIVES = ("alltoall", "allreduce")
+
+# nccl-tests type names first (the table prints them), then accepted aliases.
+DATATYPES: Dict[str, str] = {
+    "int8": "int8",
+    "char": "int8",
+    "uint8": "uint8",
+    "int32": "int32",
+    "int": "int32",
+    "int64": "int64",
+    "half": "half",
+    "float16": "half",
+    "fp16": "half",
+    "float": "float",
+    "float32": "float",
+    "fp32": "float",
+    "double": "double",
+    "float64": "double",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+_TORCH_DTYPE = {
+    "int8": "int8",
+    "uint8": "uint8",
+    "int32": "int32",
+    "int64": "int64",
+    "half": "float16",
+    "float": "float32",
+    "double": "float64",
+    "bfloat16": "bfloat16",
+}
+_ITEMSIZE = {"int8": 1, "uint8": 1, "int32": 4, "int64": 8, "half": 2, "float": 4, "double": 8,
+             "bfloat16": 2}
+
+# AVG and PRODUCT are left out on purpose: gloo has no AVG, and an exact PRODUCT check would
+# overflow every small integer type after a few ranks.
+REDOPS = ("sum", "max", "min")
+
+# Rails the backend issue defines; the backend itself decides which exist on this machine.
+KNOWN_RAILS = ("shm", "gloo", "nccl", "hccl", "bridge")
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_BYTES_RE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str, flag: str = "size") -> int:
+    """Parse a byte count the way nccl-tests does: ``8``, ``1K``, ``128M``, ``1G`` (powers of 2).
+
+    Args:
+        text: the value as typed; an optional ``B``/``iB`` after the suffix is accepted.
+        flag: the flag it came from, named in the error.
+
+    Returns:
+        The number of bytes.
+
+    Raises:
+        UsageError: not a non-negative integer with an optional K/M/G/T suffix.
+    """
+    m = _BYTES_RE.match(str(text))
+    if not m:
+        raise UsageError(
+            f"{flag}: cannot read {text!r} as a byte count; use an integer with an optional "
+            f"K, M, G or T suffix (powers of 1024), e.g. 8, 1K, 128M, 1G"
+        )
+    return int(m.group(1)) * _SUFFIX[m.group(2).upper()]
+
+
+def format_bytes(num_bytes: float) -> str:
+    """``1048576`` -> ``'1 MiB'`` (binary units, at most one decimal)."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything one benchmark run needs; identical on every rank.
+
+    Attributes:
+        collective: ``alltoall`` or ``allreduce``.
+        minbytes / maxbytes: first and last message size, bytes per rank.
+        stepfactor: multiply the size by this between rows (> 1), or 1 to add ``stepbytes``.
+        stepbytes: bytes added between rows when ``stepfactor`` is 1.
+        iters: timed iterations per size and variant.
+        warmup_iters: untimed iterations before the timed ones, per size and variant.
+        check: verify the results of one extra call per size and variant (``#wrong``).
+        datatype: nccl-tests type name (a key of the table in :data:`DATATYPES` values).
+        redop: ``none`` for alltoall, else one of :data:`REDOPS`.
+        backend: torch.distributed backend name (``hetcomm`` or ``gloo``).
+        rails: rails forced through ``HETCOMM_RAILS`` (None: the backend chooses per peer).
+        cluster: cluster YAML path the ranks were given (``HETCOMM_CLUSTER``), or None.
+        plan: value passed to the backend's plan option, or None.
+        timeout_s: collective and store timeout, seconds.
+    """
+
+    collective: str
+    minbytes: int = 32 << 20
+    maxbytes: int = 32 << 20
+    stepfactor: int = 2
+    stepbytes: int = 1 << 20
+    iters: int = 20
+    warmup_iters: int = 1
+    check: bool = True
+    datatype: str = "float"
+    redop: str = "none"
+    backend: str = "hetcomm"
+    rails: Optional[Tuple[str, ...]] = None
+    cluster: Optional[str] = None
+    plan: Optional[str] = None
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        # The CLI validates with flag names first; this guards programmatic use.
+        if self.collective not in COLLECTIVES:
+            raise UsageError(f"collective {self.collective!r} is not one of {', '.join(COLLECTIVES)}")
+        if self.datatype not in _ITEMSIZE:
+            raise UsageError(f"datatype {self.datatype!r} is not one of {', '.join(_ITEMSIZE)}")
+        if self.minbytes > self.maxbytes:
+            raise UsageError(f"minbytes {self.minbytes} > maxbytes {self.maxbytes}")
+        if self.iters < 1 or self.warmup_iters < 0:
+            raise UsageError("iters must be >= 1 and warmup_iters >= 0")
+        if self.stepfactor < 1 or (self.stepfactor == 1 and self.stepbytes < 1):
+            raise UsageError("stepfactor must be >= 1, and stepbytes >= 1 when stepfactor is 1")
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of :attr:`datatype`."""
+        return _ITEMSIZE[self.datatype]
+
+    def to_json(self) -> str:
+        """This config as a JSON string (how the parent hands it to its ranks)."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "BenchConfig":
+        """Inverse of :meth:`to_json`."""
+        data = json.loads(text)
+        if data.get("rails") is not None:
+            data["rails"] = tuple(data["rails"])
+        return cls(**data)
+
+
+def bus_factor(collective: str, num_ranks: int) -> float:
+    """busbw / algbw: (n-1)/n for alltoall, 2(n-1)/n for allreduce (nccl-tests' factors)."""
+    if num_ranks < 1:
+        raise UsageError(f"a group needs at least one rank, got {num_ranks}")
+    base = (num_ranks - 1) / num_ranks
+    return 2.0 * base if collective == "allreduce" else base
+
+
+def message_sizes(config: BenchConfig, num_ranks: int) -> List[Tuple[int, int]]:
+    """The ``(size_bytes, count)`` rows of a run, in order.
+
+    Sizes follow nccl-tests' loop (``size *= stepfactor`` or ``size += stepbytes`` while
+    ``size <= maxbytes``). ``count = size // itemsize``; for alltoall it is rounded down to a
+    multiple of ``num_ranks`` (every peer gets the same number of elements), and the printed
+    size is ``count * itemsize``. Sizes that round to zero elements, or to the same count as the
+    previous row, are dropped.
+    """
+    rows: List[Tuple[int, int]] = []
+    size = config.minbytes
+    while size <= config.maxbytes:
+        count = size // config.itemsize
+        if config.collective == "alltoall":
+            count = (count // num_ranks) * num_ranks
+        if count > 0 and (not rows or rows[-1][1] != count):
+            rows.append((count * config.itemsize, count))
+        if config.stepfactor > 1:
+            if size == 0:
+                size = 1
+            size *= config.stepfactor
+        else:
+            size += config.stepbytes
+    return rows
+
+
+def machine_description() -> Dict[str, Any]:
+    """Host name, CPU count, CPU model (from /proc/cpuinfo) and the current UTC date."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "host": socket.gethostname(),
+        "num_cpus": os.cpu_count() or 0,
+        "cpu_model": model,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+# -- data patterns ----------------------------------------------------------------------------
+# Small integers (< 97 for alltoall, <= 2*n for allreduce) are exact in every supported dtype,
+# including int8 and bfloat16, so the check is exact equality, never a tolerance.
+
+
+def alltoall_input(rank: int, num_ranks: int, count: int, dtype):
+    """The send buffer of ``rank``: block ``p`` (for peer p) holds ``(7*rank + 13*p + i) % 97``.
+
+    Returns:
+        ``[count]`` tensor of ``dtype``; ``count`` is a multiple of ``num_ranks``.
+    """
+    import torch
+
+    block = count // num_ranks
+    i = torch.arange(block, dtype=torch.int64)
+    peers = torch.arange(num_ranks, dtype=torch.int64).unsqueeze(1)
+    return ((7 * rank + 13 * peers + i) % 97).reshape(-1).to(dtype)
+
+
+def alltoall_expected(rank: int, num_ranks: int, count: int, dtype):
+    """What ``rank`` must receive: block ``p`` is peer p's block for ``rank``.
+
+    Returns:
+        ``[count]`` tensor of ``dtype``.
+    """
+    import torch
+
+    block = count // num_ranks
+    i = torch.arange(block, dtype=torch.int64)
+    sources = torch.arange(num_ranks, dtype=torch.int64).unsqueeze(1)
+    return ((7 * sources + 13 * rank + i) % 97).reshape(-1).to(dtype)
+
+
+def allreduce_input(rank: int, count: int, dtype):
+    """``rank``'s contribution: element i is ``(rank + i) % 3``.
+
+    Returns:
+        ``[count]`` tensor of ``dtype``.
+    """
+    import torch
+
+    return ((rank + torch.arange(count, dtype=torch.int64)) % 3).to(dtype)
+
+
+def allreduce_expected(num_ranks: int, count: int, redop: str, dtype):
+    """The reduction of every rank's :func:`allreduce_input` under ``redop``.
+
+    The value of element i depends only on ``i % 3``, so three reductions over the ranks give the
+    whole expected tensor.
+
+    Returns:
+        ``[count]`` tensor of ``dtype``.
+    """
+    import torch
+
+    reduce: Callable[[List[int]], int] = {"sum": sum, "max": max, "min": min}[redop]
+    table = torch.tensor(
+        [reduce([(r + k) % 3 for r in range(num_ranks)]) for k in range(3)], dtype=torch.int64
+    )
+    return table[torch.arange(count, dtype=torch.int64) % 3].to(dtype)
+
+
+# -- one rank ---------------------------------------------------------------------------------
+
+
+def _progress(message: str) -> None:
+    print(f"hetcomm bench: {message}", file=sys.stderr, flush=True)
+
+
+def _device_info(rank: int, local_rank: int, cluster_path: Optional[str]) -> Dict[str, Any]:
+    """What this rank stands for: from the cluster YAML when there is one."""
+    info: Dict[str, Any] = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "device": local_rank,
+        "torch_device": "cpu",
+        "model": None,
+        "vendor": "cpu",
+        "node": None,
+        "label_only": False,
+    }
+    if cluster_path:
+        from hetcomm.topo.cluster import load_cluster
+
+        cluster = load_cluster(cluster_path)
+        r = cluster.rank(rank)
+        info.update(
+            device=r.local_rank,
+            model=r.model,
+            vendor=r.vendor,
+            node=r.node.name,
+            device_name=r.device_name,
+            # Tensors live in host memory in this tool, so a GPU/NPU in the YAML is a label.
+            label_only=r.vendor in ("nvidia", "ascend"),
+        )
+    return info
+
+
+def _rail_stats() -> Optional[Dict[str, Any]]:
+    """This process's per-rail counters from ``hetcomm.stats()``, JSON-friendly, or None."""
+    try:
+        import hetcomm
+
+        raw = hetcomm.stats()
+    except Exception:  # the backend's stats module may not exist (gloo runs, older trees)
+        return None
+    return _jsonable(raw)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    if hasattr(value, "__dataclass_fields__"):
+        return _jsonable(asdict(value))
+    if hasattr(value, "_asdict"):
+        return _jsonable(value._asdict())
+    return str(value)
+
+
+def _make_ops(config: BenchConfig, dist, num_ranks: int):
+    """The out-of-place and in-place calls, each ``fn(src, dst, scratch) -> None``.
+
+    torch has no out-of-place all_reduce and gives no meaning to an all_to_all_single whose
+    output aliases its input (gloo silently corrupts the result: rank 1 and 2 of 4 received
+    wrong data in a test on torch 2.13). So each collective has one native form and one form
+    that adds a local copy, and the copy is inside the timed region:
+
+    * alltoall   out-of-place: ``all_to_all_single(dst, src)``              (native)
+    * alltoall   in-place:     ``all_to_all_single(scratch, src); src.copy_(scratch)``
+    * allreduce  out-of-place: ``dst.copy_(src); all_reduce(dst)``
+    * allreduce  in-place:     ``all_reduce(src)``                          (native)
+    """
+    if config.collective == "alltoall":
+
+        def oop(src, dst, scratch):
+            dist.all_to_all_single(dst, src)
+
+        def inplace(src, dst, scratch):
+            dist.all_to_all_single(scratch, src)
+            src.copy_(scratch)
+
+    else:
+        op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[
+            config.redop
+        ]
+
+        def oop(src, dst, scratch):
+            dst.copy_(src)
+            dist.all_reduce(dst, op=op)
+
+        def inplace(src, dst, scratch):
+            dist.all_reduce(src, op=op)
+
+    return oop, inplace
+
+
+def _fill_input(config: BenchConfig, buf, rank: int, num_ranks: int, count: int) -> None:
+    if config.collective == "alltoall":
+        buf.copy_(alltoall_input(rank, num_ranks, count, buf.dtype))
+    else:
+        buf.copy_(allreduce_input(rank, count, buf.dtype))
+
+
+def _expected(config: BenchConfig, rank: int, num_ranks: int, count: int, dtype):
+    if config.collective == "alltoall":
+        return alltoall_expected(rank, num_ranks, count, dtype)
+    return allreduce_expected(num_ranks, count, config.redop, dtype)
+
+
+def count_wrong(config: BenchConfig, rank: int, num_ranks: int, result) -> int:
+    """Elements of ``result`` that differ from what ``rank`` must hold after the collective.
+
+    Args:
+        config: the run (collective, redop).
+        rank: the rank that holds ``result``.
+        num_ranks: group size.
+        result: ``[count]`` tensor after one call on :func:`alltoall_input` /
+            :func:`allreduce_input` data.
+
+    Returns:
+        The number of wrong elements (0 when the collective delivered the known pattern).
+    """
+    expected = _expected(config, rank, num_ranks, result.numel(), result.dtype)
+    return int((result != expected).sum().item())
+
+
+def _init_kwargs(config: BenchConfig) -> Dict[str, Any]:
+    """Extra ``init_process_group`` arguments: the hetcomm options object forcing rails/plan."""
+    if config.backend != "hetcomm" or (config.rails is None and config.plan is None):
+        return {}
+    from hetcomm.backends.options import HetcommOptions
+
+    fields: Dict[str, Any] = {}
+    if config.rails is not None:
+        fields["rails"] = tuple(config.rails)
+    if config.plan is not None:
+        fields["plan"] = config.plan
+    # Explicit options win over HETCOMM_* variables inherited from the environment.
+    return {"pg_options": HetcommOptions(**fields)}
+
+
+def run_rank(
+    config: BenchConfig,
+    rank: int,
+    world_size: int,
+    local_rank: int = 0,
+    store=None,
+    progress: bool = True,
+) -> Optional[Dict[str, Any]]:
+    """Run the whole benchmark as one rank of a ``world_size`` group.
+
+    Initializes the default process group (``env://`` unless ``store`` is given), measures every
+    size, gathers every rank's timings and checks with ``all_gather_object`` and destroys the
+    group.
+
+    Args:
+        config: the run; identical on every rank.
+        rank: this process's global rank.
+        world_size: number of ranks.
+        local_rank: device index on this host (printed in the ``# Rank`` lines).
+        store: a ``torch.distributed.Store`` to rendezvous through, or None for ``env://``.
+        progress: rank 0 reports each finished size on stderr.
+
+    Returns:
+        On rank 0, the result document (see :func:`format_table`); on other ranks, the same
+        document too (every rank needs the totals to choose its exit code).
+    """
+    import datetime as _dt
+
+    import torch
+    import torch.distributed as dist
+
+    if config.backend == "hetcomm":
+        import hetcomm  # noqa: F401  (registers the backend)
+
+    timeout = _dt.timedelta(seconds=config.timeout_s)
+    kwargs = _init_kwargs(config)
+    if store is not None:
+        dist.init_process_group(
+            config.backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs
+        )
+    else:
+        dist.init_process_group(
+            config.backend, init_method="env://", rank=rank, world_size=world_size,
+            timeout=timeout, **kwargs
+        )
+    try:
+        return _measure(config, rank, world_size, local_rank, progress, torch, dist)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(config, rank, world_size, local_rank, progress, torch, dist) -> Dict[str, Any]:
+    dtype = getattr(torch, _TORCH_DTYPE[config.datatype])
+    oop, inplace = _make_ops(config, dist, world_size)
+    sizes = message_sizes(config, world_size)
+    if config.backend == "hetcomm":
+        _reset_rail_stats()
+    t_start = time.perf_counter()
+    last_report = t_start
+    local_rows = []
+    for index, (size_bytes, count) in enumerate(sizes):
+        src = torch.empty(count, dtype=dtype)
+        dst = torch.empty(count, dtype=dtype)
+        scratch = torch.empty(count, dtype=dtype)
+        row: Dict[str, Any] = {"size": size_bytes, "count": count}
+        for name, fn in (("out_of_place", oop), ("in_place", inplace)):
+            _fill_input(config, src, rank, world_size, count)
+            for _ in range(config.warmup_iters):
+                fn(src, dst, scratch)
+            # Start every rank's clock together; the barrier itself is outside the timed region.
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(config.iters):
+                fn(src, dst, scratch)
+            seconds = (time.perf_counter() - t0) / config.iters
+            wrong = None
+            if config.check:
+                # One extra call on fresh data; timed loops above may have overwritten src.
+                _fill_input(config, src, rank, world_size, count)
+                fn(src, dst, scratch)
+                wrong = count_wrong(config, rank, world_size, dst if name == "out_of_place" else src)
+            row[name] = {"seconds": seconds, "wrong": wrong}
+        local_rows.append(row)
+        del src, dst, scratch
+        now = time.perf_counter()
+        if progress and rank == 0 and (now - last_report > 1.0 or index == len(sizes) - 1):
+            last_report = now
+            _progress(
+                f"{config.collective} {format_bytes(size_bytes)} done ({index + 1}/{len(sizes)} "
+                f"sizes, {now - t_start:.1f} s)"
+            )
+
+    mine = {
+        "info": _device_info(rank, local_rank, config.cluster or os.environ.get("HETCOMM_CLUSTER")),
+        "rows": local_rows,
+        "rails": _rail_stats() if config.backend == "hetcomm" else None,
+    }
+    gathered: List[Any] = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    return _merge(config, world_size, gathered)
+
+
+def _reset_rail_stats() -> None:
+    try:
+        import hetcomm
+
+        hetcomm.reset_stats()
+    except Exception:  # no stats module yet: the rail counters are simply not reported
+        pass
+
+
+def _merge(config: BenchConfig, world_size: int, per_rank: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """Combine every rank's measurements into the result document."""
+    import torch
+
+    factor = bus_factor(config.collective, world_size)
+    rows = []
+    busbws = []
+    total_wrong = 0
+    for i, base in enumerate(per_rank[0]["rows"]):
+        row: Dict[str, Any] = {
+            "size": base["size"],
+            "count": base["count"],
+            "type": config.datatype,
+            "redop": config.redop,
+            "root": -1,
+        }
+        for name in ("out_of_place", "in_place"):
+            per_rank_seconds = [r["rows"][i][name]["seconds"] for r in per_rank]
+            seconds = max(per_rank_seconds)
+            algbw = base["size"] / seconds / 1e9 if seconds > 0 else 0.0
+            busbw = algbw * factor
+            wrongs = [r["rows"][i][name]["wrong"] for r in per_rank]
+            wrong = None if any(w is None for w in wrongs) else int(sum(wrongs))
+            total_wrong += wrong or 0
+            busbws.append(busbw)
+            row[name] = {
+                "time_us": seconds * 1e6,
+                "algbw_gbps": algbw,
+                "busbw_gbps": busbw,
+                "wrong": wrong,
+                "time_us_per_rank": [s * 1e6 for s in per_rank_seconds],
+            }
+        rows.append(row)
+    ranks = [r["info"] for r in per_rank]
+    from hetcomm import __version__
+
+    return {
+        "tool": "hetcomm bench",
+        "version": __version__,
+        "torch": torch.__version__,
+        "collective": config.collective,
+        "test": f"{config.collective}_perf",
+        "num_ranks": world_size,
+        "config": json.loads(config.to_json()),
+        "machine": machine_description(),
+        "ranks": ranks,
+        "labels_only": any(r.get("label_only") for r in ranks),
+        "rails": [r["rails"] for r in per_rank] if config.backend == "hetcomm" else None,
+        "rows": rows,
+        "out_of_bounds": total_wrong,
+        "avg_busbw_gbps": (sum(busbws) / len(busbws)) if busbws else 0.0,
+        "time_definition": "max over ranks of each rank's mean seconds per iteration",
+    }
+
+
+# -- the table --------------------------------------------------------------------------------
+
+# nccl-tests' header, verbatim (tests/fixtures/nccltests_alltoall_perf_b300_1node_2node.txt);
+# every value of a row is right-aligned to the end of its header word.
+_HEADER_1 = (
+    "#                                                              out-of-place"
+    "                       in-place"
+)
+_HEADER_2 = (
+    "#       size         count      type   redop    root     time   algbw   busbw #wrong"
+    "     time   algbw   busbw #wrong"
+)
+_HEADER_3 = (
+    "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)"
+    "            (us)  (GB/s)  (GB/s)"
+)
+_COLUMN_ENDS = [m.end() for m in re.finditer(r"\S+", _HEADER_2)][1:]  # skip the leading '#'
+
+
+def _time_str(time_us: float) -> str:
+    # nccl-tests' precision rule: fewer decimals as the number grows.
+    if time_us >= 10000.0:
+        return f"{time_us:.0f}"
+    if time_us >= 100.0:
+        return f"{time_us:.1f}"
+    return f"{time_us:.2f}"
+
+
+def _row_line(values: Sequence[str]) -> str:
+    line = ""
+    for value, end in zip(values, _COLUMN_ENDS):
+        start = max(end - len(value), len(line) + 1)
+        line += " " * (start - len(line)) + value
+    return line
+
+
+def _rank_line(info: Dict[str, Any]) -> str:
+    text = (
+        f"#  Rank {info['rank']:2d} Group  0 Pid {info['pid']:6d} on {info['host']:>10s} "
+        f"device {info['device']:2d} [{info['torch_device']}]"
+    )
+    if info.get("model"):
+        what = f"{info.get('device_name', '')} {info['model']}".strip()
+        kind = "label" if info.get("label_only") else "real"
+        text += f" stands for {what} on node {info['node']} ({kind})"
+    return text
+
+
+def format_table(result: Dict[str, Any]) -> str:
+    """Render a result document (from :func:`run_rank`) as nccl-tests prints its table.
+
+    Lines: ``#`` metadata (version, parameters, one ``#  Rank`` line per rank), the three header
+    lines, one row per size with out-of-place and in-place ``time algbw busbw #wrong``, then
+    ``# Out of bounds values`` and ``# Avg bus bandwidth``.
+    """
+    cfg = result["config"]
+    machine = result["machine"]
+    rails = ",".join(cfg["rails"]) if cfg.get("rails") else "chosen per peer"
+    step = f"{cfg['stepfactor']}(factor)" if cfg["stepfactor"] > 1 else f"{cfg['stepbytes']}(bytes)"
+    lines = [
+        f"# hetcomm bench version {result['version']} torch {result['torch']}",
+        f"# Collective test starting: {result['test']}",
+        f"# nThread 1 nGpus 1 minBytes {cfg['minbytes']} maxBytes {cfg['maxbytes']} step: {step} "
+        f"warmup iters: {cfg['warmup_iters']} iters: {cfg['iters']} agg iters: 1 "
+        f"validation: {int(cfg['check'])} graph: 0",
+        f"# backend: {cfg['backend']}"
+        + (f"  rails: {rails}" if cfg["backend"] == "hetcomm" else "")
+        + (f"  plan: {cfg['plan']}" if cfg.get("plan") else "")
+        + f"  ranks: {result['num_ranks']}  datatype: {cfg['datatype']}  redop: {cfg['redop']}",
+        f"# machine: {machine['host']}, {machine['num_cpus']} CPUs, {machine['cpu_model']}; "
+        f"date: {machine['date']}",
+        "# time: max over ranks of each rank's mean time per iteration",
+        "#",
+        "# Using devices",
+    ]
+    lines += [_rank_line(info) for info in result["ranks"]]
+    if result.get("labels_only"):
+        models = sorted({i["model"] for i in result["ranks"] if i.get("label_only")})
+        cluster = os.path.basename(cfg.get("cluster") or os.environ.get("HETCOMM_CLUSTER", "") or "")
+        lines.append(
+            f"# Device kinds are labels: CPU processes stand for {', '.join(models)} as named in "
+            f"{cluster or 'the cluster YAML'}; tensors stay in host memory, the transports "
+            f"between the processes are real."
+        )
+    rail_line = _rail_summary(result.get("rails"))
+    if rail_line:
+        lines.append(rail_line)
+    lines += ["#", _HEADER_1, _HEADER_2, _HEADER_3]
+    for row in result["rows"]:
+        values = [str(row["size"]), str(row["count"]), row["type"], row["redop"], str(row["root"])]
+        for name in ("out_of_place", "in_place"):
+            block = row[name]
+            values += [
+                _time_str(block["time_us"]),
+                f"{block['algbw_gbps']:.2f}",
+                f"{block['busbw_gbps']:.2f}",
+                "N/A" if block["wrong"] is None else str(block["wrong"]),
+            ]
+        lines.append(_row_line(values))
+    status = "OK" if result["out_of_bounds"] == 0 else "FAILED"
+    lines += [
+        f"# Out of bounds values : {result['out_of_bounds']} {status}",
+        f"# Avg bus bandwidth    : {_avg_str(result['avg_busbw_gbps'])}",
+        "#",
+        f"# Collective test concluded: {result['test']}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _avg_str(value: float) -> str:
+    # nccl-tests prints %g-like output ("359.21", "102.495"); keep 6 significant digits.
+    return f"{value:.6g}"
+
+
+def _rail_summary(rails: Optional[List[Any]]) -> str:
+    """``# Rail bytes sent (all ranks): shm 3.0 MiB, gloo 0 B`` from hetcomm.stats() counters."""
+    if not rails:
+        return ""
+    totals: Dict[str, float] = {}
+    for per_rank in rails:
+        if not isinstance(per_rank, dict):
+            return ""
+        for rail, counters in per_rank.items():
+            sent = _sent_bytes(counters)
+            if sent is None:
+                continue
+            totals[rail] = totals.get(rail, 0.0) + sent
+    if not totals:
+        return ""
+    parts = ", ".join(f"{rail} {format_bytes(v)}" for rail, v in sorted(totals.items()))
+    return f"# Rail bytes sent (all ranks, whole run incl. warmup and checks): {parts}"
+
+
+def _sent_bytes(counters: Any) -> Optional[float]:
+    if isinstance(counters, dict):
+        for key in ("bytes_sent", "sent_bytes", "tx_bytes"):
+            if isinstance(counters.get(key), (int, float)) and not isinstance(counters.get(key), bool):
+                return float(counters[key])
+    return None
+
+
+# -- launching local ranks ----------------------------------------------------------------------
+# Ranks are separate Python processes started with subprocess (like torchrun), not forks: each
+# one imports torch itself and owns its threads. The parent hosts the TCPStore, so there is no
+# free-port race, and every rank connects to it as a client.
+
+STORE_ENV = "HETCOMM_BENCH_STORE"
+ERROR_FILE_ENV = "HETCOMM_BENCH_ERROR_FILE"
+RESULT_FILE_ENV = "HETCOMM_BENCH_RESULT_FILE"
+TIMEOUT_ENV = "HETCOMM_BENCH_TIMEOUT"
+
+_CHILD_CODE = "from hetcomm.cli._benchlib import child_main; child_main()"
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """One rank that did not finish.
+
+    Attributes:
+        rank: its global rank.
+        exit_code: process exit status (negative: killed by that signal).
+        error_type: class name of the exception it raised, or None when it died without one.
+        message: the exception message or a description of the death.
+        is_timeout: the failure is a timeout (exit code 3 for the command).
+        killed_by_launcher: it was still running after another rank failed and was stopped.
+    """
+
+    rank: int
+    exit_code: int
+    error_type: Optional[str]
+    message: str
+    is_timeout: bool
+    killed_by_launcher: bool = False
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """Outcome of :func:`launch_ranks`: rank 0's return value or the failures."""
+
+    result: Any
+    failures: Tuple[RankFailure, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def _is_timeout(error_type: Optional[str], message: str) -> bool:
+    lowered = message.lower()
+    return error_type in ("PeerTimeout", "DistStoreError", "TimeoutError") or "timed out" in lowered \
+        or "timeout" in lowered
+
+
+def _set_parent_death_signal() -> None:  # pragma: no cover - runs in the child before exec
+    # Linux: if the launcher dies (even by SIGKILL), the kernel kills its ranks too; no stray
+    # processes are left holding shared-memory segments or ports.
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def launch_ranks(
+    target: str,
+    payload: str,
+    num_ranks: int,
+    *,
+    timeout_s: float,
+    env: Optional[Dict[str, str]] = None,
+    grace_s: float = 10.0,
+) -> LaunchResult:
+    """Run ``target(payload, rank, world_size, store)`` in ``num_ranks`` fresh processes.
+
+    Args:
+        target: ``"module:function"``; the function must be importable in the child (set
+            ``PYTHONPATH`` through ``env`` for modules outside the package). Rank 0's return
+            value must be JSON-serializable; it becomes :attr:`LaunchResult.result`.
+        payload: a string handed to every rank unchanged (a JSON config).
+        num_ranks: number of processes; ranks 0..num_ranks-1 with ``LOCAL_RANK`` = rank.
+        timeout_s: store timeout; a rank that cannot rendezvous fails after this long.
+        env: extra environment for the ranks (e.g. ``HETCOMM_CLUSTER``).
+        grace_s: after the first rank fails, how long the others get to fail on their own (they
+            usually see the broken connection at once) before they are killed.
+
+    Returns:
+        The result of rank 0, or the failures, the first failure first.
+    """
+    import subprocess
+    import tempfile
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, num_ranks + 1, is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+    )
+    procs: List[Any] = []
+    with tempfile.TemporaryDirectory(prefix="hetcomm-bench-") as tmp:
+        base_env = dict(os.environ)
+        # torchrun's default: one intra-op thread per rank, or N ranks fight over the cores.
+        base_env.setdefault("OMP_NUM_THREADS", "1")
+        base_env.update(env or {})
+        base_env[STORE_ENV] = f"127.0.0.1:{store.port}"
+        base_env[TIMEOUT_ENV] = str(timeout_s)
+        base_env.update(WORLD_SIZE=str(num_ranks), LOCAL_WORLD_SIZE=str(num_ranks),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+        error_files = [os.path.join(tmp, f"rank{r}.error.json") for r in range(num_ranks)]
+        result_file = os.path.join(tmp, "result.json")
+        try:
+            for r in range(num_ranks):
+                child_env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r),
+                                 **{ERROR_FILE_ENV: error_files[r], RESULT_FILE_ENV: result_file})
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", _CHILD_CODE, target, payload],
+                        env=child_env,
+                        preexec_fn=_set_parent_death_signal,
+                    )
+                )
+            exit_order = _watch(procs, error_files, grace_s)
+        finally:
+            killed = _stop(procs)
+        failures = []
+        for r in exit_order + [r for r in range(num_ranks) if r not in exit_order]:
+            code = procs[r].returncode
+            if code == 0:
+                continue
+            failures.append(_failure(r, code, error_files[r], r in killed))
+        result = None
+        if not failures:
+            with open(result_file, encoding="utf-8") as f:
+                result = json.load(f)
+    del store
+    # Root causes first: a rank's own error beats "connection closed by peer" on the others,
+    # and those beat ranks the launcher had to stop.
+    failures.sort(key=lambda f: (f.killed_by_launcher, _is_secondary(f.message)))
+    return LaunchResult(result=result, failures=tuple(failures))
+
+
+def _is_secondary(message: str) -> bool:
+    lowered = message.lower()
+    return any(s in lowered for s in ("connection closed by peer", "connection reset", "broken pipe"))
+
+
+def _watch(procs: List[Any], error_files: List[str], grace_s: float) -> List[int]:
+    """Wait for every process; after the first failure give the rest ``grace_s`` seconds.
+
+    A failure is a non-zero exit or an error file (a rank that reported its error but hangs
+    while exiting is still caught).
+    """
+    exit_order: List[int] = []
+    deadline: Optional[float] = None
+    while True:
+        for r, p in enumerate(procs):
+            if r not in exit_order and p.poll() is not None:
+                exit_order.append(r)
+                if p.returncode != 0 and deadline is None:
+                    deadline = time.monotonic() + grace_s
+            if deadline is None and os.path.exists(error_files[r]):
+                deadline = time.monotonic() + grace_s
+        if len(exit_order) == len(procs):
+            return exit_order
+        if deadline is not None and time.monotonic() > deadline:
+            return exit_order
+        time.sleep(0.05)
+
+
+def _stop(procs: List[Any]) -> List[int]:
+    """Terminate, then kill, every process still running; returns their ranks."""
+    running = [r for r, p in enumerate(procs) if p.poll() is None]
+    for r in running:
+        procs[r].terminate()
+    for r in running:
+        try:
+            procs[r].wait(timeout=5)
+        except Exception:
+            procs[r].kill()
+            procs[r].wait()
+    return running
+
+
+def _failure(rank: int, code: int, error_file: str, killed: bool) -> RankFailure:
+    try:
+        with open(error_file, encoding="utf-8") as f:
+            data = json.load(f)
+        return RankFailure(rank, code, data["type"], data["message"],
+                           is_timeout=_is_timeout(data["type"], data["message"]))
+    except (OSError, ValueError, KeyError):
+        pass
+    if killed:
+        return RankFailure(rank, code, None, "still running after another rank failed; stopped",
+                           is_timeout=False, killed_by_launcher=True)
+    if code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (out of memory?)" if name == "SIGKILL" else ""
+        return RankFailure(rank, code, None, f"killed by {name}{hint}", is_timeout=False)
+    return RankFailure(rank, code, None, f"exited with status {code} without a Python error",
+                       is_timeout=False)
+
+
+def child_main() -> None:
+    """Entry point of a rank started by :func:`launch_ranks` (argv: target, payload)."""
+    import importlib
+
+    target, payload = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    try:
+        import torch.distributed as dist
+
+        host, port = os.environ[STORE_ENV].rsplit(":", 1)
+        module_name, func_name = target.split(":")
+        func = getattr(importlib.import_module(module_name), func_name)
+        timeout_s = float(os.environ.get(TIMEOUT_ENV, "300"))
+        store = dist.TCPStore(host, int(port), world_size + 1, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        # A prefix per launch keeps the keys of this run apart from anything else on the store.
+        store = dist.PrefixStore("hetcomm-bench/", store)
+        result = func(payload, rank, world_size, store)
+        if rank == 0:
+            tmp = os.environ[RESULT_FILE_ENV] + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(result, f)
+            os.replace(tmp, os.environ[RESULT_FILE_ENV])
+    except BaseException as e:  # noqa: BLE001 - report every failure to the launcher
+        with open(os.environ[ERROR_FILE_ENV], "w", encoding="utf-8") as f:
+            json.dump({"type": type(e).__name__, "message": str(e) or repr(e)}, f)
+        if os.environ.get("HETCOMM_BENCH_TRACEBACK"):
+            import traceback
+
+            traceback.print_exc()
+        sys.stderr.flush()
+        # sys.exit, not os._exit: atexit handlers (the shm rail's segment cleanup) must run.
+        sys.exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def bench_rank_entry(payload: str, rank: int, world_size: int, store) -> Optional[Dict[str, Any]]:
+    """:func:`launch_ranks` target of ``hetcomm bench``: one rank of :func:`run_rank`."""
+    config = BenchConfig.from_json(payload)
+    return run_rank(config, rank, world_size, local_rank=rank, store=store)

@@ -1,0 +1,255 @@
+"""Dispatch and combine: index-based permutation plus uneven ``all_to_all_single``.
+
+Notation (see also ``hetcomm.moe.placement``):
+    T        tokens on this rank;  k experts per token;  A = T * k token copies ("assignments")
+    a        an assignment id, choice-major: ``a = j * T + t`` is token ``t``'s ``j``-th choice
+    S        copies this rank sends over the all-to-all (kept, not computed on a local replica)
+    R        copies this rank receives
+    C        chunks of the pipelined exchange (``hetcomm.moe.overlap``); chunk ``c`` carries,
+             for every rank, the copies bound for that rank's ``c``-th group of local experts
+
+No dense one-hot ``[T, E, capacity]`` tensor is ever built: one stable sort of the ``A``
+assignments by a per-expert key puts every copy where it travels, the capacity check is a
+position-within-expert comparison on that sorted order, and ``index_select`` / ``index_add_``
+move the rows. The per-(rank, expert) counts are exchanged first (one small int64
+all-to-all), so every rank knows its uneven splits before any activation moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from hetcomm.moe.wire import Exchange
+
+__all__ = ["RoutePlan", "ChunkLayout", "plan_route", "exchange_counts", "launch", "wait"]
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """How the experts of every rank are grouped into ``C`` chunks (identical on all ranks).
+
+    Attributes:
+        num_chunks: ``C``.
+        key_of_expert: ``[E]`` int64, sort key of each expert: ``chunk * E + slot``.
+        experts_in: ``experts_in[c][r]``: global ids of rank ``r``'s experts in chunk ``c``.
+        local_range: ``local_range[c][r] = (lo, hi)``: local indices of those experts.
+    """
+
+    num_chunks: int
+    key_of_expert: torch.Tensor
+    experts_in: Tuple[Tuple[Tuple[int, ...], ...], ...]
+    local_range: Tuple[Tuple[Tuple[int, int], ...], ...]
+
+    @staticmethod
+    def build(placement, num_chunks: int) -> "ChunkLayout":
+        """Group each rank's local experts into ``num_chunks`` contiguous groups."""
+        E, W = placement.num_experts, placement.world_size
+        C = max(1, int(num_chunks))
+        key = [0] * E
+        experts_in = [[() for _ in range(W)] for _ in range(C)]
+        local_range = [[(0, 0) for _ in range(W)] for _ in range(C)]
+        for r in range(W):
+            es = placement.experts_of(r)
+            L = len(es)
+            for c in range(C):
+                lo, hi = (c * L) // C, ((c + 1) * L) // C
+                experts_in[c][r] = tuple(es[lo:hi])
+                local_range[c][r] = (lo, hi)
+                for e in es[lo:hi]:
+                    key[e] = c * E + placement.slots[e]
+        return ChunkLayout(
+            num_chunks=C,
+            key_of_expert=torch.tensor(key, dtype=torch.int64),
+            experts_in=tuple(tuple(x) for x in experts_in),
+            local_range=tuple(tuple(x) for x in local_range),
+        )
+
+
+@dataclass
+class RoutePlan:
+    """Where every token copy of one forward goes.
+
+    Attributes:
+        send_assign: ``[S]`` int64 assignment ids sent over the all-to-all, in send order
+            (chunk-major, then destination rank, then the destination's local expert).
+        send_token: ``[S]`` int64 token of each sent copy.
+        send_counts: ``[E]`` int64 copies sent to each expert (indexed by global expert id).
+        local_assign: ``[Q]`` int64 assignment ids computed on a local replica (sorted by expert).
+        local_expert: ``[Q]`` int64 global expert of each of those.
+        local_counts: ``[E]`` int64 copies per expert computed on local replicas.
+        picks: ``[E]`` int64 every pick per expert, dropped ones included (the demand).
+        num_dropped: copies dropped by the capacity limit.
+        num_assign: ``A``.
+    """
+
+    send_assign: torch.Tensor
+    send_token: torch.Tensor
+    send_counts: torch.Tensor
+    local_assign: torch.Tensor
+    local_expert: torch.Tensor
+    local_counts: torch.Tensor
+    picks: torch.Tensor
+    num_dropped: int
+    num_assign: int
+
+
+def plan_route(
+    topk_idx: torch.Tensor,
+    key_of_expert: torch.Tensor,
+    capacity: Optional[int],
+    replica_here: Optional[torch.Tensor] = None,
+) -> RoutePlan:
+    """Sort the token copies by where they go and apply the capacity limit.
+
+    Args:
+        topk_idx: ``[T, k]`` int64 chosen experts.
+        key_of_expert: ``[E]`` int64 send-order key (:class:`ChunkLayout`).
+        capacity: copies per expert kept on this rank, or None (dropless).
+        replica_here: ``[E]`` bool, True where this rank computes the expert on a local replica
+            (it holds one and is not the owner). Capacity applies before this choice, so the
+            same copies are dropped with and without replication.
+    Returns:
+        The :class:`RoutePlan`.
+    """
+    T, k = topk_idx.shape
+    E = key_of_expert.numel()
+    e_flat = topk_idx.t().reshape(-1)  # [A], choice-major
+    A = e_flat.numel()
+    key = key_of_expert[e_flat]
+    # Stable: inside one expert, first choices stay before second choices, tokens in order.
+    order = torch.argsort(key, stable=True)
+    e_sorted = e_flat[order]
+    picks = torch.bincount(e_flat, minlength=E)
+    num_dropped = 0
+    if capacity is not None and A > 0:
+        # Position of each sorted copy inside its expert's run.
+        start_of_key = torch.zeros(E, dtype=torch.int64)
+        # Runs appear in key order; the start of expert e's run = copies of experts with smaller key.
+        expert_by_key = torch.argsort(key_of_expert)
+        counts_by_key = picks[expert_by_key]
+        start_of_key[expert_by_key] = torch.cumsum(counts_by_key, 0) - counts_by_key
+        pos = torch.arange(A) - start_of_key[e_sorted]
+        keep = pos < capacity
+        num_dropped = int(A - int(keep.sum()))
+        if num_dropped:
+            order = order[keep]
+            e_sorted = e_sorted[keep]
+    if replica_here is not None and bool(replica_here.any()):
+        here = replica_here[e_sorted]
+        local_assign = order[here]
+        local_expert = e_sorted[here]
+        order = order[~here]
+        e_sorted = e_sorted[~here]
+        local_counts = torch.bincount(local_expert, minlength=E)
+    else:
+        local_assign = order[:0]
+        local_expert = e_sorted[:0]
+        local_counts = torch.zeros(E, dtype=torch.int64)
+    send_counts = torch.bincount(e_sorted, minlength=E)
+    return RoutePlan(
+        send_assign=order,
+        send_token=order % T if T > 0 else order,
+        send_counts=send_counts,
+        local_assign=local_assign,
+        local_expert=local_expert,
+        local_counts=local_counts,
+        picks=picks,
+        num_dropped=num_dropped,
+        num_assign=A,
+    )
+
+
+def exchange_counts(
+    send_counts: torch.Tensor,
+    placement,
+    rank: int,
+    group: Optional[dist.ProcessGroup],
+) -> torch.Tensor:
+    """Tell every rank how many copies it receives per local expert, before any activation moves.
+
+    Args:
+        send_counts: ``[E]`` int64 copies this rank sends to each global expert.
+        placement: the :class:`~hetcomm.moe.placement.ExpertPlacement`.
+        rank: this rank.
+        group: process group.
+    Returns:
+        ``[W, L]`` int64: row ``s`` = copies rank ``s`` sends to each of this rank's ``L`` experts.
+    """
+    W = placement.world_size
+    L = placement.num_local_experts(rank)
+    slot_order = torch.tensor(
+        [e for r in range(W) for e in placement.experts_of(r)], dtype=torch.int64
+    )
+    send = send_counts[slot_order].contiguous()
+    recv = torch.empty(W * L, dtype=torch.int64)
+    dist.all_to_all_single(
+        recv,
+        send,
+        output_split_sizes=[L] * W,
+        input_split_sizes=list(placement.num_local_experts_per_rank),
+        group=group,
+    )
+    return recv.view(W, L)
+
+
+class _Launch(torch.autograd.Function):
+    """Start an exchange; the returned tensor is filled by :class:`_Wait`. Backward: reverse."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ex: Exchange) -> torch.Tensor:  # type: ignore[override]
+        ctx.ex = ex
+        return ex.start(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        # The backward of dispatch is a combine (and vice versa): same pairs, same wire dtypes,
+        # splits swapped.
+        return ctx.ex.reversed().run(grad.contiguous()), None
+
+
+class _Wait(torch.autograd.Function):
+    """Wait for an exchange started by :class:`_Launch`; identity for autograd."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, ex: Exchange) -> torch.Tensor:  # type: ignore[override]
+        ex.wait()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+def launch(x: torch.Tensor, ex: Exchange) -> torch.Tensor:
+    """Start exchanging ``x`` (``[S, D]``); returns ``[R, D]``, valid after :func:`wait`."""
+    return _Launch.apply(x, ex)
+
+
+def wait(out: torch.Tensor, ex: Exchange) -> torch.Tensor:
+    """Complete the exchange that produced ``out``; returns ``out`` (now valid) for autograd."""
+    return _Wait.apply(out, ex)
+
+
+def expert_major_perm(counts: torch.Tensor) -> torch.Tensor:
+    """Permutation from source-major to expert-major row order.
+
+    Args:
+        counts: ``[W, L]`` int64 rows from source ``s`` for local expert ``l``; rows arrive
+            source-major (``s`` outer, ``l`` inner).
+    Returns:
+        ``[R]`` int64 ``perm`` with ``x_expert_major = x_source_major[perm]``.
+    """
+    W, L = counts.shape
+    flat = counts.reshape(-1)
+    R = int(flat.sum())
+    if R == 0 or L == 1 or W == 1:
+        return torch.arange(R)
+    src_start = (torch.cumsum(flat, 0) - flat).view(W, L)
+    seg_start = src_start.t().reshape(-1)  # expert-major segments
+    seg_len = counts.t().reshape(-1)
+    seg_out_start = torch.cumsum(seg_len, 0) - seg_len
+    return torch.repeat_interleave(seg_start - seg_out_start, seg_len) + torch.arange(R)

@@ -1,0 +1,433 @@
+"""``MoELayer``: a Mixture-of-Experts layer whose expert-parallel traffic goes through hetcomm.
+
+Shapes (DeepEP-style notation, see ``hetcomm.moe.dispatch``):
+    x        ``[..., D]`` input, any float dtype; flattened to ``[T, D]`` inside
+    output   same shape and dtype as ``x``
+    l_aux    scalar float32 auxiliary (load-balancing) loss, with grad, on ``layer.l_aux``
+
+One forward:
+    gate (top-k softmax, calibrated)  ->  route (one stable sort; capacity)  ->
+    exchange counts (int64 all-to-all)  ->  dispatch chunks (async, per-pair wire dtype)  ->
+    local experts on each arrived chunk  ->  combine chunks back  ->  weighted index_add
+
+With one process (no ``torch.distributed``, or a group of one) it runs locally: same routing,
+no collectives. Experts per rank may differ (strong devices hold more, see
+``hetcomm.moe.placement``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hetcomm.errors import ConfigError
+from hetcomm.moe.calibrate import LoadCalibrator
+from hetcomm.moe.dispatch import ChunkLayout, exchange_counts, plan_route
+from hetcomm.moe.experts import ExpertBank, ExpertSpec, build_expert
+from hetcomm.moe.gate import TopKGate
+from hetcomm.moe.metrics import MetricsAccumulator, routing_metrics
+from hetcomm.moe.overlap import PipelineTimes, run_pipeline
+from hetcomm.moe.placement import ExpertPlacement, place_experts
+from hetcomm.moe.replicate import HotExpertReplicator
+from hetcomm.moe.wire import WIRE_DTYPES, WirePolicy, wire_policy
+
+__all__ = ["MoEConfig", "MoELayer"]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Configuration of one :class:`MoELayer` (validated on construction).
+
+    Attributes:
+        model_dim: ``D``.
+        num_experts: ``E`` global experts.
+        k: experts per token.
+        capacity_factor: capacity slack over an even split (ignored when ``dropless``).
+        dropless: never drop a token copy.
+        normalize_topk: rescale a token's ``k`` weights to sum to 1.
+        calibrate: load-aware gate calibration on (switchable at run time through
+            ``layer.gate.calibrator.enabled``).
+        calibration_strength: initial per-expert calibration weight. 1.5: on a gate whose top-5
+            experts take 92% of picks it settles at ~58% top-5 share (1.0 gives ~68%).
+        wire_dtype: ``auto`` (the cluster's per-link policy; FP32 without a cluster) or
+            ``fp32``/``fp16``/``bf16`` for every pair.
+        num_chunks: chunks of the pipelined dispatch/combine (1 = no pipelining).
+        replicate: hot-expert replication on strong ranks.
+        replicate_top: ``N`` hot experts replicated.
+        replicate_every: ``M`` steps between hot-set refreshes.
+        replicate_alpha: EMA decay of per-expert token counts.
+        strong_expert_weight: a strong rank holds this many times the experts of a weak one.
+        seed: initial weights depend only on this and the expert id (never on the placement).
+    """
+
+    model_dim: int
+    num_experts: int
+    k: int = 2
+    capacity_factor: float = 1.25
+    dropless: bool = False
+    normalize_topk: bool = True
+    calibrate: bool = True
+    calibration_strength: float = 1.5
+    wire_dtype: str = "auto"
+    num_chunks: int = 1
+    replicate: bool = False
+    replicate_top: int = 3
+    replicate_every: int = 10
+    replicate_alpha: float = 0.99
+    strong_expert_weight: float = 2.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(key: str, msg: str) -> ConfigError:
+            return ConfigError(msg, key=f"moe.{key}")
+
+        if not isinstance(self.model_dim, int) or self.model_dim < 1:
+            raise bad("model_dim", f"must be a positive integer, got {self.model_dim!r}")
+        if not isinstance(self.num_experts, int) or self.num_experts < 1:
+            raise bad("num_experts", f"must be a positive integer, got {self.num_experts!r}")
+        if not isinstance(self.k, int) or not 1 <= self.k <= self.num_experts:
+            raise bad("k", f"must be in 1..num_experts={self.num_experts}, got {self.k!r}")
+        if not self.capacity_factor > 0:
+            raise bad("capacity_factor", f"must be > 0, got {self.capacity_factor!r} (use dropless=True for no limit)")
+        if self.wire_dtype != "auto" and self.wire_dtype not in WIRE_DTYPES:
+            raise bad("wire_dtype", f"unknown wire dtype {self.wire_dtype!r}; expected auto, fp32, fp16 or bf16")
+        if not isinstance(self.num_chunks, int) or self.num_chunks < 1:
+            raise bad("num_chunks", f"must be a positive integer, got {self.num_chunks!r}")
+        if not self.strong_expert_weight > 0:
+            raise bad("strong_expert_weight", f"must be > 0, got {self.strong_expert_weight!r}")
+        if self.calibration_strength < 0:
+            raise bad("calibration_strength", f"must be >= 0, got {self.calibration_strength!r}")
+
+
+class _EndOfBackward(torch.autograd.Function):
+    """Identity that queues ``callback`` to run once the whole backward pass is done."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, callback) -> torch.Tensor:  # type: ignore[override]
+        ctx.callback = callback
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        torch.autograd.Variable._execution_engine.queue_callback(ctx.callback)
+        return grad, None
+
+
+def _group_info(group: Optional[dist.ProcessGroup]):
+    """(world_size, rank, global ranks) of ``group``; (1, 0, [0]) without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0, [0]
+    W = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if group is None:
+        ranks = list(range(W))
+    else:
+        ranks = [dist.get_global_rank(group, r) for r in range(W)]
+    return W, rank, ranks
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-Experts layer (Tutel/DeepSpeed shape) over any process group.
+
+    Args:
+        model_dim: ``D``.
+        num_experts: ``E`` global experts.
+        k: experts per token.
+        capacity_factor: capacity slack (see :mod:`hetcomm.moe.gate`).
+        expert: an ``nn.Module`` (deep-copied and re-initialised per expert), a factory
+            ``f(model_dim) -> nn.Module``, or None for ``Linear(D, 4D) + GELU + Linear(4D, D)``.
+        group: expert-parallel process group (None: the default group; no ``torch.distributed``
+            or a group of one: everything runs locally).
+        cluster: a :class:`hetcomm.topo.cluster.Cluster` or a path to its YAML (None:
+            ``$HETCOMM_CLUSTER`` if set). Decides strong ranks and wire dtypes; without one, all
+            ranks are equal and strong and every wire is FP32 (unless ``wire_dtype`` says).
+        placement: explicit :class:`ExpertPlacement` (default: by rank strength from the cluster).
+        **kwargs: any other :class:`MoEConfig` field (``dropless``, ``wire_dtype``,
+            ``num_chunks``, ``replicate``, ...).
+
+    Attributes:
+        l_aux: auxiliary loss of the last forward (scalar float32 with grad).
+        last_stats: per-step stats dict of the last forward (see :meth:`step_stats`).
+        metrics: a :class:`MetricsAccumulator` over forwards (reset it per window).
+    """
+
+    def __init__(
+        self,
+        model_dim: int,
+        num_experts: int,
+        k: int = 2,
+        capacity_factor: float = 1.25,
+        expert: ExpertSpec = None,
+        group: Optional[dist.ProcessGroup] = None,
+        *,
+        cluster: Any = None,
+        placement: Optional[ExpertPlacement] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        names = {f.name for f in fields(MoEConfig)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(
+                f"unknown MoELayer option(s) {unknown}; valid options: {sorted(names - {'model_dim', 'num_experts', 'k', 'capacity_factor'})}",
+                key="moe",
+            )
+        self.config = MoEConfig(model_dim=model_dim, num_experts=num_experts, k=k, capacity_factor=capacity_factor, **kwargs)
+        cfg = self.config
+        self.group = group
+        self.world_size, self.rank, self.global_ranks = _group_info(group)
+        W = self.world_size
+
+        if isinstance(cluster, str):
+            from hetcomm.topo.cluster import load_cluster
+
+            cluster = load_cluster(cluster)
+        elif cluster is None:
+            from hetcomm.topo.cluster import cluster_from_env
+
+            cluster = cluster_from_env() if W > 1 else None
+        self.cluster = cluster
+        if cluster is not None and max(self.global_ranks) >= cluster.num_ranks:
+            raise ConfigError(
+                f"global rank {max(self.global_ranks)} is in the MoE group but cluster "
+                f"'{cluster.name}' has only {cluster.num_ranks} ranks; launch {cluster.num_ranks} "
+                f"ranks or pass the matching cluster file",
+                path=cluster.path,
+            )
+        if cluster is not None:
+            strong_global = set(cluster.strong_ranks)
+            self.strong_ranks = [r for r in range(W) if self.global_ranks[r] in strong_global]
+        else:
+            self.strong_ranks = list(range(W))
+
+        if placement is None:
+            weights = [cfg.strong_expert_weight if r in self.strong_ranks else 1.0 for r in range(W)]
+            placement = place_experts(num_experts, W, rank_weights=weights)
+        elif placement.world_size != W or placement.num_experts != num_experts:
+            raise ConfigError(
+                f"placement is for {placement.num_experts} experts on {placement.world_size} ranks "
+                f"but the layer has {num_experts} experts on a group of {W}",
+                key="moe.placement",
+            )
+        self.placement = placement
+        self.layout = ChunkLayout.build(placement, cfg.num_chunks)
+        self.wire: WirePolicy = wire_policy(W, cfg.wire_dtype, cluster, self.global_ranks)
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            calibrator = LoadCalibrator(num_experts, strength=cfg.calibration_strength, enabled=cfg.calibrate)
+            self.gate = TopKGate(
+                model_dim, num_experts, k, capacity_factor, cfg.dropless, cfg.normalize_topk, calibrator
+            )
+        self._expert_spec = expert
+        local_ids = placement.experts_of(self.rank)
+        self.local_expert_ids = tuple(local_ids)
+        self.experts = ExpertBank([build_expert(expert, model_dim, e, cfg.seed) for e in local_ids])
+
+        self.replicator: Optional[HotExpertReplicator] = None
+        if cfg.replicate:
+            owned = {e: self.experts.experts[i] for i, e in enumerate(local_ids)}
+            self.replicator = HotExpertReplicator(
+                placement,
+                self.rank,
+                self.strong_ranks,
+                lambda e: build_expert(self._expert_spec, model_dim, e, cfg.seed),
+                owned,
+                group,
+                num_hot=cfg.replicate_top,
+                every=cfg.replicate_every,
+                alpha=cfg.replicate_alpha,
+            )
+        self.l_aux: torch.Tensor = torch.zeros(())
+        self.last_stats: Dict[str, Any] = {}
+        self.metrics = MetricsAccumulator()
+
+    # -- helpers -----------------------------------------------------------------------------
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"model_dim={c.model_dim}, num_experts={c.num_experts}, k={c.k}, capacity_factor="
+            f"{c.capacity_factor}, dropless={c.dropless}, world_size={self.world_size}, rank={self.rank}, "
+            f"local_experts={list(self.local_expert_ids)}, wire={self.wire.uniform or 'mixed'}, "
+            f"num_chunks={c.num_chunks}, replicate={c.replicate}"
+        )
+
+    def sync_replicas(self, force: bool = False) -> bool:
+        """Refresh replicas from their owners now (collective). Returns True if weights moved."""
+        if self.replicator is None:
+            return False
+        return self.replicator.sync(force)
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Route ``x`` to its experts and combine their outputs.
+
+        Args:
+            x: ``[..., D]`` tokens, any float dtype.
+        Returns:
+            ``[..., D]``, same dtype. Copies dropped by capacity contribute zeros (the block's
+            residual carries those tokens). ``self.l_aux`` holds the auxiliary loss.
+        """
+        cfg = self.config
+        D = cfg.model_dim
+        if x.size(-1) != D:
+            raise ConfigError(
+                f"MoELayer input has last dimension {x.size(-1)} but model_dim is {D} (input shape "
+                f"{tuple(x.shape)}, rank {self.rank}); reshape the input to [..., {D}]",
+                key="moe.model_dim",
+            )
+        t_start = time.perf_counter()
+        shape = x.shape
+        x2 = x.reshape(-1, D)
+        T = x2.size(0)
+        E = cfg.num_experts
+        rep = self.replicator
+        if rep is not None:
+            rep.sync()  # collective when distributed: every rank calls it here
+
+        g = self.gate(x2)
+        self.l_aux = g.l_aux
+        replica_here = rep.replica_here() if rep is not None and rep.replicas else None
+        route = plan_route(g.topk_idx, self.layout.key_of_expert, g.capacity, replica_here)
+
+        # Global statistics for calibration and replication, summed over ranks: one all-reduce
+        # of [probs (E), picks (E), tokens (1)], launched now and awaited after the experts.
+        update = self.training and (self.gate.calibrator is not None or rep is not None)
+        stat_vec = stat_work = None
+        if update:
+            stat_vec = torch.cat(
+                [g.probs.detach().sum(0).double(), route.picks.double(), torch.tensor([float(T)], dtype=torch.float64)]
+            )
+            if self.distributed:
+                stat_work = dist.all_reduce(stat_vec, group=self.group, async_op=True)
+
+        weights_flat = g.topk_weights.t().reshape(-1)  # [A], choice-major like assignments
+        if rep is not None and rep.hot and torch.is_grad_enabled():
+            # Every rank's backward must run the replica-gradient all-reduce at the same point:
+            # the end of the whole backward pass.
+            weights_flat = _EndOfBackward.apply(weights_flat, rep.reduce_grads)
+
+        times = PipelineTimes()
+        x_send = x2.index_select(0, route.send_token)
+        out = x2.new_zeros((T, D))
+        local_out: List = []
+
+        def compute_local() -> None:
+            # Copies routed to local replicas: computed here, hidden behind the dispatch in flight.
+            if route.local_assign.numel() == 0:
+                return
+            te = time.perf_counter()
+            xs = x2.index_select(0, route.local_assign % T)
+            counts = torch.bincount(route.local_expert, minlength=E)
+            order = sorted(set(route.local_expert.tolist()), key=lambda e: int(self.layout.key_of_expert[e]))
+            mods = rep.local_modules(order)
+            y = self.experts.forward_sorted(xs, [int(counts[e]) for e in order], modules=mods)
+            local_out.append(y)
+            times.expert_s += time.perf_counter() - te
+
+        if self.distributed:
+            recv_counts = exchange_counts(route.send_counts, self.placement, self.rank, self.group)
+            y_back = run_pipeline(
+                x_send,
+                route.send_counts,
+                recv_counts,
+                self.layout,
+                self.experts,
+                self.wire,
+                self.rank,
+                self.group,
+                times,
+                between=compute_local,
+            )
+        else:
+            te = time.perf_counter()
+            counts = [int(route.send_counts[e]) for e in self.local_expert_ids]
+            y_back = self.experts.forward_sorted(x_send, counts)
+            times.expert_s += time.perf_counter() - te
+            compute_local()
+
+        w_send = weights_flat.index_select(0, route.send_assign).to(y_back.dtype)
+        out = out.index_add(0, route.send_token, y_back * w_send.unsqueeze(1))
+        if local_out:
+            w_loc = weights_flat.index_select(0, route.local_assign).to(local_out[0].dtype)
+            out = out.index_add(0, route.local_assign % T, local_out[0] * w_loc.unsqueeze(1))
+
+        # Statistics, after the experts so that the all-reduce was hidden behind them.
+        if update:
+            if stat_work is not None:
+                stat_work.wait()
+            gp, gpicks, gT = stat_vec[:E], stat_vec[E : 2 * E], float(stat_vec[2 * E])
+            if self.gate.calibrator is not None:
+                self.gate.calibrator.update(gp, gT)
+            if rep is not None:
+                rep.observe(gpicks)
+        self._record(route, times, t_start, global_picks=stat_vec[E : 2 * E] if update else None)
+        return out.to(x.dtype).reshape(shape)
+
+    # -- stats -------------------------------------------------------------------------------
+    def _record(self, route, times: PipelineTimes, t_start: float, global_picks=None) -> None:
+        kept = route.num_assign - route.num_dropped
+        own = [e for e in self.local_expert_ids]
+        num_self = int(route.send_counts[list(own)].sum()) if own else 0
+        num_local = num_self + int(route.local_assign.numel())
+        self.metrics.add(route.picks, route.num_dropped, num_local, kept)
+        m = routing_metrics(route.picks, route.num_dropped, num_local, kept)
+        D = self.config.model_dim
+        # Bytes the local-replica copies would have cost (dispatch + combine) without replication.
+        saved = 0
+        if route.local_expert.numel():
+            per_e = torch.bincount(route.local_expert, minlength=self.config.num_experts)
+            for e in torch.nonzero(per_e).flatten().tolist():
+                o = self.placement.owner[e]
+                wd = WIRE_DTYPES[self.wire.names[self.rank][o]]
+                saved += 2 * int(per_e[e]) * D * min(wd.itemsize, 4)
+        stats: Dict[str, Any] = {
+            "rank": self.rank,
+            "tokens": route.num_assign // max(1, self.config.k),
+            "copies": route.num_assign,
+            "dropped": route.num_dropped,
+            "overflow_rate": m.overflow_rate,
+            "top5_share": m.top5_share,
+            "min_expert_rate": m.min_expert_rate,
+            "local_fraction": m.local_fraction,
+            "a2a_bytes_sent": times.bytes_sent,
+            "a2a_bytes_recv": times.bytes_recv,
+            "a2a_bytes_sent_without_replication": times.bytes_sent + saved,
+            "comm_exposed_s": times.comm_exposed_s,
+            "expert_s": times.expert_s,
+            "forward_s": time.perf_counter() - t_start,
+            "num_chunks": times.num_chunks,
+            "replicas": tuple(self.replicator.replicas) if self.replicator else (),
+            "hot_experts": self.replicator.hot if self.replicator else (),
+            "replica_extra_bytes": self.replicator.extra_bytes if self.replicator else 0,
+            "l_aux": float(self.l_aux.detach()),
+        }
+        if global_picks is not None:
+            gm = routing_metrics(global_picks, 0, 0)
+            stats["global_top5_share"] = gm.top5_share
+            stats["global_min_expert_rate"] = gm.min_expert_rate
+        if self.gate.calibrator is not None:
+            stats["calibration_lag"] = self.gate.calibrator.lag_factor()
+        self.last_stats = stats
+
+    def step_stats(self) -> Dict[str, Any]:
+        """The per-step stats dict of the last forward (a copy). Keys:
+
+        ``tokens``, ``copies``, ``dropped``, ``overflow_rate``, ``top5_share``,
+        ``min_expert_rate``, ``local_fraction`` (this rank's routing); ``global_top5_share`` and
+        ``global_min_expert_rate`` (all ranks, training steps only); ``a2a_bytes_sent`` /
+        ``a2a_bytes_recv`` (forward activation bytes to/from other ranks, wire dtypes applied);
+        ``a2a_bytes_sent_without_replication`` (what replication saved, added back);
+        ``comm_exposed_s``, ``expert_s``, ``forward_s``, ``num_chunks``; ``hot_experts``,
+        ``replicas`` (held here), ``replica_extra_bytes``; ``l_aux``; ``calibration_lag``.
+        """
+        return dict(self.last_stats)

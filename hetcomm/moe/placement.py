@@ -1,0 +1,202 @@
+"""Expert placement: which rank owns which expert.
+
+Notation (shared by ``hetcomm.moe``):
+    W          ranks in the expert-parallel group
+    E          global experts (``num_experts``), numbered ``0 .. E-1``
+    L_r        experts owned by rank ``r`` (``num_local_experts``); ``sum_r L_r == E``
+    slot       an expert's position in rank-major order: rank 0's experts first, each rank's in
+               local-index order. Dispatch sorts tokens by slot, so the rows bound for one rank
+               (and, inside it, for one expert) are contiguous.
+
+Experts per rank may differ: a strong device (A100/H800) can hold more experts than a weak one
+(910B). Nothing here assumes ``E % W == 0``; a rank may even own no expert at all.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+from hetcomm.errors import ConfigError
+
+__all__ = ["ExpertPlacement", "place_experts", "split_by_weight"]
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which rank owns each global expert.
+
+    Attributes:
+        owner: ``owner[e]`` is the group rank that owns expert ``e`` (length ``E``).
+        world_size: ``W``, ranks in the group.
+    """
+
+    owner: Tuple[int, ...]
+    world_size: int
+    _experts_of: Tuple[Tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    _local_index: Tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _slot: Tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"world_size must be >= 1, got {self.world_size}", key="moe.placement")
+        if not self.owner:
+            raise ConfigError("a placement needs at least one expert", key="moe.placement")
+        for e, r in enumerate(self.owner):
+            if not 0 <= r < self.world_size:
+                raise ConfigError(
+                    f"expert {e} is placed on rank {r}, outside the group of {self.world_size} "
+                    f"ranks; owners must be in 0..{self.world_size - 1}",
+                    key=f"moe.placement.owner[{e}]",
+                )
+        experts_of: List[List[int]] = [[] for _ in range(self.world_size)]
+        local_index = [0] * len(self.owner)
+        for e, r in enumerate(self.owner):
+            local_index[e] = len(experts_of[r])
+            experts_of[r].append(e)
+        offsets = [0]
+        for r in range(self.world_size):
+            offsets.append(offsets[-1] + len(experts_of[r]))
+        slot = [offsets[self.owner[e]] + local_index[e] for e in range(len(self.owner))]
+        object.__setattr__(self, "_experts_of", tuple(tuple(x) for x in experts_of))
+        object.__setattr__(self, "_local_index", tuple(local_index))
+        object.__setattr__(self, "_slot", tuple(slot))
+
+    @property
+    def num_experts(self) -> int:
+        """``E``, the number of global experts."""
+        return len(self.owner)
+
+    def experts_of(self, rank: int) -> Tuple[int, ...]:
+        """Global ids of the experts ``rank`` owns, in local-index order."""
+        return self._experts_of[rank]
+
+    def num_local_experts(self, rank: int) -> int:
+        """``L_r``: how many experts ``rank`` owns."""
+        return len(self._experts_of[rank])
+
+    def local_index(self, expert: int) -> int:
+        """Position of ``expert`` among its owner's experts."""
+        return self._local_index[expert]
+
+    @property
+    def slots(self) -> Tuple[int, ...]:
+        """``slots[e]``: expert ``e``'s position in rank-major order (see module notation)."""
+        return self._slot
+
+    @property
+    def num_local_experts_per_rank(self) -> Tuple[int, ...]:
+        """``(L_0, .., L_{W-1})``."""
+        return tuple(len(x) for x in self._experts_of)
+
+    def describe(self) -> str:
+        """One line per rank: ``rank 2: 5 experts [3, 7, ...]``."""
+        return "\n".join(
+            f"rank {r}: {len(es)} experts {list(es)}" for r, es in enumerate(self._experts_of)
+        )
+
+
+def split_by_weight(total: int, weights: Sequence[float]) -> List[int]:
+    """Split ``total`` items over bins in proportion to ``weights`` (largest remainder).
+
+    Every bin with a positive weight gets at least one item while items last, so a weak rank is
+    never left idle only by rounding.
+    """
+    if not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(
+            f"placement weights must be non-negative with a positive sum, got {list(weights)}",
+            key="moe.rank_weights",
+        )
+    s = float(sum(weights))
+    exact = [total * w / s for w in weights]
+    out = [math.floor(x) for x in exact]
+    # Guarantee one expert per positive-weight bin first (when there are enough experts).
+    if total >= sum(1 for w in weights if w > 0):
+        for i, w in enumerate(weights):
+            if w > 0 and out[i] == 0:
+                out[i] = 1
+    # Then fix the total: add to the largest remainders, take from the smallest.
+    while sum(out) < total:
+        i = max(range(len(out)), key=lambda j: (exact[j] - out[j], weights[j], -j))
+        out[i] += 1
+    while sum(out) > total:
+        i = max(
+            (j for j in range(len(out)) if out[j] > 1 or (out[j] > 0 and total < len(out))),
+            key=lambda j: (out[j] - exact[j], -weights[j], j),
+        )
+        out[i] -= 1
+    return out
+
+
+def place_experts(
+    num_experts: int,
+    world_size: int,
+    *,
+    rank_weights: Optional[Sequence[float]] = None,
+    strong_ranks: Optional[Sequence[int]] = None,
+    expert_load: Optional[Sequence[float]] = None,
+) -> ExpertPlacement:
+    """Place ``num_experts`` experts on ``world_size`` ranks.
+
+    Args:
+        num_experts: ``E``.
+        world_size: ``W``.
+        rank_weights: relative capacity of each rank (length ``W``); a rank with weight 2 holds
+            about twice the experts of one with weight 1. Default: all equal.
+        strong_ranks: ranks allowed to hold replicas of hot experts (strong devices). Only used
+            with ``expert_load``: the hottest experts go to strong ranks, the coldest to weak.
+        expert_load: a prior of each expert's load (length ``E``), e.g. the replication EMA of a
+            previous run. Without it experts are placed in contiguous blocks by id.
+
+    Returns:
+        The placement; ``owner`` is non-decreasing when ``expert_load`` is None.
+
+    Raises:
+        ConfigError: a length does not match, or the weights are unusable.
+    """
+    if num_experts < 1:
+        raise ConfigError(f"num_experts must be >= 1, got {num_experts}", key="moe.num_experts")
+    weights = list(rank_weights) if rank_weights is not None else [1.0] * world_size
+    if len(weights) != world_size:
+        raise ConfigError(
+            f"rank_weights has {len(weights)} entries but the group has {world_size} ranks; give "
+            f"one weight per rank",
+            key="moe.rank_weights",
+        )
+    sizes = split_by_weight(num_experts, weights)
+    if expert_load is None:
+        owner: List[int] = []
+        for r, n in enumerate(sizes):
+            owner.extend([r] * n)
+        return ExpertPlacement(tuple(owner), world_size)
+    if len(expert_load) != num_experts:
+        raise ConfigError(
+            f"expert_load has {len(expert_load)} entries for {num_experts} experts",
+            key="moe.expert_load",
+        )
+    strong = set(strong_ranks if strong_ranks is not None else range(world_size))
+    # Fill strong ranks with the hottest experts, weak ranks with the coldest: traffic to a weak
+    # rank crosses the slow (often cross-vendor) links, so it should receive the fewest tokens.
+    by_heat = sorted(range(num_experts), key=lambda e: (-float(expert_load[e]), e))
+    weak = [r for r in range(world_size) if r not in strong]
+    num_weak_slots = sum(sizes[r] for r in weak)
+    hot_part = by_heat[: num_experts - num_weak_slots]
+    cold_part = by_heat[num_experts - num_weak_slots :]
+    owner_list = [0] * num_experts
+    # Hot experts round-robin over strong ranks (spreading the heat), coldest last on weak ones.
+    free = {r: sizes[r] for r in range(world_size) if r in strong}
+    ring = [r for r in range(world_size) if r in strong]
+    i = 0
+    for e in hot_part:
+        while free[ring[i % len(ring)]] == 0:
+            i += 1
+        r = ring[i % len(ring)]
+        owner_list[e] = r
+        free[r] -= 1
+        i += 1
+    it = iter(cold_part)
+    for r in weak:
+        for _ in range(sizes[r]):
+            owner_list[next(it)] = r
+    return ExpertPlacement(tuple(owner_list), world_size)

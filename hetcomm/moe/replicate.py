@@ -1,0 +1,234 @@
+"""Hot-expert replication: compute the most popular experts on every strong rank.
+
+A few experts take most tokens; every copy sent to them crosses the network twice (dispatch and
+combine). Replicating the top-``N`` hot experts on every strong rank (A100/H800 per the cluster
+YAML) lets those ranks compute their own tokens for them locally.
+
+- **Which experts.** An EMA (``alpha = 0.99``) of each expert's *global* token count (the
+  all-reduced picks, identical on every rank, so every rank picks the same hot set without
+  talking about it). Every ``M`` steps the top-``N`` become the hot set.
+- **Weights.** A replica is a copy of the owner's expert, refreshed whenever the owner's
+  parameters changed (their autograd version counters moved, i.e. an optimizer stepped) or the
+  hot set changed: one all-reduce of ``[N, P]`` where only owners contribute non-zeros
+  (``x + 0 == x`` exactly, so replicas are bit-identical to their owner).
+- **Gradients.** After backward, the replicas' gradients are summed into the owner's gradient
+  (one all-reduce of ``[N, P]``, zeros from non-holders), run as an autograd end-of-backward
+  callback so every rank reaches it at the same point. Replicas are *not* ``nn.Parameter`` s of
+  the layer: the optimizer sees each expert once (through its owner), gradient clipping counts
+  it once, and the next refresh brings every copy back to the owner's exact values, whatever the
+  optimizer is (Adam state lives only with the owner).
+
+Metrics: fraction of copies computed on this rank (``local_fraction``), all-to-all bytes with
+and without replication, and the replicas' extra memory (``extra_bytes``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hetcomm.errors import ConfigError
+
+__all__ = ["HotExpertReplicator"]
+
+
+class HotExpertReplicator:
+    """Tracks expert heat, keeps replicas on strong ranks, and keeps them equal to their owners.
+
+    Args:
+        placement: the :class:`~hetcomm.moe.placement.ExpertPlacement`.
+        rank: this rank in ``group``.
+        holders: group ranks that hold replicas (the strong ranks).
+        make_expert: ``make_expert(e)`` builds a module shaped like expert ``e`` (its values are
+            overwritten by the owner's).
+        owned: ``owned[e]`` -> this rank's module for each expert it owns.
+        group: the process group (None: default; unused when ``world_size == 1``).
+        num_hot: ``N``, experts replicated (default 3).
+        every: ``M``, steps between hot-set refreshes.
+        alpha: EMA decay of the per-expert token counts.
+    """
+
+    def __init__(
+        self,
+        placement,
+        rank: int,
+        holders: Sequence[int],
+        make_expert: Callable[[int], nn.Module],
+        owned: Dict[int, nn.Module],
+        group: Optional[dist.ProcessGroup],
+        *,
+        num_hot: int = 3,
+        every: int = 10,
+        alpha: float = 0.99,
+    ) -> None:
+        if num_hot < 0 or num_hot > placement.num_experts:
+            raise ConfigError(
+                f"replicate_top={num_hot} must be in 0..{placement.num_experts} (num_experts)",
+                key="moe.replicate_top",
+            )
+        if every < 1:
+            raise ConfigError(f"replicate_every must be >= 1, got {every}", key="moe.replicate_every")
+        if not 0.0 <= alpha < 1.0:
+            raise ConfigError(f"replicate_alpha must be in [0, 1), got {alpha}", key="moe.replicate_alpha")
+        self.placement = placement
+        self.rank = rank
+        self.holders = tuple(sorted(set(holders)))
+        self.make_expert = make_expert
+        self.owned = owned
+        self.group = group
+        self.num_hot = num_hot
+        self.every = every
+        self.alpha = alpha
+        self.ema = torch.zeros(placement.num_experts, dtype=torch.float64)
+        self.steps = 0
+        self.hot: Tuple[int, ...] = ()
+        self.replicas: Dict[int, nn.Module] = {}
+        self._synced_versions: Optional[Tuple[int, ...]] = None
+        self._synced_hot: Tuple[int, ...] = ()
+        self.sync_bytes = 0
+        self.grad_bytes = 0
+        self._numel: Optional[int] = None
+
+    # -- heat --------------------------------------------------------------------------------
+    def observe(self, global_picks: torch.Tensor) -> None:
+        """Fold one step's global picks (``[E]``, identical on all ranks) into the EMA."""
+        self.ema.mul_(self.alpha).add_(global_picks.double(), alpha=1.0 - self.alpha)
+        self.steps += 1
+        if self.num_hot and self.steps % self.every == 0:
+            # Ties broken by expert id (sort is by (-ema, id)) so every rank picks the same set.
+            order = sorted(range(self.ema.numel()), key=lambda e: (-float(self.ema[e]), e))
+            self.set_hot(order[: self.num_hot])
+
+    def set_hot(self, experts: Sequence[int]) -> None:
+        """Replicate exactly ``experts`` from the next forward on (must be equal on all ranks)."""
+        hot = tuple(sorted(int(e) for e in experts))
+        if hot == self.hot:
+            return
+        self.hot = hot
+        wanted = {e for e in hot if self.rank in self.holders and self.placement.owner[e] != self.rank}
+        for e in list(self.replicas):
+            if e not in wanted:
+                del self.replicas[e]
+        for e in sorted(wanted):
+            if e not in self.replicas:
+                m = self.make_expert(e)
+                for p in m.parameters():
+                    p.requires_grad_(True)
+                self.replicas[e] = m
+
+    def replica_here(self) -> torch.Tensor:
+        """``[E]`` bool: experts this rank computes on a local replica."""
+        mask = torch.zeros(self.placement.num_experts, dtype=torch.bool)
+        for e in self.replicas:
+            mask[e] = True
+        return mask
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes of replica parameters held on this rank (plus as much again for their grads)."""
+        return sum(p.numel() * p.element_size() for m in self.replicas.values() for p in m.parameters())
+
+    # -- weights -----------------------------------------------------------------------------
+    def _param_numel(self) -> int:
+        if self._numel is None:
+            shapes = None
+            probe = next(iter(self.owned.values()), None) or self.make_expert(self.hot[0] if self.hot else 0)
+            self._numel = sum(p.numel() for p in probe.parameters())
+            shapes = [tuple(p.shape) for p in probe.parameters()]
+            self._shapes = shapes
+        return self._numel
+
+    def _check_shapes(self, m: nn.Module, e: int) -> None:
+        shapes = [tuple(p.shape) for p in m.parameters()]
+        if shapes != self._shapes:
+            raise ConfigError(
+                f"hot-expert replication needs experts with identical parameter shapes; expert "
+                f"{e} has {shapes}, others {self._shapes}; turn replication off for this layer",
+                key="moe.replicate",
+            )
+
+    def _versions(self) -> Tuple[int, ...]:
+        return tuple(
+            p._version for e in self.hot if e in self.owned for p in self.owned[e].parameters()
+        )
+
+    @torch.no_grad()
+    def sync(self, force: bool = False) -> bool:
+        """Bring every replica to its owner's current values if anything changed.
+
+        Collective: every rank of the group must call it at the same point (the layer does, at
+        the start of each forward). Returns True when weights were copied.
+        """
+        if not self.hot:
+            return False
+        P = self._param_numel()
+        changed = force or self.hot != self._synced_hot or self._versions() != self._synced_versions
+        if dist.is_initialized() and self.placement.world_size > 1:
+            flag = torch.tensor([1 if changed else 0], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            changed = bool(flag.item())
+        if not changed:
+            return False
+        buf = torch.zeros(len(self.hot), P, dtype=torch.float32)
+        dtypes = None
+        for i, e in enumerate(self.hot):
+            if e in self.owned:
+                self._check_shapes(self.owned[e], e)
+                params = list(self.owned[e].parameters())
+                dtypes = [p.dtype for p in params]
+                torch.cat([p.detach().float().reshape(-1) for p in params], out=buf[i])
+        if dist.is_initialized() and self.placement.world_size > 1:
+            dist.all_reduce(buf, group=self.group)
+            self.sync_bytes += buf.numel() * buf.element_size()
+        for i, e in enumerate(self.hot):
+            if e in self.replicas:
+                off = 0
+                for p in self.replicas[e].parameters():
+                    n = p.numel()
+                    p.copy_(buf[i, off : off + n].view_as(p))
+                    off += n
+        self._synced_hot = self.hot
+        self._synced_versions = self._versions()
+        return True
+
+    # -- gradients ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """Sum every replica's gradient into its owner's gradient; clear the replicas' grads.
+
+        Collective (the layer queues it at the end of backward on every rank).
+        """
+        if not self.hot:
+            return
+        P = self._param_numel()
+        buf = torch.zeros(len(self.hot), P, dtype=torch.float32)
+        for i, e in enumerate(self.hot):
+            if e in self.replicas:
+                off = 0
+                for p in self.replicas[e].parameters():
+                    n = p.numel()
+                    if p.grad is not None:
+                        buf[i, off : off + n].copy_(p.grad.reshape(-1))
+                        p.grad = None
+                    off += n
+        if dist.is_initialized() and self.placement.world_size > 1:
+            dist.all_reduce(buf, group=self.group)
+            self.grad_bytes += buf.numel() * buf.element_size()
+        for i, e in enumerate(self.hot):
+            if e in self.owned:
+                off = 0
+                for p in self.owned[e].parameters():
+                    n = p.numel()
+                    g = buf[i, off : off + n].view_as(p).to(p.dtype)
+                    if p.grad is None:
+                        p.grad = g.clone()
+                    else:
+                        p.grad.add_(g)
+                    off += n
+
+    def local_modules(self, experts: Sequence[int]) -> List[nn.Module]:
+        """The replica modules of ``experts`` (all must be replicated here)."""
+        return [self.replicas[e] for e in experts]

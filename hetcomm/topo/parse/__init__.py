@@ -1,0 +1,365 @@
+"""Parse captured tool output into a :class:`~hetcomm.topo.model.Topology`, whatever the tool.
+
+One entry point for every format hetcomm reads (``nvidia-smi topo -m``, ``npu-smi info -t topo``,
+``ibstat``, NCCL logs, ...)::
+
+    from hetcomm.topo.parse import parse_file
+    topo = parse_file("node7-topo.txt")          # format detected from the content
+    topo = parse_file("ibstat.txt", fmt="ibstat")  # or named
+
+**Files holding several tools' outputs.** People paste whatever they ran into one file (the
+H100 fixture has ``ip -br a``, ``ibdev2netdev`` and ``nvidia-smi topo -m``; the 910A fixture has
+``npu-smi``, ``lspci`` and ``hccn_tool``). The dispatcher therefore runs *every* format whose
+sniffer matches the text and merges the results with :meth:`Topology.merge`, in the priority
+order of :data:`FORMAT_NAMES` (for links, the first format to report a pair wins). Each parser
+skips the lines that are not its own. When one matched format fails to parse but another
+succeeds, the failure is kept as a ``facts["parse_warnings"]`` entry instead of an exception (a
+sniffer can match a stray line of another tool); when every matched format fails, the first
+error is raised.
+
+Format modules are imported lazily and defensively: a module that is missing does not break
+the others (:func:`load_errors` says what did not load). Every module follows the parser
+contract: ``FORMATS = [(name, sniff_fn, parse_fn), ...]``, most specific first.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+import warnings
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+from hetcomm.errors import TopologyParseError, UsageError
+from hetcomm.topo.model import Topology
+from hetcomm.topo.parse._text import numbered_lines
+
+__all__ = [
+    "FORMAT_NAMES",
+    "MODULES",
+    "detect_format",
+    "detect_formats",
+    "format_tools",
+    "load_errors",
+    "parse_file",
+    "parse_files",
+    "parse_text",
+]
+
+#: Format modules in priority order (most specific first): an nccl-tests run with NCCL_DEBUG=INFO
+#: is "nccl-tests" before "nccl-log"; a topo matrix file with ibdev2netdev lines is "nvsmi-topo"
+#: before "ibdev2netdev"; Ascend before NVIDIA so that an NPU matrix is never read as a GPU one.
+MODULES: Tuple[str, ...] = (
+    "nccl_xml",
+    "nccl_tests",
+    "nccl_log",
+    "npusmi",
+    "nvsmi",
+    "lspci",
+    "rdma",
+    "lsmod",
+    "hccn",
+)
+
+# The command behind each format, for error messages and `hetcomm topo --help`.
+_TOOLS: Dict[str, str] = {
+    "nccl-xml": "an NCCL topology XML (NCCL_TOPO_DUMP_FILE)",
+    "nccl-tests": "nccl-tests (alltoall_perf, all_reduce_perf, ...)",
+    "nccl-log": "an NCCL_DEBUG=INFO log",
+    "npu-smi-topo": "npu-smi info -t topo",
+    "npu-smi-info": "npu-smi info",
+    "npu-smi-board": "npu-smi info -t board / -m",
+    "lspci-ascend": "lspci (Huawei accelerators)",
+    "nvsmi-topo": "nvidia-smi topo -m",
+    "nvsmi-topo-mp": "nvidia-smi topo -mp",
+    "nvsmi-topo-p2p": "nvidia-smi topo -p2p",
+    "nvsmi-nvlink": "nvidia-smi nvlink -s",
+    "nvsmi": "nvidia-smi",
+    "lspci": "lspci -nn",
+    "fabricmanager-log": "the nv-fabricmanager log",
+    "ibv_devinfo": "ibv_devinfo",
+    "show_gids": "show_gids",
+    "ibstat": "ibstat",
+    "ib-sysfs": "a /sys/class/infiniband dump",
+    "ibdev2netdev": "ibdev2netdev",
+    "lsmod": "lsmod",
+    "hccn_tool": "hccn_tool",
+}
+
+Format = Tuple[str, Callable[[str], bool], Callable[..., Topology]]
+
+_registry: Optional[List[Format]] = None
+_load_errors: Dict[str, str] = {}
+
+
+def _formats() -> List[Format]:
+    """Every known format, in priority order (modules imported on first use)."""
+    global _registry
+    if _registry is not None:
+        return _registry
+    formats: List[Format] = []
+    seen: Dict[str, str] = {}
+    for module_name in MODULES:
+        full = f"{__name__}.{module_name}"
+        try:
+            module = importlib.import_module(full)
+        except ModuleNotFoundError as e:
+            if e.name == full:  # not written (yet): its formats are simply unknown
+                _load_errors[module_name] = "module not found"
+                continue
+            _load_errors[module_name] = f"{type(e).__name__}: {e}"
+            warnings.warn(
+                f"hetcomm.topo.parse: cannot load {full}: {e}", RuntimeWarning, stacklevel=2
+            )
+            continue
+        except Exception as e:  # a sibling being edited must not take every format down
+            _load_errors[module_name] = f"{type(e).__name__}: {e}"
+            warnings.warn(
+                f"hetcomm.topo.parse: cannot load {full}: {e}", RuntimeWarning, stacklevel=2
+            )
+            continue
+        for entry in getattr(module, "FORMATS", []):
+            name, sniff, parse = entry
+            if name in seen:
+                warnings.warn(
+                    f"hetcomm.topo.parse: format {name!r} defined by both {seen[name]} and "
+                    f"{module_name}; using {seen[name]}'s",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                continue
+            seen[name] = module_name
+            formats.append((name, sniff, parse))
+    _registry = formats
+    return formats
+
+
+def load_errors() -> Dict[str, str]:
+    """Format modules that could not be loaded: module name -> reason (empty when all loaded)."""
+    _formats()
+    return dict(_load_errors)
+
+
+def format_tools() -> Dict[str, str]:
+    """Format name -> the command whose output it is, for every known format (priority order)."""
+    return {name: _TOOLS.get(name, name) for name, _, _ in _formats()}
+
+
+def __getattr__(name: str):
+    # FORMAT_NAMES is computed on first access so that importing this package imports no parser.
+    if name == "FORMAT_NAMES":
+        return tuple(n for n, _, _ in _formats())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _first_line(text: str) -> int:
+    """Line number of the first non-blank line after any provenance header (1 if none)."""
+    for line_no, line in numbered_lines(text):
+        if line.strip():
+            return line_no
+    return 1
+
+
+def _is_empty(text: str) -> bool:
+    return not any(line.strip() for _, line in numbered_lines(text))
+
+
+def _expected() -> str:
+    tools = list(dict.fromkeys(format_tools().values()))
+    return ", ".join(tools)
+
+
+def detect_formats(text: str, path: str = "<text>") -> List[str]:
+    """Every format whose sniffer recognises ``text``, in priority order.
+
+    Raises:
+        TopologyParseError: ``text`` is empty (blank, or only a provenance header) or no format
+            recognises it.
+    """
+    if _is_empty(text):
+        raise TopologyParseError(
+            "file is empty: expected the captured output of a topology tool", path=path, line=1
+        )
+    found = []
+    for name, sniff, _ in _formats():
+        try:
+            if sniff(text):
+                found.append(name)
+        except Exception as e:  # a broken sniffer must not hide the other formats
+            warnings.warn(
+                f"hetcomm.topo.parse: sniffer of {name!r} failed: {e!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    if not found:
+        raise TopologyParseError(
+            f"could not recognise the format; expected output of {_expected()}. Name the "
+            "format with fmt=/--format if it is one of these",
+            path=path,
+            line=_first_line(text),
+        )
+    return found
+
+
+def detect_format(text: str, path: str = "<text>") -> str:
+    """The highest-priority format that recognises ``text`` (see :func:`detect_formats`)."""
+    return detect_formats(text, path)[0]
+
+
+def _resolve(fmt: Union[str, Sequence[str]]) -> List[str]:
+    names = [f.strip() for f in fmt.split(",")] if isinstance(fmt, str) else list(fmt)
+    known = [n for n, _, _ in _formats()]
+    for n in names:
+        if n not in known:
+            close = difflib.get_close_matches(n, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UsageError(f"unknown input format {n!r}{hint}; known formats: {', '.join(known)}")
+    return names
+
+
+def parse_text(
+    text: str, path: str = "<text>", fmt: Union[None, str, Sequence[str]] = None
+) -> Topology:
+    """Parse captured tool output.
+
+    Args:
+        text: the output, as text (a provenance header line ``# source: ...`` is skipped).
+        path: where it came from, for error messages and ``facts["sources"]``.
+        fmt: a format name from :data:`FORMAT_NAMES`, several (a list or ``"a,b"``), or None /
+            ``"auto"`` to run every format that recognises the text.
+
+    Returns:
+        The merged :class:`Topology`; ``facts["formats"]`` lists the formats that parsed and
+        ``facts["sources"]`` is ``[path]``.
+
+    Raises:
+        TopologyParseError: empty or unrecognised text, or (every) matching parser failed; the
+            message names the file and line.
+        UsageError: ``fmt`` names an unknown format.
+    """
+    if fmt is None or fmt == "auto":
+        names = detect_formats(text, path)
+    else:
+        names = _resolve(fmt)
+        if _is_empty(text):
+            raise TopologyParseError(
+                f"file is empty: expected the output of {format_tools()[names[0]]}",
+                path=path,
+                line=1,
+            )
+    by_name = {n: p for n, _, p in _formats()}
+    merged = Topology()
+    failures: List[Tuple[str, TopologyParseError]] = []
+    parsed: List[str] = []
+    for name in names:
+        try:
+            part = by_name[name](text, path)
+        except TopologyParseError as e:
+            failures.append((name, e))
+            continue
+        except Exception as e:  # a parser bug: still report file and format, keep the cause
+            err = TopologyParseError(
+                f"the {name} parser failed unexpectedly ({type(e).__name__}: {e}); this is a "
+                "hetcomm bug, please report it with this file",
+                path=path,
+            )
+            err.__cause__ = e
+            failures.append((name, err))
+            continue
+        merged.merge(part)
+        parsed.append(name)
+    if not parsed:
+        raise failures[0][1]
+    for name, err in failures:
+        merged.facts.setdefault("parse_warnings", []).append(
+            f"{err} (format {name} recognised the text but could not parse it; the other "
+            f"formats' results are kept)"
+        )
+    merged.facts["formats"] = list(dict.fromkeys(merged.facts.get("formats", []) + parsed))
+    merged.facts["sources"] = list(dict.fromkeys(merged.facts.get("sources", []) + [path]))
+    _join_ascend_pci(merged)
+    return merged
+
+
+def _join_ascend_pci(topo: Topology) -> None:
+    """Give npu-smi's NPUs the PCI ids of the ``lspci`` lines captured in the same file.
+
+    Matched by bus address; when every Huawei accelerator in the capture has the same device id
+    (a node of one NPU model), NPUs without an address get it too.
+    """
+    entries = topo.facts.get("ascend_pci")
+    if not entries:
+        return
+    by_bus = {e["pci_bus_id"]: e for e in entries}
+    ids = {e["pci_device_id"] for e in entries}
+    for d in topo.devices:
+        if d.vendor != "ascend":
+            continue
+        e = by_bus.get(d.pci_bus_id or "")
+        if e is None and len(ids) == 1:
+            e = entries[0]
+        if e is None:
+            continue
+        d.pci_device_id = d.pci_device_id or e["pci_device_id"]
+        d.model = d.model or e["model"]
+
+
+def _decode(data: bytes, path: str) -> str:
+    """Bytes of a capture as text: UTF-8 (with or without BOM) or UTF-16 with a BOM."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        # PowerShell's `>` writes UTF-16 with a BOM.
+        try:
+            return data.decode("utf-16")
+        except UnicodeDecodeError as e:
+            raise TopologyParseError(f"invalid UTF-16 text ({e.reason})", path=path) from None
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise TopologyParseError(
+            f"binary file (NUL byte at offset {nul}): expected the text output of a tool, "
+            f"e.g. {_expected().split(', ')[0]}",
+            path=path,
+            line=data[:nul].count(b"\n") + 1,
+        )
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise TopologyParseError(
+            f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); convert the "
+            "capture first, e.g. 'iconv -f GBK -t UTF-8 in.txt > out.txt'",
+            path=path,
+            line=line,
+        ) from None
+
+
+def parse_file(path: str, fmt: Union[None, str, Sequence[str]] = None) -> Topology:
+    """Read ``path`` (``-`` for standard input) and :func:`parse_text` it.
+
+    Raises:
+        TopologyParseError: the file cannot be read, is binary or not UTF-8/UTF-16 text, or does
+            not parse (see :func:`parse_text`).
+        UsageError: ``fmt`` names an unknown format.
+    """
+    if path == "-":
+        data = sys.stdin.buffer.read()
+        path = "<stdin>"
+    else:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except IsADirectoryError:
+            raise TopologyParseError("is a directory, expected a file", path=path) from None
+        except OSError as e:
+            raise TopologyParseError(
+                f"cannot read file: {e.strerror or e}; check the path and permissions", path=path
+            ) from None
+    return parse_text(_decode(data, path), path=path, fmt=fmt)
+
+
+def parse_files(paths: Iterable[str], fmt: Union[None, str, Sequence[str]] = None) -> Topology:
+    """Parse several captures (e.g. ``topo -m``, ``ibstat`` and ``lsmod`` of one node) into one
+    :class:`Topology`, merged in the order given."""
+    merged = Topology()
+    for path in paths:
+        merged.merge(parse_file(path, fmt=fmt))
+    return merged

@@ -1,0 +1,156 @@
+"""The emulation layout, computed without touching the kernel (no root needed)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from hetcomm.emulate.fabric import _tc_lines
+from hetcomm.emulate.launch import rank_env
+from hetcomm.emulate.spec import plan_network, settings_from_cluster
+from hetcomm.emulate.state import EmulationState
+from hetcomm.errors import ConfigError
+from hetcomm.topo.cluster import load_cluster, load_cluster_text
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MINI = os.path.join(REPO, "configs", "clusters", "mixed-mini.yaml")
+FOUR = os.path.join(REPO, "configs", "clusters", "emulated-4node.yaml")
+
+
+def _mini_text(emulation: str) -> str:
+    with open(MINI) as f:
+        text = f.read()
+    head = text.split("emulation:")[0]
+    return head + "emulation:\n" + textwrap.indent(textwrap.dedent(emulation), "  ")
+
+
+def test_mixed_mini_bridge_layout():
+    c = load_cluster(MINI)
+    plan = plan_network(c, settings_from_cluster(c), "0a1b2c")
+    assert plan.fabric_ns == "hc0a1b2c-fabric"
+    assert [n.ns for n in plan.nodes] == ["hc0a1b2c-a100-0", "hc0a1b2c-h800-0", "hc0a1b2c-ascend-0"]
+    assert [n.ranks for n in plan.nodes] == [(0, 1), (2,), (3,)]
+    # Every name created carries the run's prefix.
+    assert all(ns.startswith(plan.prefix) for ns in plan.namespaces)
+    # 200 Gb/s ports at scale 1e-3 -> 200 Mbit/s, on both ends of each veth.
+    assert {s.rate_bps for s in plan.shapers} == {200_000_000}
+    assert len(plan.shapers) == 2 * len(plan.veths) == 6
+    addrs = [str(n.ifaces[0].address) for n in plan.nodes]
+    assert addrs == ["10.213.0.1/24", "10.213.0.2/24", "10.213.0.3/24"]
+    assert all(ipaddress.ip_address(a.split("/")[0]) in ipaddress.ip_network("10.213.0.0/16") for a in addrs)
+    # Cross-vendor: the 100 Gb/s host bridge caps NVIDIA <-> Ascend traffic at 100 Mbit/s.
+    a100 = [s for s in plan.shapers if s.ns == "hc0a1b2c-a100-0"][0]
+    assert a100.bridge_rate_bps == 100_000_000
+    assert a100.bridge_match == ("dst", ("10.213.0.3/32",))
+    fabric_to_ascend = [s for s in plan.shapers if s.dev == "n2r0"][0]
+    assert fabric_to_ascend.bridge_match == ("src", ("10.213.0.1/32", "10.213.0.2/32"))
+
+
+def test_tc_commands_shape_with_tbf_and_bridge_class():
+    c = load_cluster(MINI)
+    plan = plan_network(c, settings_from_cluster(c, scale=1e-2), "0a1b2c")
+    lines = _tc_lines(plan.shapers[0], plan.settings.queue_ms)
+    assert lines[0].startswith("qdisc add dev nic0 root handle 1: tbf rate 2000000000bit burst ")
+    assert "latency 200ms" in lines[0]
+    assert any("htb rate 1000000000bit ceil 1000000000bit" in x for x in lines)
+    assert lines[-1].endswith("u32 match ip dst 10.213.0.3/32 flowid 10:20")
+
+
+def test_multirail_rails_get_their_own_subnets_and_bridges():
+    c = load_cluster(FOUR)
+    plan = plan_network(c, settings_from_cluster(c), "abcdef")
+    assert plan.bridges == ("br0", "br1")
+    for n in plan.nodes:
+        assert [i.name for i in n.ifaces] == ["nic0", "nic1"]
+        assert str(n.ifaces[0].address).startswith("10.214.0.")
+        assert str(n.ifaces[1].address).startswith("10.214.1.")
+    # 100 Gb/s of bridge per node split over two 100 Gb/s ports: 50 Mbit/s each at 1e-3.
+    assert {s.bridge_rate_bps for s in plan.shapers} == {50_000_000}
+    assert sorted(v.name_b for v in plan.veths)[:2] == ["n0r0", "n0r1"]
+
+
+def test_p2p_uses_pair_rates():
+    c = load_cluster(MINI)
+    plan = plan_network(c, settings_from_cluster(c, mode="p2p"), "abcdef")
+    assert plan.fabric_ns is None and len(plan.veths) == 3
+    rates = {(v.ns_a.split("-")[1], v.ns_b.split("-")[1]): s.rate_bps
+             for v, s in zip(plan.veths, plan.shapers[::2])}
+    assert rates == {("a100", "h800"): 200_000_000, ("a100", "ascend"): 100_000_000,
+                     ("h800", "ascend"): 100_000_000}
+    # One address per node, on every one of its veths, and a host route per peer.
+    assert {str(i.address) for i in plan.nodes[0].ifaces} == {"10.213.0.1/32"}
+    assert ("hcabcdef-a100-0", "10.213.0.3/32", "p2", "10.213.0.1") in plan.routes
+
+
+def test_rank_env_points_at_the_emulated_network():
+    c = load_cluster(MINI)
+    plan = plan_network(c, settings_from_cluster(c), "abcdef")
+    state = EmulationState(
+        run_id="abcdef", cluster_name=c.name, cluster_path=MINI, status="up",
+        nodes=[{"ns": n.ns, "node": n.node, "index": n.index, "vendor": n.vendor, "ranks": list(n.ranks),
+                "ifaces": [{"name": i.name, "address": str(i.address)} for i in n.ifaces]} for n in plan.nodes],
+    )
+    env = rank_env(state, 1, base={"PATH": "/usr/bin"})
+    assert env["RANK"] == "1" and env["WORLD_SIZE"] == "4" and env["LOCAL_RANK"] == "1"
+    assert env["MASTER_ADDR"] == "10.213.0.1" and env["GLOO_SOCKET_IFNAME"] == "nic0"
+    assert env["HETCOMM_CLUSTER"] == MINI and env["HETCOMM_EMULATE"] == "hcabcdef"
+    env3 = rank_env(state, 3, base={})
+    assert env3["LOCAL_RANK"] == "0" and env3["NODE_RANK"] == "2"
+    assert env3["HETCOMM_EMULATE_ADDRS"] == "10.213.0.3" and env3["MASTER_ADDR"] == "10.213.0.1"
+
+
+@pytest.mark.parametrize(
+    "emulation, key, needle",
+    [
+        ("subnet: 8.8.0.0/16\n", "emulation.subnet", "not a private range"),
+        ("subnet: 10.213.0.0/33\n", "emulation.subnet", "not an IPv4 network"),
+        ("subnet: 10.213.0.0/31\n", "emulation.subnet", "too small"),
+        ("mode: star\n", "emulation.mode", "unknown mode 'star'"),
+        ("scale: 2\n", "emulation.scale", "in (0, 1]"),
+        ("sclae: 0.001\n", "emulation.sclae", "unknown key 'sclae'"),
+    ],
+)
+def test_bad_emulation_settings_name_key_and_line(tmp_path, emulation, key, needle):
+    path = tmp_path / "c.yaml"
+    path.write_text(_mini_text(emulation))
+    c = load_cluster(str(path))
+    with pytest.raises(ConfigError) as ei:
+        plan_network(c, settings_from_cluster(c), "abcdef")
+    msg = str(ei.value)
+    assert needle in msg and f"key '{key}'" in msg
+    line = path.read_text().splitlines().index("emulation:") + 2
+    assert f"{path}:{line}" in msg
+
+
+def test_bad_scale_from_command_line_is_refused():
+    c = load_cluster_text(_mini_text("mode: bridge\n"))
+    with pytest.raises(ConfigError, match="emulation.scale"):
+        settings_from_cluster(c, scale=0.0)
+
+
+def test_cli_refuses_without_root(tmp_path):
+    """A real unprivileged process (setpriv to nobody) gets exit 2 and the reason."""
+    if os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv"):
+        pytest.skip("needs root and setpriv to drop to an unprivileged user")
+    proc = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+         sys.executable, "-m", "hetcomm", "emulate", "up", "--cluster", MINI,
+         "--state-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "missing root" in proc.stderr
+
+
+def test_cli_run_without_command_is_usage_error(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetcomm", "emulate", "run", "--cluster", MINI, "--state-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )
+    assert proc.returncode == 2
+    assert "nothing to run" in proc.stderr or "missing root" in proc.stderr

@@ -1,0 +1,215 @@
+"""Rank-side bodies of the distributed MoE tests (module level, so they pickle by reference).
+
+Each function runs inside one spawned rank (``tests.backends.ranks.run_ranks``) and returns plain
+numbers/tensors; the test process compares them, so a failure message shows every rank's values.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+D_MODEL = 16
+NUM_TOKENS = 48
+
+
+def shard(rank: int, num_tokens: int = NUM_TOKENS, dim: int = D_MODEL):
+    """Rank ``rank``'s input ``[T, D]`` and upstream gradient ``[T, D]`` (deterministic)."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(num_tokens, dim, generator=g), torch.randn(num_tokens, dim, generator=g)
+
+
+def reference_grads(layer, world_size: int, k: int, capacity_factor, num_tokens: int = NUM_TOKENS):
+    """Reference outputs/grads for every shard, from the layer's own initial weights."""
+    from hetcomm.moe.experts import build_expert
+    from tests.moe.reference import reference_moe
+
+    cfg = layer.config
+    experts = [build_expert(layer._expert_spec, cfg.model_dim, e, cfg.seed) for e in range(cfg.num_experts)]
+    res = []
+    for s in range(world_size):
+        x, gy = shard(s, num_tokens, cfg.model_dim)
+        x.requires_grad_(True)
+        gw = layer.gate.wg.weight.detach().clone().requires_grad_(True)
+        y, l_aux, dropped = reference_moe(x, gw, experts, k, capacity_factor)
+        ((y * gy).sum() + 0.01 * l_aux).backward()
+        res.append({"y": y.detach(), "x_grad": x.grad, "gate_grad": gw.grad, "dropped": dropped})
+    expert_grads = {e: [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in m.parameters()] for e, m in enumerate(experts)}
+    return res, expert_grads
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+def equivalence(rank: int, world_size: int, cases: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
+    """For each case, run MoELayer fwd+bwd on this rank's shard and compare with the reference."""
+    from hetcomm.moe import MoELayer
+
+    out: Dict[str, Dict[str, float]] = {}
+    outputs: Dict[str, torch.Tensor] = {}
+    for case in cases:
+        name = case["name"]
+        kw = dict(case.get("kwargs", {}))
+        E = case.get("num_experts", 8)
+        k = case.get("k", 2)
+        cf = case.get("capacity_factor", 1.25)
+        layer = MoELayer(D_MODEL, E, k=k, capacity_factor=cf, calibrate=False, **kw)
+        layer.train()
+        x, gy = shard(rank)
+        x.requires_grad_(True)
+        y = layer(x)
+        ((y * gy).sum() + 0.01 * layer.l_aux).backward()
+        ref, ref_expert_grads = reference_grads(layer, world_size, k, None if kw.get("dropless") else cf)
+        r = ref[rank]
+        err_expert = 0.0
+        for i, e in enumerate(layer.local_expert_ids):
+            for p, q in zip(layer.experts.experts[i].parameters(), ref_expert_grads[e]):
+                err_expert = max(err_expert, _max_err(p.grad if p.grad is not None else torch.zeros_like(p), q))
+        out[name] = {
+            "out": _max_err(y.detach(), r["y"]),
+            "out_scale": float(r["y"].abs().max()),
+            "x_grad": _max_err(x.grad, r["x_grad"]),
+            "gate_grad": _max_err(layer.gate.wg.weight.grad, r["gate_grad"]),
+            "expert_grad": err_expert,
+            "dropped": layer.last_stats["dropped"],
+            "ref_dropped": r["dropped"],
+            "num_local_experts": len(layer.local_expert_ids),
+            "bytes_sent": layer.last_stats["a2a_bytes_sent"],
+        }
+        outputs[name] = y.detach()
+    # Error of a lossy wire against the FP32 wire of the same layer, same input.
+    for name, y in outputs.items():
+        base = cases[0]["name"]
+        out[name]["vs_first_case"] = _max_err(y, outputs[base])
+    return out
+
+
+def zipf_gate_input(num_tokens: int, num_experts: int, dim: int, s: float, seed: int):
+    """Inputs whose gate logits are ``log p_e + Gumbel``: top-k picks follow Zipf(s) routing.
+
+    Feature 0 is constant 1, features ``1..E`` are i.i.d. Gumbel noise; with gate weight
+    ``[log p | I_E | 0]`` the logits are exactly ``log p_e + G_{t,e}``, so each token's top-k is
+    a Zipf(s) sample without replacement (the Gumbel-top-k trick).
+    """
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, dim, generator=g) * 0.01
+    x[:, 0] = 1.0
+    u = torch.rand(num_tokens, num_experts, generator=g).clamp(1e-9, 1 - 1e-9)
+    x[:, 1 : 1 + num_experts] = -torch.log(-torch.log(u))
+    return x
+
+
+def zipf_gate_weight(num_experts: int, dim: int, s: float) -> torch.Tensor:
+    p = torch.arange(1, num_experts + 1, dtype=torch.float64) ** (-s)
+    p = p / p.sum()
+    w = torch.zeros(num_experts, dim)
+    w[:, 0] = torch.log(p).float()
+    w[:, 1 : 1 + num_experts] = torch.eye(num_experts)
+    return w
+
+
+def replication(rank: int, world_size: int, num_hot_list: List[int], steps: int = 3) -> Dict[str, Any]:
+    """Replication vs none: outputs, training trajectory, replica equality, bytes per step."""
+    from hetcomm.moe import MoELayer, counters, reset_counters
+
+    E, D, T = 32, 48, 256
+    res: Dict[str, Any] = {"bytes": {}}
+    w = zipf_gate_weight(E, D, 1.2)
+
+    def make(replicate: bool, num_hot: int):
+        layer = MoELayer(
+            D, E, k=2, dropless=True, calibrate=False, replicate=replicate, replicate_top=num_hot,
+            replicate_every=1, expert=lambda d: torch.nn.Sequential(torch.nn.Linear(d, 32), torch.nn.GELU(), torch.nn.Linear(32, d)),
+        )
+        with torch.no_grad():
+            layer.gate.wg.weight.copy_(w)
+        layer.gate.wg.weight.requires_grad_(False)  # keep the routing Zipf throughout
+        return layer
+
+    # --- bytes per step: warm the hot set (1 step), then count one fwd+bwd step ------------
+    for num_hot in [0] + list(num_hot_list):
+        layer = make(num_hot > 0, max(num_hot, 1))
+        x = zipf_gate_input(T, E, D, 1.2, seed=50 + rank)
+        layer(x).sum().backward()  # step 1: observes the load, picks the hot set
+        x2 = zipf_gate_input(T, E, D, 1.2, seed=90 + rank).requires_grad_(True)
+        reset_counters()
+        try:
+            import hetcomm
+
+            hetcomm.reset_stats()
+        except Exception:
+            pass
+        y = layer(x2)
+        y.sum().backward()
+        c = counters()
+        try:
+            import hetcomm
+
+            rails = hetcomm.stats()
+        except Exception:
+            rails = {}
+        st = layer.step_stats()
+        res["bytes"][num_hot] = {
+            "a2a_bytes_sent": c["a2a_bytes_sent"],  # fwd + bwd, activations and their grads
+            "fwd_bytes_sent": st["a2a_bytes_sent"],
+            "fwd_bytes_without": st["a2a_bytes_sent_without_replication"],
+            "local_fraction": st["local_fraction"],
+            "extra_bytes": st["replica_extra_bytes"],
+            "replicas": st["replicas"],
+            "hot": st["hot_experts"],
+            "rail_bytes_sent": sum(v.get("bytes_sent", 0) for v in rails.values()),
+        }
+
+    # --- identical outputs and identical training with and without replication -------------
+    num_hot = num_hot_list[0]
+    a, b = make(True, num_hot), make(False, num_hot)
+    opt_a = torch.optim.Adam([p for p in a.parameters() if p.requires_grad], lr=1e-2)
+    opt_b = torch.optim.Adam([p for p in b.parameters() if p.requires_grad], lr=1e-2)
+    max_out = max_param = 0.0
+    for step in range(steps + 1):
+        x = zipf_gate_input(T, E, D, 1.2, seed=200 + 10 * step + rank)
+        ya, yb = a(x), b(x)
+        max_out = max(max_out, float((ya - yb).abs().max()))
+        ya.square().mean().backward()
+        yb.square().mean().backward()
+        opt_a.step(); opt_b.step(); opt_a.zero_grad(); opt_b.zero_grad()
+    for pa, pb in zip(a.experts.parameters(), b.experts.parameters()):
+        max_param = max(max_param, float((pa - pb).abs().max()))
+    a.sync_replicas()
+    # Replicas vs owners: every rank contributes its copies; compare through an all-reduce.
+    hot = a.replicator.hot
+    P = sum(p.numel() for p in a.experts.experts[0].parameters())
+    owner_buf = torch.zeros(E, P)
+    for i, e in enumerate(a.local_expert_ids):
+        owner_buf[e] = torch.cat([p.detach().reshape(-1) for p in a.experts.experts[i].parameters()])
+    dist.all_reduce(owner_buf)
+    rep_err = 0.0
+    for e, m in a.replicator.replicas.items():
+        flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+        rep_err = max(rep_err, float((flat - owner_buf[e]).abs().max()))
+    res.update(
+        out_diff=max_out,
+        param_diff=max_param,
+        replica_vs_owner=rep_err,
+        num_replicas=len(a.replicator.replicas),
+        hot=hot,
+        strong=a.strong_ranks,
+    )
+    return res
+
+
+def calibration_global(rank: int, world_size: int) -> Dict[str, Any]:
+    """Calibrator history after a few steps with rank-dependent skew: must be identical."""
+    from hetcomm.moe import MoELayer
+
+    E, D = 16, 16
+    layer = MoELayer(D, E, k=2, calibrate=True)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(5):
+        x = torch.randn(32, D, generator=g) + rank  # each rank skews differently
+        layer(x)
+    return {"history": layer.gate.calibrator.history.clone(), "lag": layer.gate.calibrator.lag_factor()}

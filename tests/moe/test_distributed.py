@@ -1,0 +1,129 @@
+"""MoELayer over real rank processes: equality with the single-process reference, wire dtypes,
+pipelining, uneven placement, replication and global calibration.
+
+Ranks are real processes (``tests.backends.ranks.run_ranks``); each spawn runs several checks to
+keep the number of spawns (and the test time on 2 cores) small.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.backends.ranks import MIXED_MINI, run_ranks
+from tests.moe import cases
+
+# The hetcomm backend when it is importable and registered, else gloo (same API).
+BACKEND = os.environ.get("HETCOMM_TEST_MOE_BACKEND", "hetcomm")
+
+FP32_TOL = 2e-5  # float reassociation only (sums of k products in another order)
+FP16_TOL = 2e-2  # FP16 wire: ~11-bit mantissa on activations and their gradients, twice each
+
+
+def _backend() -> str:
+    if BACKEND == "hetcomm":
+        try:
+            from hetcomm.backends import process_group  # noqa: F401
+        except Exception:
+            return "gloo"
+    return BACKEND
+
+
+def _check_exact(name, r):
+    assert r["dropped"] == r["ref_dropped"], (name, r)
+    for key in ("out", "x_grad", "gate_grad", "expert_grad"):
+        assert r[key] < FP32_TOL, (name, key, r)
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_match_reference():
+    res = run_ranks(
+        cases.equivalence,
+        world_size=2,
+        backend=_backend(),
+        cluster=MIXED_MINI,
+        timeout=150,
+        args=([
+            {"name": "fp32", "kwargs": {"wire_dtype": "fp32"}},
+            {"name": "fp16", "kwargs": {"wire_dtype": "fp16"}},
+            {"name": "chunks2", "kwargs": {"wire_dtype": "fp32", "num_chunks": 2}},
+        ],),
+    )
+    for rank, per in enumerate(res):
+        _check_exact("fp32", per["fp32"])
+        _check_exact("chunks2", per["chunks2"])
+        fp16 = per["fp16"]
+        assert fp16["out"] < FP16_TOL * max(1.0, fp16["out_scale"]), fp16
+        assert fp16["vs_first_case"] > 0, "an FP16 wire that changes nothing did not cast"
+        # FP16 halves the bytes on the wire.
+        assert fp16["bytes_sent"] * 2 == pytest.approx(per["fp32"]["bytes_sent"], abs=64)
+
+
+@pytest.mark.timeout(240)
+def test_four_ranks_match_reference_mixed_wire_uneven_placement():
+    res = run_ranks(
+        cases.equivalence,
+        world_size=4,
+        backend=_backend(),
+        cluster=MIXED_MINI,
+        timeout=200,
+        args=([
+            {"name": "fp32", "kwargs": {"wire_dtype": "fp32"}},
+            {"name": "auto", "kwargs": {"wire_dtype": "auto"}},  # fp16 only to/from the 910B
+            {"name": "fp16", "kwargs": {"wire_dtype": "fp16"}},
+            {"name": "chunks", "kwargs": {"wire_dtype": "fp32", "num_chunks": 2}},
+            {"name": "uneven7", "num_experts": 7, "kwargs": {"wire_dtype": "fp32"}},
+            {"name": "dropless_chunks_auto", "kwargs": {"dropless": True, "num_chunks": 3}},
+        ],),
+    )
+    for rank, per in enumerate(res):
+        for name in ("fp32", "chunks", "uneven7"):
+            _check_exact(name, per[name])
+        assert per["dropless_chunks_auto"]["dropped"] == 0
+        for name in ("auto", "fp16", "dropless_chunks_auto"):
+            r = per[name]
+            assert r["out"] < FP16_TOL * max(1.0, r["out_scale"]), (rank, name, r)
+            assert r["x_grad"] < FP16_TOL, (rank, name, r)
+            assert r["expert_grad"] < FP16_TOL * 10, (rank, name, r)
+    # mixed-mini: ranks 0-2 strong (A100, A100, H800), rank 3 weak (910B): 7 experts as 2,2,2,1.
+    assert [per["uneven7"]["num_local_experts"] for per in res] == [2, 2, 2, 1]
+    # The mixed wire moves fewer bytes than FP32 only on the pairs with the 910B.
+    assert res[3]["auto"]["bytes_sent"] < res[3]["fp32"]["bytes_sent"]
+    print("\nFP16-wire error vs FP32 wire (max |dy|, 4 ranks):",
+          {n: max(per[n]["vs_first_case"] for per in res) for n in ("auto", "fp16")})
+
+
+@pytest.mark.timeout(240)
+def test_replication_keeps_results_and_cuts_bytes_under_zipf():
+    res = run_ranks(cases.replication, world_size=4, backend=_backend(), cluster=MIXED_MINI, timeout=200, args=([12, 3],))
+    for rank, r in enumerate(res):
+        assert r["out_diff"] < 1e-5, (rank, r["out_diff"])
+        assert r["param_diff"] < 1e-5, (rank, r["param_diff"])
+        assert r["replica_vs_owner"] == 0.0, (rank, r["replica_vs_owner"])
+        assert r["strong"] == [0, 1, 2]
+    # Replicas live on strong ranks only, for hot experts they do not own.
+    assert res[3]["num_replicas"] == 0
+    assert all(res[r]["num_replicas"] > 0 for r in range(3))
+    total = {n: sum(r["bytes"][n]["a2a_bytes_sent"] for r in res) for n in res[0]["bytes"]}
+    cut12 = 1 - total[12] / total[0]
+    cut3 = 1 - total[3] / total[0]
+    print(f"\nall-to-all bytes/step (fwd+bwd, 4 ranks): none {total[0]}, top-3 {total[3]} "
+          f"(-{cut3:.0%}), top-12 {total[12]} (-{cut12:.0%})")
+    assert cut12 >= 0.5, total
+    assert 0.2 < cut3 < cut12, total
+    # The layer's own "without replication" counter agrees with the run without replication.
+    fwd_without = sum(r["bytes"][12]["fwd_bytes_without"] for r in res)
+    fwd_none = sum(r["bytes"][0]["fwd_bytes_sent"] for r in res)
+    assert fwd_without == pytest.approx(fwd_none, rel=0.02)
+    assert all(res[r]["bytes"][12]["local_fraction"] > 0.75 for r in range(3))
+
+
+@pytest.mark.timeout(120)
+def test_calibration_history_is_global():
+    res = run_ranks(cases.calibration_global, world_size=4, backend=_backend(), cluster=MIXED_MINI, timeout=100)
+    h0 = res[0]["history"]
+    assert not torch.allclose(h0, torch.ones_like(h0)), "history never moved"
+    for r in res[1:]:
+        assert torch.equal(r["history"], h0)

@@ -208,6 +208,9 @@ def render(summary: Dict[str, Any], args: argparse.Namespace, machine: Dict[str,
         f"{machine['load_end']} (other work on the machine inflates and spreads the times).",
         f"Reproduce: `{args.command_line}`",
     ]
+    if machine.get("exit_crashes"):
+        lines.append(f"Teardown crashes after the timings were complete (backend bug, reported): "
+                     f"{'; '.join(machine['exit_crashes'])}.")
     return "\n".join(lines) + "\n"
 
 
@@ -218,7 +221,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
     p.add_argument("--sizes", default="1M,4M,16M,64M", help="bytes per rank (default 1M,4M,16M,64M)")
     p.add_argument("--nprocs", type=int, default=4, help="ranks (default 4)")
-    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout, s")
+    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout, s (default 120)")
     p.add_argument("--out", default=None, help="also write the markdown to this file")
     p.add_argument("--json", default=None, help="write every raw timing to this JSON file")
     args = p.parse_args(argv)
@@ -236,6 +239,7 @@ def main(argv=None) -> int:
     machine["torch"] = torch.__version__
     machine["load_start"] = f"{os.getloadavg()[0]:.2f}"
     runs = []
+    exit_crashes: List[str] = []
     for run in range(args.runs):
         payload = json.dumps({"sizes": sizes, "iters": args.iters, "warmup": args.warmup,
                               "timeout_s": args.timeout, "run": run + 1})
@@ -246,9 +250,15 @@ def main(argv=None) -> int:
                 print(f"bench_rails: run {run + 1}: rank {f.rank} failed: {f.error_type}: {f.message}",
                       file=sys.stderr)
             return 1
+        for w in outcome.exit_warnings:
+            print(f"bench_rails: run {run + 1}: warning: rank {w.rank} finished, then died while "
+                  f"exiting ({w.message}): a backend teardown bug; its timings are complete",
+                  file=sys.stderr)
+            exit_crashes.append(f"run {run + 1} rank {w.rank}: {w.message}")
         runs.append(outcome.result)
     machine["load_end"] = f"{os.getloadavg()[0]:.2f}"
     summary = summarize(runs, sizes, args.nprocs)
+    machine["exit_crashes"] = exit_crashes
     text = render(summary, args, machine)
     sys.stdout.write(text)
     if args.out:

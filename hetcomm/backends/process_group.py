@@ -239,7 +239,10 @@ class HetcommProcessGroup(dist.ProcessGroup):
                 return
             fn, work = job
             try:
-                fn(work)
+                # Data movement is never part of an autograd graph (grad mode is per thread, and
+                # the caller's no_grad of e.g. an autograd.Function forward does not reach here).
+                with torch.no_grad():
+                    fn(work)
             except BaseException as e:  # delivered to the caller through the Work
                 work._complete(e)
             else:
@@ -544,7 +547,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         self._closed = True
         self._jobs.put(None)
         self._thread.join(timeout=self._timeout.total_seconds())
-        for rail in [self._shm, *self._device_rails.values()]:
+        for rail in [self._shm, self._gloo_rail, *self._device_rails.values()]:
             if rail is not None:
                 rail.close()
         try:

@@ -801,10 +801,19 @@ class RankFailure:
 
 @dataclass(frozen=True)
 class LaunchResult:
-    """Outcome of :func:`launch_ranks`: rank 0's return value or the failures."""
+    """Outcome of :func:`launch_ranks`: rank 0's return value or the failures.
+
+    Attributes:
+        result: rank 0's return value (None when a rank failed).
+        failures: ranks that did not finish, the first failure first.
+        exit_warnings: ranks that finished their work (result written, group destroyed) and then
+            died while the interpreter shut down, e.g. a C++ thread aborting in a destructor. The
+            result stands; the crash is reported, never hidden.
+    """
 
     result: Any
     failures: Tuple[RankFailure, ...]
+    exit_warnings: Tuple[RankFailure, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -889,12 +898,16 @@ def launch_ranks(
             exit_order = _watch(procs, error_files, grace_s)
         finally:
             killed = _stop(procs)
-        failures = []
+        failures, exit_warnings = [], []
         for r in exit_order + [r for r in range(num_ranks) if r not in exit_order]:
             code = procs[r].returncode
             if code == 0:
                 continue
-            failures.append(_failure(r, code, error_files[r], r in killed))
+            failure = _failure(r, code, error_files[r], r in killed)
+            if failure.error_type is None and os.path.exists(error_files[r] + ".done"):
+                exit_warnings.append(failure)
+            else:
+                failures.append(failure)
         result = None
         if not failures:
             with open(result_file, encoding="utf-8") as f:
@@ -903,7 +916,7 @@ def launch_ranks(
     # Root causes first: a rank's own error beats "connection closed by peer" on the others,
     # and those beat ranks the launcher had to stop.
     failures.sort(key=lambda f: (f.killed_by_launcher, _is_secondary(f.message)))
-    return LaunchResult(result=result, failures=tuple(failures))
+    return LaunchResult(result=result, failures=tuple(failures), exit_warnings=tuple(exit_warnings))
 
 
 def _is_secondary(message: str) -> bool:
@@ -996,6 +1009,9 @@ def child_main() -> None:
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(result, f)
             os.replace(tmp, os.environ[RESULT_FILE_ENV])
+        # Work finished: a crash from here on happens while the interpreter shuts down.
+        with open(os.environ[ERROR_FILE_ENV] + ".done", "w", encoding="utf-8"):
+            pass
     except BaseException as e:  # noqa: BLE001 - report every failure to the launcher
         with open(os.environ[ERROR_FILE_ENV], "w", encoding="utf-8") as f:
             json.dump({"type": type(e).__name__, "message": str(e) or repr(e)}, f)

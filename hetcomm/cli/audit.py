@@ -18,7 +18,7 @@ import json
 import sys
 
 from hetcomm.cli.main import EXIT_FINDINGS, EXIT_OK
-from hetcomm.cli.topo import add_input_arguments, load_topology
+from hetcomm.cli.topo import add_input_arguments, load_topology, write_stdout
 
 __all__ = ["add_parser", "run"]
 
@@ -28,16 +28,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "audit",
         help="find topology misconfigurations and estimate all-to-all time",
         description="Audit a topology (this machine, captured tool outputs, a cluster file): "
-                    "findings with fixes, expected all-to-all time per link class, the "
-                    "cross-vendor path, and measured all-to-all results. Exit 1 on error findings.",
+        "findings with fixes, expected all-to-all time per link class, the "
+        "cross-vendor path, and measured all-to-all results. Exit 1 on error findings.",
     )
     add_input_arguments(p)
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON document: the topology schema plus an 'answers' key")
-    p.add_argument("--plot", metavar="PNG", default=None,
-                   help="also write a heat map of link classes (needs: pip install 'hetcomm[plot]')")
-    p.add_argument("--size", default="64M", metavar="BYTES",
-                   help="all-to-all size per rank for the estimate, e.g. 64M, 1G (default 64M)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document: the topology schema plus an 'answers' key",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        default=None,
+        help="also write a heat map of link classes (needs: pip install 'hetcomm[plot]')",
+    )
+    p.add_argument(
+        "--size",
+        default="64M",
+        metavar="BYTES",
+        help="all-to-all size per rank for the estimate, e.g. 64M, 1G (default 64M)",
+    )
     return p
 
 
@@ -54,14 +65,15 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         doc = topo.to_dict()
         doc["answers"] = report.answers_dict()
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        write_stdout(json.dumps(doc, indent=2) + "\n")
     else:
         text = render_audit(report)
         if topo.facts.get("formats") == ["live-probe"] and not any(
             d.vendor in ("nvidia", "ascend") for d in topo.devices
         ):
-            text += ("\nThis is a CPU-only host. To see a heterogeneous cluster's report, try:\n"
-                     "  hetcomm audit --cluster configs/clusters/mixed-mini.yaml\n")
-        sys.stdout.write(text)
+            text += (
+                "\nThis is a CPU-only host. To see a heterogeneous cluster's report, try:\n"
+                "  hetcomm audit --cluster configs/clusters/mixed-mini.yaml\n"
+            )
+        write_stdout(text)
     return EXIT_FINDINGS if report.num_errors else EXIT_OK

@@ -298,6 +298,10 @@ def run(args: argparse.Namespace) -> int:
         print("hetcomm bench: (set HETCOMM_BENCH_TRACEBACK=1 for the ranks' tracebacks)",
               file=sys.stderr)
         return EXIT_TIMEOUT if outcome.failures[0].is_timeout else EXIT_FINDINGS
+    for warning in outcome.exit_warnings:
+        print(f"hetcomm bench: warning: rank {warning.rank} finished its work, then died while "
+              f"exiting ({warning.message}); the results above are complete, but this is a bug "
+              f"in the backend's teardown", file=sys.stderr)
     _emit(outcome.result, args)
     return _exit_code_for(outcome.result)
 

@@ -15,6 +15,7 @@ The input helpers here are shared with ``hetcomm audit``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -23,22 +24,32 @@ from typing import List, Optional, Tuple
 from hetcomm.errors import HetcommError, TopologyParseError, UsageError
 from hetcomm.topo.model import Topology
 
-__all__ = ["add_parser", "run", "add_input_arguments", "load_topology"]
+__all__ = ["add_parser", "run", "add_input_arguments", "load_topology", "write_stdout"]
 
 
 def add_input_arguments(p: argparse.ArgumentParser) -> None:
     """``--input FILE`` (repeatable), ``--format FMT`` and ``--cluster YAML``."""
     p.add_argument(
-        "--input", "-i", action="append", default=[], metavar="FILE",
+        "--input",
+        "-i",
+        action="append",
+        default=[],
+        metavar="FILE",
         help="captured tool output to parse (nvidia-smi topo -m, ibstat, NCCL log, ...); repeat "
-             "to merge several; '-' reads stdin. Without any, this machine is probed live.",
+        "to merge several; '-' reads stdin. Without any, this machine is probed live.",
     )
     p.add_argument(
-        "--format", "-f", metavar="FMT", default=None,
+        "--format",
+        "-f",
+        metavar="FMT",
+        default=None,
         help="format of every --input (default: detected from the content of each file)",
     )
     p.add_argument(
-        "--cluster", "-c", metavar="YAML", default=None,
+        "--cluster",
+        "-c",
+        metavar="YAML",
+        default=None,
         help="cluster description (configs/clusters/*.yaml) whose ranks to add",
     )
 
@@ -48,7 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "topo",
         help="print the topology (devices, NICs, link classes)",
         description="Print the topology of this machine (live probe), of captured tool outputs "
-                    "(--input), and/or of a cluster file (--cluster).",
+        "(--input), and/or of a cluster file (--cluster).",
     )
     add_input_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -66,7 +77,9 @@ def _parse_one(path: str, fmt: Optional[str]) -> Topology:
     try:
         from hetcomm.topo.parse import parse_file
     except ImportError as e:
-        raise UsageError(f"the tool-output parsers are not available ({e}); reinstall hetcomm") from None
+        raise UsageError(
+            f"the tool-output parsers are not available ({e}); reinstall hetcomm"
+        ) from None
     if path != "-":
         if not os.path.exists(path):
             raise UsageError(f"{path}: no such file; check the --input path")
@@ -124,13 +137,54 @@ def load_topology(args: argparse.Namespace) -> Tuple[Topology, object]:
 
         if not os.path.exists(args.cluster):
             raise UsageError(f"{args.cluster}: no such cluster file; see configs/clusters/")
+        _progress(f"loading cluster {args.cluster}")
         cluster = load_cluster(args.cluster)
         here = local_vendors()
         ctopo = cluster.to_topology()
         for d in ctopo.devices:
             d.label_only = d.vendor not in here and d.vendor != "cpu"
-        topo.merge(ctopo)
+        clash = [d.name for d in ctopo.devices if topo.device(d.name) is not None]
+        if clash:
+            topo.facts.setdefault("parse_warnings", []).append(
+                f"{len(clash)} rank(s) ({clash[0]}..{clash[-1]}) are both in the inputs (e.g. an "
+                f"NCCL log) and in {args.cluster}: the inputs' observations are kept, the cluster "
+                "file only fills what they do not say"
+            )
+        _merge_large(topo, ctopo)
     return topo, cluster
+
+
+def _merge_large(topo: Topology, other: Topology) -> None:
+    """``topo.merge(other)`` with an index of link pairs: a cluster of n ranks has n(n-1)/2
+    links, and ``Topology.add_link`` scans every link per call. Same rule: first link per pair
+    wins."""
+    links = other.links
+    other.links = []
+    try:
+        topo.merge(other)
+    finally:
+        other.links = links
+    seen = {ln.key for ln in topo.links}
+    for link in links:
+        if link.key not in seen:
+            seen.add(link.key)
+            topo.links.append(dataclasses.replace(link))
+
+
+def write_stdout(text: str) -> None:
+    """Write the whole output at once; a reader that goes away (``| head``) is not an error."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        finally:
+            os.close(devnull)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,8 +192,7 @@ def run(args: argparse.Namespace) -> int:
 
     topo, _ = load_topology(args)
     if args.json:
-        json.dump(topo.to_dict(), sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        write_stdout(json.dumps(topo.to_dict(), indent=2) + "\n")
     else:
-        sys.stdout.write(render_topology(topo) + "\n")
+        write_stdout(render_topology(topo) + "\n")
     return 0

@@ -1,15 +1,68 @@
-"""`hetcomm train` (placeholder until its issue lands)."""
+"""``hetcomm train``: the main job — a small MoE language model trained over hetcomm.
+
+On one machine it spawns one process per rank of the cluster YAML (4 for mixed-mini); under
+torchrun it joins the job instead. Prints a progress line (step, loss, tokens/s, all-to-all bytes
+per rail, expert load, replicas) and a summary table; exits 1 if the loss did not fall well below
+the unigram baseline.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 
-from hetcomm.errors import UsageError
+DEFAULT_CONFIG = "configs/train/demo.yaml"
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def repo_path(path: str) -> str:
+    """``path`` as given if it exists, else relative to the source checkout (for ``configs/...``)."""
+    if os.path.exists(path) or os.path.isabs(path):
+        return path
+    candidate = os.path.join(_REPO_ROOT, path)
+    return candidate if os.path.exists(candidate) else path
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    return subparsers.add_parser("train", help="(not implemented yet)")
+    p = subparsers.add_parser(
+        "train",
+        help="train the demo MoE language model over hetcomm",
+        description="Train a small MoE transformer LM on a synthetic task, expert-parallel over hetcomm.",
+    )
+    p.add_argument("--config", default=None, help=f"train config YAML (default: {DEFAULT_CONFIG} if present)")
+    p.add_argument("--cluster", default=None, help="cluster YAML (rank placement, strong ranks, wire dtypes)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps")
+    p.add_argument("--experts", type=int, default=None, help="experts per MoE layer")
+    p.add_argument("--replicate", dest="replicate", action="store_true", default=None, help="replicate hot experts on strong ranks")
+    p.add_argument("--no-replicate", dest="replicate", action="store_false", help="no hot-expert replication")
+    p.add_argument("--wire-dtype", choices=("auto", "fp32", "fp16", "bf16"), default=None, help="dtype of routed activations on the wire")
+    p.add_argument("--backend", choices=("hetcomm", "gloo"), default=None, help="process-group backend")
+    p.add_argument("--nprocs", type=int, default=None, help="local ranks to spawn (default: the cluster's rank count)")
+    p.add_argument("--seed", type=int, default=None)
+    return p
 
 
 def run(args: argparse.Namespace) -> int:
-    raise UsageError("'hetcomm train' is not implemented yet")
+    from hetcomm.train.loop import TrainConfig, launch, load_train_config
+
+    overrides = dict(
+        cluster=args.cluster,
+        steps=args.steps,
+        experts=args.experts,
+        replicate=args.replicate,
+        wire_dtype=args.wire_dtype,
+        backend=args.backend,
+        seed=args.seed,
+    )
+    if args.cluster:
+        overrides["cluster"] = repo_path(args.cluster)
+    config_path = repo_path(args.config) if args.config else None
+    if config_path is None and os.path.exists(repo_path(DEFAULT_CONFIG)):
+        config_path = repo_path(DEFAULT_CONFIG)
+    if config_path:
+        cfg = load_train_config(config_path, **overrides)
+    else:
+        from dataclasses import replace
+
+        cfg = replace(TrainConfig(), **{k: v for k, v in overrides.items() if v is not None})
+    return launch(cfg, nprocs=args.nprocs)

@@ -148,22 +148,43 @@ def _create(plan: NetPlan, state: EmulationState, progress) -> None:
 
 
 def _tc_lines(s: Shaper, queue_ms: float) -> List[str]:
-    """tc commands shaping what leaves ``s.dev``: a tbf at the port rate, and under it (when the
-    node has cross-vendor peers slower than its port) an htb class for the bridge traffic."""
+    """tc commands shaping what leaves ``s.dev``.
+
+    ::
+
+        tbf 1: (the port rate, every byte)
+         `- htb 10: default 10
+             |- direct queue  <- packets under 128 bytes (TCP ACKs, handshakes)
+             |- 10:10 bulk    rate = port rate                    bfifo
+             `- 10:20 bridge  rate = ceil = cross-vendor share     bfifo  <- to/from other vendor
+
+    Why the direct queue: the ACKs of a node's incoming flows leave through the same shaped port
+    as its outgoing data; queued behind a full second of data they would throttle the incoming
+    flows far below their shaped rate (an artefact of TCP that RDMA fabrics do not have).
+    The bfifo limits keep each queue to ``queue_ms`` of traffic at its rate.
+    """
     burst = max(_MIN_BURST_BYTES, s.rate_bps // 8 // 500)  # >= 2 ms of traffic
-    lines = [f"qdisc add dev {s.dev} root handle 1: tbf rate {s.rate_bps}bit burst {burst} latency {queue_ms:g}ms"]
+    limit = max(4 * _MIN_BURST_BYTES, int(s.rate_bps / 8 * queue_ms / 1e3))
+    lines = [
+        f"qdisc add dev {s.dev} root handle 1: tbf rate {s.rate_bps}bit burst {burst} latency {queue_ms:g}ms",
+        f"qdisc add dev {s.dev} parent 1:1 handle 10: htb default 10",
+        f"class add dev {s.dev} parent 10: classid 10:10 htb rate {s.rate_bps}bit ceil {s.rate_bps}bit "
+        f"quantum {_HTB_QUANTUM}",
+        f"qdisc add dev {s.dev} parent 10:10 bfifo limit {limit}",
+        # IP total length < 128 bytes: to htb's direct queue (flowid = the qdisc's own handle).
+        f"filter add dev {s.dev} parent 10: protocol ip prio 1 u32 match u16 0x0000 0xff80 at 2 flowid 10:0",
+    ]
     if s.bridge_rate_bps is not None and s.bridge_match[1]:
-        # Unclassified packets take htb's direct queue (only the tbf above limits them); packets
-        # to/from the other vendor's nodes go through class 10:20 at the bridge rate.
+        blimit = max(4 * _MIN_BURST_BYTES, int(s.bridge_rate_bps / 8 * queue_ms / 1e3))
         lines += [
-            f"qdisc add dev {s.dev} parent 1:1 handle 10: htb default 0",
             f"class add dev {s.dev} parent 10: classid 10:20 htb rate {s.bridge_rate_bps}bit "
             f"ceil {s.bridge_rate_bps}bit quantum {_HTB_QUANTUM}",
+            f"qdisc add dev {s.dev} parent 10:20 bfifo limit {blimit}",
         ]
         direction, cidrs = s.bridge_match
         for cidr in cidrs:
             lines.append(
-                f"filter add dev {s.dev} parent 10: protocol ip prio 1 u32 match ip {direction} {cidr} flowid 10:20"
+                f"filter add dev {s.dev} parent 10: protocol ip prio 2 u32 match ip {direction} {cidr} flowid 10:20"
             )
     return lines
 

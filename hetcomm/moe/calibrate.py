@@ -37,7 +37,7 @@ class LoadCalibrator(nn.Module):
         num_experts: ``E``.
         decay: EMA decay (0.95 in the field recipe).
         lag_coef: coefficient of the lag compensation (0.1).
-        strength: initial value of every calibration weight ``w_e``.
+        strength: initial value of every calibration weight ``w_e`` (1.5: see ``MoEConfig``).
         enabled: apply the penalty (the history is still tracked when disabled, so that it can be
             switched on later without a cold start).
 
@@ -52,7 +52,7 @@ class LoadCalibrator(nn.Module):
         *,
         decay: float = 0.95,
         lag_coef: float = 0.1,
-        strength: float = 1.0,
+        strength: float = 1.5,
         enabled: bool = True,
     ) -> None:
         super().__init__()

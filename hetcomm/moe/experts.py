@@ -120,13 +120,14 @@ class ExpertBank(nn.Module):
         """
         mods = self.experts if modules is None else modules
         outs: List[torch.Tensor] = []
-        row = 0
-        for i, n in enumerate(counts):
-            n = int(n)
+        # One split, not a slice per expert: the backward of E slices would allocate and zero-fill
+        # E full-size gradient tensors; split's backward is a single cat.
+        sizes = [int(n) for n in counts]
+        pieces = x.split(sizes, 0) if len(sizes) > 1 else (x,)
+        for i, (n, piece) in enumerate(zip(sizes, pieces)):
             if n == 0:
                 continue
-            outs.append(mods[first + i](x[row : row + n]))
-            row += n
+            outs.append(mods[first + i](piece))
         if not outs:
             # Keep x in the graph even with no rows, so that every rank's backward has the
             # same collectives (an empty slice still routes a zero-size gradient).

@@ -311,10 +311,6 @@ class MoELayer(nn.Module):
                 stat_work = dist.all_reduce(stat_vec, group=self.group, async_op=True)
 
         weights_flat = g.topk_weights.t().reshape(-1)  # [A], choice-major like assignments
-        if rep is not None and rep.hot and torch.is_grad_enabled():
-            # Every rank's backward must run the replica-gradient all-reduce at the same point:
-            # the end of the whole backward pass.
-            weights_flat = _EndOfBackward.apply(weights_flat, rep.reduce_grads)
 
         times = PipelineTimes()
         x_send = x2.index_select(0, route.send_token)
@@ -351,6 +347,7 @@ class MoELayer(nn.Module):
         else:
             te = time.perf_counter()
             counts = [int(route.send_counts[e]) for e in self.local_expert_ids]
+            times.rows_per_expert = counts
             y_back = self.experts.forward_sorted(x_send, counts)
             times.expert_s += time.perf_counter() - te
             compute_local()
@@ -360,6 +357,12 @@ class MoELayer(nn.Module):
         if local_out:
             w_loc = weights_flat.index_select(0, route.local_assign).to(local_out[0].dtype)
             out = out.index_add(0, route.local_assign % T, local_out[0] * w_loc.unsqueeze(1))
+
+        if rep is not None and rep.hot and out.requires_grad:
+            # Every rank's backward must run the replica-gradient all-reduce at the same point:
+            # the end of the whole backward pass. The hook sits on the layer's output, which
+            # every backward through this layer starts from (the gate may be frozen).
+            out = _EndOfBackward.apply(out, rep.grad_reducer())
 
         # Statistics, after the experts so that the all-reduce was hidden behind them.
         if update:
@@ -406,6 +409,7 @@ class MoELayer(nn.Module):
             "expert_s": times.expert_s,
             "forward_s": time.perf_counter() - t_start,
             "num_chunks": times.num_chunks,
+            "rows_per_expert": list(times.rows_per_expert),
             "replicas": tuple(self.replicator.replicas) if self.replicator else (),
             "hot_experts": self.replicator.hot if self.replicator else (),
             "replica_extra_bytes": self.replicator.extra_bytes if self.replicator else 0,
@@ -427,7 +431,8 @@ class MoELayer(nn.Module):
         ``global_min_expert_rate`` (all ranks, training steps only); ``a2a_bytes_sent`` /
         ``a2a_bytes_recv`` (forward activation bytes to/from other ranks, wire dtypes applied);
         ``a2a_bytes_sent_without_replication`` (what replication saved, added back);
-        ``comm_exposed_s``, ``expert_s``, ``forward_s``, ``num_chunks``; ``hot_experts``,
+        ``comm_exposed_s``, ``expert_s``, ``forward_s``, ``num_chunks``, ``rows_per_expert`` (rows
+        each local expert computed); ``hot_experts``,
         ``replicas`` (held here), ``replica_extra_bytes``; ``l_aux``; ``calibration_lag``.
         """
         return dict(self.last_stats)

@@ -43,6 +43,7 @@ class PipelineTimes:
         bytes_sent: activation bytes sent to other ranks (dispatch + combine, forward only).
         bytes_recv: activation bytes received from other ranks.
         num_chunks: ``C``.
+        rows_per_expert: rows each local expert computed (received copies, all sources).
     """
 
     comm_exposed_s: float = 0.0
@@ -51,6 +52,7 @@ class PipelineTimes:
     bytes_sent: int = 0
     bytes_recv: int = 0
     num_chunks: int = 1
+    rows_per_expert: List[int] = field(default_factory=list)
 
 
 def run_pipeline(
@@ -85,6 +87,7 @@ def run_pipeline(
     W = recv_counts.size(0)
     C = layout.num_chunks
     times.num_chunks = C
+    times.rows_per_expert = recv_counts.sum(0).tolist()
     t0 = time.perf_counter()
     # Per chunk and destination: copies sent. cell = c * W + r.
     cell = torch.tensor(
@@ -107,13 +110,11 @@ def run_pipeline(
 
     # Launch every dispatch chunk at once.
     pending = []
-    row = 0
+    pieces = x_send.split([sum(s) for s in send_split], 0) if C > 1 else (x_send,)
     for c in range(C):
-        n = sum(send_split[c])
         ex = Exchange(send_split[c], recv_split[c], policy, rank, group, tag="dispatch")
-        out = launch(x_send[row : row + n], ex)
+        out = launch(pieces[c], ex)
         pending.append((ex, out))
-        row += n
     if between is not None:
         between()
 

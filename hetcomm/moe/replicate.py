@@ -91,6 +91,7 @@ class HotExpertReplicator:
         self.sync_bytes = 0
         self.grad_bytes = 0
         self._numel: Optional[int] = None
+        self._pending_hot: Optional[Tuple[int, ...]] = None
 
     # -- heat --------------------------------------------------------------------------------
     def observe(self, global_picks: torch.Tensor) -> None:
@@ -100,7 +101,9 @@ class HotExpertReplicator:
         if self.num_hot and self.steps % self.every == 0:
             # Ties broken by expert id (sort is by (-ema, id)) so every rank picks the same set.
             order = sorted(range(self.ema.numel()), key=lambda e: (-float(self.ema[e]), e))
-            self.set_hot(order[: self.num_hot])
+            # Applied at the next forward (sync), never between a forward and its backward:
+            # the backward must reduce the gradients of the replicas that forward used.
+            self._pending_hot = tuple(order[: self.num_hot])
 
     def set_hot(self, experts: Sequence[int]) -> None:
         """Replicate exactly ``experts`` from the next forward on (must be equal on all ranks)."""
@@ -162,6 +165,9 @@ class HotExpertReplicator:
         Collective: every rank of the group must call it at the same point (the layer does, at
         the start of each forward). Returns True when weights were copied.
         """
+        if self._pending_hot is not None:
+            self.set_hot(self._pending_hot)
+            self._pending_hot = None
         if not self.hot:
             return False
         P = self._param_numel()
@@ -195,20 +201,31 @@ class HotExpertReplicator:
         return True
 
     # -- gradients ---------------------------------------------------------------------------
+    def grad_reducer(self) -> Callable[[], None]:
+        """A callable that reduces the gradients of the replicas in use *now* (snapshot)."""
+        hot, replicas = self.hot, dict(self.replicas)
+        return lambda: self.reduce_grads(hot, replicas)
+
     @torch.no_grad()
-    def reduce_grads(self) -> None:
+    def reduce_grads(self, hot: Optional[Tuple[int, ...]] = None, replicas: Optional[Dict[int, nn.Module]] = None) -> None:
         """Sum every replica's gradient into its owner's gradient; clear the replicas' grads.
 
         Collective (the layer queues it at the end of backward on every rank).
+
+        Args:
+            hot: the hot set of the forward being differentiated (default: the current one).
+            replicas: the replica modules that forward used (default: the current ones).
         """
-        if not self.hot:
+        hot = self.hot if hot is None else hot
+        replicas = self.replicas if replicas is None else replicas
+        if not hot:
             return
         P = self._param_numel()
-        buf = torch.zeros(len(self.hot), P, dtype=torch.float32)
-        for i, e in enumerate(self.hot):
-            if e in self.replicas:
+        buf = torch.zeros(len(hot), P, dtype=torch.float32)
+        for i, e in enumerate(hot):
+            if e in replicas:
                 off = 0
-                for p in self.replicas[e].parameters():
+                for p in replicas[e].parameters():
                     n = p.numel()
                     if p.grad is not None:
                         buf[i, off : off + n].copy_(p.grad.reshape(-1))
@@ -217,7 +234,7 @@ class HotExpertReplicator:
         if dist.is_initialized() and self.placement.world_size > 1:
             dist.all_reduce(buf, group=self.group)
             self.grad_bytes += buf.numel() * buf.element_size()
-        for i, e in enumerate(self.hot):
+        for i, e in enumerate(hot):
             if e in self.owned:
                 off = 0
                 for p in self.owned[e].parameters():

@@ -91,7 +91,7 @@ def lower_bound(cluster: Cluster, traffic: Any, params: Optional[CostParams] = N
 
     def add(name: str, nbytes: float, cap: float, alpha: float) -> None:
         if nbytes > 0 and cap > 0:
-            terms.append(BoundTerm(name, int(nbytes), cap * 8 / 1e9, alpha, alpha + nbytes / cap))
+            terms.append(BoundTerm(name, int(nbytes), float(cap * 8 / 1e9), float(alpha), float(alpha + nbytes / cap)))
 
     # 1-2: devices
     dev_cap = model.fab_cap * (model.node_size[node] > 1) + model.pcie_cap * (N > 1)
@@ -133,4 +133,4 @@ def lower_bound(cluster: Cluster, traffic: Any, params: Optional[CostParams] = N
     terms.sort(key=lambda t: -t.time_s)
     if not terms:
         return LowerBound(0.0, None, ())
-    return LowerBound(terms[0].time_s, terms[0], tuple(terms[:5]))
+    return LowerBound(float(terms[0].time_s), terms[0], tuple(terms[:5]))

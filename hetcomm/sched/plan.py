@@ -24,7 +24,6 @@ The backend executes plans (``hetcomm.backends``) and the simulator times them
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -86,6 +85,8 @@ class ChunkTable:
             ``dep_idx[dep_ptr[k]:dep_ptr[k + 1]]`` (CSR layout).
         dep_idx: ``[num_deps]`` int64 chunk indices.
         rail_names: the rail strings ``rail`` indexes.
+        message: ``[num_chunks]`` int64 message id of each chunk, ids numbered stage by stage
+            (planners know their messages; ``None``: :attr:`Plan.messages` groups the chunks).
     """
 
     src: np.ndarray
@@ -100,6 +101,7 @@ class ChunkTable:
     dep_ptr: np.ndarray
     dep_idx: np.ndarray
     rail_names: Tuple[str, ...] = ()
+    message: Optional[np.ndarray] = None
 
     def __len__(self) -> int:
         return int(self.src.shape[0])
@@ -119,6 +121,7 @@ class ChunkTable:
         rail: Optional[np.ndarray] = None,
         dep: Optional[np.ndarray] = None,
         rail_names: Tuple[str, ...] = (),
+        message: Optional[np.ndarray] = None,
     ) -> "ChunkTable":
         """A table whose chunks have at most one dependency each (``dep[k] = -1``: none)."""
         n = int(np.asarray(src).shape[0])
@@ -140,6 +143,7 @@ class ChunkTable:
             dep_ptr=dep_ptr,
             dep_idx=dep[has],
             rail_names=tuple(rail_names),
+            message=None if message is None else as64(message),
         )
 
     @classmethod
@@ -187,7 +191,9 @@ class MessageTable:
             (the sender copies it out of a staging buffer first).
         chunk_message: ``[num_chunks]`` int64, the message each chunk travels in.
         dep_msg, dep_on: ``[num_pairs]`` int64; message ``dep_msg[p]`` may start only after
-            message ``dep_on[p]`` has arrived (unique pairs, from the chunks' dependencies).
+            message ``dep_on[p]`` has arrived (one pair per chunk dependency; pairs may repeat).
+
+    Message ids are numbered stage by stage: the messages of one stage are a contiguous range.
     """
 
     stage: np.ndarray
@@ -322,35 +328,42 @@ class Plan:
     def messages(self) -> MessageTable:
         """The chunks grouped into messages (see :class:`MessageTable`)."""
         tb = self.table
-        n = max(self.num_ranks, 1)
-        num_rails = len(tb.rail_names) + 1
-        key = ((tb.stage * n + tb.src) * n + tb.dst) * num_rails + (tb.rail + 1)
-        uniq, inverse = np.unique(key, return_inverse=True)
-        inverse = inverse.reshape(-1)
-        rail = uniq % num_rails - 1
-        rest = uniq // num_rails
-        dst = rest % n
-        rest //= n
-        src = rest % n
-        stage = rest // n
-        num_bytes = np.bincount(inverse, weights=tb.num_bytes, minlength=len(uniq))
-        forwarded = np.bincount(inverse, weights=(tb.src != tb.origin), minlength=len(uniq)) > 0
+        if tb.message is not None:
+            mid = tb.message
+            num = int(mid.max()) + 1 if len(mid) else 0
+            cols = {}
+            for name in ("stage", "src", "dst", "rail"):
+                col = np.zeros(num, np.int64)
+                col[mid] = getattr(tb, name)
+                cols[name] = col
+            assert (np.diff(cols["stage"]) >= 0).all(), "planner message ids are not numbered stage by stage"
+        else:
+            n = max(self.num_ranks, 1)
+            num_rails = len(tb.rail_names) + 1
+            # stage-major key, so that unique ids come out numbered stage by stage
+            key = ((tb.stage * n + tb.src) * n + tb.dst) * num_rails + (tb.rail + 1)
+            uniq, mid = np.unique(key, return_inverse=True)
+            mid = mid.reshape(-1).astype(np.int64)
+            num = len(uniq)
+            rest = uniq // num_rails
+            cols = {"rail": uniq % num_rails - 1, "dst": rest % n}
+            rest //= n
+            cols["src"] = rest % n
+            cols["stage"] = rest // n
+        num_bytes = np.bincount(mid, weights=tb.num_bytes, minlength=num)
+        forwarded = np.bincount(mid, weights=(tb.src != tb.origin), minlength=num) > 0
         counts = np.diff(tb.dep_ptr)
-        pair_msg = np.repeat(inverse, counts)
-        pair_on = inverse[tb.dep_idx] if len(tb.dep_idx) else np.zeros(0, np.int64)
-        if len(pair_msg):
-            pk = np.unique(pair_msg * len(uniq) + pair_on)
-            pair_msg, pair_on = pk // len(uniq), pk % len(uniq)
         return MessageTable(
-            stage=stage,
-            src=src,
-            dst=dst,
-            rail=rail,
+            stage=cols["stage"],
+            src=cols["src"],
+            dst=cols["dst"],
+            rail=cols["rail"],
+            # bincount sums in float64: exact below 2**53 bytes per message
             num_bytes=np.rint(num_bytes).astype(np.int64),
             forwarded=forwarded,
-            chunk_message=inverse.astype(np.int64),
-            dep_msg=pair_msg.astype(np.int64),
-            dep_on=pair_on.astype(np.int64),
+            chunk_message=mid,
+            dep_msg=np.repeat(mid, counts),
+            dep_on=mid[tb.dep_idx] if len(tb.dep_idx) else np.zeros(0, np.int64),
         )
 
     def check(self) -> None:
@@ -404,6 +417,13 @@ class Plan:
                 f"transfer {k}: rank {int(tb.src[k])} forwards bytes of segment "
                 f"{int(tb.origin[k])}->{int(tb.final_dst[k])} it never received"
             )
+        if tb.message is not None and m:
+            msgs = self.messages
+            for name in ("stage", "src", "dst", "rail"):
+                differs = getattr(msgs, name)[tb.message] != getattr(tb, name)
+                if differs.any():
+                    k = int(np.flatnonzero(differs)[0])
+                    raise AssertionError(f"transfer {k}: its message {int(tb.message[k])} has another {name}")
         # Arrivals at the final destination must tile each segment exactly.
         arr = np.flatnonzero(tb.dst == tb.final_dst)
         seg = tb.origin[arr] * n + tb.final_dst[arr]

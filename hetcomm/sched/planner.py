@@ -138,6 +138,7 @@ def _flat(model: ResourceModel, T: np.ndarray) -> Plan:
         num_bytes=T[ii, jj],
         link_class=model.link_classes(ii, jj),
         stage=np.zeros(len(ii), np.int64),
+        message=np.arange(len(ii)),  # every (i, j) pair is its own message
     )
     notes = (f"flat: {len(ii)} segments sent direct in one stage (fabric inside a node, the sender's "
              f"nearest NIC between nodes, the host bridge across vendors)",)
@@ -147,42 +148,57 @@ def _flat(model: ResourceModel, T: np.ndarray) -> Plan:
 # -- lanes --------------------------------------------------------------------------------------
 
 
-def _lanes_hier(model: ResourceModel, a: int, b: int) -> List[Tuple[float, int, int, int]]:
-    """One lane per node pair: ``(weight, forwarder, receiver, nic)`` with ``nic = -1``."""
+def _lanes(model: ResourceModel, strategy: str, ga: np.ndarray, gb: np.ndarray):
+    """The lanes of node pairs ``(ga[k], gb[k])``, grouped by pair, in cut order.
+
+    Returns:
+        ``(group, weight, fwd, rcv, nic)`` arrays, one entry per lane: the pair's index ``k``,
+        its share weight, forwarding rank, receiving rank and sender NIC id (-1: none named).
+    """
     N = model.num_nodes
-    da, db = int(model.node_size[a]), int(model.node_size[b])
-    # Rotate by "distance" so that node a's remote nodes spread over its devices (and NICs).
-    f = int(model.node_first[a]) + ((b - a - 1) % N) % da
-    g = int(model.node_first[b]) + ((a - b - 1) % N) % db
-    return [(1.0, f, g, -1)]
-
-
-def _lanes_multirail(model: ResourceModel, a: int, b: int) -> List[Tuple[float, int, int, int]]:
-    first_a, first_b = int(model.node_first[a]), int(model.node_first[b])
-    da, db = int(model.node_size[a]), int(model.node_size[b])
-    cross = bool(model.is_cross_vendor(np.array([first_a]), np.array([first_b]))[0])
-    lanes: List[Tuple[float, int, int, int]] = []
-    if cross:
-        # The bridge is one per-node resource; lanes only spread the device<->host staging over
-        # enough PCIe links to keep up with it.
-        pcie = min(float(model.pcie_cap[first_a]), float(model.pcie_cap[first_b]))
-        count = max(1, min(da, db, math.ceil(float(model.bridge_cap[a]) / pcie)))
-        N = model.num_nodes
-        ka, kb = (b - a - 1) % N, (a - b - 1) % N
-        for lane in range(count):
-            f = first_a + (ka + lane * max(1, da // count)) % da
-            g = first_b + (kb + lane * max(1, db // count)) % db
-            lanes.append((1.0, f, g, -1))
-        return lanes
-    nics_a, nics_b = model.node_nics[a], model.node_nics[b]
-    aligned = len(nics_a) == len(nics_b)
-    for k, gnic in enumerate(nics_a):
-        h = nics_b[k if aligned else (k + a) % len(nics_b)]
-        lanes.append((float(model.nic_gbps[gnic]), model.nearest_device(gnic), model.nearest_device(h), gnic))
-    # Lanes in the order of their forwarders, so that the origin-ordered stream lands on the
-    # sender itself wherever the forwarder is the origin (no gather hop).
-    lanes.sort(key=lambda lane: (lane[1], lane[3]))
-    return lanes
+    first, size = model.node_first, model.node_size
+    # "distance" of b from a, so that a node's remote nodes rotate over its devices
+    ka, kb = (gb - ga - 1) % N, (ga - gb - 1) % N
+    k = np.arange(len(ga))
+    if strategy == "hier":
+        fwd = first[ga] + ka % size[ga]
+        rcv = first[gb] + kb % size[gb]
+        return k, np.ones(len(ga)), fwd, rcv, np.full(len(ga), -1, np.int64)
+    cross = model.is_cross_vendor(first[ga], first[gb])
+    # across vendors: enough lanes over distinct devices that device->host staging (PCIe)
+    # keeps up with the per-node bridge
+    pcie = np.minimum(model.pcie_cap[first[ga]], model.pcie_cap[first[gb]])
+    count = np.maximum(1, np.minimum(np.minimum(size[ga], size[gb]), np.ceil(model.bridge_cap[ga] / pcie))).astype(np.int64)
+    count = np.where(cross, count, 0)
+    cg = np.repeat(k, count)
+    lane = np.arange(len(cg)) - np.repeat(np.cumsum(count) - count, count)
+    a, b = ga[cg], gb[cg]
+    step_a = np.maximum(1, size[a] // count[cg])
+    step_b = np.maximum(1, size[b] // count[cg])
+    c_fwd = first[a] + (ka[cg] + lane * step_a) % size[a]
+    c_rcv = first[b] + (kb[cg] + lane * step_b) % size[b]
+    # same vendor: one lane per NIC port of the sender, weighted by its rate, carried by the
+    # device nearest that port; ports pair up by index (rail-aligned) when both ends have as many
+    nic_first = np.array([ids[0] for ids in model.node_nics], np.int64)
+    nic_count = np.array([len(ids) for ids in model.node_nics], np.int64)
+    ncount = np.where(cross, 0, nic_count[ga])
+    ng = np.repeat(k, ncount)
+    port = np.arange(len(ng)) - np.repeat(np.cumsum(ncount) - ncount, ncount)
+    a, b = ga[ng], gb[ng]
+    gnic = nic_first[a] + port
+    aligned = nic_count[a] == nic_count[b]
+    h = nic_first[b] + np.where(aligned, port, (port + a) % nic_count[b])
+    n_fwd = model.nic_device[gnic]
+    n_rcv = model.nic_device[h]
+    group = np.concatenate([cg, ng])
+    weight = np.concatenate([np.ones(len(cg)), model.nic_gbps[gnic]])
+    fwd = np.concatenate([c_fwd, n_fwd])
+    rcv = np.concatenate([c_rcv, n_rcv])
+    nic = np.concatenate([np.full(len(cg), -1, np.int64), gnic])
+    # lanes of a pair in the order of their forwarders: the origin-ordered stream then lands on
+    # the sender itself wherever the forwarder is the origin (no gather hop)
+    order = np.lexsort((nic, fwd, group))
+    return group[order], weight[order], fwd[order], rcv[order], nic[order]
 
 
 def _staged(model: ResourceModel, T: np.ndarray, strategy: str, align: int) -> Plan:
@@ -209,31 +225,18 @@ def _staged(model: ResourceModel, T: np.ndarray, strategy: str, align: int) -> P
     else:
         gstart_idx = np.zeros(0, np.int64)
     gend_idx = np.append(gstart_idx[1:], len(ri)).astype(np.int64)
-    lane_fn = _lanes_hier if strategy == "hier" else _lanes_multirail
-    cache: Dict[Tuple[int, int], List[Tuple[float, int, int, int]]] = {}
-    istart: List[int] = []
-    ifwd: List[int] = []
-    ircv: List[int] = []
-    inic: List[int] = []
-    lane_count: Dict[int, int] = {}
-    for g0, g1 in zip(gstart_idx.tolist(), gend_idx.tolist()):
-        a, b = int(na[g0]), int(nb[g0])
-        lanes = cache.get((a, b))
-        if lanes is None:
-            lanes = cache[(a, b)] = lane_fn(model, a, b)
-        base = int(seg_start[g0])
-        total = int(seg_end[g1 - 1]) - base
-        wsum = sum(w for w, _, _, _ in lanes)
-        acc = 0.0
-        for w, f, g, nic in lanes:
-            cut = (int(total * (acc / wsum)) // align) * align if acc else 0
-            istart.append(base + min(cut, total))
-            ifwd.append(f)
-            ircv.append(g)
-            inic.append(nic)
-            acc += w
-            lane_count[a] = max(lane_count.get(a, 0), len(lanes))
-    istart_a = np.array(istart, np.int64)
+    ga, gb = na[gstart_idx], nb[gstart_idx]
+    base = seg_start[gstart_idx]
+    total = seg_end[gend_idx - 1] - base if len(gstart_idx) else np.zeros(0, np.int64)
+    group, weight, lane_fwd, lane_rcv, lane_nic = _lanes(model, strategy, ga, gb)
+    # cut each pair's stream in proportion to its lanes' weights, on multiples of align (every
+    # pair has at least one lane, and lanes come grouped by pair in pair order)
+    num_lanes = len(group)
+    excl = np.cumsum(weight) - weight
+    starts = np.searchsorted(group, np.arange(len(ga)))
+    frac = (excl - excl[starts][group]) / np.bincount(group, weights=weight, minlength=len(ga))[group]
+    cut = (np.floor(total[group] * frac).astype(np.int64) // align) * align
+    istart_a = base[group] + np.minimum(cut, total[group])
     iend_a = np.append(istart_a[1:], int(seg_end[-1]) if len(ri) else 0).astype(np.int64)
     # split every remote segment at the lane cuts inside it
     m0 = np.searchsorted(istart_a, seg_start, side="right") - 1
@@ -249,9 +252,9 @@ def _staged(model: ResourceModel, T: np.ndarray, strategy: str, align: int) -> P
     p_origin, p_final = ri[rep], rj[rep]
     p_off = p_start - seg_start[rep]
     p_bytes = p_end - p_start
-    fwd = np.array(ifwd, np.int64)[mi]
-    rcv = np.array(ircv, np.int64)[mi]
-    nic = np.array(inic, np.int64)[mi]
+    fwd = lane_fwd[mi]
+    rcv = lane_rcv[mi]
+    nic = lane_nic[mi]
     # rails: "nicK" with K the port's index on its node
     rail = np.full(len(mi), -1, np.int64)
     rail_names: Tuple[str, ...] = ()
@@ -291,8 +294,20 @@ def _staged(model: ResourceModel, T: np.ndarray, strategy: str, align: int) -> P
         rail=np.concatenate([np.full(n_direct + n_g, -1, np.int64), rail, np.full(len(scatter), -1, np.int64)]),
         dep=np.concatenate([np.full(n_direct + n_g, -1, np.int64), gather_idx, x_idx[scatter]]),
     )
+    # message ids, numbered stage by stage without sorting: stage 0 and 2 messages stay inside
+    # a node, so (sender, receiver's local index) is a dense key; stage 1 messages are lanes
+    dmax = int(model.node_size.max()) if len(model.node_size) else 1
+    local = model.rank_local
+    k0 = n * dmax
+    key = np.concatenate([
+        cols["src"][: n_direct + n_g] * dmax + local[cols["dst"][: n_direct + n_g]],
+        k0 + mi,
+        k0 + num_lanes + rcv[scatter] * dmax + local[p_final[scatter]],
+    ])
+    used = np.zeros(2 * k0 + num_lanes, bool)
+    used[key] = True
+    cols["message"] = (np.cumsum(used) - 1)[key]
     table = ChunkTable.build(rail_names=rail_names, **cols)
-    num_lanes = len(istart)
     pairs = len(gstart_idx)
     if strategy == "hier":
         notes = [

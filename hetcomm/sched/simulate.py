@@ -41,6 +41,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from hetcomm.errors import UsageError
 from hetcomm.sched.cost import CostParams, ResourceModel, resource_model
 from hetcomm.sched.plan import Plan
 from hetcomm.topo.cluster import Cluster
@@ -105,6 +106,11 @@ def simulate(plan: Plan, cluster: Cluster, params: Optional[CostParams] = None) 
         A :class:`SimResult`.
     """
     model = resource_model(cluster, params)
+    if plan.num_ranks != model.num_ranks:
+        raise UsageError(
+            f"the plan is for {plan.num_ranks} ranks but cluster '{cluster.name}' has {model.num_ranks}; "
+            f"simulate a plan on the cluster it was made for"
+        )
     msgs = plan.messages
     m = len(msgs)
     num_res = len(model.cap)
@@ -117,28 +123,35 @@ def simulate(plan: Plan, cluster: Cluster, params: Optional[CostParams] = None) 
     nic = _message_nics(plan, model, src, msgs.rail)
     P = model.paths(src, dst, nic, msgs.forwarded)
     valid = P >= 0
-    Pc = np.where(valid, P, 0)
-    nbytes = msgs.num_bytes.astype(float)
-    work = np.where(valid, nbytes[:, None] / model.cap[Pc] + model.overhead[cls][:, None], 0.0)
+    # Flatten to one entry per (message, resource), in message order: every message crosses at
+    # least its two endpoint resources, so each message's entries are a non-empty run.
+    cnt = valid.sum(axis=1)
+    first = np.cumsum(cnt) - cnt
+    e_res = P[valid]
+    e_msg = np.repeat(np.arange(m), cnt)
+    e_work = msgs.num_bytes[e_msg] / model.cap[e_res] + model.overhead[cls][e_msg]
     alpha = model.latency[cls]
     finish = np.zeros(m)
     ready = np.zeros(m)
     res_end = np.zeros(num_res)
     stage_ends = []
     dep_stage = msgs.stage[msgs.dep_msg] if len(msgs.dep_msg) else np.zeros(0, np.int64)
-    for s in np.unique(msgs.stage).tolist():
-        idx = np.flatnonzero(msgs.stage == s)
-        Ps, vs, ws = Pc[idx], valid[idx], work[idx]
-        W = np.bincount(Ps[vs], weights=ws[vs], minlength=num_res)
-        share = np.where(vs, W[Ps], 0.0).max(axis=1)
+    # message ids are numbered stage by stage, so each stage is a contiguous range
+    bounds = np.flatnonzero(np.diff(msgs.stage)) + 1
+    for m0, m1 in zip(np.concatenate([[0], bounds]).tolist(), np.concatenate([bounds, [m]]).tolist()):
+        a, b = int(first[m0]), int(first[m1 - 1] + cnt[m1 - 1])
+        er, ew = e_res[a:b], e_work[a:b]
+        runs = first[m0:m1] - a
+        W = np.bincount(er, weights=ew, minlength=num_res)
+        share = np.maximum.reduceat(W[er], runs)
+        after = np.maximum.reduceat(res_end[er], runs)
         # dependencies (all in earlier stages, so their arrivals are known)
-        sel = dep_stage == s
+        sel = dep_stage == msgs.stage[m0]
         if sel.any():
             np.maximum.at(ready, msgs.dep_msg[sel], finish[msgs.dep_on[sel]])
-        start = np.maximum(ready[idx], np.where(vs, res_end[Ps], 0.0).max(axis=1))
-        fin = start + alpha[idx] + share
-        finish[idx] = fin
-        np.maximum.at(res_end, Ps[vs], np.broadcast_to(fin[:, None], Ps.shape)[vs])
+        fin = np.maximum(ready[m0:m1], after) + alpha[m0:m1] + share
+        finish[m0:m1] = fin
+        np.maximum.at(res_end, er, np.repeat(fin, cnt[m0:m1]))
         busy += W
         stage_ends.append(float(fin.max()))
     time_s = float(finish.max())

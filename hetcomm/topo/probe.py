@@ -32,7 +32,7 @@ import socket
 import subprocess
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from hetcomm.topo.bandwidth import canonical_model, nominal_gbps
+from hetcomm.topo.bandwidth import nominal_gbps
 from hetcomm.topo.model import Device, Link, LinkClass, Nic, Topology
 
 __all__ = [
@@ -110,13 +110,19 @@ _CLASS_TOKEN = {
 # nvmlGpuP2PStatus_t -> the tokens `nvidia-smi topo -p2p` prints (topology-notes §1.1, §7).
 _P2P_STATUS = {0: "OK", 1: "CNS", 2: "GNS", 3: "TNS", 4: "DR", 5: "NS", 6: "U"}
 # /sys/class/infiniband/*/ports/*/state is "<n>: <NAME>"; report it as ibstat does.
-_IB_STATES = {"DOWN": "Down", "INIT": "Initializing", "ARMED": "Armed", "ACTIVE": "Active",
-              "ACTIVE_DEFER": "Active"}
+_IB_STATES = {
+    "DOWN": "Down",
+    "INIT": "Initializing",
+    "ARMED": "Armed",
+    "ACTIVE": "Active",
+    "ACTIVE_DEFER": "Active",
+}
 _NPU_SMI_TIMEOUT_S = 10.0
 _BDF = re.compile(r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
 
 
 # -- small readers --------------------------------------------------------------------------
+
 
 def _join(root: str, rel: str) -> str:
     return os.path.join(root, rel.lstrip("/"))
@@ -195,6 +201,7 @@ def _norm_bdf(bus_id: str) -> str:
 
 # -- PCIe path classes ----------------------------------------------------------------------
 
+
 def _pci_chain(root: str, bdf: str) -> Optional[Tuple[str, List[str]]]:
     """``(root complex, [bridge BDFs from the root port down])`` of a PCI device, or None.
 
@@ -209,7 +216,7 @@ def _pci_chain(root: str, bdf: str) -> Optional[Tuple[str, List[str]]]:
     parts = real.split(os.sep)
     for i, part in enumerate(parts):
         if part.startswith("pci") and ":" in part:
-            chain = [p for p in parts[i + 1:] if _BDF.match(p)]
+            chain = [p for p in parts[i + 1 :] if _BDF.match(p)]
             if not chain or chain[-1] != bdf:
                 return None
             return part, chain[:-1]
@@ -239,7 +246,9 @@ def pcie_path_class(
         return LinkClass.PCIE_SYS
     (rc_a, br_a), (rc_b, br_b) = chain_a, chain_b
     if rc_a != rc_b:
-        return LinkClass.PCIE_NODE if numa_a is not None and numa_a == numa_b else LinkClass.PCIE_SYS
+        return (
+            LinkClass.PCIE_NODE if numa_a is not None and numa_a == numa_b else LinkClass.PCIE_SYS
+        )
     common = 0
     while common < min(len(br_a), len(br_b)) and br_a[common] == br_b[common]:
         common += 1
@@ -253,6 +262,7 @@ def pcie_path_class(
 
 
 # -- probe steps ----------------------------------------------------------------------------
+
 
 def _probe_host(root: str, notes: List[str]) -> Dict[str, object]:
     """Hostname, online CPUs, NUMA nodes (with their CPU lists), memory and CPU model."""
@@ -294,8 +304,16 @@ def _probe_host(root: str, notes: List[str]) -> Dict[str, object]:
 class _PciDevice:
     """One PCI function of interest, as sysfs describes it."""
 
-    def __init__(self, bdf: str, vendor: str, device: str, pci_class: int, numa: Optional[int],
-                 cpulist: Optional[str], chain) -> None:
+    def __init__(
+        self,
+        bdf: str,
+        vendor: str,
+        device: str,
+        pci_class: int,
+        numa: Optional[int],
+        cpulist: Optional[str],
+        chain,
+    ) -> None:
         self.bdf = bdf
         self.vendor = vendor
         self.device = device
@@ -349,7 +367,9 @@ def _is_ascend_npu(p: _PciDevice) -> bool:
     return p.vendor == PCI_VENDOR_HUAWEI and p.device in ASCEND_PCI_MODELS
 
 
-def _add_pci_devices(topo: Topology, pci: List[_PciDevice], host: Optional[str]) -> Dict[str, object]:
+def _add_pci_devices(
+    topo: Topology, pci: List[_PciDevice], host: Optional[str]
+) -> Dict[str, object]:
     """Add GPUs and NPUs found in sysfs, named in PCI bus order (nvidia-smi's own order)."""
     chains: Dict[str, object] = {}
     gpus = [p for p in pci if _is_nvidia_gpu(p)]
@@ -381,7 +401,9 @@ def _add_pci_devices(topo: Topology, pci: List[_PciDevice], host: Optional[str])
     return chains
 
 
-def _probe_infiniband(root: str, topo: Topology, host: Optional[str], notes: List[str]) -> Dict[str, object]:
+def _probe_infiniband(
+    root: str, topo: Topology, host: Optional[str], notes: List[str]
+) -> Dict[str, object]:
     """Every RDMA port under ``/sys/class/infiniband``; returns NIC name -> (chain, numa)."""
     base = _join(root, "sys/class/infiniband")
     chains: Dict[str, object] = {}
@@ -430,9 +452,14 @@ def _probe_infiniband(root: str, topo: Topology, host: Optional[str], notes: Lis
 
 
 def _probe_peermem(root: str, topo: Topology, notes: List[str]) -> None:
-    """``facts["peermem"]``: one of NCCL's GPUDirect RDMA paths exists (only if NVIDIA is here)."""
+    """``facts["peermem"]``: one of NCCL's GPUDirect RDMA paths exists.
+
+    Set only where an NVIDIA GPU is present (here or seen by NVML later): on a host without
+    one, GPUDirect RDMA is not a question, and a storage node's RDMA NICs are not a finding.
+    """
     present = [p for p in PEERMEM_PATHS if os.path.exists(_join(root, p))]
-    topo.facts["peermem"] = bool(present)
+    if any(d.vendor == "nvidia" for d in topo.devices):
+        topo.facts["peermem"] = bool(present)
     if present:
         notes.append(f"gdr: peer memory module found ({present[0]})")
     else:
@@ -443,19 +470,27 @@ def _add_pcie_links(topo: Topology, chains: Dict[str, object], source: str) -> N
     """A PCIe-class link between every pair of PCI endpoints (devices and NICs)."""
     names = list(chains)
     for i, a in enumerate(names):
-        for b in names[i + 1:]:
+        for b in names[i + 1 :]:
             (chain_a, numa_a), (chain_b, numa_b) = chains[a], chains[b]
             cls = pcie_path_class(chain_a, chain_b, numa_a, numa_b)
             dev = topo.device(a) or topo.device(b)
             topo.add_link(
-                Link(a, b, cls, raw=_CLASS_TOKEN[cls],
-                     gbps=nominal_gbps(cls, dev.model if dev else None), source=source)
+                Link(
+                    a,
+                    b,
+                    cls,
+                    raw=_CLASS_TOKEN[cls],
+                    gbps=nominal_gbps(cls, dev.model if dev else None),
+                    source=source,
+                )
             )
 
 
 def _cpu_affinity_from_masks(masks: Sequence[int]) -> str:
     """NVML's list of 64-bit CPU masks -> a CPU list (``"0-55,112-167"``)."""
-    cpus = [word * 64 + bit for word, mask in enumerate(masks) for bit in range(64) if mask >> bit & 1]
+    cpus = [
+        word * 64 + bit for word, mask in enumerate(masks) for bit in range(64) if mask >> bit & 1
+    ]
     return _format_cpulist(cpus)
 
 
@@ -463,7 +498,9 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _probe_nvml(topo: Topology, host: Optional[str], num_cpus: Optional[int], notes: List[str]) -> bool:
+def _probe_nvml(
+    topo: Topology, host: Optional[str], num_cpus: Optional[int], notes: List[str]
+) -> bool:
     """Fill GPUs from NVML; True when NVML answered. Replaces sysfs PCIe links with NVML's."""
     try:
         import pynvml  # nvidia-ml-py; imports without a driver, nvmlInit then fails
@@ -489,13 +526,19 @@ def _probe_nvml(topo: Topology, host: Optional[str], num_cpus: Optional[int], no
 
 def _read_nvml(pynvml, topo: Topology, host, num_cpus, notes: List[str]) -> bool:
     count = pynvml.nvmlDeviceGetCount()
-    handles = []
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+    infos = [pynvml.nvmlDeviceGetPciInfo(h) for h in handles]
+    bdfs = [_norm_bdf(_text(pci.busId)) for pci in infos]
+    sysfs_gpus = {d.name: d.pci_bus_id for d in topo.devices if d.vendor == "nvidia"}
+    if any(sysfs_gpus.get(f"GPU{i}") not in (None, bdf) for i, bdf in enumerate(bdfs)):
+        # sysfs named GPUs in bus order; NVML's index order differs (CUDA_VISIBLE_DEVICES or
+        # the driver's ordering). NVML's names are the ones nvidia-smi prints: drop the guesses.
+        notes.append("nvml: GPU order differs from PCI bus order; using NVML's indices")
+        topo.devices = [d for d in topo.devices if d.vendor != "nvidia"]
+        topo.links = [ln for ln in topo.links if ln.a not in sysfs_gpus and ln.b not in sysfs_gpus]
     by_bus: Dict[str, str] = {}
-    for i in range(count):
-        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+    for i, (h, pci, bdf) in enumerate(zip(handles, infos, bdfs)):
         name = f"GPU{i}"
-        pci = pynvml.nvmlDeviceGetPciInfo(h)
-        bdf = _norm_bdf(_text(pci.busId))
         dev_id = int(pci.pciDeviceId)  # 0xDDDDVVVV: device id high, vendor low
         pci_device_id = f"{dev_id & 0xFFFF:04x}:{dev_id >> 16:04x}"
         numa = None
@@ -510,13 +553,6 @@ def _read_nvml(pynvml, topo: Topology, host, num_cpus, notes: List[str]) -> bool
                 affinity = _cpu_affinity_from_masks(list(masks))
             except pynvml.NVMLError:
                 pass
-        existing = topo.device(name)
-        if existing is not None and existing.pci_bus_id not in (None, bdf):
-            # sysfs named GPUs in bus order; NVML's index order differs (CUDA_VISIBLE_DEVICES or
-            # a driver ordering): NVML is authoritative, so drop the sysfs guesses.
-            topo.devices = [d for d in topo.devices if d.vendor != "nvidia"]
-            topo.links = [l for l in topo.links if not (l.a.startswith("GPU") or l.b.startswith("GPU"))]
-            existing = None
         model = _text(pynvml.nvmlDeviceGetName(h)).replace("NVIDIA ", "").strip()
         dev = topo.add_device(Device(name=name, vendor="nvidia", index=i, host=host))
         dev.model = model  # NVML's name beats the PCI-id table (which lacks new parts)
@@ -524,7 +560,6 @@ def _read_nvml(pynvml, topo: Topology, host, num_cpus, notes: List[str]) -> bool
         dev.pci_device_id = pci_device_id
         dev.numa = numa if numa is not None else dev.numa
         dev.cpu_affinity = affinity or dev.cpu_affinity
-        handles.append(h)
         by_bus[bdf] = name
 
     # NVLink: count active links per GPU, and per GPU peer (direct) or to a switch.
@@ -645,7 +680,9 @@ def _probe_npu_smi(topo: Topology, notes: List[str]) -> bool:
             notes.append(f"npu-smi: cannot run '{' '.join(cmd)}' ({e})")
             continue
         if out.returncode != 0:
-            notes.append(f"npu-smi: '{' '.join(cmd)}' exited {out.returncode}: {out.stderr.strip()[:200]}")
+            notes.append(
+                f"npu-smi: '{' '.join(cmd)}' exited {out.returncode}: {out.stderr.strip()[:200]}"
+            )
             continue
         try:
             parsed = parse_text(out.stdout, path=" ".join(cmd), fmt=fmt)
@@ -659,6 +696,7 @@ def _probe_npu_smi(topo: Topology, notes: List[str]) -> bool:
 
 
 # -- entry points ---------------------------------------------------------------------------
+
 
 def local_vendors(sysfs_root: str = "/") -> Set[str]:
     """Accelerator vendors present on this machine (``{"nvidia", "ascend"}`` subsets), from PCI.
@@ -704,20 +742,30 @@ def probe_local(
     pci = _scan_pci(sysfs_root, notes)
     chains = _add_pci_devices(topo, pci, hostname)
     chains.update(_probe_infiniband(sysfs_root, topo, hostname, notes))
-    _probe_peermem(sysfs_root, topo, notes)
-    if topo.nics and topo.facts.get("peermem") is not None:
-        for nic in topo.nics:
-            nic.gdr = topo.facts["peermem"] if any(d.vendor == "nvidia" for d in topo.devices) else None
     _add_pcie_links(topo, chains, "sysfs")
 
     # NVML and npu-smi describe the real machine: never mix them into a prepared tree.
     real_root = os.path.realpath(sysfs_root) == "/"
+    nvml_ok = False
     if use_nvml and real_root:
-        if _probe_nvml(topo, hostname, host.get("cpus"), notes):  # type: ignore[arg-type]
+        nvml_ok = _probe_nvml(topo, hostname, host.get("cpus"), notes)  # type: ignore[arg-type]
+        if nvml_ok:
             sources.append("probe:nvml")
+    if not nvml_ok and sum(d.vendor == "nvidia" for d in topo.devices) >= 2:
+        # sysfs knows PCIe paths only: like `nvidia-smi topo -mp`, NVLink is invisible here, so
+        # a PCIe class between two SXM GPUs is not evidence that NVLink is missing.
+        topo.facts["pcie_view"] = True
+        notes.append(
+            "gpu: GPU<->GPU classes are sysfs PCIe paths; NVLink needs NVML "
+            "(pip install 'hetcomm[nvidia]')"
+        )
     if use_npu_smi and real_root:
         if _probe_npu_smi(topo, notes):
             sources.append("probe:npu-smi")
+    _probe_peermem(sysfs_root, topo, notes)
+    if "peermem" in topo.facts:
+        for nic in topo.nics:
+            nic.gdr = topo.facts["peermem"]
 
     if not any(d.vendor in ("nvidia", "ascend") for d in topo.devices):
         numa_nodes = host.get("numa_nodes")

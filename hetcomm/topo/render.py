@@ -7,6 +7,7 @@ is asked for.
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -91,7 +92,11 @@ def _gbps(value: Optional[float]) -> str:
 
 
 def _cell(link) -> str:
-    if link.link_class == LinkClass.NVLINK and link.raw and _MATRIX_TOKEN.match(link.raw.strip().upper()):
+    if (
+        link.link_class == LinkClass.NVLINK
+        and link.raw
+        and _MATRIX_TOKEN.match(link.raw.strip().upper())
+    ):
         return link.raw.strip().upper()
     return CLASS_SHORT[link.link_class]
 
@@ -105,8 +110,10 @@ def label_summary(topology: Topology) -> Optional[str]:
     if not counts:
         return None
     kinds = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
-    return (f"device kinds that are labels on this machine: {kinds} -- CPU processes stand for "
-            "them; the transports between processes are real, the device kinds are not.")
+    return (
+        f"device kinds that are labels on this machine: {kinds} -- CPU processes stand for "
+        "them; the transports between processes are real, the device kinds are not."
+    )
 
 
 def render_topology(topology: Topology, *, title: str = "Topology") -> str:
@@ -124,8 +131,8 @@ def render_topology(topology: Topology, *, title: str = "Topology") -> str:
         mem = host.get("memory_bytes")
         out.append(
             f"  host: {host.get('hostname') or '?'}, {host.get('cpus') or '?'} CPUs"
-            f" ({host.get('cpu_model') or 'model unknown'}), {host.get('numa_nodes') or '?'} NUMA node(s), "
-            f"{format_bytes(mem) if mem else '? B'} memory"
+            f" ({host.get('cpu_model') or 'model unknown'}), {host.get('numa_nodes') or '?'} NUMA "
+            f"node(s), {format_bytes(mem) if mem else '? B'} memory"
         )
     labels = label_summary(topology)
     if labels:
@@ -134,38 +141,63 @@ def render_topology(topology: Topology, *, title: str = "Topology") -> str:
     out.append("")
     out.append(f"Devices ({len(topology.devices)})")
     if topology.devices:
-        out.append(_table(
-            ["name", "vendor", "model", "numa", "cpu affinity", "pci", "host", "label"],
-            [[d.name, d.vendor, d.model, d.numa, d.cpu_affinity, d.pci_bus_id, d.host,
-              "label" if d.label_only else ""] for d in topology.devices],
-        ))
+        out.append(
+            _table(
+                ["name", "vendor", "model", "numa", "cpu affinity", "pci", "host", "label"],
+                [
+                    [
+                        d.name,
+                        d.vendor,
+                        d.model,
+                        d.numa,
+                        d.cpu_affinity,
+                        d.pci_bus_id,
+                        d.host,
+                        "label" if d.label_only else "",
+                    ]
+                    for d in topology.devices
+                ],
+            )
+        )
     else:
         out.append("  (none)")
 
     out.append("")
     out.append(f"NICs ({len(topology.nics)})")
     if topology.nics:
-        out.append(_table(
-            ["name", "link layer", "rate", "state", "numa", "gdr", "netdev", "host"],
-            [[n.name, n.link_layer, f"{n.rate_gbps:g} Gb/s" if n.rate_gbps else None, n.state, n.numa,
-              {True: "yes", False: "no"}.get(n.gdr) if n.gdr is not None else None, n.netdev, n.host]
-             for n in topology.nics],
-        ))
+        out.append(
+            _table(
+                ["name", "link layer", "rate", "state", "numa", "gdr", "netdev", "host"],
+                [
+                    [
+                        n.name,
+                        n.link_layer,
+                        f"{n.rate_gbps:g} Gb/s" if n.rate_gbps else None,
+                        n.state,
+                        n.numa,
+                        {True: "yes", False: "no"}.get(n.gdr) if n.gdr is not None else None,
+                        n.netdev,
+                        n.host,
+                    ]
+                    for n in topology.nics
+                ],
+            )
+        )
     else:
         out.append("  (none)")
 
     out.append("")
     out.append(f"Links ({len(topology.links)})")
-    used: List[LinkClass] = sorted({l.link_class for l in topology.links})
+    used: List[LinkClass] = sorted({ln.link_class for ln in topology.links})
     if not topology.links:
         out.append("  (none: a single device, or no input describes paths)")
     else:
         endpoints: List[str] = []
         for name in [d.name for d in topology.devices] + [n.name for n in topology.nics]:
-            if any(name in (l.a, l.b) for l in topology.links) and name not in endpoints:
+            if any(name in (ln.a, ln.b) for ln in topology.links) and name not in endpoints:
                 endpoints.append(name)
-        for l in topology.links:  # endpoints a parser named but did not list
-            for name in (l.a, l.b):
+        for ln in topology.links:  # endpoints a parser named but did not list
+            for name in (ln.a, ln.b):
                 if name not in endpoints:
                     endpoints.append(name)
         if len(endpoints) <= MAX_MATRIX:
@@ -176,11 +208,20 @@ def render_topology(topology: Topology, *, title: str = "Topology") -> str:
         out.extend(_fabric_summary(topology))
         out.append("")
         out.append("Legend")
-        out.append(_table(
-            ["cell", "class", "meaning", "nominal (per direction)"],
-            [[CLASS_SHORT[c] if c != LinkClass.NVLINK else "NV#", c.name, CLASS_MEANING[c],
-              _gbps_range(topology, c)] for c in used],
-        ))
+        out.append(
+            _table(
+                ["cell", "class", "meaning", "nominal (per direction)"],
+                [
+                    [
+                        CLASS_SHORT[c] if c != LinkClass.NVLINK else "NV#",
+                        c.name,
+                        CLASS_MEANING[c],
+                        _gbps_range(topology, c),
+                    ]
+                    for c in used
+                ],
+            )
+        )
     notes = facts.get("probe_notes")
     if notes:
         out.append("")
@@ -206,31 +247,41 @@ def _fabric_summary(topology: Topology) -> List[str]:
             x = parent[x]
         return x
 
-    fabric = [l for l in topology.links if l.link_class.is_device_fabric and l.a in devices and l.b in devices]
-    for l in fabric:
-        parent[find(l.a)] = find(l.b)
+    fabric = [
+        ln
+        for ln in topology.links
+        if ln.link_class.is_device_fabric and ln.a in devices and ln.b in devices
+    ]
+    for ln in fabric:
+        parent[find(ln.a)] = find(ln.b)
     groups: Dict[str, List[str]] = defaultdict(list)
     for d in topology.devices:
-        if any(d.name in (l.a, l.b) for l in fabric):
+        if any(d.name in (ln.a, ln.b) for ln in fabric):
             groups[find(d.name)].append(d.name)
     out: List[str] = []
     for members in groups.values():
         member_set = set(members)
-        links = [l for l in fabric if l.a in member_set]
+        links = [ln for ln in fabric if ln.a in member_set]
         total = len(members) * (len(members) - 1) // 2
-        tokens = "/".join(sorted({(l.raw or CLASS_SHORT[l.link_class]) for l in links}))
-        classes = "/".join(sorted({l.link_class.name for l in links}))
+        tokens = "/".join(sorted({(ln.raw or CLASS_SHORT[ln.link_class]) for ln in links}))
+        classes = "/".join(sorted({ln.link_class.name for ln in links}))
         coverage = f"all {total} pairs" if len(links) == total else f"{len(links)} of {total} pairs"
-        out.append(f"  {classes} group of {len(members)} ({tokens} on {coverage}): {', '.join(members)}")
+        out.append(
+            f"  {classes} group of {len(members)} ({tokens} on {coverage}): {', '.join(members)}"
+        )
     rails = []
     for d in topology.devices:
         if d.vendor not in ("nvidia", "ascend"):
             continue
-        to_nic = [l for l in topology.links if d.name in (l.a, l.b) and (l.b if l.a == d.name else l.a) in nics]
+        to_nic = [
+            ln
+            for ln in topology.links
+            if d.name in (ln.a, ln.b) and (ln.b if ln.a == d.name else ln.a) in nics
+        ]
         if not to_nic:
             continue
-        best = min(l.link_class for l in to_nic)
-        nearest = [l.b if l.a == d.name else l.a for l in to_nic if l.link_class == best]
+        best = min(ln.link_class for ln in to_nic)
+        nearest = [ln.b if ln.a == d.name else ln.a for ln in to_nic if ln.link_class == best]
         rails.append([d.name, ", ".join(nearest), CLASS_SHORT[best]])
     if out or rails:
         out.insert(0, "")
@@ -242,7 +293,9 @@ def _fabric_summary(topology: Topology) -> List[str]:
 
 
 def _gbps_range(topology: Topology, cls: LinkClass) -> str:
-    values = sorted({l.gbps for l in topology.links if l.link_class == cls and l.gbps is not None})
+    values = sorted(
+        {ln.gbps for ln in topology.links if ln.link_class == cls and ln.gbps is not None}
+    )
     if not values:
         return "-"
     if len(values) == 1:
@@ -251,7 +304,7 @@ def _gbps_range(topology: Topology, cls: LinkClass) -> str:
 
 
 def _matrix(topology: Topology, names: List[str]) -> str:
-    index = {l.key: l for l in topology.links}
+    index = {ln.key: ln for ln in topology.links}
     rows = []
     for a in names:
         row: List[object] = [a]
@@ -267,12 +320,14 @@ def _matrix(topology: Topology, names: List[str]) -> str:
 
 def _class_summary(topology: Topology) -> str:
     groups: Dict[LinkClass, List] = defaultdict(list)
-    for l in topology.links:
-        groups[l.link_class].append(l)
+    for ln in topology.links:
+        groups[ln.link_class].append(ln)
     rows = []
     for cls in sorted(groups):
         links = groups[cls]
-        rows.append([cls.name, len(links), _gbps_range(topology, cls), f"{links[0].a}-{links[0].b}"])
+        rows.append(
+            [cls.name, len(links), _gbps_range(topology, cls), f"{links[0].a}-{links[0].b}"]
+        )
     return _table(["class", "pairs", "nominal", "example"], rows)
 
 
@@ -299,23 +354,43 @@ def render_findings(findings: Sequence[Finding]) -> str:
 def render_answers(report: AuditReport) -> str:
     """The three buyer questions, answered as text."""
     a = report.alltoall
-    out = [f"(a) Expected all-to-all time, {format_bytes(a.size_bytes)} per rank "
-           f"({a.size_bytes} B), alpha-beta model from nominal bandwidths"]
+    out = [
+        f"(a) Expected all-to-all time, {format_bytes(a.size_bytes)} per rank "
+        f"({a.size_bytes} B), alpha-beta model from nominal bandwidths"
+    ]
     if not a.rows:
         out.append(f"  {a.notes[0] if a.notes else 'no connected devices'}")
     else:
-        out.append(f"  {a.num_ranks} ranks; each rank sends S/n = {format_bytes(a.size_bytes / a.num_ranks)} to every peer")
-        out.append(_table(
-            ["class", "pairs", "peers/rank", "bytes/rank", "nominal", "alpha", "time"],
-            [[r.link_class.name, r.num_pairs, r.max_peers, format_bytes(r.bytes_per_rank),
-              _gbps(r.gbps), f"{r.alpha_us:g} us", f"{r.time_us:,.1f} us" if r.time_us is not None else "unknown"]
-             for r in a.rows],
-        ))
+        out.append(
+            f"  {a.num_ranks} ranks; each rank sends S/n = "
+            f"{format_bytes(a.size_bytes / a.num_ranks)} to every peer"
+        )
+        out.append(
+            _table(
+                ["class", "pairs", "peers/rank", "bytes/rank", "per rank", "alpha", "time"],
+                [
+                    [
+                        r.link_class.name,
+                        r.num_pairs,
+                        r.num_peers,
+                        format_bytes(r.bytes_per_rank),
+                        _gbps(r.gbps),
+                        f"{r.alpha_us:g} us",
+                        f"{r.time_us:,.1f} us" if r.time_us is not None else "unknown",
+                    ]
+                    for r in a.rows
+                ],
+            )
+        )
         if a.time_us is not None:
-            out.append(f"  expected: {a.time_us:,.1f} us (bounded by {a.bottleneck.name}); "  # type: ignore[union-attr]
-                       f"algbw {a.algbw_gbs:,.2f} GB/s, busbw {a.busbw_gbs:,.2f} GB/s; "
-                       f"no-overlap bound {a.serial_time_us:,.1f} us")
-        out.append("  model: t_c = alpha_c + max_i(k_i,c * S/n / B_i,c); t = max_c t_c (docs/TOPOLOGY.md)")
+            out.append(
+                f"  expected: {a.time_us:,.1f} us (bounded by {a.bottleneck.name}); "  # type: ignore[union-attr]
+                f"algbw {a.algbw_gbs:,.2f} GB/s, busbw {a.busbw_gbs:,.2f} GB/s; "
+                f"no-overlap bound {a.serial_time_us:,.1f} us"
+            )
+        out.append(
+            "  model: t_c = alpha_c + max_i(k_i,c * S/n / B_i,c); t = max_c t_c (docs/TOPOLOGY.md)"
+        )
         for note in a.notes:
             out.append(f"  note: {note}")
     out.append("")
@@ -325,27 +400,79 @@ def render_answers(report: AuditReport) -> str:
     out.append("(c) Measured all-to-all (nccl-tests style)")
     rows = report.measurements
     if not rows:
-        out.append("  no measurements in the inputs: pass an nccl-tests alltoall_perf output with "
-                   "--input (hetcomm bench will measure them once the backend exists).")
+        out.append(
+            "  no measurements in the inputs: pass an nccl-tests alltoall_perf output (or "
+            "the table `hetcomm bench alltoall` prints) with --input."
+        )
     else:
-        out.append(_table(
-            ["op", "ranks", "size (B)", "count", "type", "time (us)", "algbw (GB/s)", "busbw (GB/s)",
-             "#wrong", "in-place", "source"],
-            [[r["op"], r["num_ranks"], r["size_bytes"], r["count"], r["dtype"], f"{r['time_us']:g}",
-              f"{r['algbw_gbps']:.2f}", f"{r['busbw_gbps']:.2f}",
-              "N/A" if r["wrong"] is None else r["wrong"], "yes" if r["in_place"] else "no", r["source"]]
-             for r in rows],
-        ))
+        out.append(_measurement_table(rows))
+    return "\n".join(out)
+
+
+def _measurement_table(rows: Sequence[Dict[str, object]]) -> str:
+    """nccl-tests' layout: one line per size, out-of-place then in-place columns, per run."""
+    runs: Dict[Tuple, Dict[int, Dict[bool, Dict[str, object]]]] = defaultdict(
+        lambda: defaultdict(dict)
+    )
+    for r in rows:
+        key = (r["op"], r["num_ranks"], r["source"])
+        runs[key][int(r["size_bytes"])][bool(r["in_place"])] = r  # type: ignore[arg-type]
+    out = []
+    for (op, ranks, source), sizes in runs.items():
+        name = os.path.basename(str(source)) if source else "?"
+        out.append(f"  {op}, {ranks if ranks else '?'} ranks, from {name}")
+        table_rows = []
+        for size in sorted(sizes):
+            cells: List[object] = [size]
+            first = sizes[size].get(False) or sizes[size].get(True)
+            cells += [first.get("count"), first.get("dtype")]  # type: ignore[union-attr]
+            for in_place in (False, True):
+                r = sizes[size].get(in_place)
+                if r is None:
+                    cells += [None] * 4
+                    continue
+                cells += [
+                    f"{r['time_us']:g}",
+                    f"{r['algbw_gbps']:.2f}",
+                    f"{r['busbw_gbps']:.2f}",
+                    "N/A" if r["wrong"] is None else r["wrong"],
+                ]
+            table_rows.append(cells)
+        out.append(
+            _table(
+                [
+                    "size (B)",
+                    "count",
+                    "type",
+                    "time (us)",
+                    "algbw",
+                    "busbw",
+                    "#wrong",
+                    "in-place time",
+                    "algbw",
+                    "busbw",
+                    "#wrong",
+                ],
+                table_rows,
+                indent="    ",
+            )
+        )
+    out.append("  (out-of-place, then in-place; algbw/busbw in GB/s as nccl-tests prints them)")
     return "\n".join(out)
 
 
 def render_audit(report: AuditReport) -> str:
     """The whole ``hetcomm audit`` text report."""
-    return "\n\n".join([
-        render_topology(report.topology, title="Topology"),
-        render_findings(report.findings),
-        render_answers(report),
-    ]) + "\n"
+    return (
+        "\n\n".join(
+            [
+                render_topology(report.topology, title="Topology"),
+                render_findings(report.findings),
+                render_answers(report),
+            ]
+        )
+        + "\n"
+    )
 
 
 def plot_heatmap(topology: Topology, path: str) -> None:
@@ -367,17 +494,21 @@ def plot_heatmap(topology: Topology, path: str) -> None:
         raise UsageError(f"--plot {path}: the topology has no links to draw")
     names: List[str] = []
     for name in [d.name for d in topology.devices] + [n.name for n in topology.nics]:
-        if any(name in (l.a, l.b) for l in topology.links):
+        if any(name in (ln.a, ln.b) for ln in topology.links):
             names.append(name)
     pos = {n: i for i, n in enumerate(names)}
     size = len(names)
-    classes = list(LinkClass)
+    # One colour per class present, in class order (closest = darkest): contrast between the
+    # classes that matter here instead of a scale over all seventeen.
+    used = sorted({ln.link_class for ln in topology.links})
+    slot = {c: i for i, c in enumerate(used)}
     grid = [[float("nan")] * size for _ in range(size)]
-    for l in topology.links:
-        if l.a in pos and l.b in pos:
-            grid[pos[l.a]][pos[l.b]] = grid[pos[l.b]][pos[l.a]] = int(l.link_class)
-    cmap = ListedColormap(plt.get_cmap("viridis", len(classes))(range(len(classes))))
-    norm = BoundaryNorm([c - 0.5 for c in range(len(classes) + 1)], cmap.N)
+    for ln in topology.links:
+        if ln.a in pos and ln.b in pos:
+            grid[pos[ln.a]][pos[ln.b]] = grid[pos[ln.b]][pos[ln.a]] = slot[ln.link_class]
+    colours = plt.get_cmap("viridis")([i / max(1, len(used) - 1) for i in range(len(used))])
+    cmap = ListedColormap(colours)
+    norm = BoundaryNorm([i - 0.5 for i in range(len(used) + 1)], cmap.N)
     side = max(4.0, min(24.0, 0.35 * size + 3))
     fig, ax = plt.subplots(figsize=(side + 2, side))
     try:
@@ -385,9 +516,8 @@ def plot_heatmap(topology: Topology, path: str) -> None:
         ax.set_xticks(range(size), names, rotation=90, fontsize=7)
         ax.set_yticks(range(size), names, fontsize=7)
         ax.set_title("hetcomm: link classes (closest = darkest)")
-        used = sorted({int(l.link_class) for l in topology.links})
-        bar = fig.colorbar(image, ax=ax, ticks=used)
-        bar.ax.set_yticklabels([LinkClass(c).name for c in used])
+        bar = fig.colorbar(image, ax=ax, ticks=range(len(used)))
+        bar.ax.set_yticklabels([c.name for c in used])
         fig.tight_layout()
         try:
             fig.savefig(path, format="png", dpi=100)

@@ -64,6 +64,9 @@ class MoETransformerLM(nn.Module):
         self.pos = nn.Parameter(torch.zeros(cfg.seq_len, cfg.model_dim))
         self.blocks = nn.ModuleList([_Block(cfg, make_moe(i)) for i in range(cfg.num_layers)])
         self.ln_f = nn.LayerNorm(cfg.model_dim)
+        # Small embeddings: the output projection is tied to them, so logits start near zero and
+        # the first loss is ~log(V) instead of a huge value from unit-variance embeddings.
+        nn.init.normal_(self.embed.weight, std=0.02)
         nn.init.normal_(self.pos, std=0.02)
 
     @property

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import signal
 import time
@@ -99,7 +100,9 @@ def _child(fn, rank, world_size, args, backend, port, env, pg_timeout_s, pg_opti
                     dist.destroy_process_group()
             except Exception:
                 pass
-        q.put((rank, True, result, None, None, None, time.time() - t0))
+        # Plain pickle copies tensors by value; the Queue's own pickler would share their memory
+        # with a process that is about to exit.
+        q.put((rank, True, pickle.dumps(result), None, None, None, time.time() - t0))
     except BaseException as e:  # reported to the parent, which decides
         q.put((rank, False, None, type(e).__name__, str(e), traceback.format_exc(), time.time() - t0))
 
@@ -162,12 +165,12 @@ def run_ranks_outcomes(
                     try:
                         while True:
                             rank, ok, result, etype, emsg, tb, secs = q.get_nowait()
-                            outcomes[rank] = RankOutcome(rank, ok, result, etype, emsg, tb, None, secs)
+                            outcomes[rank] = RankOutcome(rank, ok, pickle.loads(result) if ok else None, etype, emsg, tb, None, secs)
                             reported.add(rank)
                     except queue_mod.Empty:
                         break
                 continue
-            outcomes[rank] = RankOutcome(rank, ok, result, etype, emsg, tb, None, secs)
+            outcomes[rank] = RankOutcome(rank, ok, pickle.loads(result) if ok else None, etype, emsg, tb, None, secs)
             reported.add(rank)
     finally:
         for p in procs:

@@ -320,7 +320,7 @@ def failing_rank(payload, rank, world_size, store):
 def test_failing_rank_is_reported_first_and_nothing_hangs():
     t0 = time.monotonic()
     outcome = lib.launch_ranks(
-        "tests.cli.test_bench_cli:failing_rank", "{}", 3, timeout_s=20,
+        "tests.cli.test_bench_cli:failing_rank", "{}", 2, timeout_s=20,
         env={"PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}, grace_s=5,
     )
     assert not outcome.ok and outcome.result is None

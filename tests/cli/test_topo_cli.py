@@ -53,14 +53,23 @@ def test_topo_json_is_one_document_with_the_schema(capsys):
 def test_topo_of_the_h800_capture(capsys, fixture_path):
     code, out, _ = run_cli(capsys, "topo", "-i", fixture_path("nvsmi_topo_h800_nv8_mlx5_bond.txt"))
     assert code == 0
-    assert "NVLINK group of 8 (NV8 on all 28 pairs): GPU0, GPU1, GPU2, GPU3, GPU4, GPU5, GPU6, GPU7" in out
+    assert (
+        "NVLINK group of 8 (NV8 on all 28 pairs): GPU0, GPU1, GPU2, GPU3, GPU4, GPU5, GPU6, GPU7"
+        in out
+    )
     assert "NV8" in out and "mlx5_bond_0" in out and "Legend" in out
 
 
 def test_topo_json_of_merged_inputs(capsys, fixture_path):
-    code, out, _ = run_cli(capsys, "topo", "--json",
-                           "-i", fixture_path("nvsmi_topo_h800_nv8_mlx5_bond.txt"),
-                           "-i", fixture_path("lsmod_nvidia_peermem_bound_vs_unbound.txt"))
+    code, out, _ = run_cli(
+        capsys,
+        "topo",
+        "--json",
+        "-i",
+        fixture_path("nvsmi_topo_h800_nv8_mlx5_bond.txt"),
+        "-i",
+        fixture_path("lsmod_nvidia_peermem_bound_vs_unbound.txt"),
+    )
     assert code == 0
     doc = json.loads(out)
     assert set(doc) == TOP_KEYS
@@ -68,9 +77,9 @@ def test_topo_json_of_merged_inputs(capsys, fixture_path):
     assert [d["name"] for d in doc["devices"]] == [f"GPU{i}" for i in range(8)]
     assert len(doc["nics"]) == 9
     assert len(doc["links"]) == 17 * 16 // 2  # each unordered pair once
-    assert len({tuple(sorted((l["a"], l["b"]))) for l in doc["links"]}) == len(doc["links"])
-    nv = [l for l in doc["links"] if l["class"] == "NVLINK"]
-    assert len(nv) == 28 and all(l["raw"] == "NV8" for l in nv)
+    assert len({tuple(sorted((ln["a"], ln["b"]))) for ln in doc["links"]}) == len(doc["links"])
+    nv = [ln for ln in doc["links"] if ln["class"] == "NVLINK"]
+    assert len(nv) == 28 and all(ln["raw"] == "NV8" for ln in nv)
 
 
 def test_topo_cluster_says_which_kinds_are_labels(capsys):
@@ -82,7 +91,15 @@ def test_topo_cluster_says_which_kinds_are_labels(capsys):
     doc = json.loads(out)
     ranks = [d for d in doc["devices"] if d["name"].startswith("rank")]
     assert len(ranks) == 4 and all(d["label_only"] for d in ranks)
-    assert {l["class"] for l in doc["links"]} == {"NVLINK", "NET_ROCE_GDR", "HOST_BRIDGE"}
+    assert {ln["class"] for ln in doc["links"]} == {"NVLINK", "NET_ROCE_GDR", "HOST_BRIDGE"}
+
+
+def test_topo_nccl_log_ranks_and_cluster_ranks_clash_is_reported(capsys, fixture_path):
+    code, out, _ = run_cli(
+        capsys, "topo", "-i", fixture_path("nccl_log_g6e_l40s_shm.txt"), "--cluster", MINI
+    )
+    assert code == 0
+    assert "4 rank(s) (rank0..rank3) are both in the inputs" in out
 
 
 def test_topo_stdin(capsys, monkeypatch, fixture_path):
@@ -96,6 +113,7 @@ def test_topo_stdin(capsys, monkeypatch, fixture_path):
 
 
 # -- bad input: exit 2, file and line named, no traceback ---------------------------------------
+
 
 def test_missing_file(capsys, tmp_path):
     code, out, err = run_cli(capsys, "topo", "-i", str(tmp_path / "nope.txt"))
@@ -117,7 +135,9 @@ def test_unknown_content_names_file_and_line(capsys, tmp_path):
     assert code == 2 and f"{junk}:2: could not recognise the format" in err
 
 
-def test_truncated_matrix_is_an_error_or_a_warning_never_a_traceback(capsys, tmp_path, fixture_path):
+def test_truncated_matrix_is_an_error_or_a_warning_never_a_traceback(
+    capsys, tmp_path, fixture_path
+):
     lines = open(fixture_path("nvsmi_topo_h800_nv8_mlx5_bond.txt")).read().splitlines()
     cut = tmp_path / "cut.txt"
     cut.write_text("\n".join(lines[:6]) + "\nGPU4    NV8     NV")  # cut mid-row
@@ -139,8 +159,14 @@ def test_binary_file(capsys, tmp_path):
 def test_directory_and_bad_format(capsys, tmp_path, fixture_path):
     code, _, err = run_cli(capsys, "topo", "-i", str(tmp_path))
     assert code == 2 and "is a directory" in err
-    code, _, err = run_cli(capsys, "topo", "-i", fixture_path("lsmod_nvidia_peermem_bound_vs_unbound.txt"),
-                           "--format", "nvsmi-topoo")
+    code, _, err = run_cli(
+        capsys,
+        "topo",
+        "-i",
+        fixture_path("lsmod_nvidia_peermem_bound_vs_unbound.txt"),
+        "--format",
+        "nvsmi-topoo",
+    )
     assert code == 2 and "unknown input format 'nvsmi-topoo'" in err
     code, _, err = run_cli(capsys, "topo", "--format", "lsmod")
     assert code == 2 and "--format applies to --input" in err

@@ -147,10 +147,11 @@ def test_cli_refuses_without_root(tmp_path):
     assert "missing root" in proc.stderr
 
 
-def test_cli_run_without_command_is_usage_error(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "hetcomm", "emulate", "run", "--cluster", MINI, "--state-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=60, cwd=REPO,
-    )
-    assert proc.returncode == 2
-    assert "nothing to run" in proc.stderr or "missing root" in proc.stderr
+def test_cli_run_without_command_is_usage_error(tmp_path, capsys):
+    from hetcomm.cli.main import main
+
+    assert main(["emulate", "run", "--cluster", MINI, "--state-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to run" in err or "missing root" in err
+    assert main(["emulate"]) == 2
+    assert "missing action" in capsys.readouterr().err

@@ -167,18 +167,18 @@ def replication(rank: int, world_size: int, num_hot_list: List[int], steps: int 
     # --- identical outputs and identical training with and without replication -------------
     num_hot = num_hot_list[0]
     a, b = make(True, num_hot), make(False, num_hot)
-    opt_a = torch.optim.Adam([p for p in a.parameters() if p.requires_grad], lr=1e-2)
-    opt_b = torch.optim.Adam([p for p in b.parameters() if p.requires_grad], lr=1e-2)
+    opt_a = torch.optim.SGD([p for p in a.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    opt_b = torch.optim.SGD([p for p in b.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
     max_out = max_param = 0.0
     for step in range(steps + 1):
         x = zipf_gate_input(T, E, D, 1.2, seed=200 + 10 * step + rank)
         ya, yb = a(x), b(x)
-        max_out = max(max_out, float((ya - yb).abs().max()))
+        max_out = max(max_out, float((ya - yb).detach().abs().max()))
         ya.square().mean().backward()
         yb.square().mean().backward()
         opt_a.step(); opt_b.step(); opt_a.zero_grad(); opt_b.zero_grad()
     for pa, pb in zip(a.experts.parameters(), b.experts.parameters()):
-        max_param = max(max_param, float((pa - pb).abs().max()))
+        max_param = max(max_param, float((pa - pb).detach().abs().max()))
     a.sync_replicas()
     # Replicas vs owners: every rank contributes its copies; compare through an all-reduce.
     hot = a.replicator.hot

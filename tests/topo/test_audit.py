@@ -18,13 +18,12 @@ from hetcomm.topo.audit import (
     parse_size,
     run_audit,
 )
-from hetcomm.topo.cluster import load_cluster
+from hetcomm.topo.cluster import load_cluster, load_cluster_text
 from hetcomm.topo.model import Device, Link, LinkClass, Measurement, Nic, Topology
 from hetcomm.topo.parse import parse_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MINI = os.path.join(REPO, "configs", "clusters", "mixed-mini.yaml")
-BIG = os.path.join(REPO, "configs", "clusters", "mixed-a100-h800-910b.yaml")
 
 
 def parsed(fixture_path, *names) -> Topology:
@@ -45,24 +44,36 @@ def gpus(n, model=None, **kw):
 
 def mesh(topo, names, cls, raw, gbps=None):
     for i, a in enumerate(names):
-        for b in names[i + 1:]:
+        for b in names[i + 1 :]:
             topo.add_link(Link(a, b, cls, raw=raw, gbps=gbps, source="test"))
 
 
 def test_every_finding_has_a_meaning_fix_and_valid_severity(fixture_path):
-    topo = parsed(fixture_path, "lsmod_nvidia_peermem_bound_vs_unbound.txt",
-                  "ibstat_cx7_roce200_cx6dx_down_truncated.txt")
+    topo = parsed(
+        fixture_path,
+        "lsmod_nvidia_peermem_bound_vs_unbound.txt",
+        "ibstat_cx7_roce200_cx6dx_down_truncated.txt",
+    )
     for f in audit(topo):
         assert f.code in FINDING_CODES and f.fix and f.message
         assert f.severity in ("error", "warning", "info")
     assert set(FINDING_CODES) == {
-        "pcie-not-sxm", "nvlink-degraded", "nic-numa-mismatch", "numa-unknown", "no-gdr",
-        "nccl-ib-disabled", "nccl-p2p-shm-fallback", "p2p-not-supported", "rdma-port-down",
-        "fabric-manager-missing", "hccs-missing",
+        "pcie-not-sxm",
+        "nvlink-degraded",
+        "nic-numa-mismatch",
+        "numa-unknown",
+        "no-gdr",
+        "nccl-ib-disabled",
+        "nccl-p2p-shm-fallback",
+        "p2p-not-supported",
+        "rdma-port-down",
+        "fabric-manager-missing",
+        "hccs-missing",
     }
 
 
 # -- fixtures: the Done-when signatures --------------------------------------------------------
+
 
 def test_h800_box_is_clean(fixture_path):
     topo = parsed(fixture_path, "nvsmi_topo_h800_nv8_mlx5_bond.txt")
@@ -72,7 +83,8 @@ def test_h800_box_is_clean(fixture_path):
 def test_l40s_reports_nic_numa_mismatch_for_the_socket_without_nics(fixture_path):
     findings = audit(parsed(fixture_path, "nvsmi_topo_l40s_x4_pcie_nic_numa_mismatch.txt"))
     assert codes(findings, "nic-numa-mismatch") == [
-        ("nic-numa-mismatch", "warning", "GPU0"), ("nic-numa-mismatch", "warning", "GPU1"),
+        ("nic-numa-mismatch", "warning", "GPU0"),
+        ("nic-numa-mismatch", "warning", "GPU1"),
     ]
     assert "mlx5_0" in findings[0].message and "SYS" in findings[0].message
 
@@ -95,8 +107,13 @@ def test_shm_log_reports_p2p_fallback_with_the_env_override(fixture_path):
 
 
 def test_unbound_peermem_with_rdma_nics_is_no_gdr(fixture_path):
-    findings = audit(parsed(fixture_path, "lsmod_nvidia_peermem_bound_vs_unbound.txt",
-                            "ibstat_cx7_roce200_cx6dx_down_truncated.txt"))
+    findings = audit(
+        parsed(
+            fixture_path,
+            "lsmod_nvidia_peermem_bound_vs_unbound.txt",
+            "ibstat_cx7_roce200_cx6dx_down_truncated.txt",
+        )
+    )
     assert ("no-gdr", "error", "mlx5_0, mlx5_1, mlx5_10") in codes(findings)
     assert ("rdma-port-down", "warning", "mlx5_10") in codes(findings)
 
@@ -105,7 +122,7 @@ def test_bound_peermem_alone_is_not_no_gdr(fixture_path, tmp_path):
     # The first listing of the capture is the bound case: cut it out into its own file.
     lines = open(fixture_path("lsmod_nvidia_peermem_bound_vs_unbound.txt")).read().splitlines()
     bound = tmp_path / "lsmod_bound.txt"
-    bound.write_text("\n".join(l.strip() for l in lines[3:6]) + "\n")
+    bound.write_text("\n".join(ln.strip() for ln in lines[3:6]) + "\n")
     topo = Topology().merge(parse_file(str(bound)))
     assert topo.facts["peermem"] is True
     topo.merge(parse_file(fixture_path("ibstat_cx7_roce200_cx6dx_down_truncated.txt")))
@@ -113,7 +130,10 @@ def test_bound_peermem_alone_is_not_no_gdr(fixture_path, tmp_path):
 
 
 def test_lsmod_alone_without_rdma_nics_is_not_no_gdr(fixture_path):
-    assert codes(audit(parsed(fixture_path, "lsmod_nvidia_peermem_bound_vs_unbound.txt")), "no-gdr") == []
+    assert (
+        codes(audit(parsed(fixture_path, "lsmod_nvidia_peermem_bound_vs_unbound.txt")), "no-gdr")
+        == []
+    )
 
 
 def test_pcie_a100_against_an_sxm_cluster_label_is_pcie_not_sxm(fixture_path):
@@ -122,7 +142,8 @@ def test_pcie_a100_against_an_sxm_cluster_label_is_pcie_not_sxm(fixture_path):
     topo = parsed(fixture_path, "nvsmi_a100_pcie_x2_nvlink_inactive.txt")
     findings = audit(topo, load_cluster(MINI))
     assert codes(findings, "pcie-not-sxm") == [
-        ("pcie-not-sxm", "error", "GPU0"), ("pcie-not-sxm", "error", "GPU1"),
+        ("pcie-not-sxm", "error", "GPU0"),
+        ("pcie-not-sxm", "error", "GPU1"),
     ]
     assert "A100-PCIE-40GB" in findings[0].message and "mixed-mini.yaml" in findings[0].message
 
@@ -150,10 +171,16 @@ def test_sxm_model_with_pcie_only_matrix_is_pcie_not_sxm_but_not_in_topo_mp_view
 
 
 def test_dgx1_topo_mp_capture_is_not_pcie_not_sxm(fixture_path):
+    # `topo -mp` hides NVLink: its PIX/PHB/SYS between SXM GPUs are not evidence. The DGX-1's
+    # V100 has no entry in the NVLink table, so label the GPUs with an SXM model that has one.
     topo = parsed(fixture_path, "nvsmi_topo_mp_dgx1_v100_pcie_only.txt")
+    assert topo.facts.get("pcie_view") is True
     for d in topo.devices:
-        d.model = d.model or "V100-SXM2-32GB"
+        if d.vendor == "nvidia":
+            d.model = "A100-SXM4-40GB"
     assert codes(audit(topo), "pcie-not-sxm") == []
+    topo.facts["pcie_view"] = False  # the same matrix from `topo -m` would be a finding
+    assert len(codes(audit(topo), "pcie-not-sxm")) == 8
 
 
 def test_label_only_devices_are_never_audited_as_hardware():
@@ -162,6 +189,7 @@ def test_label_only_devices_are_never_audited_as_hardware():
 
 
 # -- nvlink-degraded -----------------------------------------------------------------------------
+
 
 def test_nvlink_degraded_from_matrix_and_from_nvlink_status():
     topo = Topology(devices=gpus(8, "H800"))
@@ -195,6 +223,7 @@ def test_full_nvlink_fixtures_are_not_degraded(fixture_path):
 
 # -- numa, p2p, ports, fabric, hccs -------------------------------------------------------------
 
+
 def test_numa_na_and_flattened_numa(fixture_path):
     na = audit(parsed(fixture_path, "nvsmi_topo_pcie8_pix_pxb_sys_numa_na.txt"))
     assert [c for c, _, _ in codes(na)] == ["numa-unknown"]
@@ -219,8 +248,16 @@ def test_p2p_matrix_statuses():
 def test_fabric_manager(fixture_path):
     (f,) = audit(parsed(fixture_path, "lspci_nn_a100_nvswitch_vm.txt"))
     assert (f.code, f.severity) == ("fabric-manager-missing", "info")
-    assert audit(parsed(fixture_path, "lspci_nn_a100_nvswitch_vm.txt",
-                        "fabricmanager_log_nvls_multicast.txt")) == []
+    assert (
+        audit(
+            parsed(
+                fixture_path,
+                "lspci_nn_a100_nvswitch_vm.txt",
+                "fabricmanager_log_nvls_multicast.txt",
+            )
+        )
+        == []
+    )
     down = parsed(fixture_path, "lspci_nn_a100_nvswitch_vm.txt")
     down.facts["fabric_manager"] = "not-running"
     (f,) = audit(down)
@@ -228,7 +265,10 @@ def test_fabric_manager(fixture_path):
 
 
 def test_hccs_missing_on_910b_but_not_on_910a_rings(fixture_path):
-    assert audit(parsed(fixture_path, "npusmi_topo_910b3_x8_hccs.txt", "npusmi_info_910b3_x8.txt")) == []
+    assert (
+        audit(parsed(fixture_path, "npusmi_topo_910b3_x8_hccs.txt", "npusmi_info_910b3_x8.txt"))
+        == []
+    )
     npus = [Device(f"NPU{i}", "ascend", "910B3", index=i) for i in range(4)]
     topo = Topology(devices=npus)
     mesh(topo, [d.name for d in npus], LinkClass.HCCS, "HCCS")
@@ -255,22 +295,29 @@ def test_nccl_net_ib_without_gdrdma_is_no_gdr_but_ascend_only_is_exempt():
     topo.add_link(Link("rank0", "rank8", LinkClass.NET_IB, raw="NET/IB/0", source="log"))
     (f,) = audit(topo)
     assert f.code == "no-gdr" and "NET/IB/0" in f.message
-    ascend = Topology(devices=[Device("NPU0", "ascend", "910B")],
-                      nics=[Nic("hns_0", "Ethernet", 200.0, "Active", port=1)],
-                      facts={"peermem": False})
+    ascend = Topology(
+        devices=[Device("NPU0", "ascend", "910B")],
+        nics=[Nic("hns_0", "Ethernet", 200.0, "Active", port=1)],
+        facts={"peermem": False},
+    )
     assert audit(ascend) == []
 
 
 def test_audit_is_idempotent_and_sorted(fixture_path):
-    topo = parsed(fixture_path, "lsmod_nvidia_peermem_bound_vs_unbound.txt",
-                  "ibstat_cx7_roce200_cx6dx_down_truncated.txt")
+    topo = parsed(
+        fixture_path,
+        "lsmod_nvidia_peermem_bound_vs_unbound.txt",
+        "ibstat_cx7_roce200_cx6dx_down_truncated.txt",
+    )
     first = audit(topo)
     assert audit(topo) == first and len(topo.findings) == len(first)
-    assert [f.severity for f in first] == sorted((f.severity for f in first),
-                                                 key=["error", "warning", "info"].index)
+    assert [f.severity for f in first] == sorted(
+        (f.severity for f in first), key=["error", "warning", "info"].index
+    )
 
 
 # -- (a) all-to-all estimate --------------------------------------------------------------------
+
 
 def test_alltoall_estimate_formula_on_a_hand_built_topology():
     # 4 ranks: 0-1 NVLink 2400 Gb/s, 2-3 NVLink, every other pair RoCE 200 Gb/s.
@@ -284,11 +331,13 @@ def test_alltoall_estimate_formula_on_a_hand_built_topology():
     rows = {r.link_class: r for r in est.rows}
     chunk = size / 4
     nv = rows[LinkClass.NVLINK]
-    assert (nv.num_pairs, nv.max_peers, nv.bytes_per_rank) == (2, 1, chunk)
+    assert (nv.num_pairs, nv.num_peers, nv.bytes_per_rank) == (2, 1, chunk)
     assert nv.time_us == pytest.approx(ALPHA_US[LinkClass.NVLINK] + chunk * 8 / 2400e9 * 1e6)
     roce = rows[LinkClass.NET_ROCE_GDR]
-    assert (roce.num_pairs, roce.max_peers) == (4, 2)
-    assert roce.time_us == pytest.approx(ALPHA_US[LinkClass.NET_ROCE_GDR] + 2 * chunk * 8 / 200e9 * 1e6)
+    assert (roce.num_pairs, roce.num_peers) == (4, 2)
+    assert roce.time_us == pytest.approx(
+        ALPHA_US[LinkClass.NET_ROCE_GDR] + 2 * chunk * 8 / 200e9 * 1e6
+    )
     assert est.bottleneck == LinkClass.NET_ROCE_GDR and est.time_us == roce.time_us
     assert est.serial_time_us == pytest.approx(nv.time_us + roce.time_us)
     assert est.algbw_gbs == pytest.approx(size / (est.time_us * 1e-6) / 1e9)
@@ -302,18 +351,44 @@ def test_alltoall_estimate_on_the_mini_cluster_is_bounded_by_the_bridge():
     assert est.num_ranks == 4 and est.bottleneck == LinkClass.HOST_BRIDGE
     bridge = [r for r in est.rows if r.link_class == LinkClass.HOST_BRIDGE][0]
     # rank3 (the 910B) reaches its 3 peers over the bridge at 100 Gb/s, alpha 30 us.
-    assert bridge.max_peers == 3
+    assert bridge.num_peers == 3
     assert bridge.time_us == pytest.approx(30 + 3 * (4 << 20) * 8 / 100e9 * 1e6)
     assert any("labels" in n for n in est.notes)
 
 
-def test_alltoall_estimate_scales_with_the_big_cluster():
-    cluster = load_cluster(BIG)
-    est = estimate_alltoall(cluster.to_topology(), 64 << 20, cluster=cluster)
-    assert est.num_ranks == cluster.num_ranks
-    assert sum(r.num_pairs for r in est.rows) == cluster.num_ranks * (cluster.num_ranks - 1) // 2
-    small = estimate_alltoall(cluster.to_topology(), 1 << 20, cluster=cluster)
-    assert small.time_us < est.time_us
+MEDIUM = """
+name: medium
+node_groups:
+  - name: a100
+    count: 2
+    device: {model: A100-SXM4-80GB, count: 4}
+    nics: [{class: NET_IB_GDR, gbps: 200, count: 4}]
+  - name: ascend
+    count: 1
+    device: {model: 910B, count: 4}
+    nics: [{class: NET_ROCE, gbps: 200, count: 4}]
+interconnect:
+  cross_vendor: {class: HOST_BRIDGE, gbps: 100, latency_us: 30}
+"""
+
+
+def test_alltoall_estimate_counts_every_pair_of_a_multi_node_cluster():
+    cluster = load_cluster_text(MEDIUM)
+    topo = cluster.to_topology()
+    est = estimate_alltoall(topo, 64 << 20, cluster=cluster)
+    assert est.num_ranks == 12
+    assert sum(r.num_pairs for r in est.rows) == 12 * 11 // 2
+    peers = {r.link_class: r.num_peers for r in est.rows}
+    assert peers == {
+        LinkClass.NVLINK: 3,
+        LinkClass.HCCS: 3,
+        LinkClass.NET_IB_GDR: 4,
+        LinkClass.HOST_BRIDGE: 8,
+    }
+    small = estimate_alltoall(topo, 1 << 20, cluster=cluster)
+    assert (
+        small.time_us < est.time_us and small.bottleneck == est.bottleneck == LinkClass.HOST_BRIDGE
+    )
 
 
 def test_alltoall_estimate_edge_cases():
@@ -327,8 +402,10 @@ def test_alltoall_estimate_edge_cases():
         estimate_alltoall(unknown, 0)
 
 
-@pytest.mark.parametrize("text,value", [("64M", 64 << 20), ("1G", 1 << 30), ("4096", 4096),
-                                        ("8 KiB", 8192), ("1.5K", 1536)])
+@pytest.mark.parametrize(
+    "text,value",
+    [("64M", 64 << 20), ("1G", 1 << 30), ("4096", 4096), ("8 KiB", 8192), ("1.5K", 1536)],
+)
 def test_parse_size(text, value):
     assert parse_size(text) == value
 
@@ -340,6 +417,7 @@ def test_parse_size_rejects(text):
 
 
 # -- (b) cross-vendor, (c) measurements --------------------------------------------------------
+
 
 def test_cross_vendor_answers(fixture_path):
     cluster = load_cluster(MINI)
@@ -355,11 +433,13 @@ def test_cross_vendor_answers(fixture_path):
 
 
 def test_measurement_rows_and_full_report():
-    topo = Topology(measurements=[
-        Measurement("alltoall", 1 << 20, 50.0, 20.97, 18.35, num_ranks=8, source="b"),
-        Measurement("alltoall", 1024, 20.0, 0.05, 0.04, num_ranks=8, source="b"),
-        Measurement("allreduce", 1024, 20.0, 0.05, 0.09, num_ranks=8, source="b"),
-    ])
+    topo = Topology(
+        measurements=[
+            Measurement("alltoall", 1 << 20, 50.0, 20.97, 18.35, num_ranks=8, source="b"),
+            Measurement("alltoall", 1024, 20.0, 0.05, 0.04, num_ranks=8, source="b"),
+            Measurement("allreduce", 1024, 20.0, 0.05, 0.09, num_ranks=8, source="b"),
+        ]
+    )
     rows = measurement_rows(topo, "alltoall")
     assert [r["size_bytes"] for r in rows] == [1024, 1 << 20]
     report = run_audit(topo, size_bytes=1 << 20)

@@ -10,6 +10,8 @@ import importlib
 import os
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import hetcomm.topo.parse as P
 from hetcomm.errors import TopologyParseError, UsageError
@@ -233,6 +235,18 @@ def test_utf16_with_bom_is_read(tmp_path):
     assert len(P.parse_file(str(f)).links) == 28
 
 
+def test_gzipped_log_is_read(tmp_path):
+    import gzip
+
+    f = tmp_path / "nccl.log.gz"
+    f.write_bytes(gzip.compress(read("nccl_log_p4d_ib_disabled_net_socket.txt").encode()))
+    assert P.parse_file(str(f)).facts["nccl_net_class"] == "NET_SOCKET"
+    bad = tmp_path / "cut.log.gz"
+    bad.write_bytes(f.read_bytes()[:40])
+    with pytest.raises(TopologyParseError, match="corrupt gzip"):
+        P.parse_file(str(bad))
+
+
 def test_parse_files_merges_captures_of_one_node():
     paths = [
         os.path.join(FIXTURES, n)
@@ -241,3 +255,42 @@ def test_parse_files_merges_captures_of_one_node():
     topo = P.parse_files(paths)
     assert topo.facts["sources"] == paths
     assert topo.device("NPU3").model == "910B3" and topo.device("NPU3").cpu_affinity == "96-119"
+
+
+_CACHE: dict = {}
+OUR_FIXTURES = sorted(n for n, (primary, _, _) in EXPECTED.items() if primary in OURS)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(OUR_FIXTURES),
+    cut=st.floats(min_value=0.0, max_value=1.0),
+    drop=st.integers(min_value=0, max_value=200),
+    junk=st.sampled_from(["", "X", "\t\t", "NPU9", "CA 'x'", "Port 3:", " -> ", "|", ": :"]),
+)
+def test_mangled_captures_never_crash(name, cut, drop, junk):
+    # Truncated at a random point, one line replaced by junk: every parser of ours either
+    # returns a Topology or raises TopologyParseError, never IndexError/ValueError/KeyError.
+    full = _CACHE.setdefault(name, read(name))
+    lines = full[: int(len(full) * cut)].splitlines()
+    if lines:
+        lines[drop % len(lines)] = junk
+    text = "\n".join(lines)
+    for module in OURS:
+        for _fmt, _, parse in importlib.import_module(f"hetcomm.topo.parse.{module}").FORMATS:
+            try:
+                parse(text, name)
+            except TopologyParseError:
+                pass
+    try:
+        P.parse_text(text, name)
+    except TopologyParseError:
+        pass
+
+
+def test_header_only_text_raises_parse_error_in_every_parser():
+    # Found by fuzzing: a provenance header and nothing else must not index an empty line list.
+    for module in OURS:
+        for _fmt, _, parse in importlib.import_module(f"hetcomm.topo.parse.{module}").FORMATS:
+            with pytest.raises(TopologyParseError):
+                parse("# source: synthetic header only\n", "h.txt")

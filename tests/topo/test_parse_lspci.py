@@ -27,9 +27,15 @@ def test_a100_nvswitch_vm(fixture_path):
     topo = parse_lspci(text, "lspci.txt")
     gpus = topo.devices
     assert [d.name for d in gpus] == [f"GPU{i}" for i in range(8)]
-    assert {(d.model, d.pci_device_id, d.vendor) for d in gpus} == {("A100-SXM4-80GB", "10de:20b2", "nvidia")}
+    assert {(d.model, d.pci_device_id, d.vendor) for d in gpus} == {
+        ("A100-SXM4-80GB", "10de:20b2", "nvidia")
+    }
     assert [d.pci_bus_id for d in gpus][:5] == [
-        "0001:00:00.0", "0002:00:00.0", "0003:00:00.0", "0004:00:00.0", "000b:00:00.0"
+        "0001:00:00.0",
+        "0002:00:00.0",
+        "0003:00:00.0",
+        "0004:00:00.0",
+        "000b:00:00.0",
     ]
     assert all(is_sxm_model(d.model) for d in gpus)
     assert topo.facts["form_factor"] == {f"GPU{i}": "SXM" for i in range(8)}
@@ -85,14 +91,20 @@ def test_plain_lspci_without_ids_is_read_when_asked():
     text = "3d:00.0 Processing accelerators: Huawei Technologies Co., Ltd. Device d801 (rev 20)\n"  # synthetic
     assert not sniff_lspci(text)  # no [vendor:device] ids: left to the Ascend parser's sniffer
     topo = parse_lspci(text)
-    assert [(d.name, d.model, d.pci_device_id) for d in topo.devices] == [("NPU0", "910A", "19e5:d801")]
+    assert [(d.name, d.model, d.pci_device_id) for d in topo.devices] == [
+        ("NPU0", "910A", "19e5:d801")
+    ]
 
 
 def test_no_gpu_no_switch_means_zero_switches_only_when_nvidia_seen():
-    topo = parse_lspci("17:00.0 3D controller [0302]: NVIDIA Corporation Device [10de:20b5]\n")  # synthetic
+    topo = parse_lspci(
+        "17:00.0 3D controller [0302]: NVIDIA Corporation Device [10de:20b5]\n"
+    )  # synthetic
     assert topo.facts["nvswitch_count"] == 0
     assert topo.devices[0].model == "A100-PCIE-80GB"
-    topo = parse_lspci("29:00.0 Ethernet controller [0200]: Mellanox Technologies Device [15b3:101d]\n")
+    topo = parse_lspci(
+        "29:00.0 Ethernet controller [0200]: Mellanox Technologies Device [15b3:101d]\n"
+    )
     assert "nvswitch_count" not in topo.facts
 
 
@@ -100,7 +112,10 @@ def test_errors():
     with pytest.raises(TopologyParseError, match=r"pci.txt:1: empty input"):
         parse_lspci("", "pci.txt")
     with pytest.raises(TopologyParseError, match="no lspci line of an NVIDIA") as err:
-        parse_lspci("# source: x\n00:1f.2 SATA controller [0106]: Intel Corporation Device [8086:a102]\n", "pci.txt")
+        parse_lspci(
+            "# source: x\n00:1f.2 SATA controller [0106]: Intel Corporation Device [8086:a102]\n",
+            "pci.txt",
+        )
     assert err.value.line == 2
     assert not sniff_lspci("00:1f.2 SATA controller [0106]: Intel Corporation Device [8086:a102]\n")
 
@@ -127,8 +142,10 @@ def test_fabricmanager_log_fixture(fixture_path):
     topo = parse_fabricmanager_log(text, "fm.log")
     assert topo.facts["fabric_manager"] == "running"  # it served multicast team requests
     assert topo.facts["fabric_manager_errors"] == [
-        "fm.log:101: detected NVSwitch non-fatal error 12028 on fid 0 on NVSwitch pci bus id "
-        "00000000:86:00.0 physical id 3 port 61"
+        (
+            "fm.log:101: detected NVSwitch non-fatal error 12028 on fid 0 on NVSwitch pci bus id "
+            "00000000:86:00.0 physical id 3 port 61"
+        )
     ]
     assert topo.facts["formats"] == ["fabricmanager-log"]
 
@@ -154,3 +171,16 @@ def test_fabricmanager_errors():
 
 def test_formats_contract():
     assert [name for name, _, _ in lspci.FORMATS] == ["lspci", "fabricmanager-log"]
+
+
+def test_every_truncation_parses_or_fails_cleanly(fixture_path):
+    for name, parse in (
+        ("lspci_nn_a100_nvswitch_vm.txt", parse_lspci),
+        ("fabricmanager_log_nvls_multicast.txt", parse_fabricmanager_log),
+    ):
+        text = _read(fixture_path, name)
+        for cut in range(0, len(text), 53):
+            try:
+                parse(text[:cut], "cut.txt")
+            except TopologyParseError as err:
+                assert err.path == "cut.txt"

@@ -225,3 +225,28 @@ def test_synthetic_newer_nccl_spellings():
     assert topo.nic("mlx5_0").gdr is True
     assert topo.link("rank0", "rank9").link_class == LinkClass.NET_ROCE_GDR
     assert topo.facts["nccl_net_class"] == "NET_ROCE_GDR"
+
+
+def test_synthetic_older_nccl_init_line():
+    # Synthetic, NCCL 2.10 style: no function name, no nvmlDev/commId.
+    text = _line("old", 5, 3, "comm 0x55d0 rank 3 nranks 4 cudaDev 3 busId 3b000 - Init COMPLETE")
+    topo = nccl_log.parse_nccl_log(text)
+    dev = topo.device("rank3")
+    assert (dev.index, dev.pci_bus_id, dev.host) == (3, "0000:3b:00.0", "old")
+
+
+def test_synthetic_renumbering_communicators_warn():
+    # Synthetic: two 2-rank communicators whose rank 0 is a different GPU; channel lines cannot
+    # say which communicator they belong to, so the parser must say so.
+    init = "ncclCommInitRank comm 0x{c} rank 0 nranks 2 cudaDev {d} busId {b} commId 0x{c}"
+    text = "\n".join(
+        [
+            _line("n", 1, 0, init.format(c="a", d=0, b="18000")),
+            _line("n", 2, 1, init.format(c="b", d=1, b="2a000")),
+        ]
+    )
+    topo = nccl_log.parse_nccl_log(text, "two.log")
+    assert topo.device("rank0").index == 0  # the first communicator's numbering is kept
+    (warning,) = topo.facts["parse_warnings"]
+    assert warning.startswith("two.log:2:") and "0xb" in warning and "0xa" in warning
+    assert topo.facts["nccl_comms"] == {"0xa": 2, "0xb": 2}

@@ -6,7 +6,12 @@ import pytest
 
 from hetcomm.errors import TopologyParseError
 from hetcomm.topo.parse import nccl_tests
-from hetcomm.topo.parse.nccl_tests import busbw_factor, normalize_op, parse_nccl_tests, sniff_nccl_tests
+from hetcomm.topo.parse.nccl_tests import (
+    busbw_factor,
+    normalize_op,
+    parse_nccl_tests,
+    sniff_nccl_tests,
+)
 
 FIXTURE = "nccltests_alltoall_perf_b300_1node_2node.txt"
 
@@ -27,9 +32,18 @@ def test_b300_two_blocks(fixture_path):
     assert [m.num_ranks for m in ms] == [8, 8, 16, 16]
     first = ms[0]
     assert (first.size_bytes, first.count, first.dtype, first.redop, first.root) == (
-        8589934592, 268435456, "float", "none", -1
+        8589934592,
+        268435456,
+        "float",
+        "none",
+        -1,
     )
-    assert (first.time_us, first.algbw_gbps, first.busbw_gbps, first.wrong) == (11126.0, 772.06, 675.55, 0)
+    assert (first.time_us, first.algbw_gbps, first.busbw_gbps, first.wrong) == (
+        11126.0,
+        772.06,
+        675.55,
+        0,
+    )
     assert ms[1].wrong is None  # in-place #wrong is N/A
     assert (ms[2].time_us, ms[2].algbw_gbps, ms[2].busbw_gbps) == (44498.0, 193.04, 180.98)
     assert {m.source for m in ms} == {"b300.txt"}
@@ -83,7 +97,11 @@ def test_old_layout_keyed_on_header():
     assert {m.op for m in allreduce} == {"allreduce"} and {m.op for m in alltoall} == {"alltoall"}
     assert allreduce[0].redop == "sum" and allreduce[0].root is None
     assert alltoall[0].redop is None  # the blank cell
-    assert (alltoall[0].time_us, alltoall[0].algbw_gbps, alltoall[0].busbw_gbps) == (30000.0, 8.95, 8.39)
+    assert (alltoall[0].time_us, alltoall[0].algbw_gbps, alltoall[0].busbw_gbps) == (
+        30000.0,
+        8.95,
+        8.39,
+    )
     # "error" is a max deviation: 0 means nothing wrong; 2e-06 is not a count of wrong values.
     assert [m.wrong for m in allreduce] == [None, None, 0, 0]
     # No Rank lines: n solved from busbw = algbw*2(n-1)/n and algbw*(n-1)/n, both give 16.
@@ -151,8 +169,12 @@ def test_num_ranks_none_when_no_single_n_fits():
 
 @pytest.mark.parametrize(
     "name, op",
-    [("all_reduce_perf", "allreduce"), ("./build/alltoall_perf_mpi", "alltoall"),
-     ("reduce_scatter_perf", "reducescatter"), ("sendrecv", "sendrecv")],
+    [
+        ("all_reduce_perf", "allreduce"),
+        ("./build/alltoall_perf_mpi", "alltoall"),
+        ("reduce_scatter_perf", "reducescatter"),
+        ("sendrecv", "sendrecv"),
+    ],
 )
 def test_normalize_op(name, op):
     assert normalize_op(name) == op
@@ -212,3 +234,18 @@ def test_non_numeric_cell():
 
 def test_formats_contract():
     assert [name for name, _, _ in nccl_tests.FORMATS] == ["nccl-tests"]
+
+
+def test_numbers_after_a_finished_table_are_not_rows(fixture_path):
+    # synthetic: a table, its footer, then another tool's numeric output in the same capture.
+    text = _read(fixture_path, FIXTURE) + "\n$ numastat -c\n 0  1  2  3\n 12 34 56 78\n"
+    assert len(parse_nccl_tests(text).measurements) == 4
+
+
+def test_every_truncation_parses_or_fails_cleanly(fixture_path):
+    text = _read(fixture_path, FIXTURE)
+    for cut in range(0, len(text), 23):
+        try:
+            parse_nccl_tests(text[:cut], "cut.txt")
+        except TopologyParseError as err:
+            assert err.path == "cut.txt"

@@ -38,7 +38,13 @@ def test_oci_h100_nics(fixture_path):
     topo = parse_nccl_xml(_read(fixture_path, FIXTURE))
     assert len(topo.nics) == 16
     mlx0 = topo.nic("mlx5_0")
-    assert (mlx0.rate_gbps, mlx0.link_layer, mlx0.gdr, mlx0.port, mlx0.numa) == (180.0, "Ethernet", True, 1, 0)
+    assert (mlx0.rate_gbps, mlx0.link_layer, mlx0.gdr, mlx0.port, mlx0.numa) == (
+        180.0,
+        "Ethernet",
+        True,
+        1,
+        0,
+    )
     assert mlx0.pci_bus_id == "0000:0c:00.0"
     assert topo.nic("mlx5_1").port == 2
     assert topo.nic("mlx5_17").numa == 1
@@ -143,14 +149,32 @@ def test_errors():
     with pytest.raises(TopologyParseError, match="no <gpu> and no <net>"):
         parse_nccl_xml('<system version="1"><cpu numaid="0"/></system>')
     with pytest.raises(TopologyParseError, match="dev='x'"):
-        parse_nccl_xml('<system><cpu numaid="0"><pci busid="0000:01:00.0" class="0x030200">'
-                       '<gpu dev="x"/></pci></cpu></system>')
+        parse_nccl_xml(
+            '<system><cpu numaid="0"><pci busid="0000:01:00.0" class="0x030200">'
+            '<gpu dev="x"/></pci></cpu></system>'
+        )
     with pytest.raises(TopologyParseError, match="count='many'"):
-        parse_nccl_xml('<system><cpu numaid="0"><pci busid="0000:01:00.0" class="0x030200">'
-                       '<gpu dev="0"><nvlink target="0000:02:00.0" count="many" tclass="0x068000"/>'
-                       '</gpu></pci></cpu></system>')
+        parse_nccl_xml(
+            '<system><cpu numaid="0"><pci busid="0000:01:00.0" class="0x030200">'
+            '<gpu dev="0"><nvlink target="0000:02:00.0" count="many" tclass="0x068000"/>'
+            "</gpu></pci></cpu></system>"
+        )
+    two_gpu0 = (
+        '<system><cpu numaid="0"><pci busid="0000:01:00.0" class="0x030200"><gpu dev="0"/></pci>'
+        '<pci busid="0000:02:00.0" class="0x030200"><gpu dev="0"/></pci></cpu></system>'
+    )
+    with pytest.raises(TopologyParseError, match="GPU0 appear"):
+        parse_nccl_xml(two_gpu0)
     assert not sniff_nccl_xml("<html><body>system</body></html>")
 
 
 def test_formats_contract():
     assert [name for name, _, _ in nccl_xml.FORMATS] == ["nccl-xml"]
+
+
+def test_every_truncation_fails_cleanly(fixture_path):
+    text = _read(fixture_path, FIXTURE)
+    for cut in range(0, len(text) - 20, 211):  # any cut before </system> is malformed XML
+        with pytest.raises(TopologyParseError) as err:
+            parse_nccl_xml(text[:cut], "cut.xml")
+        assert err.value.path == "cut.xml"

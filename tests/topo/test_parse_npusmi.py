@@ -255,3 +255,19 @@ def test_hccn_link_status_synthetic():
 def test_hccn_nothing_raises():
     with pytest.raises(TopologyParseError, match="hccn_tool"):
         hccn.parse_hccn("nothing here\n")
+
+
+def test_topo_synthetic_16_npus_sio_hccs_sw():
+    # Synthetic A3-style matrix: 16 NPUs, die pairs joined by SIO, the rest through an HCCS
+    # switch; single-space separated header.
+    names = [f"NPU{i}" for i in range(16)]
+    rows = [" ".join(names) + " CPU Affinity"]
+    for i in range(16):
+        cells = ["X" if i == j else ("SIO" if i // 2 == j // 2 else "HCCS_SW") for j in range(16)]
+        rows.append(f"NPU{i} " + " ".join(cells) + f" {i * 10}-{i * 10 + 9}")
+    topo = npusmi.parse_npusmi_topo("\n".join(rows))
+    assert len(topo.devices) == 16 and len(topo.links) == 120
+    assert topo.link("NPU10", "NPU11").raw == "SIO"
+    assert topo.link("NPU1", "NPU15").raw == "HCCS_SW"
+    assert topo.link("NPU1", "NPU15").link_class == LinkClass.HCCS
+    assert topo.device("NPU15").cpu_affinity == "150-159"

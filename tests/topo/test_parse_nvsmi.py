@@ -63,7 +63,17 @@ def test_h800_nic_legend_and_rails(fixture_path):
     text = _read(fixture_path, "nvsmi_topo_h800_nv8_mlx5_bond.txt")
     assert "NVIDIA Topology:" in text  # the sglang prefix line
     topo = parse_nvsmi_topo(text)
-    legend = ["mlx5_0", "mlx5_3", "mlx5_4", "mlx5_5", "mlx5_6", "mlx5_7", "mlx5_8", "mlx5_9", "mlx5_bond_0"]
+    legend = [
+        "mlx5_0",
+        "mlx5_3",
+        "mlx5_4",
+        "mlx5_5",
+        "mlx5_6",
+        "mlx5_7",
+        "mlx5_8",
+        "mlx5_9",
+        "mlx5_bond_0",
+    ]
     assert [n.name for n in topo.nics] == legend
     assert topo.nic("NIC0") is None  # legend names replace NICn everywhere
     for i in range(8):
@@ -104,7 +114,11 @@ def test_h100_nv18_with_ibdev2netdev_and_empty_cells(fixture_path):
 def test_l40s_numa_mismatch_signature(fixture_path):
     topo = parse_nvsmi_topo(_read(fixture_path, "nvsmi_topo_l40s_x4_pcie_nic_numa_mismatch.txt"))
     assert not [l for l in topo.links if l.link_class == LinkClass.NVLINK]
-    for gpu, cls in (("GPU0", LinkClass.PCIE_SYS), ("GPU1", LinkClass.PCIE_SYS), ("GPU2", LinkClass.PCIE_NODE)):
+    for gpu, cls in (
+        ("GPU0", LinkClass.PCIE_SYS),
+        ("GPU1", LinkClass.PCIE_SYS),
+        ("GPU2", LinkClass.PCIE_NODE),
+    ):
         assert {topo.link(gpu, n).link_class for n in ("mlx5_0", "mlx5_1")} == {cls}
     assert topo.link("GPU0", "GPU1").link_class == LinkClass.PCIE_NODE
     assert topo.link("GPU1", "GPU2").link_class == LinkClass.PCIE_SYS
@@ -137,7 +151,9 @@ def test_topo_mp_sets_pcie_view(fixture_path):
 
 
 def test_topo_mp_without_command_line_when_named(fixture_path):
-    text = _read(fixture_path, "nvsmi_topo_mp_dgx1_v100_pcie_only.txt").replace("$ nvidia-smi topo -mp", "")
+    text = _read(fixture_path, "nvsmi_topo_mp_dgx1_v100_pcie_only.txt").replace(
+        "$ nvidia-smi topo -mp", ""
+    )
     assert not sniff_nvsmi_topo_mp(text)
     assert parse_nvsmi_topo(text).facts["pcie_view"] is False
     assert parse_nvsmi_topo_mp(text).facts["pcie_view"] is True
@@ -212,11 +228,62 @@ def test_other_counts_extra_columns_and_unknown_tokens():
     assert topo.link("GPU0", "bnxt_re0").link_class == LinkClass.PCIE_PIX
     unknown = topo.link("GPU2", "bnxt_re0")
     assert unknown.link_class == LinkClass.UNKNOWN and unknown.raw == "C2C" and unknown.gbps is None
-    assert [(d.numa, d.cpu_affinity) for d in _gpus(topo)] == [(0, "0-31"), (0, "0-31"), (1, "32-63")]
+    assert [(d.numa, d.cpu_affinity) for d in _gpus(topo)] == [
+        (0, "0-31"),
+        (0, "0-31"),
+        (1, "32-63"),
+    ]
+
+
+# synthetic, in the shape current drivers print on a terminal: an underlined (ANSI) header, the
+# double tab before GPU NUMA ID, and GPUs whose CPU Affinity is empty (outside the cpuset).
+SYNTHETIC_ANSI_EMPTY_AFFINITY = (
+    "\t\x1b[4mGPU0\tGPU1\tGPU2\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
+    "GPU0\t X \tNV18\tNV18\t44-51,148-155\t0\t\tN/A\n"
+    "GPU1\tNV18\t X \tNV18\t\t1\t\tN/A\n"
+    "GPU2\tNV18\tNV18\t X \t\t1\t\t3\n"
+)
+
+
+def test_ansi_header_and_empty_affinity_cells():
+    text = SYNTHETIC_ANSI_EMPTY_AFFINITY
+    assert sniff_nvsmi_topo(text)
+    topo = parse_nvsmi_topo(text)
+    assert [(d.name, d.cpu_affinity, d.numa) for d in topo.devices] == [
+        ("GPU0", "44-51,148-155", 0),
+        ("GPU1", None, 1),  # the empty cell is kept apart from NUMA 1
+        ("GPU2", None, 1),
+    ]
+    assert topo.facts["gpu_numa_id"] == {"GPU2": 3}
+    # The same capture pasted from a web page: ESC bytes lost, "[4m" left behind.
+    pasted = text.replace("\x1b", "")
+    assert [d.numa for d in parse_nvsmi_topo(pasted).devices] == [0, 1, 1]
+
+
+def test_space_separated_row_with_empty_affinity():
+    # synthetic: a tool re-printed the matrix with spaces, so the empty CPU Affinity vanished.
+    text = (
+        "        GPU0    GPU1    CPU Affinity    NUMA Affinity   GPU NUMA ID\n"
+        "GPU0     X      NV4     0-7             0               N/A\n"
+        "GPU1    NV4      X                      1               N/A\n"
+    )
+    topo = parse_nvsmi_topo(text)
+    assert [(d.cpu_affinity, d.numa) for d in topo.devices] == [("0-7", 0), (None, 1)]
+
+
+def test_too_many_trailing_cells_is_rejected():
+    text = (
+        "\tGPU0\tGPU1\tCPU Affinity\nGPU0\t X \tNV4\t0-7\t0\t9\nGPU1\tNV4\t X \t0-7\n"  # synthetic
+    )
+    with pytest.raises(TopologyParseError, match="more cells than the header") as err:
+        parse_nvsmi_topo(text)
+    assert err.value.line == 2
 
 
 def test_single_gpu_matrix():
-    text = "\tGPU0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\nGPU0\t X \t0-63\t0\t\t1\n"  # synthetic
+    text = (
+        "\tGPU0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\nGPU0\t X \t0-63\t0\t\t1\n"  # synthetic
+    )
     assert sniff_nvsmi_topo(text)
     topo = parse_nvsmi_topo(text)
     assert [d.name for d in topo.devices] == ["GPU0"] and topo.links == []
@@ -344,7 +411,8 @@ def test_query_gpu_csv():
 
 
 @pytest.mark.parametrize(
-    "parse", [parse_nvsmi_topo, parse_nvsmi_topo_mp, parse_nvsmi_topo_p2p, parse_nvsmi_nvlink, parse_nvsmi]
+    "parse",
+    [parse_nvsmi_topo, parse_nvsmi_topo_mp, parse_nvsmi_topo_p2p, parse_nvsmi_nvlink, parse_nvsmi],
 )
 def test_empty_input(parse):
     with pytest.raises(TopologyParseError, match=r"topo.txt:1: empty input"):
@@ -380,8 +448,10 @@ def test_misaligned_row_is_rejected():
 
 def test_affinity_in_a_cell_is_rejected():
     # synthetic: GPU1 lost its NV4 cell, so the CPU list slides into the matrix.
-    text = "\tGPU0\tGPU1\tGPU2\tCPU Affinity\tNUMA Affinity\nGPU0\t X \tNV4\tSYS\t0-7\t0\n" \
-           "GPU1\tNV4\t X \t0-7\t0\nGPU2\tSYS\tSYS\t X \t8-15\t1\n"
+    text = (
+        "\tGPU0\tGPU1\tGPU2\tCPU Affinity\tNUMA Affinity\nGPU0\t X \tNV4\tSYS\t0-7\t0\n"
+        "GPU1\tNV4\t X \t0-7\t0\nGPU2\tSYS\tSYS\t X \t8-15\t1\n"
+    )
     with pytest.raises(TopologyParseError, match="'0-7' is not a topology token") as err:
         parse_nvsmi_topo(text)
     assert err.value.line == 3
@@ -418,3 +488,115 @@ def test_formats_contract():
         "nvsmi-nvlink",
         "nvsmi",
     ]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "nvsmi_topo_dgx_a100_mlx5x12.txt",
+        "nvsmi_topo_h800_nv8_mlx5_bond.txt",
+        "nvsmi_topo_h100_nv18_12nic_ibdev2netdev.txt",
+        "nvsmi_topo_mp_dgx1_v100_pcie_only.txt",
+        "nvsmi_nvlink_status_a100_sxm4_8gpu.txt",
+        "nvsmi_a100_pcie_x2_nvlink_inactive.txt",
+    ],
+)
+def test_crlf_captures_sniff_and_parse_alike(fixture_path, name):
+    text = _read(fixture_path, name)
+    crlf = text.replace("\n", "\r\n")  # synthetic: the same capture saved on Windows
+    assert [n for n, sniff, _ in nvsmi.FORMATS if sniff(crlf)] == [
+        n for n, sniff, _ in nvsmi.FORMATS if sniff(text)
+    ]
+    for fmt, sniff, parse in nvsmi.FORMATS:
+        if sniff(text):
+            assert parse(crlf).to_dict() == parse(text).to_dict()
+
+
+def test_old_driver_table_and_windows_driver_model():
+    # synthetic, in the r450 layout (name truncated with "...") and a Windows (WDDM) row.
+    text = """\
++-----------------------------------------------------------------------------+
+| NVIDIA-SMI 450.80.02    Driver Version: 450.80.02    CUDA Version: 11.0     |
+|-------------------------------+----------------------+----------------------+
+| GPU  Name        Persistence-M| Bus-Id        Disp.A | Volatile Uncorr. ECC |
+| Fan  Temp  Perf  Pwr:Usage/Cap|         Memory-Usage | GPU-Util  Compute M. |
+|                               |                      |               MIG M. |
+|===============================+======================+======================|
+|   0  A100-SXM4-40GB      On   | 00000000:07:00.0 Off |                    0 |
+| N/A   32C    P0    56W / 400W |      4MiB / 40537MiB |      0%      Default |
+|                               |                      |              Enabled |
++-------------------------------+----------------------+----------------------+
+|   1  Tesla V100-SXM2...  On   | 00000000:0F:00.0 Off |                    0 |
+| N/A   32C    P0    41W / 300W |      0MiB / 16160MiB |      0%      Default |
+|                               |                      |                  N/A |
++-------------------------------+----------------------+----------------------+
+|   2  NVIDIA GeForce RTX 3090 WDDM  | 00000000:65:00.0  On |              N/A |
+"""
+    topo = parse_nvsmi(text)
+    assert [(d.name, d.model, d.pci_bus_id) for d in topo.devices] == [
+        ("GPU0", "A100-SXM4-40GB", "0000:07:00.0"),
+        ("GPU1", "Tesla V100-SXM2", "0000:0f:00.0"),
+        ("GPU2", "GeForce RTX 3090", "0000:65:00.0"),
+    ]
+    assert topo.facts["persistence_mode"] == {"GPU0": "On", "GPU1": "On"}
+    assert topo.facts["mig"] == {"GPU0": "Enabled", "GPU1": "N/A"}
+    assert topo.facts["power_limit_w"] == {"GPU0": 400, "GPU1": 300}
+
+
+def test_driver_not_loaded_gets_its_own_message():
+    text = (  # nvidia-smi's own message on a host without a loaded driver
+        "$ nvidia-smi\n"
+        "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure "
+        "that the latest NVIDIA driver is installed and running.\n"
+    )
+    assert sniff_nvsmi(text)
+    with pytest.raises(TopologyParseError, match="could not reach the driver") as err:
+        parse_nvsmi(text, "smi.txt")
+    assert err.value.line == 2
+
+
+def test_damaged_nic_legend(fixture_path):
+    text = _read(fixture_path, "nvsmi_topo_h100_nv18_12nic_ibdev2netdev.txt")
+    damaged = text.replace("  NIC10: mlx5_10", "  NIC10: mlx5_1")  # a legend line cut short
+    line = damaged.splitlines().index("  NIC10: mlx5_1") + 1
+    with pytest.raises(TopologyParseError, match="names both NIC1 and NIC10 'mlx5_1'") as err:
+        parse_nvsmi_topo(damaged, "h100.txt")
+    assert err.value.line == line
+
+
+def test_repeated_header_column():
+    text = "\tGPU0\tGPU0\tCPU Affinity\nGPU0\t X \tNV4\t0-7\nGPU0\tNV4\t X \t0-7\n"  # synthetic, damaged
+    with pytest.raises(TopologyParseError, match="names GPU0 more than once") as err:
+        parse_nvsmi_topo(text)
+    assert err.value.line == 1
+
+
+@pytest.mark.parametrize(
+    "name, parse",
+    [
+        ("nvsmi_topo_h800_nv8_mlx5_bond.txt", parse_nvsmi_topo),
+        ("nvsmi_a100_pcie_x2_nvlink_inactive.txt", parse_nvsmi),
+    ],
+)
+def test_every_truncation_parses_or_fails_cleanly(fixture_path, name, parse):
+    """A capture cut at any line, or mid-line, gives a Topology or a TopologyParseError."""
+    text = _read(fixture_path, name)
+    cuts = [i for i, c in enumerate(text) if c == "\n"] + list(range(0, len(text), 211))
+    for cut in cuts:
+        try:
+            parse(text[:cut], "cut.txt")
+        except TopologyParseError as err:
+            assert err.path == "cut.txt"
+
+
+def test_query_gpu_csv_any_field_order():
+    text = (  # synthetic: `--query-gpu=pci.bus_id,name,memory.total --format=csv`
+        "pci.bus_id, name, memory.total [MiB]\n"
+        "00000000:18:00.0, NVIDIA A800-SXM4-80GB, 81920 MiB\n"
+    )
+    assert sniff_nvsmi(text)
+    assert [(d.model, d.pci_bus_id) for d in parse_nvsmi(text).devices] == [
+        ("A800-SXM4-80GB", "0000:18:00.0")
+    ]
+    assert not sniff_nvsmi("a, b, c\n1, 2, 3\n")
+    assert not sniff_nvsmi("name, value\nfoo, 1\n")

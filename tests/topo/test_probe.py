@@ -18,11 +18,13 @@ import types
 import pytest
 
 from hetcomm.topo import probe
+from hetcomm.topo.audit import audit
 from hetcomm.topo.model import LinkClass
 from hetcomm.topo.probe import local_vendors, pcie_path_class, probe_local
 
 
 # -- a sysfs tree builder ------------------------------------------------------------------
+
 
 class SysTree:
     """Builds ``sys/`` and ``proc/`` under a root the way Linux lays them out."""
@@ -43,13 +45,18 @@ class SysTree:
             f.write(text)
         return path
 
-    def pci(self, chain, vendor: str, device: str, pci_class: str, numa: int = -1,
-            cpulist: str = "") -> str:
+    def pci(
+        self, chain, vendor: str, device: str, pci_class: str, numa: int = -1, cpulist: str = ""
+    ) -> str:
         """A PCI function at ``sys/devices/pci0000:xx/<bridges...>/<bdf>`` (last of ``chain``)."""
         rel = os.path.join("sys/devices", *chain)
-        for key, value in (("vendor", f"0x{vendor}"), ("device", f"0x{device}"),
-                           ("class", pci_class), ("numa_node", str(numa)),
-                           ("local_cpulist", cpulist)):
+        for key, value in (
+            ("vendor", f"0x{vendor}"),
+            ("device", f"0x{device}"),
+            ("class", pci_class),
+            ("numa_node", str(numa)),
+            ("local_cpulist", cpulist),
+        ):
             self._write(os.path.join(rel, key), value + "\n")
         bdf = chain[-1]
         link = os.path.join(self.root, "sys/bus/pci/devices", bdf)
@@ -57,8 +64,9 @@ class SysTree:
         os.symlink(os.path.join(self.root, rel), link)
         return os.path.join(self.root, rel)
 
-    def ib(self, name: str, pci_dir: str, rate: str, layer: str, state: str,
-           netdev: str = "") -> None:
+    def ib(
+        self, name: str, pci_dir: str, rate: str, layer: str, state: str, netdev: str = ""
+    ) -> None:
         base = os.path.join(self.root, "sys/class/infiniband", name)
         os.makedirs(base, exist_ok=True)
         os.symlink(pci_dir, os.path.join(base, "device"))
@@ -82,7 +90,9 @@ def hgx_tree(tmp_path):
     gpu1 = t.pci(sw0 + ["0000:02:01.0", "0000:04:00.0"], "10de", "20b2", "0x030200", 0, "0-7")
     nic0 = t.pci(sw0 + ["0000:02:02.0", "0000:05:00.0"], "15b3", "1021", "0x020700", 0, "0-7")
     t.pci(["pci0000:80", "0000:80:01.0", "0000:81:00.0"], "10de", "2331", "0x030200", 1, "8-15")
-    nic1 = t.pci(["pci0000:a0", "0000:a0:01.0", "0000:a1:00.0"], "15b3", "1021", "0x020000", 1, "8-15")
+    nic1 = t.pci(
+        ["pci0000:a0", "0000:a0:01.0", "0000:a1:00.0"], "15b3", "1021", "0x020000", 1, "8-15"
+    )
     t.pci(["pci0000:c0", "0000:c0:00.0"], "10de", "1af1", "0x068000", 1)
     t.pci(["pci0000:c0", "0000:c0:01.0"], "8086", "0001", "0x060400", 1)  # ignored vendor
     t.ib("mlx5_0", nic0, "400 Gb/sec (4X NDR)", "InfiniBand", "4: ACTIVE", netdev="ibp5s0")
@@ -93,6 +103,7 @@ def hgx_tree(tmp_path):
 
 
 # -- PCIe path classes ---------------------------------------------------------------------
+
 
 def test_pcie_path_class_follows_nvidia_smi_levels():
     sw = ["0000:00:01.0", "0000:01:00.0"]
@@ -117,6 +128,7 @@ def test_pcie_path_class_follows_nvidia_smi_levels():
 
 # -- prepared trees ------------------------------------------------------------------------
 
+
 def test_probe_reads_gpus_nics_links_and_gdr_from_sysfs(hgx_tree):
     topo = probe_local(sysfs_root=hgx_tree.root)
     host = topo.facts["host"]
@@ -133,7 +145,12 @@ def test_probe_reads_gpus_nics_links_and_gdr_from_sysfs(hgx_tree):
     assert topo.facts["nvswitch_count"] == 1
 
     mlx0, mlx1 = topo.nic("mlx5_0"), topo.nic("mlx5_1")
-    assert (mlx0.link_layer, mlx0.rate_gbps, mlx0.state, mlx0.numa) == ("InfiniBand", 400.0, "Active", 0)
+    assert (mlx0.link_layer, mlx0.rate_gbps, mlx0.state, mlx0.numa) == (
+        "InfiniBand",
+        400.0,
+        "Active",
+        0,
+    )
     assert mlx0.netdev == "ibp5s0" and mlx0.pci_bus_id == "0000:05:00.0"
     assert (mlx1.link_layer, mlx1.rate_gbps, mlx1.state) == ("Ethernet", 200.0, "Down")
     assert topo.facts["peermem"] is True and mlx0.gdr is True
@@ -144,6 +161,28 @@ def test_probe_reads_gpus_nics_links_and_gdr_from_sysfs(hgx_tree):
     assert topo.link("GPU2", "mlx5_1").link_class == LinkClass.PCIE_NODE
     assert topo.link("GPU0", "GPU2").raw == "SYS"
     assert topo.facts["formats"] == ["live-probe"]
+    # Without NVML the GPU pairs are a PCIe view (NVLink invisible), as with `topo -mp`.
+    assert topo.facts["pcie_view"] is True
+
+
+def test_probe_then_audit_a_gpu_box_without_peermem(hgx_tree):
+    os.remove(os.path.join(hgx_tree.root, "sys/module/nvidia_peermem/version"))
+    topo = probe_local(sysfs_root=hgx_tree.root)
+    assert topo.facts["peermem"] is False and topo.nic("mlx5_0").gdr is False
+    found = [(f.code, f.subject) for f in audit(topo)]
+    assert ("no-gdr", "mlx5_0, mlx5_1") in found
+    assert ("rdma-port-down", "mlx5_1") in found
+    # GPU0 (socket 0, NIC mlx5_0 under its switch) is fine; GPU2 (socket 1) has mlx5_1 on NODE.
+    assert not [c for c, _ in found if c in ("nic-numa-mismatch", "pcie-not-sxm", "numa-unknown")]
+
+
+def test_probe_then_audit_rdma_nics_on_a_host_without_gpus(tmp_path):
+    t = SysTree(str(tmp_path))
+    nic = t.pci(["pci0000:00", "0000:00:01.0", "0000:01:00.0"], "15b3", "1021", "0x020700", 0)
+    t.ib("mlx5_0", nic, "200 Gb/sec (4X HDR)", "InfiniBand", "4: ACTIVE")
+    topo = probe_local(sysfs_root=str(tmp_path))
+    assert [d.name for d in topo.devices] == ["cpu0"] and topo.nic("mlx5_0").gdr is None
+    assert audit(topo) == []
 
 
 def test_probe_of_a_cpu_only_tree_reports_the_host(tmp_path):
@@ -152,7 +191,7 @@ def test_probe_of_a_cpu_only_tree_reports_the_host(tmp_path):
     assert [d.name for d in topo.devices] == ["cpu0"]
     cpu0 = topo.devices[0]
     assert (cpu0.vendor, cpu0.model, cpu0.cpu_affinity) == ("cpu", "Test CPU 9000", "0-15")
-    assert topo.facts["peermem"] is False
+    assert "peermem" not in topo.facts  # no NVIDIA GPU: GPUDirect RDMA is not a question
     notes = " | ".join(topo.facts["probe_notes"])
     assert "no sys/class/infiniband" in notes and "CPU-only host" in notes
     assert local_vendors(str(tmp_path)) == set()
@@ -160,7 +199,9 @@ def test_probe_of_a_cpu_only_tree_reports_the_host(tmp_path):
 
 def test_probe_survives_missing_and_unreadable_files(tmp_path):
     t = SysTree(str(tmp_path))
-    gpu = t.pci(["pci0000:00", "0000:00:01.0", "0000:01:00.0"], "10de", "20b2", "0x030200", -1, "0-15")
+    gpu = t.pci(
+        ["pci0000:00", "0000:00:01.0", "0000:01:00.0"], "10de", "20b2", "0x030200", -1, "0-15"
+    )
     os.remove(os.path.join(gpu, "numa_node"))
     broken = t.pci(["pci0000:00", "0000:00:02.0", "0000:02:00.0"], "10de", "20b2", "0x030200")
     os.remove(os.path.join(broken, "class"))
@@ -184,6 +225,7 @@ def test_probe_of_an_empty_root_does_not_crash(tmp_path):
 
 # -- this machine --------------------------------------------------------------------------
 
+
 def test_probe_of_this_machine_never_crashes():
     topo = probe_local()
     host = topo.facts["host"]
@@ -197,6 +239,7 @@ def test_probe_of_this_machine_never_crashes():
 
 
 # -- NVML (stand-in module: NVML cannot run without an NVIDIA driver) -------------------------
+
 
 class _NVMLError(Exception):
     pass
@@ -229,7 +272,8 @@ def _fake_pynvml(init_fails: bool = False) -> types.ModuleType:
     m.nvmlDeviceGetHandleByIndex = lambda i: i
     m.nvmlDeviceGetName = lambda h: b"NVIDIA H100 80GB HBM3" if h < 2 else "NVIDIA H100 PCIe"
     m.nvmlDeviceGetPciInfo = lambda h: types.SimpleNamespace(
-        busId=buses[h].encode(), pciDeviceId=0x233010DE if h < 2 else 0x233110DE)
+        busId=buses[h].encode(), pciDeviceId=0x233010DE if h < 2 else 0x233110DE
+    )
     m.nvmlDeviceGetNumaNodeId = lambda h: 0 if h < 2 else 1
     m.nvmlDeviceGetCpuAffinity = lambda h, n: [0x00FF] if h < 2 else [0xFF00]
 
@@ -298,6 +342,7 @@ def test_real_nvml_names_every_cuda_gpu():
 
 # -- npu-smi (stand-in executable printing a real capture) ----------------------------------
 
+
 def _install_npu_smi(tmp_path, monkeypatch, body: str) -> None:
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -312,8 +357,10 @@ def test_npu_smi_output_is_parsed_into_npus(tmp_path, monkeypatch, fixture_path)
     info_fixture = fixture_path("npusmi_info_910b3_x8.txt")
     # The captures' first line is a provenance header (and the topo one has a shell prompt);
     # the stand-in prints the tool output only, as the real npu-smi would.
-    body = (f'if [ "$2" = "-t" ]; then tail -n +3 "{topo_fixture}"; '
-            f'else tail -n +3 "{info_fixture}"; fi\n')
+    body = (
+        f'if [ "$2" = "-t" ]; then tail -n +3 "{topo_fixture}"; '
+        f'else tail -n +3 "{info_fixture}"; fi\n'
+    )
     _install_npu_smi(tmp_path, monkeypatch, body)
     monkeypatch.setitem(sys.modules, "pynvml", None)
     topo = probe_local()

@@ -1,30 +1,45 @@
 """The ``gloo`` rail: point-to-point sends and receives over an inner ProcessGroupGloo (TCP).
 
 Universal fallback and the rail for peers on other hosts. Each transfer is one gloo ``send`` or
-``recv`` of the tensor's bytes, posted at once (gloo's own threads move them); ``poll`` checks
-the Works. gloo enforces the group timeout on each Work itself.
+``recv`` of the tensor's bytes, posted at once (gloo's own threads move them). In torch 2.13 a
+gloo p2p Work reports ``is_completed() == False`` until someone calls ``wait()`` on it (and has
+no future), so the rail keeps one waiter thread per peer that waits on that peer's Works in
+posting order and flags each as done or failed; ``poll`` reads the flags. gloo enforces the
+group timeout on each wait itself.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from hetcomm.backends.stats import record as _record
 from hetcomm.backends.rails.base import Rail, RailOp, Xfer, as_bytes
+from hetcomm.backends.stats import record as _record
 from hetcomm.errors import CollectiveError
 
 __all__ = ["GlooRail"]
 
 
-class _GlooOp(RailOp):
-    rail = "gloo"
+class _Pending:
+    __slots__ = ("peer", "is_send", "xfer", "work", "done", "error")
 
-    def __init__(self, rank: int, works: List[Tuple[int, bool, Xfer, "torch.distributed.Work"]], op: str, name: str):
+    def __init__(self, peer: int, is_send: bool, xfer: Xfer, work):
+        self.peer = peer
+        self.is_send = is_send
+        self.xfer = xfer
+        self.work = work
+        self.done = False
+        self.error: Optional[BaseException] = None
+
+
+class _GlooOp(RailOp):
+    def __init__(self, rank: int, items: List[_Pending], op: str, name: str):
         self.rank = rank
-        self.works = works  # (peer, is_send, nbytes, work)
+        self.items = items
         self.op = op
         self.rail = name
         self.t0 = time.perf_counter()
@@ -33,36 +48,33 @@ class _GlooOp(RailOp):
 
     def poll(self) -> bool:
         still = []
-        for item in self.works:
-            peer, is_send, x, w = item
-            nbytes = x.tensor.nbytes
-            if not w.is_completed():
-                still.append(item)
+        for it in self.items:
+            if not it.done:
+                still.append(it)
                 continue
-            try:
-                w.wait()
-                if is_send:
-                    _record(self.rail, bytes_sent=nbytes, chunks_sent=1)
-                else:
-                    _record(self.rail, bytes_received=nbytes, chunks_received=1)
-                    self.arrived_xfers.append(x)
-            except Exception as e:  # gloo raises RuntimeError naming only a socket address
+            if it.error is not None:
                 raise CollectiveError(
-                    f"{'send to' if is_send else 'receive from'} peer failed: {e}",
+                    f"{'send to' if it.is_send else 'receive from'} peer failed: {it.error}",
                     op=self.op,
                     rank=self.rank,
-                    peer=peer,
+                    peer=it.peer,
                     rail=self.rail,
-                ) from e
-        self.progressed = len(still) < len(self.works)
-        self.works = still
+                ) from it.error
+            nbytes = it.xfer.tensor.nbytes
+            if it.is_send:
+                _record(self.rail, bytes_sent=nbytes, chunks_sent=1)
+            else:
+                _record(self.rail, bytes_received=nbytes, chunks_received=1)
+                self.arrived_xfers.append(it.xfer)
+        self.progressed = len(still) < len(self.items)
+        self.items = still
         if not still:
             _record(self.rail, seconds_busy=time.perf_counter() - self.t0, ops=1)
             return True
         return False
 
     def pending_peers(self) -> List[int]:
-        return sorted({p for p, _, _, _ in self.works})
+        return sorted({it.peer for it in self.items})
 
 
 class GlooRail(Rail):
@@ -73,14 +85,44 @@ class GlooRail(Rail):
     def __init__(self, gloo: "torch.distributed.ProcessGroup", rank: int):
         self.gloo = gloo
         self.rank = rank
+        self._waiters: Dict[int, "queue.Queue"] = {}
+        self._lock = threading.Lock()
+
+    def _waiter(self, peer: int) -> "queue.Queue":
+        q = self._waiters.get(peer)
+        if q is None:
+            with self._lock:
+                q = self._waiters.get(peer)
+                if q is None:
+                    q = queue.Queue()
+                    threading.Thread(target=self._wait_loop, args=(q,), name=f"hetcomm-gloo-wait-{peer}", daemon=True).start()
+                    self._waiters[peer] = q
+        return q
+
+    @staticmethod
+    def _wait_loop(q: "queue.Queue") -> None:
+        while True:
+            it = q.get()
+            if it is None:
+                return
+            try:
+                it.work.wait()  # releases the GIL while gloo moves the bytes
+            except BaseException as e:  # reported by poll() on the executor thread
+                it.error = e
+            it.done = True
 
     def start(self, sends: Sequence[Xfer], recvs: Sequence[Xfer], op: str, seq: int) -> RailOp:
-        works = []
+        items = []
         # Receives first: a posted receive lets gloo land the bytes straight in the tensor.
         for x in recvs:
-            b = as_bytes(x.tensor)
-            works.append((x.peer, False, x, self.gloo.recv([b], x.peer, x.tag)))
+            items.append(_Pending(x.peer, False, x, self.gloo.recv([as_bytes(x.tensor)], x.peer, x.tag)))
         for x in sends:
-            b = as_bytes(x.tensor)
-            works.append((x.peer, True, x, self.gloo.send([b], x.peer, x.tag)))
-        return _GlooOp(self.rank, works, op, self.name)
+            items.append(_Pending(x.peer, True, x, self.gloo.send([as_bytes(x.tensor)], x.peer, x.tag)))
+        for it in items:
+            self._waiter(it.peer).put(it)
+        return _GlooOp(self.rank, items, op, self.name)
+
+    def close(self) -> None:
+        for q in self._waiters.values():
+            q.put(None)
+        self._waiters.clear()

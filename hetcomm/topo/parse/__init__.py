@@ -25,6 +25,7 @@ contract: ``FORMATS = [(name, sniff_fn, parse_fn), ...]``, most specific first.
 from __future__ import annotations
 
 import difflib
+import gzip
 import importlib
 import sys
 import warnings
@@ -32,7 +33,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Un
 
 from hetcomm.errors import TopologyParseError, UsageError
 from hetcomm.topo.model import Topology
-from hetcomm.topo.parse._text import numbered_lines
+from hetcomm.topo.parse._text import numbered_lines, strip_source_header
 
 __all__ = [
     "FORMAT_NAMES",
@@ -180,10 +181,12 @@ def detect_formats(text: str, path: str = "<text>") -> List[str]:
         raise TopologyParseError(
             "file is empty: expected the captured output of a topology tool", path=path, line=1
         )
+    # Sniffers see tool output only: a provenance header may quote another tool's command.
+    content = strip_source_header(text)
     found = []
     for name, sniff, _ in _formats():
         try:
-            if sniff(text):
+            if sniff(content):
                 found.append(name)
         except Exception as e:  # a broken sniffer must not hide the other formats
             warnings.warn(
@@ -305,7 +308,13 @@ def _join_ascend_pci(topo: Topology) -> None:
 
 
 def _decode(data: bytes, path: str) -> str:
-    """Bytes of a capture as text: UTF-8 (with or without BOM) or UTF-16 with a BOM."""
+    """Bytes of a capture as text: UTF-8 (with or without BOM) or UTF-16 with a BOM; a gzip
+    file (``nccl.log.gz``) is decompressed first."""
+    if data.startswith(b"\x1f\x8b"):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as e:
+            raise TopologyParseError(f"corrupt gzip file ({e})", path=path) from None
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         # PowerShell's `>` writes UTF-16 with a BOM.
         try:
@@ -333,7 +342,7 @@ def _decode(data: bytes, path: str) -> str:
 
 
 def parse_file(path: str, fmt: Union[None, str, Sequence[str]] = None) -> Topology:
-    """Read ``path`` (``-`` for standard input) and :func:`parse_text` it.
+    """Read ``path`` (``-`` for standard input; gzip is decompressed) and :func:`parse_text` it.
 
     Raises:
         TopologyParseError: the file cannot be read, is binary or not UTF-8/UTF-16 text, or does

@@ -55,6 +55,8 @@ def hccn_nic_name(npu: int) -> str:
 
 def sniff_hccn(text: str) -> bool:
     """True for ``hccn_tool`` output (its command lines, ``[devid N]`` lines, ``hccn.conf``)."""
+    if not any(k in text for k in ("hccn_tool", "[devid", "address_")):
+        return False  # cheap guard: sniffers run on every input, logs can be large
     for line in text.splitlines():
         if _CMD.search(line) or _DEVID.match(line) or _CONF.match(line):
             return True

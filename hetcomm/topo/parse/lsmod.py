@@ -113,6 +113,8 @@ def parse_lsmod_sections(text: str) -> List[LsmodSection]:
 
 def sniff_lsmod(text: str) -> bool:
     """True for ``lsmod`` output: the ``Module Size Used by`` header or rows of RDMA/GPU modules."""
+    if "Used by" not in text and not any(name in text for name in _KNOWN):
+        return False  # cheap guard: sniffers run on every input, logs can be large
     for line in text.splitlines():
         if _HEADER.match(line):
             return True

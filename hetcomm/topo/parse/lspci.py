@@ -88,7 +88,11 @@ NVIDIA_GPU_IDS: Dict[str, Tuple[str, str]] = {
 
 # NVSwitch bridges: 1af1 = A100-era (DGX/HGX A100), 22a3 = H100-era, 22b1 = GB200-era bridge
 # (topology-notes §6 row 11; gpud detect_nvswitch.go keys on the same ids).
-NVSWITCH_IDS: Dict[str, str] = {"1af1": "NVSwitch (A100)", "22a3": "NVSwitch (H100)", "22b1": "NVSwitch (GB200)"}
+NVSWITCH_IDS: Dict[str, str] = {
+    "1af1": "NVSwitch (A100)",
+    "22a3": "NVSwitch (H100)",
+    "22b1": "NVSwitch (GB200)",
+}
 
 # Huawei Ascend (vendor 19e5), topology-notes §2.3. d803 is the A3 part npu-smi calls 910_93 and
 # Huawei markets as 910C.
@@ -161,7 +165,7 @@ def gpu_model_for_id(device_id: str) -> Optional[Tuple[str, str]]:
 
 
 def sniff_lspci(text: str) -> bool:
-    """True when ``text`` has at least one ``lspci -nn`` line for an NVIDIA/Ascend/Mellanox/EFA part."""
+    """True when ``text`` has an ``lspci -nn`` line of an NVIDIA, Ascend, Mellanox or EFA part."""
     text = strip_source_header(text)  # the provenance header is not tool output
     return bool(_SNIFF_NN.search(text))
 
@@ -192,13 +196,15 @@ def parse_lspci(text: str, path: str = "<text>") -> Topology:
     """
     lines = numbered_lines(text)
     if not any(line.strip() for _, line in lines):
-        raise TopologyParseError("empty input; expected the output of `lspci -nn`", path=path, line=1)
+        raise TopologyParseError(
+            "empty input; expected the output of `lspci -nn`", path=path, line=1
+        )
     topo = Topology()
     form_factor: Dict[str, str] = {}
     nic_models: Dict[str, str] = {}
     num_gpus = num_npus = num_switches = 0
     saw_nvidia = False
-    for lineno, line in lines:
+    for _, line in lines:
         if not line or line[0].isspace():
             continue  # `lspci -v` detail lines are indented
         m = _LSPCI_LINE.match(line)
@@ -216,13 +222,18 @@ def parse_lspci(text: str, path: str = "<text>") -> Topology:
         pci_id = f"{vendor}:{device_id}" if vendor and device_id else None
         if vendor == "10de":
             saw_nvidia = True
-            if device_id in NVSWITCH_IDS or class_code == "0680" or (
-                not class_code and class_name == "bridge"
+            if (
+                device_id in NVSWITCH_IDS
+                or class_code == "0680"
+                or (not class_code and class_name == "bridge")
             ):
                 # NVIDIA's only "Bridge: other" functions are NVSwitches; unknown future ids count.
                 num_switches += 1
                 continue
-            is_gpu = class_code in ("0300", "0302") or class_name in ("3d controller", "vga compatible controller")
+            is_gpu = class_code in ("0300", "0302") or class_name in (
+                "3d controller",
+                "vga compatible controller",
+            )
             if not is_gpu:
                 continue  # the HD-audio / USB functions of GeForce cards
             known = gpu_model_for_id(device_id) if device_id else None
@@ -294,7 +305,8 @@ def parse_lspci(text: str, path: str = "<text>") -> Topology:
 
 # Every fabric-manager log line starts "[Feb 25 2025 13:59:45] [INFO] [tid 1803] ...".
 _FM_LINE = re.compile(
-    r"^\[(?P<when>[A-Z][a-z]{2} +\d{1,2} \d{4} [\d:]+)\] \[(?P<level>[A-Z]+)\] \[tid \d+\] (?P<msg>.*)$"
+    r"^\[(?P<when>[A-Z][a-z]{2} +\d{1,2} \d{4} [\d:]+)\] \[(?P<level>[A-Z]+)\] "
+    r"\[tid \d+\] (?P<msg>.*)$"
 )
 # A successful start (FM prints these once GPUs and switches are programmed) or evidence of the
 # daemon serving GPU requests (inband/multicast handling only happens while it runs).

@@ -47,7 +47,8 @@ _CHANNEL = re.compile(
     r"(?:\[(send|receive)\]\s*)?via\s+(.+?)\s*$"
 )
 _INIT = re.compile(
-    r"ncclCommInitRank\w*\s+comm\s+(0x[0-9a-fA-F]+)\s+rank\s+(\d+)\s+nranks\s+(\d+)\s+"
+    # NCCL < 2.13 prints the same fields without the function name.
+    r"(?:ncclCommInitRank\w*\s+)?comm\s+(0x[0-9a-fA-F]+)\s+rank\s+(\d+)\s+nranks\s+(\d+)\s+"
     r"cudaDev\s+(\d+)(?:\s+nvmlDev\s+\d+)?\s+busId\s+([0-9a-fA-F]+)(?:\s+commId\s+(0x[0-9a-fA-F]+))?"
 )
 _COMM = re.compile(r"^comm\s+0x[0-9a-fA-F]+\s+rank\s+\d+\s+nRanks\s+(\d+)\s+nNodes\s+(\d+)")
@@ -133,6 +134,17 @@ def _records(text: str):
             known_hosts.add(m.group("host"))
     for line_no, line in lines:
         found = []
+        first = _PREFIX.match(line)
+        if first is not None and line.count("NCCL ", first.end()) == 0:
+            # the common case: one record, prefix at the start of the line
+            yield (
+                line_no,
+                first.group("host"),
+                int(first.group("dev")),
+                first.group("level"),
+                (line[first.end() :].strip()),
+            )
+            continue
         for m in _PREFIX.finditer(line):
             host, start = m.group("host"), m.start()
             if start > 0 and host not in known_hosts:
@@ -270,7 +282,8 @@ def parse_nccl_log(text: str, path: str = "<text>") -> Topology:
             topo.facts["nccl_nvls"] = False
 
     if not num_records:
-        first = numbered_lines(text)[0][0] if text.strip() else 1
+        lines = numbered_lines(text)
+        first = lines[0][0] if lines else 1
         raise TopologyParseError(
             "no NCCL log records found: expected lines like 'host:pid:tid [0] NCCL INFO ...'; "
             "run the job with NCCL_DEBUG=INFO (and NCCL_DEBUG_SUBSYS=INIT,NET,GRAPH)",
@@ -323,9 +336,10 @@ def parse_nccl_log(text: str, path: str = "<text>") -> Topology:
 
     best: Dict[Tuple[int, int], Tuple[LinkClass, str]] = {}
     net_classes: Counter = Counter()
+    channel_ranks: Dict[int, int] = {}  # rank -> CUDA device, for ranks with no init line
     for line_no, host, a, da, b, db, raw in channels:
-        for rank, dev in ((a, da), (b, db)):
-            topo.add_device(Device(name=f"rank{rank}", vendor=Vendor.NVIDIA.value, index=dev))
+        channel_ranks.setdefault(a, da)
+        channel_ranks.setdefault(b, db)
         transports[raw] += 1
         link_class = classify_transport(raw, is_roce(host, raw))
         if link_class is None:
@@ -340,6 +354,9 @@ def parse_nccl_log(text: str, path: str = "<text>") -> Topology:
         key = (min(a, b), max(a, b))
         if key not in best or link_class < best[key][0]:
             best[key] = (link_class, raw)
+    for rank, dev in sorted(channel_ranks.items()):
+        if rank not in ranks:
+            topo.add_device(Device(name=f"rank{rank}", vendor=Vendor.NVIDIA.value, index=dev))
     for (a, b), (link_class, raw) in sorted(best.items()):
         gbps = (
             None

@@ -50,13 +50,22 @@ _NTHREAD = re.compile(r"^#\s*nThread\s+(\d+)\s+nGpus\s+(\d+)")
 _RANK = re.compile(
     r"^#\s*Rank\s+(\d+)\s+(?:Group\s+\d+\s+)?Pid\s+\d+\s+on\s+(\S+)\s+device\s+(\d+)\s+\[[^\]]*\]\s+(.*?)\s*$"
 )
-_HEADER = re.compile(r"^#\s*(size|bytes)\s+(count|N)\s+type\b.*\btime\b.*\balgbw\b.*\bbusbw\b", re.I)
+_HEADER = re.compile(
+    r"^#\s*(size|bytes)\s+(count|N)\s+type\b.*\btime\b.*\balgbw\b.*\bbusbw\b", re.I
+)
 _UNITS = re.compile(r"^#\s*\(B\)")
 _ROW = re.compile(r"^\s*\d+\s+\d+\s+\S")
 _BINARY = re.compile(r"\b([a-z_]+)_perf(?:_mpi)?\b")
 _AVG = re.compile(r"^#\s*Avg bus bandwidth\s*:")
 # Column aliases across nccl-tests generations (the NCCL 1.x tests said bytes/N/op/res).
-_ALIASES = {"bytes": "size", "n": "count", "op": "redop", "error": "error", "res": "error", "#wrong": "#wrong"}
+_ALIASES = {
+    "bytes": "size",
+    "n": "count",
+    "op": "redop",
+    "error": "error",
+    "res": "error",
+    "#wrong": "#wrong",
+}
 
 
 def normalize_op(name: str) -> str:
@@ -86,6 +95,7 @@ class _Block:
     ranks: Dict[int, Tuple[str, int, str]] = field(default_factory=dict)
     rows: List[Tuple[int, List[str]]] = field(default_factory=list)
     time_scale: float = 1.0  # to microseconds
+    finished: bool = False  # the "# Avg bus bandwidth" footer was seen
 
 
 def sniff_nccl_tests(text: str) -> bool:
@@ -93,7 +103,9 @@ def sniff_nccl_tests(text: str) -> bool:
     ``# Collective test starting:`` / ``# nThread N nGpus M`` line."""
     text = strip_source_header(text)  # the provenance header is not tool output
     return bool(
-        re.search(r"(?mi)^(\[\d+,\d+\]<stdout>:)?#\s*(size|bytes)\s+(count|N)\s+type\b.*\balgbw\b", text)
+        re.search(
+            r"(?mi)^(\[\d+,\d+\]<stdout>:)?#\s*(size|bytes)\s+(count|N)\s+type\b.*\balgbw\b", text
+        )
         or re.search(r"(?m)^(\[\d+,\d+\]<stdout>:)?#\s*Collective test starting:", text)
         or re.search(r"(?m)^(\[\d+,\d+\]<stdout>:)?#\s*nThread\s+\d+\s+nGpus\s+\d+", text)
     )
@@ -104,13 +116,16 @@ def _number(value: str, what: str, path: str, lineno: int, kind=float):
         return kind(value)
     except ValueError:
         raise TopologyParseError(
-            f"column {what!r} holds {value!r}; expected a number (is the row misaligned or cut off?)",
+            f"column {what!r} holds {value!r}; expected a number "
+            "(is the row misaligned or cut off?)",
             path=path,
             line=lineno,
         ) from None
 
 
-def _infer_op(block: _Block, cells: Dict[str, str], size: int, count: int, dtype_bytes: Optional[int]) -> str:
+def _infer_op(
+    block: _Block, cells: Dict[str, str], size: int, count: int, dtype_bytes: Optional[int]
+) -> str:
     """The op, from the only facts a result row has when no name was printed."""
     redop = cells.get("redop")
     root = cells.get("root")
@@ -127,9 +142,23 @@ def _infer_op(block: _Block, cells: Dict[str, str], size: int, count: int, dtype
 
 
 _DTYPE_BYTES = {
-    "int8": 1, "char": 1, "uint8": 1, "int32": 4, "int": 4, "uint32": 4, "int64": 8, "uint64": 8,
-    "half": 2, "float16": 2, "bfloat16": 2, "float": 4, "float32": 4, "double": 8, "float64": 8,
-    "fp8_e4m3": 1, "fp8_e5m2": 1,
+    "int8": 1,
+    "char": 1,
+    "uint8": 1,
+    "int32": 4,
+    "int": 4,
+    "uint32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "half": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "float": 4,
+    "float32": 4,
+    "double": 8,
+    "float64": 8,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
 }
 
 
@@ -172,7 +201,9 @@ def parse_nccl_tests(text: str, path: str = "<text>") -> Topology:
     """
     lines = numbered_lines(text)
     if not any(line.strip() for _, line in lines):
-        raise TopologyParseError("empty input; expected nccl-tests output (e.g. alltoall_perf)", path=path, line=1)
+        raise TopologyParseError(
+            "empty input; expected nccl-tests output (e.g. alltoall_perf)", path=path, line=1
+        )
     blocks: List[_Block] = []
     block = _Block()
     pending_op: Optional[str] = None  # a binary named on a command line, for the next block
@@ -233,11 +264,15 @@ def parse_nccl_tests(text: str, path: str = "<text>") -> Topology:
             block.time_scale = 1000.0 if "(ms)" in stripped else 1.0
             continue
         if _AVG.match(stripped):
+            block.finished = True
             continue
         if not stripped.startswith("#") and _ROW.match(line):
+            if block.finished or (block.header is None and blocks):
+                continue  # numbers printed after a table (other tools' output) are not results
             if block.header is None:
                 raise TopologyParseError(
-                    "result row before any nccl-tests header row ('#  size  count  type ... busbw'); "
+                    "result row before any nccl-tests header row "
+                    "('#  size  count  type ... busbw'); "
                     "the output is truncated at the top",
                     path=path,
                     line=lineno,
@@ -249,7 +284,7 @@ def parse_nccl_tests(text: str, path: str = "<text>") -> Topology:
     if not headers:
         raise TopologyParseError(
             "no nccl-tests result header found; expected a line like "
-            "'#       size         count      type   redop    root     time   algbw   busbw #wrong ...'",
+            "'#  size  count  type  redop  root  time  algbw  busbw  #wrong ...'",
             path=path,
             line=lines[0][0] if lines else 1,
         )
@@ -296,7 +331,10 @@ def _add_block(topo: Topology, b: _Block, path: str) -> None:
                 cells["root"] = value
             else:
                 cells["redop"] = value
-        halves = [dict(zip(half, tokens[middle + h * len(half) : middle + (h + 1) * len(half)])) for h in range(num_halves)]
+        halves = [
+            dict(zip(half, tokens[middle + h * len(half) : middle + (h + 1) * len(half)]))
+            for h in range(num_halves)
+        ]
         rows.append((lineno, cells, halves))
 
     op = b.op

@@ -74,7 +74,9 @@ def cpu_mask_to_list(mask: str) -> Optional[str]:
 def sniff_nccl_xml(text: str) -> bool:
     """True for an NCCL topology XML (a ``<system`` root with ``<cpu``/``<pci``/``<gpu`` nodes)."""
     text = strip_source_header(text)  # the provenance header is not tool output
-    return bool(re.search(r"<system\b[^>]*>", text)) and bool(re.search(r"<(cpu|pci|gpu|nic)\b", text))
+    return bool(re.search(r"<system\b[^>]*>", text)) and bool(
+        re.search(r"<(cpu|pci|gpu|nic)\b", text)
+    )
 
 
 class _Endpoint:
@@ -139,7 +141,9 @@ def parse_nccl_xml(text: str, path: str = "<text>") -> Topology:
     """
     body = strip_source_header(text)
     if not body.strip():
-        raise TopologyParseError("empty input; expected an NCCL topology XML (<system version=...>)", path=path, line=1)
+        raise TopologyParseError(
+            "empty input; expected an NCCL topology XML (<system version=...>)", path=path, line=1
+        )
     try:
         root = ET.fromstring(body)
     except ET.ParseError as exc:
@@ -185,7 +189,7 @@ def parse_nccl_xml(text: str, path: str = "<text>") -> Topology:
                 if dev is None or not dev.isdigit():
                     raise TopologyParseError(
                         f"<gpu> under <pci busid={pci.get('busid')!r}> has dev={dev!r}; expected a "
-                        "GPU index (dev=\"0\")",
+                        'GPU index (dev="0")',
                         path=path,
                     )
                 name = f"GPU{int(dev)}"
@@ -198,7 +202,9 @@ def parse_nccl_xml(text: str, path: str = "<text>") -> Topology:
                     ep.bridges = chain
                     nics.append(ep)
 
-    def _add_net(net: ET.Element, pci: Optional[ET.Element], cpu: Optional[ET.Element]) -> _Endpoint:
+    def _add_net(
+        net: ET.Element, pci: Optional[ET.Element], cpu: Optional[ET.Element]
+    ) -> _Endpoint:
         name = net.get("name") or f"net{net.get('dev', len(nics))}"
         speed = net.get("speed")
         try:
@@ -208,7 +214,13 @@ def parse_nccl_xml(text: str, path: str = "<text>") -> Topology:
                 f"<net name={name!r}> has speed={speed!r}; expected a number of Mb/s", path=path
             ) from None
         cls = ((pci.get("class") if pci is not None else "") or "").lower()
-        layer = "InfiniBand" if cls.startswith("0x0207") else "Ethernet" if cls.startswith("0x0200") else None
+        layer = (
+            "InfiniBand"
+            if cls.startswith("0x0207")
+            else "Ethernet"
+            if cls.startswith("0x0200")
+            else None
+        )
         port = net.get("port")
         gdr = net.get("gdr")
         topo.add_nic(
@@ -219,14 +231,20 @@ def parse_nccl_xml(text: str, path: str = "<text>") -> Topology:
                 numa=_numa(cpu),
                 gdr=None if gdr is None else gdr == "1",
                 port=int(port) if port and port.isdigit() else None,
-                pci_bus_id=normalize_bus_id(pci.get("busid", "")) if pci is not None and pci.get("busid") else None,
+                pci_bus_id=normalize_bus_id(pci.get("busid", ""))
+                if pci is not None and pci.get("busid")
+                else None,
             )
         )
         return _Endpoint(name, cpu, [])
 
     def _numa(cpu: Optional[ET.Element]) -> Optional[int]:
         value = cpu.get("numaid") if cpu is not None else None
-        return int(value) if value is not None and value.lstrip("-").isdigit() and int(value) >= 0 else None
+        return (
+            int(value)
+            if value is not None and value.lstrip("-").isdigit() and int(value) >= 0
+            else None
+        )
 
     walk(root, None, [])
     if not gpus and not nics:
@@ -238,6 +256,16 @@ def parse_nccl_xml(text: str, path: str = "<text>") -> Topology:
         )
 
     gpus.sort(key=lambda g: int(g[1].get("dev", "0")))
+    names_seen: Dict[str, int] = {}
+    for ep in [g[0] for g in gpus] + nics:
+        names_seen[ep.name] = names_seen.get(ep.name, 0) + 1
+    repeated = sorted(name for name, count in names_seen.items() if count > 1)
+    if repeated:
+        raise TopologyParseError(
+            f"{', '.join(repeated)} appear(s) more than once (<gpu dev> and <net name> must be "
+            "unique in one NCCL topology dump)",
+            path=path,
+        )
     nvlink_total: Dict[str, int] = {}
     switch_links: Dict[str, int] = {}
     direct: Dict[Tuple[str, str], int] = {}
@@ -254,7 +282,9 @@ def parse_nccl_xml(text: str, path: str = "<text>") -> Topology:
                 pci_bus_id=normalize_bus_id(pci.get("busid", "")) if pci.get("busid") else None,
                 pci_device_id=f"{vendor}:{device}" if pci.get("device") else None,
                 numa=_numa(ep.cpu),
-                cpu_affinity=cpu_mask_to_list(ep.cpu.get("affinity", "")) if ep.cpu is not None else None,
+                cpu_affinity=cpu_mask_to_list(ep.cpu.get("affinity", ""))
+                if ep.cpu is not None
+                else None,
             )
         )
         total = 0
@@ -262,7 +292,8 @@ def parse_nccl_xml(text: str, path: str = "<text>") -> Topology:
             count_text = nvl.get("count", "")
             if not count_text.isdigit():
                 raise TopologyParseError(
-                    f"<nvlink> of {ep.name} has count={count_text!r}; expected a link count", path=path
+                    f"<nvlink> of {ep.name} has count={count_text!r}; expected a link count",
+                    path=path,
                 )
             count = int(count_text)
             total += count
@@ -290,8 +321,14 @@ def parse_nccl_xml(text: str, path: str = "<text>") -> Topology:
     for (a, b), counts in pair_counts.items():
         num = min(counts)  # each side lists the same links; disagreement means a dead end
         topo.add_link(
-            Link(a, b, LinkClass.NVLINK, raw=f"NV{num}",
-                 gbps=nominal_gbps(LinkClass.NVLINK, model_of(a), num_nvlinks=num), source=path)
+            Link(
+                a,
+                b,
+                LinkClass.NVLINK,
+                raw=f"NV{num}",
+                gbps=nominal_gbps(LinkClass.NVLINK, model_of(a), num_nvlinks=num),
+                source=path,
+            )
         )
     names = [ep.name for ep, _, _ in gpus]
     for i, a in enumerate(names):
@@ -299,8 +336,14 @@ def parse_nccl_xml(text: str, path: str = "<text>") -> Topology:
             if a in switch_links and b in switch_links and topo.link(a, b) is None:
                 num = min(switch_links[a], switch_links[b])
                 topo.add_link(
-                    Link(a, b, LinkClass.NVLINK, raw=f"NV{num}",
-                         gbps=nominal_gbps(LinkClass.NVLINK, model_of(a), num_nvlinks=num), source=path)
+                    Link(
+                        a,
+                        b,
+                        LinkClass.NVLINK,
+                        raw=f"NV{num}",
+                        gbps=nominal_gbps(LinkClass.NVLINK, model_of(a), num_nvlinks=num),
+                        source=path,
+                    )
                 )
     # Everything else: the PCIe path through the tree.
     endpoints = [ep for ep, _, _ in gpus] + nics
@@ -310,7 +353,9 @@ def parse_nccl_xml(text: str, path: str = "<text>") -> Topology:
                 continue
             cls, raw = _pcie_class(a, b)
             model = model_of(a.name) or model_of(b.name)
-            topo.add_link(Link(a.name, b.name, cls, raw=raw, gbps=nominal_gbps(cls, model), source=path))
+            topo.add_link(
+                Link(a.name, b.name, cls, raw=raw, gbps=nominal_gbps(cls, model), source=path)
+            )
 
     if gpus:
         topo.facts["nvlink_active"] = nvlink_total

@@ -113,6 +113,8 @@ def _model_from_name(name: str) -> Optional[str]:
 
 def sniff_npusmi_topo(text: str) -> bool:
     """True when ``text`` holds an ``npu-smi info -t topo`` matrix (an ``NPU0`` header + rows)."""
+    if "NPU0" not in text:  # cheap guard: sniffers run on every input, logs can be large
+        return False
     lines = text.splitlines()
     for i, line in enumerate(lines):
         if _TOPO_HEADER.match(line) and "NPU0" in line.split():
@@ -122,13 +124,15 @@ def sniff_npusmi_topo(text: str) -> bool:
 
 def _split_header(line: str) -> Tuple[List[str], List[str]]:
     """NPU column names and the trailing column names (``CPU Affinity``) of a topo header."""
-    tokens = line.split()
     npus: List[str] = []
-    while tokens and _NPU_NAME.match(tokens[0]):
-        npus.append(tokens.pop(0))
-    rest = line.split(npus[-1], 1)[1] if npus else ""
+    end = 0
+    for m in re.finditer(r"\S+", line):
+        if not _NPU_NAME.match(m.group()):
+            break
+        npus.append(m.group())
+        end = m.end()
     # Trailing names contain single spaces ("CPU Affinity"); columns are tabs or 2+ spaces apart.
-    extra = [c.strip() for c in re.split(r"\t|\s{2,}", rest) if c.strip()]
+    extra = [c.strip() for c in re.split(r"\t|\s{2,}", line[end:]) if c.strip()]
     return npus, extra
 
 
@@ -256,6 +260,8 @@ def parse_npusmi_topo(text: str, path: str = "<text>") -> Topology:
 
 def sniff_npusmi_info(text: str) -> bool:
     """True for the ``npu-smi info`` table (``npu-smi X Version: X`` banner or NPU/Name/Health)."""
+    if "npu-smi" not in text and "Health" not in text:
+        return False
     return any(_NPU_SMI_BANNER.match(ln) or _INFO_HEADER.match(ln) for ln in text.splitlines())
 
 
@@ -381,6 +387,8 @@ def _normal_bus_id(bus: str) -> str:
 
 def sniff_npusmi_board(text: str) -> bool:
     """True for ``npu-smi info -t board|usages|health`` key/value output or ``npu-smi info -m``."""
+    if not any(k in text for k in ("NPU ID", "PCI Device ID", "Health Status", "Chip Name")):
+        return False
     for line in text.splitlines():
         if _CHIP_LIST_HEADER.match(line):
             return True
@@ -489,6 +497,8 @@ def parse_npusmi_board(text: str, path: str = "<text>") -> Topology:
 
 def sniff_lspci_ascend(text: str) -> bool:
     """True when ``text`` has an ``lspci`` line of a Huawei accelerator (``Device d801``)."""
+    if "Huawei" not in text:
+        return False
     return any(_LSPCI_ASCEND.match(ln) for ln in text.splitlines())
 
 

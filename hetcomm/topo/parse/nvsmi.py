@@ -1,4 +1,4 @@
-"""Parse ``nvidia-smi`` text: ``topo -m`` / ``-mp`` / ``-p2p``, ``nvlink -s`` and the identity views.
+"""Parse ``nvidia-smi`` text: ``topo -m``/``-mp``/``-p2p``, ``nvlink -s`` and the identity views.
 
 One capture often holds several of these (a support bundle runs ``nvidia-smi``, ``-L``,
 ``nvlink -s`` and ``topo -m`` in a row, sometimes with ``ibdev2netdev`` and shell prompts in
@@ -88,6 +88,9 @@ P2P_STATUSES = {
     "U": "Unknown",
 }
 _NV = re.compile(r"^NV(\d+)$")
+# Current drivers underline the matrix header on a terminal (ESC[4m ... ESC[0m); copies pasted
+# from a web page often keep "[4m" without the ESC byte.
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]|\[[0-9;]{1,5}m")
 # Any other all-caps token in a matrix cell is kept as UNKNOWN (a newer driver's path name);
 # anything else (a CPU list, a number) means the row is misaligned or truncated.
 _CAPS_TOKEN = re.compile(r"^[A-Z][A-Z0-9]*$")
@@ -95,22 +98,50 @@ _MATRIX_HEADER = re.compile(r"^\s*GPU\d+(\s|$)")
 _TRAILING_START = {"CPU", "NUMA", "GPU"}  # first word of CPU Affinity / NUMA Affinity / GPU NUMA ID
 _LEGEND_ENTRY = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
 _IBDEV2NETDEV = re.compile(r"^\s*(\S+)\s+port\s+(\d+)\s+==>\s+(\S+)\s+\((\w+)\)\s*$")
-_COMMAND = re.compile(r"nvidia-smi\s+topo\s+(-mp\b|--matrix_pci\b|-m\b|--matrix\b|-p2p\s+(\w+)|--p2pstatus)")
+_COMMAND = re.compile(
+    r"nvidia-smi\s+topo\s+(-mp\b|--matrix_pci\b|-m\b|--matrix\b|-p2p\s+(\w+)|--p2pstatus)"
+)
 
 # Identity views.
 _GPU_TITLE = re.compile(r"^\s*GPU (\d+): (.+?)(?: \(UUID: ([^)]*)\))?\s*$")
 _NVLINK_RATE = re.compile(r"^\s*Link (\d+): ([0-9.]+) GB/s\s*$")
 _NVLINK_OTHER = re.compile(r"^\s*Link (\d+): (.*?)\s*$")
-_NVLINK_ALL_INACTIVE = re.compile(r"Unable to retrieve NVLink information as all links are inActive", re.I)
+_NVLINK_ALL_INACTIVE = re.compile(
+    r"Unable to retrieve NVLink information as all links are inActive", re.I
+)
 _NVLINK_COMMAND = re.compile(r"nvidia-smi\s+nvlink\b")
 _SMI_ROW = re.compile(
-    r"^\|\s+(\d+)\s+(.+?)\s+(On|Off|N/A)\s+\|\s+([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])"
+    r"^\|\s+(\d+)\s+(.+?)\s+(On|Off|N/A|WDDM|TCC)\s+\|\s+([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])"
     r"\s+(\S+)\s+\|"
 )
 _SMI_POWER = re.compile(r"(\d+)W\s*/\s*(\d+)W")
 _SMI_LAST_CELL = re.compile(r"\|\s*([^|]*?)\s*\|\s*$")
 _SMI_BANNER = re.compile(r"NVIDIA-SMI \d+\.\d+")
-_CSV_HEADER = re.compile(r"^\s*(?:index,\s*)?name,\s*.*pci\.bus_id", re.I)
+# What nvidia-smi prints instead of any table when the driver is missing or not loaded.
+_SMI_NO_DRIVER = re.compile(
+    r"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.*"
+)
+# `--query-gpu=... --format=csv` header: the queried field names, e.g. "index, name, pci.bus_id".
+_CSV_HEADER = re.compile(r"^\s*[a-z_.]+(?: \[[^\]]*\])?(?:,\s*[a-z_.]+(?: \[[^\]]*\])?)+\s*$", re.I)
+
+
+def _csv_columns(line: str) -> Optional[List[str]]:
+    """The field names of a ``--query-gpu`` CSV header naming the GPU (``name`` or
+    ``pci.bus_id``), else None."""
+    if not _CSV_HEADER.match(line):
+        return None
+    cols = [re.sub(r"\s*\[.*\]$", "", c.strip().lower()) for c in line.split(",")]
+    if len(set(cols)) != len(cols):
+        return None
+    # "name" alone is too common a CSV column; pair it with a field only nvidia-smi queries.
+    gpu_fields = {"index", "uuid", "driver_version", "memory.total", "compute_cap", "vbios_version"}
+    return cols if "pci.bus_id" in cols or ("name" in cols and gpu_fields & set(cols)) else None
+
+
+def _sniff_text(text: str) -> str:
+    """``text`` as the sniffers read it: no provenance header (it may quote a command), no ANSI
+    escapes, ``\\n`` line ends."""
+    return _ANSI.sub("", strip_source_header(text)).replace("\r\n", "\n")
 
 
 def _strip_vendor(name: str) -> str:
@@ -150,8 +181,47 @@ def _split_header(line: str) -> Tuple[List[str], List[str]]:
     return columns, trailing
 
 
-def _cell_error(path: str, lineno: int, row: str, col: str, cell: str, kind: str) -> TopologyParseError:
-    expected = "NV#, PIX, PXB, PHB, NODE, SYS or X" if kind == "topo" else "OK, CNS, GNS, TNS, NS, DR, U or X"
+def _split_row(
+    line: str, num_columns: int, num_trailing: int
+) -> Tuple[str, List[str], Optional[List[Optional[str]]]]:
+    """Name, device cells and trailing values (None = empty) of a matrix row.
+
+    Tab-separated rows keep their empty cells, which matters: a CPU Affinity can be empty, and
+    nvidia-smi prints an extra empty cell before ``GPU NUMA ID`` (``0-191<TAB>0<TAB><TAB>N/A``).
+    Rows re-printed with spaces lose empty cells; there the values are right-aligned, since the
+    column that goes empty is CPU Affinity (NUMA Affinity and GPU NUMA ID print ``N/A``).
+    Trailing values are None when the row has more cells than the header can hold.
+    """
+    if "\t" in line:
+        parts = [p.strip() for p in line.split("\t")]
+        while parts and not parts[0]:
+            parts.pop(0)
+        name, cells, rest = parts[0], parts[1 : 1 + num_columns], parts[1 + num_columns :]
+        while rest and not rest[-1]:
+            rest.pop()
+        if len(rest) == num_trailing + 1 and num_trailing >= 1 and rest[-2] == "":
+            rest = rest[:-2] + rest[-1:]
+        if len(rest) > num_trailing:
+            return name, cells, None
+        values: List[Optional[str]] = [v or None for v in rest] + [None] * (
+            num_trailing - len(rest)
+        )
+        return name, cells, values
+    tokens = line.split()
+    name, cells, rest = tokens[0], tokens[1 : 1 + num_columns], tokens[1 + num_columns :]
+    if len(rest) > num_trailing:
+        return name, cells, None
+    return name, cells, [None] * (num_trailing - len(rest)) + list(rest)
+
+
+def _cell_error(
+    path: str, lineno: int, row: str, col: str, cell: str, kind: str
+) -> TopologyParseError:
+    expected = (
+        "NV#, PIX, PXB, PHB, NODE, SYS or X"
+        if kind == "topo"
+        else "OK, CNS, GNS, TNS, NS, DR, U or X"
+    )
     return TopologyParseError(
         f"row {row}, column {col}: cell {cell!r} is not a topology token (expected {expected}); "
         "the row is misaligned or truncated",
@@ -186,10 +256,24 @@ def _find_matrices(lines: List[Tuple[int, str]], path: str) -> List[_Matrix]:
         j = i + 1
         while j < n and not lines[j][1].strip():
             j += 1
-        if len(tokens) < 2 or tokens[1] == "X" or j >= n or not lines[j][1].split() or lines[j][1].split()[0] != tokens[0]:
+        if (
+            len(tokens) < 2
+            or tokens[1] == "X"
+            or j >= n
+            or not lines[j][1].split()
+            or lines[j][1].split()[0] != tokens[0]
+        ):
             i += 1
             continue
         columns, trailing = _split_header(line)
+        repeated = sorted({c for c in columns if columns.count(c) > 1})
+        if repeated:
+            raise TopologyParseError(
+                f"matrix header names {', '.join(repeated)} more than once; each device column "
+                "must be unique (is the header damaged?)",
+                path=path,
+                line=lineno,
+            )
         matrix = _Matrix(header_line=lineno, columns=columns, trailing=trailing, mode=mode)
         names = set(columns)
         k = j
@@ -198,8 +282,7 @@ def _find_matrices(lines: List[Tuple[int, str]], path: str) -> List[_Matrix]:
             rtokens = rline.split()
             if not rtokens or rtokens[0] not in names:
                 break
-            name = rtokens[0]
-            cells = rtokens[1 : 1 + len(columns)]
+            name, cells, extra = _split_row(rline, len(columns), len(trailing))
             if len(cells) < len(columns):
                 raise TopologyParseError(
                     f"matrix row {name} has {len(cells)} cells but the header at line "
@@ -208,12 +291,11 @@ def _find_matrices(lines: List[Tuple[int, str]], path: str) -> List[_Matrix]:
                     path=path,
                     line=rlineno,
                 )
-            extra = rtokens[1 + len(columns) :]
-            if len(extra) > len(trailing):
+            if extra is None:
                 raise TopologyParseError(
-                    f"matrix row {name} has {len(columns) + len(extra)} cells but the header at "
-                    f"line {lineno} names {len(columns)} device columns and "
-                    f"{len(trailing)} trailing columns ({', '.join(trailing) or 'none'})",
+                    f"matrix row {name} has more cells than the header at line {lineno} names: "
+                    f"{len(columns)} device columns and {len(trailing)} trailing columns "
+                    f"({', '.join(trailing) or 'none'})",
                     path=path,
                     line=rlineno,
                 )
@@ -257,23 +339,35 @@ def _find_matrices(lines: List[Tuple[int, str]], path: str) -> List[_Matrix]:
     return matrices
 
 
-def _nic_legend(lines: List[Tuple[int, str]]) -> Dict[str, str]:
-    """``{"NIC0": "mlx5_0", ...}`` from every ``NIC Legend:`` block."""
+def _nic_legend(lines: List[Tuple[int, str]], path: str) -> Dict[str, str]:
+    """``{"NIC0": "mlx5_0", ...}`` from every ``NIC Legend:`` block.
+
+    Raises:
+        TopologyParseError: two NIC columns are given the same name (a damaged legend).
+    """
     legend: Dict[str, str] = {}
+    owner: Dict[str, str] = {}
     in_legend = False
-    for _, line in lines:
+    for lineno, line in lines:
         if line.strip().lower().startswith("nic legend"):
             in_legend = True
             continue
-        if not in_legend:
-            continue
-        if not line.strip():
+        if not in_legend or not line.strip():
             continue
         m = _LEGEND_ENTRY.match(line)
-        if m:
-            legend[m.group(1)] = m.group(2)
-        else:
+        if not m:
             in_legend = False
+            continue
+        column, name = m.group(1), m.group(2)
+        if owner.get(name, column) != column:
+            raise TopologyParseError(
+                f"NIC legend names both {owner[name]} and {column} {name!r}; every NIC column "
+                "needs its own device name (is the legend cut or edited?)",
+                path=path,
+                line=lineno,
+            )
+        owner[name] = column
+        legend[column] = name
     return legend
 
 
@@ -288,7 +382,14 @@ def _topo_link(a: str, b: str, cell: str, path: str) -> Link:
     nv = _NV.match(cell)
     if nv:
         num = int(nv.group(1))
-        return Link(a, b, LinkClass.NVLINK, raw=cell, gbps=nominal_gbps(LinkClass.NVLINK, num_nvlinks=num), source=path)
+        return Link(
+            a,
+            b,
+            LinkClass.NVLINK,
+            raw=cell,
+            gbps=nominal_gbps(LinkClass.NVLINK, num_nvlinks=num),
+            source=path,
+        )
     cls = TOPO_TOKENS.get(cell, LinkClass.UNKNOWN)
     return Link(a, b, cls, raw=cell, gbps=nominal_gbps(cls), source=path)
 
@@ -296,16 +397,17 @@ def _topo_link(a: str, b: str, cell: str, path: str) -> Link:
 def _add_matrix(topo: Topology, matrix: _Matrix, legend: Dict[str, str], path: str) -> None:
     """Fold one validated matrix into ``topo``."""
     names = {c: legend.get(c, c) for c in matrix.columns}
-    cell_at = {(name, col): cell for _, name, cells, _ in matrix.rows for col, cell in zip(matrix.columns, cells)}
+    cell_at = {
+        (name, col): cell
+        for _, name, cells, _ in matrix.rows
+        for col, cell in zip(matrix.columns, cells)
+    }
     trailing_idx = {t.lower(): i for i, t in enumerate(matrix.trailing)}
     for _, col, _, extra in matrix.rows:
         if re.fullmatch(r"GPU\d+", col):
-            def value(key: str) -> Optional[str]:
-                i = trailing_idx.get(key)
-                return extra[i] if i is not None and i < len(extra) else None
-
-            cpu = value("cpu affinity")
-            numa = value("numa affinity")
+            value = {key: extra[i] for key, i in trailing_idx.items()}
+            cpu = value.get("cpu affinity")
+            numa = value.get("numa affinity")
             topo.add_device(
                 Device(
                     name=col,
@@ -315,7 +417,7 @@ def _add_matrix(topo: Topology, matrix: _Matrix, legend: Dict[str, str], path: s
                     cpu_affinity=cpu if cpu and cpu.upper() != "N/A" else None,
                 )
             )
-            gpu_numa = _int_or_none(value("gpu numa id"))
+            gpu_numa = _int_or_none(value.get("gpu numa id"))
             if gpu_numa is not None:
                 topo.facts.setdefault("gpu_numa_id", {})[col] = gpu_numa
         elif matrix.kind == "topo":
@@ -368,7 +470,7 @@ def _add_identity(topo: Topology, lines: List[Tuple[int, str]], path: str) -> Di
     current: Optional[str] = None
     i = 0
     while i < n:
-        lineno, line = lines[i]
+        line = lines[i][1]
         if _NVLINK_COMMAND.search(line):
             nvlink_context = True
         elif re.search(r"nvidia-smi\b", line) and not _NVLINK_COMMAND.search(line):
@@ -387,7 +489,8 @@ def _add_identity(topo: Topology, lines: List[Tuple[int, str]], path: str) -> Di
                     pci_bus_id=normalize_bus_id(row.group(4)),
                 )
             )
-            facts.setdefault("persistence_mode", {})[name] = row.group(3)
+            if row.group(3) in ("On", "Off"):  # Windows prints the driver model (WDDM/TCC) here
+                facts.setdefault("persistence_mode", {})[name] = row.group(3)
             if i + 1 < n:
                 power = _SMI_POWER.search(lines[i + 1][1])
                 if power:
@@ -404,7 +507,12 @@ def _add_identity(topo: Topology, lines: List[Tuple[int, str]], path: str) -> Di
             idx = int(title.group(1))
             current = f"GPU{idx}"
             topo.add_device(
-                Device(name=current, vendor=Vendor.NVIDIA.value, model=_strip_vendor(title.group(2)), index=idx)
+                Device(
+                    name=current,
+                    vendor=Vendor.NVIDIA.value,
+                    model=_strip_vendor(title.group(2)),
+                    index=idx,
+                )
             )
             # Look ahead: Link lines or the all-inactive message make this an nvlink -s block.
             links: List[float] = []
@@ -428,8 +536,8 @@ def _add_identity(topo: Topology, lines: List[Tuple[int, str]], path: str) -> Di
                 found["list"] = True
             i = k
             continue
-        if _CSV_HEADER.match(line):
-            cols = [c.strip().lower() for c in line.split(",")]
+        cols = _csv_columns(line)
+        if cols:
             k = i + 1
             order = 0
             while k < n and lines[k][1].count(",") >= len(cols) - 1 and lines[k][1].strip():
@@ -460,13 +568,15 @@ def _add_identity(topo: Topology, lines: List[Tuple[int, str]], path: str) -> Di
 
 
 def _parse(text: str, path: str, want: str) -> Topology:
-    lines = numbered_lines(text)
+    lines = [(lineno, _ANSI.sub("", line)) for lineno, line in numbered_lines(text)]
     if not any(line.strip() for _, line in lines):
-        raise TopologyParseError(f"empty input; expected the output of {_WANT_HELP[want]}", path=path, line=1)
+        raise TopologyParseError(
+            f"empty input; expected the output of {_WANT_HELP[want]}", path=path, line=1
+        )
     topo = Topology()
     formats: List[str] = []
     matrices = _find_matrices(lines, path)
-    legend = _nic_legend(lines)
+    legend = _nic_legend(lines, path)
     topo_matrices = [m for m in matrices if m.kind == "topo"]
     if want == "nvsmi-topo-mp":
         for m in topo_matrices:
@@ -495,6 +605,16 @@ def _parse(text: str, path: str, want: str) -> Topology:
     # A -mp capture is still a topo matrix: parse_nvsmi_topo accepts it (pcie_view says which).
     accepted = {want, "nvsmi-topo-mp"} if want == "nvsmi-topo" else {want}
     if not accepted & set(formats):
+        for lineno, line in lines:
+            failed = _SMI_NO_DRIVER.search(line)
+            if failed:
+                raise TopologyParseError(
+                    f"nvidia-smi could not reach the driver ({failed.group(0).strip()!r}), so the "
+                    "capture holds no GPU information; load the NVIDIA driver (check `lsmod | grep "
+                    "nvidia` and dmesg) and capture again",
+                    path=path,
+                    line=lineno,
+                )
         raise TopologyParseError(
             f"no {_WANT_HELP[want]} output found; {_WANT_EXAMPLE[want]}",
             path=path,
@@ -513,17 +633,26 @@ _WANT_HELP = {
     "nvsmi": "`nvidia-smi` (table, -L or --query-gpu csv)",
 }
 _WANT_EXAMPLE = {
-    "nvsmi-topo": "expected a header line of device columns ('GPU0 GPU1 ... CPU Affinity') followed by one row per column ('GPU0  X  NV8 ...')",
-    "nvsmi-topo-mp": "expected a header line of device columns ('GPU0 GPU1 ...') followed by one row per column ('GPU0  X  PIX ...')",
+    "nvsmi-topo": (
+        "expected a header line of device columns ('GPU0 GPU1 ... CPU Affinity') followed by "
+        "one row per column ('GPU0  X  NV8 ...')"
+    ),
+    "nvsmi-topo-mp": (
+        "expected a header line of device columns ('GPU0 GPU1 ...') followed by one row per "
+        "column ('GPU0  X  PIX ...')"
+    ),
     "nvsmi-topo-p2p": "expected a GPU matrix of OK/CNS/GNS/TNS/NS cells ('GPU0  X  OK ...')",
-    "nvsmi-nvlink": "expected 'GPU 0: <name> (UUID: ...)' lines followed by 'Link N: 25 GB/s' lines",
-    "nvsmi": "expected the nvidia-smi table ('|   0  NVIDIA A100-PCIE-40GB  Off |  00000000:12:00.0 Off | ...') or 'GPU 0: <name> (UUID: ...)' lines",
+    "nvsmi-nvlink": "expected 'GPU 0: <name> (UUID: ...)' lines, each followed by 'Link N: 25 GB/s'",
+    "nvsmi": (
+        "expected the nvidia-smi table ('|   0  NVIDIA A100-PCIE-40GB  Off |  00000000:12:00.0 "
+        "Off | ...') or 'GPU 0: <name> (UUID: ...)' lines"
+    ),
 }
 
 
 def sniff_nvsmi_topo(text: str) -> bool:
     """True when ``text`` holds an ``nvidia-smi topo -m`` matrix (header then ``GPU0  X  ...``)."""
-    text = strip_source_header(text)  # the provenance header is not tool output
+    text = _sniff_text(text)
     if re.search(r"(?m)^[ \t]*GPU0[ \t]+X[ \t]+(NV\d+|PIX|PXB|PHB|NODE|SYS|SOC)\b", text):
         return True
     # A single-GPU box has no path cell: "GPU0  X  0-63  0" under a "... CPU Affinity" header.
@@ -533,35 +662,44 @@ def sniff_nvsmi_topo(text: str) -> bool:
 
 
 def sniff_nvsmi_topo_mp(text: str) -> bool:
-    """True for a ``topo -m``-style matrix captured with its ``nvidia-smi topo -mp`` command line."""
-    text = strip_source_header(text)  # the provenance header is not tool output
+    """True for a ``topo -m``-style matrix captured with its ``nvidia-smi topo -mp`` command."""
+    text = _sniff_text(text)
     # (a provenance header may quote the command, hence the stripping above)
-    return bool(re.search(r"nvidia-smi\s+topo\s+(-mp|--matrix_pci)\b", text)) and sniff_nvsmi_topo(text)
+    return bool(re.search(r"nvidia-smi\s+topo\s+(-mp|--matrix_pci)\b", text)) and sniff_nvsmi_topo(
+        text
+    )
 
 
 def sniff_nvsmi_topo_p2p(text: str) -> bool:
     """True when ``text`` holds an ``nvidia-smi topo -p2p`` matrix (``GPU0  X  OK ...``)."""
-    text = strip_source_header(text)  # the provenance header is not tool output
+    text = _sniff_text(text)
     return bool(re.search(r"(?m)^[ \t]*GPU0[ \t]+X[ \t]+(OK|CNS|GNS|TNS|NS|DR|U)\b", text))
 
 
 def sniff_nvsmi_nvlink(text: str) -> bool:
     """True for ``nvidia-smi nvlink -s`` output (a GPU title followed by Link lines or the
     all-links-inactive message)."""
-    text = strip_source_header(text)  # the provenance header is not tool output
+    text = _sniff_text(text)
     return bool(
-        re.search(r"(?m)^\s*GPU \d+: .+\n\s*(Link \d+: |NVML: Unable to retrieve NVLink information)", text)
+        re.search(
+            r"(?m)^\s*GPU \d+: .+\n\s*(Link \d+: |NVML: Unable to retrieve NVLink information)",
+            text,
+        )
     )
 
 
 def sniff_nvsmi(text: str) -> bool:
     """True for the ``nvidia-smi`` table, ``nvidia-smi -L`` lines or ``--query-gpu`` CSV."""
-    text = strip_source_header(text)  # the provenance header is not tool output
+    text = _sniff_text(text)
     return bool(
         _SMI_BANNER.search(text)
+        or _SMI_NO_DRIVER.search(text)
         # `-L` lines; a title followed by Link lines is nvlink -s output instead.
-        or re.search(r"(?m)^[ \t]*GPU \d+: .+ \(UUID: GPU-[^)\n]*\)[ \t]*(\n(?![ \t]*(Link \d+:|NVML: ))|\Z)", text)
-        or re.search(r"(?mi)^\s*(index,\s*)?name,\s*.*pci\.bus_id", text)
+        or re.search(
+            r"(?m)^[ \t]*GPU \d+: .+ \(UUID: GPU-[^)\n]*\)[ \t]*(\n(?![ \t]*(Link \d+:|NVML: ))|\Z)",
+            text,
+        )
+        or any(_csv_columns(line) for line in text.splitlines() if "," in line)
     )
 
 

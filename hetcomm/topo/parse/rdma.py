@@ -115,6 +115,8 @@ def _no_data(fmt: str, path: str, lines, expected: str) -> TopologyParseError:
 
 def sniff_ibstat(text: str) -> bool:
     """True for ``ibstat`` output: a ``CA 'mlx5_0'`` line followed by ``CA type:``/``Port N:``."""
+    if "CA '" not in text:  # cheap guard: sniffers run on every input, logs can be large
+        return False
     lines = text.splitlines()
     for i, line in enumerate(lines):
         if _CA.match(line):
@@ -248,6 +250,8 @@ def parse_ibstat(text: str, path: str = "<text>") -> Topology:
 
 def sniff_ibv_devinfo(text: str) -> bool:
     """True for ``ibv_devinfo`` output (``hca_id: <name>`` then ``transport:``/``port:`` lines)."""
+    if "hca_id" not in text:
+        return False
     lines = text.splitlines()
     for i, line in enumerate(lines):
         if _HCA_ID.match(line):
@@ -342,6 +346,8 @@ def parse_ibv_devinfo(text: str, path: str = "<text>") -> Topology:
 
 def sniff_show_gids(text: str) -> bool:
     """True for ``show_gids`` output (the ``DEV PORT INDEX GID IPv4 VER DEV`` header)."""
+    if "GID" not in text:
+        return False
     return any(_GIDS_HEADER.match(ln) for ln in text.splitlines())
 
 
@@ -493,6 +499,8 @@ def parse_ib_sysfs(text: str, path: str = "<text>") -> Topology:
 
 def sniff_ibdev2netdev(text: str) -> bool:
     """True for ``ibdev2netdev`` lines (``mlx5_0 port 1 ==> ens108np0 (Up)``)."""
+    if "==>" not in text:
+        return False
     return any(_IBDEV2NETDEV.match(ln) for ln in text.splitlines())
 
 

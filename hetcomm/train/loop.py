@@ -1,0 +1,398 @@
+"""The ``hetcomm train`` job: spawn (or join) ranks, train the demo MoE LM, report.
+
+Parallelism: the dense parameters (embedding, attention, norms, gates) are data parallel — their
+gradients are averaged over the group with one flat all-reduce per step; the experts are expert
+parallel — each lives on one rank (plus replicas of hot experts on strong ranks, kept identical by
+the layer), and receives gradient from every rank's tokens through the all-to-all's backward.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from hetcomm._yaml import load_yaml, reject_unknown_keys
+from hetcomm.errors import ConfigError
+from hetcomm.topo.cluster import CLUSTER_ENV, load_cluster
+from hetcomm.train.data import MarkovTask
+from hetcomm.train.model import LMConfig, MoETransformerLM
+
+__all__ = ["TrainConfig", "load_train_config", "launch", "train_worker"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one ``hetcomm train`` run needs (``configs/train/demo.yaml`` holds the defaults).
+
+    Attributes:
+        cluster: cluster YAML deciding rank placement, strong ranks and wire dtypes.
+        steps: optimizer steps.
+        experts: global experts per MoE layer.
+        layers: transformer blocks (each with one MoE layer).
+        model_dim / hidden_dim: width of the model / of each expert's FFN.
+        batch_size / seq_len: per-rank sequences per step and their length.
+        lr: AdamW learning rate.
+        replicate: hot-expert replication on strong ranks.
+        wire_dtype: ``auto`` (the cluster's per-link policy) or ``fp32``/``fp16``/``bf16``.
+        backend: process-group backend (``hetcomm``; ``gloo`` for comparison).
+        seed: seed of the model and of the data streams (rank r uses ``seed + r``).
+        log_every: steps between progress lines when stderr is not a terminal.
+        timeout_s: collective timeout; a rank that stops answering fails the run after this long.
+    """
+
+    cluster: str = "configs/clusters/mixed-mini.yaml"
+    steps: int = 200
+    experts: int = 8
+    layers: int = 2
+    model_dim: int = 64
+    hidden_dim: int = 128
+    batch_size: int = 16
+    seq_len: int = 32
+    lr: float = 3e-3
+    replicate: bool = True
+    wire_dtype: str = "auto"
+    backend: str = "hetcomm"
+    seed: int = 0
+    log_every: int = 25
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "experts", "layers", "model_dim", "hidden_dim", "batch_size", "seq_len", "log_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"must be a positive whole number, got {value!r}", key=f"train.{name}")
+        if not self.lr > 0:
+            raise ConfigError(f"must be > 0, got {self.lr!r}", key="train.lr")
+        if self.wire_dtype not in ("auto", "fp32", "fp16", "bf16"):
+            raise ConfigError(
+                f"unknown wire dtype {self.wire_dtype!r}; expected auto, fp32, fp16 or bf16", key="train.wire_dtype"
+            )
+        if self.experts < 2:
+            raise ConfigError("an MoE layer needs at least 2 experts", key="train.experts")
+
+
+def load_train_config(path: str, **overrides: Any) -> TrainConfig:
+    """Read a train config YAML (keys = :class:`TrainConfig` fields), then apply ``overrides``.
+
+    Raises:
+        ConfigError: unknown key (with did-you-mean), bad value, naming file and line.
+    """
+    src = load_yaml(path)
+    if not isinstance(src.data, dict):
+        raise src.error("", "expected a mapping of train settings")
+    names = [f.name for f in fields(TrainConfig)]
+    reject_unknown_keys(src, src.data, "", names)
+    try:
+        cfg = TrainConfig(**src.data)
+    except ConfigError as e:
+        key = (e.key or "").removeprefix("train.")
+        raise src.error(key, str(e).split(": ", 1)[-1]) from None
+    except TypeError as e:
+        raise src.error("", f"bad value: {e}") from None
+    cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    if not os.path.exists(cfg.cluster) and not os.path.isabs(cfg.cluster):
+        # A relative cluster path in a config file is relative to the repository root.
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(path))))
+        candidate = os.path.join(root, cfg.cluster)
+        if os.path.exists(candidate):
+            cfg = replace(cfg, cluster=candidate)
+    return cfg
+
+
+# -- launching ------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
+    """Run the job: under torchrun (``RANK``/``WORLD_SIZE`` set) join it, else spawn local ranks.
+
+    Returns:
+        0 when training finished with the loss well below the unigram baseline, 1 otherwise.
+    """
+    cluster = load_cluster(cfg.cluster)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return train_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg)
+    world_size = nprocs or cluster.num_ranks
+    if world_size != cluster.num_ranks:
+        raise ConfigError(
+            f"cluster '{cluster.name}' has {cluster.num_ranks} ranks but {world_size} processes were asked "
+            f"for; use --nprocs {cluster.num_ranks} or another --cluster",
+            path=cluster.path,
+        )
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ[CLUSTER_ENV] = os.path.abspath(cfg.cluster)
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    result = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_spawned, args=(r, world_size, cfg, result), daemon=False) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + cfg.timeout_s + cfg.steps * 10.0
+    codes: Dict[int, int] = {}
+    try:
+        while len(codes) < world_size:
+            for r, p in enumerate(procs):
+                if r not in codes and not p.is_alive():
+                    codes[r] = p.exitcode
+                    if p.exitcode != 0:
+                        # One rank failed: the others would wait for it until their timeout.
+                        print(f"hetcomm train: rank {r} exited with code {p.exitcode}; stopping the other ranks",
+                              file=sys.stderr)
+                        for q in procs:
+                            if q.is_alive():
+                                q.terminate()
+            if time.monotonic() > deadline:
+                print("hetcomm train: the run exceeded its time limit; stopping all ranks", file=sys.stderr)
+                for q in procs:
+                    q.terminate()
+                return 1
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        for q in procs:
+            q.terminate()
+        raise
+    for p in procs:
+        p.join(5)
+    if any(c != 0 for c in codes.values()):
+        return 1
+    return 0 if (not result.empty() and result.get() == 0) else 1
+
+
+def _spawned(rank: int, world_size: int, cfg: TrainConfig, result) -> None:
+    code = train_worker(rank, world_size, cfg)
+    if rank == 0:
+        result.put(code)
+
+
+# -- one rank -------------------------------------------------------------------------------
+
+
+def _split_parameters(model: torch.nn.Module):
+    """(dense, expert) trainable parameters: experts and replicas are not data parallel."""
+    dense, expert = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue  # e.g. the frozen calibration weights
+        (expert if (".experts." in name or ".replicator." in name) else dense).append(p)
+    return dense, expert
+
+
+def _allreduce_dense_grads(params: List[torch.nn.Parameter], world_size: int) -> None:
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world_size
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+
+
+def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> int:
+    """Train on this rank; rank 0 prints progress and the summary. Returns the job's exit code."""
+    import hetcomm  # noqa: F401  (registers the backend)
+    from hetcomm.moe import MoELayer
+
+    torch.set_num_threads(1)  # ranks share the machine's cores; more threads only contend
+    dist.init_process_group(
+        cfg.backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s)
+    )
+    try:
+        return _train(rank, world_size, cfg, MoELayer)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
+    cluster = load_cluster(cfg.cluster)
+    task = MarkovTask(vocab_size=256, seed=1234 + cfg.seed)
+    lm_cfg = LMConfig(
+        vocab_size=task.vocab_size,
+        seq_len=cfg.seq_len,
+        model_dim=cfg.model_dim,
+        num_layers=cfg.layers,
+        num_experts=cfg.experts,
+        hidden_dim=cfg.hidden_dim,
+    )
+
+    def expert_factory(dim: int) -> torch.nn.Module:
+        return torch.nn.Sequential(
+            torch.nn.Linear(dim, cfg.hidden_dim), torch.nn.GELU(), torch.nn.Linear(cfg.hidden_dim, dim)
+        )
+
+    def make_moe(layer_index: int):
+        return MoELayer(
+            cfg.model_dim,
+            cfg.experts,
+            k=lm_cfg.k,
+            capacity_factor=lm_cfg.capacity_factor,
+            expert=expert_factory,
+            cluster=cluster,
+            replicate=cfg.replicate,
+            wire_dtype=cfg.wire_dtype,
+            seed=cfg.seed * 1000 + layer_index,
+        )
+
+    torch.manual_seed(cfg.seed)  # dense weights identical on every rank
+    model = MoETransformerLM(lm_cfg, make_moe)
+    dense, expert = _split_parameters(model)
+    opt = torch.optim.AdamW(dense + expert, lr=cfg.lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)
+
+    import hetcomm
+
+    hetcomm.reset_stats()
+    progress = _Progress(rank == 0, cfg, world_size, cluster)
+    t0 = time.perf_counter()
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    losses: List[float] = []
+    for step in range(1, cfg.steps + 1):
+        batch = task.sample(cfg.batch_size, cfg.seq_len, gen)
+        _, loss = model(batch[:, :-1], batch[:, 1:])
+        aux = sum(m.l_aux for m in model.moe_layers)
+        opt.zero_grad(set_to_none=True)
+        (loss + 0.01 * aux).backward()
+        for p in expert:  # the global loss is the mean over ranks: scale the expert-parallel grads
+            if p.grad is not None:
+                p.grad /= world_size
+        _allreduce_dense_grads(dense, world_size)
+        opt.step()
+        for m in model.moe_layers:
+            m.sync_replicas()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        losses.append(float(global_loss) / world_size)
+        progress.update(step, losses[-1], tokens_per_step * world_size, model)
+
+    elapsed = time.perf_counter() - t0
+    summary = _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step)
+    if rank == 0:
+        progress.close()
+        print(summary["text"])
+    return 0 if summary["ok"] else 1
+
+
+# -- reporting ------------------------------------------------------------------------------
+
+
+def _rail_bytes() -> Dict[str, int]:
+    import hetcomm
+
+    return {rail: int(c.get("bytes_sent", 0)) for rail, c in hetcomm.stats().items()}
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+class _Progress:
+    """A one-line progress bar on a terminal; a line every ``log_every`` steps otherwise."""
+
+    def __init__(self, enabled: bool, cfg: TrainConfig, world_size: int, cluster) -> None:
+        self.enabled = enabled
+        self.cfg = cfg
+        self.tty = sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+        self.last_t = self.t0
+        self.last_step = 0
+        self.last_bytes: Dict[str, int] = {}
+        if enabled:
+            labels = ", ".join(
+                f"rank{r}={cluster.rank(r).model}@{cluster.rank(r).node.name}" for r in range(world_size)
+            )
+            print(
+                f"hetcomm train: {world_size} ranks on cluster '{cluster.name}' ({labels}); device kinds "
+                f"are labels on this CPU-only machine, the rails between the processes are real.",
+                file=sys.stderr,
+            )
+
+    def update(self, step: int, loss: float, tokens_per_step: int, model) -> None:
+        if not self.enabled:
+            return
+        if not (self.tty or step % self.cfg.log_every == 0 or step == self.cfg.steps or step == 1):
+            return
+        now = time.perf_counter()
+        steps = step - self.last_step
+        tok_s = tokens_per_step * steps / max(now - self.last_t, 1e-9)
+        rail_now = _rail_bytes()
+        per_rail = {r: (b - self.last_bytes.get(r, 0)) / max(steps, 1) for r, b in rail_now.items()}
+        self.last_t, self.last_step, self.last_bytes = now, step, rail_now
+        st = model.moe_layers[0].last_stats or {}
+        top5 = st.get("top5_share")
+        replicas = st.get("num_replicas", st.get("replicas"))
+        frac = step / self.cfg.steps
+        bar = "#" * int(frac * 20) + "." * (20 - int(frac * 20))
+        rails = " ".join(f"{r}:{_fmt_bytes(b)}" for r, b in sorted(per_rail.items())) or "-"
+        line = (
+            f"[{bar}] step {step}/{self.cfg.steps} loss {loss:.3f} {tok_s:,.0f} tok/s "
+            f"a2a/step(rank0) {rails}"
+            + (f" top5 {top5:.0%}" if isinstance(top5, float) else "")
+            + (f" replicas {replicas}" if replicas is not None else "")
+        )
+        if self.tty:
+            print("\r" + line[:200].ljust(120), end="", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            print(file=sys.stderr)
+
+
+def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step) -> Dict[str, Any]:
+    unigram = task.unigram_entropy()
+    optimum = task.conditional_entropy()
+    window = max(1, min(20, len(losses) // 5))
+    first = sum(losses[:window]) / window
+    last = sum(losses[-window:]) / window
+    # "Well below the unigram baseline": at least half-way from the baseline to the optimum.
+    target = unigram - 0.5 * (unigram - optimum)
+    ok = last <= target
+    rails = hetcomm_stats_total()
+    layer = model.moe_layers[0]
+    st = layer.last_stats or {}
+    rows = [
+        ("ranks", f"{world_size} ({', '.join(sorted({cluster.rank(r).model for r in range(world_size)}))}; labels on CPU)"),
+        ("steps", f"{cfg.steps} in {elapsed:.1f} s"),
+        ("tokens/s (all ranks)", f"{tokens_per_step * world_size * cfg.steps / elapsed:,.0f}"),
+        ("loss first -> last", f"{first:.3f} -> {last:.3f} (mean of {window} steps)"),
+        ("unigram baseline", f"{unigram:.3f}  (best context-free predictor)"),
+        ("achievable optimum", f"{optimum:.3f}  (the chain's conditional entropy)"),
+        ("verdict", ("PASS: " if ok else "FAIL: ") + f"last loss {'<=' if ok else '>'} {target:.3f} (half-way to optimum)"),
+        ("replication", "on" if cfg.replicate else "off"),
+        ("wire dtype", cfg.wire_dtype),
+    ]
+    for rail, c in sorted(rails.items()):
+        rows.append((f"rank0 sent over {rail}", f"{_fmt_bytes(c)} ({_fmt_bytes(c / cfg.steps)}/step)"))
+    for key in ("top5_share", "min_expert_share", "overflow_rate", "local_fraction"):
+        if key in st and isinstance(st[key], (int, float)):
+            rows.append((f"layer0 {key}", f"{st[key]:.3f}"))
+    width = max(len(k) for k, _ in rows)
+    text = "\n".join(["", "hetcomm train summary", "-" * (width + 40)] + [f"{k.ljust(width)}  {v}" for k, v in rows])
+    return {"ok": ok, "text": text, "first": first, "last": last, "unigram": unigram, "optimum": optimum}
+
+
+def hetcomm_stats_total() -> Dict[str, int]:
+    """Bytes sent per rail by this process since the last reset."""
+    return _rail_bytes()

@@ -1,0 +1,95 @@
+"""Placement, wire policy and metrics: the pure parts, in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetcomm.errors import ConfigError
+from hetcomm.moe import ExpertPlacement, place_experts, routing_metrics, wire_policy
+from hetcomm.moe.dispatch import ChunkLayout, expert_major_perm, plan_route
+from hetcomm.moe.placement import split_by_weight
+from hetcomm.topo.cluster import load_cluster
+from tests.backends.ranks import MIXED_MINI
+
+
+def test_experts_need_not_divide_ranks_and_strong_ranks_hold_more():
+    assert split_by_weight(7, [2, 2, 2, 1]) == [2, 2, 2, 1]
+    assert split_by_weight(32, [2, 2, 2, 1]) == [9, 9, 9, 5]
+    assert split_by_weight(3, [1, 1, 1, 1]) == [1, 1, 1, 0]
+    p = place_experts(7, 4, rank_weights=[2, 2, 2, 1])
+    assert p.num_local_experts_per_rank == (2, 2, 2, 1)
+    assert [p.slots[e] for e in range(7)] == list(range(7))
+
+
+def test_cold_experts_go_to_weak_ranks_when_the_load_is_known():
+    load = [100, 90, 80, 70, 60, 50, 3, 2, 1]
+    p = place_experts(9, 4, rank_weights=[2, 2, 2, 1], strong_ranks=[0, 1, 2], expert_load=load)
+    weak = p.experts_of(3)
+    assert set(weak) <= {6, 7, 8}, p.describe()
+    # The hottest three land on three different strong ranks.
+    assert len({p.owner[0], p.owner[1], p.owner[2]}) == 3
+
+
+def test_placement_errors_name_the_key():
+    with pytest.raises(ConfigError, match=r"moe.placement.owner\[1\]"):
+        ExpertPlacement((0, 5), 2)
+    with pytest.raises(ConfigError, match="rank_weights"):
+        place_experts(4, 2, rank_weights=[1.0])
+
+
+def test_wire_policy_from_mixed_mini_is_fp16_to_and_from_the_910b_only():
+    cluster = load_cluster(MIXED_MINI)
+    pol = wire_policy(4, "auto", cluster)
+    assert pol.describe() == {
+        "0-1": "fp32", "0-2": "fp32", "0-3": "fp16", "1-2": "fp32", "1-3": "fp16", "2-3": "fp16",
+    }
+    assert pol.uniform is None
+    assert pol.peer_dtypes(3, torch.float32) == [torch.float16, torch.float16, torch.float16, torch.float32]
+    # A wire never widens: FP16 activations over an FP32 link stay FP16.
+    assert pol.peer_dtypes(0, torch.float16)[1] == torch.float16
+    assert wire_policy(4, "bf16", cluster).uniform == "bf16"
+    with pytest.raises(ConfigError, match="8 ranks|describes 4 ranks"):
+        wire_policy(8, "auto", cluster)
+
+
+def test_route_is_one_sort_with_capacity_by_choice_then_token():
+    # 4 tokens, k=2, 3 experts; expert 0 is everyone's first choice.
+    topk = torch.tensor([[0, 1], [0, 2], [0, 1], [0, 2]])
+    key = torch.tensor([0, 1, 2])
+    r = plan_route(topk, key, capacity=2)
+    # First choices of tokens 0 and 1 are kept, of tokens 2 and 3 dropped.
+    assert r.num_dropped == 2
+    assert r.send_assign.tolist() == [0, 1, 4, 6, 5, 7]
+    assert r.send_token.tolist() == [0, 1, 0, 2, 1, 3]
+    assert r.send_counts.tolist() == [2, 2, 2]
+    assert r.picks.tolist() == [4, 2, 2]
+    rep = plan_route(topk, key, capacity=None, replica_here=torch.tensor([False, True, False]))
+    assert rep.local_expert.tolist() == [1, 1]
+    assert rep.send_counts.tolist() == [4, 0, 2]
+
+
+def test_expert_major_permutation():
+    counts = torch.tensor([[1, 2], [3, 0], [0, 1]])  # 3 sources, 2 local experts
+    # source-major rows: s0e0 s0e1 s0e1 s1e0 s1e0 s1e0 s2e1
+    perm = expert_major_perm(counts)
+    assert perm.tolist() == [0, 3, 4, 5, 1, 2, 6]
+
+
+def test_chunk_layout_groups_local_experts():
+    p = place_experts(7, 4, rank_weights=[2, 2, 2, 1])
+    lay = ChunkLayout.build(p, 2)
+    assert lay.experts_in[0][0] == (0,) and lay.experts_in[1][0] == (1,)
+    assert lay.experts_in[0][3] == () and lay.experts_in[1][3] == (6,)
+    # Send order is chunk-major.
+    order = sorted(range(7), key=lambda e: int(lay.key_of_expert[e]))
+    assert order == [0, 2, 4, 1, 3, 5, 6]
+
+
+def test_routing_metrics():
+    picks = torch.tensor([50, 20, 10, 10, 5, 4, 1, 0])
+    m = routing_metrics(picks, num_dropped=10, num_local=45)
+    assert m.top5_share == pytest.approx(95 / 100)
+    assert m.min_expert_rate == 0.0
+    assert m.overflow_rate == pytest.approx(0.1)
+    assert m.local_fraction == pytest.approx(45 / 90)

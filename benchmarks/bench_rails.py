@@ -225,7 +225,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="also write the markdown to this file")
     p.add_argument("--json", default=None, help="write every raw timing to this JSON file")
     args = p.parse_args(argv)
-    args.command_line = "python benchmarks/bench_rails.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.command_line = (
+        f".venv/bin/python benchmarks/bench_rails.py --runs {args.runs} --iters {args.iters} "
+        f"--warmup {args.warmup} --sizes {args.sizes} --nprocs {args.nprocs}"
+    )
     sizes = [lib.parse_bytes(s, "--sizes") for s in args.sizes.split(",")]
     if any(s % (4 * args.nprocs) for s in sizes) or args.runs < 1 or args.iters < 1:
         p.error("sizes must be multiples of 4*nprocs bytes; runs and iters >= 1")

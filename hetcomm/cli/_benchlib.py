@@ -660,16 +660,37 @@ def _row_line(values: Sequence[str]) -> str:
     return line
 
 
-def _rank_line(info: Dict[str, Any]) -> str:
-    text = (
+def _rank_line(info: Dict[str, Any], cpu_model: str) -> str:
+    """nccl-tests' ``#  Rank`` line. The bracket (a PCI bus id in nccl-tests) says where the
+    tensors really are and, with a cluster YAML, that the device kind is a label; the model
+    follows the bracket, as in nccl-tests."""
+    where = info["torch_device"] + (", label" if info.get("label_only") else "")
+    model = info.get("model") or cpu_model
+    return (
         f"#  Rank {info['rank']:2d} Group  0 Pid {info['pid']:6d} on {info['host']:>10s} "
-        f"device {info['device']:2d} [{info['torch_device']}]"
+        f"device {info['device']:2d} [{where}] {model}"
     )
-    if info.get("model"):
-        what = f"{info.get('device_name', '')} {info['model']}".strip()
-        kind = "label" if info.get("label_only") else "real"
-        text += f" stands for {what} on node {info['node']} ({kind})"
-    return text
+
+
+def _label_lines(result: Dict[str, Any]) -> List[str]:
+    """Where each rank stands, and the statement that GPU/NPU kinds are labels."""
+    ranks = [i for i in result["ranks"] if i.get("model")]
+    if not ranks:
+        return []
+    stands = ", ".join(
+        f"rank {i['rank']} = {i.get('device_name', '')} {i['model']} on {i['node']}".replace("  ", " ")
+        for i in ranks
+    )
+    lines = [f"# Cluster placement: {stands}"]
+    if result.get("labels_only"):
+        cfg = result["config"]
+        cluster = os.path.basename(cfg.get("cluster") or "") or "the cluster YAML"
+        lines.append(
+            f"# Device kinds are labels: each rank is a CPU process standing for the GPU/NPU "
+            f"named in {cluster}; tensors stay in host memory, and the transports between the "
+            f"processes (shared memory, TCP) are real."
+        )
+    return lines
 
 
 def format_table(result: Dict[str, Any]) -> str:
@@ -699,15 +720,8 @@ def format_table(result: Dict[str, Any]) -> str:
         "#",
         "# Using devices",
     ]
-    lines += [_rank_line(info) for info in result["ranks"]]
-    if result.get("labels_only"):
-        models = sorted({i["model"] for i in result["ranks"] if i.get("label_only")})
-        cluster = os.path.basename(cfg.get("cluster") or os.environ.get("HETCOMM_CLUSTER", "") or "")
-        lines.append(
-            f"# Device kinds are labels: CPU processes stand for {', '.join(models)} as named in "
-            f"{cluster or 'the cluster YAML'}; tensors stay in host memory, the transports "
-            f"between the processes are real."
-        )
+    lines += [_rank_line(info, machine["cpu_model"]) for info in result["ranks"]]
+    lines += _label_lines(result)
     rail_line = _rail_summary(result.get("rails"))
     if rail_line:
         lines.append(rail_line)

@@ -25,7 +25,16 @@ import torch.distributed as dist
 
 from hetcomm.moe.wire import Exchange
 
-__all__ = ["RoutePlan", "ChunkLayout", "plan_route", "exchange_counts", "launch", "wait"]
+__all__ = [
+    "RoutePlan",
+    "ChunkLayout",
+    "plan_route",
+    "exchange_counts",
+    "launch",
+    "wait",
+    "expert_major_perm",
+    "weighted_combine",
+]
 
 
 @dataclass(frozen=True)
@@ -253,3 +262,43 @@ def expert_major_perm(counts: torch.Tensor) -> torch.Tensor:
     seg_len = counts.t().reshape(-1)
     seg_out_start = torch.cumsum(seg_len, 0) - seg_len
     return torch.repeat_interleave(seg_start - seg_out_start, seg_len) + torch.arange(R)
+
+
+class _WeightedCombine(torch.autograd.Function):
+    """``out[t] = sum_{a: token(a) = t} w[a] * y[a]`` with a lean backward.
+
+    Autograd's ``index_add(y * w)`` keeps one more ``[S, D]`` temporary and reduces the weight
+    gradient with a separate multiply and sum; here it is one gather, one batched dot product and
+    one in-place scale.
+    """
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, w: torch.Tensor, token: torch.Tensor, num_tokens: int) -> torch.Tensor:  # type: ignore[override]
+        out = torch.zeros((num_tokens, y.size(1)), dtype=y.dtype, device=y.device)
+        out.index_add_(0, token, y * w.unsqueeze(1).to(y.dtype))
+        ctx.save_for_backward(y, w, token)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        y, w, token = ctx.saved_tensors
+        g = grad.index_select(0, token)
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = torch.bmm(g.unsqueeze(1), y.unsqueeze(2)).view(-1).to(w.dtype)
+        gy = g.mul_(w.unsqueeze(1).to(g.dtype)) if ctx.needs_input_grad[0] else None
+        return gy, gw, None, None
+
+
+def weighted_combine(y: torch.Tensor, w: torch.Tensor, token: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Sum weighted expert outputs back into token order.
+
+    Args:
+        y: ``[S, D]`` expert outputs of ``S`` token copies, any float dtype.
+        w: ``[S]`` float32 combine weights (with grad).
+        token: ``[S]`` int64 token of each copy.
+        num_tokens: ``T``.
+    Returns:
+        ``[T, D]`` of ``y.dtype``; tokens with no copy are zeros.
+    """
+    return _WeightedCombine.apply(y, w, token, num_tokens)

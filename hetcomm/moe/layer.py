@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from torch import nn
 
 from hetcomm.errors import ConfigError
 from hetcomm.moe.calibrate import LoadCalibrator
-from hetcomm.moe.dispatch import ChunkLayout, exchange_counts, plan_route
+from hetcomm.moe.dispatch import ChunkLayout, exchange_counts, plan_route, weighted_combine
 from hetcomm.moe.experts import ExpertBank, ExpertSpec, build_expert
 from hetcomm.moe.gate import TopKGate
 from hetcomm.moe.metrics import MetricsAccumulator, routing_metrics
@@ -228,6 +228,10 @@ class MoELayer(nn.Module):
         local_ids = placement.experts_of(self.rank)
         self.local_expert_ids = tuple(local_ids)
         self.experts = ExpertBank([build_expert(expert, model_dim, e, cfg.seed) for e in local_ids])
+        for p in self.experts.parameters():
+            # Like DeepSpeed's ``allreduce = False``: data-parallel gradient averaging must skip
+            # these (each rank holds different experts); see :meth:`expert_parameters`.
+            p.hetcomm_expert = True
 
         self.replicator: Optional[HotExpertReplicator] = None
         if cfg.replicate:
@@ -260,6 +264,16 @@ class MoELayer(nn.Module):
             f"local_experts={list(self.local_expert_ids)}, wire={self.wire.uniform or 'mixed'}, "
             f"num_chunks={c.num_chunks}, replicate={c.replicate}"
         )
+
+    def expert_parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters of the experts this rank owns (rank-local: never average them across the
+        expert-parallel group; each carries ``p.hetcomm_expert = True``)."""
+        return self.experts.parameters()
+
+    def shared_parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters every rank holds a copy of (the gate; the frozen calibration weight
+        included): average their gradients over data-parallel ranks like any dense layer's."""
+        return self.gate.parameters()
 
     def sync_replicas(self, force: bool = False) -> bool:
         """Refresh replicas from their owners now (collective). Returns True if weights moved."""
@@ -314,7 +328,6 @@ class MoELayer(nn.Module):
 
         times = PipelineTimes()
         x_send = x2.index_select(0, route.send_token)
-        out = x2.new_zeros((T, D))
         local_out: List = []
 
         def compute_local() -> None:
@@ -352,11 +365,10 @@ class MoELayer(nn.Module):
             times.expert_s += time.perf_counter() - te
             compute_local()
 
-        w_send = weights_flat.index_select(0, route.send_assign).to(y_back.dtype)
-        out = out.index_add(0, route.send_token, y_back * w_send.unsqueeze(1))
+        out = weighted_combine(y_back, weights_flat.index_select(0, route.send_assign), route.send_token, T)
         if local_out:
-            w_loc = weights_flat.index_select(0, route.local_assign).to(local_out[0].dtype)
-            out = out.index_add(0, route.local_assign % T, local_out[0] * w_loc.unsqueeze(1))
+            w_loc = weights_flat.index_select(0, route.local_assign)
+            out = out + weighted_combine(local_out[0], w_loc, route.local_assign % T, T)
 
         if rep is not None and rep.hot and out.requires_grad:
             # Every rank's backward must run the replica-gradient all-reduce at the same point:

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from hetcomm.errors import ConfigError
+from hetcomm.errors import CollectiveError, ConfigError, HetcommError
 
 __all__ = [
     "WIRE_DTYPES",
@@ -267,7 +267,20 @@ class Exchange:
     def wait(self) -> None:
         """Block until the rows have arrived and are converted back (idempotent)."""
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except HetcommError:
+                raise
+            except RuntimeError as e:
+                # Name the MoE step and this rank's splits; the backend's message says which
+                # peer or rail failed (or timed out).
+                raise CollectiveError(
+                    f"MoE {self.tag} exchange failed (sending {self.send_rows} rows, expecting "
+                    f"{self.recv_rows}): {e}; check that every rank runs the same layers in the "
+                    f"same order and that no rank died",
+                    op="all_to_all_single",
+                    rank=self.rank,
+                ) from e
             self._work = None
             self._finish()
             self._finish = None

@@ -38,7 +38,6 @@ import numpy as np
 
 from hetcomm.sched.cost import CostParams, resource_model
 from hetcomm.topo.cluster import Cluster
-from hetcomm.topo.model import LinkClass
 
 __all__ = ["BoundTerm", "LowerBound", "lower_bound"]
 
@@ -74,7 +73,7 @@ def lower_bound(cluster: Cluster, traffic: Any, params: Optional[CostParams] = N
     model = resource_model(cluster, params)
     T = np.array(traffic, dtype=np.int64)
     np.fill_diagonal(T, 0)
-    n, N = model.num_ranks, model.num_nodes
+    N = model.num_nodes
     node = model.rank_node
     lat = model.latency
     # the classes every node pair talks over (cross-vendor pairs: the bridge class)

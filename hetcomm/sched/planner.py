@@ -37,8 +37,7 @@ rank, so every rank plans locally and no plan is ever sent.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -46,7 +45,6 @@ from hetcomm.errors import UsageError
 from hetcomm.sched.cost import CostParams, ResourceModel, resource_model
 from hetcomm.sched.plan import ChunkTable, Plan
 from hetcomm.topo.cluster import Cluster
-from hetcomm.topo.model import LinkClass
 
 __all__ = ["plan_all_to_all", "STRATEGIES", "PLAN_CHOICES"]
 

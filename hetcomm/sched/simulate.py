@@ -45,7 +45,6 @@ from hetcomm.errors import UsageError
 from hetcomm.sched.cost import CostParams, ResourceModel, resource_model
 from hetcomm.sched.plan import Plan
 from hetcomm.topo.cluster import Cluster
-from hetcomm.topo.model import LinkClass
 
 __all__ = ["SimResult", "simulate"]
 

@@ -292,13 +292,19 @@ class Topology:
                 return n
         return None
 
+    def _pair_index(self) -> Dict[Tuple[str, str], int]:
+        """Position in ``links`` of each unordered pair, rebuilt when ``links`` was changed directly."""
+        cache = self.__dict__.get("_pair_cache")
+        if cache is None or cache[0] is not self.links or cache[1] != len(self.links):
+            index = {link.key: i for i, link in enumerate(self.links)}
+            cache = (self.links, len(self.links), index)
+            self.__dict__["_pair_cache"] = cache
+        return cache[2]
+
     def link(self, a: str, b: str) -> Optional[Link]:
         """The link between ``a`` and ``b`` (either order), or None."""
-        key = (a, b) if a <= b else (b, a)
-        for link in self.links:
-            if link.key == key:
-                return link
-        return None
+        i = self._pair_index().get((a, b) if a <= b else (b, a))
+        return None if i is None else self.links[i]
 
     def links_of(self, name: str) -> List[Link]:
         """Every link with ``name`` as one endpoint."""
@@ -333,13 +339,16 @@ class Topology:
                 only when the caller says so.
         """
         assert link.a != link.b, f"self link {link.a}"
-        for i, existing in enumerate(self.links):
-            if existing.key == link.key:
-                if replace:
-                    self.links[i] = link
-                    return link
-                return existing
+        index = self._pair_index()
+        i = index.get(link.key)
+        if i is not None:
+            if replace:
+                self.links[i] = link
+                return link
+            return self.links[i]
+        index[link.key] = len(self.links)
         self.links.append(link)
+        self.__dict__["_pair_cache"] = (self.links, len(self.links), index)
         return link
 
     def merge(self, other: "Topology") -> "Topology":
@@ -362,6 +371,9 @@ class Topology:
                 mine.extend(v for v in value if v not in mine)
             elif isinstance(mine, dict) and isinstance(value, dict):
                 mine.update(value)
+            elif isinstance(mine, bool) and isinstance(value, bool):
+                # Health flags (peermem, ...): one node without it is a problem for the cluster.
+                self.facts[key] = mine and value
             elif mine is None:
                 self.facts[key] = value if not isinstance(value, (list, dict)) else type(value)(value)
             else:
@@ -396,6 +408,7 @@ class Topology:
                     "numa": n.numa,
                     "gdr": n.gdr,
                     "port": n.port,
+                    "pci_bus_id": n.pci_bus_id,
                     "netdev": n.netdev,
                     "host": n.host,
                 }

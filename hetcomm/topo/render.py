@@ -367,7 +367,7 @@ def render_answers(report: AuditReport) -> str:
         )
         out.append(
             _table(
-                ["class", "pairs", "peers/rank", "bytes/rank", "per rank", "alpha", "time"],
+                ["class", "pairs", "peers", "bytes sent", "bandwidth", "alpha", "time"],
                 [
                     [
                         r.link_class.name,
@@ -388,6 +388,9 @@ def render_answers(report: AuditReport) -> str:
                 f"algbw {a.algbw_gbs:,.2f} GB/s, busbw {a.busbw_gbs:,.2f} GB/s; "
                 f"no-overlap bound {a.serial_time_us:,.1f} us"
             )
+        out.append(
+            "  (peers, bytes sent, bandwidth: of the rank that takes longest over the class)"
+        )
         out.append(
             "  model: t_c = alpha_c + max_i(k_i,c * S/n / B_i,c); t = max_c t_c (docs/TOPOLOGY.md)"
         )

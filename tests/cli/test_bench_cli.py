@@ -291,11 +291,16 @@ def test_nccl_tests_parser_reads_our_table(gloo_run):
     parser = pytest.importorskip("hetcomm.topo.parse.nccl_tests")
     proc, doc, _ = gloo_run
     assert proc.returncode == 0, proc.stderr
-    parse = getattr(parser, "parse_nccl_tests", None) or getattr(parser, "parse")
-    parsed = parse(proc.stdout)
-    text = repr(parsed)
-    for row in doc["rows"]:
-        assert str(row["size"]) in text
+    topo = parser.parse_nccl_tests(proc.stdout, path="<hetcomm bench>")
+    got = sorted((m.size_bytes, m.in_place, m.op, m.num_ranks, m.wrong) for m in topo.measurements)
+    want = sorted((r["size"], in_place, "alltoall", 4, 0)
+                  for r in doc["rows"] for in_place in (False, True))
+    assert got == want
+    for m in topo.measurements:
+        block = next(r for r in doc["rows"] if r["size"] == m.size_bytes)
+        block = block["in_place" if m.in_place else "out_of_place"]
+        assert m.busbw_gbps == pytest.approx(block["busbw_gbps"], abs=0.006)
+    assert sorted(d.name for d in topo.devices) == [f"rank{r}" for r in range(4)]
 
 
 # -- failures: a rank that raises makes the launch fail with its error, never hang -----------------

@@ -213,3 +213,21 @@ def calibration_global(rank: int, world_size: int) -> Dict[str, Any]:
         x = torch.randn(32, D, generator=g) + rank  # each rank skews differently
         layer(x)
     return {"history": layer.gate.calibrator.history.clone(), "lag": layer.gate.calibrator.lag_factor()}
+
+
+def one_rank_missing(rank: int, world_size: int) -> str:
+    """Rank 3 never calls the layer; the others must fail within the group timeout, not hang."""
+    import time
+
+    from hetcomm.moe import MoELayer
+
+    layer = MoELayer(D_MODEL, 8, k=2, calibrate=False)
+    if rank == 3:
+        time.sleep(12)
+        return "skipped"
+    t0 = time.time()
+    try:
+        layer(torch.randn(8, D_MODEL))
+    except Exception as e:  # reported to the test, which checks the type and the message
+        return f"{type(e).__name__} after {time.time() - t0:.1f}s: {e}"
+    return "no error"

@@ -129,3 +129,13 @@ def test_calibration_history_is_global():
     assert not torch.allclose(h0, torch.ones_like(h0)), "history never moved"
     for r in res[1:]:
         assert torch.equal(r["history"], h0)
+
+
+@pytest.mark.timeout(90)
+def test_a_missing_rank_gives_an_error_not_a_hang():
+    res = run_ranks(cases.one_rank_missing, world_size=4, backend=_backend(), cluster=MIXED_MINI, timeout=60, pg_timeout=4)
+    assert res[3] == "skipped"
+    for msg in res[:3]:
+        assert msg.split()[0] in ("CollectiveError", "PeerTimeout", "RuntimeError", "DistBackendError"), msg
+        seconds = float(msg.split(" after ")[1].split("s:")[0])
+        assert seconds < 30, msg  # bounded by the group timeout (4 s), not a hang

@@ -176,3 +176,22 @@ def test_no_traffic_is_an_empty_plan(mini):
         plan = plan_all_to_all(mini, np.diag([5, 5, 5, 5]), strategy)
         plan.check()
         assert plan.num_transfers == 0 and simulate(plan, mini).time_s == 0
+
+
+def test_plans_stay_exact_at_320_ranks():
+    import yaml
+
+    with open(BIG) as f:
+        doc = yaml.safe_load(f)
+    for g, count in zip(doc["node_groups"], (16, 16, 8)):
+        g["count"] = count
+    c = load(yaml.safe_dump(doc))
+    assert c.num_ranks == 320
+    T = zipf(320, (4 << 20) + 3, 1.2, seed=5)
+    from hetcomm.sched import lower_bound
+
+    bound = lower_bound(c, T).time_s
+    for strategy in ("hier", "multirail"):
+        plan = plan_all_to_all(c, T, strategy)
+        plan.check()
+        assert simulate(plan, c).time_s >= bound

@@ -354,6 +354,18 @@ def test_alltoall_estimate_on_the_mini_cluster_is_bounded_by_the_bridge():
     assert bridge.num_peers == 3
     assert bridge.time_us == pytest.approx(30 + 3 * (4 << 20) * 8 / 100e9 * 1e6)
     assert any("labels" in n for n in est.notes)
+    # The a100 node's one bridge and one NIC are shared by its two ranks.
+    assert (
+        "HOST_BRIDGE on 'a100' nodes: 100 Gb/s per node shared by 2 ranks = 50 Gb/s per rank"
+        in est.notes
+    )
+    # rank0 (1 RoCE peer at its 100 Gb/s share) and rank2 (2 peers at 200) take the same time.
+    roce = [r for r in est.rows if r.link_class == LinkClass.NET_ROCE_GDR][0]
+    assert roce.time_us == pytest.approx(6 + (4 << 20) * 8 / 100e9 * 1e6)
+    assert (
+        "NET_ROCE_GDR on 'a100' nodes: 200 Gb/s per node shared by 2 ranks = 100 Gb/s per rank"
+        in est.notes
+    )
 
 
 MEDIUM = """

@@ -591,8 +591,7 @@ def test_every_truncation_parses_or_fails_cleanly(fixture_path, name, parse):
 
 def test_query_gpu_csv_any_field_order():
     text = (  # synthetic: `--query-gpu=pci.bus_id,name,memory.total --format=csv`
-        "pci.bus_id, name, memory.total [MiB]\n"
-        "00000000:18:00.0, NVIDIA A800-SXM4-80GB, 81920 MiB\n"
+        "pci.bus_id, name, memory.total [MiB]\n00000000:18:00.0, NVIDIA A800-SXM4-80GB, 81920 MiB\n"
     )
     assert sniff_nvsmi(text)
     assert [(d.model, d.pci_bus_id) for d in parse_nvsmi(text).devices] == [

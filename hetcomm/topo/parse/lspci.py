@@ -230,7 +230,7 @@ def parse_lspci(text: str, path: str = "<text>") -> Topology:
                 # NVIDIA's only "Bridge: other" functions are NVSwitches; unknown future ids count.
                 num_switches += 1
                 continue
-            is_gpu = class_code in ("0300", "0302") or class_name in (
+            is_gpu = class_code in ("0300", "0302", "0380") or class_name in (
                 "3d controller",
                 "vga compatible controller",
             )

@@ -67,10 +67,12 @@ def rank_main(payload: str, rank: int, world_size: int, store) -> Dict[str, Any]
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     groups = {
         "gloo": dist.group.WORLD,
-        "hetcomm/gloo": dist.new_group(backend="hetcomm", timeout=timeout,
-                                       pg_options=HetcommOptions(rails=("gloo",))),
-        "hetcomm/shm": dist.new_group(backend="hetcomm", timeout=timeout,
-                                      pg_options=HetcommOptions(rails=("shm",))),
+        "hetcomm/gloo": dist.new_group(
+            backend="hetcomm", timeout=timeout, pg_options=HetcommOptions(rails=("gloo",))
+        ),
+        "hetcomm/shm": dist.new_group(
+            backend="hetcomm", timeout=timeout, pg_options=HetcommOptions(rails=("shm",))
+        ),
     }
     sizes = [int(s) for s in cfg["sizes"]]
     max_count = max(sizes) // 4
@@ -112,10 +114,15 @@ def rank_main(payload: str, rank: int, world_size: int, store) -> Dict[str, Any]
                 if it >= cfg["warmup"]:
                     times[name][size].append(seconds)
         if rank == 0:
-            print(f"bench_rails: run {cfg['run']}: {lib.format_bytes(size)} done", file=sys.stderr,
-                  flush=True)
-    mine = {"times": {v: {str(s): t for s, t in d.items()} for v, d in times.items()},
-            "verify": verify}
+            print(
+                f"bench_rails: run {cfg['run']}: {lib.format_bytes(size)} done",
+                file=sys.stderr,
+                flush=True,
+            )
+    mine = {
+        "times": {v: {str(s): t for s, t in d.items()} for v, d in times.items()},
+        "verify": verify,
+    }
     gathered: List[Any] = [None] * world_size
     dist.all_gather_object(gathered, mine)
     for name in ("hetcomm/gloo", "hetcomm/shm"):
@@ -137,8 +144,12 @@ def summarize(runs: List[List[Dict[str, Any]]], sizes: List[int], num_ranks: int
         cells[variant] = {}
         for size in sizes:
             values = [_run_value(run, variant, size) for run in runs]
-            cells[variant][size] = {"median": statistics.median(values), "min": min(values),
-                                    "max": max(values), "runs": values}
+            cells[variant][size] = {
+                "median": statistics.median(values),
+                "min": min(values),
+                "max": max(values),
+                "runs": values,
+            }
     verify = [{name: r["verify"][name] for name in r["verify"]} for run in runs for r in run]
     return {"cells": cells, "verify": verify, "sizes": sizes, "num_ranks": num_ranks}
 
@@ -152,7 +163,8 @@ def render(summary: Dict[str, Any], args: argparse.Namespace, machine: Dict[str,
     cells, sizes, n = summary["cells"], summary["sizes"], summary["num_ranks"]
     head = "| variant | " + " | ".join(lib.format_bytes(s) for s in sizes) + " |"
     lines = [
-        f"Machine: `{machine['host']}`, {machine['num_cpus']} CPUs (`nproc`), {machine['cpu_model']}; "
+        f"Machine: `{machine['host']}`, {machine['num_cpus']} CPUs (`nproc`), "
+        f"{machine['cpu_model']}; "
         f"{machine['date']}; torch {machine['torch']}. {n} ranks (processes) on this one host, "
         f"float32 `all_to_all_single`, equal splits. {args.runs} runs (fresh processes) x "
         f"{args.iters} iterations after {args.warmup} warm-up; variants interleaved per iteration. "
@@ -163,41 +175,74 @@ def render(summary: Dict[str, Any], args: argparse.Namespace, machine: Dict[str,
         "|" + "---|" * (len(sizes) + 1),
     ]
     gloo = cells["gloo"]
-    labels = {"gloo": "plain gloo", "hetcomm/gloo": "hetcomm, gloo rail forced",
-              "hetcomm/shm": "hetcomm, shm rail forced"}
+    labels = {
+        "gloo": "plain gloo",
+        "hetcomm/gloo": "hetcomm, gloo rail forced",
+        "hetcomm/shm": "hetcomm, shm rail forced",
+    }
     for variant in ("gloo", "hetcomm/gloo", "hetcomm/shm"):
         row = [labels[variant]]
         for s in sizes:
             c = cells[variant][s]
-            row.append(f"{_ms(c['median'])} [{_ms(c['min'])}-{_ms(c['max'])}] "
-                       f"({gloo[s]['median'] / c['median']:.2f}x)")
+            row.append(
+                f"{_ms(c['median'])} [{_ms(c['min'])}-{_ms(c['max'])}] "
+                f"({gloo[s]['median'] / c['median']:.2f}x)"
+            )
         lines.append("| " + " | ".join(row) + " |")
     copy = cells["copy"]
-    lines.append("| copy, all ranks at once: aggregate GB/s | " + " | ".join(
-        f"{n * s / copy[s]['median'] / 1e9:.2f} [{n * s / copy[s]['max'] / 1e9:.2f}-"
-        f"{n * s / copy[s]['min'] / 1e9:.2f}]" for s in sizes) + " |")
-    lines.append("| shm copy bound (2 copies per byte) | " + " | ".join(
-        f"{_ms(2 * copy[s]['median'])}" for s in sizes) + " |")
-    lines.append("| shm time / copy bound | " + " | ".join(
-        f"{cells['hetcomm/shm'][s]['median'] / (2 * copy[s]['median']):.2f}x" for s in sizes) + " |")
+    lines.append(
+        "| copy, all ranks at once: aggregate GB/s | "
+        + " | ".join(
+            f"{n * s / copy[s]['median'] / 1e9:.2f} [{n * s / copy[s]['max'] / 1e9:.2f}-"
+            f"{n * s / copy[s]['min'] / 1e9:.2f}]"
+            for s in sizes
+        )
+        + " |"
+    )
+    lines.append(
+        "| shm copy bound (2 copies per byte) | "
+        + " | ".join(f"{_ms(2 * copy[s]['median'])}" for s in sizes)
+        + " |"
+    )
+    lines.append(
+        "| shm time / copy bound | "
+        + " | ".join(
+            f"{cells['hetcomm/shm'][s]['median'] / (2 * copy[s]['median']):.2f}x" for s in sizes
+        )
+        + " |"
+    )
     lines += ["", "Targets (issue 3, item 9):", ""]
     for s in sizes:
         r = gloo[s]["median"] / cells["hetcomm/gloo"][s]["median"]
-        lines.append(f"- gloo rail >= 0.95x plain gloo at {lib.format_bytes(s)}: {r:.2f}x "
-                     f"{'met' if r >= 0.95 else f'MISSED by {(0.95 - r) / 0.95 * 100:.0f}%'}")
+        lines.append(
+            f"- gloo rail >= 0.95x plain gloo at {lib.format_bytes(s)}: {r:.2f}x "
+            f"{'met' if r >= 0.95 else f'MISSED by {(0.95 - r) / 0.95 * 100:.0f}%'}"
+        )
     if 16 * _MiB in sizes:
         s = 16 * _MiB
         r = gloo[s]["median"] / cells["hetcomm/shm"][s]["median"]
-        lines.append(f"- shm rail >= 3x plain gloo at 16 MiB: {r:.2f}x "
-                     f"{'met' if r >= 3 else f'MISSED (needs {3 / r:.2f}x more speed)'}")
+        lines.append(
+            f"- shm rail >= 3x plain gloo at 16 MiB: {r:.2f}x "
+            f"{'met' if r >= 3 else f'MISSED (needs {3 / r:.2f}x more speed)'}"
+        )
     for s in sizes:
         q = cells["hetcomm/shm"][s]["median"] / (2 * copy[s]["median"])
-        lines.append(f"- shm rail within 2x of the copy bound at {lib.format_bytes(s)}: {q:.2f}x "
-                     f"{'met' if q <= 2 else 'MISSED'}")
+        lines.append(
+            f"- shm rail within 2x of the copy bound at {lib.format_bytes(s)}: {q:.2f}x "
+            f"{'met' if q <= 2 else 'MISSED'}"
+        )
     bad = {name for v in summary["verify"] for name, d in v.items() if d["wrong"]}
-    rails_seen = {name: sorted({rail for v in summary["verify"]
-                                for rail, b in v[name]["rail_bytes_sent"].items() if b > 0})
-                  for name in ("hetcomm/gloo", "hetcomm/shm")}
+    rails_seen = {
+        name: sorted(
+            {
+                rail
+                for v in summary["verify"]
+                for rail, b in v[name]["rail_bytes_sent"].items()
+                if b > 0
+            }
+        )
+        for name in ("hetcomm/gloo", "hetcomm/shm")
+    }
     lines += [
         "",
         f"Checks in the same run: every variant's result equal to the expected pattern on every "
@@ -209,8 +254,10 @@ def render(summary: Dict[str, Any], args: argparse.Namespace, machine: Dict[str,
         f"Reproduce: `{args.command_line}`",
     ]
     if machine.get("exit_crashes"):
-        lines.append(f"Teardown crashes after the timings were complete (backend bug, reported): "
-                     f"{'; '.join(machine['exit_crashes'])}.")
+        lines.append(
+            f"Teardown crashes after the timings were complete (backend bug, reported): "
+            f"{'; '.join(machine['exit_crashes'])}."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -219,9 +266,13 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=3, help="fresh process sets (default 3)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per run (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
-    p.add_argument("--sizes", default="1M,4M,16M,64M", help="bytes per rank (default 1M,4M,16M,64M)")
+    p.add_argument(
+        "--sizes", default="1M,4M,16M,64M", help="bytes per rank (default 1M,4M,16M,64M)"
+    )
     p.add_argument("--nprocs", type=int, default=4, help="ranks (default 4)")
-    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout, s (default 120)")
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="collective timeout, s (default 120)"
+    )
     p.add_argument("--out", default=None, help="also write the markdown to this file")
     p.add_argument("--json", default=None, help="write every raw timing to this JSON file")
     args = p.parse_args(argv)
@@ -244,19 +295,36 @@ def main(argv=None) -> int:
     runs = []
     exit_crashes: List[str] = []
     for run in range(args.runs):
-        payload = json.dumps({"sizes": sizes, "iters": args.iters, "warmup": args.warmup,
-                              "timeout_s": args.timeout, "run": run + 1})
-        outcome = lib.launch_ranks("bench_rails:rank_main", payload, args.nprocs,
-                                   timeout_s=args.timeout, env={"PYTHONPATH": HERE + os.pathsep + REPO_ROOT})
+        payload = json.dumps(
+            {
+                "sizes": sizes,
+                "iters": args.iters,
+                "warmup": args.warmup,
+                "timeout_s": args.timeout,
+                "run": run + 1,
+            }
+        )
+        outcome = lib.launch_ranks(
+            "bench_rails:rank_main",
+            payload,
+            args.nprocs,
+            timeout_s=args.timeout,
+            env={"PYTHONPATH": HERE + os.pathsep + REPO_ROOT},
+        )
         if not outcome.ok:
             for f in outcome.failures:
-                print(f"bench_rails: run {run + 1}: rank {f.rank} failed: {f.error_type}: {f.message}",
-                      file=sys.stderr)
+                print(
+                    f"bench_rails: run {run + 1}: rank {f.rank} failed: "
+                    f"{f.error_type}: {f.message}",
+                    file=sys.stderr,
+                )
             return 1
         for w in outcome.exit_warnings:
-            print(f"bench_rails: run {run + 1}: warning: rank {w.rank} finished, then died while "
-                  f"exiting ({w.message}): a backend teardown bug; its timings are complete",
-                  file=sys.stderr)
+            print(
+                f"bench_rails: run {run + 1}: warning: rank {w.rank} finished, then died while "
+                f"exiting ({w.message}): a backend teardown bug; its timings are complete",
+                file=sys.stderr,
+            )
             exit_crashes.append(f"run {run + 1} rank {w.rank}: {w.message}")
         runs.append(outcome.result)
     machine["load_end"] = f"{os.getloadavg()[0]:.2f}"

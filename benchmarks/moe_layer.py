@@ -204,7 +204,7 @@ def main(argv=None) -> int:
         if name.endswith("C=1"):
             base_exposed[wire] = exposed
         ov = ""
-        if " C=" in name and not name.endswith("C=1") and wire in base_exposed:
+        if " C=" in name and not name.endswith("C=1") and "+" not in name and wire in base_exposed:
             b = sum(base_exposed[wire])
             ov = f"{1 - sum(exposed) / b:.0%}" if b > 0 else ""
         kib = [med(results[r][0][name]["bytes"]) / 1024 for r in range(world)]

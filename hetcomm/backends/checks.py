@@ -10,6 +10,8 @@ not expect (plain gloo aborts the receiving process on such a mismatch).
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -18,7 +20,7 @@ from hetcomm.backends.placement import Placement
 from hetcomm.backends.rails.shm import pid_alive
 from hetcomm.errors import UsageError
 
-__all__ = ["Meta", "encode_meta", "check_meta", "dead_peers", "DTYPES", "dtype_code"]
+__all__ = ["Meta", "encode_meta", "check_meta", "dead_peers", "missing_peers", "DTYPES", "dtype_code"]
 
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
@@ -132,3 +134,29 @@ def dead_peers(placement: Placement, me: int, peers: Optional[Sequence[int]] = N
         if r != me and placement.same_host(me, r) and not pid_alive(placement.ranks[r].pid):
             out.append((r, placement.ranks[r].pid))
     return out
+
+
+def missing_peers(store, rank: int, size: int, seq: int, wait_s: float) -> Optional[List[int]]:
+    """Ranks that did not report a failure of collective ``seq`` within ``wait_s`` seconds.
+
+    Called by every rank whose collective failed: it leaves its own mark in the store, then
+    looks for the others'. A rank that is dead, hung or never called the collective leaves no
+    mark; so does a rank that *finished* it before the failure (rare: it then fails at the next
+    collective instead), which is why callers prefer :func:`dead_peers` when it names someone.
+
+    Returns:
+        The ranks without a mark, or None when the store itself is unreachable (e.g. it lived in
+        the dead rank).
+    """
+    try:
+        store.set(f"hetcomm/diag/{seq}/{rank}", "1")
+        deadline = time.monotonic() + wait_s
+        missing = [r for r in range(size) if r != rank]
+        while missing:
+            missing = [r for r in missing if not store.check([f"hetcomm/diag/{seq}/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return missing
+    except Exception:  # the store is gone too: nothing more to learn
+        return None

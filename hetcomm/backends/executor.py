@@ -21,6 +21,7 @@ bounded by a deadline and names the peers and rails still pending when it expire
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -68,6 +69,7 @@ def drive(
     rank: int,
     diagnose: Optional[Callable[[List[int]], str]] = None,
     on_arrival: Optional[Callable[[RailOp], None]] = None,
+    wakeup: Optional[threading.Event] = None,
 ) -> None:
     """Poll ``ops`` until all are done; raise :class:`PeerTimeout` at ``deadline`` (monotonic).
 
@@ -75,6 +77,8 @@ def drive(
         diagnose: given the pending peers, returns extra text for the timeout message (e.g.
             which of them have exited).
         on_arrival: called after each poll with the op (lets the caller report landed chunks).
+        wakeup: set by rail threads when a transfer completes; while every pending op is of a
+            kind that does not need polling, the loop sleeps on it instead of spinning.
     """
     idle = 0
     pending = list(ops)
@@ -107,7 +111,11 @@ def drive(
                 rail=rails[0] if len(rails) == 1 else None,
             )
         idle = 0 if progressed else idle + 1
-        _backoff(idle)
+        if idle and wakeup is not None and not any(o.needs_polling for o in pending):
+            wakeup.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+            wakeup.clear()
+        elif idle:
+            _backoff(idle)
 
 
 def _group_by_rail(xfers: Sequence[Xfer], rail_of: Callable[[int], Rail]) -> Dict[int, Tuple[Rail, List[Xfer]]]:
@@ -142,6 +150,7 @@ def direct_all_to_all(
     deadline: float,
     diagnose: Optional[Callable[[List[int]], str]] = None,
     on_chunk: Optional[Callable[[int, int, int], None]] = None,
+    wakeup: Optional[threading.Event] = None,
 ) -> None:
     """Run an ``all_to_all_single`` as one step, every peer over its own rail.
 
@@ -188,7 +197,7 @@ def direct_all_to_all(
                 if m is not None:
                     on_chunk(*m)
 
-    drive(ops, deadline, op, rank, diagnose, on_arrival=arrival if on_chunk else None)
+    drive(ops, deadline, op, rank, diagnose, on_arrival=arrival if on_chunk else None, wakeup=wakeup)
     if on_chunk is not None:  # rails that cannot report single chunks: everything at the end
         for x in recvs:
             if id(x) not in reported:
@@ -225,6 +234,7 @@ def execute_plan(
     deadline: Optional[float] = None,
     timeout_s: float = 300.0,
     diagnose: Optional[Callable[[List[int]], str]] = None,
+    wakeup: Optional[threading.Event] = None,
 ) -> None:
     """Run ``plan`` on this rank: the byte-level all-to-all ``plan.traffic``.
 
@@ -295,4 +305,4 @@ def execute_plan(
             by_rail.setdefault(id(r), (r, [], []))[1].append(x)
         for r, snd, rcv in by_rail.values():
             ops.append(r.start(snd, rcv, op, seq))
-        drive(ops, deadline, f"{op} (plan '{plan.strategy}', stage {s})", rank, diagnose)
+        drive(ops, deadline, f"{op} (plan '{plan.strategy}', stage {s})", rank, diagnose, wakeup=wakeup)

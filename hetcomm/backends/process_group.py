@@ -101,7 +101,10 @@ class HetcommProcessGroup(dist.ProcessGroup):
         self._timeout = timeout
         self._closed = False
         self._seq = 0
-        self._gloo = ProcessGroupGloo(PrefixStore("hetcomm/gloo0/", store), rank, size, timeout)
+        # Inner waits get 80 % of the group timeout, so that naming the peer at fault (up to
+        # 15 % more, see _diagnose) still ends within the timeout the user gave.
+        self._inner_timeout = timedelta(seconds=timeout.total_seconds() * 0.8)
+        self._gloo = ProcessGroupGloo(PrefixStore("hetcomm/gloo0/", store), rank, size, self._inner_timeout)
         # C++ callers of methods the 2.13 trampoline does not forward land on this backend.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
         if torch.cuda.is_available():
@@ -118,11 +121,15 @@ class HetcommProcessGroup(dist.ProcessGroup):
                     store, rank, local, [p.pid for p in self.placement.ranks],
                     self.placement.ranks[rank].node, self.options.ring_bytes, timeout,
                 )
-        self._gloo_rail = GlooRail(self._gloo, rank)
+        self._wakeup = threading.Event()  # set by rail threads when a transfer completes
+        self._gloo_rail = GlooRail(self._gloo, rank, self._wakeup)
         self._bridge = BridgeRail(rank, self._bridge_transport, self._wire_dtype)
         self._device_rails: Dict[str, Rail] = {}
         self._routes: Dict[str, List[str]] = {}
         self._jobs: "queue.Queue" = queue.Queue()
+        self._exec_lock = threading.Lock()
+        self._pending_lock = threading.Lock()
+        self._pending = 0
         self._thread = threading.Thread(target=self._run_jobs, name=f"hetcomm-exec-{group_id}", daemon=True)
         self._thread.start()
         self._log_routes()
@@ -232,12 +239,8 @@ class HetcommProcessGroup(dist.ProcessGroup):
         log.info("\n".join(lines))
 
     # -- executor thread --------------------------------------------------------------------
-    def _run_jobs(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            fn, work = job
+    def _execute(self, fn: Callable[[HetcommWork], None], work: HetcommWork) -> None:
+        with self._exec_lock:
             try:
                 # Data movement is never part of an autograd graph (grad mode is per thread, and
                 # the caller's no_grad of e.g. an autograd.Function forward does not reach here).
@@ -247,35 +250,65 @@ class HetcommProcessGroup(dist.ProcessGroup):
                 work._complete(e)
             else:
                 work._complete(None)
+            finally:
+                with self._pending_lock:
+                    self._pending -= 1
 
-    def _submit(self, fn: Callable[[HetcommWork], None], work: HetcommWork) -> HetcommWork:
+    def _run_jobs(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self._execute(*job)
+
+    def _submit(self, fn: Callable[[HetcommWork], None], work: HetcommWork, async_op: bool = True) -> HetcommWork:
+        """Run ``fn`` after every earlier routed collective: inline for a blocking call when
+        nothing is queued (saves two thread hand-offs), else on the executor thread."""
         if self._closed:
             raise CollectiveError("the process group was destroyed", rank=self.rank())
-        self._jobs.put((fn, work))
+        with self._pending_lock:
+            inline = not async_op and self._pending == 0
+            self._pending += 1
+        if inline:
+            self._execute(fn, work)
+        else:
+            self._jobs.put((fn, work))
         return work
 
     def _deadline(self) -> float:
-        return time.monotonic() + self._timeout.total_seconds()
+        return time.monotonic() + self._inner_timeout.total_seconds()
 
-    def _diagnose(self, peers: Sequence[int]) -> str:
+    def _culprits(self, seq: int) -> tuple:
+        """``(ranks, text)``: who is most likely at fault for the failure of collective ``seq``."""
         dead = checks.dead_peers(self.placement, self.rank(), None)
         if dead:
-            return "; exited: " + ", ".join(f"rank {r} (pid {pid})" for r, pid in dead)
-        return ""
+            return [r for r, _ in dead], "; exited: " + ", ".join(f"rank {r} (pid {pid})" for r, pid in dead)
+        wait_s = min(5.0, max(0.5, 0.15 * self._timeout.total_seconds()))
+        missing = checks.missing_peers(self._store, self.rank(), self.size(), seq, wait_s)
+        if missing is None:
+            return [], "; the store is unreachable too (did rank 0 or the launcher die?)"
+        if missing:
+            return missing, (
+                f"; rank(s) {missing} did not report this failure: dead, hung, or never called "
+                f"collective #{seq}"
+            )
+        return [], ""
+
+    def _diagnose_for(self, seq: int) -> Callable[[List[int]], str]:
+        return lambda peers: self._culprits(seq)[1]
 
     def _gather_meta(self, op: str, seq: int, meta: torch.Tensor):
         out = [torch.empty_like(meta) for _ in range(self.size())]
         return out, self._gloo.allgather([out], [meta])
 
-    def _wait_meta(self, op: str, work, out: List[torch.Tensor], unit: str) -> checks.Meta:
+    def _wait_meta(self, op: str, seq: int, work, out: List[torch.Tensor], unit: str) -> checks.Meta:
         try:
             work.wait()
         except Exception as e:
-            dead = checks.dead_peers(self.placement, self.rank())
-            peer = dead[0][0] if dead else None
+            ranks, text = self._culprits(seq)
             raise CollectiveError(
-                f"the split-size exchange failed{self._diagnose([])}: {e}",
-                op=op, rank=self.rank(), peer=peer, rail="gloo",
+                f"the split-size exchange (before any data moved) failed{text}: {e}",
+                op=op, rank=self.rank(), peer=ranks[0] if ranks else None, rail="gloo",
             ) from e
         return checks.check_meta(op, self.rank(), out, unit)
 
@@ -324,7 +357,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         def job(w: HetcommWork) -> None:
             deadline = self._deadline()
             if need_meta:
-                m = self._wait_meta(op, meta_work, meta_out, "rows")
+                m = self._wait_meta(op, seq, meta_work, meta_out, "rows")
             if use_plan is not None:
                 traffic = [[x * row_bytes for x in m.sends(r)] for r in range(n)]
                 plan = self._make_plan(use_plan, traffic)
@@ -334,7 +367,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
             else:
                 direct_all_to_all(
                     dst, src, out_splits, in_splits, me, rail_of, self.options.chunk_bytes, op, seq,
-                    deadline, self._diagnose,
+                    deadline, self._diagnose_for(seq), wakeup=self._wakeup,
                     on_chunk=(lambda p, s, c: w._arrived(ChunkArrival(p, s, c))) if dst is output else None,
                 )
             if dst is not output:
@@ -342,7 +375,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
                 for j in range(n):
                     w._arrived(ChunkArrival(j, sum(out_splits[:j]), out_splits[j]))
 
-        return self._submit(job, work)
+        return self._submit(job, work, _is_async(opts))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         """Pre-2.13 name of :meth:`all_to_all_single` (the trampoline tries both)."""
@@ -382,7 +415,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         def job(w: HetcommWork) -> None:
             deadline = self._deadline()
             if meta_work is not None:
-                self._wait_meta(op, meta_work, meta_out, "elements")
+                self._wait_meta(op, seq, meta_work, meta_out, "elements")
             sends, recvs = [], []
             for k in range(1, n):
                 dst, src = (me + k) % n, (me - k) % n
@@ -397,12 +430,12 @@ class HetcommProcessGroup(dist.ProcessGroup):
                     f"output_tensors[{me}] has {outs[me].numel()}"
                 )
             outs[me].copy_(ins[me])
-            drive(ops, deadline, op, me, self._diagnose)
+            drive(ops, deadline, op, me, self._diagnose_for(seq), wakeup=self._wakeup)
             for t, o in zip(output_tensors, outs):
                 if not t.is_contiguous():
                     t.copy_(o.view(t.shape))
 
-        return self._submit(job, work)
+        return self._submit(job, work, _is_async(opts))
 
     # -- plans --------------------------------------------------------------------------------
     def _plan_strategy(self, input: torch.Tensor) -> Optional[str]:
@@ -433,7 +466,10 @@ class HetcommProcessGroup(dist.ProcessGroup):
         return self._rail("gloo" if name in ("nccl", "hccl") else name)
 
     def _run_plan(self, plan, output: torch.Tensor, input: torch.Tensor, op: str, seq: int, deadline: float) -> None:
-        execute_plan(plan, output, input, self.rank(), self._plan_rail_for, op=op, seq=seq, deadline=deadline, diagnose=self._diagnose)
+        execute_plan(
+            plan, output, input, self.rank(), self._plan_rail_for, op=op, seq=seq, deadline=deadline,
+            diagnose=self._diagnose_for(seq), wakeup=self._wakeup,
+        )
 
     def run_plan(self, plan, output: torch.Tensor, input: torch.Tensor) -> HetcommWork:
         """Execute a hand-made or planner-made :class:`~hetcomm.sched.plan.Plan` (async).
@@ -560,6 +596,11 @@ class HetcommProcessGroup(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"HetcommProcessGroup(rank={self.rank()}, size={self.size()}, rails={self.rail_names('cpu')})"
+
+
+def _is_async(opts) -> bool:
+    """Whether the caller keeps the Work (``async_op=True``, or a C++ caller: unknown)."""
+    return True if opts is None else bool(getattr(opts, "asyncOp", True))
 
 
 def _divide(tensors: List[torch.Tensor], n: int) -> List[torch.Tensor]:

@@ -50,6 +50,7 @@ __all__ = [
     "allreduce_expected",
     "count_wrong",
     "launch_ranks",
+    "run_local",
     "LaunchResult",
     "RankFailure",
 ]
@@ -85,8 +86,16 @@ _TORCH_DTYPE = {
     "double": "float64",
     "bfloat16": "bfloat16",
 }
-_ITEMSIZE = {"int8": 1, "uint8": 1, "int32": 4, "int64": 8, "half": 2, "float": 4, "double": 8,
-             "bfloat16": 2}
+_ITEMSIZE = {
+    "int8": 1,
+    "uint8": 1,
+    "int32": 4,
+    "int64": 8,
+    "half": 2,
+    "float": 4,
+    "double": 8,
+    "bfloat16": 2,
+}
 
 # AVG and PRODUCT are left out on purpose: gloo has no AVG, and an exact PRODUCT check would
 # overflow every small integer type after a few ranks.
@@ -171,7 +180,9 @@ class BenchConfig:
     def __post_init__(self) -> None:
         # The CLI validates with flag names first; this guards programmatic use.
         if self.collective not in COLLECTIVES:
-            raise UsageError(f"collective {self.collective!r} is not one of {', '.join(COLLECTIVES)}")
+            raise UsageError(
+                f"collective {self.collective!r} is not one of {', '.join(COLLECTIVES)}"
+            )
         if self.datatype not in _ITEMSIZE:
             raise UsageError(f"datatype {self.datatype!r} is not one of {', '.join(_ITEMSIZE)}")
         if self.minbytes > self.maxbytes:
@@ -500,8 +511,12 @@ def run_rank(
         )
     else:
         dist.init_process_group(
-            config.backend, init_method="env://", rank=rank, world_size=world_size,
-            timeout=timeout, **kwargs
+            config.backend,
+            init_method="env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            **kwargs,
         )
     try:
         return _measure(config, rank, world_size, local_rank, progress, torch, dist)
@@ -538,7 +553,9 @@ def _measure(config, rank, world_size, local_rank, progress, torch, dist) -> Dic
                 # One extra call on fresh data; timed loops above may have overwritten src.
                 _fill_input(config, src, rank, world_size, count)
                 fn(src, dst, scratch)
-                wrong = count_wrong(config, rank, world_size, dst if name == "out_of_place" else src)
+                wrong = count_wrong(
+                    config, rank, world_size, dst if name == "out_of_place" else src
+                )
             row[name] = {"seconds": seconds, "wrong": wrong}
         local_rows.append(row)
         del src, dst, scratch
@@ -569,7 +586,9 @@ def _reset_rail_stats() -> None:
         pass
 
 
-def _merge(config: BenchConfig, world_size: int, per_rank: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+def _merge(
+    config: BenchConfig, world_size: int, per_rank: Sequence[Dict[str, Any]]
+) -> Dict[str, Any]:
     """Combine every rank's measurements into the result document."""
     import torch
 
@@ -678,7 +697,9 @@ def _label_lines(result: Dict[str, Any]) -> List[str]:
     if not ranks:
         return []
     stands = ", ".join(
-        f"rank {i['rank']} = {i.get('device_name', '')} {i['model']} on {i['node']}".replace("  ", " ")
+        f"rank {i['rank']} = {i.get('device_name', '')} {i['model']} on {i['node']}".replace(
+            "  ", " "
+        )
         for i in ranks
     )
     lines = [f"# Cluster placement: {stands}"]
@@ -774,7 +795,9 @@ def _rail_summary(rails: Optional[List[Any]]) -> str:
 def _sent_bytes(counters: Any) -> Optional[float]:
     if isinstance(counters, dict):
         for key in ("bytes_sent", "sent_bytes", "tx_bytes"):
-            if isinstance(counters.get(key), (int, float)) and not isinstance(counters.get(key), bool):
+            if isinstance(counters.get(key), (int, float)) and not isinstance(
+                counters.get(key), bool
+            ):
                 return float(counters[key])
     return None
 
@@ -836,8 +859,11 @@ class LaunchResult:
 
 def _is_timeout(error_type: Optional[str], message: str) -> bool:
     lowered = message.lower()
-    return error_type in ("PeerTimeout", "DistStoreError", "TimeoutError") or "timed out" in lowered \
+    return (
+        error_type in ("PeerTimeout", "DistStoreError", "TimeoutError")
+        or "timed out" in lowered
         or "timeout" in lowered
+    )
 
 
 def _set_parent_death_signal() -> None:  # pragma: no cover - runs in the child before exec
@@ -883,8 +909,12 @@ def launch_ranks(
     import torch.distributed as dist
 
     store = dist.TCPStore(
-        "127.0.0.1", 0, num_ranks + 1, is_master=True,
-        timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+        "127.0.0.1",
+        0,
+        num_ranks + 1,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
     )
     procs: List[Any] = []
     with tempfile.TemporaryDirectory(prefix="hetcomm-bench-") as tmp:
@@ -894,14 +924,22 @@ def launch_ranks(
         base_env.update(env or {})
         base_env[STORE_ENV] = f"127.0.0.1:{store.port}"
         base_env[TIMEOUT_ENV] = str(timeout_s)
-        base_env.update(WORLD_SIZE=str(num_ranks), LOCAL_WORLD_SIZE=str(num_ranks),
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+        base_env.update(
+            WORLD_SIZE=str(num_ranks),
+            LOCAL_WORLD_SIZE=str(num_ranks),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(store.port),
+        )
         error_files = [os.path.join(tmp, f"rank{r}.error.json") for r in range(num_ranks)]
         result_file = os.path.join(tmp, "result.json")
         try:
             for r in range(num_ranks):
-                child_env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r),
-                                 **{ERROR_FILE_ENV: error_files[r], RESULT_FILE_ENV: result_file})
+                child_env = dict(
+                    base_env,
+                    RANK=str(r),
+                    LOCAL_RANK=str(r),
+                    **{ERROR_FILE_ENV: error_files[r], RESULT_FILE_ENV: result_file},
+                )
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, "-c", _CHILD_CODE, target, payload],
@@ -935,7 +973,9 @@ def launch_ranks(
 
 def _is_secondary(message: str) -> bool:
     lowered = message.lower()
-    return any(s in lowered for s in ("connection closed by peer", "connection reset", "broken pipe"))
+    return any(
+        s in lowered for s in ("connection closed by peer", "connection reset", "broken pipe")
+    )
 
 
 def _watch(procs: List[Any], error_files: List[str], grace_s: float) -> List[int]:
@@ -979,13 +1019,24 @@ def _failure(rank: int, code: int, error_file: str, killed: bool) -> RankFailure
     try:
         with open(error_file, encoding="utf-8") as f:
             data = json.load(f)
-        return RankFailure(rank, code, data["type"], data["message"],
-                           is_timeout=_is_timeout(data["type"], data["message"]))
+        return RankFailure(
+            rank,
+            code,
+            data["type"],
+            data["message"],
+            is_timeout=_is_timeout(data["type"], data["message"]),
+        )
     except (OSError, ValueError, KeyError):
         pass
     if killed:
-        return RankFailure(rank, code, None, "still running after another rank failed; stopped",
-                           is_timeout=False, killed_by_launcher=True)
+        return RankFailure(
+            rank,
+            code,
+            None,
+            "still running after another rank failed; stopped",
+            is_timeout=False,
+            killed_by_launcher=True,
+        )
     if code < 0:
         import signal
 
@@ -995,8 +1046,9 @@ def _failure(rank: int, code: int, error_file: str, killed: bool) -> RankFailure
             name = f"signal {-code}"
         hint = " (out of memory?)" if name == "SIGKILL" else ""
         return RankFailure(rank, code, None, f"killed by {name}{hint}", is_timeout=False)
-    return RankFailure(rank, code, None, f"exited with status {code} without a Python error",
-                       is_timeout=False)
+    return RankFailure(
+        rank, code, None, f"exited with status {code} without a Python error", is_timeout=False
+    )
 
 
 def child_main() -> None:
@@ -1013,8 +1065,13 @@ def child_main() -> None:
         module_name, func_name = target.split(":")
         func = getattr(importlib.import_module(module_name), func_name)
         timeout_s = float(os.environ.get(TIMEOUT_ENV, "300"))
-        store = dist.TCPStore(host, int(port), world_size + 1, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+        store = dist.TCPStore(
+            host,
+            int(port),
+            world_size + 1,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
         # A prefix per launch keeps the keys of this run apart from anything else on the store.
         store = dist.PrefixStore("hetcomm-bench/", store)
         result = func(payload, rank, world_size, store)
@@ -1044,3 +1101,41 @@ def bench_rank_entry(payload: str, rank: int, world_size: int, store) -> Optiona
     """:func:`launch_ranks` target of ``hetcomm bench``: one rank of :func:`run_rank`."""
     config = BenchConfig.from_json(payload)
     return run_rank(config, rank, world_size, local_rank=rank, store=store)
+
+
+def run_local(
+    config: BenchConfig, num_ranks: int, env: Optional[Dict[str, str]] = None
+) -> Dict[str, Any]:
+    """Start ``num_ranks`` local ranks, run the benchmark, return the result document.
+
+    The programmatic form of ``hetcomm bench ... --nprocs N`` (``hetcomm audit --bench`` can
+    use it): the same JSON document ``--json`` prints; :func:`format_table` renders it.
+
+    Raises:
+        PeerTimeout: the first failing rank timed out.
+        CollectiveError: a rank failed otherwise (its rank and error in the message).
+    """
+    from hetcomm.errors import CollectiveError, PeerTimeout
+
+    extra = dict(env or {})
+    if config.cluster:
+        extra.setdefault("HETCOMM_CLUSTER", config.cluster)
+    outcome = launch_ranks(
+        "hetcomm.cli._benchlib:bench_rank_entry",
+        config.to_json(),
+        num_ranks,
+        timeout_s=config.timeout_s,
+        env=extra,
+    )
+    if not outcome.ok:
+        first = outcome.failures[0]
+        others = "; ".join(f"rank {f.rank}: {f.message}" for f in outcome.failures[1:])
+        cls = PeerTimeout if first.is_timeout else CollectiveError
+        raise cls(
+            f"{first.error_type or 'died'}: {first.message}"
+            + (f" (then {others})" if others else ""),
+            op=f"bench {config.collective}",
+            rank=first.rank,
+            rail=None,
+        )
+    return outcome.result

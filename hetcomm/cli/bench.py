@@ -1,4 +1,4 @@
-"""``hetcomm bench alltoall|allreduce``: the nccl-tests command line and table, over torch.distributed.
+"""``hetcomm bench alltoall|allreduce``: nccl-tests' command line and table over torch.distributed.
 
 Runs the collective over a real process group (``--backend hetcomm`` or ``gloo``) for a range of
 message sizes and prints nccl-tests' table: ``size count type redop root`` then ``time algbw
@@ -47,39 +47,104 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("collective", choices=lib.COLLECTIVES, help="the collective to measure")
     g = p.add_argument_group("nccl-tests flags")
-    g.add_argument("-b", "--minbytes", default="32M", help="first size, bytes per rank (8, 1K, 128M, 1G; default 32M)")
-    g.add_argument("-e", "--maxbytes", default="32M", help="last size, bytes per rank (default 32M)")
-    g.add_argument("-f", "--stepfactor", type=int, default=None,
-                   help="multiply the size by this between rows (default 2)")
-    g.add_argument("-i", "--stepbytes", default=None,
-                   help="add this many bytes between rows instead of multiplying (conflicts with -f > 1)")
-    g.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)")
-    g.add_argument("-w", "--warmup_iters", type=int, default=1,
-                   help="untimed iterations before each size's timed ones (default 1)")
-    g.add_argument("-c", "--check", type=int, default=1,
-                   help="1: verify one extra call per size and fill #wrong; 0: skip (default 1)")
-    g.add_argument("-d", "--datatype", default="float",
-                   help="int8, uint8, int32, int64, half, float, double, bfloat16 (default float)")
-    g.add_argument("-o", "--op", default=None,
-                   help="allreduce reduction: sum, max, min (default sum; not for alltoall)")
-    g.add_argument("-J", "--output_file", default=None, metavar="PATH",
-                   help="also write the result as one JSON document to PATH")
-    g.add_argument("-T", "--timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="collective and rendezvous timeout in seconds (default 300)")
+    g.add_argument(
+        "-b",
+        "--minbytes",
+        default="32M",
+        help="first size, bytes per rank (8, 1K, 128M, 1G; default 32M)",
+    )
+    g.add_argument(
+        "-e", "--maxbytes", default="32M", help="last size, bytes per rank (default 32M)"
+    )
+    g.add_argument(
+        "-f",
+        "--stepfactor",
+        type=int,
+        default=None,
+        help="multiply the size by this between rows (default 2)",
+    )
+    g.add_argument(
+        "-i",
+        "--stepbytes",
+        default=None,
+        help="add this many bytes between rows instead of multiplying (conflicts with -f > 1)",
+    )
+    g.add_argument(
+        "-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)"
+    )
+    g.add_argument(
+        "-w",
+        "--warmup_iters",
+        type=int,
+        default=1,
+        help="untimed iterations before each size's timed ones (default 1)",
+    )
+    g.add_argument(
+        "-c",
+        "--check",
+        type=int,
+        default=1,
+        help="1: verify one extra call per size and fill #wrong; 0: skip (default 1)",
+    )
+    g.add_argument(
+        "-d",
+        "--datatype",
+        default="float",
+        help="int8, uint8, int32, int64, half, float, double, bfloat16 (default float)",
+    )
+    g.add_argument(
+        "-o",
+        "--op",
+        default=None,
+        help="allreduce reduction: sum, max, min (default sum; not for alltoall)",
+    )
+    g.add_argument(
+        "-J",
+        "--output_file",
+        default=None,
+        metavar="PATH",
+        help="also write the result as one JSON document to PATH",
+    )
+    g.add_argument(
+        "-T",
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="collective and rendezvous timeout in seconds (default 300)",
+    )
     h = p.add_argument_group("hetcomm flags")
-    h.add_argument("--nprocs", type=int, default=None,
-                   help="start N local ranks (default: torchrun's when RANK/WORLD_SIZE are set, "
-                        "else the cluster's rank count with --cluster, else 4)")
-    h.add_argument("--backend", choices=("hetcomm", "gloo"), default="hetcomm",
-                   help="torch.distributed backend (default hetcomm)")
-    h.add_argument("--rails", default=None, metavar="LIST",
-                   help="force hetcomm rails, e.g. shm,gloo (default: chosen per peer)")
-    h.add_argument("--cluster", default=None, metavar="YAML",
-                   help="cluster YAML the ranks stand for (sets HETCOMM_CLUSTER)")
-    h.add_argument("--plan", default=None,
-                   help="hetcomm all-to-all plan (direct, auto, flat, hier, multirail)")
-    h.add_argument("--json", action="store_true",
-                   help="print one JSON document instead of the table")
+    h.add_argument(
+        "--nprocs",
+        type=int,
+        default=None,
+        help="start N local ranks (default: torchrun's when RANK/WORLD_SIZE are set, "
+        "else the cluster's rank count with --cluster, else 4)",
+    )
+    h.add_argument(
+        "--backend",
+        choices=("hetcomm", "gloo"),
+        default="hetcomm",
+        help="torch.distributed backend (default hetcomm)",
+    )
+    h.add_argument(
+        "--rails",
+        default=None,
+        metavar="LIST",
+        help="force hetcomm rails, e.g. shm,gloo (default: chosen per peer)",
+    )
+    h.add_argument(
+        "--cluster",
+        default=None,
+        metavar="YAML",
+        help="cluster YAML the ranks stand for (sets HETCOMM_CLUSTER)",
+    )
+    h.add_argument(
+        "--plan", default=None, help="hetcomm all-to-all plan (direct, auto, flat, hier, multirail)"
+    )
+    h.add_argument(
+        "--json", action="store_true", help="print one JSON document instead of the table"
+    )
     return p
 
 
@@ -139,7 +204,9 @@ def config_from_args(args: argparse.Namespace) -> Tuple[lib.BenchConfig, int, bo
             f"-i/--stepbytes {args.stepbytes} and -f/--stepfactor {args.stepfactor} conflict: "
             f"sizes either grow by a factor or by a fixed step; give one of them"
         )
-    stepbytes = lib.parse_bytes(args.stepbytes, "-i/--stepbytes") if args.stepbytes is not None else 1 << 20
+    stepbytes = (
+        lib.parse_bytes(args.stepbytes, "-i/--stepbytes") if args.stepbytes is not None else 1 << 20
+    )
     if args.stepbytes is not None and stepbytes < 1:
         raise UsageError("-i/--stepbytes must be at least 1 byte")
     if args.stepfactor is not None:
@@ -178,13 +245,17 @@ def config_from_args(args: argparse.Namespace) -> Tuple[lib.BenchConfig, int, bo
     rails: Optional[Tuple[str, ...]] = None
     if args.rails is not None:
         if args.backend != "hetcomm":
-            raise UsageError(f"--rails applies to --backend hetcomm only, not {args.backend}; "
-                             f"drop --rails or use --backend hetcomm")
+            raise UsageError(
+                f"--rails applies to --backend hetcomm only, not {args.backend}; "
+                f"drop --rails or use --backend hetcomm"
+            )
         rails = tuple(r.strip() for r in args.rails.split(",") if r.strip())
         unknown = [r for r in rails if r not in rail_names]
         if not rails or unknown:
-            raise UsageError(f"--rails {args.rails!r}: unknown rail(s) {', '.join(unknown) or '(none given)'}; "
-                             f"choose from {', '.join(rail_names)}, e.g. --rails shm,gloo")
+            raise UsageError(
+                f"--rails {args.rails!r}: unknown rail(s) {', '.join(unknown) or '(none given)'}; "
+                f"choose from {', '.join(rail_names)}, e.g. --rails shm,gloo"
+            )
     if args.plan is not None:
         if args.backend != "hetcomm":
             raise UsageError(f"--plan applies to --backend hetcomm only, not {args.backend}")
@@ -211,10 +282,21 @@ def config_from_args(args: argparse.Namespace) -> Tuple[lib.BenchConfig, int, bo
         )
 
     config = lib.BenchConfig(
-        collective=args.collective, minbytes=minbytes, maxbytes=maxbytes, stepfactor=stepfactor,
-        stepbytes=stepbytes, iters=args.iters, warmup_iters=args.warmup_iters,
-        check=bool(args.check), datatype=datatype, redop=redop, backend=args.backend,
-        rails=rails, cluster=cluster_path, plan=args.plan, timeout_s=float(args.timeout),
+        collective=args.collective,
+        minbytes=minbytes,
+        maxbytes=maxbytes,
+        stepfactor=stepfactor,
+        stepbytes=stepbytes,
+        iters=args.iters,
+        warmup_iters=args.warmup_iters,
+        check=bool(args.check),
+        datatype=datatype,
+        redop=redop,
+        backend=args.backend,
+        rails=rails,
+        cluster=cluster_path,
+        plan=args.plan,
+        timeout_s=float(args.timeout),
     )
     sizes = lib.message_sizes(config, num_ranks)
     if not sizes:
@@ -284,24 +366,35 @@ def run(args: argparse.Namespace) -> int:
         f"hetcomm bench: starting {num_ranks} local ranks ({config.backend}"
         + (f", rails {','.join(config.rails)}" if config.rails else "")
         + f"), {len(lib.message_sizes(config, num_ranks))} sizes",
-        file=sys.stderr, flush=True,
+        file=sys.stderr,
+        flush=True,
     )
     outcome = lib.launch_ranks(
-        "hetcomm.cli._benchlib:bench_rank_entry", config.to_json(), num_ranks,
-        timeout_s=config.timeout_s, env=env,
+        "hetcomm.cli._benchlib:bench_rank_entry",
+        config.to_json(),
+        num_ranks,
+        timeout_s=config.timeout_s,
+        env=env,
     )
     if not outcome.ok:
         for failure in outcome.failures:
             kind = f"{failure.error_type}: " if failure.error_type else ""
-            print(f"hetcomm bench: error: rank {failure.rank} failed: {kind}{failure.message}",
-                  file=sys.stderr)
-        print("hetcomm bench: (set HETCOMM_BENCH_TRACEBACK=1 for the ranks' tracebacks)",
-              file=sys.stderr)
+            print(
+                f"hetcomm bench: error: rank {failure.rank} failed: {kind}{failure.message}",
+                file=sys.stderr,
+            )
+        print(
+            "hetcomm bench: (set HETCOMM_BENCH_TRACEBACK=1 for the ranks' tracebacks)",
+            file=sys.stderr,
+        )
         return EXIT_TIMEOUT if outcome.failures[0].is_timeout else EXIT_FINDINGS
     for warning in outcome.exit_warnings:
-        print(f"hetcomm bench: warning: rank {warning.rank} finished its work, then died while "
-              f"exiting ({warning.message}); the results above are complete, but this is a bug "
-              f"in the backend's teardown", file=sys.stderr)
+        print(
+            f"hetcomm bench: warning: rank {warning.rank} finished its work, then died while "
+            f"exiting ({warning.message}); the results above are complete, but this is a bug "
+            f"in the backend's teardown",
+            file=sys.stderr,
+        )
     _emit(outcome.result, args)
     return _exit_code_for(outcome.result)
 
@@ -320,4 +413,6 @@ def _run_under_torchrun(config: lib.BenchConfig, num_ranks: int, args: argparse.
         return EXIT_TIMEOUT if lib._is_timeout(type(e).__name__, str(e)) else EXIT_FINDINGS
     if rank == 0:
         _emit(result, args)
-    return _exit_code_for(result) if rank == 0 else (EXIT_FINDINGS if result["out_of_bounds"] else 0)
+    return (
+        _exit_code_for(result) if rank == 0 else (EXIT_FINDINGS if result["out_of_bounds"] else 0)
+    )

@@ -37,18 +37,34 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     actions = p.add_subparsers(dest="action", metavar="ACTION")
 
     def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--state-dir", default=None, metavar="DIR",
-                        help="where state files live (default /run/hetcomm/emulate)")
+        sp.add_argument(
+            "--state-dir",
+            default=None,
+            metavar="DIR",
+            help="where state files live (default /run/hetcomm/emulate)",
+        )
 
     def shaping(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--cluster", metavar="YAML", help="cluster description (configs/clusters/*.yaml)")
-        sp.add_argument("--scale", type=float, default=None,
-                        help="rate factor: a 200 Gb/s NIC becomes 200*scale Gb/s (default: "
-                        "emulation.scale of the YAML, else 1e-3)")
-        sp.add_argument("--mode", choices=("bridge", "p2p"), default=None,
-                        help="bridge: NICs on per-rail bridges; p2p: one veth per node pair "
-                        "(default: emulation.mode of the YAML, else bridge)")
-        sp.add_argument("--subnet", default=None, help="private IPv4 range (default: emulation.subnet)")
+        sp.add_argument(
+            "--cluster", metavar="YAML", help="cluster description (configs/clusters/*.yaml)"
+        )
+        sp.add_argument(
+            "--scale",
+            type=float,
+            default=None,
+            help="rate factor: a 200 Gb/s NIC becomes 200*scale Gb/s (default: "
+            "emulation.scale of the YAML, else 1e-3)",
+        )
+        sp.add_argument(
+            "--mode",
+            choices=("bridge", "p2p"),
+            default=None,
+            help="bridge: NICs on per-rail bridges; p2p: one veth per node pair "
+            "(default: emulation.mode of the YAML, else bridge)",
+        )
+        sp.add_argument(
+            "--subnet", default=None, help="private IPv4 range (default: emulation.subnet)"
+        )
 
     up = actions.add_parser("up", help="create the namespaces, veths and shapers; print the run id")
     shaping(up)
@@ -57,8 +73,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     down = actions.add_parser("down", help="remove an emulation (all in the state dir by default)")
     down.add_argument("--id", dest="run_id", help="only this run id (hc3f9a1c or 3f9a1c)")
-    down.add_argument("--sweep", action="store_true",
-                      help="also remove hc<id>-* namespaces and /dev/shm dirs no state file lists")
+    down.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also remove hc<id>-* namespaces and /dev/shm dirs no state file lists",
+    )
     common(down)
 
     st = actions.add_parser("status", help="list emulations and what of them exists")
@@ -66,13 +85,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="machine-readable output")
     common(st)
 
-    run = actions.add_parser("run", help="bring up (or reuse --id), run CMD once per rank, tear down")
+    run = actions.add_parser(
+        "run", help="bring up (or reuse --id), run CMD once per rank, tear down"
+    )
     shaping(run)
     common(run)
     run.add_argument("--id", dest="run_id", help="run in this existing emulation (not torn down)")
     run.add_argument("--keep", action="store_true", help="leave the emulation up afterwards")
-    run.add_argument("--timeout", type=float, default=600.0,
-                     help="seconds the whole run may take (default 600); exit 3 when exceeded")
+    run.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds the whole run may take (default 600); exit 3 when exceeded",
+    )
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     return p
 
@@ -99,7 +124,10 @@ def _log(msg: str) -> None:
 def _norm_id(run_id: str) -> str:
     rid = run_id[2:] if run_id.startswith("hc") else run_id
     if len(rid) != 6 or any(c not in "0123456789abcdef" for c in rid):
-        raise UsageError(f"--id {run_id!r} is not a run id; ids look like hc3f9a1c (see 'hetcomm emulate status')")
+        raise UsageError(
+            f"--id {run_id!r} is not a run id; ids look like hc3f9a1c (see 'hetcomm emulate "
+            "status')"
+        )
     return rid
 
 
@@ -109,7 +137,9 @@ def _plan_from_args(args: argparse.Namespace):
     from hetcomm.topo.cluster import load_cluster
 
     if not args.cluster:
-        raise UsageError("--cluster YAML is required, e.g. --cluster configs/clusters/mixed-mini.yaml")
+        raise UsageError(
+            "--cluster YAML is required, e.g. --cluster configs/clusters/mixed-mini.yaml"
+        )
     cluster = load_cluster(args.cluster)
     settings = settings_from_cluster(cluster, scale=args.scale, mode=args.mode, subnet=args.subnet)
     return cluster, plan_network(cluster, settings, new_run_id())
@@ -156,9 +186,15 @@ def _down(args: argparse.Namespace) -> int:
             pass
         for n in names:
             m = re.match(r"^hc([0-9a-f]{6})-", n)
-            if m and m.group(1) not in known and (not args.run_id or m.group(1) == _norm_id(args.run_id)):
+            if (
+                m
+                and m.group(1) not in known
+                and (not args.run_id or m.group(1) == _norm_id(args.run_id))
+            ):
                 orphans.add(m.group(1))
-        states += [EmulationState(run_id=r, cluster_name="?", cluster_path="") for r in sorted(orphans)]
+        states += [
+            EmulationState(run_id=r, cluster_name="?", cluster_path="") for r in sorted(orphans)
+        ]
     if not args.run_id:
         # Logs kept by failed runs whose emulation is already gone.
         import shutil
@@ -171,7 +207,10 @@ def _down(args: argparse.Namespace) -> int:
         except OSError:
             pass
     if not states:
-        _log(f"emulate: nothing to remove (no state files in {args.state_dir}; --sweep finds orphans)")
+        _log(
+            f"emulate: nothing to remove (no state files in {args.state_dir}; --sweep finds "
+            "orphans)"
+        )
         return EXIT_OK
     bad = 0
     for s in states:
@@ -180,7 +219,10 @@ def _down(args: argparse.Namespace) -> int:
             bad += 1
             _log(f"emulate: hc{s.run_id}: NOT fully removed: " + "; ".join(problems))
         else:
-            _log(f"emulate: hc{s.run_id} ({s.cluster_name}) removed: {len(s.namespaces)} namespaces recorded")
+            _log(
+                f"emulate: hc{s.run_id} ({s.cluster_name}) removed: {len(s.namespaces)} namespaces "
+                "recorded"
+            )
     return EXIT_FINDINGS if bad else EXIT_OK
 
 
@@ -199,22 +241,35 @@ def _status(args: argparse.Namespace) -> int:
         live = set()
     states = [load_state(p) for p in paths]
     known = {ns for s in states for ns in s.namespaces}
-    orphans = sorted(n for n in live if n.startswith("hc") and "-" in n and n not in known
-                     and len(n.split("-", 1)[0]) == 8)
+    orphans = sorted(
+        n
+        for n in live
+        if n.startswith("hc") and "-" in n and n not in known and len(n.split("-", 1)[0]) == 8
+    )
     if args.json:
-        print(json.dumps({
-            "state_dir": args.state_dir,
-            "emulations": [dict(asdict(s), present=[n for n in s.namespaces if n in live]) for s in states],
-            "orphan_namespaces": orphans,
-        }, indent=1))
+        print(
+            json.dumps(
+                {
+                    "state_dir": args.state_dir,
+                    "emulations": [
+                        dict(asdict(s), present=[n for n in s.namespaces if n in live])
+                        for s in states
+                    ],
+                    "orphan_namespaces": orphans,
+                },
+                indent=1,
+            )
+        )
         return EXIT_OK
     if not states:
         print(f"no emulations recorded in {args.state_dir}")
     for s in states:
         _print_state(s, live=live)
     if orphans:
-        print(f"namespaces with the hetcomm prefix that no state file in {args.state_dir} lists: "
-              f"{', '.join(orphans)} ('hetcomm emulate down --sweep' removes them)")
+        print(
+            f"namespaces with the hetcomm prefix that no state file in {args.state_dir} lists: "
+            f"{', '.join(orphans)} ('hetcomm emulate down --sweep' removes them)"
+        )
     return EXIT_OK
 
 
@@ -223,15 +278,23 @@ def _print_state(state, live: Optional[set]) -> None:
     if live is not None:
         n_live = sum(ns in live for ns in state.namespaces)
         present = f", {n_live}/{len(state.namespaces)} namespaces present"
-    print(f"hc{state.run_id}  cluster {state.cluster_name}  {state.status}  mode {state.mode}  "
-          f"scale {state.scale:g}  subnet {state.subnet}{present}")
-    print(f"  {'node':<12} {'namespace':<22} {'ranks':<10} {'nic':<6} {'address':<18} {'class':<13} {'nominal':>9} {'shaped':>12}")
+    print(
+        f"hc{state.run_id}  cluster {state.cluster_name}  {state.status}  mode {state.mode}  "
+        f"scale {state.scale:g}  subnet {state.subnet}{present}"
+    )
+    print(
+        f"  {'node':<12} {'namespace':<22} {'ranks':<10} {'nic':<6} {'address':<18} {'class':<13} "
+        f"{'nominal':>9} {'shaped':>12}"
+    )
     for n in state.nodes:
         for k, i in enumerate(n["ifaces"] or [{}]):
             head = (n["node"], n["ns"], ",".join(map(str, n["ranks"]))) if k == 0 else ("", "", "")
-            print(f"  {head[0]:<12} {head[1]:<22} {head[2]:<10} {i.get('name', '-'):<6} "
-                  f"{i.get('address', '-'):<18} {i.get('class', '-'):<13} {i.get('nominal_gbps', 0):>6g} Gb/s "
-                  f"{i.get('rate_bps', 0) / 1e6:>6g} Mbit/s")
+            print(
+                f"  {head[0]:<12} {head[1]:<22} {head[2]:<10} {i.get('name', '-'):<6} "
+                f"{i.get('address', '-'):<18} {i.get('class', '-'):<13} "
+                f"{i.get('nominal_gbps', 0):>6g} Gb/s "
+                f"{i.get('rate_bps', 0) / 1e6:>6g} Mbit/s"
+            )
     for q in state.qdiscs:
         if "cross-vendor" in q:
             print(f"  shaper {q}")
@@ -248,8 +311,10 @@ def _run(args: argparse.Namespace) -> int:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        raise UsageError("nothing to run: give the command after '--', e.g. "
-                         "'hetcomm emulate run --cluster C.yaml -- hetcomm bench alltoall'")
+        raise UsageError(
+            "nothing to run: give the command after '--', e.g. "
+            "'hetcomm emulate run --cluster C.yaml -- hetcomm bench alltoall'"
+        )
     if args.timeout <= 0:
         raise UsageError(f"--timeout must be positive, got {args.timeout:g}")
     owned = args.run_id is None
@@ -259,7 +324,9 @@ def _run(args: argparse.Namespace) -> int:
     else:
         path = state_path(args.state_dir, _norm_id(args.run_id))
         if not os.path.exists(path):
-            raise UsageError(f"no emulation {args.run_id} in {args.state_dir}; see 'hetcomm emulate status'")
+            raise UsageError(
+                f"no emulation {args.run_id} in {args.state_dir}; see 'hetcomm emulate status'"
+            )
         state = load_state(path)
 
     # SIGTERM/SIGHUP must tear down like Ctrl-C does; SIGKILL cannot, which is what `down` is for.
@@ -270,10 +337,14 @@ def _run(args: argparse.Namespace) -> int:
     failed_run = False
     try:
         if owned:
-            state = bring_up(plan, state_dir=args.state_dir, cluster_path=cluster.path, progress=_log)
-        _log(f"emulate: hc{state.run_id}: running {' '.join(cmd)!r} on "
-             f"{sum(len(n['ranks']) for n in state.nodes)} ranks (rank 0's output follows; others "
-             f"log to {os.path.join(args.state_dir, 'hc' + state.run_id)}/rank<N>.log)")
+            state = bring_up(
+                plan, state_dir=args.state_dir, cluster_path=cluster.path, progress=_log
+            )
+        _log(
+            f"emulate: hc{state.run_id}: running {' '.join(cmd)!r} on "
+            f"{sum(len(n['ranks']) for n in state.nodes)} ranks (rank 0's output follows; others "
+            f"log to {os.path.join(args.state_dir, 'hc' + state.run_id)}/rank<N>.log)"
+        )
         outcome = run_ranks(state, cmd, state_dir=args.state_dir, timeout_s=args.timeout)
         if outcome.exit_code != 0:
             failed_run = True
@@ -294,7 +365,10 @@ def _run(args: argparse.Namespace) -> int:
                 if problems:
                     _log("emulate: tear-down left: " + "; ".join(problems))
             elif owned and state is not None:
-                _log(f"emulate: kept hc{state.run_id} up; remove it with 'hetcomm emulate down --id hc{state.run_id}'")
+                _log(
+                    f"emulate: kept hc{state.run_id} up; remove it with 'hetcomm emulate down --id "
+                    f"hc{state.run_id}'"
+                )
         finally:
             for s, h in old.items():
                 signal.signal(s, h)

@@ -68,7 +68,8 @@ def bring_up(
         master_port=plan.settings.master_port,
         namespaces=plan.namespaces,
         shm_dirs=[shm_dir_for(plan.run_id, n.node) for n in plan.nodes],
-        interfaces=[f"{v.ns_a}/{v.name_a}" for v in plan.veths] + [f"{v.ns_b}/{v.name_b}" for v in plan.veths],
+        interfaces=[f"{v.ns_a}/{v.name_a}" for v in plan.veths]
+        + [f"{v.ns_b}/{v.name_b}" for v in plan.veths],
         qdiscs=[_describe_shaper(s) for s in plan.shapers],
         nodes=[
             {
@@ -78,8 +79,14 @@ def bring_up(
                 "vendor": n.vendor,
                 "ranks": list(n.ranks),
                 "ifaces": [
-                    {"name": i.name, "address": str(i.address), "rail": i.rail, "rate_bps": i.rate_bps,
-                     "class": i.link_class.name, "nominal_gbps": i.nominal_gbps}
+                    {
+                        "name": i.name,
+                        "address": str(i.address),
+                        "rail": i.rail,
+                        "rate_bps": i.rate_bps,
+                        "class": i.link_class.name,
+                        "nominal_gbps": i.nominal_gbps,
+                    }
                     for i in n.ifaces
                 ],
             }
@@ -123,14 +130,20 @@ def _create(plan: NetPlan, state: EmulationState, progress) -> None:
     # for an instant does an emulated interface exist in the root namespace.
     by_ns = {}
     for v in plan.veths:
-        by_ns.setdefault(v.ns_a, []).append(f"link add {v.name_a} type veth peer name {v.name_b} netns {v.ns_b}")
+        by_ns.setdefault(v.ns_a, []).append(
+            f"link add {v.name_a} type veth peer name {v.name_b} netns {v.ns_b}"
+        )
     for ns, lines in by_ns.items():
         batch("ip", ns, lines)
     for n in plan.nodes:
         lines = []
         for i in n.ifaces:
             lines += [f"addr add {i.address} dev {i.name}", f"link set {i.name} up"]
-        lines += [f"route add {cidr} dev {dev} src {src}" for ns, cidr, dev, src in plan.routes if ns == n.ns]
+        lines += [
+            f"route add {cidr} dev {dev} src {src}"
+            for ns, cidr, dev, src in plan.routes
+            if ns == n.ns
+        ]
         batch("ip", n.ns, lines)
     if plan.fabric_ns:
         lines = []
@@ -166,13 +179,16 @@ def _tc_lines(s: Shaper, queue_ms: float) -> List[str]:
     burst = max(_MIN_BURST_BYTES, s.rate_bps // 8 // 500)  # >= 2 ms of traffic
     limit = max(4 * _MIN_BURST_BYTES, int(s.rate_bps / 8 * queue_ms / 1e3))
     lines = [
-        f"qdisc add dev {s.dev} root handle 1: tbf rate {s.rate_bps}bit burst {burst} latency {queue_ms:g}ms",
+        f"qdisc add dev {s.dev} root handle 1: tbf rate {s.rate_bps}bit burst {burst} latency "
+        f"{queue_ms:g}ms",
         f"qdisc add dev {s.dev} parent 1:1 handle 10: htb default 10",
-        f"class add dev {s.dev} parent 10: classid 10:10 htb rate {s.rate_bps}bit ceil {s.rate_bps}bit "
+        f"class add dev {s.dev} parent 10: classid 10:10 htb rate {s.rate_bps}bit ceil "
+        f"{s.rate_bps}bit "
         f"quantum {_HTB_QUANTUM}",
         f"qdisc add dev {s.dev} parent 10:10 bfifo limit {limit}",
         # IP total length < 128 bytes: to htb's direct queue (flowid = the qdisc's own handle).
-        f"filter add dev {s.dev} parent 10: protocol ip prio 1 u32 match u16 0x0000 0xff80 at 2 flowid 10:0",
+        f"filter add dev {s.dev} parent 10: protocol ip prio 1 u32 match u16 0x0000 0xff80 at 2 "
+        "flowid 10:0",
     ]
     if s.bridge_rate_bps is not None and s.bridge_match[1]:
         blimit = max(4 * _MIN_BURST_BYTES, int(s.bridge_rate_bps / 8 * queue_ms / 1e3))
@@ -184,7 +200,8 @@ def _tc_lines(s: Shaper, queue_ms: float) -> List[str]:
         direction, cidrs = s.bridge_match
         for cidr in cidrs:
             lines.append(
-                f"filter add dev {s.dev} parent 10: protocol ip prio 2 u32 match ip {direction} {cidr} flowid 10:20"
+                f"filter add dev {s.dev} parent 10: protocol ip prio 2 u32 match ip {direction} "
+                f"{cidr} flowid 10:20"
             )
     return lines
 
@@ -192,7 +209,9 @@ def _tc_lines(s: Shaper, queue_ms: float) -> List[str]:
 def _describe_shaper(s: Shaper) -> str:
     text = f"{s.ns}/{s.dev}: tbf {s.rate_bps / 1e6:g} Mbit/s"
     if s.bridge_rate_bps is not None and s.bridge_match[1]:
-        text += f", cross-vendor ({s.bridge_match[0]} {len(s.bridge_match[1])} addrs) htb {s.bridge_rate_bps / 1e6:g} Mbit/s"
+        direction, cidrs = s.bridge_match
+        mbit = s.bridge_rate_bps / 1e6
+        text += f", cross-vendor ({direction} {len(cidrs)} addrs) htb {mbit:g} Mbit/s"
     return text
 
 
@@ -206,7 +225,10 @@ def _wait_links_up(plan: NetPlan, timeout_s: float = 10.0) -> None:
                 if "LOWER_UP" in out:
                     break
                 if time.monotonic() > deadline:
-                    raise KernelError(f"interface {i.name} in namespace {n.ns} has no carrier after {timeout_s:g} s")
+                    raise KernelError(
+                        f"interface {i.name} in namespace {n.ns} has no carrier after "
+                        f"{timeout_s:g} s"
+                    )
                 time.sleep(0.05)
 
 
@@ -250,7 +272,11 @@ def _not_zombie(pid: int) -> bool:
 
 
 def tear_down(
-    state: EmulationState, *, state_dir: Optional[str] = None, sweep: bool = True, keep_logs: bool = False
+    state: EmulationState,
+    *,
+    state_dir: Optional[str] = None,
+    sweep: bool = True,
+    keep_logs: bool = False,
 ) -> List[str]:
     """Remove everything ``state`` lists (and, with ``sweep``, anything else named with its
     prefix): rank processes, processes inside its namespaces, namespaces (and so their veths and
@@ -262,6 +288,10 @@ def tear_down(
     """
     problems: List[str] = []
     for pid in state.rank_pids:
+        # After a crash long ago the pid may belong to someone else now: only a process that
+        # still carries this run's id in its environment is one of our ranks.
+        if not _is_our_rank(pid, state.run_id):
+            continue
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(pid, sig)
@@ -287,7 +317,11 @@ def tear_down(
     shm = list(state.shm_dirs)
     if sweep:
         try:
-            shm += [os.path.join(SHM_ROOT, n) for n in os.listdir(SHM_ROOT) if n.startswith(state.prefix)]
+            shm += [
+                os.path.join(SHM_ROOT, n)
+                for n in os.listdir(SHM_ROOT)
+                if n.startswith(state.prefix)
+            ]
         except OSError:
             pass
     for d in sorted(set(shm)):
@@ -302,6 +336,14 @@ def tear_down(
         except FileNotFoundError:
             pass
     return problems
+
+
+def _is_our_rank(pid: int, run_id: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"HETCOMM_EMULATE=hc{run_id}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
 
 
 def leftovers(run_id: str) -> List[str]:

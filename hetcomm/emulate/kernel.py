@@ -74,7 +74,8 @@ def run_tool(argv: Sequence[str], *, check: bool = True, stdin: Optional[str] = 
         raise KernelError(f"'{' '.join(argv)}' did not finish in {_TOOL_TIMEOUT_S:.0f} s") from None
     if check and proc.returncode != 0:
         raise KernelError(
-            f"'{' '.join(argv)}' failed (exit {proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}"
+            f"'{' '.join(argv)}' failed (exit {proc.returncode}): "
+            f"{proc.stderr.strip() or proc.stdout.strip()}"
         )
     return proc.stdout
 
@@ -97,7 +98,9 @@ def batch(tool: str, ns: str, lines: Sequence[str]) -> None:
             timeout=_TOOL_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
-        raise KernelError(f"'{tool} -n {ns} -batch' did not finish in {_TOOL_TIMEOUT_S:.0f} s") from None
+        raise KernelError(
+            f"'{tool} -n {ns} -batch' did not finish in {_TOOL_TIMEOUT_S:.0f} s"
+        ) from None
     if proc.returncode != 0:
         raise KernelError(
             f"'{tool} -n {ns}' refused a command in namespace {ns}: {proc.stderr.strip()}\n"

@@ -74,14 +74,18 @@ class RunOutcome:
     message: str
 
 
-def rank_env(state: EmulationState, rank: int, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+def rank_env(
+    state: EmulationState, rank: int, base: Optional[Dict[str, str]] = None
+) -> Dict[str, str]:
     """The environment rank ``rank`` runs with (see the module docstring)."""
     env = dict(os.environ if base is None else base)
     node = _node_of(state, rank)
     rank0_node = _node_of(state, 0)
     world = sum(len(n["ranks"]) for n in state.nodes)
     ifaces = node["ifaces"]
-    master = rank0_node["ifaces"][0]["address"].split("/")[0] if rank0_node["ifaces"] else "127.0.0.1"
+    master = (
+        rank0_node["ifaces"][0]["address"].split("/")[0] if rank0_node["ifaces"] else "127.0.0.1"
+    )
     env.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -136,23 +140,37 @@ def run_ranks(
         UsageError: ``cmd`` is empty or the emulation is not up.
     """
     if not cmd:
-        raise UsageError("nothing to run: give the command after '--', e.g. "
-                         "'hetcomm emulate run --cluster C.yaml -- hetcomm bench alltoall'")
+        raise UsageError(
+            "nothing to run: give the command after '--', e.g. "
+            "'hetcomm emulate run --cluster C.yaml -- hetcomm bench alltoall'"
+        )
     if state.status != "up":
-        raise UsageError(f"emulation hc{state.run_id} is '{state.status}', not 'up'; run 'hetcomm emulate up' first")
+        raise UsageError(
+            f"emulation hc{state.run_id} is '{state.status}', not 'up'; run 'hetcomm emulate up' "
+            "first"
+        )
     log_dir = os.path.join(state_dir, f"hc{state.run_id}")
     os.makedirs(log_dir, exist_ok=True)
     world = sum(len(n["ranks"]) for n in state.nodes)
     procs: Dict[int, subprocess.Popen] = {}
     logs: Dict[int, Optional[str]] = {}
-    shm = {n["node"]: os.path.join("/dev/shm", f"hc{state.run_id}-{n['node']}") for n in state.nodes}
+    shm = {
+        n["node"]: os.path.join("/dev/shm", f"hc{state.run_id}-{n['node']}") for n in state.nodes
+    }
     t0 = time.monotonic()
     try:
         for rank in range(world):
             node = _node_of(state, rank)
             argv = [
-                "ip", "netns", "exec", node["ns"],
-                "sh", "-c", 'mount --bind "$0" /dev/shm && exec "$@"', shm[node["node"]], *cmd,
+                "ip",
+                "netns",
+                "exec",
+                node["ns"],
+                "sh",
+                "-c",
+                'mount --bind "$0" /dev/shm && exec "$@"',
+                shm[node["node"]],
+                *cmd,
             ]
             if rank == 0:
                 out = rank0_out if rank0_out is not None else None
@@ -166,8 +184,12 @@ def run_ranks(
             try:
                 # Own session per rank: tear-down can kill a rank and all it spawned by group.
                 procs[rank] = subprocess.Popen(
-                    argv, env=rank_env(state, rank), stdin=subprocess.DEVNULL,
-                    stdout=stdout, stderr=stderr, start_new_session=True,
+                    argv,
+                    env=rank_env(state, rank),
+                    stdin=subprocess.DEVNULL,
+                    stdout=stdout,
+                    stderr=stderr,
+                    start_new_session=True,
                 )
             finally:
                 if rank != 0:
@@ -199,21 +221,33 @@ def _wait(procs, logs, state: EmulationState, timeout_s: float, t0: float) -> Ru
     timed_out = running if first is None and running else []
     _kill_all(procs)
     wall = time.monotonic() - t0
-    results = [RankResult(r, _node_of(state, r)["node"], procs[r].returncode, logs[r]) for r in sorted(procs)]
+    results = [
+        RankResult(r, _node_of(state, r)["node"], procs[r].returncode, logs[r])
+        for r in sorted(procs)
+    ]
     if first is not None:
         code = procs[first].returncode
         exit_code = code if code > 0 else 128 + (-code)
-        how = f"exited with code {code}" if code > 0 else f"was killed by {signal.Signals(-code).name}"
+        how = (
+            f"exited with code {code}"
+            if code > 0
+            else f"was killed by {signal.Signals(-code).name}"
+        )
         where = _node_of(state, first)["node"]
         msg = f"rank {first} (node {where}) {how} after {wall:.1f} s; the other ranks were stopped"
         if logs[first]:
             msg += f"; its output: {logs[first]}"
         return RunOutcome(exit_code, first, [], results, wall, msg)
     if timed_out:
-        msg = (f"ranks {timed_out} did not finish within {timeout_s:g} s (--timeout); they were killed; "
-               f"check their logs in {os.path.dirname(logs[timed_out[-1]] or '') or 'the state dir'}")
+        msg = (
+            f"ranks {timed_out} did not finish within {timeout_s:g} s (--timeout); they were "
+            "killed; "
+            f"check their logs in {os.path.dirname(logs[timed_out[-1]] or '') or 'the state dir'}"
+        )
         return RunOutcome(3, None, timed_out, results, wall, msg)
-    return RunOutcome(0, None, [], results, wall, f"all {len(procs)} ranks exited 0 in {wall:.1f} s")
+    return RunOutcome(
+        0, None, [], results, wall, f"all {len(procs)} ranks exited 0 in {wall:.1f} s"
+    )
 
 
 def _kill_all(procs: Dict[int, subprocess.Popen]) -> None:

@@ -7,7 +7,7 @@ whole layout can be checked without root. ``hetcomm.emulate.fabric`` applies a p
 Layout (``mode: bridge``, the default)::
 
     hc<id>-a100-0 [nic0 10.213.0.1] ==veth== [n0r0 br0] hc<id>-fabric [br0 n1r0] ==veth== [nic0 ...]
-                  [nic1 10.213.1.1] ==veth== [n0r1 br1]                         (one bridge per rail)
+                  [nic1 10.213.1.1] ==veth== [n0r1 br1]     (one bridge per rail)
 
 - one network namespace per node (``hc<id>-<node>``), loopback up;
 - one veth pair per emulated NIC port; port ``k`` of every node sits on rail ``k``: its own
@@ -113,7 +113,7 @@ class Iface:
 
 @dataclass(frozen=True)
 class Veth:
-    """A veth pair: ``(ns_a, name_a)`` <-> ``(ns_b, name_b)``, created directly in the namespaces."""
+    """A veth pair ``(ns_a, name_a)`` <-> ``(ns_b, name_b)``, created right in the namespaces."""
 
     ns_a: str
     name_a: str
@@ -276,9 +276,7 @@ def _emulation_lines(cluster: Cluster) -> Dict[str, int]:
         src = load_yaml(cluster.path)
     except ConfigError:
         return {}
-    return {
-        k[len("emulation."):]: v for k, v in src.lines.items() if k.startswith("emulation.")
-    }
+    return {k[len("emulation.") :]: v for k, v in src.lines.items() if k.startswith("emulation.")}
 
 
 def _rate_bps(gbps: float, scale: float) -> int:
@@ -313,7 +311,8 @@ def plan_network(cluster: Cluster, settings: EmulationSettings, run_id: str) -> 
             raise ConfigError(
                 f"node group name {g.name!r} cannot name a network namespace; use letters, digits, "
                 f"'_', '.' and single '-' (at most 64 characters)",
-                key="node_groups.name", path=cluster.path,
+                key="node_groups.name",
+                path=cluster.path,
             )
     if settings.mode == "p2p":
         return _plan_p2p(cluster, settings, run_id)
@@ -334,9 +333,7 @@ def _plan_bridge(cluster: Cluster, settings: EmulationSettings, run_id: str) -> 
     num_rails = max(len(p) for p in ports.values())
     notes: List[str] = []
     if any(not n.group.nics for n in nodes):
-        notes.append(
-            f"nodes without NICs get one NET_SOCKET port of {_FALLBACK_NIC_GBPS:g} Gb/s"
-        )
+        notes.append(f"nodes without NICs get one NET_SOCKET port of {_FALLBACK_NIC_GBPS:g} Gb/s")
     # Rail k gets its own subnet so that a port only ever talks to the same port of other nodes.
     extra_bits = max(0, math.ceil(math.log2(num_rails))) if num_rails > 1 else 0
     if settings.subnet.prefixlen + extra_bits > 30:
@@ -365,7 +362,14 @@ def _plan_bridge(cluster: Cluster, settings: EmulationSettings, run_id: str) -> 
             addr = ipaddress.IPv4Interface(f"{host}/{rail_nets[k].prefixlen}")
             ifaces.append(Iface(f"nic{k}", addr, k, _rate_bps(gbps, settings.scale), cls, gbps))
         node_ns.append(
-            NodeNs(_ns_name(run_id, n.name), n.name, n.index, n.group.vendor, tuple(n.ranks), tuple(ifaces))
+            NodeNs(
+                _ns_name(run_id, n.name),
+                n.name,
+                n.index,
+                n.group.vendor,
+                tuple(n.ranks),
+                tuple(ifaces),
+            )
         )
 
     veths: List[Veth] = []
@@ -382,8 +386,12 @@ def _plan_bridge(cluster: Cluster, settings: EmulationSettings, run_id: str) -> 
                 per_port_gbps = ic.cross_vendor_gbps / len(nn.ifaces)
                 if per_port_gbps < iface.nominal_gbps:
                     bridge_bps = _rate_bps(per_port_gbps, settings.scale)
-            shapers.append(Shaper(nn.ns, iface.name, iface.rate_bps, bridge_bps, ("dst", other_cidrs)))
-            shapers.append(Shaper(fabric, fabric_port, iface.rate_bps, bridge_bps, ("src", other_cidrs)))
+            shapers.append(
+                Shaper(nn.ns, iface.name, iface.rate_bps, bridge_bps, ("dst", other_cidrs))
+            )
+            shapers.append(
+                Shaper(fabric, fabric_port, iface.rate_bps, bridge_bps, ("src", other_cidrs))
+            )
     if any(s.bridge_rate_bps for s in shapers):
         notes.append(
             f"cross-vendor traffic is capped at {ic.cross_vendor_gbps:g} Gb/s per node "
@@ -417,7 +425,9 @@ def _plan_p2p(cluster: Cluster, settings: EmulationSettings, run_id: str) -> Net
     shapers: List[Shaper] = []
     routes: List[Tuple[str, str, str, str]] = []
     if len(nodes) > 9999:
-        raise ConfigError(f"cluster '{cluster.name}' has too many nodes for p2p mode", path=cluster.path)
+        raise ConfigError(
+            f"cluster '{cluster.name}' has too many nodes for p2p mode", path=cluster.path
+        )
     for a in nodes:
         for b in nodes:
             if b.index <= a.index:
@@ -428,10 +438,24 @@ def _plan_p2p(cluster: Cluster, settings: EmulationSettings, run_id: str) -> Net
             ns_a, ns_b = _ns_name(run_id, a.name), _ns_name(run_id, b.name)
             name_a, name_b = f"p{b.index}", f"p{a.index}"
             ifaces[a.index].append(
-                Iface(name_a, ipaddress.IPv4Interface(f"{addrs[a.index]}/32"), b.index, rate, cls, gbps)
+                Iface(
+                    name_a,
+                    ipaddress.IPv4Interface(f"{addrs[a.index]}/32"),
+                    b.index,
+                    rate,
+                    cls,
+                    gbps,
+                )
             )
             ifaces[b.index].append(
-                Iface(name_b, ipaddress.IPv4Interface(f"{addrs[b.index]}/32"), a.index, rate, cls, gbps)
+                Iface(
+                    name_b,
+                    ipaddress.IPv4Interface(f"{addrs[b.index]}/32"),
+                    a.index,
+                    rate,
+                    cls,
+                    gbps,
+                )
             )
             veths.append(Veth(ns_a, name_a, ns_b, name_b))
             shapers.append(Shaper(ns_a, name_a, rate))
@@ -439,7 +463,14 @@ def _plan_p2p(cluster: Cluster, settings: EmulationSettings, run_id: str) -> Net
             routes.append((ns_a, f"{addrs[b.index]}/32", name_a, str(addrs[a.index])))
             routes.append((ns_b, f"{addrs[a.index]}/32", name_b, str(addrs[b.index])))
     node_ns = tuple(
-        NodeNs(_ns_name(run_id, n.name), n.name, n.index, n.group.vendor, tuple(n.ranks), tuple(ifaces[n.index]))
+        NodeNs(
+            _ns_name(run_id, n.name),
+            n.name,
+            n.index,
+            n.group.vendor,
+            tuple(n.ranks),
+            tuple(ifaces[n.index]),
+        )
         for n in nodes
     )
     notes = [

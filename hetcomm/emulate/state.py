@@ -18,7 +18,14 @@ from typing import Any, Dict, List, Optional
 
 from hetcomm.errors import ConfigError, UsageError
 
-__all__ = ["EmulationState", "DEFAULT_STATE_DIR", "state_path", "load_state", "save_state", "list_states"]
+__all__ = [
+    "EmulationState",
+    "DEFAULT_STATE_DIR",
+    "state_path",
+    "load_state",
+    "save_state",
+    "list_states",
+]
 
 #: /run is a tmpfs: it vanishes on reboot exactly like the namespaces it describes.
 DEFAULT_STATE_DIR = "/run/hetcomm/emulate"

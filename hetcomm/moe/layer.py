@@ -275,6 +275,60 @@ class MoELayer(nn.Module):
         included): average their gradients over data-parallel ranks like any dense layer's."""
         return self.gate.parameters()
 
+    def _make_expert(self, expert_id: int) -> nn.Module:
+        return build_expert(self._expert_spec, self.config.model_dim, expert_id, self.config.seed)
+
+    def _set_placement(self, placement: ExpertPlacement, modules: Sequence[nn.Module]) -> None:
+        """Adopt ``placement`` with ``modules`` as this rank's experts, in local order."""
+        self.placement = placement
+        self.layout = ChunkLayout.build(placement, self.config.num_chunks)
+        self.local_expert_ids = tuple(placement.experts_of(self.rank))
+        self.experts.experts = nn.ModuleList(modules)
+        rep = self.replicator
+        if rep is not None:
+            rep.placement = placement
+            rep.owned = {e: self.experts.experts[i] for i, e in enumerate(self.local_expert_ids)}
+            # Rebuild the replicas for the new owners at the next forward (forces a weight sync).
+            pending = rep._pending_hot if rep._pending_hot is not None else rep.hot
+            rep.hot, rep._synced_hot = (), ()
+            rep.replicas.clear()
+            rep._pending_hot = pending
+
+    def rebalance(self, expert_load: Optional[Sequence[float]] = None, optimizer=None) -> List[int]:
+        """Re-place experts by load: hottest spread over strong ranks, coldest on weak ranks.
+
+        Collective. Every rank keeps its number of experts; moved experts carry their optimizer
+        state along (see :mod:`hetcomm.moe.migrate`), so training continues unchanged.
+
+        Args:
+            expert_load: ``[E]`` load per expert, identical on every rank (default: the
+                replication EMA of global token counts, which is).
+            optimizer: the optimizer holding this layer's parameters, or None.
+        Returns:
+            Global ids of the experts that moved.
+
+        Raises:
+            ConfigError: no load given and replication off.
+        """
+        from hetcomm.moe.migrate import migrate_experts
+
+        if expert_load is None:
+            if self.replicator is None:
+                raise ConfigError(
+                    "rebalance() needs expert_load=[E loads] when replication is off (the "
+                    "replication EMA is the default load)",
+                    key="moe.rebalance",
+                )
+            expert_load = self.replicator.ema.tolist()
+        new = place_experts(
+            self.config.num_experts,
+            self.world_size,
+            strong_ranks=self.strong_ranks,
+            expert_load=list(expert_load),
+            num_local_experts=self.placement.num_local_experts_per_rank,
+        )
+        return migrate_experts(self, new, optimizer)
+
     def sync_replicas(self, force: bool = False) -> bool:
         """Refresh replicas from their owners now (collective). Returns True if weights moved."""
         if self.replicator is None:

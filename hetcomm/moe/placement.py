@@ -136,6 +136,7 @@ def place_experts(
     rank_weights: Optional[Sequence[float]] = None,
     strong_ranks: Optional[Sequence[int]] = None,
     expert_load: Optional[Sequence[float]] = None,
+    num_local_experts: Optional[Sequence[int]] = None,
 ) -> ExpertPlacement:
     """Place ``num_experts`` experts on ``world_size`` ranks.
 
@@ -148,6 +149,8 @@ def place_experts(
             with ``expert_load``: the hottest experts go to strong ranks, the coldest to weak.
         expert_load: a prior of each expert's load (length ``E``), e.g. the replication EMA of a
             previous run. Without it experts are placed in contiguous blocks by id.
+        num_local_experts: experts per rank, given exactly (overrides ``rank_weights``); used to
+            re-place experts without changing how many each rank holds.
 
     Returns:
         The placement; ``owner`` is non-decreasing when ``expert_load`` is None.
@@ -164,7 +167,16 @@ def place_experts(
             f"one weight per rank",
             key="moe.rank_weights",
         )
-    sizes = split_by_weight(num_experts, weights)
+    if num_local_experts is not None:
+        sizes = [int(n) for n in num_local_experts]
+        if len(sizes) != world_size or sum(sizes) != num_experts or min(sizes) < 0:
+            raise ConfigError(
+                f"num_local_experts {sizes} must have {world_size} non-negative entries summing "
+                f"to {num_experts}",
+                key="moe.num_local_experts",
+            )
+    else:
+        sizes = split_by_weight(num_experts, weights)
     if expert_load is None:
         owner: List[int] = []
         for r, n in enumerate(sizes):

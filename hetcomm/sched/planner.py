@@ -146,7 +146,7 @@ def _flat(model: ResourceModel, T: np.ndarray) -> Plan:
 # -- lanes --------------------------------------------------------------------------------------
 
 
-def _lanes(model: ResourceModel, strategy: str, ga: np.ndarray, gb: np.ndarray):
+def _lanes(model: ResourceModel, strategy: str, ga: np.ndarray, gb: np.ndarray, by_dest: bool = False):
     """The lanes of node pairs ``(ga[k], gb[k])``, grouped by pair, in cut order.
 
     Returns:
@@ -195,11 +195,11 @@ def _lanes(model: ResourceModel, strategy: str, ga: np.ndarray, gb: np.ndarray):
     nic = np.concatenate([np.full(len(cg), -1, np.int64), gnic])
     # lanes of a pair in the order of their forwarders: the origin-ordered stream then lands on
     # the sender itself wherever the forwarder is the origin (no gather hop)
-    order = np.lexsort((nic, fwd, group))
+    order = np.lexsort((nic, rcv, group) if by_dest else (nic, fwd, group))
     return group[order], weight[order], fwd[order], rcv[order], nic[order]
 
 
-def _staged(model: ResourceModel, T: np.ndarray, strategy: str, align: int) -> Plan:
+def _staged(model: ResourceModel, T: np.ndarray, strategy: str, align: int, by_dest: bool = False) -> Plan:
     n = model.num_ranks
     T0 = _offdiag(T)
     node = model.rank_node
@@ -209,7 +209,7 @@ def _staged(model: ResourceModel, T: np.ndarray, strategy: str, align: int) -> P
     li, lj = ii[same], jj[same]
     # the rest, as node pair streams in (node a, node b, i, j) order
     ri, rj = ii[~same], jj[~same]
-    order = np.lexsort((rj, ri, node[rj], node[ri]))
+    order = np.lexsort((ri, rj, node[rj], node[ri]) if by_dest else (rj, ri, node[rj], node[ri]))
     ri, rj = ri[order], rj[order]
     rb = T0[ri, rj]
     na, nb = node[ri], node[rj]
@@ -226,7 +226,7 @@ def _staged(model: ResourceModel, T: np.ndarray, strategy: str, align: int) -> P
     ga, gb = na[gstart_idx], nb[gstart_idx]
     base = seg_start[gstart_idx]
     total = seg_end[gend_idx - 1] - base if len(gstart_idx) else np.zeros(0, np.int64)
-    group, weight, lane_fwd, lane_rcv, lane_nic = _lanes(model, strategy, ga, gb)
+    group, weight, lane_fwd, lane_rcv, lane_nic = _lanes(model, strategy, ga, gb, by_dest)
     # cut each pair's stream in proportion to its lanes' weights, on multiples of align (every
     # pair has at least one lane, and lanes come grouped by pair in pair order)
     num_lanes = len(group)
@@ -286,8 +286,15 @@ def _staged(model: ResourceModel, T: np.ndarray, strategy: str, align: int) -> P
         link_class=np.concatenate(
             [fabric_cls[li], fabric_cls[p_origin[gather]], model.link_classes(fwd, rcv), fabric_cls[rcv[scatter]]]
         ),
+        # Scatter what came over the network (stage 2) before what came over the bridge
+        # (stage 3): network lanes land long before bridge lanes, and their scatter then runs
+        # while the bridge is still busy instead of queueing behind it.
         stage=np.concatenate(
-            [np.zeros(n_direct + n_g, np.int64), np.ones(n_x, np.int64), np.full(len(scatter), 2, np.int64)]
+            [
+                np.zeros(n_direct + n_g, np.int64),
+                np.ones(n_x, np.int64),
+                np.where(model.is_cross_vendor(fwd[scatter], rcv[scatter]), 3, 2),
+            ]
         ),
         rail=np.concatenate([np.full(n_direct + n_g, -1, np.int64), rail, np.full(len(scatter), -1, np.int64)]),
         dep=np.concatenate([np.full(n_direct + n_g, -1, np.int64), gather_idx, x_idx[scatter]]),
@@ -300,11 +307,14 @@ def _staged(model: ResourceModel, T: np.ndarray, strategy: str, align: int) -> P
     key = np.concatenate([
         cols["src"][: n_direct + n_g] * dmax + local[cols["dst"][: n_direct + n_g]],
         k0 + mi,
-        k0 + num_lanes + rcv[scatter] * dmax + local[p_final[scatter]],
+        k0 + num_lanes + (cols["stage"][n_direct + n_g + n_x :] - 2) * k0 + rcv[scatter] * dmax + local[p_final[scatter]],
     ])
-    used = np.zeros(2 * k0 + num_lanes, bool)
+    used = np.zeros(3 * k0 + num_lanes, bool)
     used[key] = True
     cols["message"] = (np.cumsum(used) - 1)[key]
+    # number the stages that occur consecutively (a plan without bridge pairs has no stage 3)
+    present = np.unique(cols["stage"])
+    cols["stage"] = np.searchsorted(present, cols["stage"])
     table = ChunkTable.build(rail_names=rail_names, **cols)
     pairs = len(gstart_idx)
     if strategy == "hier":

@@ -12,7 +12,10 @@ The model, per stage ``s`` in order:
   work, so together they keep it busy for ``W[s, r] = sum of w(m, r)``;
 * message ``m`` becomes ready at the latest of (a) the arrival of every message holding a chunk
   it forwards (its dependencies) and (b) the end of every earlier stage's traffic on each
-  resource of its path; it arrives ``alpha_m + max over r in path(m) of W[s, r]`` later.
+  resource of its path; it arrives ``alpha_m + max over r in path(m) of W[s, r]`` later;
+* it holds each resource of its path until it arrives, except the staging copies (the copy out
+  of a forwarder's staging buffer, the device-to-host copy of a bridge message), which are done
+  before the send and hold their resource for ``W[s, r]`` from the message's start.
 
 Events are message arrivals: each stage's start times come from earlier arrivals, so nodes run
 ahead of one another (node A may be exchanging while node B still aggregates) wherever their
@@ -127,6 +130,12 @@ def simulate(plan: Plan, cluster: Cluster, params: Optional[CostParams] = None) 
     cnt = valid.sum(axis=1)
     first = np.cumsum(cnt) - cnt
     e_res = P[valid]
+    # Staging copies (out of a forwarder's staging buffer; device -> host for a bridge message)
+    # finish before the send starts, so they hold their resource only for the stage's window on it.
+    staging = np.zeros(P.shape, bool)
+    staging[:, 8] = True
+    staging[:, 0] = model.is_cross_vendor(src, dst) & (model.rank_node[src] != model.rank_node[dst])
+    e_staging = staging[valid]
     e_msg = np.repeat(np.arange(m), cnt)
     e_work = msgs.num_bytes[e_msg] / model.cap[e_res] + model.overhead[cls][e_msg]
     alpha = model.latency[cls]
@@ -148,9 +157,11 @@ def simulate(plan: Plan, cluster: Cluster, params: Optional[CostParams] = None) 
         sel = dep_stage == msgs.stage[m0]
         if sel.any():
             np.maximum.at(ready, msgs.dep_msg[sel], finish[msgs.dep_on[sel]])
-        fin = np.maximum(ready[m0:m1], after) + alpha[m0:m1] + share
+        begin = np.maximum(ready[m0:m1], after) + alpha[m0:m1]
+        fin = begin + share
         finish[m0:m1] = fin
-        np.maximum.at(res_end, er, np.repeat(fin, cnt[m0:m1]))
+        held = np.where(e_staging[a:b], np.repeat(begin, cnt[m0:m1]) + W[er], np.repeat(fin, cnt[m0:m1]))
+        np.maximum.at(res_end, er, held)
         busy += W
         stage_ends.append(float(fin.max()))
     time_s = float(finish.max())

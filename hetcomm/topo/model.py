@@ -268,6 +268,13 @@ class Topology:
     - ``host``: dict with ``hostname``, ``cpus``, ``numa_nodes``, ``memory_bytes`` (live probe).
     - ``sources``: list of input files / probes that contributed.
     - ``formats``: list of detected input formats.
+    - ``form_factor``: dict device -> ``SXM`` / ``PCIe`` (from PCI ids or names).
+    - ``persistence_mode``, ``mig``, ``power_limit_w``, ``gpu_numa_id``: dicts device -> value.
+    - ``nic_models``: dict NIC -> part name; ``fabric_manager_errors``: list of log lines.
+    - ``parse_warnings``: list of ``file:line: message`` for input parsed only in part.
+
+    Parser-specific keys (``nccl_*``, ``npu_*``, ``hccn*``, ``roce_gids``, ...) are listed in
+    ``docs/INPUT_FORMATS.md``.
     """
 
     devices: List[Device] = field(default_factory=list)

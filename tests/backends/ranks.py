@@ -38,7 +38,11 @@ def _context() -> mp.context.BaseContext:
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "hetcomm", "hetcomm.backends.process_group"])
+        # torch._dynamo: the first functional collective imports it (~800 modules, 5-10 s per rank).
+        ctx.set_forkserver_preload(
+            ["torch", "torch.distributed", "torch._dynamo", "torch.distributed._functional_collectives",
+             "hetcomm", "hetcomm.backends.process_group"]
+        )
         _CTX = ctx
     return _CTX
 

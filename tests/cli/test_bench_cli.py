@@ -38,7 +38,10 @@ RUN_FLAGS = ["-b", "1K", "-e", "64K", "-f", "4", "-n", "2", "-w", "1", "-c", "1"
         (["alltoall", "-f", "0"], "-f/--stepfactor 0"),
         (["alltoall", "-o", "sum"], "alltoall does not reduce"),
         (["allreduce", "-o", "avg"], "-o/--op 'avg'"),
-        (["alltoall", "--backend", "gloo", "--rails", "shm"], "--rails applies to --backend hetcomm"),
+        (
+            ["alltoall", "--backend", "gloo", "--rails", "shm"],
+            "--rails applies to --backend hetcomm",
+        ),
         (["alltoall", "--rails", "shm,tcp"], "unknown rail(s) tcp"),
         (["alltoall", "--backend", "gloo", "--plan", "direct"], "--plan applies"),
         (["alltoall", "--nprocs", "0"], "--nprocs 0"),
@@ -72,7 +75,14 @@ def test_unknown_collective_is_argparse_usage_error():
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("8", 8), ("1K", 1024), ("128M", 128 << 20), ("1G", 1 << 30), ("4kB", 4096), ("2MiB", 2 << 20)],
+    [
+        ("8", 8),
+        ("1K", 1024),
+        ("128M", 128 << 20),
+        ("1G", 1 << 30),
+        ("4kB", 4096),
+        ("2MiB", 2 << 20),
+    ],
 )
 def test_parse_bytes(text, expected):
     assert lib.parse_bytes(text) == expected
@@ -94,8 +104,9 @@ def test_message_sizes_round_alltoall_counts_to_peers():
 
 
 def test_message_sizes_additive_step_and_dedup():
-    cfg = lib.BenchConfig("allreduce", minbytes=0, maxbytes=12, stepfactor=1, stepbytes=2,
-                          datatype="int32")
+    cfg = lib.BenchConfig(
+        "allreduce", minbytes=0, maxbytes=12, stepfactor=1, stepbytes=2, datatype="int32"
+    )
     # 0 B holds no element; 2 B and 6 B round down to the counts of 0 B and 4 B.
     assert lib.message_sizes(cfg, 4) == [(4, 1), (8, 2), (12, 3)]
 
@@ -128,13 +139,15 @@ def test_alltoall_pattern_detects_corruption_and_misrouting(dtype):
     assert lib.count_wrong(cfg, 2, n, corrupted) == 1
     # Blocks from sources 0 and 1 swapped: every element of both blocks is wrong.
     b = count // n
-    swapped = torch.cat([outputs[1][b:2 * b], outputs[1][:b], outputs[1][2 * b:]])
+    swapped = torch.cat([outputs[1][b : 2 * b], outputs[1][:b], outputs[1][2 * b :]])
     assert lib.count_wrong(cfg, 1, n, swapped) == 2 * b
     # The aliasing bug gloo shows (rank receives its own input back) is caught.
     assert lib.count_wrong(cfg, 1, n, inputs[1]) > 0
 
 
-@pytest.mark.parametrize("redop, reduce", [("sum", torch.sum), ("max", torch.amax), ("min", torch.amin)])
+@pytest.mark.parametrize(
+    "redop, reduce", [("sum", torch.sum), ("max", torch.amax), ("min", torch.amin)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.int64])
 def test_allreduce_pattern_matches_reduction(redop, reduce, dtype):
     n, count = 5, 31
@@ -151,21 +164,42 @@ def test_allreduce_pattern_matches_reduction(redop, reduce, dtype):
 
 
 def _synthetic_result(collective="alltoall", n=4):
-    cfg = lib.BenchConfig(collective, minbytes=1024, maxbytes=4096, stepfactor=4, iters=3,
-                          redop="none" if collective == "alltoall" else "sum")
+    cfg = lib.BenchConfig(
+        collective,
+        minbytes=1024,
+        maxbytes=4096,
+        stepfactor=4,
+        iters=3,
+        redop="none" if collective == "alltoall" else "sum",
+    )
     sizes = lib.message_sizes(cfg, n)
     per_rank = []
     for r in range(n):
         rows = [
-            {"size": s, "count": c,
-             "out_of_place": {"seconds": 1e-3 * (r + 1) * (i + 1), "wrong": 0},
-             "in_place": {"seconds": 2e-3 * (i + 1), "wrong": 1 if (r, i) == (2, 1) else 0}}
+            {
+                "size": s,
+                "count": c,
+                "out_of_place": {"seconds": 1e-3 * (r + 1) * (i + 1), "wrong": 0},
+                "in_place": {"seconds": 2e-3 * (i + 1), "wrong": 1 if (r, i) == (2, 1) else 0},
+            }
             for i, (s, c) in enumerate(sizes)
         ]
-        per_rank.append({"info": {"rank": r, "pid": 100 + r, "host": "h", "device": r,
-                                  "torch_device": "cpu", "model": None, "node": None,
-                                  "label_only": False},
-                         "rows": rows, "rails": None})
+        per_rank.append(
+            {
+                "info": {
+                    "rank": r,
+                    "pid": 100 + r,
+                    "host": "h",
+                    "device": r,
+                    "torch_device": "cpu",
+                    "model": None,
+                    "node": None,
+                    "label_only": False,
+                },
+                "rows": rows,
+                "rails": None,
+            }
+        )
     return lib._merge(cfg, n, per_rank)
 
 
@@ -174,7 +208,9 @@ def test_merge_takes_max_over_ranks_and_applies_busbw_formula():
     row = result["rows"][1]  # 4096 B; rank 3 is the slowest out-of-place: 4 * 2 ms
     assert row["out_of_place"]["time_us"] == pytest.approx(8000.0)
     assert row["out_of_place"]["algbw_gbps"] == pytest.approx(4096 / 8e-3 / 1e9)
-    assert row["out_of_place"]["busbw_gbps"] == pytest.approx(row["out_of_place"]["algbw_gbps"] * 0.75)
+    assert row["out_of_place"]["busbw_gbps"] == pytest.approx(
+        row["out_of_place"]["algbw_gbps"] * 0.75
+    )
     assert row["in_place"]["wrong"] == 1 and result["out_of_bounds"] == 1
     busbws = [r[k]["busbw_gbps"] for r in result["rows"] for k in ("out_of_place", "in_place")]
     assert result["avg_busbw_gbps"] == pytest.approx(sum(busbws) / len(busbws))
@@ -185,9 +221,9 @@ def test_merge_takes_max_over_ranks_and_applies_busbw_formula():
 def test_table_columns_align_with_nccl_tests_header():
     text = lib.format_table(_synthetic_result())
     lines = text.splitlines()
-    header = next(i for i, l in enumerate(lines) if l.startswith("#       size"))
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("#       size"))
     ends = [m.end() for m in re.finditer(r"\S+", lines[header])][1:]
-    rows = [l for l in lines if l and not l.startswith("#")]
+    rows = [ln for ln in lines if ln and not ln.startswith("#")]
     assert len(rows) == 2
     for row in rows:
         tokens = list(re.finditer(r"\S+", row))
@@ -227,16 +263,24 @@ def _run_cli(args, tmp_path, timeout=150):
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "hetcomm", "bench", *args, "-J", str(out_json)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
-    return proc, (json.loads(out_json.read_text()) if out_json.exists() else None), time.monotonic() - t0
+    return (
+        proc,
+        (json.loads(out_json.read_text()) if out_json.exists() else None),
+        time.monotonic() - t0,
+    )
 
 
 def _check_table_against_json(stdout, doc, num_ranks, factor):
     lines = stdout.splitlines()
-    rank_lines = [l for l in lines if l.startswith("#  Rank ")]
+    rank_lines = [ln for ln in lines if ln.startswith("#  Rank ")]
     assert len(rank_lines) == num_ranks
-    rows = [l.split() for l in lines if l and not l.startswith("#")]
+    rows = [ln.split() for ln in lines if ln and not ln.startswith("#")]
     assert [int(r[0]) for r in rows] == [1024, 4096, 16384, 65536]
     assert len(doc["rows"]) == len(rows)
     for cols, row in zip(rows, doc["rows"]):
@@ -253,7 +297,7 @@ def _check_table_against_json(stdout, doc, num_ranks, factor):
             assert float(cols[offset + 2]) == pytest.approx(block["busbw_gbps"], abs=0.006)
             assert cols[offset + 3] == "0" and block["wrong"] == 0
     assert "# Out of bounds values : 0 OK" in lines
-    avg = next(l for l in lines if l.startswith("# Avg bus bandwidth"))
+    avg = next(ln for ln in lines if ln.startswith("# Avg bus bandwidth"))
     assert float(avg.split(":")[1]) == pytest.approx(doc["avg_busbw_gbps"], rel=1e-4)
 
 
@@ -276,12 +320,18 @@ def test_real_alltoall_gloo_4_ranks(gloo_run):
 def test_real_alltoall_hetcomm_4_ranks_labels(tmp_path):
     if not _hetcomm_registered():
         pytest.skip("backend 'hetcomm' is not registered yet (hetcomm.backends.registry)")
-    proc, doc, _ = _run_cli(["alltoall", *RUN_FLAGS, "--backend", "hetcomm", "--cluster", MIXED_MINI],
-                            tmp_path)
+    proc, doc, _ = _run_cli(
+        ["alltoall", *RUN_FLAGS, "--backend", "hetcomm", "--cluster", MIXED_MINI], tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     _check_table_against_json(proc.stdout, doc, 4, 0.75)
     assert "# Device kinds are labels" in proc.stdout
-    assert [r["model"] for r in doc["ranks"]] == ["A100-SXM4-80GB", "A100-SXM4-80GB", "H800", "910B"]
+    assert [r["model"] for r in doc["ranks"]] == [
+        "A100-SXM4-80GB",
+        "A100-SXM4-80GB",
+        "H800",
+        "910B",
+    ]
     # Rank 0's peers reach it over at least two different rails on the mixed-mini cluster.
     sent = [rail for rail, c in doc["rails"][0].items() if c.get("bytes_sent", 0) > 0]
     assert len(sent) >= 2, doc["rails"]
@@ -293,8 +343,9 @@ def test_nccl_tests_parser_reads_our_table(gloo_run):
     assert proc.returncode == 0, proc.stderr
     topo = parser.parse_nccl_tests(proc.stdout, path="<hetcomm bench>")
     got = sorted((m.size_bytes, m.in_place, m.op, m.num_ranks, m.wrong) for m in topo.measurements)
-    want = sorted((r["size"], in_place, "alltoall", 4, 0)
-                  for r in doc["rows"] for in_place in (False, True))
+    want = sorted(
+        (r["size"], in_place, "alltoall", 4, 0) for r in doc["rows"] for in_place in (False, True)
+    )
     assert got == want
     for m in topo.measurements:
         block = next(r for r in doc["rows"] if r["size"] == m.size_bytes)
@@ -312,8 +363,13 @@ def failing_rank(payload, rank, world_size, store):
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=20),
+    )
     if rank == 1:
         raise ValueError("deliberate failure on rank 1")
     dist.barrier()
@@ -325,8 +381,12 @@ def failing_rank(payload, rank, world_size, store):
 def test_failing_rank_is_reported_first_and_nothing_hangs():
     t0 = time.monotonic()
     outcome = lib.launch_ranks(
-        "tests.cli.test_bench_cli:failing_rank", "{}", 2, timeout_s=20,
-        env={"PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}, grace_s=5,
+        "tests.cli.test_bench_cli:failing_rank",
+        "{}",
+        2,
+        timeout_s=20,
+        env={"PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")},
+        grace_s=5,
     )
     assert not outcome.ok and outcome.result is None
     first = outcome.failures[0]

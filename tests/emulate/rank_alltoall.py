@@ -38,16 +38,20 @@ def main() -> int:
     out_splits = [_splits(world, s)[rank] for s in range(world)]
     # Element i of the block for destination d is rank*1e6 + d*1e3 + (i % 1000): every value says
     # where it came from and where it was meant to go.
-    inp = torch.cat([
-        rank * 1_000_000 + d * 1000 + torch.arange(n, dtype=torch.float32) % 1000
-        for d, n in enumerate(in_splits)
-    ])
+    inp = torch.cat(
+        [
+            rank * 1_000_000 + d * 1000 + torch.arange(n, dtype=torch.float32) % 1000
+            for d, n in enumerate(in_splits)
+        ]
+    )
     out = torch.empty(sum(out_splits), dtype=torch.float32)
     dist.all_to_all_single(out, inp, out_splits, in_splits)
-    expected = torch.cat([
-        s * 1_000_000 + rank * 1000 + torch.arange(n, dtype=torch.float32) % 1000
-        for s, n in enumerate(out_splits)
-    ])
+    expected = torch.cat(
+        [
+            s * 1_000_000 + rank * 1000 + torch.arange(n, dtype=torch.float32) % 1000
+            for s, n in enumerate(out_splits)
+        ]
+    )
     ok = bool(torch.equal(out, expected))
 
     timings = {}
@@ -62,9 +66,16 @@ def main() -> int:
             timings[name] = time.perf_counter() - t0
     # Collect the receivers' timings on rank 0.
     gathered = [None] * world
-    dist.all_gather_object(gathered, {"rank": rank, "ok": ok, "timings": timings,
-                                      "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
-                                      "node": os.environ.get("HETCOMM_EMULATE_NODE")})
+    dist.all_gather_object(
+        gathered,
+        {
+            "rank": rank,
+            "ok": ok,
+            "timings": timings,
+            "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+            "node": os.environ.get("HETCOMM_EMULATE_NODE"),
+        },
+    )
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"backend": backend, "num_bytes": num_bytes, "ranks": gathered}, f)

@@ -33,7 +33,9 @@ pytestmark = pytest.mark.emulate
 
 
 def _root_links() -> set:
-    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["ip", "-o", "link", "show"], capture_output=True, text=True, check=True
+    ).stdout
     return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
 
 
@@ -75,9 +77,27 @@ def test_alltoall_through_shaped_links(tmp_path):
     out_json = tmp_path / "out.json"
     num_bytes = 6_000_000
     proc = subprocess.run(
-        HETCOMM + ["emulate", "run", "--cluster", MINI, "--state-dir", str(tmp_path / "st"), "--timeout", "120",
-                   "--", sys.executable, os.path.join(HERE, "rank_alltoall.py"), str(out_json), backend, str(num_bytes)],
-        capture_output=True, text=True, timeout=140, cwd=REPO,
+        HETCOMM
+        + [
+            "emulate",
+            "run",
+            "--cluster",
+            MINI,
+            "--state-dir",
+            str(tmp_path / "st"),
+            "--timeout",
+            "120",
+            "--",
+            sys.executable,
+            os.path.join(HERE, "rank_alltoall.py"),
+            str(out_json),
+            backend,
+            str(num_bytes),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=140,
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out_json.read_text())
@@ -99,25 +119,64 @@ def test_p2p_mode_shapes_each_pair(tmp_path, capfd):
     links_before = _root_links()
     num_bytes = 6_000_000
     # p2p addresses: subnet base + 1 + node index (a100-0, h800-0, ascend-0).
-    code = hetcomm_main(["emulate", "run", "--cluster", MINI, "--mode", "p2p", "--state-dir", str(tmp_path / "st"),
-                         "--timeout", "50", "--", sys.executable, os.path.join(HERE, "rank_socket.py"),
-                         str(tmp_path), str(num_bytes), "10.213.0.2", "10.213.0.3"])
+    code = hetcomm_main(
+        [
+            "emulate",
+            "run",
+            "--cluster",
+            MINI,
+            "--mode",
+            "p2p",
+            "--state-dir",
+            str(tmp_path / "st"),
+            "--timeout",
+            "50",
+            "--",
+            sys.executable,
+            os.path.join(HERE, "rank_socket.py"),
+            str(tmp_path),
+            str(num_bytes),
+            "10.213.0.2",
+            "10.213.0.3",
+        ]
+    )
     err = capfd.readouterr().err
     assert code == 0, err
     slow_s, slow_n = (tmp_path / "rank3.txt").read_text().split()
     fast_s, fast_n = (tmp_path / "rank2.txt").read_text().split()
     assert int(slow_n) == int(fast_n) == num_bytes
-    assert _within(float(slow_s), num_bytes, 100e6), (slow_s, fast_s)  # a100-0 <-> ascend-0 veth: bridge rate
-    assert _within(float(fast_s), num_bytes, 200e6), (slow_s, fast_s)  # a100-0 <-> h800-0 veth: port rate
+    assert _within(float(slow_s), num_bytes, 100e6), (
+        slow_s,
+        fast_s,
+    )  # a100-0 <-> ascend-0 veth: bridge rate
+    assert _within(float(fast_s), num_bytes, 200e6), (
+        slow_s,
+        fast_s,
+    )  # a100-0 <-> h800-0 veth: port rate
     _assert_nothing_left(_run_ids(err), str(tmp_path / "st"), links_before)
 
 
 @pytest.mark.timeout(60)
 def test_first_failure_propagates_with_rank(tmp_path, capfd):
     links_before = _root_links()
-    script = 'if [ "$RANK" = 2 ]; then echo "bad input on $HETCOMM_EMULATE_NODE"; exit 7; fi; sleep 30'
+    script = (
+        'if [ "$RANK" = 2 ]; then echo "bad input on $HETCOMM_EMULATE_NODE"; exit 7; fi; sleep 30'
+    )
     t0 = time.monotonic()
-    code = hetcomm_main(["emulate", "run", "--cluster", MINI, "--state-dir", str(tmp_path), "--", "sh", "-c", script])
+    code = hetcomm_main(
+        [
+            "emulate",
+            "run",
+            "--cluster",
+            MINI,
+            "--state-dir",
+            str(tmp_path),
+            "--",
+            "sh",
+            "-c",
+            script,
+        ]
+    )
     err = capfd.readouterr().err
     assert code == 7
     assert "rank 2 (node h800-0) exited with code 7" in err
@@ -132,8 +191,22 @@ def test_first_failure_propagates_with_rank(tmp_path, capfd):
 
 @pytest.mark.timeout(60)
 def test_timeout_names_the_ranks_and_exits_3(tmp_path, capfd):
-    code = hetcomm_main(["emulate", "run", "--cluster", MINI, "--state-dir", str(tmp_path), "--timeout", "2",
-                         "--", "sh", "-c", 'if [ "$RANK" = 3 ]; then sleep 30; fi'])
+    code = hetcomm_main(
+        [
+            "emulate",
+            "run",
+            "--cluster",
+            MINI,
+            "--state-dir",
+            str(tmp_path),
+            "--timeout",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            'if [ "$RANK" = 3 ]; then sleep 30; fi',
+        ]
+    )
     err = capfd.readouterr().err
     assert code == 3
     assert "ranks [3] did not finish within 2 s" in err
@@ -144,16 +217,27 @@ def test_timeout_names_the_ranks_and_exits_3(tmp_path, capfd):
 @pytest.mark.timeout(60)
 def test_up_status_down(tmp_path, capfd):
     links_before = _root_links()
-    assert hetcomm_main(["emulate", "up", "--cluster", MINI, "--state-dir", str(tmp_path), "--json"]) == 0
+    assert (
+        hetcomm_main(["emulate", "up", "--cluster", MINI, "--state-dir", str(tmp_path), "--json"])
+        == 0
+    )
     state = json.loads(capfd.readouterr().out)
     rid = state["run_id"]
     try:
         assert set(state["namespaces"]) <= set(list_netns())
-        qd = subprocess.run(["tc", "-n", f"hc{rid}-ascend-0", "qdisc", "show", "dev", "nic0"],
-                            capture_output=True, text=True, check=True).stdout
+        qd = subprocess.run(
+            ["tc", "-n", f"hc{rid}-ascend-0", "qdisc", "show", "dev", "nic0"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert "tbf 1: root" in qd and "rate 200Mbit" in qd and "htb 10:" in qd
-        cls = subprocess.run(["tc", "-n", f"hc{rid}-fabric", "class", "show", "dev", "n2r0"],
-                             capture_output=True, text=True, check=True).stdout
+        cls = subprocess.run(
+            ["tc", "-n", f"hc{rid}-fabric", "class", "show", "dev", "n2r0"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert "class htb 10:20" in cls and "rate 100Mbit ceil 100Mbit" in cls
         assert hetcomm_main(["emulate", "status", "--state-dir", str(tmp_path)]) == 0
         out = capfd.readouterr().out
@@ -171,8 +255,22 @@ def test_killed_run_is_cleaned_by_down(tmp_path):
     links_before = _root_links()
     script = 'echo "segment of rank $RANK" > /dev/shm/hetcomm-test-seg$RANK; exec sleep 60'
     proc = subprocess.Popen(
-        HETCOMM + ["emulate", "run", "--cluster", MINI, "--state-dir", str(tmp_path), "--", "sh", "-c", script],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+        HETCOMM
+        + [
+            "emulate",
+            "run",
+            "--cluster",
+            MINI,
+            "--state-dir",
+            str(tmp_path),
+            "--",
+            "sh",
+            "-c",
+            script,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
     )
     state = None
     try:
@@ -183,12 +281,18 @@ def test_killed_run_is_cleaned_by_down(tmp_path):
                 state = json.loads((tmp_path / files[0]).read_text()) if files else None
             except ValueError:
                 state = None
-            segs = [os.path.join(d, f) for d in (state or {}).get("shm_dirs", []) if os.path.isdir(d)
-                    for f in os.listdir(d)]
+            segs = [
+                os.path.join(d, f)
+                for d in (state or {}).get("shm_dirs", [])
+                if os.path.isdir(d)
+                for f in os.listdir(d)
+            ]
             if state and len(state["rank_pids"]) == 4 and len(segs) == 4:
                 break
             time.sleep(0.1)
-        assert state and len(state["rank_pids"]) == 4 and len(segs) == 4, "run never got its ranks going"
+        assert state and len(state["rank_pids"]) == 4 and len(segs) == 4, (
+            "run never got its ranks going"
+        )
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)

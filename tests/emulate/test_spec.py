@@ -42,7 +42,10 @@ def test_mixed_mini_bridge_layout():
     assert len(plan.shapers) == 2 * len(plan.veths) == 6
     addrs = [str(n.ifaces[0].address) for n in plan.nodes]
     assert addrs == ["10.213.0.1/24", "10.213.0.2/24", "10.213.0.3/24"]
-    assert all(ipaddress.ip_address(a.split("/")[0]) in ipaddress.ip_network("10.213.0.0/16") for a in addrs)
+    assert all(
+        ipaddress.ip_address(a.split("/")[0]) in ipaddress.ip_network("10.213.0.0/16")
+        for a in addrs
+    )
     # Cross-vendor: the 100 Gb/s host bridge caps NVIDIA <-> Ascend traffic at 100 Mbit/s.
     a100 = [s for s in plan.shapers if s.ns == "hc0a1b2c-a100-0"][0]
     assert a100.bridge_rate_bps == 100_000_000
@@ -78,10 +81,15 @@ def test_p2p_uses_pair_rates():
     c = load_cluster(MINI)
     plan = plan_network(c, settings_from_cluster(c, mode="p2p"), "abcdef")
     assert plan.fabric_ns is None and len(plan.veths) == 3
-    rates = {(v.ns_a.split("-")[1], v.ns_b.split("-")[1]): s.rate_bps
-             for v, s in zip(plan.veths, plan.shapers[::2])}
-    assert rates == {("a100", "h800"): 200_000_000, ("a100", "ascend"): 100_000_000,
-                     ("h800", "ascend"): 100_000_000}
+    rates = {
+        (v.ns_a.split("-")[1], v.ns_b.split("-")[1]): s.rate_bps
+        for v, s in zip(plan.veths, plan.shapers[::2])
+    }
+    assert rates == {
+        ("a100", "h800"): 200_000_000,
+        ("a100", "ascend"): 100_000_000,
+        ("h800", "ascend"): 100_000_000,
+    }
     # One address per node, on every one of its veths, and a host route per peer.
     assert {str(i.address) for i in plan.nodes[0].ifaces} == {"10.213.0.1/32"}
     assert ("hcabcdef-a100-0", "10.213.0.3/32", "p2", "10.213.0.1") in plan.routes
@@ -91,9 +99,21 @@ def test_rank_env_points_at_the_emulated_network():
     c = load_cluster(MINI)
     plan = plan_network(c, settings_from_cluster(c), "abcdef")
     state = EmulationState(
-        run_id="abcdef", cluster_name=c.name, cluster_path=MINI, status="up",
-        nodes=[{"ns": n.ns, "node": n.node, "index": n.index, "vendor": n.vendor, "ranks": list(n.ranks),
-                "ifaces": [{"name": i.name, "address": str(i.address)} for i in n.ifaces]} for n in plan.nodes],
+        run_id="abcdef",
+        cluster_name=c.name,
+        cluster_path=MINI,
+        status="up",
+        nodes=[
+            {
+                "ns": n.ns,
+                "node": n.node,
+                "index": n.index,
+                "vendor": n.vendor,
+                "ranks": list(n.ranks),
+                "ifaces": [{"name": i.name, "address": str(i.address)} for i in n.ifaces],
+            }
+            for n in plan.nodes
+        ],
     )
     env = rank_env(state, 1, base={"PATH": "/usr/bin"})
     assert env["RANK"] == "1" and env["WORLD_SIZE"] == "4" and env["LOCAL_RANK"] == "1"
@@ -138,10 +158,25 @@ def test_cli_refuses_without_root(tmp_path):
     if os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv"):
         pytest.skip("needs root and setpriv to drop to an unprivileged user")
     proc = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-         sys.executable, "-m", "hetcomm", "emulate", "up", "--cluster", MINI,
-         "--state-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=60, cwd=REPO,
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            "-m",
+            "hetcomm",
+            "emulate",
+            "up",
+            "--cluster",
+            MINI,
+            "--state-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
     )
     assert proc.returncode == 2, proc.stderr
     assert "missing root" in proc.stderr

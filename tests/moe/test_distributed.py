@@ -122,9 +122,22 @@ def test_replication_keeps_results_and_cuts_bytes_under_zipf():
     assert all(res[r]["bytes"][12]["local_fraction"] > 0.75 for r in range(3))
 
 
+def _global_history_and_wire(rank, world_size):
+    return cases.calibration_global(rank, world_size), cases.wire_exchange(rank, world_size)
+
+
 @pytest.mark.timeout(120)
-def test_calibration_history_is_global():
-    res = run_ranks(cases.calibration_global, world_size=4, backend=_backend(), cluster=MIXED_MINI, timeout=100)
+def test_calibration_history_is_global_and_each_pair_uses_its_wire_dtype():
+    both = run_ranks(_global_history_and_wire, world_size=4, backend=_backend(), cluster=MIXED_MINI, timeout=100)
+    res = [b[0] for b in both]
+    for rank, (_, wire) in enumerate(both):
+        for src, r in wire.items():
+            if r["wire"] == "fp16":
+                assert r["fp16_rounded"] and not r["exact"], (rank, src, r)
+            else:
+                assert r["exact"], (rank, src, r)
+    assert {r["wire"] for r in both[3][1].values()} == {"fp16", "self"}
+    assert both[0][1][1]["wire"] == "fp32" and both[0][1][3]["wire"] == "fp16"
     h0 = res[0]["history"]
     assert not torch.allclose(h0, torch.ones_like(h0)), "history never moved"
     for r in res[1:]:
@@ -139,3 +152,17 @@ def test_a_missing_rank_gives_an_error_not_a_hang():
         assert msg.split()[0] in ("CollectiveError", "PeerTimeout", "RuntimeError", "DistBackendError"), msg
         seconds = float(msg.split(" after ")[1].split("s:")[0])
         assert seconds < 30, msg  # bounded by the group timeout (4 s), not a hang
+
+
+@pytest.mark.timeout(120)
+def test_rebalance_moves_cold_experts_to_the_weak_rank_without_changing_training():
+    res = run_ranks(cases.rebalance, world_size=4, backend=_backend(), cluster=MIXED_MINI, timeout=100)
+    # 16 experts by strength 2/2/2/1: 5/5/4/2; the weak rank (910B) first held 14 and 15.
+    assert res[3]["before"] == [14, 15]
+    assert res[3]["after"] == [0, 1], res[3]  # the two coldest under the given load
+    assert [len(r["after"]) for r in res] == [len(r["before"]) for r in res]
+    assert res[0]["moved"] and all(r["moved"] == res[0]["moved"] for r in res)
+    for r in res:
+        # Adam moments and steps moved with the experts: the twin that never moved agrees.
+        assert r["out_diff"] < 1e-6, r
+        assert r["param_diff"] < 1e-6, r

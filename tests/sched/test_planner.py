@@ -79,9 +79,18 @@ def test_hier_aggregates_one_lane_per_node_pair_over_three_tiers(big):
     node = model.rank_node
     msgs = plan.messages
     x = msgs.stage == 1
-    assert plan.num_stages == 3
+    # gather, exchange, scatter of network lanes, scatter of bridge lanes
+    assert plan.num_stages == 4
     assert (node[msgs.src[x]] != node[msgs.dst[x]]).all()
     assert (node[msgs.src[~x]] == node[msgs.dst[~x]]).all()
+    cross = resource_model(big).is_cross_vendor
+    s2, s3 = plan.table.stage == 2, plan.table.stage == 3
+    dep = plan.table.dep_idx  # one dependency per forwarded chunk: the lane that brought it
+    fwd_of = np.full(plan.num_transfers, -1)
+    fwd_of[np.repeat(np.arange(plan.num_transfers), np.diff(plan.table.dep_ptr))] = dep
+    lanes = fwd_of[s2 | s3]
+    lane_cross = cross(plan.table.src[lanes], plan.table.dst[lanes])
+    assert (lane_cross == s3[s2 | s3]).all()
     # one exchange message per ordered node pair, 10 nodes
     assert x.sum() == 90
     classes = {LinkClass(c).name for c in plan.table.link_class[plan.table.stage == 1].tolist()}

@@ -30,7 +30,7 @@ def test_every_plan_delivers_every_byte_once_and_never_beats_the_bound(data):
         # 1e-12: the bound and the simulator add the same floats in different orders
         assert sim.time_s >= bound.time_s * (1 - 1e-9) - 1e-12, (strategy, sim.time_s, bound)
         if strategy != "flat" and plan.strategy != "flat":
-            assert plan.num_stages <= 3
+            assert plan.num_stages <= 4  # gather, exchange, network scatter, bridge scatter
 
 
 def _faster(spec, what):

@@ -507,7 +507,7 @@ def test_crlf_captures_sniff_and_parse_alike(fixture_path, name):
     assert [n for n, sniff, _ in nvsmi.FORMATS if sniff(crlf)] == [
         n for n, sniff, _ in nvsmi.FORMATS if sniff(text)
     ]
-    for fmt, sniff, parse in nvsmi.FORMATS:
+    for _fmt, sniff, parse in nvsmi.FORMATS:
         if sniff(text):
             assert parse(crlf).to_dict() == parse(text).to_dict()
 
@@ -599,3 +599,46 @@ def test_query_gpu_csv_any_field_order():
     ]
     assert not sniff_nvsmi("a, b, c\n1, 2, 3\n")
     assert not sniff_nvsmi("name, value\nfoo, 1\n")
+
+
+def test_models_in_the_same_capture_refine_link_bandwidth():
+    # synthetic: `nvidia-smi -L` of a Blackwell box, then its topo -m. NV18 on B200 is NVLink5
+    # (50 GB/s per link), which the matrix alone cannot tell from Hopper's 25 GB/s.
+    text = (
+        "GPU 0: NVIDIA B200 (UUID: GPU-0000)\nGPU 1: NVIDIA B200 (UUID: GPU-0001)\n"
+        "\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\nGPU0\t X \tNV18\t0-55\t0\nGPU1\tNV18\t X \t0-55\t0\n"
+    )
+    topo = parse_nvsmi_topo(text)
+    assert topo.device("GPU0").model == "B200"
+    assert topo.link("GPU0", "GPU1").gbps == nominal_gbps(LinkClass.NVLINK, "B200", num_nvlinks=18)
+    assert topo.link("GPU0", "GPU1").gbps == 18 * 50 * 8
+    bare = parse_nvsmi_topo(text.split("\n", 2)[2])  # the matrix alone
+    assert bare.link("GPU0", "GPU1").gbps == 18 * 25 * 8
+
+
+def test_p2p_read_and_write_matrices_space_separated():
+    # synthetic, in the space-aligned layout some drivers and tools print: read is OK everywhere,
+    # write is refused across the two switches; the pair is usable only if both are OK.
+    text = """\
+$ nvidia-smi topo -p2p r
+P2P Connectivity Matrix
+        GPU0  GPU1  GPU2
+GPU0      X    OK    OK
+GPU1     OK     X    OK
+GPU2     OK    OK     X
+
+$ nvidia-smi topo -p2p w
+        GPU0    GPU1    GPU2
+ GPU0   X       OK      CNS
+ GPU1   OK      X       CNS
+ GPU2   CNS     CNS     X
+
+Legend:
+
+  X    = Self
+  OK   = Status Ok
+  CNS  = Chipset not supported
+"""
+    assert sniff_nvsmi_topo_p2p(text) and not sniff_nvsmi_topo(text)
+    topo = parse_nvsmi_topo_p2p(text)
+    assert topo.facts["p2p"] == {"GPU0-GPU1": "OK", "GPU0-GPU2": "CNS", "GPU1-GPU2": "CNS"}

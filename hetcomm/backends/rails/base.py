@@ -44,9 +44,19 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class RailOp(abc.ABC):
-    """A step in flight on one rail."""
+    """A step in flight on one rail.
+
+    Attributes:
+        rail: the rail's name.
+        needs_polling: True when only :meth:`poll` makes progress (shm); False when other
+            threads move the bytes and set the rail's wake-up event (gloo, nccl), so an idle
+            executor may sleep on that event instead of polling.
+        progressed: set by :meth:`poll`: whether the last call moved anything.
+    """
 
     rail: str = "?"
+    needs_polling: bool = False
+    progressed: bool = False
 
     @abc.abstractmethod
     def poll(self) -> bool:

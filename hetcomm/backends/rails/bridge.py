@@ -36,6 +36,7 @@ class _BridgeOp(RailOp):
 
     def __init__(self, inner: List[RailOp], unstage: List[Tuple[int, torch.Tensor, torch.Tensor]], op: str, rank: int):
         self.inner = inner
+        self.needs_polling = any(o.needs_polling for o in inner)
         self.unstage = unstage  # (peer, host buffer, destination)
         self.op = op
         self.rank = rank
@@ -46,7 +47,13 @@ class _BridgeOp(RailOp):
         still = []
         progressed = False
         for o in self.inner:
-            if o.poll():
+            try:
+                done = o.poll()
+            except CollectiveError as e:
+                raise CollectiveError(
+                    f"(host transport {o.rail}) {str(e).split(': ', 1)[-1]}", op=self.op, rank=self.rank, peer=e.peer, rail="bridge"
+                ) from e
+            if done:
                 o.finish()
                 progressed = True
             else:

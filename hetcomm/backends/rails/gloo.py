@@ -82,9 +82,10 @@ class GlooRail(Rail):
 
     name = "gloo"
 
-    def __init__(self, gloo: "torch.distributed.ProcessGroup", rank: int):
+    def __init__(self, gloo: "torch.distributed.ProcessGroup", rank: int, wakeup: Optional[threading.Event] = None):
         self.gloo = gloo
         self.rank = rank
+        self.wakeup = wakeup if wakeup is not None else threading.Event()
         self._waiters: Dict[int, "queue.Queue"] = {}
         self._lock = threading.Lock()
 
@@ -95,12 +96,12 @@ class GlooRail(Rail):
                 q = self._waiters.get(peer)
                 if q is None:
                     q = queue.Queue()
-                    threading.Thread(target=self._wait_loop, args=(q,), name=f"hetcomm-gloo-wait-{peer}", daemon=True).start()
+                    threading.Thread(target=self._wait_loop, args=(q, self.wakeup), name=f"hetcomm-gloo-wait-{peer}", daemon=True).start()
                     self._waiters[peer] = q
         return q
 
     @staticmethod
-    def _wait_loop(q: "queue.Queue") -> None:
+    def _wait_loop(q: "queue.Queue", wakeup: threading.Event) -> None:
         while True:
             it = q.get()
             if it is None:
@@ -110,6 +111,7 @@ class GlooRail(Rail):
             except BaseException as e:  # reported by poll() on the executor thread
                 it.error = e
             it.done = True
+            wakeup.set()
 
     def start(self, sends: Sequence[Xfer], recvs: Sequence[Xfer], op: str, seq: int) -> RailOp:
         items = []

@@ -171,6 +171,7 @@ class _Cursor:
 
 class _ShmOp(RailOp):
     rail = "shm"
+    needs_polling = True
 
     def __init__(self, owner: "ShmRail", cursors: List[_Cursor], op: str):
         self.owner = owner

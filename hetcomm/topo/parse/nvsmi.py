@@ -37,7 +37,12 @@ Identity views: the ``nvidia-smi`` table (model, bus id, ``Persistence-M`` ->
 ``facts["persistence_mode"]``, ``MIG M.`` -> ``facts["mig"]``, power cap ->
 ``facts["power_limit_w"]``), ``nvidia-smi -L`` lines, ``--query-gpu ... --format csv`` and
 ``nvidia-smi nvlink -s`` (``facts["nvlink_active"]`` = active links per GPU,
-``facts["nvlink_gbps_per_link"]`` = GB/s per link as printed).
+``facts["nvlink_gbps_per_link"]`` = GB/s per link as printed). A ``GPU NUMA ID`` other than
+``N/A`` (Grace and other coherent systems) goes to ``facts["gpu_numa_id"]``.
+
+Link bandwidth: ``NV#`` gives ``# x 25 GB/s`` and PCIe classes the Gen4 rate, unless the same
+capture also names the GPU model (table, ``-L``, csv), in which case the model's per-link NVLink
+rate and PCIe generation are used (``NV18`` is 450 GB/s on Hopper, 900 GB/s on Blackwell).
 """
 
 from __future__ import annotations
@@ -564,6 +569,26 @@ def _add_identity(topo: Topology, lines: List[Tuple[int, str]], path: str) -> Di
     return found
 
 
+def _refine_gbps(topo: Topology) -> None:
+    """Recompute nominal Gb/s of matrix links once the capture has also named the GPU models.
+
+    ``NV18`` is 450 GB/s on Hopper but 900 GB/s on Blackwell, and the PCIe rate depends on the
+    generation; ``topo -m`` alone knows neither, the identity views in the same capture do.
+    """
+    models = {d.name: d.model for d in topo.devices if d.model}
+    if not models:
+        return
+    for link in topo.links:
+        model = models.get(link.a) or models.get(link.b)
+        if model is None:
+            continue
+        nv = _NV.match(link.raw)
+        num = int(nv.group(1)) if nv else None
+        gbps = nominal_gbps(link.link_class, model, num_nvlinks=num)
+        if gbps is not None:
+            link.gbps = gbps
+
+
 # -- public entry points ---------------------------------------------------------------------------
 
 
@@ -598,6 +623,7 @@ def _parse(text: str, path: str, want: str) -> Topology:
     if _add_ibdev2netdev(topo, lines):
         formats.append("ibdev2netdev")
     found = _add_identity(topo, lines, path)
+    _refine_gbps(topo)
     if found["nvlink"]:
         formats.append("nvsmi-nvlink")
     if found["table"] or found["list"] or found["csv"]:

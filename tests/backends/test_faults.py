@@ -1,0 +1,141 @@
+"""Faults: a rank killed mid all-to-all, a rank that never arrives, cross-rank split mismatch.
+
+Survivors must raise (never hang) within the group timeout, naming the op, the peer and the rail;
+a split mismatch must raise ValueError on every rank without any process aborting; and no shared
+memory segment may be left in /dev/shm afterwards.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.backends.ranks import MIXED_MINI, run_ranks, run_ranks_outcomes
+
+PG_TIMEOUT = 8.0
+
+
+def _segments_of(pid: int):
+    return glob.glob(f"/dev/shm/hetcomm-{pid}-*")
+
+
+def kill_mid_all_to_all(rank: int, n: int, victim: int) -> dict:
+    import torch.distributed as dist
+
+    rows = 1 << 16  # 64 Ki rows x 16 floats = 4 MiB per peer: each call takes a while
+    x = torch.full((rows * n, 16), float(rank))
+    y = torch.empty_like(x)
+    dist.all_to_all_single(y, x)  # warm-up: everyone connected, segments mapped
+    segments_during_run = _segments_of(os.getpid()) if rank == 0 else []
+    if rank == victim:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    try:
+        for _ in range(10_000):
+            t0 = time.monotonic()
+            dist.all_to_all_single(y, x)
+    except Exception as e:
+        return {
+            "type": type(e).__name__,
+            "msg": str(e),
+            "peer": getattr(e, "peer", None),
+            "rail": getattr(e, "rail", None),
+            "op": getattr(e, "op", None),
+            "seconds": time.monotonic() - t0,
+            "pid": os.getpid(),
+            "segments_during_run": segments_during_run,
+        }
+    return {"type": None, "pid": os.getpid()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim", [1, 3])
+def test_killed_rank_is_named_by_every_survivor(victim):
+    # victim 1: rank 0 waits on it over shm, rank 2 over gloo; victim 3: everybody over the bridge
+    outs = run_ranks_outcomes(
+        kill_mid_all_to_all, world_size=4, cluster=MIXED_MINI, args=(victim,), timeout=60, pg_timeout=PG_TIMEOUT
+    )
+    assert outs[victim].exitcode == -signal.SIGKILL
+    for o in outs:
+        if o.rank == victim:
+            continue
+        assert o.ok, f"rank {o.rank}: {o.error_type}: {o.error}\n{o.traceback}"
+        r = o.result
+        assert r["type"] in ("CollectiveError", "PeerTimeout"), r
+        assert r["op"] and "all_to_all_single" in r["op"], r
+        assert r["peer"] == victim or f"rank {victim}" in r["msg"], r
+        assert r["rail"] in ("shm", "gloo", "bridge"), r
+        assert r["seconds"] < PG_TIMEOUT, r
+    leader_pid = outs[0].result["pid"]
+    assert outs[0].result["segments_during_run"] == [], "segment name not unlinked after setup"
+    assert _segments_of(leader_pid) == []
+
+
+def never_arrives(rank: int, n: int) -> dict:
+    import torch.distributed as dist
+
+    x = torch.arange(n * 2, dtype=torch.float32)
+    y = torch.empty_like(x)
+    dist.all_to_all_single(y, x)
+    if rank == 2:
+        time.sleep(PG_TIMEOUT + 4)  # alive, but never joins the next collective
+        return {"type": None}
+    t0 = time.monotonic()
+    try:
+        dist.all_to_all_single(y, x)
+    except Exception as e:
+        return {"type": type(e).__name__, "msg": str(e), "peer": getattr(e, "peer", None), "seconds": time.monotonic() - t0}
+    return {"type": None}
+
+
+@pytest.mark.timeout(120)
+def test_rank_that_never_arrives_is_named_within_timeout():
+    outs = run_ranks(never_arrives, world_size=4, cluster=MIXED_MINI, timeout=60, pg_timeout=PG_TIMEOUT)
+    for rank in (0, 1, 3):
+        r = outs[rank]
+        assert r["type"] in ("CollectiveError", "PeerTimeout"), r
+        assert r["peer"] == 2 or "[2]" in r["msg"], r
+        assert r["seconds"] <= PG_TIMEOUT + 0.5, r
+
+
+def split_mismatch(rank: int, n: int) -> dict:
+    import torch.distributed as dist
+
+    out = {}
+    in_s = [2] * n
+    out_s = [2] * n
+    if rank == 1:
+        in_s = [3, 2, 2, 1]  # rank 1 sends 3 rows to rank 0 and 1 to rank 3; both expect 2
+    x = torch.arange(sum(in_s) * 4, dtype=torch.float32).reshape(-1, 4)
+    y = torch.empty(sum(out_s), 4)
+    try:
+        dist.all_to_all_single(y, x, out_s, in_s)
+        out["first"] = None
+    except ValueError as e:
+        out["first"] = str(e)
+    # nothing moved, so the group is still in step: a correct call works on every rank
+    x = torch.arange(n * 2, dtype=torch.float32) + 10 * rank
+    y = torch.empty_like(x)
+    dist.all_to_all_single(y, x)
+    out["after"] = y
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_split_mismatch_raises_value_error_everywhere_without_abort():
+    outs = run_ranks_outcomes(split_mismatch, world_size=4, cluster=MIXED_MINI, timeout=60, pg_timeout=PG_TIMEOUT)
+    for o in outs:
+        assert o.ok and o.exitcode == 0, f"rank {o.rank}: exit {o.exitcode} {o.error_type}: {o.error}"
+        msg = o.result["first"]
+        assert msg is not None, f"rank {o.rank} did not raise"
+        assert "rank 1 sends 3 rows to rank 0, but rank 0 expects 2" in msg, msg
+        assert "rank 1 sends 1 rows to rank 3, but rank 3 expects 2" in msg, msg
+        assert msg.count(" sends ") == 2, msg  # only the two bad pairs are named
+        expect = torch.cat([torch.arange(2 * o.rank, 2 * o.rank + 2, dtype=torch.float32) + 10 * j for j in range(4)])
+        assert torch.equal(o.result["after"], expect)

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.hetcomm-installed
 .PHONY: demo test install clean bench
 
 demo: $(STAMP)
-	$(VENV)/bin/hetcomm audit
+	$(VENV)/bin/hetcomm train
 
 test: $(STAMP)
 	$(PY) -m pytest -q

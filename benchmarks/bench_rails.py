@@ -46,6 +46,21 @@ if REPO_ROOT not in sys.path:
 from hetcomm.cli import _benchlib as lib  # noqa: E402
 
 VARIANTS = ("gloo", "hetcomm/gloo", "hetcomm/shm", "copy")
+# HetcommOptions of each hetcomm variant; the "-nocheck" ones (--unchecked) turn off the
+# cross-rank split check (one small gloo all_gather per call) to show what it costs.
+HETCOMM_VARIANTS = {
+    "hetcomm/gloo": {"rails": ["gloo"]},
+    "hetcomm/shm": {"rails": ["shm"]},
+    "hetcomm/gloo-nocheck": {"rails": ["gloo"], "check_splits": False},
+    "hetcomm/shm-nocheck": {"rails": ["shm"], "check_splits": False},
+}
+LABELS = {
+    "gloo": "plain gloo",
+    "hetcomm/gloo": "hetcomm, gloo rail forced",
+    "hetcomm/shm": "hetcomm, shm rail forced",
+    "hetcomm/gloo-nocheck": "hetcomm, gloo rail, split check off",
+    "hetcomm/shm-nocheck": "hetcomm, shm rail, split check off",
+}
 _MiB = 1 << 20
 
 
@@ -65,15 +80,15 @@ def rank_main(payload: str, rank: int, world_size: int, store) -> Dict[str, Any]
     cfg = json.loads(payload)
     timeout = datetime.timedelta(seconds=cfg["timeout_s"])
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-    groups = {
-        "gloo": dist.group.WORLD,
-        "hetcomm/gloo": dist.new_group(
-            backend="hetcomm", timeout=timeout, pg_options=HetcommOptions(rails=("gloo",))
-        ),
-        "hetcomm/shm": dist.new_group(
-            backend="hetcomm", timeout=timeout, pg_options=HetcommOptions(rails=("shm",))
-        ),
-    }
+    variants = tuple(cfg["variants"])
+    groups = {"gloo": dist.group.WORLD}
+    for name in variants:  # same order on every rank: new_group is collective
+        if name in HETCOMM_VARIANTS:
+            spec = dict(HETCOMM_VARIANTS[name])
+            spec["rails"] = tuple(spec["rails"])
+            groups[name] = dist.new_group(
+                backend="hetcomm", timeout=timeout, pg_options=HetcommOptions(**spec)
+            )
     sizes = [int(s) for s in cfg["sizes"]]
     max_count = max(sizes) // 4
     src_all = torch.empty(max_count, dtype=torch.float32)
@@ -85,7 +100,7 @@ def rank_main(payload: str, rank: int, world_size: int, store) -> Dict[str, Any]
     count = sizes[0] // 4
     src = lib.alltoall_input(rank, world_size, count, torch.float32)
     expected = lib.alltoall_expected(rank, world_size, count, torch.float32)
-    for name in ("gloo", "hetcomm/gloo", "hetcomm/shm"):
+    for name in groups:
         hetcomm.reset_stats()
         out = torch.empty_like(src)
         dist.all_to_all_single(out, src, group=groups[name])
@@ -96,14 +111,14 @@ def rank_main(payload: str, rank: int, world_size: int, store) -> Dict[str, Any]
     hetcomm.reset_stats()
 
     # 2. Timed iterations, variants interleaved.
-    times: Dict[str, Dict[int, List[float]]] = {v: {s: [] for s in sizes} for v in VARIANTS}
+    times: Dict[str, Dict[int, List[float]]] = {v: {s: [] for s in sizes} for v in variants}
     for size in sizes:
         count = size // 4
         src, dst = src_all[:count], dst_all[:count]
         src.copy_(lib.alltoall_input(rank, world_size, count, torch.float32))
         for it in range(cfg["warmup"] + cfg["iters"]):
-            shift = it % len(VARIANTS)
-            for name in VARIANTS[shift:] + VARIANTS[:shift]:
+            shift = it % len(variants)
+            for name in variants[shift:] + variants[:shift]:
                 dist.barrier()  # on the gloo group: every variant starts from the same point
                 t0 = time.perf_counter()
                 if name == "copy":
@@ -125,8 +140,9 @@ def rank_main(payload: str, rank: int, world_size: int, store) -> Dict[str, Any]
     }
     gathered: List[Any] = [None] * world_size
     dist.all_gather_object(gathered, mine)
-    for name in ("hetcomm/gloo", "hetcomm/shm"):
-        dist.destroy_process_group(groups[name])
+    for name, group in groups.items():
+        if name != "gloo":
+            dist.destroy_process_group(group)
     dist.destroy_process_group()
     return gathered
 
@@ -137,10 +153,12 @@ def _run_value(per_rank: List[Dict[str, Any]], variant: str, size: int) -> float
     return statistics.median(max(values) for values in zip(*series))
 
 
-def summarize(runs: List[List[Dict[str, Any]]], sizes: List[int], num_ranks: int) -> Dict[str, Any]:
+def summarize(
+    runs: List[List[Dict[str, Any]]], sizes: List[int], num_ranks: int, variants: List[str]
+) -> Dict[str, Any]:
     """Cells: per variant and size, median and range over runs of the run values (seconds)."""
     cells: Dict[str, Dict[int, Dict[str, float]]] = {}
-    for variant in VARIANTS:
+    for variant in variants:
         cells[variant] = {}
         for size in sizes:
             values = [_run_value(run, variant, size) for run in runs]
@@ -151,7 +169,13 @@ def summarize(runs: List[List[Dict[str, Any]]], sizes: List[int], num_ranks: int
                 "runs": values,
             }
     verify = [{name: r["verify"][name] for name in r["verify"]} for run in runs for r in run]
-    return {"cells": cells, "verify": verify, "sizes": sizes, "num_ranks": num_ranks}
+    return {
+        "cells": cells,
+        "verify": verify,
+        "sizes": sizes,
+        "num_ranks": num_ranks,
+        "variants": variants,
+    }
 
 
 def _ms(seconds: float) -> str:
@@ -175,13 +199,8 @@ def render(summary: Dict[str, Any], args: argparse.Namespace, machine: Dict[str,
         "|" + "---|" * (len(sizes) + 1),
     ]
     gloo = cells["gloo"]
-    labels = {
-        "gloo": "plain gloo",
-        "hetcomm/gloo": "hetcomm, gloo rail forced",
-        "hetcomm/shm": "hetcomm, shm rail forced",
-    }
-    for variant in ("gloo", "hetcomm/gloo", "hetcomm/shm"):
-        row = [labels[variant]]
+    for variant in [v for v in summary["variants"] if v != "copy"]:
+        row = [LABELS[variant]]
         for s in sizes:
             c = cells[variant][s]
             row.append(
@@ -275,10 +294,16 @@ def main(argv=None) -> int:
     )
     p.add_argument("--out", default=None, help="also write the markdown to this file")
     p.add_argument("--json", default=None, help="write every raw timing to this JSON file")
+    p.add_argument(
+        "--unchecked",
+        action="store_true",
+        help="also time both hetcomm rails with the cross-rank split check off",
+    )
     args = p.parse_args(argv)
     args.command_line = (
         f".venv/bin/python benchmarks/bench_rails.py --runs {args.runs} --iters {args.iters} "
         f"--warmup {args.warmup} --sizes {args.sizes} --nprocs {args.nprocs}"
+        + (" --unchecked" if args.unchecked else "")
     )
     sizes = [lib.parse_bytes(s, "--sizes") for s in args.sizes.split(",")]
     if any(s % (4 * args.nprocs) for s in sizes) or args.runs < 1 or args.iters < 1:
@@ -292,6 +317,9 @@ def main(argv=None) -> int:
     machine = lib.machine_description()
     machine["torch"] = torch.__version__
     machine["load_start"] = f"{os.getloadavg()[0]:.2f}"
+    variants = list(VARIANTS)
+    if args.unchecked:
+        variants[3:3] = ["hetcomm/gloo-nocheck", "hetcomm/shm-nocheck"]
     runs = []
     exit_crashes: List[str] = []
     for run in range(args.runs):
@@ -302,6 +330,7 @@ def main(argv=None) -> int:
                 "warmup": args.warmup,
                 "timeout_s": args.timeout,
                 "run": run + 1,
+                "variants": variants,
             }
         )
         outcome = lib.launch_ranks(
@@ -328,7 +357,7 @@ def main(argv=None) -> int:
             exit_crashes.append(f"run {run + 1} rank {w.rank}: {w.message}")
         runs.append(outcome.result)
     machine["load_end"] = f"{os.getloadavg()[0]:.2f}"
-    summary = summarize(runs, sizes, args.nprocs)
+    summary = summarize(runs, sizes, args.nprocs, variants)
     machine["exit_crashes"] = exit_crashes
     text = render(summary, args, machine)
     sys.stdout.write(text)

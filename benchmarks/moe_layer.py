@@ -87,6 +87,9 @@ def _rank_main(rank, world, port, args, q):
     dist.init_process_group(args.backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     E, D, F, T = args.experts, args.dim, args.ffn, args.tokens
     vs = variants(args.zipf)
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",")]
+        vs = [v for v in vs if v[0] in wanted]
     layers = []
     for name, kw in vs:
         kw = dict(kw)
@@ -151,6 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--backend", default="hetcomm", choices=["hetcomm", "gloo"])
     ap.add_argument("--no-zipf", dest="zipf", action="store_false", help="skip the replication variants")
+    ap.add_argument("--only", default="", help="comma-separated variant names, e.g. 'fp32 C=1,auto C=2'")
     args = ap.parse_args(argv)
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k) is None:

@@ -127,21 +127,32 @@ def _expert(model_dim: int, hidden_dim: int):
 
 
 class _Variant:
-    """One timed thing: ``step()`` runs forward + backward once and returns extra stats."""
+    """One timed thing: ``forward()`` returns the loss to run backward on (None: idle rank)."""
 
-    def __init__(self, name: str, kind: str, step: Callable[[], Dict[str, Any]], params=None, timed_ranks=None):
+    def __init__(self, name: str, kind: str, forward: Callable[[], Any], params=None, *,
+                 stats: Optional[Callable[[], Dict[str, Any]]] = None, module=None, timed_ranks=None):
         self.name = name
         self.kind = kind  # deepspeed | hetcomm | floor
-        self.step = step
+        self.forward = forward
         self.params = list(params or [])
+        self.stats = stats or (lambda: {})
+        self.module = module
         self.timed_ranks = timed_ranks  # None: all ranks work
+        self.first_choice_counts: Optional[List[int]] = None
+
+    def step(self) -> Dict[str, Any]:
+        """Forward + backward once; the variant's stats of that step."""
+        loss = self.forward()
+        if loss is not None:
+            loss.backward()
+        return self.stats()
 
 
 def _build_variants(cfg: BenchConfig, args, rank: int, hgroup) -> List[_Variant]:
     import torch
     from deepspeed.moe.layer import MoE
 
-    from hetcomm.moe import MoELayer
+    from hetcomm.moe import MoELayer, expert_capacity
 
     E, D, F, T = cfg.num_experts, cfg.model_dim, cfg.hidden_dim, args.tokens
     L = E // WORLD_SIZE
@@ -162,14 +173,22 @@ def _build_variants(cfg: BenchConfig, args, rank: int, hgroup) -> List[_Variant]
         if zipf:
             with torch.no_grad():
                 moe.deepspeed_moe.gate.wg.weight.copy_(zipf_gate_weight(E, D))
+        last: Dict[str, Any] = {}
+        # DeepSpeed's capacity: ceil(T / E * 2 * capacity_factor), at least min_capacity=4; the
+        # same formula as hetcomm's, so the same number of copies is dropped for the same picks.
+        capacity = max(4, expert_capacity(T, E, K, CAPACITY_FACTOR))
 
-        def step() -> Dict[str, Any]:
+        def forward():
             xi = x.clone().requires_grad_(True)
             y, l_aux, exp_counts = moe(xi)
-            loss_of(y, l_aux).backward()
-            return {}
+            last["exp_counts"] = exp_counts
+            return loss_of(y, l_aux)
 
-        out.append(_Variant(name, "deepspeed", step, moe.parameters()))
+        def stats() -> Dict[str, Any]:
+            counts = last["exp_counts"]
+            return {"overflow_rate": float((counts - capacity).clamp_min(0).sum()) / (T * K)}
+
+        out.append(_Variant(name, "deepspeed", forward, moe.parameters(), stats=stats, module=moe))
 
     def add_hetcomm(name: str, x, zipf: bool, **options) -> None:
         layer = MoELayer(D, E, k=K, capacity_factor=CAPACITY_FACTOR, expert=_expert(D, F), group=hgroup,
@@ -178,10 +197,11 @@ def _build_variants(cfg: BenchConfig, args, rank: int, hgroup) -> List[_Variant]
             with torch.no_grad():
                 layer.gate.wg.weight.copy_(zipf_gate_weight(E, D))
 
-        def step() -> Dict[str, Any]:
+        def forward():
             xi = x.clone().requires_grad_(True)
-            y = layer(xi)
-            loss_of(y, layer.l_aux).backward()
+            return loss_of(layer(xi), layer.l_aux)
+
+        def stats() -> Dict[str, Any]:
             st = layer.step_stats()
             return {
                 "overflow_rate": st["overflow_rate"],
@@ -194,24 +214,22 @@ def _build_variants(cfg: BenchConfig, args, rank: int, hgroup) -> List[_Variant]
                 "replicas": len(st["replicas"]),
             }
 
-        out.append(_Variant(name, "hetcomm", step, layer.parameters()))
+        out.append(_Variant(name, "hetcomm", forward, layer.parameters(), stats=stats, module=layer))
 
     def add_floor(name: str, workers: int) -> None:
         torch.manual_seed(11)
         mods = [_expert(D, F) for _ in range(L)]
+        # 4096 tokens x k rows, spread as evenly as possible over this rank's E/4 experts.
         rows = [(T * K) // L + (1 if i < (T * K) % L else 0) for i in range(L)]
         xs = [torch.randn(n, D) for n in rows]
 
-        def step() -> Dict[str, Any]:
+        def forward():
             if rank >= workers:
-                return {}
-            for m, xx in zip(mods, xs):
-                xi = xx.clone().requires_grad_(True)
-                m(xi).square().mean().backward()
-            return {}
+                return None
+            return sum(m(xx.clone().requires_grad_(True)).square().mean() for m, xx in zip(mods, xs))
 
         params = [p for m in mods for p in m.parameters()]
-        out.append(_Variant(name, "floor", step, params, timed_ranks=workers))
+        out.append(_Variant(name, "floor", forward, params, timed_ranks=workers))
 
     add_deepspeed("deepspeed", x_plain, False)
     add_hetcomm("hetcomm", x_plain, False)
@@ -220,11 +238,180 @@ def _build_variants(cfg: BenchConfig, args, rank: int, hgroup) -> List[_Variant]
     if args.zipf:
         add_deepspeed("deepspeed zipf", x_zipf, True)
         add_hetcomm("hetcomm zipf", x_zipf, True)
+        # Check that the routing is what the table says: first choices of this rank's tokens.
+        with torch.no_grad():
+            first = out[-1].module.gate(x_zipf).topk_idx[:, 0]
+        out[-1].first_choice_counts = torch.bincount(first, minlength=E).tolist()
         # Hot set re-chosen every step from the EMA (it settles after the warm-up and then stays;
         # only a change of the set moves weights); replicas on every rank (no cluster file:
         # all ranks count as strong).
         add_hetcomm("hetcomm zipf +rep", x_zipf, True, replicate=True, replicate_every=1)
     return out
+
+
+
+# -- per-phase profile (--profile) ---------------------------------------------------------------
+class _PhaseClock:
+    """Adds wall seconds per ``"<stage> <phase>"`` while wrappers and hooks fire."""
+
+    def __init__(self) -> None:
+        self.stage = "fwd"
+        self.acc: Dict[str, float] = {}
+        self._undo: List[Callable[[], None]] = []
+        self._open: Dict[int, float] = {}
+
+    def add(self, phase: str, seconds: float) -> None:
+        key = f"{self.stage} {phase}"
+        self.acc[key] = self.acc.get(key, 0.0) + seconds
+
+    def wrap(self, owner: Any, attr: str, phase: str) -> None:
+        """Time every call of ``owner.attr`` (a module-level function or a module's forward)."""
+        import torch
+
+        fn = getattr(owner, attr)
+        raw = vars(owner).get(attr) if isinstance(owner, type) else None  # staticmethod object
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.add(phase, time.perf_counter() - t0)
+
+        setattr(owner, attr, timed)
+        if isinstance(owner, torch.nn.Module):
+            self._undo.append(lambda: delattr(owner, attr))  # unhide the class's method
+        elif raw is not None:
+            self._undo.append(lambda: setattr(owner, attr, raw))
+        else:
+            self._undo.append(lambda: setattr(owner, attr, fn))
+
+    def wrap_apply(self, module: Any, cls_name: str, phase: str) -> None:
+        """Time ``module.<cls_name>.apply`` (an autograd Function, forward and backward use)."""
+        cls = getattr(module, cls_name)
+        clock = self
+
+        class _Shim:
+            @staticmethod
+            def apply(*a):
+                t0 = time.perf_counter()
+                try:
+                    return cls.apply(*a)
+                finally:
+                    clock.add(phase, time.perf_counter() - t0)
+
+        setattr(module, cls_name, _Shim)
+        self._undo.append(lambda: setattr(module, cls_name, cls))
+
+    def time_backward_of(self, modules, phase: str) -> None:
+        """Time each module's backward: from its output grads' arrival to its input grads'."""
+        for m in modules:
+            def pre(mod, grad_output):
+                self._open[id(mod)] = time.perf_counter()
+
+            def post(mod, grad_input, grad_output):
+                t0 = self._open.pop(id(mod), None)
+                if t0 is not None:
+                    self.add(phase, time.perf_counter() - t0)
+
+            h1 = m.register_full_backward_pre_hook(pre)
+            h2 = m.register_full_backward_hook(post)
+            self._undo.append(h1.remove)
+            self._undo.append(h2.remove)
+
+    def undo(self) -> None:
+        for fn in reversed(self._undo):
+            fn()
+        self._undo.clear()
+
+
+def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
+    """Per-phase seconds of one step of ``v`` on this rank (median over ``steps``).
+
+    Phases are timed by wrapping the functions each layer calls (hetcomm: gate, ``plan_route``,
+    ``exchange_counts``, ``run_pipeline``, ``weighted_combine`` in ``hetcomm.moe.layer``, plus the
+    pipeline's own clocks for exposed communication and experts; DeepSpeed: gate,
+    ``_route_slots``/``_sparse_encode``, ``_AllToAll``, experts, ``_sparse_decode`` in
+    ``deepspeed.moe.sharded_moe``) and, in backward, by hooks on every expert module and on the
+    all-to-all. ``rest`` is the stage's wall time minus the named phases (autograd bookkeeping,
+    the loss, the gate's and the permutations' gradients). A torch.profiler run adds the top
+    ops by self time. Nothing in either library is modified; the wrappers are removed after.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    clock = _PhaseClock()
+    m = v.module
+    if v.kind == "hetcomm":
+        import hetcomm.moe.dispatch as D
+        import hetcomm.moe.layer as L
+
+        clock.wrap(m.gate, "forward", "gate")
+        clock.wrap(L, "plan_route", "route")
+        clock.wrap(L, "exchange_counts", "counts a2a")
+        clock.wrap(L, "run_pipeline", "pipeline")
+        clock.wrap(L, "weighted_combine", "combine")
+        # The backward of a dispatch/combine launch is the reverse exchange (launch + wait).
+        clock.wrap(D._Launch, "backward", "a2a")
+        experts = list(m.experts.experts) + (list(m.replicator.replicas.values()) if m.replicator else [])
+    else:
+        import deepspeed.moe.sharded_moe as S
+
+        dm = m.deepspeed_moe
+        clock.wrap(dm.gate, "forward", "gate")
+        clock.wrap(S, "_route_slots", "route")
+        clock.wrap(S, "_sparse_encode", "route")
+        clock.wrap_apply(S, "_AllToAll", "a2a")
+        clock.wrap(dm.experts, "forward", "experts")
+        clock.wrap(S, "_sparse_decode", "combine")
+        experts = list(dm.experts.deepspeed_experts)
+    clock.time_backward_of(experts, "experts")
+
+    per_step: List[Dict[str, float]] = []
+    top_ops: Dict[str, float] = {}
+    try:
+        for i in range(steps + 1):
+            with_prof = i == steps  # the last step only: the profiler's overhead stays out of the clocks
+            clock.acc = {}
+            dist.barrier()
+            prof = profile(activities=[ProfilerActivity.CPU]) if with_prof else None
+            if prof is not None:
+                prof.__enter__()
+            clock.stage = "fwd"
+            t0 = time.perf_counter()
+            loss = v.forward()
+            t1 = time.perf_counter()
+            clock.stage = "bwd"
+            loss.backward()
+            t2 = time.perf_counter()
+            if prof is not None:
+                prof.__exit__(None, None, None)
+                for ev in prof.key_averages():
+                    if not ev.key.startswith(("autograd::", "ProfilerStep")):
+                        top_ops[ev.key] = ev.self_cpu_time_total * 1e-6
+                continue
+            row = dict(clock.acc)
+            if v.kind == "hetcomm":
+                st = m.step_stats()
+                pipe = row.pop("fwd pipeline", 0.0)
+                row["fwd a2a (exposed)"] = st["comm_exposed_s"]
+                row["fwd experts"] = st["expert_s"]
+                row["fwd permute"] = pipe - st["comm_exposed_s"] - st["expert_s"]
+            for stage, wall in (("fwd", t1 - t0), ("bwd", t2 - t1)):
+                named = sum(x for k, x in row.items() if k.startswith(stage + " "))
+                row[f"{stage} rest"] = wall - named
+                row[f"{stage} total"] = wall
+            row["step total"] = t2 - t0
+            per_step.append(row)
+            for p in v.params:
+                p.grad = None
+    finally:
+        clock.undo()
+    keys = sorted({k for r in per_step for k in r})
+    phases = {k: statistics.median([r.get(k, 0.0) for r in per_step]) for k in keys}
+    top = sorted(top_ops.items(), key=lambda kv: -kv[1])[:12]
+    return {"phases": phases, "top_ops": top}
 
 
 def _rank_main(rank: int, port: int, args, q) -> None:
@@ -278,7 +465,12 @@ def _rank_main(rank: int, port: int, args, q) -> None:
                 msg = " ".join(f"{k}={1e3 * t:.0f}ms" for k, t in done.items())
                 print(f"[{cfg.name}] round {rnd + 1}/{rounds}{' (warm-up)' if rnd < args.warmup else ''} {msg}",
                       file=sys.stderr, flush=True)
-        results[cfg.name] = {"times": times, "extra": extra}
+        results[cfg.name] = {"times": times, "extra": extra,
+                             "first_choice_counts": {v.name: v.first_choice_counts for v in variants if v.first_choice_counts}}
+        if args.profile:
+            results[cfg.name]["profile"] = {
+                v.name: _profile_variant(v, args.profile) for v in variants if v.name in ("hetcomm", "deepspeed")
+            }
         del variants, opts
     q.put((rank, results))
     dist.barrier()
@@ -389,8 +581,21 @@ def summarize(results: Dict[int, Any], args) -> Dict[str, Any]:
             dsz = rows["deepspeed zipf"]["tokens_per_s"]
             for name in ("deepspeed zipf", "hetcomm zipf", "hetcomm zipf +rep"):
                 rows[name]["vs_deepspeed"] = rows[name]["tokens_per_s"] / dsz
+        routing = None
+        if args.zipf:
+            import torch
+
+            counts = torch.tensor([results[r][cfg_name]["first_choice_counts"]["hetcomm zipf"] for r in range(WORLD_SIZE)]).sum(0)
+            seen = counts.double() / counts.sum()
+            want = zipf_probs(cfg.num_experts)
+            routing = {
+                "first_choice_top1_share": float(seen[0]),
+                "zipf_top1_share": float(want[0]),
+                "total_variation": float((seen - want).abs().sum() / 2),
+            }
         het = rows["hetcomm"]
         summary[cfg_name] = {
+            "zipf_routing_check": routing,
             "config": asdict(cfg),
             "rows": rows,
             "target_vs_deepspeed_met": het["vs_deepspeed"] >= cfg.min_vs_deepspeed,
@@ -419,16 +624,19 @@ def render(summary: Dict[str, Any], args, before: Dict[str, Any], after: Dict[st
             f"(targets: >= {c['min_vs_deepspeed']}x DeepSpeed, >= {c['min_vs_floor']}x floor)"
         )
         lines.append("")
-        lines.append("| variant | step ms (median) | min..max ms | tokens/s per rank | vs DeepSpeed | vs floor | dropped | local |")
+        lines.append("| variant | step ms (median) | min..max ms | tokens/s per rank | vs DeepSpeed | vs floor x4 | dropped | local |")
         lines.append("|---|---|---|---|---|---|---|---|")
         for name, r in s["rows"].items():
             scale = 2.0 if name == "floor x2" else 1.0
             lo, hi = (x * scale for x in r["spread"])
             drop = f"{r['overflow_rate']:.1%}" if "overflow_rate" in r else ""
             loc = f"{r['local_fraction']:.2f}" if "local_fraction" in r else ""
+            # Under Zipf routing capacity drops change how many rows are computed: a ratio to
+            # the 8,192-row floor would not compare like with like.
+            vs_floor = "" if "zipf" in name else f"{r['vs_floor']:.2f}x"
             lines.append(
                 f"| {name} | {r['step_s'] * 1e3:.0f} | {lo * 1e3:.0f}..{hi * 1e3:.0f} | {r['tokens_per_s']:.0f} | "
-                f"{r['vs_deepspeed']:.2f}x | {r['vs_floor']:.2f}x | {drop} | {loc} |"
+                f"{r['vs_deepspeed']:.2f}x | {vs_floor} | {drop} | {loc} |"
             )
         het = s["rows"]["hetcomm"]
         lines.append("")
@@ -436,6 +644,49 @@ def render(summary: Dict[str, Any], args, before: Dict[str, Any], after: Dict[st
             f"hetcomm / DeepSpeed = {het['vs_deepspeed']:.2f}x ({'met' if s['target_vs_deepspeed_met'] else 'MISSED'}), "
             f"hetcomm / floor x4 = {het['vs_floor']:.2f}x ({'met' if s['target_vs_floor_met'] else 'MISSED'})."
         )
+        z = s["zipf_routing_check"]
+        if z:
+            lines.append(
+                f"Zipf routing check: expert 0 took {z['first_choice_top1_share']:.1%} of first choices "
+                f"(Zipf({ZIPF_S}): {z['zipf_top1_share']:.1%}); total variation distance of the first-choice "
+                f"distribution from Zipf({ZIPF_S}): {z['total_variation']:.3f}."
+            )
+    return "\n".join(lines)
+
+
+_PHASE_ORDER = ["gate", "route", "counts a2a", "a2a", "a2a (exposed)", "experts", "permute", "combine", "rest", "total"]
+
+
+def render_profile(results: Dict[int, Any], args) -> str:
+    """Per-phase table, hetcomm beside DeepSpeed: ms per step, mean over the 4 ranks (min..max)."""
+    lines = []
+    for cfg_name in args.configs:
+        profs = [results[r][cfg_name].get("profile") for r in range(WORLD_SIZE)]
+        if not profs[0]:
+            continue
+        names = list(profs[0])
+        keys = {k for p in profs for n in names for k in p[n]["phases"]}
+
+        def rank_key(k: str):
+            stage, _, phase = k.partition(" ")
+            return ({"fwd": 0, "bwd": 1, "step": 2}[stage], _PHASE_ORDER.index(phase) if phase in _PHASE_ORDER else 99, k)
+
+        lines.append("")
+        lines.append(f"**where the time goes, {cfg_name}** (ms per step, median of {args.profile} steps per rank; "
+                     f"mean over ranks, min..max)")
+        lines.append("")
+        lines.append("| phase | " + " | ".join(names) + " |")
+        lines.append("|---|" + "---|" * len(names))
+        for k in sorted(keys, key=rank_key):
+            cells = []
+            for n in names:
+                vals = [p[n]["phases"][k] * 1e3 for p in profs if k in p[n]["phases"]]
+                cells.append(f"{sum(vals) / len(vals):.0f} ({min(vals):.0f}..{max(vals):.0f})" if vals else "")
+            lines.append(f"| {k} | " + " | ".join(cells) + " |")
+        for n in names:
+            lines.append("")
+            lines.append(f"{n}, top ops on rank 0 (self ms, one profiled step): "
+                         + ", ".join(f"{op} {t * 1e3:.0f}" for op, t in profs[0][n]["top_ops"]))
     return "\n".join(lines)
 
 
@@ -447,6 +698,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank (4096 for the table)")
     ap.add_argument("--zipf", action="store_true", help="add the Zipf(1.2)-routed variants, replication on and off")
     ap.add_argument("--json", metavar="PATH", help="also write every timing and the summary as JSON")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing, profile N more steps of each layer per phase (profiler on: slower)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is given up")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.tokens < 1:
@@ -471,11 +724,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     after = machine_info()
     summary = summarize(results, args)
     print(render(summary, args, before, after, versions))
+    if args.profile:
+        print(render_profile(results, args))
     print(f"\n({time.monotonic() - t0:.0f} s)", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine_before": before, "machine_after": after, "versions": versions,
-                       "args": {k: v for k, v in vars(args).items()}, "summary": summary}, f, indent=1)
+                       "args": {k: v for k, v in vars(args).items()}, "summary": summary,
+                       "profile": {r: {c: results[r][c].get("profile") for c in args.configs} for r in results}},
+                      f, indent=1)
     return 0
 
 

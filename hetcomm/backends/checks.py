@@ -154,7 +154,7 @@ def missing_peers(store, rank: int, size: int, seq: int, wait_s: float) -> Optio
         missing = [r for r in range(size) if r != rank]
         while missing:
             missing = [r for r in missing if not store.check([f"hetcomm/diag/{seq}/{r}"])]
-            if not missing or time.monotonic() > deadline:
+            if not missing or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
         return missing

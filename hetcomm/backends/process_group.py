@@ -23,6 +23,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -41,7 +42,7 @@ from hetcomm.backends.rails.gloo import GlooRail
 from hetcomm.backends.rails.shm import ShmRail, shm_supported
 from hetcomm.backends.select import choose_rail, shm_possible
 from hetcomm.backends.work import ChunkArrival, FutureWork, HetcommWork
-from hetcomm.errors import CollectiveError, UsageError
+from hetcomm.errors import CollectiveError, PeerTimeout, UsageError
 
 __all__ = ["HetcommProcessGroup"]
 
@@ -101,9 +102,10 @@ class HetcommProcessGroup(dist.ProcessGroup):
         self._timeout = timeout
         self._closed = False
         self._seq = 0
-        # Inner waits get 80 % of the group timeout, so that naming the peer at fault (up to
-        # 15 % more, see _diagnose) still ends within the timeout the user gave.
-        self._inner_timeout = timedelta(seconds=timeout.total_seconds() * 0.8)
+        self._dseq = 0
+        # Inner waits get 75 % of the group timeout, so that naming the peer at fault (up to
+        # 10 % more, see _culprits) still ends within the timeout the user gave.
+        self._inner_timeout = timedelta(seconds=timeout.total_seconds() * 0.75)
         self._gloo = ProcessGroupGloo(PrefixStore("hetcomm/gloo0/", store), rank, size, self._inner_timeout)
         # C++ callers of methods the 2.13 trampoline does not forward land on this backend.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
@@ -246,6 +248,8 @@ class HetcommProcessGroup(dist.ProcessGroup):
                 # the caller's no_grad of e.g. an autograd.Function forward does not reach here).
                 with torch.no_grad():
                     fn(work)
+            except CollectiveError as e:
+                work._complete(self._blame(e, getattr(work, "_seq", 0)))
             except BaseException as e:  # delivered to the caller through the Work
                 work._complete(e)
             else:
@@ -279,20 +283,59 @@ class HetcommProcessGroup(dist.ProcessGroup):
         return time.monotonic() + self._inner_timeout.total_seconds()
 
     def _culprits(self, seq: int) -> tuple:
-        """``(ranks, text)``: who is most likely at fault for the failure of collective ``seq``."""
-        dead = checks.dead_peers(self.placement, self.rank(), None)
-        if dead:
-            return [r for r, _ in dead], "; exited: " + ", ".join(f"rank {r} (pid {pid})" for r, pid in dead)
-        wait_s = min(5.0, max(0.5, 0.15 * self._timeout.total_seconds()))
-        missing = checks.missing_peers(self._store, self.rank(), self.size(), seq, wait_s)
+        """``(ranks, text)``: who is most likely at fault for the failure of collective ``seq``.
+
+        Peers on this host whose process is gone come first, minus those that left a failure
+        mark for ``seq`` in the store (they failed like us and then exited); otherwise the ranks
+        that left no mark within a short wait (dead, hung, or never called the collective).
+        """
+        key = lambda r: f"hetcomm/diag/{seq}/{r}"  # noqa: E731
+        try:
+            self._store.set(key(self.rank()), "1")
+        except Exception:
+            pass
+        # A killed peer's sockets close before /proc shows it dead, and survivors mark the store
+        # at slightly different times: look a few times, for at most ~10 % of the timeout.
+        deadline = time.monotonic() + min(3.0, max(0.5, 0.1 * self._timeout.total_seconds()))
+        missing: Optional[List[int]] = None
+        while True:
+            dead = checks.dead_peers(self.placement, self.rank(), None)
+            if dead:
+                try:
+                    failed_too = {r for r, _ in dead if self._store.check([key(r)])}
+                except Exception:
+                    failed_too = set()
+                culprits = [(r, pid) for r, pid in dead if r not in failed_too]
+                if culprits:
+                    return [r for r, _ in culprits], "; exited: " + ", ".join(f"rank {r} (pid {pid})" for r, pid in culprits)
+            missing = checks.missing_peers(self._store, self.rank(), self.size(), seq, 0.0)
+            if missing is None or not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         if missing is None:
             return [], "; the store is unreachable too (did rank 0 or the launcher die?)"
         if missing:
-            return missing, (
-                f"; rank(s) {missing} did not report this failure: dead, hung, or never called "
-                f"collective #{seq}"
-            )
+            who = ", ".join(f"rank {r}" for r in missing)
+            return missing, f"; {who} did not report this failure: dead, hung, or never called collective #{seq}"
         return [], ""
+
+    def _blame(self, e: CollectiveError, seq: int) -> CollectiveError:
+        """Re-aim a rail error at the rank really at fault: a survivor that failed and exited
+        first closes its sockets too, and must not be blamed for the crash of another rank."""
+        if isinstance(e, PeerTimeout) or getattr(e, "diagnosed", False):
+            return e  # already diagnosed
+        ranks, text = self._culprits(seq)
+        if not ranks or e.peer in ranks:
+            out = CollectiveError(f"{str(e).split(': ', 1)[-1]}{text}", op=e.op, rank=e.rank, peer=e.peer, rail=e.rail)
+        else:
+            culprit = ranks[0]
+            names = self.rail_names("cpu")
+            rail = names[culprit] if culprit < len(names) else e.rail
+            out = CollectiveError(
+                f"peer failed{text} (first symptom: {str(e).split(': ', 1)[-1]})", op=e.op, rank=e.rank, peer=culprit, rail=rail
+            )
+        out.diagnosed = True
+        return out
 
     def _diagnose_for(self, seq: int) -> Callable[[List[int]], str]:
         return lambda peers: self._culprits(seq)[1]
@@ -306,10 +349,12 @@ class HetcommProcessGroup(dist.ProcessGroup):
             work.wait()
         except Exception as e:
             ranks, text = self._culprits(seq)
-            raise CollectiveError(
+            err = CollectiveError(
                 f"the split-size exchange (before any data moved) failed{text}: {e}",
                 op=op, rank=self.rank(), peer=ranks[0] if ranks else None, rail="gloo",
-            ) from e
+            )
+            err.diagnosed = True
+            raise err from e
         return checks.check_meta(op, self.rank(), out, unit)
 
     # -- routed collectives -------------------------------------------------------------------
@@ -352,6 +397,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         src = input if input.is_contiguous() else input.contiguous()
         dst = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
         work = HetcommWork([output])
+        work._seq = seq
         rail_of = self._rail_of(_device_type(input))
 
         def job(w: HetcommWork) -> None:
@@ -410,6 +456,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
             meta = checks.encode_meta(op, seq, dtype, esize, (), [t.numel() for t in ins], [t.numel() for t in outs])
             meta_out, meta_work = self._gather_meta(op, seq, meta)
         work = HetcommWork(list(output_tensors))
+        work._seq = seq
         rail_of = self._rail_of(_device_type(input_tensors[0]))
 
         def job(w: HetcommWork) -> None:
@@ -485,9 +532,42 @@ class HetcommProcessGroup(dist.ProcessGroup):
         def job(w: HetcommWork) -> None:
             self._run_plan(plan, output, input, f"plan '{plan.strategy}'", seq, self._deadline())
 
-        return self._submit(job, HetcommWork([output]))
+        work = HetcommWork([output])
+        work._seq = seq
+        return self._submit(job, work)
 
     # -- delegated collectives (results identical to gloo) ------------------------------------
+    def _guard(self, op: str, fut: "torch.futures.Future", errors: Optional[List[BaseException]] = None) -> "torch.futures.Future":
+        """Chain ``fut`` so that a failure becomes a CollectiveError naming the peer at fault
+        (also appended to ``errors``, so that :class:`FutureWork` can re-raise it as such)."""
+        self._dseq += 1
+        seq = -self._dseq  # delegated collectives count down, routed ones up: separate diag keys
+        # The callback runs on a gloo thread and may outlive the group: hold it weakly, or the
+        # last reference could drop there and join gloo's threads from one of them.
+        pg_ref = weakref.ref(self)
+        rank = self.rank()
+
+        def check(f: "torch.futures.Future"):
+            try:
+                return f.value()
+            except Exception as e:
+                pg = pg_ref()
+                ranks, text = pg._culprits(seq) if pg is not None else ([], "")
+                err = CollectiveError(f"failed{text}: {e}", op=op, rank=rank, peer=ranks[0] if ranks else None, rail="gloo")
+                if errors is not None:
+                    errors.append(err)
+                raise err from e
+
+        return fut.then(check)
+
+    def _wrap(self, op: str, work: "dist.Work") -> "dist.Work":
+        errors: List[BaseException] = []
+        try:
+            fut = work.get_future()
+        except RuntimeError:  # gloo reduce_scatter/gather/scatter/p2p Works have no future
+            return _GuardedWork(work, op, self)
+        return FutureWork(self._guard(op, fut, errors), errors)
+
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
         if opts.reduceOp == dist.ReduceOp.AVG:
@@ -495,24 +575,25 @@ class HetcommProcessGroup(dist.ProcessGroup):
             o = dist.AllreduceOptions()
             o.reduceOp = dist.ReduceOp.SUM
             o.timeout = opts.timeout
-            fut = self._gloo.allreduce(tensors, o).get_future()
-            return FutureWork(fut.then(lambda f: _divide(f.value(), self.size())))
-        return self._gloo.allreduce(tensors, opts)
+            errors: List[BaseException] = []
+            fut = self._guard("all_reduce", self._gloo.allreduce(tensors, o).get_future(), errors)
+            return FutureWork(fut.then(lambda f, n=self.size(): _divide(f.value(), n)), errors)
+        return self._wrap("all_reduce", self._gloo.allreduce(tensors, opts))
 
     def allreduce_coalesced(self, tensors, opts=None):
-        return self._gloo.allreduce_coalesced(tensors, opts if opts is not None else dist.AllreduceCoalescedOptions())
+        return self._wrap("all_reduce_coalesced", self._gloo.allreduce_coalesced(tensors, opts if opts is not None else dist.AllreduceCoalescedOptions()))
 
     def broadcast(self, tensors, opts=None):
-        return self._gloo.broadcast(tensors, opts if opts is not None else dist.BroadcastOptions())
+        return self._wrap("broadcast", self._gloo.broadcast(tensors, opts if opts is not None else dist.BroadcastOptions()))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        return self._gloo.allgather(output_tensors, input_tensors, opts if opts is not None else dist.AllgatherOptions())
+        return self._wrap("all_gather", self._gloo.allgather(output_tensors, input_tensors, opts if opts is not None else dist.AllgatherOptions()))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         return self._gloo.allgather_coalesced(output_lists, input_list, opts if opts is not None else dist.AllgatherOptions())
 
     def all_gather_single(self, output, input, opts=None):
-        return self._gloo._allgather_base(output, input, opts if opts is not None else dist.AllgatherOptions())
+        return self._wrap("all_gather_into_tensor", self._gloo._allgather_base(output, input, opts if opts is not None else dist.AllgatherOptions()))
 
     def _allgather_base(self, output, input, opts=None):
         return self.all_gather_single(output, input, opts)
@@ -523,9 +604,10 @@ class HetcommProcessGroup(dist.ProcessGroup):
             o = dist.ReduceScatterOptions()
             o.reduceOp = dist.ReduceOp.SUM
             o.timeout = opts.timeout
-            fut = self._gloo.reduce_scatter(output_tensors, input_lists, o).get_future()
-            return FutureWork(fut.then(lambda f: _divide(list(output_tensors), self.size())))
-        return self._gloo.reduce_scatter(output_tensors, input_lists, opts)
+            errors: List[BaseException] = []
+            fut = self._guard("reduce_scatter", self._gloo.reduce_scatter(output_tensors, input_lists, o).get_future(), errors)
+            return FutureWork(fut.then(lambda f, n=self.size(): _divide(list(output_tensors), n)), errors)
+        return self._wrap("reduce_scatter", self._gloo.reduce_scatter(output_tensors, input_lists, opts))
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
@@ -533,9 +615,10 @@ class HetcommProcessGroup(dist.ProcessGroup):
             o = dist.ReduceScatterOptions()
             o.reduceOp = dist.ReduceOp.SUM
             o.timeout = opts.timeout
-            fut = self._gloo._reduce_scatter_base(output, input, o).get_future()
-            return FutureWork(fut.then(lambda f: _divide([output], self.size())))
-        return self._gloo._reduce_scatter_base(output, input, opts)
+            errors: List[BaseException] = []
+            fut = self._guard("reduce_scatter_tensor", self._gloo._reduce_scatter_base(output, input, o).get_future(), errors)
+            return FutureWork(fut.then(lambda f, n=self.size(): _divide([output], n)), errors)
+        return self._wrap("reduce_scatter_tensor", self._gloo._reduce_scatter_base(output, input, opts))
 
     def _reduce_scatter_base(self, output, input, opts=None):
         return self.reduce_scatter_single(output, input, opts)
@@ -547,21 +630,22 @@ class HetcommProcessGroup(dist.ProcessGroup):
             o.reduceOp = dist.ReduceOp.SUM
             o.rootRank, o.rootTensor, o.timeout = opts.rootRank, opts.rootTensor, opts.timeout
             root = opts.rootRank
-            fut = self._gloo.reduce(tensors, o).get_future()
-            return FutureWork(fut.then(lambda f: _divide(tensors, self.size()) if self.rank() == root else tensors))
-        return self._gloo.reduce(tensors, opts)
+            errors: List[BaseException] = []
+            fut = self._guard("reduce", self._gloo.reduce(tensors, o).get_future(), errors)
+            return FutureWork(fut.then(lambda f, n=self.size(), me=self.rank(): _divide(tensors, n) if me == root else tensors), errors)
+        return self._wrap("reduce", self._gloo.reduce(tensors, opts))
 
     def gather(self, output_tensors, input_tensors, opts=None):
-        return self._gloo.gather(output_tensors, input_tensors, opts if opts is not None else dist.GatherOptions())
+        return self._wrap("gather", self._gloo.gather(output_tensors, input_tensors, opts if opts is not None else dist.GatherOptions()))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
-        return self._gloo.scatter(output_tensors, input_tensors, opts if opts is not None else dist.ScatterOptions())
+        return self._wrap("scatter", self._gloo.scatter(output_tensors, input_tensors, opts if opts is not None else dist.ScatterOptions()))
 
     def barrier(self, opts=None):
         o = dist.BarrierOptions()
         if opts is not None:
             o.timeout = opts.timeout
-        return self._gloo.barrier(o)
+        return self._wrap("barrier", self._gloo.barrier(o))
 
     def send(self, tensors, dstRank, tag=0):
         _check_user_tag(tag, self.rank())
@@ -596,6 +680,35 @@ class HetcommProcessGroup(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"HetcommProcessGroup(rank={self.rank()}, size={self.size()}, rails={self.rail_names('cpu')})"
+
+
+class _GuardedWork(dist.Work):
+    """An inner Work without a future: ``wait()`` names the peer at fault when it fails."""
+
+    def __init__(self, inner: "dist.Work", op: str, pg: "HetcommProcessGroup"):
+        super().__init__()
+        self._inner = inner
+        self._op = op
+        self._pg = weakref.ref(pg)
+        pg._dseq += 1
+        self._seq = -pg._dseq
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        try:
+            return self._inner.wait()
+        except Exception as e:
+            pg = self._pg()
+            ranks, text = pg._culprits(self._seq) if pg is not None else ([], "")
+            raise CollectiveError(
+                f"failed{text}: {e}", op=self._op, rank=pg.rank() if pg else None,
+                peer=ranks[0] if ranks else None, rail="gloo",
+            ) from e
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def get_future(self) -> "torch.futures.Future":
+        return self._inner.get_future()
 
 
 def _is_async(opts) -> bool:

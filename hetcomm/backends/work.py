@@ -125,12 +125,20 @@ class HetcommWork(dist.Work):
 class FutureWork(dist.Work):
     """A Work over one torch Future (already chained with any finalizer)."""
 
-    def __init__(self, future: "torch.futures.Future", on_wait: Optional[Callable[[], None]] = None):
+    def __init__(self, future: "torch.futures.Future", errors: Optional[List[BaseException]] = None):
         super().__init__()
         self._future = future
+        self._errors = errors if errors is not None else []
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        self._future.wait()  # raises the inner error
+        try:
+            self._future.wait()
+        except Exception:
+            # torch re-raises a callback's error as RuntimeError("Got the following error ...");
+            # give Python callers the original (a CollectiveError naming the peer) instead.
+            if self._errors:
+                raise self._errors[0] from None
+            raise
         return True
 
     def is_completed(self) -> bool:

@@ -31,6 +31,8 @@ _DEFAULT_NPROCS = 4
 # Bytes each rank holds per byte of message: src, dst and scratch buffers, plus the int64
 # index tensors the check builds (up to 8 bytes per element of a 1-byte type: counted as 3).
 _MEMORY_FACTOR = 6
+# nccl-tests has no limit, but a typo such as "-i 1" with "-e 1G" would run for days.
+_MAX_ROWS = 1000
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -298,6 +300,11 @@ def config_from_args(args: argparse.Namespace) -> Tuple[lib.BenchConfig, int, bo
         plan=args.plan,
         timeout_s=float(args.timeout),
     )
+    if stepfactor == 1 and (maxbytes - minbytes) // stepbytes + 1 > _MAX_ROWS:
+        raise UsageError(
+            f"-i/--stepbytes {args.stepbytes}: {(maxbytes - minbytes) // stepbytes + 1} sizes "
+            f"between -b and -e, more than {_MAX_ROWS}; use a larger -i or -f 2"
+        )
     sizes = lib.message_sizes(config, num_ranks)
     if not sizes:
         minimum = config.itemsize * (num_ranks if args.collective == "alltoall" else 1)

@@ -22,7 +22,6 @@ the load the router actually produces.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 from torch import nn

@@ -18,7 +18,7 @@ all-to-all), so every rank knows its uneven splits before any activation moves.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist

@@ -18,8 +18,8 @@ no collectives. Experts per rank may differ (strong devices hold more, see
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -284,15 +284,10 @@ class MoELayer(nn.Module):
         self.layout = ChunkLayout.build(placement, self.config.num_chunks)
         self.local_expert_ids = tuple(placement.experts_of(self.rank))
         self.experts.experts = nn.ModuleList(modules)
-        rep = self.replicator
-        if rep is not None:
-            rep.placement = placement
-            rep.owned = {e: self.experts.experts[i] for i, e in enumerate(self.local_expert_ids)}
-            # Rebuild the replicas for the new owners at the next forward (forces a weight sync).
-            pending = rep._pending_hot if rep._pending_hot is not None else rep.hot
-            rep.hot, rep._synced_hot = (), ()
-            rep.replicas.clear()
-            rep._pending_hot = pending
+        if self.replicator is not None:
+            self.replicator.adopt_placement(
+                placement, {e: self.experts.experts[i] for i, e in enumerate(self.local_expert_ids)}
+            )
 
     def rebalance(self, expert_load: Optional[Sequence[float]] = None, optimizer=None) -> List[int]:
         """Re-place experts by load: hottest spread over strong ranks, coldest on weak ranks.

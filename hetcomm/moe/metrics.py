@@ -10,7 +10,7 @@ Definitions (all over token *copies*, i.e. ``k`` per token):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Dict, Optional
 
 import torch

@@ -122,6 +122,16 @@ class HotExpertReplicator:
                     p.requires_grad_(True)
                 self.replicas[e] = m
 
+    def adopt_placement(self, placement, owned: Dict[int, nn.Module]) -> None:
+        """Experts changed owners (:mod:`hetcomm.moe.migrate`): drop every replica and rebuild
+        the current hot set's replicas, with a forced weight sync, at the next forward."""
+        self.placement = placement
+        self.owned = owned
+        pending = self._pending_hot if self._pending_hot is not None else self.hot
+        self.hot, self._synced_hot = (), ()
+        self.replicas.clear()
+        self._pending_hot = pending
+
     def replica_here(self) -> torch.Tensor:
         """``[E]`` bool: experts this rank computes on a local replica."""
         mask = torch.zeros(self.placement.num_experts, dtype=torch.bool)
@@ -137,11 +147,11 @@ class HotExpertReplicator:
     # -- weights -----------------------------------------------------------------------------
     def _param_numel(self) -> int:
         if self._numel is None:
-            shapes = None
-            probe = next(iter(self.owned.values()), None) or self.make_expert(self.hot[0] if self.hot else 0)
+            probe = next(iter(self.owned.values()), None)
+            if probe is None:  # this rank owns no expert: build one to learn the shapes
+                probe = self.make_expert(self.hot[0] if self.hot else 0)
             self._numel = sum(p.numel() for p in probe.parameters())
-            shapes = [tuple(p.shape) for p in probe.parameters()]
-            self._shapes = shapes
+            self._shapes = [tuple(p.shape) for p in probe.parameters()]
         return self._numel
 
     def _check_shapes(self, m: nn.Module, e: int) -> None:
@@ -179,12 +189,10 @@ class HotExpertReplicator:
         if not changed:
             return False
         buf = torch.zeros(len(self.hot), P, dtype=torch.float32)
-        dtypes = None
         for i, e in enumerate(self.hot):
             if e in self.owned:
                 self._check_shapes(self.owned[e], e)
                 params = list(self.owned[e].parameters())
-                dtypes = [p.dtype for p in params]
                 torch.cat([p.detach().float().reshape(-1) for p in params], out=buf[i])
         if dist.is_initialized() and self.placement.world_size > 1:
             dist.all_reduce(buf, group=self.group)

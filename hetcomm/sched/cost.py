@@ -245,13 +245,22 @@ _ROWS_KEYS = ("measurements", "results", "rows")
 
 
 def _rows_from_json(doc: Any) -> List[Dict[str, Any]]:
+    raw: List[Any] = []
     if isinstance(doc, list):
-        return [r for r in doc if isinstance(r, dict)]
-    if isinstance(doc, dict):
-        for key in _ROWS_KEYS:
-            if isinstance(doc.get(key), list):
-                return [r for r in doc[key] if isinstance(r, dict)]
-    return []
+        raw = doc
+    elif isinstance(doc, dict):
+        raw = next((doc[k] for k in _ROWS_KEYS if isinstance(doc.get(k), list)), [])
+    rows = []
+    for r in raw:
+        if not isinstance(r, dict):
+            continue
+        if "size_bytes" not in r and "size" in r and isinstance(r.get("out_of_place"), dict):
+            # `hetcomm bench --json` rows: nccl-tests' columns, out-of-place block nested
+            oop = r["out_of_place"]
+            r = {"size_bytes": r["size"], "time_us": oop.get("time_us"), "busbw_gbps": oop.get("busbw_gbps")}
+        if r.get("size_bytes") is not None and r.get("time_us") is not None:
+            rows.append(r)
+    return rows
 
 
 def _parse_nccl_tests(text: str, path: str) -> List[Dict[str, float]]:
@@ -277,7 +286,7 @@ def _parse_nccl_tests(text: str, path: str) -> List[Dict[str, float]]:
                 {
                     "size_bytes": float(tokens[header.index("size")]),
                     "time_us": float(tokens[header.index("time")]),
-                    "busbw_gbps": float(tokens[header.index("busbw")]) * 8.0,
+                    "busbw_gbps": float(tokens[header.index("busbw")]),
                 }
             )
         except ValueError:
@@ -306,9 +315,10 @@ def load_cost_params(path: str, link_class: Optional[str] = None) -> CostParams:
     Accepted contents:
       * a parameter document: JSON ``{"latency_us": {...}, "overhead_us": {...}, "gbps": {...},
         "pcie_gbps": ..., "sys_gbps": ..., "uplink_fraction": ..., "copy_gbps": ...}``;
-      * measured all-to-all rows (``hetcomm bench --json``: a list, or an object with
-        ``measurements``/``results``/``rows``, each row with ``size_bytes`` and ``time_us``,
-        optionally ``busbw_gbps`` and ``link_class``);
+      * measured all-to-all rows: ``hetcomm bench --json`` output (``rows`` of ``size`` plus an
+        ``out_of_place`` block with ``time_us`` and ``busbw_gbps``), or a list / an object with
+        ``measurements``/``results``/``rows`` of rows with ``size_bytes`` and ``time_us``,
+        optionally ``busbw_gbps`` (GB/s, as nccl-tests prints it) and ``link_class``;
       * nccl-tests ``alltoall_perf`` output.
 
     Measured rows calibrate one link class (``link_class``, or the rows' own ``link_class``):
@@ -366,7 +376,8 @@ def load_cost_params(path: str, link_class: Optional[str] = None) -> CostParams:
     for r in rows:
         t = float(r["time_us"])
         if r.get("busbw_gbps") is not None:
-            bus_bytes.append(float(r["busbw_gbps"]) * 1e9 / 8.0 * t * 1e-6)
+            # GB/s, as nccl-tests prints it (hetcomm.topo.model.Measurement's unit)
+            bus_bytes.append(float(r["busbw_gbps"]) * 1e9 * t * 1e-6)
         else:
             bus_bytes.append(float(r["size_bytes"]))
         times.append(t)
@@ -398,6 +409,13 @@ class ResourceModel:
         nic_class: ``[num_nics]`` int64 LinkClass values.
         default_nic: ``[n]`` int64 global NIC id a rank's network traffic uses when the plan
             names none (the nearest port: same NUMA node, spread over the devices there).
+        nic_device: ``[num_nics]`` int64 the rank that forwards a multi-rail lane over each port.
+        names: readable name of every resource (see :meth:`name`).
+        node_mesh, pair_base: per node, whether its fabric is a mesh with per-pair resources
+            (HCCS) and the id of its first pair resource.
+        fab_cap, pcie_cap: ``[n]`` float64 bytes/s of each rank's fabric port and PCIe link.
+        bridge_cap, uplink_cap: ``[num_nodes]`` float64 bytes/s of each node's bridge and uplink.
+        base: first resource id of each resource kind.
         class_matrix: ``[num_nodes, num_nodes]`` int64 LinkClass of node pairs (the diagonal
             holds each node's fabric).
         latency: ``[len(LinkClass)]`` float64 seconds; ``overhead`` likewise.

@@ -261,10 +261,12 @@ class Plan:
 
     @functools.cached_property
     def traffic(self) -> Tuple[Tuple[int, ...], ...]:
+        """``T`` as nested tuples of ints (what the executor indexes)."""
         return tuple(tuple(int(x) for x in row) for row in self.traffic_matrix.tolist())
 
     @functools.cached_property
     def transfers(self) -> Tuple[Transfer, ...]:
+        """Every chunk as a :class:`Transfer`, ``transfers[k].index == k``."""
         tb = self.table
         cols = zip(
             tb.src.tolist(),

@@ -13,11 +13,12 @@ Strategies:
     own path (fabric inside a node, the sender's nearest NIC between nodes, the host bridge
     across vendors). This is what NCCL's all-to-all does.
 ``hier``
-    Three stages and three tiers. Stage 0: segments inside a node go direct; every other
+    Three tiers in up to four stages. Stage 0: segments inside a node go direct; every other
     segment goes over the node's fabric to the forwarder ``f`` its destination node is assigned
     to (aggregation). Stage 1: one lane per node pair, ``f -> g``, over the network tier
-    (same vendor) or the host-bridge tier (NVIDIA <-> Ascend). Stage 2: ``g`` scatters over its
-    fabric to the final ranks. Forwarders rotate over a node's devices by destination node, so
+    (same vendor) or the host-bridge tier (NVIDIA <-> Ascend). Stages 2 and 3: ``g`` scatters
+    over its fabric to the final ranks, first what came over the network (it lands early),
+    then what came over the slower bridge. Forwarders rotate over a node's devices by destination node, so
     uneven node sizes and any number of nodes work; a chunk already on its forwarder (or
     receiver) skips that hop.
 ``multirail``
@@ -320,7 +321,8 @@ def _staged(model: ResourceModel, T: np.ndarray, strategy: str, align: int, by_d
     if strategy == "hier":
         notes = [
             f"hier: {pairs} node pairs, one forwarder per node pair; stage 0 aggregates {n_g} chunks "
-            f"over the fabric, stage 1 sends {n_x} over network/bridge, stage 2 scatters {len(scatter)}"
+            f"over the fabric, stage 1 sends {n_x} over network/bridge, then {len(scatter)} are "
+            f"scattered (network lanes' first, bridge lanes' last)"
         ]
     else:
         notes = [
@@ -356,4 +358,6 @@ def _auto(model: ResourceModel, T: np.ndarray, align: int) -> Plan:
         f"per rank (off-diagonal mean), receive skew max/mean {skew:.2f}, {n} ranks on {model.num_nodes} "
         f"nodes; predicted {preds}"
     )
-    return Plan(best.strategy, T, table=best.table, notes=(why,) + best.notes)
+    out = Plan(best.strategy, T, table=best.table, notes=(why,) + best.notes)
+    out.__dict__["messages"] = best.messages  # already grouped while timing it
+    return out

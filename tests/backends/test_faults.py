@@ -69,7 +69,7 @@ def test_killed_rank_is_named_by_every_survivor(victim):
         r = o.result
         assert r["type"] in ("CollectiveError", "PeerTimeout"), r
         assert r["op"] and "all_to_all_single" in r["op"], r
-        assert r["peer"] == victim or f"rank {victim}" in r["msg"], r
+        assert r["peer"] == victim and f"rank {victim}" in r["msg"], r
         assert r["rail"] in ("shm", "gloo", "bridge"), r
         assert r["seconds"] < PG_TIMEOUT, r
     leader_pid = outs[0].result["pid"]
@@ -100,8 +100,8 @@ def test_rank_that_never_arrives_is_named_within_timeout():
     for rank in (0, 1, 3):
         r = outs[rank]
         assert r["type"] in ("CollectiveError", "PeerTimeout"), r
-        assert r["peer"] == 2 or "[2]" in r["msg"], r
-        assert r["seconds"] <= PG_TIMEOUT + 0.5, r
+        assert r["peer"] == 2 and "rank 2 did not report" in r["msg"], r
+        assert r["seconds"] <= PG_TIMEOUT, r
 
 
 def split_mismatch(rank: int, n: int) -> dict:

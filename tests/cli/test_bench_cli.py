@@ -50,6 +50,7 @@ RUN_FLAGS = ["-b", "1K", "-e", "64K", "-f", "4", "-n", "2", "-w", "1", "-c", "1"
         (["alltoall", "-b", "1", "-e", "8"], "no size between -b 1 and -e 8"),
         (["alltoall", "-b", "1T", "-e", "1T"], "of memory"),
         (["alltoall", "-T", "0"], "-T/--timeout"),
+        (["alltoall", "-b", "0", "-e", "1G", "-i", "1"], "more than 1000"),
     ],
 )
 def test_bad_flags_exit_2_with_message(argv, needle, capsys, monkeypatch):
@@ -392,4 +393,63 @@ def test_failing_rank_is_reported_first_and_nothing_hangs():
     first = outcome.failures[0]
     assert (first.rank, first.error_type) == (1, "ValueError")
     assert "deliberate failure on rank 1" in first.message and not first.is_timeout
+    assert time.monotonic() - t0 < 90
+
+
+def crash_at_exit(payload, rank, world_size, store):
+    """launch_ranks target: finishes normally, then rank 1 aborts while the interpreter exits."""
+    import atexit
+
+    if rank == 1:
+        atexit.register(os.abort)
+    return {"rank0": rank}
+
+
+@pytest.mark.timeout(120)
+def test_crash_after_finishing_is_reported_not_hidden():
+    outcome = lib.launch_ranks(
+        "tests.cli.test_bench_cli:crash_at_exit",
+        "{}",
+        2,
+        timeout_s=20,
+        env={"PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")},
+    )
+    assert outcome.ok and outcome.result == {"rank0": 0}
+    assert [(w.rank, w.message) for w in outcome.exit_warnings] == [(1, "killed by SIGABRT")]
+
+
+def silent_rank(payload, rank, world_size, store):
+    """launch_ranks target: rank 1 never joins the barrier; rank 0 must time out, not hang."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=3),
+    )
+    if rank == 1:
+        time.sleep(600)
+    dist.barrier()
+    return {}
+
+
+@pytest.mark.timeout(120)
+def test_silent_rank_times_out_and_is_stopped():
+    t0 = time.monotonic()
+    outcome = lib.launch_ranks(
+        "tests.cli.test_bench_cli:silent_rank",
+        "{}",
+        2,
+        timeout_s=20,
+        env={"PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")},
+        grace_s=2,
+    )
+    by_rank = {f.rank: f for f in outcome.failures}
+    assert by_rank[0].is_timeout, by_rank[0]
+    assert by_rank[1].killed_by_launcher
+    assert outcome.failures[0].rank == 0  # the rank's own error first, the stopped rank last
     assert time.monotonic() - t0 < 90

@@ -6,7 +6,6 @@ numbers/tensors; the test process compares them, so a failure message shows ever
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List
 
 import torch

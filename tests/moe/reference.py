@@ -7,7 +7,7 @@ routing, chunking, all-to-all and replication code.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn

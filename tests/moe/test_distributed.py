@@ -76,10 +76,12 @@ def test_four_ranks_match_reference_mixed_wire_uneven_placement():
             {"name": "chunks", "kwargs": {"wire_dtype": "fp32", "num_chunks": 2}},
             {"name": "uneven7", "num_experts": 7, "kwargs": {"wire_dtype": "fp32"}},
             {"name": "dropless_chunks_auto", "kwargs": {"dropless": True, "num_chunks": 3}},
+            # 3 experts on 4 ranks: the 910B owns none; 3 chunks, some empty on every rank.
+            {"name": "rank_without_experts", "num_experts": 3, "kwargs": {"wire_dtype": "fp32", "num_chunks": 3}},
         ],),
     )
     for rank, per in enumerate(res):
-        for name in ("fp32", "chunks", "uneven7"):
+        for name in ("fp32", "chunks", "uneven7", "rank_without_experts"):
             _check_exact(name, per[name])
         assert per["dropless_chunks_auto"]["dropped"] == 0
         for name in ("auto", "fp16", "dropless_chunks_auto"):
@@ -89,6 +91,7 @@ def test_four_ranks_match_reference_mixed_wire_uneven_placement():
             assert r["expert_grad"] < FP16_TOL * 10, (rank, name, r)
     # mixed-mini: ranks 0-2 strong (A100, A100, H800), rank 3 weak (910B): 7 experts as 2,2,2,1.
     assert [per["uneven7"]["num_local_experts"] for per in res] == [2, 2, 2, 1]
+    assert [per["rank_without_experts"]["num_local_experts"] for per in res] == [1, 1, 1, 0]
     # The mixed wire moves fewer bytes than FP32 only on the pairs with the 910B.
     assert res[3]["auto"]["bytes_sent"] < res[3]["fp32"]["bytes_sent"]
     print("\nFP16-wire error vs FP32 wire (max |dy|, 4 ranks):",

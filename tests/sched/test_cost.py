@@ -43,6 +43,22 @@ def test_calibrate_from_bench_json_rows(tmp_path):
         assert simulate(plan, big, params).time_s >= simulate(plan, big).time_s
 
 
+def test_calibrate_from_a_hetcomm_bench_document(tmp_path):
+    # the shape `hetcomm bench alltoall --json` writes: busbw in GB/s, as nccl-tests prints it
+    rows = []
+    for size in (1 << 20, 1 << 24, 1 << 26):
+        t_us = 4.0 + size * 3 / 4 / 25e3  # 4 ranks: 3/4 of the bytes cross, 25 GB/s
+        busbw = size / (t_us * 1e-6) / 1e9 * 3 / 4
+        rows.append({"size": size, "count": size // 4, "type": "float",
+                     "out_of_place": {"time_us": t_us, "algbw_gbps": busbw * 4 / 3, "busbw_gbps": busbw, "wrong": 0},
+                     "in_place": {"time_us": t_us, "algbw_gbps": 0, "busbw_gbps": 0, "wrong": None}})
+    p = tmp_path / "bench.json"
+    p.write_text(json.dumps({"tool": "hetcomm bench", "num_ranks": 4, "rows": rows}))
+    params = load_cost_params(str(p), "SHM")
+    assert dict(params.gbps)["SHM"] == pytest.approx(200.0)
+    assert dict(params.latency_us)["SHM"] == pytest.approx(4.0, abs=1e-6)
+
+
 def test_calibrate_from_nccl_tests_output(tmp_path, fixture_path):
     text = open(fixture_path("nccltests_alltoall_perf_b300_1node_2node.txt")).read()
     with pytest.raises(ConfigError, match="2 nccl-tests result tables"):

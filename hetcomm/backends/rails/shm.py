@@ -62,7 +62,7 @@ def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or being reaped right now
         return False
     except (OSError, IndexError):  # no /proc: cannot tell, assume alive and rely on the timeout
         return True

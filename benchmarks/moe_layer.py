@@ -95,7 +95,7 @@ def _rank_main(rank, world, port, args, q):
         kw = dict(kw)
         zipf = kw.pop("zipf", False)
         layer = MoELayer(D, E, k=2, capacity_factor=1.25, expert=lambda d: FFNExpert(d, F), calibrate=False,
-                         dropless=zipf, replicate_every=1, **kw)
+                         dropless=zipf, replicate_every=1, strong_expert_weight=args.strong_weight, **kw)
         if zipf:
             with torch.no_grad():
                 layer.gate.wg.weight.copy_(_zipf_weight(E, D))
@@ -154,6 +154,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--backend", default="hetcomm", choices=["hetcomm", "gloo"])
     ap.add_argument("--no-zipf", dest="zipf", action="store_false", help="skip the replication variants")
+    ap.add_argument("--strong-weight", type=float, default=2.0,
+                    help="experts on a strong rank per expert on a weak one (1.0: equal split, "
+                         "fair when every rank is the same CPU)")
     ap.add_argument("--only", default="", help="comma-separated variant names, e.g. 'fp32 C=1,auto C=2'")
     args = ap.parse_args(argv)
     for k, v in PRESETS[args.preset].items():
@@ -194,7 +197,7 @@ def main(argv=None) -> int:
     T = args.tokens
     med = statistics.median
     print(f"# MoELayer, 4 ranks ({args.backend}, mixed-mini labels), E={args.experts} D={args.dim} "
-          f"F={args.ffn}, {T} tokens/rank, k=2, cf=1.25, fwd+bwd")
+          f"F={args.ffn}, {T} tokens/rank, k=2, cf=1.25, fwd+bwd, strong_expert_weight={args.strong_weight}")
     print(f"# {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{datetime.now().strftime('%Y-%m-%d %H:%M')}, {args.steps} rounds after {args.warmup} warm-up")
     floor_s = med(results[0][1])

@@ -16,7 +16,11 @@ noise hits every variant alike:
                 barrier), converted to what 4 ranks sharing 2 cores can get: 4096 / (2 * t)
 
 With ``--zipf`` each configuration also runs, under Zipf(1.2)-skewed routing, DeepSpeed,
-hetcomm without and hetcomm with hot-expert replication (top 3 experts on every rank).
+hetcomm without and hetcomm with hot-expert replication (top 3 experts on every rank); the gate
+is biased as :func:`zipf_gate_weight` explains and the run checks the first choices it got.
+``--diagnose`` adds hetcomm with 2-chunk pipelining and with the backend's split check off;
+``--profile N`` then times N more steps of each layer phase by phase (gate, route, all-to-all,
+experts, combine; forward and backward) without changing either library.
 
 Every step is forward + backward of ``mean(y^2) + 0.01 * l_aux`` on 4,096 tokens of width D per
 rank (input requires grad), timed from a barrier to the end of backward on each rank; the step
@@ -37,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import socket
@@ -46,7 +49,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 WORLD_SIZE = 4
 K = 2
@@ -148,7 +151,7 @@ class _Variant:
         return self.stats()
 
 
-def _build_variants(cfg: BenchConfig, args, rank: int, hgroup) -> List[_Variant]:
+def _build_variants(cfg: BenchConfig, args, rank: int, hgroup, hgroup_nocheck=None) -> List[_Variant]:
     import torch
     from deepspeed.moe.layer import MoE
 
@@ -190,8 +193,8 @@ def _build_variants(cfg: BenchConfig, args, rank: int, hgroup) -> List[_Variant]
 
         out.append(_Variant(name, "deepspeed", forward, moe.parameters(), stats=stats, module=moe))
 
-    def add_hetcomm(name: str, x, zipf: bool, **options) -> None:
-        layer = MoELayer(D, E, k=K, capacity_factor=CAPACITY_FACTOR, expert=_expert(D, F), group=hgroup,
+    def add_hetcomm(name: str, x, zipf: bool, group=None, **options) -> None:
+        layer = MoELayer(D, E, k=K, capacity_factor=CAPACITY_FACTOR, expert=_expert(D, F), group=group or hgroup,
                          wire_dtype="fp32", calibrate=False, **options)
         if zipf:
             with torch.no_grad():
@@ -233,6 +236,11 @@ def _build_variants(cfg: BenchConfig, args, rank: int, hgroup) -> List[_Variant]
 
     add_deepspeed("deepspeed", x_plain, False)
     add_hetcomm("hetcomm", x_plain, False)
+    if args.diagnose:
+        # What two hetcomm knobs are worth here: the pipelined dispatch (2 chunks) and the
+        # backend's pre-flight split check (one small gloo all_gather per all-to-all).
+        add_hetcomm("hetcomm C=2", x_plain, False, num_chunks=2)
+        add_hetcomm("hetcomm no split check", x_plain, False, group=hgroup_nocheck)
     add_floor("floor x4", 4)
     add_floor("floor x2", 2)
     if args.zipf:
@@ -433,11 +441,17 @@ def _rank_main(rank: int, port: int, args, q) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, timeout=timeout)
     hgroup = dist.new_group(backend="hetcomm", timeout=timeout)
+    hgroup_nocheck = None
+    if args.diagnose:
+        from hetcomm.backends import HetcommOptions
+
+        hgroup_nocheck = dist.new_group(backend="hetcomm", timeout=timeout,
+                                        pg_options=HetcommOptions(check_splits=False))
 
     results: Dict[str, Any] = {}
     for cfg_name in args.configs:
         cfg = CONFIGS[cfg_name]
-        variants = _build_variants(cfg, args, rank, hgroup)
+        variants = _build_variants(cfg, args, rank, hgroup, hgroup_nocheck)
         opts = [torch.optim.SGD(v.params, lr=0.0) if v.params else None for v in variants]
         times: Dict[str, List[float]] = {v.name: [] for v in variants}
         extra: Dict[str, List[Dict[str, Any]]] = {v.name: [] for v in variants}
@@ -698,6 +712,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank (4096 for the table)")
     ap.add_argument("--zipf", action="store_true", help="add the Zipf(1.2)-routed variants, replication on and off")
     ap.add_argument("--json", metavar="PATH", help="also write every timing and the summary as JSON")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="add hetcomm variants with 2-chunk pipelining and with the backend's split check off")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing, profile N more steps of each layer per phase (profiler on: slower)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is given up")

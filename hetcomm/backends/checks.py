@@ -136,24 +136,25 @@ def dead_peers(placement: Placement, me: int, peers: Optional[Sequence[int]] = N
     return out
 
 
-def missing_peers(store, rank: int, size: int, seq: int, wait_s: float) -> Optional[List[int]]:
-    """Ranks that did not report a failure of collective ``seq`` within ``wait_s`` seconds.
+def missing_peers(store, rank: int, size: int, wait_s: float) -> Optional[List[int]]:
+    """Ranks that did not report a failure (store key ``hetcomm/diag/failed/<rank>``) within
+    ``wait_s`` seconds.
 
     Called by every rank whose collective failed: it leaves its own mark in the store, then
     looks for the others'. A rank that is dead, hung or never called the collective leaves no
-    mark; so does a rank that *finished* it before the failure (rare: it then fails at the next
-    collective instead), which is why callers prefer :func:`dead_peers` when it names someone.
+    mark; so does a rank that has not *yet* hit the failure (it will at its next collective),
+    which is why callers prefer :func:`dead_peers` when it names someone.
 
     Returns:
         The ranks without a mark, or None when the store itself is unreachable (e.g. it lived in
         the dead rank).
     """
     try:
-        store.set(f"hetcomm/diag/{seq}/{rank}", "1")
+        store.set(f"hetcomm/diag/failed/{rank}", "1")
         deadline = time.monotonic() + wait_s
         missing = [r for r in range(size) if r != rank]
         while missing:
-            missing = [r for r in missing if not store.check([f"hetcomm/diag/{seq}/{r}"])]
+            missing = [r for r in missing if not store.check([f"hetcomm/diag/failed/{r}"])]
             if not missing or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)

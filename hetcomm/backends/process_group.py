@@ -47,6 +47,13 @@ from hetcomm.errors import CollectiveError, PeerTimeout, UsageError
 __all__ = ["HetcommProcessGroup"]
 
 log = logging.getLogger("hetcomm.backends")
+# Every group ever created stays referenced until interpreter exit. Python callbacks run on
+# gloo's threads (future callbacks, DDP/PowerSGD hooks) and can trigger the cyclic GC there; if
+# that GC dropped the last reference to a group (e.g. held by a collected DDP reducer), the
+# inner ProcessGroupGloo would be destroyed on its own thread and join itself: std::terminate
+# "Resource deadlock avoided" (seen in DDP tests). shutdown() releases the real resources
+# (shm, threads, gloo's workers); what stays is a small object.
+_LIVE_GROUPS: List["HetcommProcessGroup"] = []
 _WIRE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -125,7 +132,11 @@ class HetcommProcessGroup(dist.ProcessGroup):
                 )
         self._wakeup = threading.Event()  # set by rail threads when a transfer completes
         self._gloo_rail = GlooRail(self._gloo, rank, self._wakeup)
-        self._bridge = BridgeRail(rank, self._bridge_transport, self._wire_dtype)
+        # No reference cycles through self: the group must be freed by reference counting on the
+        # thread that destroys it. Freed by the cyclic GC it could die on a gloo callback thread,
+        # whose ProcessGroupGloo destructor would then join itself (std::terminate, EDEADLK).
+        me = weakref.proxy(self)
+        self._bridge = BridgeRail(rank, lambda peer: me._bridge_transport(peer), lambda peer, dt: me._wire_dtype(peer, dt))
         self._device_rails: Dict[str, Rail] = {}
         self._routes: Dict[str, List[str]] = {}
         self._jobs: "queue.Queue" = queue.Queue()
@@ -135,6 +146,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         self._thread = threading.Thread(target=self._run_jobs, name=f"hetcomm-exec-{group_id}", daemon=True)
         self._thread.start()
         self._log_routes()
+        _LIVE_GROUPS.append(self)
 
     # -- identity (c10d needs these on a Python group) ---------------------------------------
     def getBackendName(self) -> str:
@@ -286,10 +298,12 @@ class HetcommProcessGroup(dist.ProcessGroup):
         """``(ranks, text)``: who is most likely at fault for the failure of collective ``seq``.
 
         Peers on this host whose process is gone come first, minus those that left a failure
-        mark for ``seq`` in the store (they failed like us and then exited); otherwise the ranks
-        that left no mark within a short wait (dead, hung, or never called the collective).
+        mark in the store (they failed like us, maybe one collective earlier or later, and then
+        exited); otherwise the ranks that left no mark within a short wait (dead, hung, or never
+        called the collective). A group is unusable after a failure, so one mark per rank is
+        enough.
         """
-        key = lambda r: f"hetcomm/diag/{seq}/{r}"  # noqa: E731
+        key = lambda r: f"hetcomm/diag/failed/{r}"  # noqa: E731
         try:
             self._store.set(key(self.rank()), "1")
         except Exception:
@@ -308,7 +322,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
                 culprits = [(r, pid) for r, pid in dead if r not in failed_too]
                 if culprits:
                     return [r for r, _ in culprits], "; exited: " + ", ".join(f"rank {r} (pid {pid})" for r, pid in culprits)
-            missing = checks.missing_peers(self._store, self.rank(), self.size(), seq, 0.0)
+            missing = checks.missing_peers(self._store, self.rank(), self.size(), 0.0)
             if missing is None or not missing or time.monotonic() > deadline:
                 break
             time.sleep(0.05)

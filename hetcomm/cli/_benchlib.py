@@ -866,16 +866,26 @@ def _is_timeout(error_type: Optional[str], message: str) -> bool:
     )
 
 
-def _set_parent_death_signal() -> None:  # pragma: no cover - runs in the child before exec
-    # Linux: if the launcher dies (even by SIGKILL), the kernel kills its ranks too; no stray
-    # processes are left holding shared-memory segments or ports.
+def _parent_death_signal_setter() -> Optional[Callable[[], None]]:
+    """A ``preexec_fn`` that makes the child die with the launcher (Linux), or None elsewhere.
+
+    If the launcher dies (even by SIGKILL), the kernel kills its ranks too, so no stray process
+    is left holding shared-memory segments or ports. libc is loaded here, in the parent: between
+    fork and exec the child only makes the one call (no imports, no locks).
+    """
     try:
         import ctypes
         import signal
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    sigkill = int(signal.SIGKILL)
+
+    def set_pdeathsig() -> None:  # pragma: no cover - runs in the child before exec
+        prctl(1, sigkill)  # 1 = PR_SET_PDEATHSIG
+
+    return set_pdeathsig
 
 
 def launch_ranks(
@@ -917,6 +927,7 @@ def launch_ranks(
         wait_for_workers=False,
     )
     procs: List[Any] = []
+    preexec = _parent_death_signal_setter()
     with tempfile.TemporaryDirectory(prefix="hetcomm-bench-") as tmp:
         base_env = dict(os.environ)
         # torchrun's default: one intra-op thread per rank, or N ranks fight over the cores.
@@ -944,7 +955,7 @@ def launch_ranks(
                     subprocess.Popen(
                         [sys.executable, "-c", _CHILD_CODE, target, payload],
                         env=child_env,
-                        preexec_fn=_set_parent_death_signal,
+                        preexec_fn=preexec,
                     )
                 )
             exit_order = _watch(procs, error_files, grace_s)

@@ -119,6 +119,11 @@ def _create(plan: NetPlan, state: EmulationState, progress) -> None:
     for ns in plan.namespaces:
         run_tool(["ip", "netns", "add", ns])
         batch("ip", ns, ["link set lo up"])
+    for n in plan.nodes:
+        # Rail-matched ranks send on the rail of the peer's port and hear back on their own:
+        # asymmetric paths, which strict reverse-path filtering would drop.
+        sysctl = ["net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0"]
+        run_tool(["ip", "netns", "exec", n.ns, "sysctl", "-qw", *sysctl])
     _say(progress, f"emulate: {len(plan.namespaces)} namespaces created")
     if plan.fabric_ns:
         lines = []

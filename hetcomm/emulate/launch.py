@@ -12,7 +12,8 @@ Environment of every rank (on top of the caller's)::
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK   torchrun's names and meanings
     MASTER_ADDR, MASTER_PORT      rank 0's address on the emulated network (its node's nic0)
     HETCOMM_CLUSTER               absolute path of the cluster YAML (rank placement comes from it)
-    GLOO_SOCKET_IFNAME            the node's first emulated NIC (nic0; p<j> in p2p mode)
+    GLOO_SOCKET_IFNAME            the rank's rail-matched NIC: nic<LOCAL_RANK mod #NICs>, as a GPU
+                                  uses its nearest NIC (p<j> in p2p mode)
     HETCOMM_EMULATE               the run id (hc<id>)
     HETCOMM_EMULATE_SCALE         the rate scale (rates on the wire are gbps * scale)
     HETCOMM_EMULATE_NODE          the node name (a100-0)
@@ -95,7 +96,7 @@ def rank_env(
         MASTER_ADDR=master,
         MASTER_PORT=str(state.master_port),
         HETCOMM_CLUSTER=state.cluster_path,
-        GLOO_SOCKET_IFNAME=ifaces[0]["name"] if ifaces else "lo",
+        GLOO_SOCKET_IFNAME=_rank_ifname(node, rank),
         HETCOMM_EMULATE=f"hc{state.run_id}",
         HETCOMM_EMULATE_SCALE=repr(state.scale),
         HETCOMM_EMULATE_NODE=node["node"],
@@ -107,6 +108,20 @@ def rank_env(
     bindir = os.path.dirname(os.path.abspath(sys.executable))
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "/usr/bin:/bin")
     return env
+
+
+def _rank_ifname(node: Dict, rank: int) -> str:
+    """Rail matching: local rank k binds gloo to port k (mod the node's ports). Peers send to
+    that port's address, so a multi-NIC node receives on all of its ports, the way each GPU of
+    a rail-optimised node has its own NIC. In p2p mode every veth carries the node's one
+    address, so the first is as good as any."""
+    ifaces = node["ifaces"]
+    if not ifaces:
+        return "lo"
+    nics = [i["name"] for i in ifaces if i["name"].startswith("nic")]  # rail order
+    if not nics:
+        return ifaces[0]["name"]
+    return nics[node["ranks"].index(rank) % len(nics)]
 
 
 def _node_of(state: EmulationState, rank: int) -> Dict:

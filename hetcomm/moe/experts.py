@@ -107,14 +107,18 @@ class ExpertBank(nn.Module):
         counts: Sequence[int],
         first: int = 0,
         modules: Optional[Sequence[nn.Module]] = None,
+        expert_index: Optional[Sequence[int]] = None,
     ) -> torch.Tensor:
-        """Run experts ``first, first+1, ...`` on consecutive row slices.
+        """Run experts on consecutive row slices.
 
         Args:
-            x: ``[R, D]`` rows sorted by expert; any float dtype.
-            counts: rows of each expert, ``sum(counts) == R``.
+            x: ``[R, D]`` rows sorted by expert (or in pieces, see ``expert_index``); any float
+                dtype.
+            counts: rows of each slice, ``sum(counts) == R``.
             first: local index of the expert owning the first slice.
             modules: use these modules instead of the bank's (replicas).
+            expert_index: slice ``i`` belongs to expert ``first + expert_index[i]`` (default
+                ``i``): several slices may share an expert, e.g. one per source rank.
         Returns:
             ``[R, D]``, same dtype as ``x``.
         """
@@ -127,7 +131,7 @@ class ExpertBank(nn.Module):
         for i, (n, piece) in enumerate(zip(sizes, pieces)):
             if n == 0:
                 continue
-            outs.append(mods[first + i](piece))
+            outs.append(mods[first + (i if expert_index is None else expert_index[i])](piece))
         if not outs:
             # Keep x in the graph even with no rows, so that every rank's backward has the
             # same collectives (an empty slice still routes a zero-size gradient).

@@ -29,7 +29,12 @@ from hetcomm.moe.dispatch import ChunkLayout, expert_major_perm, launch, wait
 from hetcomm.moe.experts import ExpertBank
 from hetcomm.moe.wire import Exchange, WirePolicy
 
-__all__ = ["PipelineTimes", "run_pipeline"]
+__all__ = ["PipelineTimes", "run_pipeline", "MIN_PIECE_ROWS"]
+
+#: Mean rows per (source rank, expert) piece from which experts run piece by piece instead of
+#: permuting rows expert-major. A dense call on 64 rows of width >= 256 already runs near the
+#: matmul's peak on one core, while a permutation costs a full read and write of the rows.
+MIN_PIECE_ROWS = 64
 
 
 @dataclass
@@ -129,15 +134,23 @@ def run_pipeline(
         sub = per_expert_counts[c]
         lo, _ = layout.local_range[c][rank]
         te = time.perf_counter()
-        perm = expert_major_perm(sub)
-        x_em = recv.index_select(0, perm) if sub.size(1) > 1 and W > 1 else recv
-        y_em = bank.forward_sorted(x_em, sub.sum(0).tolist(), first=lo)
-        if sub.size(1) > 1 and W > 1:
+        L_c = sub.size(1)
+        if W == 1 or L_c <= 1:
+            y_sm = bank.forward_sorted(recv, sub.sum(0).tolist(), first=lo)
+        elif int(sub.sum()) >= MIN_PIECE_ROWS * sub.numel():
+            # Rows arrive source-major: (source, expert) pieces. Big pieces: run each expert on
+            # each source's piece in place, so the output is already in the order it goes back
+            # in; no permutation forth and back (4 gathers of [R, D] per step with backward).
+            y_sm = bank.forward_sorted(
+                recv, sub.reshape(-1).tolist(), first=lo, expert_index=list(range(L_c)) * W
+            )
+        else:
+            # Small pieces: one permutation to expert-major so each expert runs once.
+            perm = expert_major_perm(sub)
+            y_em = bank.forward_sorted(recv.index_select(0, perm), sub.sum(0).tolist(), first=lo)
             inv = torch.empty_like(perm)
             inv[perm] = torch.arange(perm.numel())
             y_sm = y_em.index_select(0, inv)
-        else:
-            y_sm = y_em
         times.expert_s += time.perf_counter() - te
         back = Exchange(recv_split[c], send_split[c], policy, rank, group, tag="combine")
         results.append((back, launch(y_sm, back)))

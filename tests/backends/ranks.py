@@ -84,6 +84,9 @@ def _child(fn, rank, world_size, args, backend, port, env, pg_timeout_s, pg_opti
         else:
             os.environ[k] = v
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a native crash (SIGABRT/SIGSEGV) prints every thread's stack
     import torch
     import torch.distributed as dist
 

@@ -124,6 +124,35 @@ def test_rank_env_points_at_the_emulated_network():
     assert env3["HETCOMM_EMULATE_ADDRS"] == "10.213.0.3" and env3["MASTER_ADDR"] == "10.213.0.1"
 
 
+def test_rank_env_matches_ranks_to_rails():
+    """Local rank k binds gloo to port k of a multi-NIC node (rail matching)."""
+    c = load_cluster(FOUR)
+    plan = plan_network(c, settings_from_cluster(c), "abcdef")
+    state = EmulationState(
+        run_id="abcdef",
+        cluster_name=c.name,
+        cluster_path=FOUR,
+        status="up",
+        nodes=[
+            {
+                "ns": n.ns,
+                "node": n.node,
+                "index": n.index,
+                "vendor": n.vendor,
+                "ranks": list(n.ranks),
+                "ifaces": [{"name": i.name, "address": str(i.address)} for i in n.ifaces],
+            }
+            for n in plan.nodes
+        ],
+    )
+    ifnames = [rank_env(state, r, base={})["GLOO_SOCKET_IFNAME"] for r in range(8)]
+    assert ifnames == ["nic0", "nic1"] * 4
+    env5 = rank_env(state, 5, base={})
+    assert env5["HETCOMM_EMULATE_IFNAMES"] == "nic0,nic1"
+    assert env5["HETCOMM_EMULATE_ADDRS"] == "10.214.0.3,10.214.1.3"
+    assert env5["MASTER_ADDR"] == "10.214.0.1"
+
+
 @pytest.mark.parametrize(
     "emulation, key, needle",
     [

@@ -56,6 +56,10 @@ def equivalence(rank: int, world_size: int, cases: List[Dict[str, Any]]) -> Dict
         E = case.get("num_experts", 8)
         k = case.get("k", 2)
         cf = case.get("capacity_factor", 1.25)
+        from hetcomm.moe import overlap
+
+        # 0: experts run per (source, expert) piece; a huge value: rows permuted expert-major.
+        overlap.MIN_PIECE_ROWS = case.get("min_piece_rows", 10**9)
         layer = MoELayer(D_MODEL, E, k=k, capacity_factor=cf, calibrate=False, **kw)
         layer.train()
         x, gy = shard(rank)

@@ -103,8 +103,14 @@ def zipf_gate_weight(num_experts: int, model_dim: int):
     """
     import torch
 
+    from hetcomm.errors import ConfigError
+
     if model_dim < num_experts + 1:
-        raise ValueError(f"Zipf routing needs model_dim >= num_experts + 1, got D={model_dim}, E={num_experts}")
+        raise ConfigError(
+            f"Zipf routing needs model_dim >= num_experts + 1 (one constant feature plus one Gumbel "
+            f"feature per expert), got D={model_dim}, E={num_experts}; pick a wider layer",
+            key="bench.zipf",
+        )
     w = torch.zeros(num_experts, model_dim)
     w[:, 0] = torch.log(zipf_probs(num_experts)).float()
     w[:, 1 : 1 + num_experts] = torch.eye(num_experts)
@@ -565,6 +571,19 @@ def run_group(args) -> Optional[Dict[int, Any]]:
     return results
 
 
+def merge_runs(a: Dict[int, Any], b: Dict[int, Any]) -> Dict[int, Any]:
+    """Append run ``b``'s timed steps (and stats) to run ``a``'s, per rank and variant."""
+    for r in a:
+        for cfg_name, res in a[r].items():
+            other = b[r][cfg_name]
+            for name in res["times"]:
+                res["times"][name].extend(other["times"][name])
+                res["extra"][name].extend(other["extra"][name])
+            if other.get("profile"):
+                res["profile"] = other["profile"]  # the last run's profile
+    return a
+
+
 def summarize(results: Dict[int, Any], args) -> Dict[str, Any]:
     """Medians per configuration and variant, ratios and targets."""
     med = statistics.median
@@ -579,12 +598,24 @@ def summarize(results: Dict[int, Any], args) -> Dict[str, Any]:
             # Floor x2: 2 processes each did a rank's work on a core of their own; 4 ranks
             # sharing the 2 cores get half of that each.
             scale = 2.0 if name == "floor x2" else 1.0
-            row = {"step_s": t * scale, "tokens_per_s": T / (t * scale), "steps": ts, "spread": (min(ts), max(ts))}
+            row = {"step_s": t * scale, "tokens_per_s": T / (t * scale), "steps": ts, "spread": (min(ts), max(ts)),
+                   "kind": "deepspeed" if name.startswith("deepspeed") else "floor" if name.startswith("floor") else "hetcomm"}
+            if row["kind"] == "deepspeed":
+                from hetcomm.moe import expert_capacity
+
+                row["padded_rows"] = WORLD_SIZE * cfg.num_experts // WORLD_SIZE * max(4, expert_capacity(T, cfg.num_experts, K, CAPACITY_FACTOR))
             ex = [e for r in range(WORLD_SIZE) for e in results[r][cfg_name]["extra"][name] if e]
             for key in ("overflow_rate", "local_fraction", "a2a_bytes_sent", "comm_exposed_s", "expert_s", "forward_s"):
                 vals = [e[key] for e in ex if key in e]
                 if vals:
                     row[key] = med(vals)
+            # Expert rows each rank computed (received copies; local replicas not included):
+            # the busiest rank paces every all-to-all. DeepSpeed computes 4 x C rows per local
+            # expert on every rank, C = its capacity, whatever the routing.
+            per_rank = [med([e["rows"] for e in results[r][cfg_name]["extra"][name] if "rows" in e] or [0])
+                        for r in range(WORLD_SIZE)]
+            if any(per_rank):
+                row["rows_per_rank"] = per_rank
             rows[name] = row
         ds = rows["deepspeed"]["tokens_per_s"]
         floor = rows["floor x4"]["tokens_per_s"]
@@ -628,7 +659,7 @@ def render(summary: Dict[str, Any], args, before: Dict[str, Any], after: Dict[st
         f"load average (1/5/15 min) {la0} before, {la1} after. torch {versions['torch']}, "
         f"deepspeed {versions['deepspeed']}, hetcomm {versions['hetcomm']}. 4 ranks x 1 thread, "
         f"{args.tokens} tokens/rank, k={K}, capacity factor {CAPACITY_FACTOR}, forward+backward, "
-        f"median of {args.steps} timed rounds after {args.warmup} warm-up."
+        f"median of {args.runs} run(s) x {args.steps} timed rounds (each after {args.warmup} warm-up rounds)."
     )
     for cfg_name, s in summary.items():
         c = s["config"]
@@ -638,8 +669,8 @@ def render(summary: Dict[str, Any], args, before: Dict[str, Any], after: Dict[st
             f"(targets: >= {c['min_vs_deepspeed']}x DeepSpeed, >= {c['min_vs_floor']}x floor)"
         )
         lines.append("")
-        lines.append("| variant | step ms (median) | min..max ms | tokens/s per rank | vs DeepSpeed | vs floor x4 | dropped | local |")
-        lines.append("|---|---|---|---|---|---|---|---|")
+        lines.append("| variant | step ms (median) | min..max ms | tokens/s per rank | vs DeepSpeed | vs floor x4 | dropped | local | owned-expert rows r0/r1/r2/r3 |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
         for name, r in s["rows"].items():
             scale = 2.0 if name == "floor x2" else 1.0
             lo, hi = (x * scale for x in r["spread"])
@@ -648,9 +679,17 @@ def render(summary: Dict[str, Any], args, before: Dict[str, Any], after: Dict[st
             # Under Zipf routing capacity drops change how many rows are computed: a ratio to
             # the 8,192-row floor would not compare like with like.
             vs_floor = "" if "zipf" in name else f"{r['vs_floor']:.2f}x"
+            if "rows_per_rank" in r:
+                rows_txt = "/".join(f"{x:.0f}" for x in r["rows_per_rank"])
+            elif r.get("kind") == "deepspeed":
+                rows_txt = f"{r['padded_rows']} each (padded)"
+            elif r.get("kind") == "floor":
+                rows_txt = f"{args.tokens * K} each"
+            else:
+                rows_txt = ""
             lines.append(
                 f"| {name} | {r['step_s'] * 1e3:.0f} | {lo * 1e3:.0f}..{hi * 1e3:.0f} | {r['tokens_per_s']:.0f} | "
-                f"{r['vs_deepspeed']:.2f}x | {vs_floor} | {drop} | {loc} |"
+                f"{r['vs_deepspeed']:.2f}x | {vs_floor} | {drop} | {loc} | {rows_txt} |"
             )
         het = s["rows"]["hetcomm"]
         lines.append("")
@@ -709,6 +748,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--config", choices=["coarse", "fine", "all"], default="all")
     ap.add_argument("--steps", type=int, default=5, help="timed rounds, every variant once per round (>= 5 for a table)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="fresh process groups one after another; medians are over all their timed steps")
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank (4096 for the table)")
     ap.add_argument("--zipf", action="store_true", help="add the Zipf(1.2)-routed variants, replication on and off")
     ap.add_argument("--json", metavar="PATH", help="also write every timing and the summary as JSON")
@@ -718,8 +759,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="after timing, profile N more steps of each layer per phase (profiler on: slower)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is given up")
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.tokens < 1:
-        ap.error("--steps must be >= 1, --warmup >= 0, --tokens >= 1")
+    if args.steps < 1 or args.warmup < 0 or args.tokens < 1 or args.runs < 1:
+        ap.error("--steps, --tokens and --runs must be >= 1, --warmup >= 0")
+    if args.zipf and args.warmup < 1:
+        ap.error("--zipf needs --warmup >= 1: replication picks its hot set from the first step's routing")
     args.configs = ["coarse", "fine"] if args.config == "all" else [args.config]
     try:
         import deepspeed  # noqa: F401  (fail here, with advice, not inside 4 ranks)
@@ -734,9 +777,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     versions = {"torch": torch.__version__, "deepspeed": deepspeed.__version__, "hetcomm": hetcomm.__version__}
     before = machine_info()
     t0 = time.monotonic()
-    results = run_group(args)
-    if results is None:
-        return 1
+    results: Optional[Dict[int, Any]] = None
+    for run in range(args.runs):
+        if args.runs > 1:
+            print(f"run {run + 1}/{args.runs}: fresh process group", file=sys.stderr, flush=True)
+        res = run_group(args)
+        if res is None:
+            return 1
+        results = res if results is None else merge_runs(results, res)
+    assert results is not None
     after = machine_info()
     summary = summarize(results, args)
     print(render(summary, args, before, after, versions))

@@ -1,7 +1,7 @@
 """Cross-rank checks before any byte moves, and diagnosis of failed peers.
 
-``all_to_all_single`` and ``all_to_all`` first all_gather a small int64 vector from every rank
-over the inner gloo group (one message of ``(6 + 2n) * 8`` bytes): the collective's kind and
+``all_to_all_single`` and ``all_to_all`` first send a small int64 vector to every peer over the
+rails (one message of ``(6 + 2n) * 8`` bytes per peer, in parallel): the collective's kind and
 sequence number, dtype, bytes per row, a hash of the row shape, and the rank's input and output
 split sizes. Every rank then checks the whole ``n x n`` matrix, so every rank finds the *same*
 mismatches and raises the same ``ValueError``: no rank proceeds to move bytes that its peer does
@@ -11,7 +11,6 @@ not expect (plain gloo aborts the receiving process on such a mismatch).
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 from typing import List, Optional, Sequence, Tuple
 
 import torch

@@ -28,7 +28,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hetcomm.backends.rails.base import Rail, RailOp, Xfer, as_bytes
-from hetcomm.errors import CollectiveError, PeerTimeout
+from hetcomm.errors import PeerTimeout
+from hetcomm.sched.plan import Plan
 
 __all__ = ["chunk_rows", "direct_all_to_all", "execute_plan", "drive", "TAG_BASE"]
 
@@ -224,7 +225,7 @@ def _offsets(sizes: Sequence[int]) -> List[int]:
 
 
 def execute_plan(
-    plan: "hetcomm.sched.plan.Plan",  # noqa: F821
+    plan: Plan,
     output: torch.Tensor,
     input: torch.Tensor,
     rank: int,

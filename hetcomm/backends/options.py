@@ -9,7 +9,7 @@ how many transfers each pair posts, and both ends must post the same ones.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Tuple
 
 from hetcomm.errors import ConfigError
@@ -41,7 +41,7 @@ class HetcommOptions:
             (env ``HETCOMM_PLAN``).
         check_splits: exchange split sizes, dtypes and row shapes across ranks before any byte
             moves, and raise ``ValueError`` everywhere on a mismatch (env ``HETCOMM_CHECK``,
-            ``0`` turns it off). Off saves one small gloo all_gather per all-to-all, at the price
+            ``0`` turns it off). Off saves one round of tiny messages per all-to-all, at the price
             of a hang or a gloo abort on a caller bug.
         ring_bytes: capacity of each shared-memory ring (one per ordered same-node pair)
             (env ``HETCOMM_SHM_RING_BYTES``).

@@ -33,7 +33,15 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 from torch.distributed import PrefixStore
 
 from hetcomm.backends import checks
-from hetcomm.backends.executor import direct_all_to_all, execute_plan, tag_for, chunk_rows, drive, start_step, TAG_BASE
+from hetcomm.backends.executor import (
+    TAG_BASE,
+    chunk_rows,
+    direct_all_to_all,
+    drive,
+    execute_plan,
+    start_step,
+    tag_for,
+)
 from hetcomm.backends.options import HetcommOptions, options_from_env
 from hetcomm.backends.placement import Placement, build_placement
 from hetcomm.backends.rails.base import Rail, Xfer
@@ -47,13 +55,6 @@ from hetcomm.errors import CollectiveError, PeerTimeout, UsageError
 __all__ = ["HetcommProcessGroup"]
 
 log = logging.getLogger("hetcomm.backends")
-# Every group ever created stays referenced until interpreter exit. Python callbacks run on
-# gloo's threads (future callbacks, DDP/PowerSGD hooks) and can trigger the cyclic GC there; if
-# that GC dropped the last reference to a group (e.g. held by a collected DDP reducer), the
-# inner ProcessGroupGloo would be destroyed on its own thread and join itself: std::terminate
-# "Resource deadlock avoided" (seen in DDP tests). shutdown() releases the real resources
-# (shm, threads, gloo's workers); what stays is a small object.
-_LIVE_GROUPS: List["HetcommProcessGroup"] = []
 _WIRE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -146,7 +147,6 @@ class HetcommProcessGroup(dist.ProcessGroup):
         self._thread = threading.Thread(target=self._run_jobs, name=f"hetcomm-exec-{group_id}", daemon=True)
         self._thread.start()
         self._log_routes()
-        _LIVE_GROUPS.append(self)
 
     # -- identity (c10d needs these on a Python group) ---------------------------------------
     def getBackendName(self) -> str:
@@ -303,7 +303,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         called the collective). A group is unusable after a failure, so one mark per rank is
         enough.
         """
-        key = lambda r: f"hetcomm/diag/failed/{r}"  # noqa: E731
+        key = lambda r: f"hetcomm/diag/failed/{r}"
         try:
             self._store.set(key(self.rank()), "1")
         except Exception:
@@ -354,22 +354,22 @@ class HetcommProcessGroup(dist.ProcessGroup):
     def _diagnose_for(self, seq: int) -> Callable[[List[int]], str]:
         return lambda peers: self._culprits(seq)[1]
 
-    def _gather_meta(self, op: str, seq: int, meta: torch.Tensor):
-        out = [torch.empty_like(meta) for _ in range(self.size())]
-        return out, self._gloo.allgather([out], [meta])
+    def _exchange_meta(self, op: str, seq: int, meta: torch.Tensor, unit: str) -> checks.Meta:
+        """Send this rank's metadata vector to every peer over the CPU rails, receive theirs,
+        and check the whole matrix (:func:`checks.check_meta`).
 
-    def _wait_meta(self, op: str, seq: int, work, out: List[torch.Tensor], unit: str) -> checks.Meta:
-        try:
-            work.wait()
-        except Exception as e:
-            ranks, text = self._culprits(seq)
-            err = CollectiveError(
-                f"the split-size exchange (before any data moved) failed{text}: {e}",
-                op=op, rank=self.rank(), peer=ranks[0] if ranks else None, rail="gloo",
-            )
-            err.diagnosed = True
-            raise err from e
-        return checks.check_meta(op, self.rank(), out, unit)
+        One parallel round of tiny messages (shared memory for same-node peers) instead of a
+        gloo ring all_gather's n-1 sequential hops. Each pair's rail is a FIFO, so the metadata
+        always arrives ahead of the data it describes.
+        """
+        n, me = self.size(), self.rank()
+        bufs = [meta if r == me else torch.empty_like(meta) for r in range(n)]
+        tag = tag_for(seq, 0x1FFF)
+        sends = [Xfer(p, meta, tag) for p in range(n) if p != me]
+        recvs = [Xfer(p, bufs[p], tag) for p in range(n) if p != me]
+        ops = start_step(sends, recvs, self._rail_of("cpu"), op, seq)
+        drive(ops, self._deadline(), f"{op} (split check)", me, self._diagnose_for(seq), wakeup=self._wakeup)
+        return checks.check_meta(op, me, bufs, unit)
 
     # -- routed collectives -------------------------------------------------------------------
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
@@ -404,10 +404,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         row_bytes = input.element_size() * _prod(row_shape)
         use_plan = self._plan_strategy(input)
         need_meta = self.options.check_splits or use_plan is not None
-        meta_out = meta_work = None
-        if need_meta:
-            meta = checks.encode_meta(op, seq, input.dtype, row_bytes, row_shape, in_splits, out_splits)
-            meta_out, meta_work = self._gather_meta(op, seq, meta)
+        meta = checks.encode_meta(op, seq, input.dtype, row_bytes, row_shape, in_splits, out_splits) if need_meta else None
         src = input if input.is_contiguous() else input.contiguous()
         dst = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
         work = HetcommWork([output])
@@ -417,7 +414,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         def job(w: HetcommWork) -> None:
             deadline = self._deadline()
             if need_meta:
-                m = self._wait_meta(op, seq, meta_work, meta_out, "rows")
+                m = self._exchange_meta(op, seq, meta, "rows")
             if use_plan is not None:
                 traffic = [[x * row_bytes for x in m.sends(r)] for r in range(n)]
                 plan = self._make_plan(use_plan, traffic)
@@ -465,18 +462,17 @@ class HetcommProcessGroup(dist.ProcessGroup):
         seq = self._seq
         ins = [t.contiguous().reshape(-1) for t in input_tensors]
         outs = [t.reshape(-1) if t.is_contiguous() else torch.empty(t.numel(), dtype=dtype, device=t.device) for t in output_tensors]
-        meta_out = meta_work = None
+        meta = None
         if self.options.check_splits:
             meta = checks.encode_meta(op, seq, dtype, esize, (), [t.numel() for t in ins], [t.numel() for t in outs])
-            meta_out, meta_work = self._gather_meta(op, seq, meta)
         work = HetcommWork(list(output_tensors))
         work._seq = seq
         rail_of = self._rail_of(_device_type(input_tensors[0]))
 
         def job(w: HetcommWork) -> None:
             deadline = self._deadline()
-            if meta_work is not None:
-                self._wait_meta(op, seq, meta_work, meta_out, "elements")
+            if meta is not None:
+                self._exchange_meta(op, seq, meta, "elements")
             sends, recvs = [], []
             for k in range(1, n):
                 dst, src = (me + k) % n, (me - k) % n
@@ -675,7 +671,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
 
     # -- lifetime ---------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the executor, release the rails (shm segments), shut the inner gloo down."""
+        """Stop the executor and release the rails (shm segments, waiter threads)."""
         if self._closed:
             return
         self._closed = True
@@ -684,10 +680,10 @@ class HetcommProcessGroup(dist.ProcessGroup):
         for rail in [self._shm, self._gloo_rail, *self._device_rails.values()]:
             if rail is not None:
                 rail.close()
-        try:
-            self._gloo.shutdown()
-        except Exception:  # already broken by a failed peer; nothing left to release
-            pass
+        # The inner gloo is not shut down explicitly: ProcessGroupGloo.shutdown() racing with
+        # the completion callbacks of its last Works aborted processes ("Resource deadlock
+        # avoided") in DDP tests. It is released with this object, which holds no reference
+        # cycles, so that happens on the thread that destroys the group.
 
     def abort(self) -> None:
         self.shutdown()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 from datetime import timedelta
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,8 +60,10 @@ class HetcommWork(dist.Work):
         self._result = result
         self._done = threading.Event()
         self._exc: Optional[BaseException] = None
-        self._base: torch.futures.Future = torch.futures.Future()
-        self._future = self._base.then(_unwrap)
+        # The torch Future is made on first get_future() only: most callers just wait().
+        self._lock = threading.Lock()
+        self._base: Optional[torch.futures.Future] = None
+        self._future: Optional[torch.futures.Future] = None
         self._arrivals: "queue.Queue[Optional[ChunkArrival]]" = queue.Queue()
 
     # -- executor side ---------------------------------------------------------------------
@@ -69,10 +71,13 @@ class HetcommWork(dist.Work):
         self._arrivals.put(arrival)
 
     def _complete(self, exc: Optional[BaseException] = None) -> None:
-        self._exc = exc
-        self._done.set()
+        with self._lock:
+            self._exc = exc
+            self._done.set()
+            base = self._base
         self._arrivals.put(None)
-        self._base.set_result(_Failure(exc) if exc is not None else self._result)
+        if base is not None:
+            base.set_result(_Failure(exc) if exc is not None else self._result)
 
     # -- user side ---------------------------------------------------------------------------
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
@@ -100,6 +105,12 @@ class HetcommWork(dist.Work):
         return self._exc
 
     def get_future(self) -> "torch.futures.Future":
+        with self._lock:
+            if self._future is None:
+                self._base = torch.futures.Future()
+                self._future = self._base.then(_unwrap)
+                if self._done.is_set():
+                    self._base.set_result(_Failure(self._exc) if self._exc is not None else self._result)
         return self._future
 
     def result(self) -> List[torch.Tensor]:

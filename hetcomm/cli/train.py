@@ -35,6 +35,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=None, help="experts per MoE layer")
     p.add_argument("--replicate", dest="replicate", action="store_true", default=None, help="replicate hot experts on strong ranks")
     p.add_argument("--no-replicate", dest="replicate", action="store_false", help="no hot-expert replication")
+    p.add_argument("--calibrate", dest="calibrate", action="store_true", default=None, help="load-aware gate calibration (default on)")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false", help="plain top-k gate")
     p.add_argument("--wire-dtype", choices=("auto", "fp32", "fp16", "bf16"), default=None, help="dtype of routed activations on the wire")
     p.add_argument("--backend", choices=("hetcomm", "gloo"), default=None, help="process-group backend")
     p.add_argument("--nprocs", type=int, default=None, help="local ranks to spawn (default: the cluster's rank count)")
@@ -50,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         experts=args.experts,
         replicate=args.replicate,
+        calibrate=args.calibrate,
         wire_dtype=args.wire_dtype,
         backend=args.backend,
         seed=args.seed,

@@ -53,7 +53,7 @@ class MoEConfig:
         calibrate: load-aware gate calibration on (switchable at run time through
             ``layer.gate.calibrator.enabled``).
         calibration_strength: initial per-expert calibration weight. 1.5: on a gate whose top-5
-            experts take 92% of picks it settles at ~58% top-5 share (1.0 gives ~68%).
+            experts take 91% of picks it settles at ~58% top-5 share (1.0 gives ~67%).
         wire_dtype: ``auto`` (the cluster's per-link policy; FP32 without a cluster) or
             ``fp32``/``fp16``/``bf16`` for every pair.
         num_chunks: chunks of the pipelined dispatch/combine (1 = no pipelining).

@@ -42,6 +42,7 @@ class TrainConfig:
         batch_size / seq_len: per-rank sequences per step and their length.
         lr: AdamW learning rate.
         replicate: hot-expert replication on strong ranks.
+        calibrate: load-aware gate calibration.
         wire_dtype: ``auto`` (the cluster's per-link policy) or ``fp32``/``fp16``/``bf16``.
         backend: process-group backend (``hetcomm``; ``gloo`` for comparison).
         seed: seed of the model and of the data streams (rank r uses ``seed + r``).
@@ -59,6 +60,7 @@ class TrainConfig:
     seq_len: int = 32
     lr: float = 3e-3
     replicate: bool = True
+    calibrate: bool = True
     wire_dtype: str = "auto"
     backend: str = "hetcomm"
     seed: int = 0
@@ -186,10 +188,10 @@ def _spawned(rank: int, world_size: int, cfg: TrainConfig, result) -> None:
 def _split_parameters(model: torch.nn.Module):
     """(dense, expert) trainable parameters: experts and replicas are not data parallel."""
     dense, expert = [], []
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if not p.requires_grad:
             continue  # e.g. the frozen calibration weights
-        (expert if (".experts." in name or ".replicator." in name) else dense).append(p)
+        (expert if getattr(p, "hetcomm_expert", False) else dense).append(p)
     return dense, expert
 
 
@@ -246,6 +248,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
             expert=expert_factory,
             cluster=cluster,
             replicate=cfg.replicate,
+            calibrate=cfg.calibrate,
             wire_dtype=cfg.wire_dtype,
             seed=cfg.seed * 1000 + layer_index,
         )
@@ -338,9 +341,10 @@ class _Progress:
         rail_now = _rail_bytes()
         per_rail = {r: (b - self.last_bytes.get(r, 0)) / max(steps, 1) for r, b in rail_now.items()}
         self.last_t, self.last_step, self.last_bytes = now, step, rail_now
-        st = model.moe_layers[0].last_stats or {}
-        top5 = st.get("top5_share")
-        replicas = st.get("num_replicas", st.get("replicas"))
+        st = model.moe_layers[0].step_stats()
+        top5 = st.get("global_top5_share", st.get("top5_share"))
+        replicas = st.get("replicas")
+        replicas = list(replicas) if replicas is not None else None
         frac = step / self.cfg.steps
         bar = "#" * int(frac * 20) + "." * (20 - int(frac * 20))
         rails = " ".join(f"{r}:{_fmt_bytes(b)}" for r, b in sorted(per_rail.items())) or "-"
@@ -369,9 +373,9 @@ def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tok
     # "Well below the unigram baseline": at least half-way from the baseline to the optimum.
     target = unigram - 0.5 * (unigram - optimum)
     ok = last <= target
-    rails = hetcomm_stats_total()
+    rails = _rail_bytes()
     layer = model.moe_layers[0]
-    st = layer.last_stats or {}
+    st = layer.step_stats()
     rows = [
         ("ranks", f"{world_size} ({', '.join(sorted({cluster.rank(r).model for r in range(world_size)}))}; labels on CPU)"),
         ("steps", f"{cfg.steps} in {elapsed:.1f} s"),
@@ -380,19 +384,29 @@ def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tok
         ("unigram baseline", f"{unigram:.3f}  (best context-free predictor)"),
         ("achievable optimum", f"{optimum:.3f}  (the chain's conditional entropy)"),
         ("verdict", ("PASS: " if ok else "FAIL: ") + f"last loss {'<=' if ok else '>'} {target:.3f} (half-way to optimum)"),
-        ("replication", "on" if cfg.replicate else "off"),
+        ("replication / calibration", f"{'on' if cfg.replicate else 'off'} / {'on' if cfg.calibrate else 'off'}"),
         ("wire dtype", cfg.wire_dtype),
     ]
     for rail, c in sorted(rails.items()):
         rows.append((f"rank0 sent over {rail}", f"{_fmt_bytes(c)} ({_fmt_bytes(c / cfg.steps)}/step)"))
-    for key in ("top5_share", "min_expert_share", "overflow_rate", "local_fraction"):
-        if key in st and isinstance(st[key], (int, float)):
-            rows.append((f"layer0 {key}", f"{st[key]:.3f}"))
+    labels = {
+        "global_top5_share": "layer0 top-5 expert share",
+        "global_min_expert_rate": "layer0 least-used expert share",
+        "overflow_rate": "layer0 capacity overflow (rank0)",
+        "local_fraction": "layer0 tokens computed locally (rank0)",
+    }
+    for key, label in labels.items():
+        if isinstance(st.get(key), (int, float)):
+            rows.append((label, f"{st[key]:.1%}"))
+    if st.get("replicas") is not None:
+        rows.append(("layer0 replicas on rank0", f"{list(st['replicas'])} (hot: {list(st.get('hot_experts', []))})"))
+    if isinstance(st.get("a2a_bytes_sent"), (int, float)) and isinstance(st.get("a2a_bytes_sent_without_replication"), (int, float)):
+        rows.append((
+            "layer0 a2a bytes/step (rank0)",
+            f"{_fmt_bytes(st['a2a_bytes_sent'])} sent; {_fmt_bytes(st['a2a_bytes_sent_without_replication'])} without replication",
+        ))
     width = max(len(k) for k, _ in rows)
     text = "\n".join(["", "hetcomm train summary", "-" * (width + 40)] + [f"{k.ljust(width)}  {v}" for k, v in rows])
     return {"ok": ok, "text": text, "first": first, "last": last, "unigram": unigram, "optimum": optimum}
 
 
-def hetcomm_stats_total() -> Dict[str, int]:
-    """Bytes sent per rail by this process since the last reset."""
-    return _rail_bytes()

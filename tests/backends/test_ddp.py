@@ -9,7 +9,6 @@ from tests.backends.ranks import MIXED_MINI, run_ranks
 
 
 def train(rank: int, n: int) -> dict:
-    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -46,7 +46,17 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def equivalence(rank: int, world_size: int, cases: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
     """For each case, run MoELayer fwd+bwd on this rank's shard and compare with the reference."""
-    from hetcomm.moe import MoELayer
+    from hetcomm.moe import overlap
+
+    saved_min_piece_rows = overlap.MIN_PIECE_ROWS
+    try:
+        return _equivalence(rank, world_size, cases)
+    finally:
+        overlap.MIN_PIECE_ROWS = saved_min_piece_rows
+
+
+def _equivalence(rank: int, world_size: int, cases: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
+    from hetcomm.moe import MoELayer, overlap
 
     out: Dict[str, Dict[str, float]] = {}
     outputs: Dict[str, torch.Tensor] = {}
@@ -56,8 +66,6 @@ def equivalence(rank: int, world_size: int, cases: List[Dict[str, Any]]) -> Dict
         E = case.get("num_experts", 8)
         k = case.get("k", 2)
         cf = case.get("capacity_factor", 1.25)
-        from hetcomm.moe import overlap
-
         # 0: experts run per (source, expert) piece; a huge value: rows permuted expert-major.
         overlap.MIN_PIECE_ROWS = case.get("min_piece_rows", 10**9)
         layer = MoELayer(D_MODEL, E, k=k, capacity_factor=cf, calibrate=False, **kw)
@@ -315,3 +323,20 @@ def rebalance(rank: int, world_size: int) -> Dict[str, Any]:
         "out_diff": max(diffs),
         "param_diff": float((by_id(a) - by_id(b)).abs().max()),
     }
+
+
+def subgroups(rank: int, world_size: int) -> Dict[str, Any]:
+    """MoELayer over sub-groups {0,1} (two A100) and {2,3} (H800 + 910B) of the 4 ranks."""
+    from hetcomm.moe import MoELayer
+
+    # gloo sub-groups: the hetcomm backend (at the time of writing) refuses a sub-group when
+    # HETCOMM_CLUSTER names a 4-rank cluster ("cluster has 4 ranks but the job has 2").
+    g01 = dist.new_group([0, 1], backend="gloo")
+    g23 = dist.new_group([2, 3], backend="gloo")
+    mine = g01 if rank < 2 else g23
+    sub_rank = dist.get_rank(mine)
+    res = _equivalence(sub_rank, 2, [{"name": "sub", "kwargs": {"group": mine, "wire_dtype": "fp32"}}])["sub"]
+    layer = MoELayer(D_MODEL, 8, group=mine)  # wire from the cluster, by *global* rank pairs
+    res["auto_wire"] = layer.wire.names[0][1]
+    res["strong"] = layer.strong_ranks
+    return res

@@ -96,7 +96,9 @@ def test_four_ranks_match_reference_mixed_wire_uneven_placement():
     # The mixed wire moves fewer bytes than FP32 only on the pairs with the 910B.
     assert res[3]["auto"]["bytes_sent"] < res[3]["fp32"]["bytes_sent"]
     print("\nFP16-wire error vs FP32 wire (max |dy|, 4 ranks):",
-          {n: max(per[n]["vs_first_case"] for per in res) for n in ("auto", "fp16")})
+          {n: max(per[n]["vs_first_case"] for per in res) for n in ("auto", "fp16")},
+          "output max |y|:", max(per["fp32"]["out_scale"] for per in res),
+          "x-grad error vs reference:", {n: max(per[n]["x_grad"] for per in res) for n in ("fp32", "auto", "fp16")})
 
 
 @pytest.mark.timeout(240)
@@ -117,6 +119,9 @@ def test_replication_keeps_results_and_cuts_bytes_under_zipf():
           f"(-{cut3:.0%}), top-12 {total[12]} (-{cut12:.0%})")
     rails = {n: sum(r["bytes"][n]["rail_bytes_sent"] for r in res) for n in res[0]["bytes"]}
     print(f"hetcomm.stats() bytes sent over rails (all collectives of the step): {rails}")
+    if rails[0]:  # the hetcomm backend counts per rail (gloo does not): every collective counted,
+        # replica weight/grad all-reduces included, replication still moves fewer bytes
+        assert rails[12] < rails[3] < rails[0], rails
     assert cut12 >= 0.5, total
     assert 0.2 < cut3 < cut12, total
     # The layer's own "without replication" counter agrees with the run without replication.
@@ -127,14 +132,23 @@ def test_replication_keeps_results_and_cuts_bytes_under_zipf():
 
 
 def _global_history_and_wire(rank, world_size):
-    return cases.calibration_global(rank, world_size), cases.wire_exchange(rank, world_size)
+    return (
+        cases.calibration_global(rank, world_size),
+        cases.wire_exchange(rank, world_size),
+        cases.subgroups(rank, world_size),
+    )
 
 
 @pytest.mark.timeout(120)
-def test_calibration_history_is_global_and_each_pair_uses_its_wire_dtype():
+def test_calibration_history_is_global_and_each_pair_uses_its_wire_dtype_and_subgroups_work():
     both = run_ranks(_global_history_and_wire, world_size=4, backend=_backend(), cluster=MIXED_MINI, timeout=100)
+    # Sub-groups {0, 1} and {2, 3}: exact vs the reference; wires and strength by global rank.
+    for rank, b in enumerate(both):
+        _check_exact(f"subgroup rank {rank}", b[2])
+    assert [b[2]["auto_wire"] for b in both] == ["fp32", "fp32", "fp16", "fp16"]
+    assert [b[2]["strong"] for b in both] == [[0, 1], [0, 1], [0], [0]]
     res = [b[0] for b in both]
-    for rank, (_, wire) in enumerate(both):
+    for rank, (_, wire, _) in enumerate(both):
         for src, r in wire.items():
             if r["wire"] == "fp16":
                 assert r["fp16_rounded"] and not r["exact"], (rank, src, r)

@@ -18,8 +18,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hetcomm.backends.stats import record as _record
 from hetcomm.backends.rails.base import Rail, RailOp, Xfer
+from hetcomm.backends.stats import record as _record
 from hetcomm.errors import CollectiveError
 
 __all__ = ["BridgeRail"]

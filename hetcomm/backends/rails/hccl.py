@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Sequence
 
-from hetcomm.backends.rails.base import Rail, RailOp, Xfer
+from hetcomm.backends.rails.base import RailOp, Xfer
 from hetcomm.backends.rails.nccl import NcclRail, _CoalescedOp
 
 __all__ = ["HcclRail", "hccl_available"]

@@ -15,8 +15,8 @@ from typing import List, Sequence
 
 import torch
 
-from hetcomm.backends.stats import record as _record
 from hetcomm.backends.rails.base import Rail, RailOp, Xfer
+from hetcomm.backends.stats import record as _record
 from hetcomm.errors import CollectiveError
 
 __all__ = ["NcclRail", "nccl_available"]

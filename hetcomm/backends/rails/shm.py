@@ -37,8 +37,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from hetcomm.backends.stats import record as _record
 from hetcomm.backends.rails.base import Rail, RailOp, Xfer, as_bytes
+from hetcomm.backends.stats import record as _record
 from hetcomm.errors import CollectiveError
 
 __all__ = ["ShmRail", "shm_supported", "pid_alive", "SHM_DIR", "SHM_PREFIX"]

@@ -266,33 +266,45 @@ def _build_variants(cfg: BenchConfig, args, rank: int, hgroup, hgroup_nocheck=No
 
 # -- per-phase profile (--profile) ---------------------------------------------------------------
 class _PhaseClock:
-    """Adds wall seconds per ``"<stage> <phase>"`` while wrappers and hooks fire."""
+    """Adds wall and CPU seconds per ``"<stage> <phase>"`` while wrappers and hooks fire.
+
+    CPU seconds are this process's (``time.process_time``: every thread, hetcomm's rail threads
+    included); on a shared machine they say what a phase costs whatever the load.
+    """
 
     def __init__(self) -> None:
         self.stage = "fwd"
-        self.acc: Dict[str, float] = {}
+        self.wall: Dict[str, float] = {}
+        self.cpu: Dict[str, float] = {}
         self._undo: List[Callable[[], None]] = []
-        self._open: Dict[int, float] = {}
+        self._open: Dict[int, Any] = {}
 
-    def add(self, phase: str, seconds: float) -> None:
+    def reset(self) -> None:
+        self.wall, self.cpu = {}, {}
+
+    def add(self, phase: str, wall: float, cpu: float) -> None:
         key = f"{self.stage} {phase}"
-        self.acc[key] = self.acc.get(key, 0.0) + seconds
+        self.wall[key] = self.wall.get(key, 0.0) + wall
+        self.cpu[key] = self.cpu.get(key, 0.0) + cpu
+
+    def _timed(self, fn: Callable, phase: str) -> Callable:
+        def timed(*a, **kw):
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.add(phase, time.perf_counter() - t0, time.process_time() - c0)
+
+        return timed
 
     def wrap(self, owner: Any, attr: str, phase: str) -> None:
-        """Time every call of ``owner.attr`` (a module-level function or a module's forward)."""
+        """Time every call of ``owner.attr`` (a module-level function, a module's method, or a
+        static method of a class)."""
         import torch
 
         fn = getattr(owner, attr)
         raw = vars(owner).get(attr) if isinstance(owner, type) else None  # staticmethod object
-
-        def timed(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.add(phase, time.perf_counter() - t0)
-
-        setattr(owner, attr, timed)
+        setattr(owner, attr, self._timed(fn, phase))
         if isinstance(owner, torch.nn.Module):
             self._undo.append(lambda: delattr(owner, attr))  # unhide the class's method
         elif raw is not None:
@@ -303,16 +315,10 @@ class _PhaseClock:
     def wrap_apply(self, module: Any, cls_name: str, phase: str) -> None:
         """Time ``module.<cls_name>.apply`` (an autograd Function, forward and backward use)."""
         cls = getattr(module, cls_name)
-        clock = self
+        timed = self._timed(cls.apply, phase)
 
         class _Shim:
-            @staticmethod
-            def apply(*a):
-                t0 = time.perf_counter()
-                try:
-                    return cls.apply(*a)
-                finally:
-                    clock.add(phase, time.perf_counter() - t0)
+            apply = staticmethod(timed)
 
         setattr(module, cls_name, _Shim)
         self._undo.append(lambda: setattr(module, cls_name, cls))
@@ -321,12 +327,12 @@ class _PhaseClock:
         """Time each module's backward: from its output grads' arrival to its input grads'."""
         for m in modules:
             def pre(mod, grad_output):
-                self._open[id(mod)] = time.perf_counter()
+                self._open[id(mod)] = (time.perf_counter(), time.process_time())
 
             def post(mod, grad_input, grad_output):
-                t0 = self._open.pop(id(mod), None)
-                if t0 is not None:
-                    self.add(phase, time.perf_counter() - t0)
+                start = self._open.pop(id(mod), None)
+                if start is not None:
+                    self.add(phase, time.perf_counter() - start[0], time.process_time() - start[1])
 
             h1 = m.register_full_backward_pre_hook(pre)
             h2 = m.register_full_backward_hook(post)
@@ -340,18 +346,18 @@ class _PhaseClock:
 
 
 def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
-    """Per-phase seconds of one step of ``v`` on this rank (median over ``steps``).
+    """Per-phase wall and CPU seconds of one step of ``v`` on this rank (median over ``steps``).
 
     Phases are timed by wrapping the functions each layer calls (hetcomm: gate, ``plan_route``,
-    ``exchange_counts``, ``run_pipeline``, ``weighted_combine`` in ``hetcomm.moe.layer``, plus the
-    pipeline's own clocks for exposed communication and experts; DeepSpeed: gate,
+    ``exchange_counts``, the pipeline's all-to-all ``launch``/``wait`` and
+    ``ExpertBank.forward_sorted``, ``weighted_combine``; DeepSpeed: gate,
     ``_route_slots``/``_sparse_encode``, ``_AllToAll``, experts, ``_sparse_decode`` in
     ``deepspeed.moe.sharded_moe``) and, in backward, by hooks on every expert module and on the
-    all-to-all. ``rest`` is the stage's wall time minus the named phases (autograd bookkeeping,
-    the loss, the gate's and the permutations' gradients). A torch.profiler run adds the top
-    ops by self time. Nothing in either library is modified; the wrappers are removed after.
+    all-to-all's backward. ``rest`` is the stage's total minus the named phases (autograd
+    bookkeeping, the loss, the gradients of the gate, the gathers and the permutations). One
+    more step under torch.profiler lists the top ops by self time. Nothing in either library is
+    modified; the wrappers are removed afterwards.
     """
-    import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
@@ -360,11 +366,15 @@ def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
     if v.kind == "hetcomm":
         import hetcomm.moe.dispatch as D
         import hetcomm.moe.layer as L
+        import hetcomm.moe.overlap as O
 
         clock.wrap(m.gate, "forward", "gate")
         clock.wrap(L, "plan_route", "route")
         clock.wrap(L, "exchange_counts", "counts a2a")
-        clock.wrap(L, "run_pipeline", "pipeline")
+        clock.wrap(O, "launch", "a2a")
+        clock.wrap(O, "wait", "a2a")
+        clock.wrap(O, "expert_major_perm", "permute")
+        clock.wrap(m.experts, "forward_sorted", "experts")
         clock.wrap(L, "weighted_combine", "combine")
         # The backward of a dispatch/combine launch is the reverse exchange (launch + wait).
         clock.wrap(D._Launch, "backward", "a2a")
@@ -382,48 +392,51 @@ def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
         experts = list(dm.experts.deepspeed_experts)
     clock.time_backward_of(experts, "experts")
 
-    per_step: List[Dict[str, float]] = []
+    per_step: List[Dict[str, Any]] = []
     top_ops: Dict[str, float] = {}
     try:
         for i in range(steps + 1):
             with_prof = i == steps  # the last step only: the profiler's overhead stays out of the clocks
-            clock.acc = {}
+            clock.reset()
             dist.barrier()
             prof = profile(activities=[ProfilerActivity.CPU]) if with_prof else None
             if prof is not None:
                 prof.__enter__()
+            marks = [(time.perf_counter(), time.process_time())]
             clock.stage = "fwd"
-            t0 = time.perf_counter()
             loss = v.forward()
-            t1 = time.perf_counter()
+            marks.append((time.perf_counter(), time.process_time()))
             clock.stage = "bwd"
             loss.backward()
-            t2 = time.perf_counter()
+            marks.append((time.perf_counter(), time.process_time()))
             if prof is not None:
                 prof.__exit__(None, None, None)
                 for ev in prof.key_averages():
                     if not ev.key.startswith(("autograd::", "ProfilerStep")):
                         top_ops[ev.key] = ev.self_cpu_time_total * 1e-6
-                continue
-            row = dict(clock.acc)
-            if v.kind == "hetcomm":
-                st = m.step_stats()
-                pipe = row.pop("fwd pipeline", 0.0)
-                row["fwd a2a (exposed)"] = st["comm_exposed_s"]
-                row["fwd experts"] = st["expert_s"]
-                row["fwd permute"] = pipe - st["comm_exposed_s"] - st["expert_s"]
-            for stage, wall in (("fwd", t1 - t0), ("bwd", t2 - t1)):
-                named = sum(x for k, x in row.items() if k.startswith(stage + " "))
-                row[f"{stage} rest"] = wall - named
-                row[f"{stage} total"] = wall
-            row["step total"] = t2 - t0
-            per_step.append(row)
+            else:
+                row: Dict[str, Any] = {}
+                for j, stage in enumerate(("fwd", "bwd")):
+                    wall = marks[j + 1][0] - marks[j][0]
+                    cpu = marks[j + 1][1] - marks[j][1]
+                    named = [k for k in clock.wall if k.startswith(stage + " ")]
+                    for k in named:
+                        row[k] = (clock.wall[k], clock.cpu[k])
+                    row[f"{stage} rest"] = (wall - sum(clock.wall[k] for k in named),
+                                            cpu - sum(clock.cpu[k] for k in named))
+                    row[f"{stage} total"] = (wall, cpu)
+                row["step total"] = (marks[2][0] - marks[0][0], marks[2][1] - marks[0][1])
+                per_step.append(row)
             for p in v.params:
                 p.grad = None
     finally:
         clock.undo()
     keys = sorted({k for r in per_step for k in r})
-    phases = {k: statistics.median([r.get(k, 0.0) for r in per_step]) for k in keys}
+    phases = {
+        k: (statistics.median([r.get(k, (0.0, 0.0))[0] for r in per_step]),
+            statistics.median([r.get(k, (0.0, 0.0))[1] for r in per_step]))
+        for k in keys
+    }
     top = sorted(top_ops.items(), key=lambda kv: -kv[1])[:12]
     return {"phases": phases, "top_ops": top}
 
@@ -469,9 +482,13 @@ def _rank_main(rank: int, port: int, args, q) -> None:
             for i in order:
                 v, opt = variants[i], opts[i]
                 dist.barrier()
+                c0 = time.process_time()
                 t0 = time.perf_counter()
                 st = v.step()
                 dt = time.perf_counter() - t0
+                # CPU seconds of this process (all its threads: hetcomm's rail threads included).
+                # Against the wall time it says whether a variant's extra time is work or waiting.
+                st = dict(st, cpu_s=time.process_time() - c0)
                 slow = torch.tensor([dt if (v.timed_ranks is None or rank < v.timed_ranks) else 0.0])
                 dist.all_reduce(slow, op=dist.ReduceOp.MAX)
                 if opt is not None:
@@ -535,6 +552,13 @@ def run_group(args) -> Optional[Dict[int, Any]]:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MKL_NUM_THREADS"] = "1"
     os.environ.pop("HETCOMM_CLUSTER", None)
+    if args.malloc_reuse:
+        # glibc serves every allocation above its mmap threshold with a fresh mapping and gives it
+        # back on free, so each large temporary page-faults its memory in again (about 15 ms of
+        # CPU per 32 MiB tensor here). These keep freed memory on the heap for reuse. glibc reads
+        # them when a process starts: they apply to the spawned ranks, not to this process.
+        os.environ["MALLOC_MMAP_MAX_"] = "0"
+        os.environ["MALLOC_TRIM_THRESHOLD_"] = str(16 << 30)
     port = _free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -604,8 +628,9 @@ def summarize(results: Dict[int, Any], args) -> Dict[str, Any]:
                 from hetcomm.moe import expert_capacity
 
                 row["padded_rows"] = WORLD_SIZE * cfg.num_experts // WORLD_SIZE * max(4, expert_capacity(T, cfg.num_experts, K, CAPACITY_FACTOR))
-            ex = [e for r in range(WORLD_SIZE) for e in results[r][cfg_name]["extra"][name] if e]
-            for key in ("overflow_rate", "local_fraction", "a2a_bytes_sent", "comm_exposed_s", "expert_s", "forward_s"):
+            workers = range(2) if name == "floor x2" else range(WORLD_SIZE)
+            ex = [e for r in workers for e in results[r][cfg_name]["extra"][name] if e]
+            for key in ("overflow_rate", "local_fraction", "a2a_bytes_sent", "comm_exposed_s", "expert_s", "forward_s", "cpu_s"):
                 vals = [e[key] for e in ex if key in e]
                 if vals:
                     row[key] = med(vals)
@@ -659,6 +684,7 @@ def render(summary: Dict[str, Any], args, before: Dict[str, Any], after: Dict[st
         f"load average (1/5/15 min) {la0} before, {la1} after. torch {versions['torch']}, "
         f"deepspeed {versions['deepspeed']}, hetcomm {versions['hetcomm']}. 4 ranks x 1 thread, "
         f"{args.tokens} tokens/rank, k={K}, capacity factor {CAPACITY_FACTOR}, forward+backward, "
+        f"{'glibc mmap off (--malloc-reuse), ' if args.malloc_reuse else ''}"
         f"median of {args.runs} run(s) x {args.steps} timed rounds (each after {args.warmup} warm-up rounds)."
     )
     for cfg_name, s in summary.items():
@@ -669,8 +695,8 @@ def render(summary: Dict[str, Any], args, before: Dict[str, Any], after: Dict[st
             f"(targets: >= {c['min_vs_deepspeed']}x DeepSpeed, >= {c['min_vs_floor']}x floor)"
         )
         lines.append("")
-        lines.append("| variant | step ms (median) | min..max ms | tokens/s per rank | vs DeepSpeed | vs floor x4 | dropped | local | owned-expert rows r0/r1/r2/r3 |")
-        lines.append("|---|---|---|---|---|---|---|---|---|")
+        lines.append("| variant | step ms (median) | min..max ms | tokens/s per rank | vs DeepSpeed | vs floor x4 | CPU s/rank | dropped | local | owned-expert rows r0/r1/r2/r3 |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
         for name, r in s["rows"].items():
             scale = 2.0 if name == "floor x2" else 1.0
             lo, hi = (x * scale for x in r["spread"])
@@ -689,7 +715,7 @@ def render(summary: Dict[str, Any], args, before: Dict[str, Any], after: Dict[st
                 rows_txt = ""
             lines.append(
                 f"| {name} | {r['step_s'] * 1e3:.0f} | {lo * 1e3:.0f}..{hi * 1e3:.0f} | {r['tokens_per_s']:.0f} | "
-                f"{r['vs_deepspeed']:.2f}x | {vs_floor} | {drop} | {loc} | {rows_txt} |"
+                f"{r['vs_deepspeed']:.2f}x | {vs_floor} | {r.get('cpu_s', float('nan')):.2f} | {drop} | {loc} | {rows_txt} |"
             )
         het = s["rows"]["hetcomm"]
         lines.append("")
@@ -707,7 +733,7 @@ def render(summary: Dict[str, Any], args, before: Dict[str, Any], after: Dict[st
     return "\n".join(lines)
 
 
-_PHASE_ORDER = ["gate", "route", "counts a2a", "a2a", "a2a (exposed)", "experts", "permute", "combine", "rest", "total"]
+_PHASE_ORDER = ["gate", "route", "counts a2a", "a2a", "permute", "experts", "combine", "rest", "total"]
 
 
 def render_profile(results: Dict[int, Any], args) -> str:
@@ -725,16 +751,21 @@ def render_profile(results: Dict[int, Any], args) -> str:
             return ({"fwd": 0, "bwd": 1, "step": 2}[stage], _PHASE_ORDER.index(phase) if phase in _PHASE_ORDER else 99, k)
 
         lines.append("")
-        lines.append(f"**where the time goes, {cfg_name}** (ms per step, median of {args.profile} steps per rank; "
-                     f"mean over ranks, min..max)")
+        lines.append(f"**where the time goes, {cfg_name}**: wall ms / CPU ms of this rank's process per step "
+                     f"(median of {args.profile} steps on each rank, mean over the 4 ranks)")
         lines.append("")
         lines.append("| phase | " + " | ".join(names) + " |")
         lines.append("|---|" + "---|" * len(names))
         for k in sorted(keys, key=rank_key):
             cells = []
             for n in names:
-                vals = [p[n]["phases"][k] * 1e3 for p in profs if k in p[n]["phases"]]
-                cells.append(f"{sum(vals) / len(vals):.0f} ({min(vals):.0f}..{max(vals):.0f})" if vals else "")
+                vals = [p[n]["phases"][k] for p in profs if k in p[n]["phases"]]
+                if vals:
+                    wall = sum(x[0] for x in vals) / len(vals) * 1e3
+                    cpu = sum(x[1] for x in vals) / len(vals) * 1e3
+                    cells.append(f"{wall:.0f} / {cpu:.0f}")
+                else:
+                    cells.append("")
             lines.append(f"| {k} | " + " | ".join(cells) + " |")
         for n in names:
             lines.append("")
@@ -753,6 +784,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank (4096 for the table)")
     ap.add_argument("--zipf", action="store_true", help="add the Zipf(1.2)-routed variants, replication on and off")
     ap.add_argument("--json", metavar="PATH", help="also write every timing and the summary as JSON")
+    ap.add_argument("--malloc-reuse", action="store_true",
+                    help="run the ranks with glibc's mmap allocations off (freed memory is reused, no page faults)")
     ap.add_argument("--diagnose", action="store_true",
                     help="add hetcomm variants with 2-chunk pipelining and with the backend's split check off")
     ap.add_argument("--profile", type=int, default=0, metavar="N",

@@ -103,7 +103,7 @@ def drive(
             peers = sorted({p for o in pending for p in o.pending_peers()})
             rails = sorted({o.rail for o in pending})
             extra = diagnose(peers) if diagnose else ""
-            raise PeerTimeout(
+            err = PeerTimeout(
                 f"no answer from peer(s) {peers} over rail(s) {', '.join(rails)} within the group "
                 f"timeout{extra}; check that every rank calls the same collectives in the same order",
                 op=op,
@@ -111,8 +111,13 @@ def drive(
                 peer=peers[0] if peers else None,
                 rail=rails[0] if len(rails) == 1 else None,
             )
+            err.diagnosed = True
+            raise err
         idle = 0 if progressed else idle + 1
-        if idle and wakeup is not None and not any(o.needs_polling for o in pending):
+        if idle and all(hasattr(o, "block") for o in pending):
+            for o in pending:  # only thread-driven rails left: wait in this thread, no hand-off
+                o.block()
+        elif idle and wakeup is not None and not any(o.needs_polling for o in pending):
             wakeup.wait(min(0.05, max(0.0, deadline - time.monotonic())))
             wakeup.clear()
         elif idle:

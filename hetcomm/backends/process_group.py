@@ -10,7 +10,11 @@ One object per group. It owns:
 * the rails (``shm`` rings for same-node peers, the ``gloo`` rail, ``bridge``, and ``nccl`` /
   ``hccl`` created on first use) and the choice of rail per peer (:mod:`.select`);
 * one executor thread that runs the routed collectives (``all_to_all_single``, ``all_to_all``,
-  plans) one after another, in call order, so every pair's transfers stay in step.
+  plans) one after another, in call order, so every pair's transfers stay in step (a blocking
+  call with nothing queued runs inline on the caller's thread instead);
+* a second inner gloo group (``gloo1``) for the collectives the executor issues itself (split
+  checks and whole-step all-to-alls when every pair is on gloo): gloo matches collectives by
+  issue order, and only the executor's order is the same on every rank for those.
 
 Routed collectives first check split sizes across ranks (:mod:`.checks`), then move data; their
 Work raises the collective's error from ``wait()`` and from its future.
@@ -49,6 +53,7 @@ from hetcomm.backends.rails.bridge import BridgeRail
 from hetcomm.backends.rails.gloo import GlooRail
 from hetcomm.backends.rails.shm import ShmRail, shm_supported
 from hetcomm.backends.select import choose_rail, shm_possible
+from hetcomm.backends.stats import record as _record
 from hetcomm.backends.work import ChunkArrival, FutureWork, HetcommWork
 from hetcomm.errors import CollectiveError, PeerTimeout, UsageError
 
@@ -115,6 +120,10 @@ class HetcommProcessGroup(dist.ProcessGroup):
         # 10 % more, see _culprits) still ends within the timeout the user gave.
         self._inner_timeout = timedelta(seconds=timeout.total_seconds() * 0.75)
         self._gloo = ProcessGroupGloo(PrefixStore("hetcomm/gloo0/", store), rank, size, self._inner_timeout)
+        # A second gloo group for the collectives the executor thread issues (split checks and
+        # whole-step all-to-alls): gloo matches collectives by issue order, and the executor
+        # runs jobs in call order on every rank, while gloo0 takes the caller's collectives.
+        self._gloo_x = ProcessGroupGloo(PrefixStore("hetcomm/gloo1/", store), rank, size, self._inner_timeout)
         # C++ callers of methods the 2.13 trampoline does not forward land on this backend.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
         if torch.cuda.is_available():
@@ -140,6 +149,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         self._bridge = BridgeRail(rank, lambda peer: me._bridge_transport(peer), lambda peer, dt: me._wire_dtype(peer, dt))
         self._device_rails: Dict[str, Rail] = {}
         self._routes: Dict[str, List[str]] = {}
+        self._uniform_gloo: Optional[bool] = None
         self._jobs: "queue.Queue" = queue.Queue()
         self._exec_lock = threading.Lock()
         self._pending_lock = threading.Lock()
@@ -336,16 +346,16 @@ class HetcommProcessGroup(dist.ProcessGroup):
     def _blame(self, e: CollectiveError, seq: int) -> CollectiveError:
         """Re-aim a rail error at the rank really at fault: a survivor that failed and exited
         first closes its sockets too, and must not be blamed for the crash of another rank."""
-        if isinstance(e, PeerTimeout) or getattr(e, "diagnosed", False):
-            return e  # already diagnosed
+        if getattr(e, "diagnosed", False):
+            return e
         ranks, text = self._culprits(seq)
         if not ranks or e.peer in ranks:
-            out = CollectiveError(f"{str(e).split(': ', 1)[-1]}{text}", op=e.op, rank=e.rank, peer=e.peer, rail=e.rail)
+            out = type(e)(f"{str(e).split(': ', 1)[-1]}{text}", op=e.op, rank=e.rank, peer=e.peer, rail=e.rail)
         else:
             culprit = ranks[0]
             names = self.rail_names("cpu")
             rail = names[culprit] if culprit < len(names) else e.rail
-            out = CollectiveError(
+            out = type(e)(
                 f"peer failed{text} (first symptom: {str(e).split(': ', 1)[-1]})", op=e.op, rank=e.rank, peer=culprit, rail=rail
             )
         out.diagnosed = True
@@ -363,6 +373,14 @@ class HetcommProcessGroup(dist.ProcessGroup):
         always arrives ahead of the data it describes.
         """
         n, me = self.size(), self.rank()
+        if self._every_pair_on_gloo():
+            # All peers over TCP anyway: gloo's all_gather is one hand-off instead of 2(n-1) waits.
+            out = [torch.empty_like(meta) for _ in range(n)]
+            try:
+                self._gloo_x.allgather([out], [meta]).wait()
+            except Exception as e:
+                raise CollectiveError(f"the split-size exchange failed: {e}", op=op, rank=me, rail="gloo") from e
+            return checks.check_meta(op, me, out, unit)
         bufs = [meta if r == me else torch.empty_like(meta) for r in range(n)]
         tag = tag_for(seq, 0x1FFF)
         sends = [Xfer(p, meta, tag) for p in range(n) if p != me]
@@ -421,6 +439,10 @@ class HetcommProcessGroup(dist.ProcessGroup):
                 self._run_plan(plan, dst, src, op, seq, deadline)
                 for j in range(n):
                     w._arrived(ChunkArrival(j, sum(out_splits[:j]), out_splits[j]))
+            elif input.device.type == "cpu" and self._every_pair_on_gloo():
+                self._gloo_all_to_all(dst, src, out_splits, in_splits, row_bytes, op, seq)
+                for j in range(n):
+                    w._arrived(ChunkArrival(j, sum(out_splits[:j]), out_splits[j]))
             else:
                 direct_all_to_all(
                     dst, src, out_splits, in_splits, me, rail_of, self.options.chunk_bytes, op, seq,
@@ -433,6 +455,39 @@ class HetcommProcessGroup(dist.ProcessGroup):
                     w._arrived(ChunkArrival(j, sum(out_splits[:j]), out_splits[j]))
 
         return self._submit(job, work, _is_async(opts))
+
+    def _every_pair_on_gloo(self) -> bool:
+        """True when every pair of the group (not just this rank's) uses the gloo rail for CPU
+        tensors; every rank computes the same answer from the same placement and options."""
+        if self._uniform_gloo is None:
+            from hetcomm.backends.select import choose_rail
+
+            n = self.size()
+            shm = shm_supported() and (self.options.rails is None or "shm" in self.options.rails)
+            self._uniform_gloo = all(
+                choose_rail(self.placement, a, b, "cpu", self.options.rails, shm_ok=shm) == "gloo"
+                for a in range(n) for b in range(n) if a != b
+            )
+        return self._uniform_gloo
+
+    def _gloo_all_to_all(self, dst, src, out_splits, in_splits, row_bytes: int, op: str, seq: int) -> None:
+        """Every pair is on the gloo rail: one gloo all-to-all carries the whole step (gloo's own
+        pairwise exchange, no per-chunk Python work). Splits were checked already."""
+        t0 = time.perf_counter()
+        try:
+            self._gloo_x.alltoall_base(dst, src, list(out_splits), list(in_splits), dist.AllToAllOptions()).wait()
+        except Exception as e:
+            raise CollectiveError(f"gloo all-to-all failed: {e}", op=op, rank=self.rank(), rail="gloo") from e
+        me = self.rank()
+        _record(
+            "gloo",
+            bytes_sent=sum(c for j, c in enumerate(in_splits) if j != me) * row_bytes,
+            bytes_received=sum(c for j, c in enumerate(out_splits) if j != me) * row_bytes,
+            chunks_sent=sum(1 for j, c in enumerate(in_splits) if j != me and c),
+            chunks_received=sum(1 for j, c in enumerate(out_splits) if j != me and c),
+            seconds_busy=time.perf_counter() - t0,
+            ops=1,
+        )
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         """Pre-2.13 name of :meth:`all_to_all_single` (the trampoline tries both)."""

@@ -19,13 +19,19 @@ import torch
 
 from hetcomm.backends.rails.base import Rail, RailOp, Xfer, as_bytes
 from hetcomm.backends.stats import record as _record
-from hetcomm.errors import CollectiveError
+from hetcomm.errors import CollectiveError, PeerTimeout
 
 __all__ = ["GlooRail"]
 
 
+_claim_lock = threading.Lock()
+
+
 class _Pending:
-    __slots__ = ("peer", "is_send", "xfer", "work", "done", "error")
+    """One gloo Work. gloo's p2p completions are counted, so exactly one thread may wait on a
+    Work: whoever :meth:`claim` s it first (the executor or the peer's waiter thread)."""
+
+    __slots__ = ("peer", "is_send", "xfer", "work", "done", "error", "claimed", "finished")
 
     def __init__(self, peer: int, is_send: bool, xfer: Xfer, work):
         self.peer = peer
@@ -34,6 +40,27 @@ class _Pending:
         self.work = work
         self.done = False
         self.error: Optional[BaseException] = None
+        self.claimed = False
+        self.finished = threading.Event()
+
+    def claim(self) -> bool:
+        with _claim_lock:
+            if self.claimed:
+                return False
+            self.claimed = True
+            return True
+
+    def wait_once(self) -> None:
+        """Wait for the Work (if claimed here) or for whoever claimed it."""
+        if self.claim():
+            try:
+                self.work.wait()  # releases the GIL while gloo moves the bytes
+            except BaseException as e:  # reported by poll() on the executor thread
+                self.error = e
+            self.done = True
+            self.finished.set()
+        else:
+            self.finished.wait()
 
 
 class _GlooOp(RailOp):
@@ -46,6 +73,16 @@ class _GlooOp(RailOp):
         self.progressed = False
         self.arrived_xfers: List[Xfer] = []
 
+    def block(self) -> None:
+        """Wait for every transfer in this thread (gloo releases the GIL), in posting order.
+
+        Used by the executor when nothing else needs polling: it saves the hand-off through the
+        waiter threads. gloo bounds each wait by the group timeout.
+        """
+        for it in self.items:
+            if not it.done:
+                it.wait_once()
+
     def poll(self) -> bool:
         still = []
         for it in self.items:
@@ -53,6 +90,11 @@ class _GlooOp(RailOp):
                 still.append(it)
                 continue
             if it.error is not None:
+                if "Timed out" in str(it.error):
+                    raise PeerTimeout(
+                        f"{'send to' if it.is_send else 'receive from'} peer timed out: {it.error}",
+                        op=self.op, rank=self.rank, peer=it.peer, rail=self.rail,
+                    ) from it.error
                 raise CollectiveError(
                     f"{'send to' if it.is_send else 'receive from'} peer failed: {it.error}",
                     op=self.op,
@@ -106,12 +148,14 @@ class GlooRail(Rail):
             it = q.get()
             if it is None:
                 return
-            try:
-                it.work.wait()  # releases the GIL while gloo moves the bytes
-            except BaseException as e:  # reported by poll() on the executor thread
-                it.error = e
-            it.done = True
-            wakeup.set()
+            if it.claim():
+                try:
+                    it.work.wait()  # releases the GIL while gloo moves the bytes
+                except BaseException as e:  # reported by poll() on the executor thread
+                    it.error = e
+                it.done = True
+                it.finished.set()
+                wakeup.set()
 
     def start(self, sends: Sequence[Xfer], recvs: Sequence[Xfer], op: str, seq: int) -> RailOp:
         items = []

@@ -55,7 +55,7 @@ from hetcomm.backends.rails.shm import ShmRail, shm_supported
 from hetcomm.backends.select import choose_rail, shm_possible
 from hetcomm.backends.stats import record as _record
 from hetcomm.backends.work import ChunkArrival, FutureWork, HetcommWork
-from hetcomm.errors import CollectiveError, PeerTimeout, UsageError
+from hetcomm.errors import CollectiveError, UsageError
 
 __all__ = ["HetcommProcessGroup"]
 
@@ -383,8 +383,8 @@ class HetcommProcessGroup(dist.ProcessGroup):
             return checks.check_meta(op, me, out, unit)
         bufs = [meta if r == me else torch.empty_like(meta) for r in range(n)]
         tag = tag_for(seq, 0x1FFF)
-        sends = [Xfer(p, meta, tag) for p in range(n) if p != me]
-        recvs = [Xfer(p, bufs[p], tag) for p in range(n) if p != me]
+        sends = [Xfer(p, meta, tag, control=True) for p in range(n) if p != me]
+        recvs = [Xfer(p, bufs[p], tag, control=True) for p in range(n) if p != me]
         ops = start_step(sends, recvs, self._rail_of("cpu"), op, seq)
         drive(ops, self._deadline(), f"{op} (split check)", me, self._diagnose_for(seq), wakeup=self._wakeup)
         return checks.check_meta(op, me, bufs, unit)

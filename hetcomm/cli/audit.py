@@ -49,7 +49,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         metavar="BYTES",
         help="all-to-all size per rank for the estimate, e.g. 64M, 1G (default 64M)",
     )
+    p.add_argument(
+        "--bench",
+        action="store_true",
+        help="also measure all-to-all here with `hetcomm bench` (1M..16M per rank, local ranks: "
+        "the cluster's rank count with --cluster, else 4) and answer question (c) from it",
+    )
     return p
+
+
+def _measure_alltoall(cluster_path, cluster) -> str:
+    """Run ``hetcomm bench alltoall -b 1M -e 16M -f 4 -n 5`` on local ranks; the nccl-tests table."""
+    from hetcomm.cli._benchlib import BenchConfig, format_table, run_local
+
+    num_ranks = cluster.num_ranks if cluster is not None else 4
+    config = BenchConfig(
+        "alltoall", minbytes=1 << 20, maxbytes=16 << 20, stepfactor=4, iters=5, warmup_iters=1,
+        cluster=cluster_path,
+    )
+    print(f"hetcomm audit: measuring all-to-all on {num_ranks} local ranks (hetcomm bench)...", file=sys.stderr)
+    return format_table(run_local(config, num_ranks))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,6 +77,14 @@ def run(args: argparse.Namespace) -> int:
 
     size_bytes = parse_size(args.size)  # bad --size fails before any work
     topo, cluster = load_topology(args)
+    if args.bench:
+        from hetcomm.topo.parse import parse_text
+
+        table = _measure_alltoall(args.cluster, cluster)
+        measured = parse_text(table, "<hetcomm bench>", fmt="nccl-tests")
+        for m in measured.measurements:
+            m.source = "hetcomm bench (measured here)"
+        topo.measurements.extend(measured.measurements)
     report = run_audit(topo, cluster, size_bytes=size_bytes)  # type: ignore[arg-type]
     if args.plot:
         plot_heatmap(topo, args.plot)

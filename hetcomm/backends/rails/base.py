@@ -29,11 +29,13 @@ class Xfer:
         peer: the other end (rank in the group).
         tensor: contiguous tensor to send from, or to receive into; any shape and dtype.
         tag: a number both ends compute the same way (the gloo rail uses it as the message tag).
+        control: a control message (the split check), left out of ``hetcomm.stats()``.
     """
 
     peer: int
     tensor: torch.Tensor
     tag: int = 0
+    control: bool = False
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

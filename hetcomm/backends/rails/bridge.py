@@ -34,10 +34,10 @@ def _staging(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _BridgeOp(RailOp):
     rail = "bridge"
 
-    def __init__(self, inner: List[RailOp], unstage: List[Tuple[int, torch.Tensor, torch.Tensor]], op: str, rank: int):
+    def __init__(self, inner: List[RailOp], unstage: List[Tuple[int, torch.Tensor, torch.Tensor, bool]], op: str, rank: int):
         self.inner = inner
         self.needs_polling = any(o.needs_polling for o in inner)
-        self.unstage = unstage  # (peer, host buffer, destination)
+        self.unstage = unstage  # (peer, host buffer, destination, is control message)
         self.op = op
         self.rank = rank
         self.progressed = False
@@ -64,12 +64,13 @@ class _BridgeOp(RailOp):
         return not still
 
     def finish(self) -> None:
-        for peer, host, dst in self.unstage:
+        for peer, host, dst, control in self.unstage:
             try:
                 dst.copy_(host, non_blocking=False)  # host -> device, wire dtype -> tensor dtype
             except RuntimeError as e:
                 raise CollectiveError(f"copy from the host staging buffer failed: {e}", op=self.op, rank=self.rank, peer=peer, rail="bridge") from e
-            _record("bridge", bytes_received=host.nbytes, chunks_received=1)
+            if not control:
+                _record("bridge", bytes_received=host.nbytes, chunks_received=1)
         _record("bridge", seconds_busy=time.perf_counter() - self.t0, ops=1)
 
     def pending_peers(self) -> List[int]:
@@ -113,12 +114,13 @@ class BridgeRail(Rail):
         unstage = []
         for x in recvs:
             host = _staging(x.tensor, self._wire(x.peer, x.tensor.dtype))
-            slot(x.peer)[2].append(Xfer(x.peer, host, x.tag))
-            unstage.append((x.peer, host, x.tensor))
+            slot(x.peer)[2].append(Xfer(x.peer, host, x.tag, x.control))
+            unstage.append((x.peer, host, x.tensor, x.control))
         for x in sends:
             host = _staging(x.tensor, self._wire(x.peer, x.tensor.dtype))
             host.copy_(x.tensor)  # device -> pinned host, tensor dtype -> wire dtype
-            slot(x.peer)[1].append(Xfer(x.peer, host, x.tag))
-            _record("bridge", bytes_sent=host.nbytes, chunks_sent=1)
+            slot(x.peer)[1].append(Xfer(x.peer, host, x.tag, x.control))
+            if not x.control:
+                _record("bridge", bytes_sent=host.nbytes, chunks_sent=1)
         inner = [rail.start(s, r, op, seq) for rail, s, r in groups.values()]
         return _BridgeOp(inner, unstage, op, self.rank)

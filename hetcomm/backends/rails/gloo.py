@@ -72,6 +72,7 @@ class _GlooOp(RailOp):
         self.t0 = time.perf_counter()
         self.progressed = False
         self.arrived_xfers: List[Xfer] = []
+        self.control_only = all(it.xfer.control for it in items)
 
     def block(self) -> None:
         """Wait for every transfer in this thread (gloo releases the GIL), in posting order.
@@ -103,7 +104,9 @@ class _GlooOp(RailOp):
                     rail=self.rail,
                 ) from it.error
             nbytes = it.xfer.tensor.nbytes
-            if it.is_send:
+            if it.xfer.control:
+                pass
+            elif it.is_send:
                 _record(self.rail, bytes_sent=nbytes, chunks_sent=1)
             else:
                 _record(self.rail, bytes_received=nbytes, chunks_received=1)
@@ -111,7 +114,8 @@ class _GlooOp(RailOp):
         self.progressed = len(still) < len(self.items)
         self.items = still
         if not still:
-            _record(self.rail, seconds_busy=time.perf_counter() - self.t0, ops=1)
+            if not self.control_only:
+                _record(self.rail, seconds_busy=time.perf_counter() - self.t0, ops=1)
             return True
         return False
 

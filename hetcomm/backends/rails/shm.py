@@ -182,6 +182,7 @@ class _ShmOp(RailOp):
         for c in cursors:
             self.queues.setdefault((c.peer, c.sending), deque()).append(c)
         self.arrived_xfers: List[Xfer] = []
+        self.control_only = all(c.xfer.control for c in cursors)
         self.progressed = False
         self.t0 = time.perf_counter()
         self.last_progress = self.t0
@@ -200,7 +201,9 @@ class _ShmOp(RailOp):
                         break
                     q.popleft()
                     n = c.payload.numel()
-                    if c.sending:
+                    if c.xfer.control:
+                        pass
+                    elif c.sending:
                         _record("shm", bytes_sent=n, chunks_sent=1)
                     else:
                         _record("shm", bytes_received=n, chunks_received=1)
@@ -213,7 +216,8 @@ class _ShmOp(RailOp):
         self.progressed = progressed
         now = time.perf_counter()
         if not self.queues:
-            _record("shm", seconds_busy=now - self.t0, ops=1)
+            if not self.control_only:
+                _record("shm", seconds_busy=now - self.t0, ops=1)
             return True
         if progressed:
             self.last_progress = now

@@ -15,6 +15,9 @@ one MoE layer step (forward + backward of ``mean(y^2) + 0.01 * l_aux``) of:
     hetcomm -plan    the same with plan="flat"                       (gain (a): the plan)
     hetcomm -fp16    the same with wire_dtype="fp32"                  (gain (b): the wire dtype)
     hetcomm -rep     the same with replicate=False                    (gain (c): replication)
+    hetcomm -rep -plan, hetcomm -rep -fp16
+                     without replication, the plan or the wire dtype also off (the same two
+                     attributions measured from the replication-free configuration)
     hetcomm bare     flat plan, FP32 wire, no replication: what is left is the layer itself
                      (uneven, unpadded all-to-all of the kept copies only)
 
@@ -68,7 +71,8 @@ WORLD_SIZE = 4
 K = 2
 CAPACITY_FACTOR = 1.25
 ZIPF_S = 1.2
-VARIANTS = ("deepspeed", "hetcomm", "hetcomm -plan", "hetcomm -fp16", "hetcomm -rep", "hetcomm bare")
+VARIANTS = ("deepspeed", "hetcomm", "hetcomm -plan", "hetcomm -fp16", "hetcomm -rep",
+            "hetcomm -rep -plan", "hetcomm -rep -fp16", "hetcomm bare")
 
 
 @dataclass(frozen=True)
@@ -252,6 +256,8 @@ def _rank_main(args) -> int:
     add_hetcomm("hetcomm -plan", g_flat, wire_dtype="auto", replicate=True)
     add_hetcomm("hetcomm -fp16", g_plan, wire_dtype="fp32", replicate=True)
     add_hetcomm("hetcomm -rep", g_plan, wire_dtype="auto", replicate=False)
+    add_hetcomm("hetcomm -rep -plan", g_flat, wire_dtype="auto", replicate=False)
+    add_hetcomm("hetcomm -rep -fp16", g_plan, wire_dtype="fp32", replicate=False)
     add_hetcomm("hetcomm bare", g_flat, wire_dtype="fp32", replicate=False)
 
     names = list(VARIANTS)
@@ -404,6 +410,11 @@ def render(summary: Dict[str, Any], args, before, after, versions) -> str:
     for n, what in (("hetcomm -plan", f"plan ({args.plan} vs flat)"), ("hetcomm -fp16", "FP16 wire across vendors"),
                     ("hetcomm -rep", "hot-expert replication")):
         lines.append(f"- {what}: turning it off alone makes the step {rows[n]['slowdown_vs_full']:.2f}x the full one.")
+    base = rows["hetcomm -rep"]["step_s"]
+    lines.append(f"Without replication (hetcomm -rep = {rows['hetcomm -rep']['speedup_vs_deepspeed']:.2f}x DeepSpeed):")
+    for n, what in (("hetcomm -rep -plan", f"plan ({args.plan} vs flat)"), ("hetcomm -rep -fp16", "FP16 wire across vendors"),
+                    ("hetcomm bare", "both")):
+        lines.append(f"- {what}: turning it off makes the step {rows[n]['step_s'] / base:.2f}x that of hetcomm -rep.")
     z = summary["routing"]
     lines.append(f"Routing check: expert 0 took {z['top1_share']:.1%} of first choices (Zipf: {z['zipf_top1']:.1%}), "
                  f"total variation from Zipf({ZIPF_S}) {z['total_variation']:.3f}; hot set {summary['hot_experts']}.")

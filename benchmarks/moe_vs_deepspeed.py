@@ -188,7 +188,7 @@ def _build_variants(cfg: BenchConfig, args, rank: int, hgroup, hgroup_nocheck=No
         capacity = max(4, expert_capacity(T, E, K, CAPACITY_FACTOR))
 
         def forward():
-            xi = x.clone().requires_grad_(True)
+            xi = x.detach().requires_grad_(True)  # a fresh leaf, no copy
             y, l_aux, exp_counts = moe(xi)
             last["exp_counts"] = exp_counts
             return loss_of(y, l_aux)
@@ -207,7 +207,7 @@ def _build_variants(cfg: BenchConfig, args, rank: int, hgroup, hgroup_nocheck=No
                 layer.gate.wg.weight.copy_(zipf_gate_weight(E, D))
 
         def forward():
-            xi = x.clone().requires_grad_(True)
+            xi = x.detach().requires_grad_(True)  # a fresh leaf, no copy
             return loss_of(layer(xi), layer.l_aux)
 
         def stats() -> Dict[str, Any]:
@@ -235,7 +235,7 @@ def _build_variants(cfg: BenchConfig, args, rank: int, hgroup, hgroup_nocheck=No
         def forward():
             if rank >= workers:
                 return None
-            return sum(m(xx.clone().requires_grad_(True)).square().mean() for m, xx in zip(mods, xs))
+            return sum(m(xx.detach().requires_grad_(True)).square().mean() for m, xx in zip(mods, xs))
 
         params = [p for m in mods for p in m.parameters()]
         out.append(_Variant(name, "floor", forward, params, timed_ranks=workers))

@@ -31,15 +31,28 @@ from hetcomm.backends.rails.base import Rail, RailOp, Xfer, as_bytes
 from hetcomm.errors import PeerTimeout
 from hetcomm.sched.plan import Plan
 
-__all__ = ["chunk_rows", "direct_all_to_all", "execute_plan", "drive", "TAG_BASE"]
+__all__ = ["chunk_rows", "direct_all_to_all", "execute_plan", "drive", "TAG_BASE", "meta_tag"]
 
 #: Internal gloo tags start here; user send/recv tags below it never collide with ours.
 TAG_BASE = 1 << 30
 
 
+#: Bits of a tag that number the transfers of one collective. A plan of 80 ranks has ~16k
+#: transfers; 20 bits keep them distinct up to 1M. Past that, tags wrap, which stays correct
+#: because both ends post one pair's transfers in the same order and rails match in order.
+_INDEX_BITS = 20
+#: Index reserved for the split-check metadata message of a collective.
+META_INDEX = (1 << _INDEX_BITS) - 1
+
+
 def tag_for(seq: int, index: int) -> int:
     """The tag of transfer ``index`` of collective ``seq`` (same on both ends, < 2**31)."""
-    return TAG_BASE + (((seq & 0xFFFF) << 13) | (index & 0x1FFF))
+    return TAG_BASE + (((seq & 0x3FF) << _INDEX_BITS) | (index % META_INDEX))
+
+
+def meta_tag(seq: int) -> int:
+    """The tag of collective ``seq``'s split-check message (never a transfer's tag)."""
+    return TAG_BASE + (((seq & 0x3FF) << _INDEX_BITS) | META_INDEX)
 
 
 def chunk_rows(num_rows: int, row_bytes: int, chunk_bytes: int) -> List[Tuple[int, int]]:

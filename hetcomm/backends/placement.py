@@ -133,6 +133,9 @@ def build_placement(
         ConfigError: the YAML cannot be loaded or does not have as many ranks as the job.
         torch.distributed.DistStoreError: a rank did not publish its entry within ``timeout``.
     """
+    # An empty list means the default group, which must match the cluster exactly; a subgroup
+    # (new_group) names its global ranks and may cover part of the cluster.
+    is_default_group = not list(global_ranks)
     global_ranks = list(global_ranks) or list(range(group_size))
     vendor, model = local_device_kind()
     mine = {"host": socket.gethostname(), "pid": os.getpid(), "vendor": vendor, "model": model}
@@ -145,7 +148,7 @@ def build_placement(
     if cluster_path:
         cluster = load_cluster(cluster_path)
         world = max(global_ranks) + 1
-        if cluster.num_ranks < world or (global_ranks == list(range(group_size)) and cluster.num_ranks != group_size):
+        if cluster.num_ranks < world or (is_default_group and cluster.num_ranks != group_size):
             raise ConfigError(
                 f"cluster '{cluster.name}' has {cluster.num_ranks} ranks but the job has "
                 f"{max(world, group_size)}; launch with --nproc-per-node/WORLD_SIZE={cluster.num_ranks} "

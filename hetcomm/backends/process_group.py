@@ -43,6 +43,7 @@ from hetcomm.backends.executor import (
     direct_all_to_all,
     drive,
     execute_plan,
+    meta_tag,
     start_step,
     tag_for,
 )
@@ -382,7 +383,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
                 raise CollectiveError(f"the split-size exchange failed: {e}", op=op, rank=me, rail="gloo") from e
             return checks.check_meta(op, me, out, unit)
         bufs = [meta if r == me else torch.empty_like(meta) for r in range(n)]
-        tag = tag_for(seq, 0x1FFF)
+        tag = meta_tag(seq)
         sends = [Xfer(p, meta, tag, control=True) for p in range(n) if p != me]
         recvs = [Xfer(p, bufs[p], tag, control=True) for p in range(n) if p != me]
         ops = start_step(sends, recvs, self._rail_of("cpu"), op, seq)

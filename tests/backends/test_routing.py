@@ -95,6 +95,10 @@ def routing(rank: int, n: int) -> dict:
         ys = torch.empty(6)
         dist.all_to_all_single(ys, xs, group=sub)
         out["sub_a2a"] = ys
+    # a subgroup whose ranks are a prefix of the cluster (global 0, 1 = the two A100s)
+    pair = dist.new_group([0, 1], backend="hetcomm", pg_options=HetcommOptions(rails=ALL_RAILS))
+    if rank < 2:
+        out["pair_rails"] = hetcomm_group(pair).rail_names("cpu")
     # plans: planner strategies through the options, and a hand-made 2-stage relay plan
     ref_group = dist.new_group(backend="gloo")
     for strategy in ("hier", "multirail", "flat"):
@@ -132,6 +136,7 @@ def test_rails_stats_logging_subgroups_and_plans():
     # the subgroup maps group ranks to global ranks: global 1 (A100) -> 2 (H800) gloo, -> 3 bridge
     assert outs[1]["sub_rails"] == ["self", "gloo", "bridge"]
     assert outs[3]["sub_rails"] == ["bridge", "bridge", "self"]
+    assert outs[0]["pair_rails"] == ["self", "shm"] and outs[1]["pair_rails"] == ["shm", "self"]
     assert torch.equal(outs[2]["sub_a2a"], torch.tensor([12.0, 13.0, 22.0, 23.0, 32.0, 33.0]))
     # one log record per group creation, naming rails, link classes and labels
     log = "\n".join(outs[1]["log"])

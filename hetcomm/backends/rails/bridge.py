@@ -114,13 +114,22 @@ class BridgeRail(Rail):
         unstage = []
         for x in recvs:
             host = _staging(x.tensor, self._wire(x.peer, x.tensor.dtype))
-            slot(x.peer)[2].append(Xfer(x.peer, host, x.tag, x.control))
+            # control=True: the host rail carries the staged bytes but must not count them;
+            # they are the bridge's bytes, counted once, under "bridge".
+            slot(x.peer)[2].append(Xfer(x.peer, host, x.tag, control=True))
             unstage.append((x.peer, host, x.tensor, x.control))
         for x in sends:
             host = _staging(x.tensor, self._wire(x.peer, x.tensor.dtype))
             host.copy_(x.tensor)  # device -> pinned host, tensor dtype -> wire dtype
-            slot(x.peer)[1].append(Xfer(x.peer, host, x.tag, x.control))
+            slot(x.peer)[1].append(Xfer(x.peer, host, x.tag, control=True))
             if not x.control:
                 _record("bridge", bytes_sent=host.nbytes, chunks_sent=1)
-        inner = [rail.start(s, r, op, seq) for rail, s, r in groups.values()]
+        inner = []
+        for rail, s, r in groups.values():
+            try:
+                inner.append(rail.start(s, r, op, seq))
+            except CollectiveError as e:
+                raise CollectiveError(
+                    f"(host transport {rail.name}) {str(e).split(': ', 1)[-1]}", op=op, rank=self.rank, peer=e.peer, rail="bridge"
+                ) from e
         return _BridgeOp(inner, unstage, op, self.rank)

@@ -163,11 +163,24 @@ class GlooRail(Rail):
 
     def start(self, sends: Sequence[Xfer], recvs: Sequence[Xfer], op: str, seq: int) -> RailOp:
         items = []
+
+        def post(x: Xfer, is_send: bool) -> None:
+            try:
+                fn = self.gloo.send if is_send else self.gloo.recv
+                items.append(_Pending(x.peer, is_send, x, fn([as_bytes(x.tensor)], x.peer, x.tag)))
+            except RuntimeError as e:
+                # gloo refuses to post at once when the pair's connection is already broken
+                # (the peer died during an earlier step): same error as a failed transfer.
+                raise CollectiveError(
+                    f"{'send to' if is_send else 'receive from'} peer failed: {e}",
+                    op=op, rank=self.rank, peer=x.peer, rail=self.name,
+                ) from e
+
         # Receives first: a posted receive lets gloo land the bytes straight in the tensor.
         for x in recvs:
-            items.append(_Pending(x.peer, False, x, self.gloo.recv([as_bytes(x.tensor)], x.peer, x.tag)))
+            post(x, False)
         for x in sends:
-            items.append(_Pending(x.peer, True, x, self.gloo.send([as_bytes(x.tensor)], x.peer, x.tag)))
+            post(x, True)
         for it in items:
             self._waiter(it.peer).put(it)
         return _GlooOp(self.rank, items, op, self.name)

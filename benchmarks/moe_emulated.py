@@ -42,7 +42,7 @@ slowest rank's. After every step (untimed) an SGD step with lr=0 bumps weight ve
 replication pays its per-step replica refresh as in training while routing stays stationary.
 Per run: median of the timed steps; the table gives the median over runs and the range.
 
-    .venv-bench/bin/python benchmarks/moe_emulated.py --runs 3      # root; about 6 minutes
+    .venv-bench/bin/python benchmarks/moe_emulated.py --runs 3      # root; 6-7 minutes at load 6-12
 
 Device kinds are labels (all ranks are CPU processes); the links (shaped veths, TCP) and the
 transports (gloo, hetcomm's shm and gloo rails) are real. The emulation is torn down on exit,
@@ -60,9 +60,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timedelta
-from typing import Any, Callable, Dict, List, Optional
+from datetime import datetime, timedelta, timezone
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -71,8 +72,16 @@ WORLD_SIZE = 4
 K = 2
 CAPACITY_FACTOR = 1.25
 ZIPF_S = 1.2
-VARIANTS = ("deepspeed", "hetcomm", "hetcomm -plan", "hetcomm -fp16", "hetcomm -rep",
-            "hetcomm -rep -plan", "hetcomm -rep -fp16", "hetcomm bare")
+VARIANTS = (
+    "deepspeed",
+    "hetcomm",
+    "hetcomm -plan",
+    "hetcomm -fp16",
+    "hetcomm -rep",
+    "hetcomm -rep -plan",
+    "hetcomm -rep -fp16",
+    "hetcomm bare",
+)
 
 
 @dataclass(frozen=True)
@@ -139,19 +148,30 @@ class LinkBytes:
 
         self.classes = [cluster.link_class(rank, p).name for p in range(WORLD_SIZE)]
         self.rank = rank
-        self.counts: Dict[str, int] = {}
+        self.counts: dict[str, int] = {}
         self._orig = dist.all_to_all_single
 
-        def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        def counted(
+            output,
+            input,
+            output_split_sizes=None,
+            input_split_sizes=None,
+            group=None,
+            async_op=False,
+        ):
             self._add(input, input_split_sizes)
-            return self._orig(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+            return self._orig(
+                output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+            )
 
         orig_all_reduce = dist.all_reduce
 
         def counted_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
             # Replica refresh and gradient sums go through the inner gloo, which hetcomm.stats()
             # does not see: count each call's tensor bytes (what every rank contributes).
-            self.counts["all_reduce"] = self.counts.get("all_reduce", 0) + tensor.numel() * tensor.element_size()
+            self.counts["all_reduce"] = (
+                self.counts.get("all_reduce", 0) + tensor.numel() * tensor.element_size()
+            )
             return orig_all_reduce(tensor, op=op, group=group, async_op=async_op)
 
         # Both libraries look the functions up on the module at call time, so this sees every call.
@@ -166,9 +186,11 @@ class LinkBytes:
         splits = list(splits) if splits else [rows // WORLD_SIZE] * WORLD_SIZE
         for p, n in enumerate(splits):
             if p != self.rank and n:
-                self.counts[self.classes[p]] = self.counts.get(self.classes[p], 0) + int(n) * row_bytes
+                self.counts[self.classes[p]] = (
+                    self.counts.get(self.classes[p], 0) + int(n) * row_bytes
+                )
 
-    def take(self) -> Dict[str, int]:
+    def take(self) -> dict[str, int]:
         out, self.counts = self.counts, {}
         return out
 
@@ -176,15 +198,20 @@ class LinkBytes:
 def _expert(model_dim: int, hidden_dim: int):
     from torch import nn
 
-    return nn.Sequential(nn.Linear(model_dim, hidden_dim), nn.GELU(), nn.Linear(hidden_dim, model_dim))
+    return nn.Sequential(
+        nn.Linear(model_dim, hidden_dim), nn.GELU(), nn.Linear(hidden_dim, model_dim)
+    )
 
 
 def _rank_main(args) -> int:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     if world != WORLD_SIZE:
-        print(f"moe_emulated: rank {rank}: WORLD_SIZE={world}, this benchmark needs {WORLD_SIZE} "
-              f"(mixed-mini)", file=sys.stderr)
+        print(
+            f"moe_emulated: rank {rank}: WORLD_SIZE={world}, this benchmark needs {WORLD_SIZE} "
+            f"(mixed-mini)",
+            file=sys.stderr,
+        )
         return 2
     os.environ["DS_ACCELERATOR"] = "cpu"
     import torch
@@ -205,8 +232,12 @@ def _rank_main(args) -> int:
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, timeout=timeout)
     cluster = load_cluster(os.environ["HETCOMM_CLUSTER"])
-    g_plan = dist.new_group(backend="hetcomm", timeout=timeout, pg_options=HetcommOptions(plan=args.plan))
-    g_flat = dist.new_group(backend="hetcomm", timeout=timeout, pg_options=HetcommOptions(plan="flat"))
+    g_plan = dist.new_group(
+        backend="hetcomm", timeout=timeout, pg_options=HetcommOptions(plan=args.plan)
+    )
+    g_flat = dist.new_group(
+        backend="hetcomm", timeout=timeout, pg_options=HetcommOptions(plan="flat")
+    )
     counter = LinkBytes(rank, cluster)
 
     shape = LayerShape(args.num_experts, args.model_dim, args.hidden_dim, args.tokens)
@@ -218,18 +249,24 @@ def _rank_main(args) -> int:
     def loss_of(y, l_aux):
         return y.float().square().mean() + 0.01 * l_aux
 
-    layers: Dict[str, Any] = {}
-    steps: Dict[str, Callable[[], Dict[str, Any]]] = {}
+    layers: dict[str, Any] = {}
+    steps: dict[str, Callable[[], dict[str, Any]]] = {}
 
     torch.manual_seed(7)
-    ds = MoE(hidden_size=D, expert=_expert(D, F), num_experts=E, ep_size=WORLD_SIZE, k=K,
-             capacity_factor=CAPACITY_FACTOR)
+    ds = MoE(
+        hidden_size=D,
+        expert=_expert(D, F),
+        num_experts=E,
+        ep_size=WORLD_SIZE,
+        k=K,
+        capacity_factor=CAPACITY_FACTOR,
+    )
     ds.set_deepspeed_parallelism()
     with torch.no_grad():
         ds.deepspeed_moe.gate.wg.weight.copy_(gate_w)
     layers["deepspeed"] = ds
 
-    def ds_step() -> Dict[str, Any]:
+    def ds_step() -> dict[str, Any]:
         y, l_aux, _ = ds(x.clone().requires_grad_(True))
         loss_of(y, l_aux).backward()
         return {}
@@ -237,18 +274,32 @@ def _rank_main(args) -> int:
     steps["deepspeed"] = ds_step
 
     def add_hetcomm(name: str, group, **options) -> None:
-        layer = MoELayer(D, E, k=K, capacity_factor=CAPACITY_FACTOR, expert=_expert(D, F), group=group,
-                         cluster=cluster, calibrate=False, replicate_every=1, **options)
+        layer = MoELayer(
+            D,
+            E,
+            k=K,
+            capacity_factor=CAPACITY_FACTOR,
+            expert=_expert(D, F),
+            group=group,
+            cluster=cluster,
+            calibrate=False,
+            replicate_every=1,
+            **options,
+        )
         with torch.no_grad():
             layer.gate.wg.weight.copy_(gate_w)
         layers[name] = layer
 
-        def step() -> Dict[str, Any]:
+        def step() -> dict[str, Any]:
             y = layer(x.clone().requires_grad_(True))
             loss_of(y, layer.l_aux).backward()
             st = layer.step_stats()
-            return {"overflow_rate": st["overflow_rate"], "local_fraction": st["local_fraction"],
-                    "fwd_a2a_bytes_sent": st["a2a_bytes_sent"], "replicas": len(st["replicas"])}
+            return {
+                "overflow_rate": st["overflow_rate"],
+                "local_fraction": st["local_fraction"],
+                "fwd_a2a_bytes_sent": st["a2a_bytes_sent"],
+                "replicas": len(st["replicas"]),
+            }
 
         steps[name] = step
 
@@ -262,8 +313,9 @@ def _rank_main(args) -> int:
 
     names = list(VARIANTS)
     opts = {n: torch.optim.SGD(layers[n].parameters(), lr=0.0) for n in names}
-    rec: Dict[str, Dict[str, List[Any]]] = {n: {"step_s": [], "link_bytes": [], "rail_bytes": [], "stats": []}
-                                            for n in names}
+    rec: dict[str, dict[str, list[Any]]] = {
+        n: {"step_s": [], "link_bytes": [], "rail_bytes": [], "stats": []} for n in names
+    }
     with torch.no_grad():
         first = layers["hetcomm"].gate(x).topk_idx[:, 0]
     first_counts = torch.bincount(first, minlength=E).tolist()
@@ -287,18 +339,36 @@ def _rank_main(args) -> int:
             if rnd >= args.warmup:
                 rec[n]["step_s"].append(float(slow))
                 rec[n]["link_bytes"].append(link)
-                rec[n]["rail_bytes"].append({
-                    r: rails1[r]["bytes_sent"] - rails0.get(r, {}).get("bytes_sent", 0) for r in rails1
-                })
+                rec[n]["rail_bytes"].append(
+                    {
+                        r: rails1[r]["bytes_sent"] - rails0.get(r, {}).get("bytes_sent", 0)
+                        for r in rails1
+                    }
+                )
                 rec[n]["stats"].append(st)
         if rank == 0:
-            done = " ".join(f"{n}={1e3 * rec[n]['step_s'][-1]:.0f}ms" for n in names) if rnd >= args.warmup else ""
-            print(f"  round {rnd + 1}/{rounds}{' (warm-up)' if rnd < args.warmup else ''} {done}",
-                  file=sys.stderr, flush=True)
+            done = (
+                " ".join(f"{n}={1e3 * rec[n]['step_s'][-1]:.0f}ms" for n in names)
+                if rnd >= args.warmup
+                else ""
+            )
+            print(
+                f"  round {rnd + 1}/{rounds}{' (warm-up)' if rnd < args.warmup else ''} {done}",
+                file=sys.stderr,
+                flush=True,
+            )
     with open(os.path.join(args.worker_out, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "node": os.environ.get("HETCOMM_EMULATE_NODE"),
-                   "device": cluster.rank(rank).device_name, "first_choice_counts": first_counts,
-                   "hot_experts": layers["hetcomm"].step_stats()["hot_experts"], "variants": rec}, f)
+        json.dump(
+            {
+                "rank": rank,
+                "node": os.environ.get("HETCOMM_EMULATE_NODE"),
+                "device": cluster.rank(rank).device_name,
+                "first_choice_counts": first_counts,
+                "hot_experts": layers["hetcomm"].step_stats()["hot_experts"],
+                "variants": rec,
+            },
+            f,
+        )
     dist.barrier()
     # Every result is on disk. Exit without tearing the groups down: on this machine a rank
     # sometimes aborts in teardown ("terminate called without an active exception", seen on the
@@ -309,36 +379,49 @@ def _rank_main(args) -> int:
 
 
 # -- parent side ---------------------------------------------------------------------------------
-def machine_info() -> Dict[str, Any]:
+def machine_info() -> dict[str, Any]:
     """Host, CPUs, load average and date: what every table carries."""
     model = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+            model = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model
+            )
     except OSError:
         pass
-    return {"host": platform.node(), "nproc": os.cpu_count(), "cpu": model,
-            "date": datetime.utcnow().strftime("%Y-%m-%d %H:%M"), "loadavg": os.getloadavg()}
+    return {
+        "host": platform.node(),
+        "nproc": os.cpu_count(),
+        "cpu": model,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "loadavg": os.getloadavg(),
+    }
 
 
 def _hetcomm_cli(*argv: str, timeout: float, capture: bool = False) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hetcomm", "emulate", *argv], cwd=REPO, timeout=timeout,
-                          stdout=subprocess.PIPE if capture else None, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "hetcomm", "emulate", *argv],
+        cwd=REPO,
+        timeout=timeout,
+        check=False,
+        stdout=subprocess.PIPE if capture else None,
+        text=True,
+    )
 
 
-def summarize(runs: List[Dict[int, Any]], shape: LayerShape) -> Dict[str, Any]:
+def summarize(runs: list[dict[int, Any]], shape: LayerShape) -> dict[str, Any]:
     """Per variant: median over runs of the per-run median step time; bytes per link class."""
     med = statistics.median
-    rows: Dict[str, Dict[str, Any]] = {}
+    rows: dict[str, dict[str, Any]] = {}
     for n in VARIANTS:
         per_run = [med(res[0]["variants"][n]["step_s"]) for res in runs]
         # Bytes per step summed over the 4 ranks, median over all timed steps of all runs.
-        link_steps: List[Dict[str, int]] = []
-        rail_steps: List[Dict[str, int]] = []
+        link_steps: list[dict[str, int]] = []
+        rail_steps: list[dict[str, int]] = []
         for res in runs:
             for i in range(len(res[0]["variants"][n]["link_bytes"])):
-                tot: Dict[str, int] = {}
-                rails: Dict[str, int] = {}
+                tot: dict[str, int] = {}
+                rails: dict[str, int] = {}
                 for r in range(WORLD_SIZE):
                     for c, b in res[r]["variants"][n]["link_bytes"][i].items():
                         tot[c] = tot.get(c, 0) + b
@@ -348,9 +431,16 @@ def summarize(runs: List[Dict[int, Any]], shape: LayerShape) -> Dict[str, Any]:
                 rail_steps.append(rails)
         classes = sorted({c for s in link_steps for c in s})
         rail_names = sorted({c for s in rail_steps for c in s})
-        stats = [s for res in runs for r in range(WORLD_SIZE) for s in res[r]["variants"][n]["stats"] if s]
+        stats = [
+            s
+            for res in runs
+            for r in range(WORLD_SIZE)
+            for s in res[r]["variants"][n]["stats"]
+            if s
+        ]
         row = {
-            "step_s": med(per_run), "run_medians_s": per_run,
+            "step_s": med(per_run),
+            "run_medians_s": per_run,
             "link_bytes": {c: med([s.get(c, 0) for s in link_steps]) for c in classes},
             "rail_bytes": {c: med([s.get(c, 0) for s in rail_steps]) for c in rail_names},
         }
@@ -363,90 +453,153 @@ def summarize(runs: List[Dict[int, Any]], shape: LayerShape) -> Dict[str, Any]:
     for row in rows.values():
         row["speedup_vs_deepspeed"] = ds / row["step_s"]
         row["slowdown_vs_full"] = row["step_s"] / full
-    counts = [sum(runs[0][r]["first_choice_counts"][e] for r in range(WORLD_SIZE)) for e in range(shape.num_experts)]
+    counts = [
+        sum(runs[0][r]["first_choice_counts"][e] for r in range(WORLD_SIZE))
+        for e in range(shape.num_experts)
+    ]
     want = zipf_probs(shape.num_experts).tolist()
     seen = [c / sum(counts) for c in counts]
-    return {"rows": rows, "routing": {"top1_share": seen[0], "zipf_top1": want[0],
-                                      "total_variation": sum(abs(a - b) for a, b in zip(seen, want)) / 2},
-            "hot_experts": runs[-1][0]["hot_experts"]}
+    return {
+        "rows": rows,
+        "routing": {
+            "top1_share": seen[0],
+            "zipf_top1": want[0],
+            "total_variation": sum(abs(a - b) for a, b in zip(seen, want)) / 2,
+        },
+        "hot_experts": runs[-1][0]["hot_experts"],
+    }
 
 
-def render(summary: Dict[str, Any], args, before, after, versions) -> str:
+def render(summary: dict[str, Any], args, before, after, versions) -> str:
     """The markdown table and the attribution lines."""
     rows = summary["rows"]
-    classes = sorted({c for r in rows.values() for c in r["link_bytes"]} - {"all_reduce"}) + ["all_reduce"]
-    lines = [
-        f"Machine: `{before['host']}`, {before['nproc']} CPUs ({before['cpu']}), {before['date']} UTC; load "
-        f"average (1/5/15 min) {' / '.join(f'{v:.1f}' for v in before['loadavg'])} before, "
-        f"{' / '.join(f'{v:.1f}' for v in after['loadavg'])} after. torch {versions['torch']}, deepspeed "
+    classes = sorted({c for r in rows.values() for c in r["link_bytes"]} - {"all_reduce"}) + [
+        "all_reduce"
+    ]
+    la0 = " / ".join(f"{v:.1f}" for v in before["loadavg"])
+    la1 = " / ".join(f"{v:.1f}" for v in after["loadavg"])
+    header = (
+        f"Machine: `{before['host']}`, {before['nproc']} CPUs ({before['cpu']}), {before['date']} UTC; "
+        f"load average (1/5/15 min) {la0} before, {la1} after. torch {versions['torch']}, deepspeed "
         f"{versions['deepspeed']}. Emulated `{os.path.basename(args.cluster)}` at scale {args.scale:g} "
-        f"(200 Gb/s port -> {200e3 * args.scale:.0f} Mbit/s, bridge {100e3 * args.scale:.0f} Mbit/s); device kinds are "
-        f"labels. E={args.num_experts} D={args.model_dim} F={args.hidden_dim}, {args.tokens} tokens/rank, k={K}, "
-        f"capacity factor {CAPACITY_FACTOR}, Zipf({ZIPF_S}) routing; {args.runs} runs x {args.steps} timed rounds "
-        f"(after {args.warmup} warm-up), step = max over ranks; cell = median over runs of the run's median "
-        f"[range of run medians].",
+        f"(200 Gb/s port -> {200e3 * args.scale:.0f} Mbit/s, bridge {100e3 * args.scale:.0f} Mbit/s); "
+        f"device kinds are labels. E={args.num_experts} D={args.model_dim} F={args.hidden_dim}, "
+        f"{args.tokens} tokens/rank, k={K}, capacity factor {CAPACITY_FACTOR}, Zipf({ZIPF_S}) routing; "
+        f"{args.runs} runs x {args.steps} timed rounds (after {args.warmup} warm-up), step = max over "
+        f"ranks; cell = median over runs of the run's median [range of run medians]."
+    )
+    byte_cols = [f"a2a KB/step {c}" if c != "all_reduce" else "all_reduce KB/step" for c in classes]
+    lines = [
+        header,
         "",
         "| variant | step ms | vs DeepSpeed | vs full hetcomm | "
-        + " | ".join(f"a2a KB/step {c}" if c != "all_reduce" else "all_reduce KB/step" for c in classes)
+        + " | ".join(byte_cols)
         + " | rail KB/step (hetcomm.stats) | dropped | local |",
         "|---|---|---|---|" + "---|" * len(classes) + "---|---|---|",
     ]
     for n, r in rows.items():
         rng = f"{min(r['run_medians_s']) * 1e3:.0f}-{max(r['run_medians_s']) * 1e3:.0f}"
         rails = ", ".join(f"{c} {b / 1e3:.0f}" for c, b in r["rail_bytes"].items() if b) or "-"
+        link = " | ".join(f"{r['link_bytes'].get(c, 0) / 1e3:.0f}" for c in classes)
+        if "overflow_rate" in r:
+            tail = f"{rails} | {r['overflow_rate']:.1%} | {r['local_fraction']:.2f}"
+        else:  # DeepSpeed: no hetcomm rails, no step_stats
+            tail = "- | | "
         lines.append(
             f"| {n} | {r['step_s'] * 1e3:.0f} [{rng}] | {r['speedup_vs_deepspeed']:.2f}x | "
-            f"{r['slowdown_vs_full']:.2f}x | "
-            + " | ".join(f"{r['link_bytes'].get(c, 0) / 1e3:.0f}" for c in classes)
-            + f" | {rails} | {r['overflow_rate']:.1%} | {r['local_fraction']:.2f} |"
-            if "overflow_rate" in r else
-            f"| {n} | {r['step_s'] * 1e3:.0f} [{rng}] | {r['speedup_vs_deepspeed']:.2f}x | "
-            f"{r['slowdown_vs_full']:.2f}x | "
-            + " | ".join(f"{r['link_bytes'].get(c, 0) / 1e3:.0f}" for c in classes) + " | - | | |"
+            f"{r['slowdown_vs_full']:.2f}x | {link} | {tail} |"
         )
     full = rows["hetcomm"]["speedup_vs_deepspeed"]
     lines.append("")
-    lines.append(f"hetcomm / DeepSpeed = {full:.2f}x (target >= 2x: {'met' if full >= 2.0 else 'MISSED'}).")
-    for n, what in (("hetcomm -plan", f"plan ({args.plan} vs flat)"), ("hetcomm -fp16", "FP16 wire across vendors"),
-                    ("hetcomm -rep", "hot-expert replication")):
-        lines.append(f"- {what}: turning it off alone makes the step {rows[n]['slowdown_vs_full']:.2f}x the full one.")
+    lines.append(
+        f"hetcomm / DeepSpeed = {full:.2f}x (target >= 2x: {'met' if full >= 2.0 else 'MISSED'})."
+    )
+    for n, what in (
+        ("hetcomm -plan", f"plan ({args.plan} vs flat)"),
+        ("hetcomm -fp16", "FP16 wire across vendors"),
+        ("hetcomm -rep", "hot-expert replication"),
+    ):
+        lines.append(
+            f"- {what}: turning it off alone makes the step {rows[n]['slowdown_vs_full']:.2f}x the full one."
+        )
     base = rows["hetcomm -rep"]["step_s"]
-    lines.append(f"Without replication (hetcomm -rep = {rows['hetcomm -rep']['speedup_vs_deepspeed']:.2f}x DeepSpeed):")
-    for n, what in (("hetcomm -rep -plan", f"plan ({args.plan} vs flat)"), ("hetcomm -rep -fp16", "FP16 wire across vendors"),
-                    ("hetcomm bare", "both")):
-        lines.append(f"- {what}: turning it off makes the step {rows[n]['step_s'] / base:.2f}x that of hetcomm -rep.")
+    lines.append(
+        f"Without replication (hetcomm -rep = {rows['hetcomm -rep']['speedup_vs_deepspeed']:.2f}x DeepSpeed):"
+    )
+    for n, what in (
+        ("hetcomm -rep -plan", f"plan ({args.plan} vs flat)"),
+        ("hetcomm -rep -fp16", "FP16 wire across vendors"),
+        ("hetcomm bare", "both"),
+    ):
+        lines.append(
+            f"- {what}: turning it off makes the step {rows[n]['step_s'] / base:.2f}x that of hetcomm -rep."
+        )
     z = summary["routing"]
-    lines.append(f"Routing check: expert 0 took {z['top1_share']:.1%} of first choices (Zipf: {z['zipf_top1']:.1%}), "
-                 f"total variation from Zipf({ZIPF_S}) {z['total_variation']:.3f}; hot set {summary['hot_experts']}.")
+    lines.append(
+        f"Routing check: expert 0 took {z['top1_share']:.1%} of first choices (Zipf: {z['zipf_top1']:.1%}), "
+        f"total variation from Zipf({ZIPF_S}) {z['total_variation']:.3f}; hot set {summary['hot_experts']}."
+    )
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--cluster", default=DEFAULT_CLUSTER, help="cluster YAML (4 ranks)")
     ap.add_argument("--scale", type=float, default=1e-3, help="emulated link rate factor")
-    ap.add_argument("--plan", default="hier", help="hetcomm's plan for the full variant (hier, auto, multirail)")
-    ap.add_argument("--runs", type=int, default=3, help="fresh rank processes one after another (>= 3)")
-    ap.add_argument("--steps", type=int, default=4, help="timed rounds per run, every variant once per round")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first (>= 1: replication's hot set)")
+    ap.add_argument(
+        "--plan", default="hier", help="hetcomm's plan for the full variant (hier, auto, multirail)"
+    )
+    ap.add_argument(
+        "--runs", type=int, default=3, help="fresh rank processes one after another (>= 3)"
+    )
+    ap.add_argument(
+        "--steps", type=int, default=4, help="timed rounds per run, every variant once per round"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=2, help="untimed rounds first (>= 1: replication's hot set)"
+    )
     ap.add_argument("--num-experts", type=int, default=16)
     ap.add_argument("--model-dim", type=int, default=256)
     ap.add_argument("--hidden-dim", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
     ap.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
-    ap.add_argument("--worker-out", help=argparse.SUPPRESS)  # set by the parent for the rank processes
+    ap.add_argument(
+        "--worker-out", help=argparse.SUPPRESS
+    )  # set by the parent for the rank processes
     args = ap.parse_args(argv)
     if args.worker_out:
         return _rank_main(args)
     if args.runs < 1 or args.steps < 1 or args.warmup < 1:
         ap.error("--runs and --steps must be >= 1, --warmup >= 1")
     if args.model_dim < args.num_experts + 1 or args.num_experts % WORLD_SIZE:
-        ap.error("need --model-dim >= --num-experts + 1 and --num-experts divisible by 4 (DeepSpeed ep_size=4)")
+        ap.error(
+            "need --model-dim >= --num-experts + 1 and --num-experts divisible by 4 (DeepSpeed ep_size=4)"
+        )
     try:
         import deepspeed
     except ImportError as e:
-        print(f"moe_emulated: deepspeed is not importable ({e}); run with .venv-bench/bin/python", file=sys.stderr)
+        print(
+            f"moe_emulated: deepspeed is not importable ({e}); run with .venv-bench/bin/python",
+            file=sys.stderr,
+        )
+        return 2
+    from hetcomm.backends import HetcommOptions
+    from hetcomm.errors import ConfigError, HetcommError
+    from hetcomm.topo.cluster import load_cluster
+
+    try:
+        # Bad options fail here, before any namespace exists, not inside 4 ranks.
+        HetcommOptions(plan=args.plan)
+        if load_cluster(args.cluster).num_ranks != WORLD_SIZE:
+            raise ConfigError(
+                f"this benchmark needs a {WORLD_SIZE}-rank cluster YAML (mixed-mini); give --cluster",
+                path=args.cluster,
+            )
+    except HetcommError as e:
+        print(f"moe_emulated: {e}", file=sys.stderr)
         return 2
     import torch
 
@@ -454,13 +607,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     shape = LayerShape(args.num_experts, args.model_dim, args.hidden_dim, args.tokens)
     before = machine_info()
     t_start = time.monotonic()
-    up = _hetcomm_cli("up", "--cluster", args.cluster, "--scale", f"{args.scale:g}", "--json", timeout=120,
-                      capture=True)
+    up = _hetcomm_cli(
+        "up",
+        "--cluster",
+        args.cluster,
+        "--scale",
+        f"{args.scale:g}",
+        "--json",
+        timeout=120,
+        capture=True,
+    )
     if up.returncode != 0:
         print(f"moe_emulated: 'hetcomm emulate up' failed (exit {up.returncode})", file=sys.stderr)
         return up.returncode
     run_id = "hc" + json.loads(up.stdout)["run_id"]
-    runs: List[Dict[int, Any]] = []
+    runs: list[dict[int, Any]] = []
     tmp = tempfile.mkdtemp(prefix="moe_emulated.")
     try:
         for i in range(args.runs):
@@ -468,12 +629,32 @@ def main(argv: Optional[List[str]] = None) -> int:
             os.makedirs(out)
             print(f"moe_emulated: run {i + 1}/{args.runs} in {run_id}", file=sys.stderr, flush=True)
             worker = [sys.executable, os.path.abspath(__file__), "--worker-out", out]
-            for opt in ("plan", "num_experts", "model_dim", "hidden_dim", "tokens", "steps", "warmup", "timeout"):
+            for opt in (
+                "plan",
+                "num_experts",
+                "model_dim",
+                "hidden_dim",
+                "tokens",
+                "steps",
+                "warmup",
+                "timeout",
+            ):
                 worker += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
-            rc = _hetcomm_cli("run", "--id", run_id, "--timeout", str(args.timeout), "--", *worker,
-                              timeout=args.timeout + 60).returncode
+            rc = _hetcomm_cli(
+                "run",
+                "--id",
+                run_id,
+                "--timeout",
+                str(args.timeout),
+                "--",
+                *worker,
+                timeout=args.timeout + 60,
+            ).returncode
             if rc != 0:
-                print(f"moe_emulated: run {i + 1} failed (exit {rc}); see the rank log above", file=sys.stderr)
+                print(
+                    f"moe_emulated: run {i + 1} failed (exit {rc}); see the rank log above",
+                    file=sys.stderr,
+                )
                 return rc
             res = {}
             for r in range(WORLD_SIZE):
@@ -492,8 +673,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"\n({time.monotonic() - t_start:.0f} s)", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine_before": before, "machine_after": after, "versions": versions, "args": vars(args),
-                       "shape": asdict(shape), "summary": summary, "runs": runs}, f, indent=1)
+            json.dump(
+                {
+                    "machine_before": before,
+                    "machine_after": after,
+                    "versions": versions,
+                    "args": vars(args),
+                    "shape": asdict(shape),
+                    "summary": summary,
+                    "runs": runs,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

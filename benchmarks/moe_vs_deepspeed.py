@@ -723,6 +723,14 @@ def render(summary: Dict[str, Any], args, before: Dict[str, Any], after: Dict[st
             f"hetcomm / DeepSpeed = {het['vs_deepspeed']:.2f}x ({'met' if s['target_vs_deepspeed_met'] else 'MISSED'}), "
             f"hetcomm / floor x4 = {het['vs_floor']:.2f}x ({'met' if s['target_vs_floor_met'] else 'MISSED'})."
         )
+        rows = s["rows"]
+        if all("cpu_s" in rows[n] for n in ("hetcomm", "deepspeed", "floor x4")):
+            # Work per step, whatever share of the machine the run got: the load-robust view.
+            c_het, c_ds, c_floor = (rows[n]["cpu_s"] for n in ("hetcomm", "deepspeed", "floor x4"))
+            lines.append(
+                f"By CPU time per step (steadier on a shared machine): hetcomm / DeepSpeed = "
+                f"{c_ds / c_het:.2f}x, hetcomm / floor x4 = {c_floor / c_het:.2f}x."
+            )
         z = s["zipf_routing_check"]
         if z:
             lines.append(

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
 from hetcomm.errors import UsageError
 from hetcomm.topo.bandwidth import canonical_model, is_sxm_model, nvlink_links_for_model
 from hetcomm.topo.model import Device, Finding, Link, LinkClass, Nic, Topology
-from hetcomm.topo.probe import NVIDIA_PCI_MODELS
+from hetcomm.topo.pci_ids import NVIDIA_GPU_IDS
 
 if TYPE_CHECKING:  # pragma: no cover
     from hetcomm.topo.cluster import Cluster
@@ -261,7 +261,7 @@ def _pci_model(device: Device) -> Tuple[Optional[str], Optional[str]]:
     vendor, dev_id = device.pci_device_id.lower().split(":", 1)
     if vendor != "10de":
         return None, None
-    return NVIDIA_PCI_MODELS.get(dev_id, (None, None))
+    return NVIDIA_GPU_IDS.get(dev_id, (None, None))
 
 
 def _nv_count(link: Link) -> Optional[int]:

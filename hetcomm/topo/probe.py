@@ -34,56 +34,23 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from hetcomm.topo.bandwidth import nominal_gbps
 from hetcomm.topo.model import Device, Link, LinkClass, Nic, Topology
+from hetcomm.topo.pci_ids import (
+    ASCEND_IDS,
+    NVIDIA_GPU_IDS,
+    NVSWITCH_IDS,
+    PCI_VENDOR_HUAWEI,
+    PCI_VENDOR_NVIDIA,
+)
 
 __all__ = [
     "probe_local",
     "local_vendors",
     "pcie_path_class",
-    "NVIDIA_PCI_MODELS",
-    "NVSWITCH_PCI_IDS",
-    "ASCEND_PCI_MODELS",
     "PEERMEM_PATHS",
 ]
 
-PCI_VENDOR_NVIDIA = "10de"
-PCI_VENDOR_HUAWEI = "19e5"
 PCI_VENDOR_MELLANOX = "15b3"
 
-# NVIDIA PCI device ids -> (model, form factor), from pci.ids (github.com/pciutils/pciids
-# @c1c1254) as quoted in topology-notes §6 row 1. Third-party docs disagree on some ids; pci.ids
-# is the reference. The form factor is what decides whether NVLink is to be expected.
-NVIDIA_PCI_MODELS: Dict[str, Tuple[str, str]] = {
-    "20b0": ("A100-SXM4-40GB", "SXM"),
-    "20b2": ("A100-SXM4-80GB", "SXM"),
-    "20b3": ("A100-SXM-64GB", "SXM"),
-    "20b1": ("A100-PCIE-40GB", "PCIe"),
-    "20f1": ("A100-PCIE-40GB", "PCIe"),
-    "20b5": ("A100-PCIE-80GB", "PCIe"),
-    "20bd": ("A800-SXM4-40GB", "SXM"),
-    "20f3": ("A800-SXM4-80GB", "SXM"),
-    "20f5": ("A800-PCIE-80GB", "PCIe"),
-    "20f6": ("A800-PCIE-40GB", "PCIe"),
-    "2330": ("H100-SXM5-80GB", "SXM"),
-    "2331": ("H100-PCIE", "PCIe"),
-    "2324": ("H800", "SXM"),
-    "2322": ("H800-PCIE", "PCIe"),
-    "2335": ("H200-SXM", "SXM"),
-    "2329": ("H20", "SXM"),
-    "2901": ("B200", "SXM"),
-    "26b9": ("L40S", "PCIe"),
-    "2684": ("GeForce RTX 4090", "PCIe"),
-    "2b85": ("GeForce RTX 5090", "PCIe"),
-}
-# NVSwitch bridges (topology-notes §6 row 11): A100-era, Hopper-era, GB200 PCI bridge.
-NVSWITCH_PCI_IDS = {"1af1", "22a3", "22b1"}
-# Ascend device ids (topology-notes §2.3).
-ASCEND_PCI_MODELS: Dict[str, str] = {
-    "d100": "310",
-    "d500": "310P",
-    "d801": "910A",
-    "d802": "910B",
-    "d803": "910_93",
-}
 # The paths NCCL's gdr.cc accepts as "GPUDirect RDMA possible" (topology-notes §3.2).
 PEERMEM_PATHS = (
     "sys/module/nvidia_peermem/version",
@@ -364,7 +331,7 @@ def _is_nvswitch(p: _PciDevice) -> bool:
 
 def _is_ascend_npu(p: _PciDevice) -> bool:
     # Ascend parts are class 0x1200 (processing accelerator); the id table is the safer key.
-    return p.vendor == PCI_VENDOR_HUAWEI and p.device in ASCEND_PCI_MODELS
+    return p.vendor == PCI_VENDOR_HUAWEI and p.device in ASCEND_IDS
 
 
 def _add_pci_devices(
@@ -377,9 +344,9 @@ def _add_pci_devices(
     for prefix, vendor, devs in (("GPU", "nvidia", gpus), ("NPU", "ascend", npus)):
         for i, p in enumerate(devs):
             if vendor == "nvidia":
-                model = NVIDIA_PCI_MODELS.get(p.device, (None, None))[0]
+                model = NVIDIA_GPU_IDS.get(p.device, (None, None))[0]
             else:
-                model = ASCEND_PCI_MODELS.get(p.device)
+                model = ASCEND_IDS.get(p.device)
             name = f"{prefix}{i}"
             topo.add_device(
                 Device(

@@ -140,7 +140,7 @@ def test_probe_reads_gpus_nics_links_and_gdr_from_sysfs(hgx_tree):
     gpus = {d.name: d for d in topo.devices}
     assert sorted(gpus) == ["GPU0", "GPU1", "GPU2"]  # bus order; no cpu0 when GPUs exist
     assert gpus["GPU0"].model == "A100-SXM4-80GB" and gpus["GPU0"].pci_device_id == "10de:20b2"
-    assert gpus["GPU2"].model == "H100-PCIE" and gpus["GPU2"].numa == 1
+    assert gpus["GPU2"].model == "H100-PCIE-80GB" and gpus["GPU2"].numa == 1
     assert gpus["GPU0"].cpu_affinity == "0-7" and gpus["GPU0"].host == "gpu-node-7"
     assert topo.facts["nvswitch_count"] == 1
 

@@ -23,11 +23,11 @@ from typing import Dict, List, Optional, Tuple
 from hetcomm.errors import TopologyParseError
 from hetcomm.topo.bandwidth import nominal_gbps
 from hetcomm.topo.model import Device, Link, LinkClass, Topology, Vendor
+from hetcomm.topo.pci_ids import ASCEND_IDS
 from hetcomm.topo.parse._text import numbered_lines
 
 __all__ = [
     "FORMATS",
-    "ASCEND_PCI_MODELS",
     "sniff_npusmi_topo",
     "parse_npusmi_topo",
     "sniff_npusmi_info",
@@ -40,7 +40,6 @@ __all__ = [
 
 # PCI device id (vendor 19e5) -> model family (topology-notes §2.3). d803 is sold as 910_93
 # ("A3"); we call it 910C so that bandwidth.canonical_model does not read it as a 910A.
-ASCEND_PCI_MODELS = {"d100": "310", "d500": "310P", "d801": "910A", "d802": "910B", "d803": "910C"}
 
 # npu-smi topo tokens -> class. SIO (die-to-die inside one A3 chip) and HCCS_SW (through an HCCS
 # switch, A3 SuperPoD) are at least as close as HCCS; the model has no finer class, and `raw`
@@ -470,7 +469,7 @@ def parse_npusmi_board(text: str, path: str = "<text>") -> Topology:
         elif key == "PCI Device ID" and re.match(r"^0x[0-9a-fA-F]{4}$", value):
             dev_id = value[2:].lower()
             d.pci_device_id = f"{vendor_id}:{dev_id}"
-            family = ASCEND_PCI_MODELS.get(dev_id)
+            family = ASCEND_IDS.get(dev_id)
             if family and not (d.model and d.model.startswith(family)):
                 d.model = family
         elif key == "HBM Capacity(MB)" and value.isdigit():
@@ -523,7 +522,7 @@ def parse_lspci_ascend(text: str, path: str = "<text>") -> Topology:
             {
                 "pci_bus_id": _normal_bus_id(m.group("bdf")),
                 "pci_device_id": f"19e5:{dev}",
-                "model": ASCEND_PCI_MODELS.get(dev),
+                "model": ASCEND_IDS.get(dev),
             }
         )
     if not found:

@@ -37,7 +37,6 @@ from hetcomm.topo.model import Device, Link, LinkClass, Nic, Topology
 from hetcomm.topo.pci_ids import (
     ASCEND_IDS,
     NVIDIA_GPU_IDS,
-    NVSWITCH_IDS,
     PCI_VENDOR_HUAWEI,
     PCI_VENDOR_NVIDIA,
 )

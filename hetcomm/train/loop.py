@@ -9,12 +9,11 @@ the layer), and receives gradient from every rank's tokens through the all-to-al
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, List, Optional
 
 import torch

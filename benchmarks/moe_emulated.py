@@ -42,7 +42,7 @@ slowest rank's. After every step (untimed) an SGD step with lr=0 bumps weight ve
 replication pays its per-step replica refresh as in training while routing stays stationary.
 Per run: median of the timed steps; the table gives the median over runs and the range.
 
-    .venv-bench/bin/python benchmarks/moe_emulated.py --runs 3      # root; 6-7 minutes at load 6-12
+    .venv-bench/bin/python benchmarks/moe_emulated.py --runs 3      # root; 4 min at load 2-9, 8 at load 20
 
 Device kinds are labels (all ranks are CPU processes); the links (shaped veths, TCP) and the
 transports (gloo, hetcomm's shm and gloo rails) are real. The emulation is torn down on exit,

@@ -92,6 +92,20 @@ class HotExpertReplicator:
         self.grad_bytes = 0
         self._numel: Optional[int] = None
         self._pending_hot: Optional[Tuple[int, ...]] = None
+        # Replica weights and gradients only concern the holders and the owners. When every hot
+        # expert is owned by a holder (the usual case: cold experts go to weak ranks), the two
+        # per-step reductions run over the holders alone, so they never cross a weak rank's slow
+        # link (on a mixed cluster, the cross-vendor bridge). Created here because new_group is
+        # collective: every rank builds the same layers in the same order.
+        self.holders_group: Optional[dist.ProcessGroup] = None
+        world = placement.world_size
+        # Only when the layer's group is the whole job: new_group needs every process of the
+        # default group, and ranks outside a sub-group never build this layer.
+        if dist.is_initialized() and world > 1 and 1 < len(self.holders) < world and dist.get_world_size() == world:
+            global_holders = [
+                r if group is None else dist.get_global_rank(group, r) for r in self.holders
+            ]
+            self.holders_group = dist.new_group(global_holders)
 
     # -- heat --------------------------------------------------------------------------------
     def observe(self, global_picks: torch.Tensor) -> None:
@@ -163,6 +177,13 @@ class HotExpertReplicator:
                 key="moe.replicate",
             )
 
+    def _reduction_group(self, hot: Tuple[int, ...]):
+        """``(group, member)``: the group the replica reductions of ``hot`` run over, and
+        whether this rank takes part. Every rank computes the same answer from the agreed hot set."""
+        if self.holders_group is not None and all(self.placement.owner[e] in self.holders for e in hot):
+            return self.holders_group, self.rank in self.holders
+        return self.group, True
+
     def _versions(self) -> Tuple[int, ...]:
         return tuple(
             p._version for e in self.hot if e in self.owned for p in self.owned[e].parameters()
@@ -181,10 +202,15 @@ class HotExpertReplicator:
         if not self.hot:
             return False
         P = self._param_numel()
+        group, member = self._reduction_group(self.hot)
+        if not member:
+            # Not a holder and owner of none of the hot experts: nothing to send or receive.
+            self._synced_hot = self.hot
+            return False
         changed = force or self.hot != self._synced_hot or self._versions() != self._synced_versions
         if dist.is_initialized() and self.placement.world_size > 1:
             flag = torch.tensor([1 if changed else 0], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             changed = bool(flag.item())
         if not changed:
             return False
@@ -195,7 +221,7 @@ class HotExpertReplicator:
                 params = list(self.owned[e].parameters())
                 torch.cat([p.detach().float().reshape(-1) for p in params], out=buf[i])
         if dist.is_initialized() and self.placement.world_size > 1:
-            dist.all_reduce(buf, group=self.group)
+            dist.all_reduce(buf, group=group)
             self.sync_bytes += buf.numel() * buf.element_size()
         for i, e in enumerate(self.hot):
             if e in self.replicas:
@@ -228,6 +254,9 @@ class HotExpertReplicator:
         replicas = self.replicas if replicas is None else replicas
         if not hot:
             return
+        group, member = self._reduction_group(hot)
+        if not member:
+            return  # holds no replica and owns none of these experts
         P = self._param_numel()
         buf = torch.zeros(len(hot), P, dtype=torch.float32)
         for i, e in enumerate(hot):
@@ -240,7 +269,7 @@ class HotExpertReplicator:
                         p.grad = None
                     off += n
         if dist.is_initialized() and self.placement.world_size > 1:
-            dist.all_reduce(buf, group=self.group)
+            dist.all_reduce(buf, group=group)
             self.grad_bytes += buf.numel() * buf.element_size()
         for i, e in enumerate(hot):
             if e in self.owned:

@@ -4,11 +4,12 @@
 ``pg_options=HetcommOptions(...)`` to choose rails, chunk size, plans and checks.
 """
 
+from hetcomm.backends.checks import splits_agreed
 from hetcomm.backends.options import HetcommOptions
 from hetcomm.backends.registry import register
 from hetcomm.backends.stats import reset_stats, stats
 
-__all__ = ["HetcommOptions", "register", "stats", "reset_stats", "hetcomm_group"]
+__all__ = ["HetcommOptions", "register", "stats", "reset_stats", "hetcomm_group", "splits_agreed"]
 
 
 def hetcomm_group(group=None):

@@ -10,8 +10,10 @@ not expect (plain gloo aborts the receiving process on such a mismatch).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -19,7 +21,17 @@ from hetcomm.backends.placement import Placement
 from hetcomm.backends.rails.shm import pid_alive
 from hetcomm.errors import UsageError
 
-__all__ = ["Meta", "encode_meta", "check_meta", "dead_peers", "missing_peers", "DTYPES", "dtype_code"]
+__all__ = [
+    "Meta",
+    "encode_meta",
+    "check_meta",
+    "dead_peers",
+    "missing_peers",
+    "DTYPES",
+    "dtype_code",
+    "splits_agreed",
+    "splits_are_agreed",
+]
 
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
@@ -160,3 +172,30 @@ def missing_peers(store, rank: int, size: int, wait_s: float) -> Optional[List[i
         return missing
     except Exception:  # the store is gone too: nothing more to learn
         return None
+
+
+_agreed = threading.local()
+
+
+@contextlib.contextmanager
+def splits_agreed() -> Iterator[None]:
+    """Skip the cross-rank split check for ``all_to_all_single`` calls made inside this block.
+
+    For callers whose split sizes are consistent across ranks by construction, e.g. an MoE
+    dispatch whose receive counts came from an all-to-all of the send counts just before (that
+    exchange itself is checked). Every rank must make the same calls inside the block: the check
+    is a collective step, skipped on all ranks or on none. Plans still exchange metadata (they
+    need the whole traffic matrix).
+    """
+    previous = getattr(_agreed, "on", False)
+    _agreed.on = True
+    try:
+        yield
+    finally:
+        _agreed.on = previous
+
+
+def splits_are_agreed() -> bool:
+    """True inside :func:`splits_agreed` on this thread."""
+    return getattr(_agreed, "on", False)
+

@@ -422,7 +422,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         row_shape = tuple(input.shape[1:])
         row_bytes = input.element_size() * _prod(row_shape)
         use_plan = self._plan_strategy(input)
-        need_meta = self.options.check_splits or use_plan is not None
+        need_meta = (self.options.check_splits and not checks.splits_are_agreed()) or use_plan is not None
         meta = checks.encode_meta(op, seq, input.dtype, row_bytes, row_shape, in_splits, out_splits) if need_meta else None
         src = input if input.is_contiguous() else input.contiguous()
         dst = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)

@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from hetcomm.backends.checks import splits_agreed
 from hetcomm.errors import CollectiveError, ConfigError, HetcommError
 
 __all__ = [
@@ -221,9 +222,10 @@ class Exchange:
             recv = out if wd == act else torch.empty((R, D), dtype=wd)
             self.bytes_sent = sum(n for p, n in enumerate(self.send_rows) if p != self.rank) * D * wd.itemsize
             self.bytes_recv = sum(n for p, n in enumerate(self.recv_rows) if p != self.rank) * D * wd.itemsize
-            self._work = dist.all_to_all_single(
-                recv, send, self.recv_rows, self.send_rows, group=self.group, async_op=True
-            )
+            with splits_agreed():  # recv_rows came from the (checked) exchange of counts
+                self._work = dist.all_to_all_single(
+                    recv, send, self.recv_rows, self.send_rows, group=self.group, async_op=True
+                )
 
             def finish() -> None:
                 if recv is not out:
@@ -247,9 +249,10 @@ class Exchange:
             row += n
         self.bytes_sent = sum(b for p, b in enumerate(send_bytes) if p != self.rank)
         self.bytes_recv = sum(b for p, b in enumerate(recv_bytes) if p != self.rank)
-        self._work = dist.all_to_all_single(
-            rbuf, sbuf, recv_bytes, send_bytes, group=self.group, async_op=True
-        )
+        with splits_agreed():  # recv_bytes follow from the (checked) exchange of counts
+            self._work = dist.all_to_all_single(
+                rbuf, sbuf, recv_bytes, send_bytes, group=self.group, async_op=True
+            )
 
         def finish_packed() -> None:
             off = row = 0

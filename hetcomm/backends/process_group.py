@@ -634,16 +634,23 @@ class HetcommProcessGroup(dist.ProcessGroup):
             return _GuardedWork(work, op, self)
         return FutureWork(self._guard(op, fut, errors), errors)
 
+    def _avg_as_sum(self, name: str, opts, launch: Callable, finish: Callable[[int], list]):
+        """gloo has no AVG: run the reduction with SUM (``launch(sum_opts)`` returns the gloo Work),
+        then ``finish(group_size)`` divides the results (see :func:`_divide`) and returns the
+        future's value."""
+        o = type(opts)()
+        for field in ("timeout", "rootRank", "rootTensor"):
+            if hasattr(opts, field):
+                setattr(o, field, getattr(opts, field))
+        o.reduceOp = dist.ReduceOp.SUM
+        errors: List[BaseException] = []
+        fut = self._guard(name, launch(o).get_future(), errors)
+        return FutureWork(fut.then(lambda f, n=self.size(): finish(n)), errors)
+
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
         if opts.reduceOp == dist.ReduceOp.AVG:
-            # gloo has no AVG: SUM, then divide by the group size (truncating for integers).
-            o = dist.AllreduceOptions()
-            o.reduceOp = dist.ReduceOp.SUM
-            o.timeout = opts.timeout
-            errors: List[BaseException] = []
-            fut = self._guard("all_reduce", self._gloo.allreduce(tensors, o).get_future(), errors)
-            return FutureWork(fut.then(lambda f, n=self.size(): _divide(f.value(), n)), errors)
+            return self._avg_as_sum("all_reduce", opts, lambda o: self._gloo.allreduce(tensors, o), lambda n: _divide(tensors, n))
         return self._wrap("all_reduce", self._gloo.allreduce(tensors, opts))
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -667,23 +674,20 @@ class HetcommProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors, input_lists, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         if opts.reduceOp == dist.ReduceOp.AVG:
-            o = dist.ReduceScatterOptions()
-            o.reduceOp = dist.ReduceOp.SUM
-            o.timeout = opts.timeout
-            errors: List[BaseException] = []
-            fut = self._guard("reduce_scatter", self._gloo.reduce_scatter(output_tensors, input_lists, o).get_future(), errors)
-            return FutureWork(fut.then(lambda f, n=self.size(): _divide(list(output_tensors), n)), errors)
+            return self._avg_as_sum(
+                "reduce_scatter",
+                opts,
+                lambda o: self._gloo.reduce_scatter(output_tensors, input_lists, o),
+                lambda n: _divide(list(output_tensors), n),
+            )
         return self._wrap("reduce_scatter", self._gloo.reduce_scatter(output_tensors, input_lists, opts))
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         if opts.reduceOp == dist.ReduceOp.AVG:
-            o = dist.ReduceScatterOptions()
-            o.reduceOp = dist.ReduceOp.SUM
-            o.timeout = opts.timeout
-            errors: List[BaseException] = []
-            fut = self._guard("reduce_scatter_tensor", self._gloo._reduce_scatter_base(output, input, o).get_future(), errors)
-            return FutureWork(fut.then(lambda f, n=self.size(): _divide([output], n)), errors)
+            return self._avg_as_sum(
+                "reduce_scatter_tensor", opts, lambda o: self._gloo._reduce_scatter_base(output, input, o), lambda n: _divide([output], n)
+            )
         return self._wrap("reduce_scatter_tensor", self._gloo._reduce_scatter_base(output, input, opts))
 
     def _reduce_scatter_base(self, output, input, opts=None):
@@ -692,13 +696,11 @@ class HetcommProcessGroup(dist.ProcessGroup):
     def reduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.ReduceOptions()
         if opts.reduceOp == dist.ReduceOp.AVG:
-            o = dist.ReduceOptions()
-            o.reduceOp = dist.ReduceOp.SUM
-            o.rootRank, o.rootTensor, o.timeout = opts.rootRank, opts.rootTensor, opts.timeout
-            root = opts.rootRank
-            errors: List[BaseException] = []
-            fut = self._guard("reduce", self._gloo.reduce(tensors, o).get_future(), errors)
-            return FutureWork(fut.then(lambda f, n=self.size(), me=self.rank(): _divide(tensors, n) if me == root else tensors), errors)
+            # Only the root holds the sum; the other ranks' tensors are left as gloo leaves them.
+            on_root = self.rank() == opts.rootRank
+            return self._avg_as_sum(
+                "reduce", opts, lambda o: self._gloo.reduce(tensors, o), lambda n: _divide(tensors, n) if on_root else tensors
+            )
         return self._wrap("reduce", self._gloo.reduce(tensors, opts))
 
     def gather(self, output_tensors, input_tensors, opts=None):

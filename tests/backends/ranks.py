@@ -34,7 +34,9 @@ MIXED_MINI = os.path.join(REPO_ROOT, "configs", "clusters", "mixed-mini.yaml")
 _CTX: Optional[mp.context.BaseContext] = None
 
 
-def _context() -> mp.context.BaseContext:
+def _context(start_method: str = "forkserver") -> mp.context.BaseContext:
+    if start_method == "spawn":
+        return mp.get_context("spawn")
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
@@ -124,6 +126,7 @@ def run_ranks_outcomes(
     env: Optional[Dict[str, Optional[str]]] = None,
     pg_timeout: float = 60.0,
     pg_options: Any = None,
+    start_method: str = "forkserver",
 ) -> List[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh rank processes.
 
@@ -135,13 +138,15 @@ def run_ranks_outcomes(
         env: extra environment variables for the ranks (None values unset a variable).
         pg_timeout: the process group timeout.
         pg_options: passed to ``init_process_group(pg_options=...)``.
+        start_method: ``forkserver`` (default: fast, torch imported once) or ``spawn`` (fresh
+            interpreters, for tests that must not inherit the server's state).
 
     Returns:
         One :class:`RankOutcome` per rank, in rank order.
     """
     import torch.distributed as dist
 
-    ctx = _context()
+    ctx = _context(start_method)
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
     child_env: Dict[str, Optional[str]] = {"HETCOMM_CLUSTER": cluster}
     child_env.update(env or {})
@@ -203,10 +208,11 @@ def run_ranks(
     env: Optional[Dict[str, Optional[str]]] = None,
     pg_timeout: float = 60.0,
     pg_options: Any = None,
+    start_method: str = "forkserver",
 ) -> List[Any]:
     """Like :func:`run_ranks_outcomes`, but return the per-rank results and raise
     :class:`RanksFailed` if any rank raised, died or hung."""
-    outs = run_ranks_outcomes(fn, world_size, backend, cluster, timeout, args, env, pg_timeout, pg_options)
+    outs = run_ranks_outcomes(fn, world_size, backend, cluster, timeout, args, env, pg_timeout, pg_options, start_method)
     bad = [o for o in outs if not o.ok]
     if bad:
         parts = []

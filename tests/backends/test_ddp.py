@@ -38,8 +38,10 @@ def train(rank: int, n: int) -> dict:
 
 @pytest.mark.timeout(240)
 def test_ddp_matches_gloo():
-    ref = run_ranks(train, world_size=4, backend="gloo", timeout=120)
-    got = run_ranks(train, world_size=4, backend="hetcomm", cluster=MIXED_MINI, timeout=120)
+    # Fresh interpreters (spawn), not the forkserver: the gloo reference run hung about once in
+    # 16 tight-loop runs when forked from the preloaded server (threads + fork, suspected).
+    ref = run_ranks(train, world_size=4, backend="gloo", timeout=120, start_method="spawn")
+    got = run_ranks(train, world_size=4, backend="hetcomm", cluster=MIXED_MINI, timeout=120, start_method="spawn")
     for rank in range(4):
         for mode in ("plain", "powersgd"):
             for a, b in zip(got[rank][mode], ref[rank][mode]):

@@ -183,11 +183,13 @@ def test_plot_writes_a_png(capsys, fixture_path, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+_ENTRY_POINT = shutil.which("hetcomm") or os.path.join(os.path.dirname(sys.executable), "hetcomm")
+
+
 @pytest.mark.timeout(60)
+@pytest.mark.skipif(not os.path.exists(_ENTRY_POINT), reason="the hetcomm entry point is not installed (pip install -e .)")
 def test_installed_entry_point_runs_the_demo_audit():
-    exe = shutil.which("hetcomm") or os.path.join(os.path.dirname(sys.executable), "hetcomm")
-    if not os.path.exists(exe):
-        pytest.skip("the hetcomm entry point is not installed (pip install -e .)")
+    exe = _ENTRY_POINT
     done = subprocess.run([exe, "audit"], capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stderr
     assert "Findings" in done.stdout and "(b) Cross-vendor path" in done.stdout

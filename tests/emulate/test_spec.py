@@ -182,10 +182,12 @@ def test_bad_scale_from_command_line_is_refused():
         settings_from_cluster(c, scale=0.0)
 
 
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv"),
+    reason="needs root and setpriv to drop to an unprivileged user",
+)
 def test_cli_refuses_without_root(tmp_path):
     """A real unprivileged process (setpriv to nobody) gets exit 2 and the reason."""
-    if os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv"):
-        pytest.skip("needs root and setpriv to drop to an unprivileged user")
     proc = subprocess.run(
         [
             "setpriv",

@@ -24,6 +24,7 @@ from hetcomm.errors import UsageError
 __all__ = [
     "Meta",
     "encode_meta",
+    "meta_width",
     "check_meta",
     "dead_peers",
     "missing_peers",
@@ -54,6 +55,11 @@ def _shape_hash(shape: Sequence[int]) -> int:
     for d in shape:
         h = ((h ^ int(d)) * 1099511628211) % (1 << 61)
     return h
+
+
+def meta_width(n: int) -> int:
+    """Length of the metadata vector of a group of ``n`` ranks."""
+    return _HEAD + 2 * n
 
 
 def encode_meta(

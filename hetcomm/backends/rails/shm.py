@@ -17,10 +17,10 @@ publishes them. Weaker memory models (aarch64) would need fences that Python can
 Each message is a 16-byte header ``(tag, num_bytes)`` followed by the payload, so a reader
 detects a peer that posted something else (a collective-order bug) instead of reading garbage.
 
-Cleanup: the store is used only during setup (segment name, then "attached" keys). As soon as
-every rank of the node has mapped the segment, the creator unlinks its name: from then on the
-kernel frees the memory when the last process unmaps it, so a crash or ``kill -9`` at any later
-time leaks nothing. :meth:`ShmRail.close` unlinks too (for a failure during setup).
+Cleanup (:func:`map_segment`): the store is used only during setup (segment name, then
+"attached" keys). As soon as every rank of the node has mapped the segment, the creator unlinks
+its name: from then on the kernel frees the memory when the last process unmaps it, so a crash or
+``kill -9`` at any later time leaks nothing. A failure during setup unlinks it too.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from hetcomm.backends.rails.base import Rail, RailOp, Xfer, as_bytes
 from hetcomm.backends.stats import record as _record
 from hetcomm.errors import CollectiveError
 
-__all__ = ["ShmRail", "shm_supported", "pid_alive", "SHM_DIR", "SHM_PREFIX"]
+__all__ = ["ShmRail", "map_segment", "shm_supported", "pid_alive", "SHM_DIR", "SHM_PREFIX"]
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "hetcomm-"
@@ -240,6 +240,56 @@ class _ShmOp(RailOp):
         return sorted({peer for peer, _ in self.queues})
 
 
+def map_segment(
+    store: "torch.distributed.Store", key: str, rank: int, members: Sequence[int], num_bytes: int, timeout: timedelta
+) -> mmap.mmap:
+    """Map one zero-filled shared segment of ``num_bytes`` into every process of ``members``.
+
+    The lowest member creates ``/dev/shm/hetcomm-<pid>-<random>`` and publishes its name under
+    ``<key>/name``; the others map it and set ``<key>/attached/<rank>``. Once all have, the
+    creator unlinks the name: the kernel frees the memory when the last process unmaps it, so no
+    crash after setup can leak it. A failure during setup unlinks too.
+
+    Raises:
+        CollectiveError: a member did not attach within ``timeout`` (names the missing ranks).
+    """
+    leader = min(members)
+    if rank == leader:
+        path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            try:
+                os.ftruncate(fd, num_bytes)
+                mm = mmap.mmap(fd, num_bytes)
+            finally:
+                os.close(fd)
+            store.set(f"{key}/name", path)
+            others = [r for r in members if r != leader]
+            try:
+                store.wait([f"{key}/attached/{r}" for r in others], timeout)
+            except Exception as e:
+                missing = [r for r in others if not store.check([f"{key}/attached/{r}"])]
+                raise CollectiveError(
+                    f"shared-memory setup: rank(s) {missing} did not map segment {path} within {timeout}",
+                    op="init", rank=rank, peer=missing[0] if missing else None, rail="shm",
+                ) from e
+        finally:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        return mm
+    store.wait([f"{key}/name"], timeout)
+    path = store.get(f"{key}/name").decode()
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, num_bytes)
+    finally:
+        os.close(fd)
+    store.set(f"{key}/attached/{rank}", "1")
+    return mm
+
+
 class ShmRail(Rail):
     """Shared-memory rings between this rank and the other ranks of its node on this host.
 
@@ -270,39 +320,13 @@ class ShmRail(Rail):
         self.peer_pids = list(peer_pids)
         self.ring_bytes = (ring_bytes + 63) // 64 * 64
         self.broken: Optional[str] = None
-        self.path: Optional[str] = None
         self.mm: Optional[mmap.mmap] = None
         self._send: Dict[int, _Ring] = {}
         self._recv: Dict[int, _Ring] = {}
         n = len(self.local_ranks)
         ring_span = _CTRL_BYTES + self.ring_bytes
         total = max(1, n * (n - 1)) * ring_span
-        leader = self.local_ranks[0]
-        key = f"hetcomm/shm/{node}"
-        if rank == leader:
-            self.path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, total)
-                self.mm = mmap.mmap(fd, total)
-            finally:
-                os.close(fd)
-            store.set(f"{key}/name", self.path)
-        else:
-            store.wait([f"{key}/name"], timeout)
-            path = store.get(f"{key}/name").decode()
-            fd = os.open(path, os.O_RDWR)
-            try:
-                self.mm = mmap.mmap(fd, total)
-            finally:
-                os.close(fd)
-            store.set(f"{key}/attached/{rank}", "1")
-        if rank == leader:
-            others = [f"{key}/attached/{r}" for r in self.local_ranks if r != leader]
-            try:
-                store.wait(others, timeout)
-            finally:
-                self._unlink()
+        self.mm = map_segment(store, f"hetcomm/shm/{node}", rank, self.local_ranks, total, timeout)
         me = self.local_ranks.index(rank)
         for j, peer in enumerate(self.local_ranks):
             if peer == rank:
@@ -334,16 +358,7 @@ class ShmRail(Rail):
             cursors.append(_Cursor(self._send[x.peer], x, as_bytes(x.tensor), sending=True))
         return _ShmOp(self, cursors, op)
 
-    def _unlink(self) -> None:
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            self.path = None
-
     def close(self) -> None:
-        self._unlink()
         self._send.clear()
         self._recv.clear()
         if self.mm is not None:

@@ -142,9 +142,10 @@ class HetcommProcessGroup(dist.ProcessGroup):
                     store, rank, local, [p.pid for p in self.placement.ranks],
                     self.placement.ranks[rank].node, self.options.ring_bytes, timeout,
                 )
-        # Split checks through shared memory when the whole group is on this host (see board.py).
+        # Split checks through shared memory when the whole group shares memory: one YAML node on
+        # one host (board.py). Not across emulated nodes: those have separate /dev/shm mounts.
         self._board: Optional[MetaBoard] = None
-        if size >= 2 and shm_supported() and all(self.placement.same_host(rank, r) for r in range(size)):
+        if size >= 2 and shm_supported() and all(shm_possible(self.placement, rank, r) for r in range(size)):
             self._board = MetaBoard(store, rank, [p.pid for p in self.placement.ranks], checks.meta_width(size), timeout)
         self._wakeup = threading.Event()  # set by rail threads when a transfer completes
         self._gloo_rail = GlooRail(self._gloo, rank, self._wakeup)

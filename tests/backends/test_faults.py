@@ -55,11 +55,14 @@ def kill_mid_all_to_all(rank: int, n: int, victim: int) -> dict:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("victim", [1, 3])
-def test_killed_rank_is_named_by_every_survivor(victim):
-    # victim 1: rank 0 waits on it over shm, rank 2 over gloo; victim 3: everybody over the bridge
+@pytest.mark.parametrize(
+    "victim,cluster", [(1, MIXED_MINI), (3, MIXED_MINI), (1, None)], ids=["mixed-mini-1", "mixed-mini-3", "one-node-1"]
+)
+def test_killed_rank_is_named_by_every_survivor(victim, cluster):
+    # mixed-mini, victim 1: rank 0 waits on it over shm, rank 2 over gloo; victim 3: everybody
+    # over the bridge. One node: every pair on shm, the split check on the shared-memory board.
     outs = run_ranks_outcomes(
-        kill_mid_all_to_all, world_size=4, cluster=MIXED_MINI, args=(victim,), timeout=60, pg_timeout=PG_TIMEOUT
+        kill_mid_all_to_all, world_size=4, cluster=cluster, args=(victim,), timeout=60, pg_timeout=PG_TIMEOUT
     )
     assert outs[victim].exitcode == -signal.SIGKILL
     for o in outs:
@@ -95,8 +98,9 @@ def never_arrives(rank: int, n: int) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_rank_that_never_arrives_is_named_within_timeout():
-    outs = run_ranks(never_arrives, world_size=4, cluster=MIXED_MINI, timeout=60, pg_timeout=PG_TIMEOUT)
+@pytest.mark.parametrize("cluster", [MIXED_MINI, None], ids=["mixed-mini", "one-node"])
+def test_rank_that_never_arrives_is_named_within_timeout(cluster):
+    outs = run_ranks(never_arrives, world_size=4, cluster=cluster, timeout=60, pg_timeout=PG_TIMEOUT)
     for rank in (0, 1, 3):
         r = outs[rank]
         assert r["type"] in ("CollectiveError", "PeerTimeout"), r
@@ -128,8 +132,10 @@ def split_mismatch(rank: int, n: int) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_split_mismatch_raises_value_error_everywhere_without_abort():
-    outs = run_ranks_outcomes(split_mismatch, world_size=4, cluster=MIXED_MINI, timeout=60, pg_timeout=PG_TIMEOUT)
+@pytest.mark.parametrize("cluster", [MIXED_MINI, None], ids=["mixed-mini", "one-node"])
+def test_split_mismatch_raises_value_error_everywhere_without_abort(cluster):
+    # mixed-mini: the check travels over the rails; one node: through the shared-memory board
+    outs = run_ranks_outcomes(split_mismatch, world_size=4, cluster=cluster, timeout=60, pg_timeout=PG_TIMEOUT)
     for o in outs:
         assert o.ok and o.exitcode == 0, f"rank {o.rank}: exit {o.exitcode} {o.error_type}: {o.error}"
         msg = o.result["first"]

@@ -281,7 +281,16 @@ def map_segment(
         return mm
     store.wait([f"{key}/name"], timeout)
     path = store.get(f"{key}/name").decode()
-    fd = os.open(path, os.O_RDWR)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        raise CollectiveError(
+            f"shared-memory setup: segment {path}, created by rank {leader} on this host, is not "
+            f"visible here: the ranks report the same hostname but have different /dev/shm mounts "
+            f"(separate containers or mount namespaces?). Share /dev/shm (docker --ipc=host), give "
+            f"them distinct hostnames, or set HETCOMM_RAILS=gloo",
+            op="init", rank=rank, peer=leader, rail="shm",
+        ) from None
     try:
         mm = mmap.mmap(fd, num_bytes)
     finally:

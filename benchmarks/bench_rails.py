@@ -82,6 +82,9 @@ def rank_main(payload: str, rank: int, world_size: int, store) -> Dict[str, Any]
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     variants = tuple(cfg["variants"])
     groups = {"gloo": dist.group.WORLD}
+    # Barriers between timed calls run on a gloo group of their own: on the plain-gloo group
+    # they would leave that group's sockets and threads freshly woken for its next call only.
+    sync = dist.new_group(backend="gloo", timeout=timeout)
     for name in variants:  # same order on every rank: new_group is collective
         if name in HETCOMM_VARIANTS:
             spec = dict(HETCOMM_VARIANTS[name])
@@ -119,7 +122,7 @@ def rank_main(payload: str, rank: int, world_size: int, store) -> Dict[str, Any]
         for it in range(cfg["warmup"] + cfg["iters"]):
             shift = it % len(variants)
             for name in variants[shift:] + variants[:shift]:
-                dist.barrier()  # on the gloo group: every variant starts from the same point
+                dist.barrier(group=sync)  # every variant starts from the same point
                 t0 = time.perf_counter()
                 if name == "copy":
                     dst.copy_(src)

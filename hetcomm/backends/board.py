@@ -15,29 +15,23 @@ Exchange ``s`` writes buffer ``s % 2`` and then stores ``seq = s`` (x86-64 keeps
 see the shm rail). Two buffers suffice: a rank writes exchange ``s + 2`` only after every rank
 published ``s + 1``, and a rank publishes ``s + 1`` only after it finished reading exchange ``s``.
 
-Waiting: each rank owns a *doorbell*, a named pipe opened by every other rank and then unlinked
-(nothing is left in the file system after setup). A rank that finds everyone published rings the
-others' doorbells; a rank that does not, sleeps in ``select`` on its own. Waiters therefore
-leave the CPU to the late ranks (4 ranks on 2 cores: a spinning waiter slows the very rank it
-waits for) and still wake within microseconds. A rank reads the others' sequence numbers only
-after a system call on its doorbell, whose kernel lock orders its own publication before those
-reads, so two ranks arriving together cannot both miss each other; the ``select`` timeout bounds
-the wait anyway.
+Waiting: a rank that finds everyone published rings the others' doorbells
+(:mod:`hetcomm.backends.doorbell`); a rank that does not, sleeps on its own until rung. Waiters
+therefore leave the CPU to the late ranks (on 4 ranks sharing 2 cores a spinning waiter slows
+the very rank it waits for) and still wake within microseconds.
 """
 
 from __future__ import annotations
 
-import os
-import select
 import time
-import uuid
 from datetime import timedelta
-from typing import Dict, List, Sequence
+from typing import List, Sequence
 
 import numpy as np
 import torch
 
-from hetcomm.backends.rails.shm import SHM_DIR, SHM_PREFIX, map_segment, pid_alive
+from hetcomm.backends.doorbell import Doorbell
+from hetcomm.backends.rails.shm import map_segment, pid_alive
 from hetcomm.errors import CollectiveError, PeerTimeout
 
 __all__ = ["MetaBoard"]
@@ -64,9 +58,12 @@ class MetaBoard:
         pids: the process id of every group rank (to tell a dead peer from a slow one).
         width: length of every rank's vector.
         timeout: how long setup may wait for the other ranks to map the segment.
+        bell: this rank's doorbell, opened towards every rank of the group.
     """
 
-    def __init__(self, store: "torch.distributed.Store", rank: int, pids: Sequence[int], width: int, timeout: timedelta):
+    def __init__(
+        self, store: "torch.distributed.Store", rank: int, pids: Sequence[int], width: int, timeout: timedelta, bell: Doorbell
+    ):
         self.rank = rank
         self.pids = list(pids)
         self.width = width
@@ -76,44 +73,7 @@ class MetaBoard:
         self._mm = map_segment(store, "hetcomm/board", rank, range(n), n * self._slot_len * 8, timeout)
         self._words = np.frombuffer(self._mm, dtype=np.int64)
         self._seq = 0
-        self._bell = -1
-        self._bells: Dict[int, int] = {}
-        try:
-            self._open_bells(store, n, timeout)
-        except BaseException:
-            self.close()
-            raise
-
-    def _open_bells(self, store: "torch.distributed.Store", n: int, timeout: timedelta) -> None:
-        path = os.path.join(SHM_DIR, f"{SHM_PREFIX}bell-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        os.mkfifo(path, 0o600)
-        try:
-            # O_RDWR: opening never blocks, and the pipe never reports EOF.
-            self._bell = os.open(path, os.O_RDWR | os.O_NONBLOCK)
-            store.set(f"hetcomm/board/bell/{self.rank}", path)
-            others = [r for r in range(n) if r != self.rank]
-            store.wait([f"hetcomm/board/bell/{r}" for r in others], timeout)
-            for r in others:
-                peer_path = store.get(f"hetcomm/board/bell/{r}").decode()
-                self._bells[r] = os.open(peer_path, os.O_WRONLY | os.O_NONBLOCK)
-            store.set(f"hetcomm/board/rang/{self.rank}", "1")
-            store.wait([f"hetcomm/board/rang/{r}" for r in others], timeout)
-        finally:
-            os.unlink(path)
-
-    def _drain(self) -> None:
-        try:
-            while os.read(self._bell, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def _ring_all(self) -> None:
-        for fd in self._bells.values():
-            try:
-                os.write(fd, b"\0")
-            except (BlockingIOError, BrokenPipeError):  # already rung / that rank is gone
-                pass
+        self._bell = bell
 
     def _buffer(self, r: int, seq: int) -> np.ndarray:
         start = r * self._slot_len + _LINE_INT64 + (seq % 2) * self._buf_len
@@ -142,11 +102,11 @@ class MetaBoard:
         waited = False
         last_progress = time.perf_counter()
         while True:
-            self._drain()  # also the fence between our publication and the reads below
+            self._bell.clear()  # also the fence between our publication and the reads below
             still = [r for r in pending if words[r * self._slot_len] < seq]
             if not still:
                 if not waited:
-                    self._ring_all()  # we came last (or together with the last): wake the rest
+                    self._bell.ring_all()  # we came last (or together with the last): wake the rest
                 break
             now = time.perf_counter()
             if len(still) < len(pending):
@@ -166,15 +126,11 @@ class MetaBoard:
                     f"no split-check metadata from rank(s) {pending} within the group timeout",
                     op=op, rank=self.rank, peer=pending[0], rail="shm",
                 )
-            select.select([self._bell], [], [], _BLOCK_S)
+            self._bell.wait(_BLOCK_S)
         return [torch.from_numpy(self._buffer(r, seq).copy()) for r in range(len(self.pids))]
 
     def close(self) -> None:
-        """Close the doorbells and unmap the segment (idempotent)."""
-        for fd in [self._bell, *self._bells.values()]:
-            if fd >= 0:
-                os.close(fd)
-        self._bell, self._bells = -1, {}
+        """Unmap the segment (idempotent; the doorbell belongs to the process group)."""
         if self._mm is not None:
             self._words = None  # type: ignore[assignment]
             try:

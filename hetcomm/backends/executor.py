@@ -92,7 +92,9 @@ def drive(
             which of them have exited).
         on_arrival: called after each poll with the op (lets the caller report landed chunks).
         wakeup: set by rail threads when a transfer completes; while every pending op is of a
-            kind that does not need polling, the loop sleeps on it instead of spinning.
+            kind that does not need polling, the loop sleeps on it instead of spinning. A
+            :class:`~hetcomm.backends.doorbell.Doorbell` is also rung by same-node peers after
+            shared-memory progress, so the loop sleeps on it for shm steps too.
     """
     idle = 0
     pending = list(ops)
@@ -130,7 +132,7 @@ def drive(
         if idle and all(hasattr(o, "block") for o in pending):
             for o in pending:  # only thread-driven rails left: wait in this thread, no hand-off
                 o.block()
-        elif idle and wakeup is not None and not any(o.needs_polling for o in pending):
+        elif idle and wakeup is not None and (getattr(wakeup, "rung_by_peers", False) or not any(o.needs_polling for o in pending)):
             wakeup.wait(min(0.05, max(0.0, deadline - time.monotonic())))
             wakeup.clear()
         elif idle:

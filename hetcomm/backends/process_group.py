@@ -38,6 +38,7 @@ from torch.distributed import PrefixStore
 
 from hetcomm.backends import checks
 from hetcomm.backends.board import MetaBoard
+from hetcomm.backends.doorbell import Doorbell
 from hetcomm.backends.executor import (
     TAG_BASE,
     chunk_rows,
@@ -134,20 +135,23 @@ class HetcommProcessGroup(dist.ProcessGroup):
             store, rank, size, global_ranks, self.options.cluster, timeout
         )
         allowed = self.options.rails
+        local = [r for r in range(size) if shm_possible(self.placement, rank, r)] if shm_supported() else [rank]
+        # Wakes the executor: rung by same-node peers after shared-memory progress and by rail
+        # threads when a transfer completes (doorbell.py); a plain Event where there is no /dev/shm.
+        self._wakeup = Doorbell(store, "hetcomm/bell", rank, local, timeout) if shm_supported() else threading.Event()
         self._shm: Optional[ShmRail] = None
-        if (allowed is None or "shm" in allowed) and shm_supported():
-            local = [r for r in range(size) if shm_possible(self.placement, rank, r)]
-            if len(local) >= 2:
-                self._shm = ShmRail(
-                    store, rank, local, [p.pid for p in self.placement.ranks],
-                    self.placement.ranks[rank].node, self.options.ring_bytes, timeout,
-                )
+        if (allowed is None or "shm" in allowed) and len(local) >= 2:
+            self._shm = ShmRail(
+                store, rank, local, [p.pid for p in self.placement.ranks],
+                self.placement.ranks[rank].node, self.options.ring_bytes, timeout, bell=self._wakeup,
+            )
         # Split checks through shared memory when the whole group shares memory: one YAML node on
         # one host (board.py). Not across emulated nodes: those have separate /dev/shm mounts.
         self._board: Optional[MetaBoard] = None
-        if size >= 2 and shm_supported() and all(shm_possible(self.placement, rank, r) for r in range(size)):
-            self._board = MetaBoard(store, rank, [p.pid for p in self.placement.ranks], checks.meta_width(size), timeout)
-        self._wakeup = threading.Event()  # set by rail threads when a transfer completes
+        if size >= 2 and len(local) == size:
+            self._board = MetaBoard(
+                store, rank, [p.pid for p in self.placement.ranks], checks.meta_width(size), timeout, self._wakeup
+            )
         self._gloo_rail = GlooRail(self._gloo, rank, self._wakeup)
         # No reference cycles through self: the group must be freed by reference counting on the
         # thread that destroys it. Freed by the cyclic GC it could die on a gloo callback thread,
@@ -750,6 +754,8 @@ class HetcommProcessGroup(dist.ProcessGroup):
         for rail in [self._shm, self._board, self._gloo_rail, *self._device_rails.values()]:
             if rail is not None:
                 rail.close()
+        if isinstance(self._wakeup, Doorbell):
+            self._wakeup.close()
         # The inner gloo is not shut down explicitly: ProcessGroupGloo.shutdown() racing with
         # the completion callbacks of its last Works aborted processes ("Resource deadlock
         # avoided") in DDP tests. It is released with this object, which holds no reference

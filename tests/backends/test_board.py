@@ -1,4 +1,5 @@
-"""The metadata board: real processes exchanging vectors through one shared segment."""
+"""The metadata board: real processes exchanging vectors through one shared segment, waking
+each other through doorbells."""
 
 from __future__ import annotations
 
@@ -23,11 +24,13 @@ def _board(rank: int, n: int, prefix: str):
     import torch.distributed as dist
 
     from hetcomm.backends.board import MetaBoard
+    from hetcomm.backends.doorbell import Doorbell
 
     pids = [None] * n
     dist.all_gather_object(pids, os.getpid())
     store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
-    return MetaBoard(store, rank, pids, WIDTH, timedelta(seconds=20)), pids
+    bell = Doorbell(store, "bell", rank, range(n), timedelta(seconds=20))
+    return MetaBoard(store, rank, pids, WIDTH, timedelta(seconds=20), bell), pids
 
 
 def many_exchanges(rank: int, n: int) -> list:

@@ -190,6 +190,7 @@ class _ShmOp(RailOp):
 
     def poll(self) -> bool:
         progressed = False
+        touched = set()
         try:
             for key in list(self.queues):
                 q = self.queues[key]
@@ -197,6 +198,7 @@ class _ShmOp(RailOp):
                     c = q[0]
                     if c.step():
                         progressed = True
+                        touched.add(c.peer)
                     if not c.done:
                         break
                     q.popleft()
@@ -213,6 +215,10 @@ class _ShmOp(RailOp):
         except _StreamError as e:
             self.owner.broken = e.message
             raise CollectiveError(e.message, op=self.op, rank=self.owner.rank, peer=e.peer, rail="shm") from None
+        if touched and self.owner.bell is not None:
+            # A peer may sleep until bytes arrive (reader) or ring space frees up (writer).
+            for peer in touched:
+                self.owner.bell.ring(peer)
         self.progressed = progressed
         now = time.perf_counter()
         if not self.queues:
@@ -310,6 +316,8 @@ class ShmRail(Rail):
         node: node name (keys the segment in the store).
         ring_bytes: capacity of each ring.
         timeout: how long setup may wait for the node's other ranks.
+        bell: this rank's :class:`~hetcomm.backends.doorbell.Doorbell` (rings the peers after
+            every step that moved bytes, so that they can sleep instead of polling), or None.
     """
 
     name = "shm"
@@ -323,8 +331,10 @@ class ShmRail(Rail):
         node: str,
         ring_bytes: int,
         timeout: timedelta,
+        bell=None,
     ):
         self.rank = rank
+        self.bell = bell
         self.local_ranks = list(local_ranks)
         self.peer_pids = list(peer_pids)
         self.ring_bytes = (ring_bytes + 63) // 64 * 64

@@ -50,6 +50,11 @@ class HetcommOptions:
             torch.distributed's bit-exact contract; ``cluster`` is what the MoE layer asks for.
         cluster: path of the cluster YAML (env ``HETCOMM_CLUSTER``); ``None`` = placement by
             hostname.
+        nic_ifnames: this rank's network interfaces, one per NIC port in rail order (env
+            ``HETCOMM_IFNAMES``, else ``HETCOMM_EMULATE_IFNAMES``, which ``hetcomm emulate``
+            sets). With a cluster YAML whose nodes all have ``R >= 2`` ports, the gloo rail then
+            stripes every pair's transfers over ``R`` gloo groups, one bound to each port
+            (:mod:`hetcomm.backends.rails.striped`). Set it on every rank or on none.
     """
 
     rails: Optional[Tuple[str, ...]] = None
@@ -63,6 +68,7 @@ class HetcommOptions:
     ring_bytes: int = 4 * _MiB
     wire_dtype: str = "exact"
     cluster: Optional[str] = None
+    nic_ifnames: Optional[Tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
         if self.rails is not None:
@@ -133,6 +139,9 @@ def options_from_env(
             changes["wire_dtype"] = env["HETCOMM_WIRE_DTYPE"].strip()
         if unset("cluster") and env.get("HETCOMM_CLUSTER"):
             changes["cluster"] = env["HETCOMM_CLUSTER"]
+        ifnames = env.get("HETCOMM_IFNAMES") or env.get("HETCOMM_EMULATE_IFNAMES")
+        if unset("nic_ifnames") and ifnames:
+            changes["nic_ifnames"] = tuple(i.strip() for i in ifnames.split(",") if i.strip())
         return replace(base, **changes) if changes else base
     except ConfigError as e:
         if e.key and not e.key.startswith("HETCOMM_"):

@@ -55,6 +55,7 @@ from hetcomm.backends.rails.base import Rail, Xfer
 from hetcomm.backends.rails.bridge import BridgeRail
 from hetcomm.backends.rails.gloo import GlooRail
 from hetcomm.backends.rails.shm import ShmRail, shm_supported
+from hetcomm.backends.rails.striped import StripedRail
 from hetcomm.backends.select import choose_rail, shm_possible
 from hetcomm.backends.stats import record as _record
 from hetcomm.backends.work import ChunkArrival, FutureWork, HetcommWork
@@ -153,6 +154,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
                 store, rank, [p.pid for p in self.placement.ranks], checks.meta_width(size), timeout, self._wakeup
             )
         self._gloo_rail = GlooRail(self._gloo, rank, self._wakeup)
+        self._striped: Optional[StripedRail] = self._make_nic_rails(store, rank, size)
         # No reference cycles through self: the group must be freed by reference counting on the
         # thread that destroys it. Freed by the cyclic GC it could die on a gloo callback thread,
         # whose ProcessGroupGloo destructor would then join itself (std::terminate, EDEADLK).
@@ -168,6 +170,30 @@ class HetcommProcessGroup(dist.ProcessGroup):
         self._thread = threading.Thread(target=self._run_jobs, name=f"hetcomm-exec-{group_id}", daemon=True)
         self._thread.start()
         self._log_routes()
+
+    def _make_nic_rails(self, store: dist.Store, rank: int, size: int) -> Optional[StripedRail]:
+        """One gloo group per NIC port, when the cluster YAML gives every node of the group
+        ``R >= 2`` ports and this rank knows its interfaces (``HetcommOptions.nic_ifnames``)."""
+        ifnames = self.options.nic_ifnames
+        cluster = self.placement.cluster
+        if not ifnames or cluster is None or size < 2:
+            return None
+        num_ports = min(cluster.node_of(p.global_rank).num_nics for p in self.placement.ranks)
+        if num_ports < 2:
+            return None
+        if len(ifnames) < num_ports:
+            raise UsageError(
+                f"hetcomm (rank {rank}): the cluster YAML gives every node {num_ports} NIC ports but "
+                f"HETCOMM_IFNAMES lists {len(ifnames)} ({','.join(ifnames)}); list one interface per port"
+            )
+        rails = []
+        for k in range(num_ports):
+            opts = ProcessGroupGloo._Options()
+            opts._devices = [ProcessGroupGloo.create_device(interface=ifnames[k])]
+            opts._timeout = self._inner_timeout
+            pg = ProcessGroupGloo(PrefixStore(f"hetcomm/nic{k}/", store), rank, size, opts)
+            rails.append(GlooRail(pg, rank, self._wakeup, name=f"gloo-nic{k}"))
+        return StripedRail(rails, rank)
 
     # -- identity (c10d needs these on a Python group) ---------------------------------------
     def getBackendName(self) -> str:
@@ -219,7 +245,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
             assert self._shm is not None
             return self._shm
         if name == "gloo":
-            return self._gloo_rail
+            return self._striped if self._striped is not None else self._gloo_rail
         if name == "bridge":
             return self._bridge
         if name not in self._device_rails:
@@ -243,7 +269,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
     def _bridge_transport(self, peer: int) -> Rail:
         if self._shm is not None and peer in self._shm.peers:
             return self._shm
-        return self._gloo_rail
+        return self._rail("gloo")
 
     def _wire_dtype(self, peer: int, dtype: torch.dtype) -> Optional[torch.dtype]:
         w = self.options.wire_dtype
@@ -452,7 +478,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
                 self._run_plan(plan, dst, src, op, seq, deadline)
                 for j in range(n):
                     w._arrived(ChunkArrival(j, sum(out_splits[:j]), out_splits[j]))
-            elif input.device.type == "cpu" and self._every_pair_on_gloo():
+            elif input.device.type == "cpu" and self._every_pair_on_gloo() and self._striped is None:
                 self._gloo_all_to_all(dst, src, out_splits, in_splits, row_bytes, op, seq)
                 for j in range(n):
                     w._arrived(ChunkArrival(j, sum(out_splits[:j]), out_splits[j]))
@@ -592,6 +618,8 @@ class HetcommProcessGroup(dist.ProcessGroup):
             if self.options.rails is None or hint in self.options.rails:
                 return self._rail(hint)
         name = names[peer]
+        if hint and hint.startswith("nic") and hint[3:].isdigit() and self._striped is not None and name == "gloo":
+            return self._striped.rails[int(hint[3:]) % len(self._striped.rails)]  # the port the plan chose
         return self._rail("gloo" if name in ("nccl", "hccl") else name)
 
     def _run_plan(self, plan, output: torch.Tensor, input: torch.Tensor, op: str, seq: int, deadline: float) -> None:
@@ -751,7 +779,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         self._closed = True
         self._jobs.put(None)
         self._thread.join(timeout=self._timeout.total_seconds())
-        for rail in [self._shm, self._board, self._gloo_rail, *self._device_rails.values()]:
+        for rail in [self._shm, self._board, self._gloo_rail, self._striped, *self._device_rails.values()]:
             if rail is not None:
                 rail.close()
         if isinstance(self._wakeup, Doorbell):

@@ -124,12 +124,23 @@ class _GlooOp(RailOp):
 
 
 class GlooRail(Rail):
-    """Sends and receives over ``gloo`` (an inner ``ProcessGroupGloo`` over the whole group)."""
+    """Sends and receives over ``gloo`` (an inner ``ProcessGroupGloo`` over the whole group).
+
+    Args:
+        gloo: the inner group.
+        rank: this rank in it.
+        wakeup: set when a transfer completes (the executor may sleep on it).
+        name: the rail's name in errors and ``hetcomm.stats()`` (``gloo``; ``gloo-nic<k>`` for
+            the group bound to port ``k``).
+    """
 
     name = "gloo"
 
-    def __init__(self, gloo: "torch.distributed.ProcessGroup", rank: int, wakeup: Optional[threading.Event] = None):
+    def __init__(
+        self, gloo: "torch.distributed.ProcessGroup", rank: int, wakeup: Optional[threading.Event] = None, name: str = "gloo"
+    ):
         self.gloo = gloo
+        self.name = name
         self.rank = rank
         self.wakeup = wakeup if wakeup is not None else threading.Event()
         self._waiters: Dict[int, "queue.Queue"] = {}

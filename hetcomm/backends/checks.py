@@ -1,7 +1,7 @@
 """Cross-rank checks before any byte moves, and diagnosis of failed peers.
 
-``all_to_all_single`` and ``all_to_all`` first send a small int64 vector to every peer over the
-rails (one message of ``(6 + 2n) * 8`` bytes per peer, in parallel): the collective's kind and
+``all_to_all_single`` and ``all_to_all`` first share a small int64 vector with every peer
+(``(6 + 2n) * 8`` bytes, through :mod:`hetcomm.backends.board` or over the rails): the collective's kind and
 sequence number, dtype, bytes per row, a hash of the row shape, and the rank's input and output
 split sizes. Every rank then checks the whole ``n x n`` matrix, so every rank finds the *same*
 mismatches and raises the same ``ValueError``: no rank proceeds to move bytes that its peer does

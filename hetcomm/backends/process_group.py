@@ -402,12 +402,13 @@ class HetcommProcessGroup(dist.ProcessGroup):
         return lambda peers: self._culprits(seq)[1]
 
     def _exchange_meta(self, op: str, seq: int, meta: torch.Tensor, unit: str) -> checks.Meta:
-        """Send this rank's metadata vector to every peer over the CPU rails, receive theirs,
-        and check the whole matrix (:func:`checks.check_meta`).
+        """Share this rank's metadata vector with every peer, get theirs, and check the whole
+        matrix (:func:`checks.check_meta`).
 
-        One parallel round of tiny messages (shared memory for same-node peers) instead of a
-        gloo ring all_gather's n-1 sequential hops. Each pair's rail is a FIFO, so the metadata
-        always arrives ahead of the data it describes.
+        Through the shared-memory board when the whole group shares memory (tens of
+        microseconds); one gloo all_gather when every pair is on gloo; otherwise one parallel
+        round of tiny messages over the pairs' rails (each a FIFO, so the metadata always
+        arrives ahead of the data it describes).
         """
         n, me = self.size(), self.rank()
         if self._board is not None:

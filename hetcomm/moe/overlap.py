@@ -13,7 +13,7 @@ ranks issue the same collectives in the same order, which the process group requ
 Overlap is measured, not assumed: :class:`PipelineTimes` records the time blocked waiting for
 the network (``comm_exposed_s``) and the time in the experts. ``overlap = 1 - exposed_C /
 exposed_1`` compares a chunked run with the one-chunk run of the same step (see
-``docs/MOE.md`` and ``benchmarks/moe_overlap.py``).
+``docs/MOE.md`` and ``benchmarks/moe_layer.py``).
 """
 
 from __future__ import annotations
@@ -25,17 +25,11 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from hetcomm.moe.dispatch import ChunkLayout, expert_major_perm, launch, wait
-from hetcomm.moe.experts import ExpertBank
+from hetcomm.moe.dispatch import ChunkLayout, launch, wait
+from hetcomm.moe.experts import ExpertBank, cat_rows, split_rows
 from hetcomm.moe.wire import Exchange, WirePolicy
 
-__all__ = ["PipelineTimes", "run_pipeline", "MIN_PIECE_ROWS"]
-
-#: Mean rows per (source rank, expert) piece from which experts run piece by piece instead of
-#: permuting rows expert-major. A dense call on 64 rows of width >= 256 already runs near the
-#: matmul's peak on one core, while a permutation costs a full read and write of the rows.
-MIN_PIECE_ROWS = 64
-
+__all__ = ["PipelineTimes", "run_pipeline"]
 
 @dataclass
 class PipelineTimes:
@@ -115,7 +109,7 @@ def run_pipeline(
 
     # Launch every dispatch chunk at once.
     pending = []
-    pieces = x_send.split([sum(s) for s in send_split], 0) if C > 1 else (x_send,)
+    pieces = split_rows(x_send, [sum(s) for s in send_split]) if C > 1 else (x_send,)
     for c in range(C):
         ex = Exchange(send_split[c], recv_split[c], policy, rank, group, tag="dispatch")
         out = launch(pieces[c], ex)
@@ -134,23 +128,9 @@ def run_pipeline(
         sub = per_expert_counts[c]
         lo, _ = layout.local_range[c][rank]
         te = time.perf_counter()
-        L_c = sub.size(1)
-        if W == 1 or L_c <= 1:
-            y_sm = bank.forward_sorted(recv, sub.sum(0).tolist(), first=lo)
-        elif int(sub.sum()) >= MIN_PIECE_ROWS * sub.numel():
-            # Rows arrive source-major: (source, expert) pieces. Big pieces: run each expert on
-            # each source's piece in place, so the output is already in the order it goes back
-            # in; no permutation forth and back (4 gathers of [R, D] per step with backward).
-            y_sm = bank.forward_sorted(
-                recv, sub.reshape(-1).tolist(), first=lo, expert_index=list(range(L_c)) * W
-            )
-        else:
-            # Small pieces: one permutation to expert-major so each expert runs once.
-            perm = expert_major_perm(sub)
-            y_em = bank.forward_sorted(recv.index_select(0, perm), sub.sum(0).tolist(), first=lo)
-            inv = torch.empty_like(perm)
-            inv[perm] = torch.arange(perm.numel())
-            y_sm = y_em.index_select(0, inv)
+        # Rows arrive in (source, expert) blocks; the bank makes each expert's rows contiguous
+        # and returns the outputs in the same block order, the order they travel back in.
+        y_sm = bank.forward_blocks(recv, sub.tolist(), first=lo)
         times.expert_s += time.perf_counter() - te
         back = Exchange(recv_split[c], send_split[c], policy, rank, group, tag="combine")
         results.append((back, launch(y_sm, back)))
@@ -163,4 +143,4 @@ def run_pipeline(
         times.bytes_sent += back.bytes_sent
         times.bytes_recv += back.bytes_recv
     times.total_s += time.perf_counter() - t0
-    return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+    return outs[0] if len(outs) == 1 else cat_rows(outs)

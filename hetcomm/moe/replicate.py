@@ -11,6 +11,14 @@ YAML) lets those ranks compute their own tokens for them locally.
   parameters changed (their autograd version counters moved, i.e. an optimizer stepped) or the
   hot set changed: one all-reduce of ``[N, P]`` where only owners contribute non-zeros
   (``x + 0 == x`` exactly, so replicas are bit-identical to their owner).
+- **Only where it pays (``policy="profitable"``).** A replica saves the bytes of the copies its
+  holder would have sent to the owner and received back (dispatch and combine, forward and
+  backward), and costs two reductions of the expert's ``P`` parameters per optimizer step (weights
+  and gradients, a ring over the ``m`` ranks that hold or own it: ``2 (m - 1) P`` elements each).
+  With ``"profitable"`` an expert of the top ``N`` is replicated only when the first estimate
+  exceeds the second (bytes summed over ranks, per step; tokens assumed spread evenly over the
+  ranks). Small batches or large experts make replication a loss; ``"always"`` (the default)
+  replicates the top ``N`` regardless.
 - **Gradients.** After backward, the replicas' gradients are summed into the owner's gradient
   (one all-reduce of ``[N, P]``, zeros from non-holders), run as an autograd end-of-backward
   callback so every rank reaches it at the same point. Replicas are *not* ``nn.Parameter`` s of
@@ -63,6 +71,7 @@ class HotExpertReplicator:
         num_hot: int = 3,
         every: int = 10,
         alpha: float = 0.99,
+        policy: str = "always",
     ) -> None:
         if num_hot < 0 or num_hot > placement.num_experts:
             raise ConfigError(
@@ -71,6 +80,10 @@ class HotExpertReplicator:
             )
         if every < 1:
             raise ConfigError(f"replicate_every must be >= 1, got {every}", key="moe.replicate_every")
+        if policy not in ("always", "profitable"):
+            raise ConfigError(
+                f"replicate_policy must be 'always' or 'profitable', got {policy!r}", key="moe.replicate_policy"
+            )
         if not 0.0 <= alpha < 1.0:
             raise ConfigError(f"replicate_alpha must be in [0, 1), got {alpha}", key="moe.replicate_alpha")
         self.placement = placement
@@ -82,6 +95,10 @@ class HotExpertReplicator:
         self.num_hot = num_hot
         self.every = every
         self.alpha = alpha
+        self.policy = policy
+        #: Why each expert of the last top-N was or was not replicated (``policy="profitable"``):
+        #: ``{expert: (bytes saved per step, bytes spent per step)}``.
+        self.last_decision: Dict[int, Tuple[float, float]] = {}
         self.ema = torch.zeros(placement.num_experts, dtype=torch.float64)
         self.steps = 0
         self.hot: Tuple[int, ...] = ()
@@ -108,16 +125,40 @@ class HotExpertReplicator:
             self.holders_group = dist.new_group(global_holders)
 
     # -- heat --------------------------------------------------------------------------------
-    def observe(self, global_picks: torch.Tensor) -> None:
-        """Fold one step's global picks (``[E]``, identical on all ranks) into the EMA."""
+    def observe(self, global_picks: torch.Tensor, row_bytes: int = 0) -> None:
+        """Fold one step's global picks (``[E]``, identical on all ranks) into the EMA.
+
+        Args:
+            row_bytes: bytes of one routed row on the wire (``D`` x element size); used by
+                ``policy="profitable"``.
+        """
         self.ema.mul_(self.alpha).add_(global_picks.double(), alpha=1.0 - self.alpha)
         self.steps += 1
         if self.num_hot and self.steps % self.every == 0:
             # Ties broken by expert id (sort is by (-ema, id)) so every rank picks the same set.
             order = sorted(range(self.ema.numel()), key=lambda e: (-float(self.ema[e]), e))
+            hot = order[: self.num_hot]
+            if self.policy == "profitable":
+                self.last_decision = {e: self._bytes_per_step(e, row_bytes) for e in hot}
+                hot = [e for e in hot if self.last_decision[e][0] > self.last_decision[e][1]]
             # Applied at the next forward (sync), never between a forward and its backward:
             # the backward must reduce the gradients of the replicas that forward used.
-            self._pending_hot = tuple(order[: self.num_hot])
+            self._pending_hot = tuple(hot)
+
+    def _bytes_per_step(self, e: int, row_bytes: int) -> Tuple[float, float]:
+        """``(saved, spent)``: all-to-all bytes a replica set of expert ``e`` saves per step, and
+        the bytes its weight refresh and gradient sum move per step (both summed over ranks)."""
+        world = self.placement.world_size
+        owner = self.placement.owner[e]
+        copies = sum(1 for h in self.holders if h != owner)
+        # Picks of e that start on a holder other than the owner, each crossing twice in forward
+        # (dispatch, combine) and twice in backward (their gradients).
+        # The EMA starts at zero: divide by (1 - alpha^steps) for its unbiased mean (as Adam does).
+        picks = float(self.ema[e]) / (1.0 - self.alpha**self.steps) if self.steps else 0.0
+        saved = picks * copies / world * row_bytes * 4
+        members = copies + 1
+        spent = 2.0 * 2 * (members - 1) * self._param_numel() * 4  # FP32 buffers, see sync()
+        return saved, spent
 
     def set_hot(self, experts: Sequence[int]) -> None:
         """Replicate exactly ``experts`` from the next forward on (must be equal on all ranks)."""

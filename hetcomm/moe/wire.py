@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from hetcomm.backends.checks import splits_agreed
 from hetcomm.errors import CollectiveError, ConfigError, HetcommError
+from hetcomm.moe import buffers
 
 __all__ = [
     "WIRE_DTYPES",
@@ -212,14 +213,18 @@ class Exchange:
         act = x.dtype
         R = sum(self.recv_rows)
         if out is None:
-            out = x.new_empty((R, D))
+            # A recycled buffer: a fresh [R, D] would be page-faulted in anew every step.
+            out = buffers.empty((R, D), act, x.device)
         W = len(self.send_rows)
         dtypes = self.policy.peer_dtypes(self.rank, act)
         uniform = self.policy.uniform
         if uniform is not None:
             wd = dtypes[(self.rank + 1) % W] if W > 1 else act
-            send = x if wd == act else x.to(wd)
-            recv = out if wd == act else torch.empty((R, D), dtype=wd)
+            send = x
+            if wd != act:
+                send = buffers.empty(x.shape, wd, x.device)
+                send.copy_(x)
+            recv = out if wd == act else buffers.empty((R, D), wd, x.device)
             self.bytes_sent = sum(n for p, n in enumerate(self.send_rows) if p != self.rank) * D * wd.itemsize
             self.bytes_recv = sum(n for p, n in enumerate(self.recv_rows) if p != self.rank) * D * wd.itemsize
             with splits_agreed():  # recv_rows came from the (checked) exchange of counts
@@ -238,8 +243,8 @@ class Exchange:
         # Mixed wire dtypes: pack every peer's segment, cast in the copy, as raw bytes.
         send_bytes = [_pad(n * D * dtypes[p].itemsize) for p, n in enumerate(self.send_rows)]
         recv_bytes = [_pad(n * D * dtypes[p].itemsize) for p, n in enumerate(self.recv_rows)]
-        sbuf = torch.empty(sum(send_bytes), dtype=torch.uint8)
-        rbuf = torch.empty(sum(recv_bytes), dtype=torch.uint8)
+        sbuf = buffers.empty((sum(send_bytes),), torch.uint8)
+        rbuf = buffers.empty((sum(recv_bytes),), torch.uint8)
         off = row = 0
         for p, n in enumerate(self.send_rows):
             if n:

@@ -46,17 +46,7 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def equivalence(rank: int, world_size: int, cases: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
     """For each case, run MoELayer fwd+bwd on this rank's shard and compare with the reference."""
-    from hetcomm.moe import overlap
-
-    saved_min_piece_rows = overlap.MIN_PIECE_ROWS
-    try:
-        return _equivalence(rank, world_size, cases)
-    finally:
-        overlap.MIN_PIECE_ROWS = saved_min_piece_rows
-
-
-def _equivalence(rank: int, world_size: int, cases: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
-    from hetcomm.moe import MoELayer, overlap
+    from hetcomm.moe import MoELayer
 
     out: Dict[str, Dict[str, float]] = {}
     outputs: Dict[str, torch.Tensor] = {}
@@ -66,8 +56,6 @@ def _equivalence(rank: int, world_size: int, cases: List[Dict[str, Any]]) -> Dic
         E = case.get("num_experts", 8)
         k = case.get("k", 2)
         cf = case.get("capacity_factor", 1.25)
-        # 0: experts run per (source, expert) piece; a huge value: rows permuted expert-major.
-        overlap.MIN_PIECE_ROWS = case.get("min_piece_rows", 10**9)
         layer = MoELayer(D_MODEL, E, k=k, capacity_factor=cf, calibrate=False, **kw)
         layer.train()
         x, gy = shard(rank)
@@ -335,7 +323,7 @@ def subgroups(rank: int, world_size: int) -> Dict[str, Any]:
     g23 = dist.new_group([2, 3], backend="gloo")
     mine = g01 if rank < 2 else g23
     sub_rank = dist.get_rank(mine)
-    res = _equivalence(sub_rank, 2, [{"name": "sub", "kwargs": {"group": mine, "wire_dtype": "fp32"}}])["sub"]
+    res = equivalence(sub_rank, 2, [{"name": "sub", "kwargs": {"group": mine, "wire_dtype": "fp32"}}])["sub"]
     layer = MoELayer(D_MODEL, 8, group=mine)  # wire from the cluster, by *global* rank pairs
     res["auto_wire"] = layer.wire.names[0][1]
     res["strong"] = layer.strong_ranks

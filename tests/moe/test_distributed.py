@@ -75,14 +75,13 @@ def test_four_ranks_match_reference_mixed_wire_uneven_placement():
             {"name": "fp16", "kwargs": {"wire_dtype": "fp16"}},
             {"name": "chunks", "kwargs": {"wire_dtype": "fp32", "num_chunks": 2}},
             {"name": "uneven7", "num_experts": 7, "kwargs": {"wire_dtype": "fp32"}},
-            {"name": "pieces", "min_piece_rows": 0, "kwargs": {"wire_dtype": "fp32", "num_chunks": 2}},
             {"name": "dropless_chunks_auto", "kwargs": {"dropless": True, "num_chunks": 3}},
             # 3 experts on 4 ranks: the 910B owns none; 3 chunks, some empty on every rank.
             {"name": "rank_without_experts", "num_experts": 3, "kwargs": {"wire_dtype": "fp32", "num_chunks": 3}},
         ],),
     )
     for rank, per in enumerate(res):
-        for name in ("fp32", "chunks", "uneven7", "rank_without_experts", "pieces"):
+        for name in ("fp32", "chunks", "uneven7", "rank_without_experts"):
             _check_exact(name, per[name])
         assert per["dropless_chunks_auto"]["dropped"] == 0
         for name in ("auto", "fp16", "dropless_chunks_auto"):

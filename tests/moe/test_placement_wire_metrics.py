@@ -7,7 +7,7 @@ import torch
 
 from hetcomm.errors import ConfigError
 from hetcomm.moe import ExpertPlacement, place_experts, routing_metrics, wire_policy
-from hetcomm.moe.dispatch import ChunkLayout, expert_major_perm, plan_route
+from hetcomm.moe.dispatch import ChunkLayout, plan_route
 from hetcomm.moe.placement import split_by_weight
 from hetcomm.topo.cluster import load_cluster
 from tests.backends.ranks import MIXED_MINI
@@ -67,13 +67,6 @@ def test_route_is_one_sort_with_capacity_by_choice_then_token():
     rep = plan_route(topk, key, capacity=None, replica_here=torch.tensor([False, True, False]))
     assert rep.local_expert.tolist() == [1, 1]
     assert rep.send_counts.tolist() == [4, 0, 2]
-
-
-def test_expert_major_permutation():
-    counts = torch.tensor([[1, 2], [3, 0], [0, 1]])  # 3 sources, 2 local experts
-    # source-major rows: s0e0 s0e1 s0e1 s1e0 s1e0 s1e0 s2e1
-    perm = expert_major_perm(counts)
-    assert perm.tolist() == [0, 3, 4, 5, 1, 2, 6]
 
 
 def test_chunk_layout_groups_local_experts():

@@ -69,13 +69,14 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from zipf_routing import ZIPF_S, expert_ffn, zipf_gate_weight, zipf_input, zipf_probs
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 DEFAULT_CLUSTER = os.path.join(REPO, "configs", "clusters", "mixed-mini.yaml")
 WORLD_SIZE = 4
 K = 2
 CAPACITY_FACTOR = 1.25
-ZIPF_S = 1.2
 VARIANTS = (
     "deepspeed",
     "hetcomm",
@@ -103,44 +104,6 @@ class LayerShape:
     model_dim: int
     hidden_dim: int
     num_tokens: int
-
-
-# -- routing skew --------------------------------------------------------------------------------
-def zipf_probs(num_experts: int, s: float = ZIPF_S):
-    """``[E]`` float64 probabilities ``p_e`` proportional to ``(e + 1)^-s``."""
-    import torch
-
-    p = torch.arange(1, num_experts + 1, dtype=torch.float64).pow(-s)
-    return p / p.sum()
-
-
-def zipf_gate_weight(num_experts: int, model_dim: int):
-    """``[E, D]`` float32 gate weight: logits ``log p_e + g_e`` on :func:`zipf_input` tokens."""
-    import torch
-
-    from hetcomm.errors import ConfigError
-
-    if model_dim < num_experts + 1:
-        raise ConfigError(
-            f"Zipf routing needs model_dim >= num_experts + 1, got D={model_dim}, E={num_experts}; "
-            "raise --model-dim",
-            key="bench.model_dim",
-        )
-    w = torch.zeros(num_experts, model_dim)
-    w[:, 0] = torch.log(zipf_probs(num_experts)).float()
-    w[:, 1 : 1 + num_experts] = torch.eye(num_experts)
-    return w
-
-
-def zipf_input(num_tokens: int, num_experts: int, model_dim: int, generator):
-    """``[T, D]`` float32 tokens: N(0, 1) features, feature 0 = 1, features ``1..E`` Gumbel(0, 1)."""
-    import torch
-
-    x = torch.randn(num_tokens, model_dim, generator=generator)
-    x[:, 0] = 1.0
-    u = torch.rand(num_tokens, num_experts, generator=generator).clamp(1e-9, 1 - 1e-9)
-    x[:, 1 : 1 + num_experts] = -torch.log(-torch.log(u))
-    return x
 
 
 # -- rank side -----------------------------------------------------------------------------------
@@ -199,13 +162,6 @@ class LinkBytes:
         return out
 
 
-def _expert(model_dim: int, hidden_dim: int):
-    from torch import nn
-
-    return nn.Sequential(
-        nn.Linear(model_dim, hidden_dim), nn.GELU(), nn.Linear(hidden_dim, model_dim)
-    )
-
 
 def _rank_main(args) -> int:
     rank = int(os.environ["RANK"])
@@ -258,7 +214,7 @@ def _rank_main(args) -> int:
     torch.manual_seed(7)
     ds = MoE(
         hidden_size=D,
-        expert=_expert(D, F),
+        expert=expert_ffn(D, F),
         num_experts=E,
         ep_size=WORLD_SIZE,
         k=K,
@@ -282,7 +238,7 @@ def _rank_main(args) -> int:
             E,
             k=K,
             capacity_factor=CAPACITY_FACTOR,
-            expert=_expert(D, F),
+            expert=expert_ffn(D, F),
             group=group,
             cluster=cluster,
             calibrate=False,

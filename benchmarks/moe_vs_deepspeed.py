@@ -54,10 +54,11 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any, Callable, Dict, List, Optional
 
+from zipf_routing import ZIPF_S, expert_ffn, zipf_gate_weight, zipf_input, zipf_probs
+
 WORLD_SIZE = 4
 K = 2
 CAPACITY_FACTOR = 1.25
-ZIPF_S = 1.2
 
 
 @dataclass(frozen=True)
@@ -87,57 +88,7 @@ CONFIGS = {
 }
 
 
-# -- routing skew --------------------------------------------------------------------------------
-def zipf_probs(num_experts: int, s: float = ZIPF_S):
-    """``[E]`` float64 Zipf(s) probabilities ``p_e ~ (e + 1)^-s``."""
-    import torch
-
-    p = torch.arange(1, num_experts + 1, dtype=torch.float64) ** -s
-    return p / p.sum()
-
-
-def zipf_gate_weight(num_experts: int, model_dim: int):
-    """``[E, D]`` float32 gate weight that turns :func:`zipf_input` into Zipf routing.
-
-    With input feature 0 constant 1 and features ``1..E`` i.i.d. Gumbel(0, 1), this weight makes
-    the logits ``log p_e + g_e``: by the Gumbel-max trick the first choice is exactly
-    Zipf(1.2)-distributed and the second a draw without replacement from the rest (Plackett-Luce).
-    The gate has no bias, so the constant feature carries the bias ``log p_e``.
-    """
-    import torch
-
-    from hetcomm.errors import ConfigError
-
-    if model_dim < num_experts + 1:
-        raise ConfigError(
-            f"Zipf routing needs model_dim >= num_experts + 1 (one constant feature plus one Gumbel "
-            f"feature per expert), got D={model_dim}, E={num_experts}; pick a wider layer",
-            key="bench.zipf",
-        )
-    w = torch.zeros(num_experts, model_dim)
-    w[:, 0] = torch.log(zipf_probs(num_experts)).float()
-    w[:, 1 : 1 + num_experts] = torch.eye(num_experts)
-    return w
-
-
-def zipf_input(num_tokens: int, num_experts: int, model_dim: int, generator):
-    """``[T, D]`` float32 tokens: N(0, 1) features, feature 0 = 1, features ``1..E`` Gumbel."""
-    import torch
-
-    x = torch.randn(num_tokens, model_dim, generator=generator)
-    x[:, 0] = 1.0
-    u = torch.rand(num_tokens, num_experts, generator=generator).clamp(1e-9, 1 - 1e-9)
-    x[:, 1 : 1 + num_experts] = -torch.log(-torch.log(u))
-    return x
-
-
 # -- rank side -----------------------------------------------------------------------------------
-def _expert(model_dim: int, hidden_dim: int):
-    from torch import nn
-
-    return nn.Sequential(nn.Linear(model_dim, hidden_dim), nn.GELU(), nn.Linear(hidden_dim, model_dim))
-
-
 class _Variant:
     """One timed thing: ``forward()`` returns the loss to run backward on (None: idle rank)."""
 
@@ -196,7 +147,7 @@ def _build_variants(cfg: BenchConfig, args, rank: int, hgroup, hgroup_nocheck=No
 
     def add_deepspeed(name: str, x, zipf: bool) -> None:
         torch.manual_seed(7)
-        moe = MoE(hidden_size=D, expert=_expert(D, F), num_experts=E, ep_size=WORLD_SIZE, k=K,
+        moe = MoE(hidden_size=D, expert=expert_ffn(D, F), num_experts=E, ep_size=WORLD_SIZE, k=K,
                   capacity_factor=CAPACITY_FACTOR)
         moe.set_deepspeed_parallelism()
         if zipf:
@@ -220,7 +171,7 @@ def _build_variants(cfg: BenchConfig, args, rank: int, hgroup, hgroup_nocheck=No
         out.append(_Variant(name, "deepspeed", forward, moe.parameters(), stats=stats, module=moe))
 
     def add_hetcomm(name: str, x, zipf: bool, group=None, **options) -> None:
-        layer = MoELayer(D, E, k=K, capacity_factor=CAPACITY_FACTOR, expert=_expert(D, F), group=group or hgroup,
+        layer = MoELayer(D, E, k=K, capacity_factor=CAPACITY_FACTOR, expert=expert_ffn(D, F), group=group or hgroup,
                          wire_dtype="fp32", calibrate=False, **options)
         if zipf:
             with torch.no_grad():
@@ -247,7 +198,7 @@ def _build_variants(cfg: BenchConfig, args, rank: int, hgroup, hgroup_nocheck=No
 
     def add_floor(name: str, workers: int) -> None:
         torch.manual_seed(11)
-        mods = [_expert(D, F) for _ in range(L)]
+        mods = [expert_ffn(D, F) for _ in range(L)]
         # 4096 tokens x k rows, spread as evenly as possible over this rank's E/4 experts.
         rows = [(T * K) // L + (1 if i < (T * K) % L else 0) for i in range(L)]
         xs = [torch.randn(n, D) for n in rows]

@@ -50,15 +50,19 @@ class _Pending:
             self.claimed = True
             return True
 
+    def wait_claimed(self) -> None:
+        """Wait for the Work, which this thread has claimed; record its outcome."""
+        try:
+            self.work.wait()  # releases the GIL while gloo moves the bytes
+        except BaseException as e:  # reported by poll() on the executor thread
+            self.error = e
+        self.done = True
+        self.finished.set()
+
     def wait_once(self) -> None:
         """Wait for the Work (if claimed here) or for whoever claimed it."""
         if self.claim():
-            try:
-                self.work.wait()  # releases the GIL while gloo moves the bytes
-            except BaseException as e:  # reported by poll() on the executor thread
-                self.error = e
-            self.done = True
-            self.finished.set()
+            self.wait_claimed()
         else:
             self.finished.wait()
 
@@ -164,12 +168,7 @@ class GlooRail(Rail):
             if it is None:
                 return
             if it.claim():
-                try:
-                    it.work.wait()  # releases the GIL while gloo moves the bytes
-                except BaseException as e:  # reported by poll() on the executor thread
-                    it.error = e
-                it.done = True
-                it.finished.set()
+                it.wait_claimed()
                 wakeup.set()
 
     def start(self, sends: Sequence[Xfer], recvs: Sequence[Xfer], op: str, seq: int) -> RailOp:

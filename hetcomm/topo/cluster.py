@@ -17,6 +17,7 @@ Schema (every key is checked; unknown keys are rejected with the file, line and 
           count: 2                    # devices (= ranks) per node, required
           strong: true                # may hold replicas of hot experts (default: nvidia)
           numa_nodes: 2               # NUMA nodes the devices are spread over (default 1)
+          tflops: 312                 # dense FP16 TFLOPS per device (default: hetcomm.topo.compute)
         fabric: NVLINK                # device-to-device class inside a node (default by vendor)
         fabric_gbps: 2400             # per-direction Gb/s of that fabric (default: nominal)
         nics:                         # network ports of one node (default: none)
@@ -102,6 +103,9 @@ class NodeGroup:
     fabric: LinkClass
     fabric_gbps: Optional[float]
     nics: Tuple[NicSpec, ...]
+    #: dense FP16/BF16 TFLOPS of one device, overriding the compute table
+    #: (``hetcomm.topo.compute``); None = the table's figure for ``model``.
+    tflops: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -395,7 +399,7 @@ class Cluster:
 
 _TOP_KEYS = ("name", "description", "node_groups", "interconnect", "wire_dtype", "emulation")
 _GROUP_KEYS = ("name", "count", "device", "fabric", "fabric_gbps", "nics")
-_DEVICE_KEYS = ("model", "count", "strong", "numa_nodes")
+_DEVICE_KEYS = ("model", "count", "strong", "numa_nodes", "tflops")
 _NIC_KEYS = ("class", "gbps", "count", "numa")
 _INTERCONNECT_KEYS = ("same_vendor", "cross_vendor")
 _CROSS_KEYS = ("class", "gbps", "latency_us")
@@ -498,6 +502,7 @@ def _build(src: SourcedYaml) -> Cluster:
         if not isinstance(strong, bool):
             raise src.error(f"{gkey}.device.strong", f"expected true or false, got {strong!r}")
         numa_nodes = _positive_int(src, dev.get("numa_nodes", 1), f"{gkey}.device.numa_nodes")
+        tflops = _positive_float(src, dev["tflops"], f"{gkey}.device.tflops") if "tflops" in dev else None
         fabric = (
             _link_class(src, g["fabric"], f"{gkey}.fabric") if "fabric" in g else _DEFAULT_FABRIC[vendor]
         )
@@ -541,6 +546,7 @@ def _build(src: SourcedYaml) -> Cluster:
                 fabric=fabric,
                 fabric_gbps=fabric_gbps,
                 nics=tuple(nics),
+                tflops=tflops,
             )
         )
 

@@ -28,7 +28,27 @@ __all__ = [
     "UsageError",
     "stats",
     "reset_stats",
+    "Communicator",
+    "communicator",
 ]
+
+
+def __getattr__(name: str):
+    # Lazy: ``import hetcomm`` stays cheap (no executor, rails or CUDA imports) until a
+    # communicator is asked for.
+    if name == "Communicator":
+        from hetcomm.backends.communicator import Communicator
+
+        return Communicator
+    raise AttributeError(f"module 'hetcomm' has no attribute {name!r}")
+
+
+def communicator(group=None):
+    """The :class:`hetcomm.Communicator` of ``group`` (default: the default group), built on
+    first use (collectively: every rank of the group calls it the first time)."""
+    from hetcomm.backends.communicator import communicator as _communicator
+
+    return _communicator(group)
 
 
 def stats():

@@ -14,13 +14,21 @@ from typing import Mapping, Optional, Tuple
 
 from hetcomm.errors import ConfigError
 
-__all__ = ["HetcommOptions", "RAIL_NAMES", "PLAN_NAMES", "WIRE_DTYPES", "options_from_env"]
+__all__ = ["HetcommOptions", "RAIL_NAMES", "PLAN_NAMES", "WIRE_DTYPES", "options_from_env", "wire_torch_dtype"]
 
 RAIL_NAMES = ("shm", "gloo", "nccl", "hccl", "bridge")
 PLAN_NAMES = ("direct", "auto", "flat", "hier", "multirail")
-#: ``exact`` keeps the tensor dtype on the bridge; ``cluster`` follows the cluster YAML's
+#: The one wire-dtype vocabulary of the backend and the MoE layer: ``exact`` keeps the tensor
+#: dtype; ``cluster`` (alias ``auto``, the MoE layer's spelling) follows the cluster YAML's
 #: ``wire_dtype`` policy (fp16 across vendors by default); the others force one wire dtype.
-WIRE_DTYPES = ("exact", "cluster", "fp32", "fp16", "bf16")
+WIRE_DTYPES = ("exact", "cluster", "auto", "fp32", "fp16", "bf16")
+
+
+def wire_torch_dtype(name: str) -> "torch.dtype":
+    """The torch dtype of wire name ``fp32``/``fp16``/``bf16``."""
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
 
 _MiB = 1 << 20
 

@@ -17,7 +17,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -117,7 +117,7 @@ def build_placement(
     group_rank: int,
     group_size: int,
     global_ranks: Sequence[int],
-    cluster_path: Optional[str],
+    cluster_path: "Optional[Union[str, Cluster]]",
     timeout: timedelta,
 ) -> Placement:
     """Exchange ``(host, pid, device)`` through ``store`` and place every rank.
@@ -126,7 +126,8 @@ def build_placement(
         store: the group's (prefixed) store.
         group_rank / group_size: this process in the group.
         global_ranks: global rank of each group rank (empty = identity, the default group).
-        cluster_path: cluster YAML, or None for hostname placement.
+        cluster_path: cluster YAML, a loaded (or detected) :class:`Cluster`, or None for
+            hostname placement.
         timeout: how long to wait for the other ranks' entries.
 
     Raises:
@@ -146,7 +147,7 @@ def build_placement(
 
     cluster = None
     if cluster_path:
-        cluster = load_cluster(cluster_path)
+        cluster = cluster_path if isinstance(cluster_path, Cluster) else load_cluster(cluster_path)
         world = max(global_ranks) + 1
         if cluster.num_ranks < world or (is_default_group and cluster.num_ranks != group_size):
             raise ConfigError(

@@ -64,7 +64,6 @@ from hetcomm.errors import CollectiveError, UsageError
 __all__ = ["HetcommProcessGroup"]
 
 log = logging.getLogger("hetcomm.backends")
-_WIRE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _configure_logging() -> None:
@@ -134,6 +133,13 @@ class HetcommProcessGroup(dist.ProcessGroup):
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
         self.placement: Placement = build_placement(
             store, rank, size, global_ranks, self.options.cluster, timeout
+        )
+        from hetcomm.backends.communicator import Communicator
+
+        #: The group's communicator (``hetcomm.communicator(group)`` returns it); it holds the
+        #: group weakly, the group holds it.
+        self.communicator: Communicator = Communicator._for_hetcomm_group(
+            weakref.ref(self), rank, size, self.options, self.placement, timeout
         )
         allowed = self.options.rails
         local = [r for r in range(size) if shm_possible(self.placement, rank, r)] if shm_supported() else [rank]
@@ -272,12 +278,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         return self._rail("gloo")
 
     def _wire_dtype(self, peer: int, dtype: torch.dtype) -> Optional[torch.dtype]:
-        w = self.options.wire_dtype
-        if w == "exact":
-            return None
-        if w == "cluster":
-            w = self.placement.wire_dtype(self.rank(), peer)
-        return _WIRE[w]
+        return self.communicator.wire_dtype(peer, dtype)
 
     def _log_routes(self) -> None:
         if not log.isEnabledFor(logging.INFO):

@@ -1,0 +1,312 @@
+"""``hetcomm.Communicator``: one object per expert-parallel process group.
+
+A communicator knows who is where (the :class:`~hetcomm.backends.placement.Placement`), the
+effective :class:`~hetcomm.backends.options.HetcommOptions`, the wire-dtype policy and the
+statistics, and offers DeepEP-shaped :meth:`Communicator.dispatch` / :meth:`Communicator.combine`
+(implemented in :mod:`hetcomm.backends.token_dispatch`).
+
+Two kinds of group:
+
+* a ``hetcomm`` group (``backend="hetcomm"``): the group builds its communicator when c10d
+  creates it, and ``Communicator(group)`` / :func:`communicator` return that one object (it owns
+  the rails and the executor; the group is its c10d face);
+* any other group (``gloo``, ``nccl``): the communicator places the ranks through the group's
+  store and moves data with that group's own collectives.
+
+Data flow (README): topology -> cluster -> placement/plan -> **communicator** -> rails -> layer.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from hetcomm.backends.options import HetcommOptions, options_from_env, wire_torch_dtype
+from hetcomm.backends.placement import Placement, build_placement
+from hetcomm.errors import UsageError
+
+__all__ = ["Communicator", "communicator"]
+
+_DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo groups
+
+
+def _resolve_group(group):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise UsageError(
+            "hetcomm.Communicator needs an initialised process group; call "
+            "torch.distributed.init_process_group(...) first"
+        )
+    return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
+def _group_store(group) -> "torch.distributed.Store":
+    """The store c10d made for ``group`` (already prefixed per group)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._world.pg_map[group][1]
+
+
+def _group_timeout(group) -> timedelta:
+    """The group's timeout (gloo keeps it in its options; other backends: torch's default)."""
+    from torch._C._distributed_c10d import ProcessGroupGloo
+
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError:  # a group without a CPU backend (nccl only)
+        return _DEFAULT_TIMEOUT
+    if isinstance(backend, ProcessGroupGloo):
+        return backend.options._timeout
+    return _DEFAULT_TIMEOUT
+
+
+def _global_ranks(group) -> List[int]:
+    """Global rank of each group rank; empty for the default group (build_placement's convention)."""
+    import torch.distributed as dist
+
+    if group is dist.distributed_c10d._get_default_group():
+        return []
+    return list(dist.get_process_group_ranks(group))
+
+
+class Communicator:
+    """The communicator of one process group.
+
+    Args:
+        group: a ``torch.distributed`` process group (default: the default group). A ``hetcomm``
+            group already has its communicator: that object is returned.
+        cluster: path of a cluster YAML or a :class:`~hetcomm.topo.cluster.Cluster`; default
+            ``options.cluster`` / ``$HETCOMM_CLUSTER``, else placement by hostname.
+        options: :class:`HetcommOptions`; fields set explicitly win over ``HETCOMM_*``
+            environment variables, which fill the rest.
+
+    Attributes:
+        group: the torch ProcessGroup.
+        rank / world_size: this process in the group.
+        options: the effective options (explicit fields, then environment, then defaults).
+        cluster: the :class:`~hetcomm.topo.cluster.Cluster`, or None (hostname placement).
+        placement: who is where (:class:`Placement`).
+        timeout: the group timeout; every wait of the communicator is bounded by it.
+
+    Raises:
+        ConfigError: a setting that must agree differs between ranks (every rank raises,
+            naming the ranks and each differing field), or a bad option / cluster file.
+        UsageError: no process group is initialised, or options given for a hetcomm group that
+            already has different ones.
+    """
+
+    _group_ref: Callable[[], Any]
+    _initialized: bool = False
+
+    def __new__(cls, group=None, *, cluster=None, options: Optional[HetcommOptions] = None):
+        from hetcomm.backends.process_group import HetcommProcessGroup
+
+        pg = _resolve_group(group)
+        if isinstance(pg, HetcommProcessGroup):
+            comm = pg.communicator
+            if options is not None and options_from_env(options) != comm.options:
+                raise UsageError(
+                    f"hetcomm.Communicator (rank {comm.rank}): this hetcomm group was created with "
+                    f"options {comm.options}; pass pg_options= to new_group() instead of options="
+                )
+            if cluster is not None and not _same_cluster(cluster, comm.cluster):
+                raise UsageError(
+                    f"hetcomm.Communicator (rank {comm.rank}): this hetcomm group uses cluster "
+                    f"{comm.cluster.name if comm.cluster else None!r}; set HetcommOptions.cluster at "
+                    f"new_group(pg_options=...) instead of cluster="
+                )
+            return comm
+        return super().__new__(cls)
+
+    def __init__(self, group=None, *, cluster=None, options: Optional[HetcommOptions] = None):
+        if self._initialized:  # a hetcomm group's own communicator, returned by __new__
+            return
+        import torch.distributed as dist
+
+        pg = _resolve_group(group)
+        if options is not None and not isinstance(options, HetcommOptions):
+            raise UsageError(f"options must be hetcomm.backends.HetcommOptions, got {type(options).__name__}")
+        opts = options_from_env(options)
+        cluster_obj = None
+        if isinstance(cluster, (str, os.PathLike)):
+            opts = replace(opts, cluster=os.fspath(cluster))
+        elif cluster is not None:
+            cluster_obj = cluster  # a loaded or detected Cluster
+        rank, size = dist.get_rank(pg), dist.get_world_size(pg)
+        store = _group_store(pg)
+        timeout = _group_timeout(pg)
+        placement = build_placement(
+            _CommStore.prefixed(store, pg), rank, size, _global_ranks(pg),
+            cluster_obj if cluster_obj is not None else opts.cluster, timeout,
+        )
+        self._setup(lambda: pg, rank, size, opts, placement, timeout)
+
+    def _setup(self, group_ref: Callable[[], Any], rank: int, size: int, options: HetcommOptions, placement: Placement, timeout: timedelta) -> None:
+        self._group_ref = group_ref
+        self.rank = rank
+        self.world_size = size
+        self.options = options
+        self.placement = placement
+        self.timeout = timeout
+        self._initialized = True
+
+    @classmethod
+    def _for_hetcomm_group(
+        cls, group_ref, rank: int, size: int, options: HetcommOptions, placement: Placement, timeout: timedelta
+    ) -> "Communicator":
+        """The communicator a :class:`~hetcomm.backends.process_group.HetcommProcessGroup` builds for
+        itself; ``group_ref()`` returns the group (held weakly: the group holds this object)."""
+        comm = super().__new__(cls)
+        comm._setup(group_ref, rank, size, options, placement, timeout)
+        return comm
+
+    # -- identity ---------------------------------------------------------------------------
+    @property
+    def group(self):
+        """The torch ProcessGroup this communicator serves."""
+        return self._group_ref()
+
+    @property
+    def cluster(self):
+        """The :class:`~hetcomm.topo.cluster.Cluster` the placement came from, or None."""
+        return self.placement.cluster
+
+    # -- wire dtypes --------------------------------------------------------------------------
+    def wire_dtype(self, peer: int, dtype: torch.dtype, policy: Optional[str] = None) -> Optional[torch.dtype]:
+        """The dtype a ``dtype`` tensor travels in between this rank and ``peer``; None = as is.
+
+        One vocabulary for the backend and the MoE layer (:data:`hetcomm.backends.options.WIRE_DTYPES`):
+        ``exact`` keeps every dtype; ``cluster`` (alias ``auto``) follows the cluster YAML's
+        ``wire_dtype`` per link class (FP16 across vendors, FP32 elsewhere, by default);
+        ``fp32``/``fp16``/``bf16`` force one. Only floating-point tensors are cast, and a wire
+        never widens (an FP32 wire for FP16 tensors keeps FP16), so the answer is None whenever
+        the tensor already is at most as wide as the wire.
+
+        Args:
+            peer: group rank of the other end (this rank: always None).
+            dtype: the tensor's dtype.
+            policy: override of ``options.wire_dtype`` (e.g. the MoE layer's ``wire_dtype``).
+        """
+        name = policy if policy is not None else self.options.wire_dtype
+        if peer == self.rank or not dtype.is_floating_point or name == "exact":
+            return None
+        if name in ("cluster", "auto"):
+            name = self.placement.wire_dtype(self.rank, peer)
+        wire = wire_torch_dtype(name)
+        if wire == dtype or wire.itemsize > dtype.itemsize:
+            return None
+        return wire
+
+    # -- statistics ---------------------------------------------------------------------------
+    def stats(self) -> Dict[str, Dict[str, float]]:
+        """Per-rail counters of this process (``hetcomm.stats()``; see :mod:`hetcomm.backends.stats`)."""
+        from hetcomm.backends.stats import stats
+
+        return stats()
+
+    # -- token dispatch (DeepEP-shaped; implemented in token_dispatch.py) ---------------------
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        expert_to_rank,
+        capacity: Optional[int] = None,
+        async_op: bool = False,
+    ):
+        """Send each token's row to the ranks of its top-k experts (once per destination rank).
+
+        Args:
+            x: ``[T, D]`` token rows (any float dtype, any device).
+            topk_idx: ``[T, k]`` int64 expert ids (``-1`` = no expert).
+            topk_weights: ``[T, k]`` float gate weights.
+            expert_to_rank: group rank of every expert (``[E]``).
+            capacity: rows per local expert kept at most (None = dropless).
+            async_op: return a Work as well (see :func:`hetcomm.backends.token_dispatch.dispatch`).
+
+        Returns:
+            ``(recv_x [R, D], recv_counts per local expert, handle)`` — see
+            :func:`hetcomm.backends.token_dispatch.dispatch`.
+        """
+        from hetcomm.backends import token_dispatch
+
+        return token_dispatch.dispatch(
+            self, x, topk_idx, topk_weights, expert_to_rank=expert_to_rank, capacity=capacity, async_op=async_op
+        )
+
+    def combine(self, y: torch.Tensor, handle, *, async_op: bool = False):
+        """Return expert outputs to their tokens: ``y [R, D]`` -> ``[T, D]`` weighted sums.
+
+        See :func:`hetcomm.backends.token_dispatch.combine`.
+        """
+        from hetcomm.backends import token_dispatch
+
+        return token_dispatch.combine(self, y, handle, async_op=async_op)
+
+    def __repr__(self) -> str:
+        return (
+            f"Communicator(rank={self.rank}, world_size={self.world_size}, "
+            f"cluster={self.cluster.name if self.cluster else None!r}, options={self.options})"
+        )
+
+
+def _same_cluster(given, have) -> bool:
+    if have is None:
+        return False
+    if isinstance(given, (str, os.PathLike)):
+        return have.path is not None and os.path.realpath(str(given)) == os.path.realpath(have.path)
+    return given == have
+
+
+class _CommStore:
+    """Store keys of the communicators built over non-hetcomm groups.
+
+    Every rank builds a group's communicators in the same order, so a per-group counter gives
+    every construction its own key prefix (a second ``Communicator(g)`` does not read the
+    first one's entries)."""
+
+    _lock = threading.Lock()
+    _count: Dict[int, int] = {}
+
+    @classmethod
+    def prefixed(cls, store, group) -> "torch.distributed.Store":
+        from torch.distributed import PrefixStore
+
+        with cls._lock:
+            n = cls._count.get(id(group), 0)
+            cls._count[id(group)] = n + 1
+        return PrefixStore(f"hetcomm/comm{n}/", store)
+
+
+_cache_lock = threading.Lock()
+_cache: Dict[Tuple[int, str], Tuple[Any, "Communicator"]] = {}
+
+
+def communicator(group=None) -> Communicator:
+    """The communicator of ``group`` (default: the default group), built on first use.
+
+    Collective on first call per group: every rank of the group must make it. Later calls
+    return the same object. A hetcomm group's communicator is the group's own.
+    """
+    import torch.distributed as dist
+
+    pg = _resolve_group(group)
+    live = dist.distributed_c10d._world.pg_map
+    key = (id(pg), str(pg.group_name))
+    with _cache_lock:
+        for k in [k for k, (g, _) in _cache.items() if g not in live]:
+            del _cache[k]  # destroyed groups
+        hit = _cache.get(key)
+    if hit is not None:
+        return hit[1]
+    comm = Communicator(pg)
+    with _cache_lock:
+        _cache[key] = (pg, comm)
+    return comm

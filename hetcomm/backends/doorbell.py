@@ -28,7 +28,7 @@ from typing import Dict, Sequence
 
 import torch.distributed as dist
 
-from hetcomm.backends.rails.shm import SHM_DIR, SHM_PREFIX
+from hetcomm.backends.rails.shm import SHM_DIR, SHM_PREFIX, open_peer_path
 from hetcomm.errors import CollectiveError
 
 __all__ = ["Doorbell"]
@@ -64,9 +64,12 @@ class Doorbell:
                 store.set(f"{key}/path/{rank}", path)
                 store.wait([f"{key}/path/{p}" for p in others], timeout)
                 for p in others:
-                    peer_path = store.get(f"{key}/path/{p}").decode()
+                    peer_path = store.get(f"{key}/path/{p}").decode(errors="replace")
                     try:
-                        self._peer_fds[p] = os.open(peer_path, os.O_WRONLY | os.O_NONBLOCK)
+                        # Only a private FIFO of this user in SHM_DIR: the path comes from the store.
+                        self._peer_fds[p] = open_peer_path(
+                            peer_path, "fifo", os.O_WRONLY | os.O_NONBLOCK, rank=rank, peer=p
+                        )
                     except FileNotFoundError:
                         raise CollectiveError(
                             f"doorbell setup: {peer_path} of rank {p} is not visible here although "

@@ -6,7 +6,7 @@ Examples::
     hetcomm emulate up --cluster configs/clusters/emulated-4node.yaml --scale 1e-3
     hetcomm emulate status
     hetcomm emulate down                 # every emulation in the state dir
-    hetcomm emulate down --sweep         # and any hc<id>-* namespace no state file knows
+    hetcomm emulate down --sweep         # and hc<id>-* objects that are provably orphaned
 
 See ``docs/EMULATE.md``.
 """
@@ -65,6 +65,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         sp.add_argument(
             "--subnet", default=None, help="private IPv4 range (default: emulation.subnet)"
         )
+        sp.add_argument(
+            "--compute",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="emulate compute speed with a cpu cgroup per node (default: emulation.compute, "
+            "on when emulation.compute_scale is given)",
+        )
+        sp.add_argument(
+            "--cpu-per-rank",
+            type=float,
+            default=None,
+            metavar="CPUS",
+            help="CPUs of one rank at speed 1 (default: emulation.cpu_per_rank, else this "
+            "machine's cores / ranks, at most 1)",
+        )
 
     up = actions.add_parser("up", help="create the namespaces, veths and shapers; print the run id")
     shaping(up)
@@ -76,7 +91,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     down.add_argument(
         "--sweep",
         action="store_true",
-        help="also remove hc<id>-* namespaces and /dev/shm dirs no state file lists",
+        help="also remove hc<id>-* namespaces, /dev/shm dirs and cgroups that are provably "
+        "orphaned (no state file anywhere known, no live process); says what it skips",
     )
     common(down)
 
@@ -108,12 +124,16 @@ def run(args: argparse.Namespace) -> int:
     if action is None:
         raise UsageError("missing action: use 'hetcomm emulate up|down|run|status' (see --help)")
     from hetcomm.emulate.kernel import check_prerequisites
-    from hetcomm.emulate.state import DEFAULT_STATE_DIR
+    from hetcomm.emulate.state import DEFAULT_STATE_DIR, secure_state_dir
 
     if args.state_dir is None:
         args.state_dir = DEFAULT_STATE_DIR
     if action != "status":
         check_prerequisites()
+    # What `down` deletes as root comes from this directory: it must be private (issue 14.1).
+    args.state_dir = (
+        secure_state_dir(args.state_dir, create=action in ("up", "run")) or args.state_dir
+    )
     return {"up": _up, "down": _down, "status": _status, "run": _run}[action](args)
 
 
@@ -141,7 +161,14 @@ def _plan_from_args(args: argparse.Namespace):
             "--cluster YAML is required, e.g. --cluster configs/clusters/mixed-mini.yaml"
         )
     cluster = load_cluster(args.cluster)
-    settings = settings_from_cluster(cluster, scale=args.scale, mode=args.mode, subnet=args.subnet)
+    settings = settings_from_cluster(
+        cluster,
+        scale=args.scale,
+        mode=args.mode,
+        subnet=args.subnet,
+        compute=args.compute,
+        cpu_per_rank=args.cpu_per_rank,
+    )
     return cluster, plan_network(cluster, settings, new_run_id())
 
 
@@ -161,57 +188,39 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from hetcomm.emulate.fabric import SHM_ROOT, tear_down
-    from hetcomm.emulate.kernel import list_netns
-    from hetcomm.emulate.state import EmulationState, list_states, load_state, state_path
+    from hetcomm.emulate.fabric import leftovers, tear_down
+    from hetcomm.emulate.orphans import find_unrecorded, remove_orphan
+    from hetcomm.emulate.state import list_states, load_state, run_id_of, state_path
+    from hetcomm.errors import ConfigError
 
-    if args.run_id:
-        rid = _norm_id(args.run_id)
+    rid = _norm_id(args.run_id) if args.run_id else None
+    states = []
+    refused = 0
+    if rid is not None:
         path = state_path(args.state_dir, rid)
-        if os.path.exists(path):
-            states = [load_state(path)]
-        else:
-            # No state file (written elsewhere, or lost): the prefix sweep still finds its names.
-            _log(f"emulate: no state file {path}; sweeping names with prefix hc{rid}-")
-            states = [EmulationState(run_id=rid, cluster_name="?", cluster_path="")]
+        paths = [path] if os.path.lexists(path) else []
     else:
-        states = [load_state(p) for p in list_states(args.state_dir)]
-    if args.sweep:
-        known = {s.run_id for s in states}
-        orphans = set()
-        names = list_netns()
+        paths = list_states(args.state_dir)
+    for p in paths:
         try:
-            names += os.listdir(SHM_ROOT)
-        except OSError:
-            pass
-        for n in names:
-            m = re.match(r"^hc([0-9a-f]{6})-", n)
-            if (
-                m
-                and m.group(1) not in known
-                and (not args.run_id or m.group(1) == _norm_id(args.run_id))
-            ):
-                orphans.add(m.group(1))
-        states += [
-            EmulationState(run_id=r, cluster_name="?", cluster_path="") for r in sorted(orphans)
-        ]
-    if not args.run_id:
-        # Logs kept by failed runs whose emulation is already gone.
-        import shutil
-
-        known = {s.run_id for s in states}
-        try:
-            for n in os.listdir(args.state_dir):
-                if re.fullmatch(r"hc[0-9a-f]{6}", n) and n[2:] not in known:
-                    shutil.rmtree(os.path.join(args.state_dir, n), ignore_errors=True)
-        except OSError:
-            pass
-    if not states:
+            states.append(load_state(p))
+        except ConfigError as e:
+            # Nothing of a state file that fails its checks is acted on (issue 14.1).
+            refused += 1
+            _log(f"emulate: refusing {p}, nothing of it removed: {e}")
+    if rid is not None and not paths and not args.sweep:
+        # Issue 14.15: without its state file, nothing proves the names are this run's.
+        found = leftovers(rid)
+        if not found:
+            _log(f"emulate: no emulation hc{rid} in {args.state_dir}; nothing to remove")
+            return EXIT_OK
         _log(
-            f"emulate: nothing to remove (no state files in {args.state_dir}; --sweep finds "
-            "orphans)"
+            f"emulate: no state file {state_path(args.state_dir, rid)}: nothing removed. Objects "
+            f"named hc{rid}- exist ({', '.join(found)}); 'hetcomm emulate status' says whose they "
+            f"are, and 'hetcomm emulate down --sweep --id hc{rid}' removes them if they are "
+            "provably orphaned"
         )
-        return EXIT_OK
+        return EXIT_FINDINGS
     bad = 0
     for s in states:
         problems = tear_down(s, state_dir=args.state_dir)
@@ -220,9 +229,42 @@ def _down(args: argparse.Namespace) -> int:
             _log(f"emulate: hc{s.run_id}: NOT fully removed: " + "; ".join(problems))
         else:
             _log(
-                f"emulate: hc{s.run_id} ({s.cluster_name}) removed: {len(s.namespaces)} namespaces "
-                "recorded"
+                f"emulate: hc{s.run_id} ({s.cluster_name}) removed: {len(s.namespaces)} namespaces, "
+                f"{len(s.cgroups)} cgroups recorded"
             )
+    if args.sweep:
+        known = {run_id_of(p) for p in list_states(args.state_dir)} | {s.run_id for s in states}
+        unrecorded = find_unrecorded([args.state_dir], {k for k in known if k}, only=rid)
+        for u in unrecorded:
+            if not u.orphan:
+                _log(f"emulate: sweep skips hc{u.run_id}: {u.reason()}")
+                continue
+            problems = remove_orphan(u)
+            if problems:
+                bad += 1
+                _log(f"emulate: orphan hc{u.run_id}: NOT fully removed: " + "; ".join(problems))
+            else:
+                _log(f"emulate: orphan hc{u.run_id} removed: {', '.join(u.objects)}")
+        if not unrecorded:
+            _log("emulate: sweep found no hc<id>-* objects outside the recorded emulations")
+    elif not states and not refused:
+        _log(
+            f"emulate: nothing to remove (no state files in {args.state_dir}; --sweep removes "
+            "provable orphans)"
+        )
+    if rid is None:
+        # Logs kept by failed runs whose emulation is already gone (inside the private dir).
+        import shutil
+
+        recorded = {run_id_of(p) for p in list_states(args.state_dir)}
+        try:
+            for n in os.listdir(args.state_dir):
+                if re.fullmatch(r"hc[0-9a-f]{6}", n) and n[2:] not in recorded:
+                    shutil.rmtree(os.path.join(args.state_dir, n), ignore_errors=True)
+        except OSError:
+            pass
+    if refused:
+        return EXIT_USAGE
     return EXIT_FINDINGS if bad else EXIT_OK
 
 
@@ -230,22 +272,20 @@ def _status(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from hetcomm.emulate.kernel import list_netns
-    from hetcomm.emulate.state import list_states, load_state, state_path
+    from hetcomm.emulate.orphans import find_unrecorded
+    from hetcomm.emulate.state import list_states, load_state, run_id_of, state_path
 
     paths = list_states(args.state_dir)
-    if args.run_id:
-        paths = [p for p in paths if p == state_path(args.state_dir, _norm_id(args.run_id))]
+    rid = _norm_id(args.run_id) if args.run_id else None
+    if rid is not None:
+        paths = [p for p in paths if p == state_path(args.state_dir, rid)]
     try:
         live = set(list_netns())
     except OSError:
         live = set()
     states = [load_state(p) for p in paths]
-    known = {ns for s in states for ns in s.namespaces}
-    orphans = sorted(
-        n
-        for n in live
-        if n.startswith("hc") and "-" in n and n not in known and len(n.split("-", 1)[0]) == 8
-    )
+    known = {run_id_of(p) for p in list_states(args.state_dir)}
+    unrecorded = find_unrecorded([args.state_dir], {k for k in known if k}, only=rid)
     if args.json:
         print(
             json.dumps(
@@ -255,7 +295,16 @@ def _status(args: argparse.Namespace) -> int:
                         dict(asdict(s), present=[n for n in s.namespaces if n in live])
                         for s in states
                     ],
-                    "orphan_namespaces": orphans,
+                    "unrecorded": [
+                        {
+                            "run_id": u.run_id,
+                            "objects": u.objects,
+                            "recorded_in": u.recorded_in,
+                            "pids": list(u.pids),
+                            "orphan": u.orphan,
+                        }
+                        for u in unrecorded
+                    ],
                 },
                 indent=1,
             )
@@ -265,11 +314,17 @@ def _status(args: argparse.Namespace) -> int:
         print(f"no emulations recorded in {args.state_dir}")
     for s in states:
         _print_state(s, live=live)
-    if orphans:
-        print(
-            f"namespaces with the hetcomm prefix that no state file in {args.state_dir} lists: "
-            f"{', '.join(orphans)} ('hetcomm emulate down --sweep' removes them)"
-        )
+    if unrecorded:
+        print(f"hc<id>-* objects that no state file in {args.state_dir} records:")
+    for u in unrecorded:
+        what = ", ".join(u.objects)
+        if u.orphan:
+            print(
+                f"  hc{u.run_id}: orphaned (no state file anywhere known, no live process): {what}; "
+                f"'hetcomm emulate down --sweep --id hc{u.run_id}' removes it"
+            )
+        else:
+            print(f"  hc{u.run_id}: {what}; {u.reason()}")
     return EXIT_OK
 
 
@@ -294,6 +349,12 @@ def _print_state(state, live: Optional[set]) -> None:
                 f"{i.get('address', '-'):<18} {i.get('class', '-'):<13} "
                 f"{i.get('nominal_gbps', 0):>6g} Gb/s "
                 f"{i.get('rate_bps', 0) / 1e6:>6g} Mbit/s"
+            )
+    for n in state.nodes:
+        if n.get("cpus") is not None:
+            print(
+                f"  compute {n['node']:<12} x{n.get('compute_scale', 1):g}: {n['cpus']:.3g} CPUs "
+                f"(cgroup {n.get('cgroup')})"
             )
     for q in state.qdiscs:
         if "cross-vendor" in q:

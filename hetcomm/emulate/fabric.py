@@ -1,10 +1,12 @@
-"""Build and remove an emulated cluster in the kernel: namespaces, veths, bridges, shapers.
+"""Build and remove an emulated cluster in the kernel: namespaces, veths, bridges, shapers,
+and (with compute emulation) one cpu cgroup per node.
 
 :func:`bring_up` records every name in the state file first, then creates the objects; any
 failure on the way tears down what exists and re-raises. :func:`tear_down` works from the state
-file alone (plus a sweep of names carrying the run's prefix), so it also cleans up after a crash.
-Deleting a namespace only frees its interfaces once no process lives in it, so tear-down kills
-the processes inside first.
+file alone, so it also cleans up after a crash, and it acts only on what that (checked) state
+records: names that are not in it are left to ``down --sweep``, which removes only provable
+orphans (:mod:`hetcomm.emulate.orphans`). Deleting a namespace only frees its interfaces once no
+process lives in it, so tear-down kills the processes inside first.
 """
 
 from __future__ import annotations
@@ -13,17 +15,31 @@ import os
 import secrets
 import shutil
 import signal
+import stat
 import sys
 import time
 from typing import Callable, List, Optional
 
+from hetcomm.emulate.cgroup import (
+    cgroup_dir_for,
+    create_cgroup,
+    find_cpu_hierarchy,
+    list_run_cgroups,
+    remove_cgroup,
+)
 from hetcomm.emulate.kernel import KernelError, batch, list_netns, netns_pids, run_tool
 from hetcomm.emulate.spec import NetPlan, Shaper
-from hetcomm.emulate.state import EmulationState, load_state, save_state, state_path
+from hetcomm.emulate.state import (
+    SHM_ROOT,
+    EmulationState,
+    save_state,
+    shm_dir_for,
+    state_path,
+    unregister_run,
+)
+from hetcomm.errors import UsageError
 
 __all__ = ["new_run_id", "bring_up", "tear_down", "leftovers", "shm_dir_for", "SHM_ROOT"]
-
-SHM_ROOT = "/dev/shm"
 # Smallest tbf bucket: one 64 KiB GSO super-packet must fit, or tbf would have to split every
 # TCP segment veth hands it (it can, but the bucket then also caps the shaper's accuracy).
 _MIN_BURST_BYTES = 64 * 1024
@@ -32,13 +48,15 @@ _HTB_QUANTUM = 65536
 
 
 def new_run_id() -> str:
-    """Six random hex digits (``3f9a1c``)."""
-    return secrets.token_hex(3)
+    """Six random hex digits (``3f9a1c``), not the prefix of anything that exists already (a
+    namespace, /dev/shm entry, cpu cgroup or index entry), so that a failed bring-up can never
+    remove another run's objects."""
+    from hetcomm.emulate.state import registered_state_dir
 
-
-def shm_dir_for(run_id: str, node: str) -> str:
-    """Host directory bind-mounted as ``/dev/shm`` for the ranks of ``node``."""
-    return os.path.join(SHM_ROOT, f"hc{run_id}-{node}")
+    while True:
+        rid = secrets.token_hex(3)
+        if not leftovers(rid) and registered_state_dir(rid) is None:
+            return rid
 
 
 def _say(progress: Optional[Callable[[str], None]], msg: str) -> None:
@@ -57,7 +75,17 @@ def bring_up(
 
     Raises:
         KernelError: a command was refused; everything created so far has been removed.
+        UsageError: compute emulation was asked for but this host has no cpu cgroup controller.
     """
+    hierarchy = None
+    if any(n.cpus is not None for n in plan.nodes):
+        hierarchy = find_cpu_hierarchy()
+        if hierarchy is None:
+            raise UsageError(
+                "compute emulation needs the cgroup 'cpu' controller (cgroup v2 with cpu enabled, "
+                "or a v1 'cpu' hierarchy); none is mounted here: mount one, or drop "
+                "emulation.compute / emulation.compute_scale"
+            )
     state = EmulationState(
         run_id=plan.run_id,
         cluster_name=plan.cluster_name,
@@ -68,6 +96,10 @@ def bring_up(
         master_port=plan.settings.master_port,
         namespaces=plan.namespaces,
         shm_dirs=[shm_dir_for(plan.run_id, n.node) for n in plan.nodes],
+        cgroups=[cgroup_dir_for(hierarchy, plan.run_id, n.node) for n in plan.nodes]
+        if hierarchy
+        else [],
+        cgroup_version=hierarchy.version if hierarchy else 0,
         interfaces=[f"{v.ns_a}/{v.name_a}" for v in plan.veths]
         + [f"{v.ns_b}/{v.name_b}" for v in plan.veths],
         qdiscs=[_describe_shaper(s) for s in plan.shapers],
@@ -78,6 +110,9 @@ def bring_up(
                 "index": n.index,
                 "vendor": n.vendor,
                 "ranks": list(n.ranks),
+                "compute_scale": n.compute_scale,
+                "cpus": n.cpus,
+                "cgroup": cgroup_dir_for(hierarchy, plan.run_id, n.node) if hierarchy else None,
                 "ifaces": [
                     {
                         "name": i.name,
@@ -115,7 +150,20 @@ def bring_up(
 
 def _create(plan: NetPlan, state: EmulationState, progress) -> None:
     for d in state.shm_dirs:
-        os.makedirs(d, mode=0o1777, exist_ok=True)
+        # Never reuse: a directory that exists already (or a link planted there) is not ours.
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            raise KernelError(f"{d} exists already; it is not this emulation's") from None
+        # Sticky and world-writable like /dev/shm itself: ranks may run as any user.
+        os.chmod(d, 0o1777)
+    if state.cgroups:
+        hierarchy = find_cpu_hierarchy()
+        assert hierarchy is not None  # checked in bring_up
+        for n, path in zip(plan.nodes, state.cgroups):
+            assert n.cpus is not None
+            create_cgroup(hierarchy, path, n.cpus)
+        _say(progress, f"emulate: {len(state.cgroups)} cpu cgroups (v{hierarchy.version}) limit compute")
     for ns in plan.namespaces:
         run_tool(["ip", "netns", "add", ns])
         batch("ip", ns, ["link set lo up"])
@@ -280,13 +328,14 @@ def tear_down(
     state: EmulationState,
     *,
     state_dir: Optional[str] = None,
-    sweep: bool = True,
     keep_logs: bool = False,
 ) -> List[str]:
-    """Remove everything ``state`` lists (and, with ``sweep``, anything else named with its
-    prefix): rank processes, processes inside its namespaces, namespaces (and so their veths and
-    qdiscs), shared-memory directories; then the state file and, unless ``keep_logs``, the rank
-    logs. Idempotent.
+    """Remove everything ``state`` records: rank processes, processes inside its namespaces,
+    namespaces (and so their veths and qdiscs), cpu cgroups, shared-memory directories; then the
+    state file, its index entry and, unless ``keep_logs``, the rank logs. Idempotent.
+
+    ``state`` must have passed :func:`hetcomm.emulate.state.validate_state` (``load_state`` does
+    it): only names that carry the run's prefix and that its own records produce are touched.
 
     Returns:
         Problems that remain (empty when everything is gone).
@@ -294,7 +343,8 @@ def tear_down(
     problems: List[str] = []
     for pid in state.rank_pids:
         # After a crash long ago the pid may belong to someone else now: only a process that
-        # still carries this run's id in its environment is one of our ranks.
+        # still carries this run's id in its environment, runs as us and leads its own process
+        # group (ranks get their own session) is one of our ranks.
         if not _is_our_rank(pid, state.run_id):
             continue
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -303,10 +353,8 @@ def tear_down(
             except (ProcessLookupError, PermissionError):
                 break
             time.sleep(0.2)
-    names = list(state.namespaces)
+    names = [n for n in state.namespaces if n.startswith(state.prefix)]
     existing = list_netns()
-    if sweep:
-        names += [n for n in existing if n.startswith(state.prefix) and n not in names]
     # Node namespaces first (killing their processes), then the fabric.
     names.sort(key=lambda n: n.endswith("-fabric"))
     for ns in names:
@@ -319,20 +367,16 @@ def tear_down(
             run_tool(["ip", "netns", "delete", ns])
         except KernelError as e:
             problems.append(str(e))
-    shm = list(state.shm_dirs)
-    if sweep:
-        try:
-            shm += [
-                os.path.join(SHM_ROOT, n)
-                for n in os.listdir(SHM_ROOT)
-                if n.startswith(state.prefix)
-            ]
-        except OSError:
-            pass
-    for d in sorted(set(shm)):
-        shutil.rmtree(d, ignore_errors=True)
-        if os.path.exists(d):
-            problems.append(f"could not remove {d}")
+    for path in state.cgroups:
+        if not os.path.basename(path).startswith(state.prefix):
+            continue
+        problem = remove_cgroup(path)
+        if problem:
+            problems.append(problem)
+    for d in sorted(set(state.shm_dirs)):
+        problem = _remove_shm_dir(d, state.prefix)
+        if problem:
+            problems.append(problem)
     if state_dir is not None and not problems:
         if not keep_logs:
             shutil.rmtree(os.path.join(state_dir, f"hc{state.run_id}"), ignore_errors=True)
@@ -340,11 +384,32 @@ def tear_down(
             os.unlink(state_path(state_dir, state.run_id))
         except FileNotFoundError:
             pass
+        unregister_run(state.run_id)
     return problems
+
+
+def _remove_shm_dir(d: str, prefix: str) -> Optional[str]:
+    """Remove ``/dev/shm/<prefix>...`` if it is a real directory owned by us; a link or another
+    user's entry there is not ours and stays."""
+    if os.path.dirname(d) != SHM_ROOT or not os.path.basename(d).startswith(prefix):
+        return f"{d} is not under {SHM_ROOT} with prefix {prefix}; left alone"
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return f"{d} is not a directory of yours (a link or another user's); left alone"
+    # rmtree works through directory file descriptors and never follows a link inside.
+    shutil.rmtree(d, ignore_errors=True)
+    if os.path.lexists(d):
+        return f"could not remove {d}"
+    return None
 
 
 def _is_our_rank(pid: int, run_id: str) -> bool:
     try:
+        if os.stat(f"/proc/{pid}").st_uid != os.geteuid() or os.getpgid(pid) != pid:
+            return False
         with open(f"/proc/{pid}/environ", "rb") as f:
             return f"HETCOMM_EMULATE=hc{run_id}".encode() in f.read().split(b"\0")
     except OSError:
@@ -352,20 +417,17 @@ def _is_our_rank(pid: int, run_id: str) -> bool:
 
 
 def leftovers(run_id: str) -> List[str]:
-    """Anything of run ``run_id`` still present: namespaces and /dev/shm entries (for tests and
-    ``status``)."""
+    """Anything of run ``run_id`` still present: namespaces, /dev/shm entries and cpu cgroups
+    (for tests and ``status``)."""
     prefix = f"hc{run_id}-"
     found = [f"netns {n}" for n in list_netns() if n.startswith(prefix)]
     try:
         found += [f"{SHM_ROOT}/{n}" for n in os.listdir(SHM_ROOT) if n.startswith(prefix)]
     except OSError:
         pass
+    h = find_cpu_hierarchy()
+    found += [f"cgroup {h.root}/{n}" for n in list_run_cgroups(h) if n.startswith(prefix)]
     return found
-
-
-def load_and_tear_down(path: str, state_dir: str) -> List[str]:
-    """Tear down the emulation a state file describes."""
-    return tear_down(load_state(path), state_dir=state_dir)
 
 
 def log(msg: str) -> None:

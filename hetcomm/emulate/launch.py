@@ -7,6 +7,11 @@ share it (so the ``shm`` rail works between them, as GPUs of one box share memor
 different nodes cannot see each other's segments, and tear-down removes every segment by
 removing the directory, even when a rank was killed before it could unlink.
 
+With compute emulation a small shell in the root namespace first moves itself into the node's
+cpu cgroup (``echo $$ > <cgroup>/cgroup.procs``) and then execs ``ip netns exec ...``: the rank
+and everything it starts inherit the cgroup. It is done before ``ip netns exec`` because that
+remounts ``/sys`` for the namespace, which hides the host's cgroup mounts.
+
 Environment of every rank (on top of the caller's)::
 
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK   torchrun's names and meanings
@@ -172,6 +177,8 @@ def run_ranks(
     shm = {
         n["node"]: os.path.join("/dev/shm", f"hc{state.run_id}-{n['node']}") for n in state.nodes
     }
+    # The recorded (and validated) cgroups, by node.
+    cgroups = {os.path.basename(c)[len(state.prefix) :]: c for c in state.cgroups}
     t0 = time.monotonic()
     try:
         for rank in range(world):
@@ -187,6 +194,9 @@ def run_ranks(
                 shm[node["node"]],
                 *cmd,
             ]
+            cg = cgroups.get(node["node"])
+            if cg is not None:
+                argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(cg, "cgroup.procs"), *argv]
             if rank == 0:
                 out = rank0_out if rank0_out is not None else None
                 logs[rank] = None

@@ -30,8 +30,10 @@ exist only inside namespaces this run creates and are never routed out of the ma
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -50,6 +52,7 @@ __all__ = [
     "NetPlan",
     "settings_from_cluster",
     "plan_network",
+    "node_compute_scale",
     "DEFAULT_SUBNET",
     "DEFAULT_SCALE",
     "NAME_PREFIX",
@@ -64,7 +67,16 @@ DEFAULT_SCALE = 1.0e-3
 DEFAULT_MASTER_PORT = 29500
 # A NIC-less node still needs a way out; Cluster.link_gbps uses 10 Gb/s for this case.
 _FALLBACK_NIC_GBPS = 10.0
-_SETTINGS_KEYS = ("subnet", "scale", "mode", "queue_ms", "master_port")
+_SETTINGS_KEYS = (
+    "subnet",
+    "scale",
+    "mode",
+    "queue_ms",
+    "master_port",
+    "compute",
+    "compute_scale",
+    "cpu_per_rank",
+)
 _MODES = ("bridge", "p2p")
 # Linux interface names are at most 15 bytes (IFNAMSIZ - 1).
 _IFNAMSIZ = 15
@@ -81,6 +93,15 @@ class EmulationSettings:
         queue_ms: how long a packet may wait in a shaper (tbf ``latency``); a deep queue keeps
             TCP from losing packets, so the measured rate is the shaped rate.
         master_port: TCP port of rank 0's rendezvous store on the emulated network.
+        compute: emulate compute speed: each node's ranks run in a cpu cgroup limited to the
+            node's share (see :mod:`hetcomm.emulate.cgroup`). Off by default: a throttled rank
+            also imports torch and sets up its group more slowly, which only runs that study
+            compute want to pay for.
+        compute_scale: per node group or node name, the relative speed in (0, 1] (1 = the
+            fastest device); nodes not named run at 1.
+        cpu_per_rank: CPUs one rank of speed 1 may use (default: this machine's cores shared
+            evenly by all ranks, at most 1, so the fastest ranks never wait for a core that
+            another rank's quota already holds).
     """
 
     subnet: ipaddress.IPv4Network = ipaddress.IPv4Network(DEFAULT_SUBNET)
@@ -88,6 +109,9 @@ class EmulationSettings:
     mode: str = "bridge"
     queue_ms: float = 200.0
     master_port: int = DEFAULT_MASTER_PORT
+    compute: bool = False
+    compute_scale: Tuple[Tuple[str, float], ...] = ()
+    cpu_per_rank: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -152,6 +176,9 @@ class NodeNs:
         ranks: global ranks placed here.
         ifaces: its emulated NICs; ``ifaces[0]`` carries gloo (``GLOO_SOCKET_IFNAME``).
         address: the node's primary address (``ifaces[0]``'s, without prefix).
+        compute_scale: relative compute speed (1 = fastest).
+        cpus: CPU quota of the node's cgroup (``compute_scale x cpu_per_rank x ranks``), or None
+            when compute speed is not emulated.
     """
 
     ns: str
@@ -160,6 +187,8 @@ class NodeNs:
     vendor: str
     ranks: Tuple[int, ...]
     ifaces: Tuple[Iface, ...]
+    compute_scale: float = 1.0
+    cpus: Optional[float] = None
 
     @property
     def address(self) -> str:
@@ -220,12 +249,19 @@ def settings_from_cluster(
     scale: Optional[float] = None,
     mode: Optional[str] = None,
     subnet: Optional[str] = None,
+    compute: Optional[bool] = None,
+    cpu_per_rank: Optional[float] = None,
+    num_cpus: Optional[int] = None,
 ) -> EmulationSettings:
     """Check the cluster's ``emulation:`` mapping; command-line values override it.
 
+    Args:
+        num_cpus: cores of this machine (default ``os.cpu_count()``), for the default
+            ``cpu_per_rank``.
+
     Raises:
-        ConfigError: unknown key, bad subnet (not IPv4, not private, too small), bad mode or
-            scale, naming the file, line and key.
+        ConfigError: unknown key, bad subnet (not IPv4, not private, too small), bad mode,
+            scale, compute settings, naming the file, line and key.
     """
     raw: Dict[str, Any] = cluster.emulation_settings()
     lines = _emulation_lines(cluster)
@@ -263,9 +299,76 @@ def settings_from_cluster(
     port = raw.get("master_port", DEFAULT_MASTER_PORT)
     if isinstance(port, bool) or not isinstance(port, int) or not 1024 <= port <= 65535:
         raise err("master_port", f"expected a TCP port in 1024..65535, got {port!r}")
+
+    scales = _compute_scales(cluster, raw.get("compute_scale"), lines)
+    compute_v = compute if compute is not None else raw.get("compute", bool(scales))
+    if not isinstance(compute_v, bool):
+        raise err("compute", f"expected true or false, got {compute_v!r}")
+    cores = num_cpus if num_cpus is not None else (os.cpu_count() or 1)
+    default_cpr = min(1.0, cores / max(1, cluster.num_ranks))
+    cpr = cpu_per_rank if cpu_per_rank is not None else raw.get("cpu_per_rank", default_cpr)
+    if isinstance(cpr, bool) or not isinstance(cpr, (int, float)) or not 0.01 <= cpr <= cores:
+        raise err(
+            "cpu_per_rank",
+            f"expected CPUs per rank in [0.01, {cores}] (this machine's cores), got {cpr!r}",
+        )
     return EmulationSettings(
-        subnet=net, scale=float(scale_v), mode=mode_v, queue_ms=float(queue_ms), master_port=port
+        subnet=net,
+        scale=float(scale_v),
+        mode=mode_v,
+        queue_ms=float(queue_ms),
+        master_port=port,
+        compute=compute_v,
+        compute_scale=scales,
+        cpu_per_rank=float(cpr),
     )
+
+
+def _compute_scales(
+    cluster: Cluster, raw: Any, lines: Dict[str, int]
+) -> Tuple[Tuple[str, float], ...]:
+    """Check ``emulation.compute_scale``: a mapping of node group or node name to a relative
+    speed in (0, 1]."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"expected a mapping of node group or node name to relative speed, e.g. "
+            f"{{{cluster.groups[0].name}: 0.5}}, got {raw!r}",
+            key="emulation.compute_scale",
+            path=cluster.path,
+            line=lines.get("compute_scale"),
+        )
+    known = {g.name for g in cluster.groups} | {n.name for n in cluster.nodes}
+    out = []
+    for name, value in raw.items():
+        key = f"compute_scale.{name}"
+        if name not in known:
+            raise ConfigError(
+                f"no node group or node named {name!r}; known: {', '.join(sorted(known))}",
+                key=f"emulation.{key}",
+                path=cluster.path,
+                line=lines.get(key, lines.get("compute_scale")),
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.01 <= value <= 1:
+            raise ConfigError(
+                f"expected a relative speed in [0.01, 1] (1 = the fastest device, 0.5 = half its "
+                f"speed), got {value!r}",
+                key=f"emulation.{key}",
+                path=cluster.path,
+                line=lines.get(key, lines.get("compute_scale")),
+            )
+        out.append((str(name), float(value)))
+    return tuple(out)
+
+
+def node_compute_scale(cluster: Cluster, settings: EmulationSettings, node: Node) -> float:
+    """Relative compute speed of ``node``: its own ``compute_scale`` entry, else its group's,
+    else 1."""
+    scales = dict(settings.compute_scale)
+    if node.name in scales:
+        return scales[node.name]
+    return scales.get(node.group.name, 1.0)
 
 
 def _emulation_lines(cluster: Cluster) -> Dict[str, int]:
@@ -305,18 +408,50 @@ def plan_network(cluster: Cluster, settings: EmulationSettings, run_id: str) -> 
         ConfigError: the subnet is too small for the nodes and rails.
     """
     _check_run_id(run_id)
-    for g in cluster.groups:
+    for gi, g in enumerate(cluster.groups):
         # Namespace names become file names under /run/netns and arguments of `ip`.
         if not re.fullmatch(r"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*", g.name) or len(g.name) > 64:
+            key = f"node_groups[{gi}].name"
             raise ConfigError(
                 f"node group name {g.name!r} cannot name a network namespace; use letters, digits, "
                 f"'_', '.' and single '-' (at most 64 characters)",
-                key="node_groups.name",
+                key=key,
                 path=cluster.path,
+                line=_cluster_lines(cluster).get(key),
             )
     if settings.mode == "p2p":
-        return _plan_p2p(cluster, settings, run_id)
-    return _plan_bridge(cluster, settings, run_id)
+        plan = _plan_p2p(cluster, settings, run_id)
+    else:
+        plan = _plan_bridge(cluster, settings, run_id)
+    return _with_compute(cluster, settings, plan)
+
+
+def _with_compute(cluster: Cluster, settings: EmulationSettings, plan: NetPlan) -> NetPlan:
+    """Give every node its relative speed and, with ``settings.compute``, its CPU quota."""
+    by_name = {n.name: n for n in cluster.nodes}
+    nodes = []
+    for nn in plan.nodes:
+        s = node_compute_scale(cluster, settings, by_name[nn.node])
+        cpus = s * settings.cpu_per_rank * len(nn.ranks) if settings.compute else None
+        nodes.append(dataclasses.replace(nn, compute_scale=s, cpus=cpus))
+    notes = list(plan.notes)
+    if settings.compute:
+        notes.append(
+            "compute speed: " + ", ".join(f"{n.node} x{n.compute_scale:g} ({n.cpus:.3g} CPUs)" for n in nodes)
+            + f"; {settings.cpu_per_rank:.3g} CPUs per rank at x1"
+        )
+    elif settings.compute_scale:
+        notes.append("compute_scale given but compute emulation is off (emulation.compute: false)")
+    return dataclasses.replace(plan, nodes=tuple(nodes), notes=tuple(notes))
+
+
+def _cluster_lines(cluster: Cluster) -> Dict[str, int]:
+    if not cluster.path:
+        return {}
+    try:
+        return dict(load_yaml(cluster.path).lines)
+    except ConfigError:
+        return {}
 
 
 def _ns_name(run_id: str, node: str) -> str:

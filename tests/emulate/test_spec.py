@@ -221,3 +221,17 @@ def test_cli_run_without_command_is_usage_error(tmp_path, capsys):
     assert "nothing to run" in err or "missing root" in err
     assert main(["emulate"]) == 2
     assert "missing action" in capsys.readouterr().err
+
+
+def test_bad_group_name_error_names_index_and_line(tmp_path):
+    """Issue 14.15: the error names which node group (index, file, line), not just the key."""
+    with open(MINI) as f:
+        text = f.read().replace("name: ascend", "name: as--cend")
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    c = load_cluster(str(path))
+    with pytest.raises(ConfigError) as e:
+        plan_network(c, settings_from_cluster(c), "abcdef")
+    assert e.value.key == "node_groups[2].name"
+    assert e.value.line == 19 and e.value.path == str(path)
+    assert f"{path}:19" in str(e.value)

@@ -28,6 +28,8 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import re
+import stat
 import time
 import uuid
 from collections import deque
@@ -41,7 +43,15 @@ from hetcomm.backends.rails.base import Rail, RailOp, Xfer, as_bytes
 from hetcomm.backends.stats import record as _record
 from hetcomm.errors import CollectiveError
 
-__all__ = ["ShmRail", "map_segment", "shm_supported", "pid_alive", "SHM_DIR", "SHM_PREFIX"]
+__all__ = [
+    "ShmRail",
+    "map_segment",
+    "shm_supported",
+    "pid_alive",
+    "open_peer_path",
+    "SHM_DIR",
+    "SHM_PREFIX",
+]
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "hetcomm-"
@@ -50,6 +60,85 @@ _HEAD, _TAIL = 0, 8  # int64 indices into the control block (64 bytes apart)
 _HDR_BYTES = 16
 # After this long without progress a step checks whether its peers' processes still exist.
 _LIVENESS_AFTER_S = 0.2
+
+
+# What a hetcomm peer creates in SHM_DIR, and nothing else (issue 14 item 3): segments
+# ``hetcomm-<pid>-<12 hex>`` (map_segment) and doorbell FIFOs ``hetcomm-bell-<pid>-<12 hex>``.
+_PEER_NAMES = {
+    "segment": re.compile(re.escape(SHM_PREFIX) + r"[0-9]+-[0-9a-f]{12}"),
+    "fifo": re.compile(re.escape(SHM_PREFIX) + r"bell-[0-9]+-[0-9a-f]{12}"),
+}
+
+
+def open_peer_path(path: str, kind: str, flags: int, *, rank: int, peer: int, num_bytes: int = 0) -> int:
+    """Open a path a peer published through the store, only if a hetcomm peer could have made it.
+
+    Whoever can write to the store could otherwise point this rank at any file its user may
+    write (the rail maps the segment read-write; a doorbell writes a byte). So the path must be
+    ``SHM_DIR/<expected name>`` (no other directory, no ``..``), and the object there must not be
+    a link (``O_NOFOLLOW``), must be of ``kind`` (``segment``: a regular file of exactly
+    ``num_bytes``; ``fifo``: a named pipe), owned by this process's user, with one link and no
+    access for group or others (peers create them ``0600`` with ``O_EXCL``/``mkfifo``).
+
+    Args:
+        path: as read from the store.
+        kind: ``segment`` or ``fifo``.
+        flags: ``os.open`` flags (``O_NOFOLLOW``, ``O_CLOEXEC`` and ``O_NOCTTY`` are added).
+        rank / peer: for the error.
+        num_bytes: the segment's expected size.
+
+    Returns:
+        An open file descriptor (the caller closes it).
+
+    Raises:
+        CollectiveError: naming the path, what is wrong and the likely cause.
+    """
+
+    def refuse(why: str) -> CollectiveError:
+        return CollectiveError(
+            f"shared-memory setup: refusing {path!r} published by rank {peer} through the store: "
+            f"{why}. A hetcomm peer publishes only its own {kind} in {SHM_DIR}; if the ranks are "
+            f"yours, something else wrote to the store: protect its port (see SECURITY.md)",
+            op="init",
+            rank=rank,
+            peer=peer,
+            rail="shm",
+        )
+
+    if os.path.dirname(path) != SHM_DIR or not _PEER_NAMES[kind].fullmatch(os.path.basename(path)):
+        raise refuse(f"not a {SHM_DIR}/{_PEER_NAMES[kind].pattern} name")
+    try:
+        before = os.lstat(path)
+    except FileNotFoundError:
+        raise  # callers explain a missing path (separate /dev/shm mounts)
+    except OSError as e:
+        raise refuse(e.strerror) from None
+    if stat.S_ISLNK(before.st_mode):
+        raise refuse("it is a symbolic link")
+    want_type = stat.S_ISFIFO if kind == "fifo" else stat.S_ISREG
+    if not want_type(before.st_mode):
+        raise refuse(f"it is not a {'named pipe' if kind == 'fifo' else 'regular file'}")
+    if before.st_uid != os.geteuid():
+        raise refuse(f"it is owned by uid {before.st_uid}, not by this rank's uid {os.geteuid()}")
+    if before.st_mode & 0o077 or before.st_nlink != 1:
+        raise refuse(f"mode {stat.S_IMODE(before.st_mode):o} with {before.st_nlink} links, not a private 0600 file")
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise refuse(e.strerror) from None
+    st = os.fstat(fd)
+    # The same object as checked above (not swapped in between), and the right size.
+    if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino) or (
+        kind == "segment" and st.st_size != num_bytes
+    ):
+        os.close(fd)
+        why = "it changed while being opened"
+        if (st.st_dev, st.st_ino) == (before.st_dev, before.st_ino):
+            why = f"it has {st.st_size} bytes, not the {num_bytes} this group's layout needs"
+        raise refuse(why)
+    return fd
 
 
 def shm_supported() -> bool:
@@ -286,9 +375,9 @@ def map_segment(
                 pass
         return mm
     store.wait([f"{key}/name"], timeout)
-    path = store.get(f"{key}/name").decode()
+    path = store.get(f"{key}/name").decode(errors="replace")
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = open_peer_path(path, "segment", os.O_RDWR, rank=rank, peer=leader, num_bytes=num_bytes)
     except FileNotFoundError:
         raise CollectiveError(
             f"shared-memory setup: segment {path}, created by rank {leader} on this host, is not "

@@ -1,0 +1,198 @@
+"""CPU cgroups that make an emulated node compute at its device's relative speed.
+
+Every rank of a node runs in that node's cgroup, ``<cpu root>/hc<id>-<node>``, whose CFS bandwidth
+limit (cgroup v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us``, cgroup v2 ``cpu.max``) is the node's
+CPU share: ``compute_scale x cpu_per_rank x ranks`` CPUs. A rank that could use a whole core gets
+its share of each period and is throttled for the rest, so the same GEMM takes ``1/compute_scale``
+times as long on a node at ``compute_scale`` as on the fastest node: the way a 910B rank computes
+more slowly than an H800 rank. The kernel's bandwidth controller is the only tool that bounds
+CPU *time* (``nice``/``cpu.shares`` only weigh contenders and give an idle machine's cores to
+anyone), so that is what this module drives; it writes the files directly because there is no
+library for cgroupfs that covers both versions.
+
+Which hierarchy: cgroup v2 where the unified hierarchy has the ``cpu`` controller, else the v1
+hierarchy the ``cpu`` controller is mounted on (this machine: v1 at /sys/fs/cgroup/cpu, a v2 mount
+without controllers at /sys/fs/cgroup/unified). Found from ``/proc/self/mounts``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from hetcomm.emulate.kernel import KernelError
+
+__all__ = [
+    "CpuHierarchy",
+    "PERIOD_US",
+    "find_cpu_hierarchy",
+    "cgroup_dir_for",
+    "quota_us_for",
+    "create_cgroup",
+    "read_cpu_limit",
+    "cgroup_pids",
+    "throttle_stats",
+    "remove_cgroup",
+    "list_run_cgroups",
+]
+
+#: CFS period. Short enough that a throttled rank's pauses (period - quota) stay in the tens of
+#: milliseconds, long enough that the kernel's per-period bookkeeping costs nothing.
+PERIOD_US = 20_000
+#: The kernel refuses quotas under 1 ms.
+_MIN_QUOTA_US = 1_000
+
+
+@dataclass(frozen=True)
+class CpuHierarchy:
+    """Where cpu cgroups are made: ``version`` 1 or 2, ``root`` the mount point."""
+
+    version: int
+    root: str
+
+
+def find_cpu_hierarchy(mounts_path: str = "/proc/self/mounts") -> Optional[CpuHierarchy]:
+    """The hierarchy carrying the ``cpu`` controller (v2 preferred), or None when there is none."""
+    v1: Optional[str] = None
+    v2: Optional[str] = None
+    try:
+        with open(mounts_path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        mnt = parts[1].replace("\\040", " ")
+        if parts[2] == "cgroup2" and v2 is None:
+            try:
+                with open(os.path.join(mnt, "cgroup.controllers"), encoding="utf-8") as f:
+                    if "cpu" in f.read().split():
+                        v2 = mnt
+            except OSError:
+                pass
+        elif parts[2] == "cgroup" and "cpu" in parts[3].split(",") and v1 is None:
+            v1 = mnt
+    if v2 is not None:
+        return CpuHierarchy(2, v2)
+    if v1 is not None:
+        return CpuHierarchy(1, v1)
+    return None
+
+
+def cgroup_dir_for(h: CpuHierarchy, run_id: str, node: str) -> str:
+    """``<root>/hc<run_id>-<node>``."""
+    return os.path.join(h.root, f"hc{run_id}-{node}")
+
+
+def quota_us_for(cpus: float, period_us: int = PERIOD_US) -> int:
+    """CFS quota of ``cpus`` CPUs per ``period_us`` (at least the kernel's 1 ms)."""
+    return max(_MIN_QUOTA_US, int(round(cpus * period_us)))
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise KernelError(f"cannot write {text!r} to {path}: {e.strerror}") from None
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def create_cgroup(h: CpuHierarchy, path: str, cpus: float) -> Tuple[int, int]:
+    """Make cgroup ``path`` (it must not exist) limited to ``cpus`` CPUs; return (quota, period)
+    in microseconds.
+
+    Raises:
+        KernelError: the directory exists already, or the kernel refused the limit.
+    """
+    if os.path.dirname(path) != h.root:
+        raise KernelError(f"cgroup {path} is not directly under the cpu hierarchy {h.root}")
+    if h.version == 2:
+        ctl = os.path.join(h.root, "cgroup.subtree_control")
+        if "cpu" not in _read(ctl).split():
+            # Children of the root get cpu.max only once the root delegates the controller.
+            _write(ctl, "+cpu")
+    try:
+        os.mkdir(path, 0o755)
+    except FileExistsError:
+        raise KernelError(f"cgroup {path} exists already; is another emulation using this id?") from None
+    except OSError as e:
+        raise KernelError(f"cannot create cgroup {path}: {e.strerror}") from None
+    quota = quota_us_for(cpus)
+    if h.version == 2:
+        _write(os.path.join(path, "cpu.max"), f"{quota} {PERIOD_US}")
+    else:
+        _write(os.path.join(path, "cpu.cfs_period_us"), str(PERIOD_US))
+        _write(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
+    return quota, PERIOD_US
+
+
+def read_cpu_limit(h: CpuHierarchy, path: str) -> Tuple[Optional[int], int]:
+    """(quota, period) in microseconds; quota None means unlimited."""
+    if h.version == 2:
+        quota_s, period_s = _read(os.path.join(path, "cpu.max")).split()
+        return (None if quota_s == "max" else int(quota_s)), int(period_s)
+    quota = int(_read(os.path.join(path, "cpu.cfs_quota_us")))
+    period = int(_read(os.path.join(path, "cpu.cfs_period_us")))
+    return (None if quota < 0 else quota), period
+
+
+def cgroup_pids(path: str) -> List[int]:
+    """Processes in cgroup ``path`` (empty when it does not exist)."""
+    try:
+        return [int(x) for x in _read(os.path.join(path, "cgroup.procs")).split()]
+    except OSError:
+        return []
+
+
+def throttle_stats(path: str) -> Dict[str, int]:
+    """``cpu.stat`` of the cgroup (``nr_periods``, ``nr_throttled``, ...)."""
+    out: Dict[str, int] = {}
+    for line in _read(os.path.join(path, "cpu.stat")).splitlines():
+        k, _, v = line.partition(" ")
+        if v.strip().isdigit():
+            out[k] = int(v)
+    return out
+
+
+def remove_cgroup(path: str, grace_s: float = 5.0) -> Optional[str]:
+    """Kill what is left in cgroup ``path`` and remove it; return a problem, or None when it is
+    gone. Only call it for a cgroup this emulation recorded (see ``state.validate_state``): only
+    root can move a process into it, so whatever runs there was started by the emulation."""
+    deadline = time.monotonic() + grace_s
+    while os.path.isdir(path):
+        for pid in cgroup_pids(path):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.rmdir(path)
+            return None
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            # EBUSY while the killed tasks are still exiting.
+            if time.monotonic() > deadline:
+                return f"could not remove cgroup {path}: {e.strerror} (tasks {cgroup_pids(path)})"
+            time.sleep(0.05)
+    return None
+
+
+def list_run_cgroups(h: Optional[CpuHierarchy]) -> List[str]:
+    """Names of every ``hc<...>`` cgroup directly under the cpu root."""
+    if h is None:
+        return []
+    try:
+        return sorted(n for n in os.listdir(h.root) if n.startswith("hc") and os.path.isdir(os.path.join(h.root, n)))
+    except OSError:
+        return []

@@ -1,0 +1,841 @@
+"""Expert paging: a device working set of experts under a memory budget, the rest in a host pool.
+
+Notation: ``E`` experts of one layer; ``S`` device slots (one expert each); ``B`` bytes of one
+slot (an expert's parameters plus room for its per-element optimizer state, rounded up to whole
+pages).
+
+Memory layout. Every expert owns one region of ``B`` bytes in a host pool (``[E * B]`` uint8,
+pinned when the device is CUDA/NPU); the device pool is ``[S * B]`` uint8 with
+``S = floor(budget_fraction * E)``. Inside a region, parameter ``i`` sits at a 64-byte aligned
+offset, and per-element optimizer state ``j`` (Adam's ``exp_avg``, ``exp_avg_sq``) at the same
+offset in the ``j+1``-th copy of the parameter area, so a region moves with one contiguous copy
+and the host and device layouts are identical. A parameter (and its state) is always a *view*
+of whichever region is current: the device slot while resident, its host region otherwise.
+Gradients and optimizer updates therefore land on the current copy, and eviction writes the
+slot back to the host region byte for byte before anything else may use the slot: weights are
+bit-identical after any number of evict/reload cycles (``tests/moe/test_paging.py``).
+
+Pages. ``page_bytes`` (64 MiB) is the allocation unit of both pools; experts under 64 MiB use
+``small_page_bytes`` (8 MiB), and experts under 8 MiB one page of their own size rounded up to
+4 KiB (a page never holds parts of two experts, so a fault moves exactly one expert).
+
+One step (the layer, or a benchmark, drives it)::
+
+    order = pager.begin_step(counts)        # counts: [E] tokens per expert from the gate
+    for grant in pager.grants(order):       # resident experts first, loads as they land
+        y = run(grant.expert, rows_of(grant.requested))   # or the stale/stand-in answer
+        pager.release(grant.requested)
+    ... backward, optimizer.step(), zero_grad ...
+    pager.end_step()                        # predictor, L2, watermark eviction, soft prefetch
+
+``begin_step`` starts the loads of the routed experts that are not resident (the gate's output
+is known before the tokens arrive, so the loads overlap the dispatch) and returns the compute
+order. Then, as ``training=True`` keeps every expert used in a step resident until ``end_step``
+(autograd saved its weights), the working set of one step must fit the budget; with
+``training=False`` (inference, or forward-only measurement) released experts can be evicted
+within the step, so more experts than slots stream through.
+
+Policy (defaults from the MegaScale-MoE notes):
+- predicted use ``u_e = max(EMA of "used this step", hint_e)`` where ``hint`` is the gate's
+  confidence-weighted top-k share for the coming step, when the caller has one;
+- **soft prefetch**: an expert with ``u_e >= standby_threshold`` (0.7) is standby and is loaded
+  only while more than ``prefetch_min_free`` (40%) of the slots are free;
+- **eviction** when fewer than ``evict_below_free`` (20%) of the slots are free, lowest
+  ``u_e * recency_e`` first, ``recency_e = 1 / (1 + steps since last use)``; a load started for
+  this step evicts only experts predicted colder than itself, else it waits for a slot released
+  in this step.
+
+Transfers run on two worker threads (host->device and device->host, as PCIe is full duplex),
+each throttled to ``transfer_bytes_per_s`` when set; on CUDA/NPU they are asynchronous copies on
+side streams from pinned memory. Written by hand: torch has no paged parameter pool (FSDP's
+offload moves whole flat parameters every step, not a predicted working set).
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from hetcomm.errors import ConfigError, HetcommError
+from hetcomm.moe.degrade import (
+    DegradeConfig,
+    DegradeCounters,
+    StaleOutputs,
+    flat_weights,
+    log_substitution,
+    most_similar,
+)
+
+__all__ = ["PagingConfig", "ExpertPager", "Grant", "PagingError", "pages_for"]
+
+_ALIGN = 64
+MiB = 1 << 20
+
+
+class PagingError(HetcommError, RuntimeError):
+    """The pager cannot serve a step as asked (working set over budget, a transfer timed out).
+
+    Args:
+        message: what happened and how to fix it.
+        expert: the expert concerned, when one is.
+    """
+
+    def __init__(self, message: str, *, expert: Optional[int] = None) -> None:
+        self.expert = expert
+        super().__init__(("" if expert is None else f"expert {expert}: ") + message)
+
+
+@dataclass(frozen=True)
+class PagingConfig:
+    """Knobs of :class:`ExpertPager` (defaults from the MegaScale-MoE notes).
+
+    Attributes:
+        budget_fraction: device slots as a fraction of all experts (0.4: the notes report 99.2%
+            hits at 37% of the experts' memory).
+        page_bytes: pool page for experts of at least this size (64 MiB).
+        small_page_bytes: page for smaller experts (8 MiB).
+        standby_threshold: predicted use at which a non-resident expert is standby (0.7).
+        prefetch_min_free: standby experts load only while more than this fraction of the slots
+            is free (0.4), so prefetch never pushes out what the current steps use.
+        evict_below_free: evict down to this free fraction after each step (0.2) to keep room
+            for the next step's faults.
+        history_decay: weight of the past in the EMA of use (0.8: a hot set that moves is
+            followed within ~5 steps).
+        transfer_bytes_per_s: throttle of each copy direction (None: as fast as copies go). The
+            benchmark sets it so one expert's move costs the A100/PCIe multiple of its compute.
+        training: keep every expert used in a step resident until ``end_step`` (autograd holds
+            its weights); False lets released experts be evicted within the step.
+        optimizer_state_per_param: room for this many per-element state tensors per parameter
+            (2 = Adam/AdamW; 1 = SGD momentum; 0 = no optimizer state paged).
+        timeout_s: longest wait for one transfer before :class:`PagingError`.
+        degrade: the page-fault degradation levels (:class:`DegradeConfig`).
+    """
+
+    budget_fraction: float = 0.4
+    page_bytes: int = 64 * MiB
+    small_page_bytes: int = 8 * MiB
+    standby_threshold: float = 0.7
+    prefetch_min_free: float = 0.4
+    evict_below_free: float = 0.2
+    history_decay: float = 0.8
+    transfer_bytes_per_s: Optional[float] = None
+    training: bool = True
+    optimizer_state_per_param: int = 2
+    timeout_s: float = 60.0
+    degrade: DegradeConfig = field(default_factory=DegradeConfig)
+
+    def __post_init__(self) -> None:
+        for key in ("budget_fraction", "standby_threshold", "prefetch_min_free", "evict_below_free", "history_decay"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+                raise ConfigError(f"must be a number within [0, 1], got {v!r}", key=f"paging.{key}")
+        if self.budget_fraction <= 0:
+            raise ConfigError("must be > 0 (no device slot at all)", key="paging.budget_fraction")
+        for key in ("page_bytes", "small_page_bytes"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 4096 or v % 4096:
+                raise ConfigError(f"must be a positive multiple of 4096 bytes, got {v!r}", key=f"paging.{key}")
+        if self.transfer_bytes_per_s is not None and not self.transfer_bytes_per_s > 0:
+            raise ConfigError(f"must be > 0 or None, got {self.transfer_bytes_per_s!r}", key="paging.transfer_bytes_per_s")
+        if not isinstance(self.optimizer_state_per_param, int) or self.optimizer_state_per_param < 0:
+            raise ConfigError(
+                f"must be a whole number >= 0, got {self.optimizer_state_per_param!r}",
+                key="paging.optimizer_state_per_param",
+            )
+        if not self.timeout_s > 0:
+            raise ConfigError(f"must be > 0, got {self.timeout_s!r}", key="paging.timeout_s")
+
+
+def pages_for(nbytes: int, cfg: PagingConfig) -> "tuple[int, int]":
+    """(page size, pages) holding one expert region of ``nbytes`` bytes."""
+    if nbytes >= cfg.page_bytes:
+        page = cfg.page_bytes
+    elif nbytes >= cfg.small_page_bytes:
+        page = cfg.small_page_bytes
+    else:
+        page = max(4096, -(-nbytes // 4096) * 4096)
+    return page, -(-nbytes // page)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The pager's answer for one expert computation.
+
+    Attributes:
+        requested: the expert the tokens were routed to.
+        expert: the expert to run (``requested``, or the L3 stand-in).
+        kind: ``hit`` (resident when its turn came), ``waited`` (L1: waited ``waited_s`` for its
+            load), ``stale`` (L1 opt-in: use :meth:`ExpertPager.stale_output`), ``substitute``
+            (L3: ``expert`` is the most similar resident expert).
+        waited_s: seconds this computation waited.
+    """
+
+    requested: int
+    expert: int
+    kind: str
+    waited_s: float = 0.0
+
+
+class _Job:
+    __slots__ = ("src", "dst", "nbytes", "done", "after", "error", "compute_event", "event")
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, after: List["_Job"], compute_event) -> None:
+        self.src, self.dst, self.nbytes = src, dst, src.numel()
+        self.done = threading.Event()
+        self.after = after  # jobs that must finish first (the slot's or the region's write-back)
+        self.error: Optional[BaseException] = None
+        self.compute_event = compute_event
+        self.event = None  # device event recorded after the copy (CUDA/NPU)
+
+
+def _accel(device: torch.device):
+    """torch's module for an accelerator device type (lazy: CPU never imports CUDA/NPU code)."""
+    if device.type == "cuda":
+        return torch.cuda
+    if device.type == "npu":
+        import torch_npu  # noqa: F401  (registers torch.npu)
+
+        return torch.npu  # type: ignore[attr-defined]
+    return None
+
+
+class _Copier:
+    """One copy direction: a worker thread, FIFO, throttled to ``rate`` bytes/s."""
+
+    def __init__(self, name: str, rate: Optional[float], device: torch.device) -> None:
+        self.rate = rate
+        self.device = device
+        self.mod = _accel(device)
+        self.stream = self.mod.Stream(device=device) if self.mod is not None else None
+        self.q: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        self.busy_s = 0.0
+        self.thread = threading.Thread(target=self._run, name=f"hetcomm-pager-{name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: _Job) -> _Job:
+        self.q.put(job)
+        return job
+
+    def _run(self) -> None:
+        while True:
+            job = self.q.get()
+            if job is None:
+                return
+            try:
+                for before in job.after:
+                    before.done.wait()
+                t0 = time.perf_counter()
+                if self.mod is not None:
+                    with self.mod.stream(self.stream):
+                        if job.compute_event is not None:
+                            self.stream.wait_event(job.compute_event)  # the slot's last reader is done
+                        job.dst.copy_(job.src, non_blocking=True)
+                        job.event = self.mod.Event()
+                        job.event.record(self.stream)
+                    job.event.synchronize()
+                else:
+                    job.dst.copy_(job.src)
+                if self.rate is not None:
+                    # Emulated link: the copy may not finish sooner than the link would carry it.
+                    rest = job.nbytes / self.rate - (time.perf_counter() - t0)
+                    if rest > 0:
+                        time.sleep(rest)
+                self.busy_s += time.perf_counter() - t0
+            except BaseException as e:  # surfaced to the waiting thread
+                job.error = e
+            job.done.set()
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join(timeout=10)
+
+
+class ExpertPager:
+    """Holds ``E`` experts' weights in a host pool and a budgeted device working set.
+
+    Args:
+        experts: the ``E`` expert modules of one layer (global ids = positions), all of the
+            same parameter layout. Their parameters become views into the pools.
+        config: :class:`PagingConfig`.
+        device: the compute device (the device pool lives there); default: the device of the
+            first expert's parameters.
+        optimizer: optimizer whose per-element state of these parameters is paged with them
+            (None: parameters only).
+
+    Raises:
+        ConfigError: experts of different layouts, a budget below one expert, or an optimizer
+            with more per-element state than ``optimizer_state_per_param`` reserves.
+    """
+
+    def __init__(
+        self,
+        experts: Sequence[nn.Module],
+        config: Optional[PagingConfig] = None,
+        *,
+        device: Optional[torch.device] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+    ) -> None:
+        self.cfg = config or PagingConfig()
+        self.experts = list(experts)
+        self.num_experts = E = len(self.experts)
+        if E < 1:
+            raise ConfigError("no experts to page", key="paging.experts")
+        self.params: List[List[nn.Parameter]] = [list(m.parameters()) for m in self.experts]
+        first = self.params[0]
+        if not first:
+            raise ConfigError("expert 0 has no parameters to page", key="paging.experts")
+        layout = [(tuple(p.shape), p.dtype) for p in first]
+        for e, ps in enumerate(self.params):
+            if [(tuple(p.shape), p.dtype) for p in ps] != layout:
+                raise ConfigError(
+                    f"expert {e} has parameters {[(tuple(p.shape), str(p.dtype)) for p in ps]} but expert 0 has "
+                    f"{[(s, str(d)) for s, d in layout]}; page the experts of one layer together",
+                    key="paging.experts",
+                )
+        self.device = torch.device(device) if device is not None else first[0].device
+        self.optimizer = optimizer
+        # Offsets of each parameter inside the parameter area of a region.
+        self._offsets: List[int] = []
+        off = 0
+        for p in first:
+            self._offsets.append(off)
+            off += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
+        self.param_area = off
+        region = off * (1 + self.cfg.optimizer_state_per_param)
+        self.page_bytes, self.pages_per_expert = pages_for(region, self.cfg)
+        self.slot_bytes = self.page_bytes * self.pages_per_expert
+        self.num_slots = int(math.floor(self.cfg.budget_fraction * E + 1e-9))
+        if self.num_slots < 1:
+            raise ConfigError(
+                f"a budget of {self.cfg.budget_fraction:.0%} of {E} experts holds no expert; raise it to at least "
+                f"{1 / E:.3f}",
+                key="paging.budget_fraction",
+            )
+        self.num_slots = min(self.num_slots, E)
+        mod = _accel(self.device)
+        pin = mod is not None
+        self.host = torch.empty(E * self.slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.pool = torch.empty(self.num_slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
+        self._mod = mod
+        self._views: Dict["tuple[str, int]", List[List[torch.Tensor]]] = {}
+        # Residency: slot_of[e] is the slot holding e (or None); owner[s] the expert in slot s.
+        self.slot_of: List[Optional[int]] = [None] * E
+        self.owner: List[Optional[int]] = [None] * self.num_slots
+        self._loading: Dict[int, _Job] = {}
+        self._writeback: Dict[int, _Job] = {}  # slot -> the write-back that must finish before reuse
+        self._host_ready: Dict[int, _Job] = {}  # expert -> the write-back filling its host region
+        self._pending: List[int] = []          # loads waiting for a slot
+        self._busy: set = set()                # experts this step still needs (or holds, training)
+        self._used_step: set = set()
+        self._faulted_step: set = set()
+        self.l2_pinned: set = set()
+        self.migration_requests: List[int] = []
+        self.step = 0
+        self.predicted = torch.zeros(E, dtype=torch.float64)  # predicted use probability u_e
+        self._ema = torch.zeros(E, dtype=torch.float64)       # EMA of "used this step"
+        self._share = torch.zeros(E, dtype=torch.float64)     # EMA of the token share (tie-break)
+        self._hint = torch.zeros(E, dtype=torch.float64)
+        self.last_used = [-(10**9)] * E
+        self._fault_streak = [0] * E
+        self.counters = DegradeCounters()
+        self.stale = StaleOutputs(E)
+        self._counts = torch.zeros(E, dtype=torch.float64)
+        self._sim_cache: Optional[torch.Tensor] = None
+        self._sim_step = -(10**9)
+        self.stats_total: Dict[str, float] = {
+            "computations": 0, "hits": 0, "gate_hits": 0, "waits": 0, "stall_s": 0.0,
+            "loads": 0, "prefetches": 0, "evictions": 0, "writebacks": 0, "bytes_in": 0, "bytes_out": 0,
+        }
+        for e in range(E):
+            self._bind(e, ("host", e), copy=True)
+        rate = self.cfg.transfer_bytes_per_s
+        self._h2d = _Copier("h2d", rate, self.device)
+        self._d2h = _Copier("d2h", rate, self.device)
+        self._closed = False
+
+    # -- regions and binding --------------------------------------------------------------
+
+    def _host_region(self, e: int) -> torch.Tensor:
+        return self.host[e * self.slot_bytes : (e + 1) * self.slot_bytes]
+
+    def _slot_region(self, s: int) -> torch.Tensor:
+        return self.pool[s * self.slot_bytes : (s + 1) * self.slot_bytes]
+
+    def _state_tensors(self, p: nn.Parameter) -> List[torch.Tensor]:
+        """Per-element optimizer state of ``p``, in key order (the order fixes their place)."""
+        if self.optimizer is None:
+            return []
+        st = self.optimizer.state.get(p, {})
+        out = [st[k] for k in sorted(st) if torch.is_tensor(st[k]) and st[k].numel() == p.numel() and p.numel() > 1]
+        if len(out) > self.cfg.optimizer_state_per_param:
+            raise ConfigError(
+                f"{type(self.optimizer).__name__} keeps {len(out)} per-element state tensors per parameter but "
+                f"the pager reserves {self.cfg.optimizer_state_per_param}; raise optimizer_state_per_param",
+                key="paging.optimizer_state_per_param",
+            )
+        return out
+
+    def _region_views(self, key: "tuple[str, int]") -> List[List[torch.Tensor]]:
+        """Per parameter, its views in region ``key`` (``("host", e)`` or ``("slot", s)``): the
+        parameter itself, then each optimizer-state place (cached: views cost more than copies
+        of these small tensors)."""
+        views = self._views.get(key)
+        if views is None:
+            region = self._host_region(key[1]) if key[0] == "host" else self._slot_region(key[1])
+            views = []
+            for p, off in zip(self.params[0], self._offsets):
+                nbytes = p.numel() * p.element_size()
+                views.append([
+                    region[j * self.param_area + off : j * self.param_area + off + nbytes].view(p.dtype).view(p.shape)
+                    for j in range(1 + self.cfg.optimizer_state_per_param)
+                ])
+            self._views[key] = views
+        return views
+
+    def _bind(self, e: int, key: "tuple[str, int]", copy: bool) -> None:
+        """Make expert ``e``'s parameters (and state) views of region ``key``, copying their
+        values in first when ``copy`` (values already there when the region was just loaded)."""
+        for p, views in zip(self.params[e], self._region_views(key)):
+            for t, view in zip([p] + self._state_tensors(p), views):
+                if t.data_ptr() == view.data_ptr():
+                    continue
+                if t.dtype != view.dtype:
+                    raise ConfigError(
+                        f"optimizer state of dtype {t.dtype} beside a {p.dtype} parameter cannot be paged",
+                        key="paging.optimizer",
+                    )
+                if copy:
+                    view.copy_(t.detach())
+                with torch.no_grad():
+                    t.data = view
+
+    # -- slots ------------------------------------------------------------------------------
+
+    def free_slots(self) -> int:
+        return sum(1 for s in range(self.num_slots) if self.owner[s] is None)
+
+    def resident(self, e: int) -> bool:
+        """True when ``e`` is in the device pool and no load of it is in flight."""
+        return self.slot_of[e] is not None and e not in self._loading
+
+    def resident_experts(self) -> List[int]:
+        return [e for e in range(self.num_experts) if self.resident(e)]
+
+    def _score(self, e: int) -> float:
+        recency = 1.0 / (1 + max(0, self.step - self.last_used[e]))
+        return float(self.predicted[e]) * recency
+
+    def _evictable(self, e: int) -> bool:
+        return (
+            self.slot_of[e] is not None
+            and e not in self._loading
+            and e not in self._busy
+            and e not in self.l2_pinned
+        )
+
+    def _key(self, e: int) -> "tuple[float, float, int]":
+        # u_e * recency_e first; among equals (every expert used every step) the smaller
+        # token share goes first, since it has the shortest computation to hide a reload behind.
+        return (self._score(e), float(self._share[e]), self.last_used[e])
+
+    def _victim(self, below: Optional["tuple[float, float, int]"] = None) -> Optional[int]:
+        cands = [e for e in range(self.num_experts) if self._evictable(e)]
+        if below is not None:
+            cands = [e for e in cands if self._key(e) < below]
+        if not cands:
+            return None
+        return min(cands, key=lambda e: (self._key(e), e))
+
+    def _evict(self, e: int) -> None:
+        s = self.slot_of[e]
+        assert s is not None and e not in self._loading
+        if self.cfg.training:
+            # Pull in state the optimizer created since the load, then write the slot back
+            # byte for byte; the parameters point at the host region from now on.
+            # The host region is complete once the write-back lands: a reload of ``e`` and the
+            # next load into ``s`` both wait for it (``_Job.after``); ``sync()`` before reading.
+            self._bind(e, ("slot", s), copy=True)
+            ev = self._record_compute()
+            job = self._d2h.submit(_Job(self._slot_region(s), self._host_region(e), [], ev))
+            self._writeback[s] = job
+            self._host_ready[e] = job
+            self.stats_total["writebacks"] += 1
+            self.stats_total["bytes_out"] += self.slot_bytes
+            self._bind(e, ("host", e), copy=False)
+        else:
+            self._bind(e, ("host", e), copy=False)  # unchanged since the load: drop it
+        self.slot_of[e] = None
+        self.owner[s] = None
+        self.stats_total["evictions"] += 1
+
+    def _record_compute(self):
+        if self._mod is None:
+            return None
+        ev = self._mod.Event()
+        ev.record(self._mod.current_stream(self.device))
+        return ev
+
+    def _check(self, job: _Job, e: int) -> None:
+        if not job.done.is_set():
+            raise PagingError(
+                f"a transfer of {job.nbytes} bytes did not finish within {self.cfg.timeout_s:.0f} s; the copy "
+                f"worker is stuck or the throttle ({self.cfg.transfer_bytes_per_s} B/s) is far too low",
+                expert=e,
+            )
+        if job.error is not None:
+            raise PagingError(f"transfer failed: {job.error!r}", expert=e) from job.error
+
+    def _start_load(self, e: int, below: Optional["tuple[float, float, int]"] = None) -> bool:
+        """Start loading ``e`` into a free slot (or one freed by evicting a colder expert)."""
+        if self.slot_of[e] is not None:
+            return True
+        slot = next((s for s in range(self.num_slots) if self.owner[s] is None), None)
+        if slot is None:
+            victim = self._victim(below)
+            if victim is None:
+                return False
+            slot = self.slot_of[victim]
+            self._evict(victim)
+        ev = self._record_compute()
+        after = [j for j in (self._writeback.pop(slot, None), self._host_ready.pop(e, None)) if j is not None]
+        job = _Job(self._host_region(e), self._slot_region(slot), after, ev)
+        self._h2d.submit(job)
+        self._loading[e] = job
+        self.slot_of[e] = slot
+        self.owner[slot] = e
+        self.stats_total["loads"] += 1
+        self.stats_total["bytes_in"] += self.slot_bytes
+        return True
+
+    def _finish_load(self, e: int, timeout: Optional[float]) -> bool:
+        job = self._loading[e]
+        if not job.done.wait(timeout):
+            if timeout is not None and timeout > 0:
+                self._check(job, e)
+            return False
+        self._check(job, e)
+        if self._mod is not None and job.event is not None:
+            self._mod.current_stream(self.device).wait_event(job.event)
+        del self._loading[e]
+        self._bind(e, ("slot", self.slot_of[e]), copy=False)
+        return True
+
+    def _poll(self) -> None:
+        for e in [e for e, j in self._loading.items() if j.done.is_set()]:
+            self._finish_load(e, 0)
+
+    def _issue_pending(self) -> None:
+        while self._pending:
+            e = self._pending[0]
+            if not self._start_load(e, below=self._incoming_key(e)):
+                return
+            self._pending.pop(0)
+
+    def _incoming_key(self, e: int) -> "tuple[float, float, int]":
+        # An expert needed now counts as used now (recency 1); it displaces only colder ones.
+        return (max(float(self.predicted[e]), 1e-12), float(self._share[e]), self.step)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def hint(self, use_probability: torch.Tensor) -> None:
+        """Tell the predictor the coming step's use probability per expert (``[E]``, any float
+        dtype/device), e.g. the confidence-weighted top-k share of the gate's logits."""
+        if use_probability.shape != (self.num_experts,):
+            raise ConfigError(
+                f"hint has shape {tuple(use_probability.shape)}; expected ({self.num_experts},)", key="paging.hint"
+            )
+        self._hint = use_probability.detach().to("cpu", torch.float64).clamp(0, 1)
+
+    def begin_step(self, counts: torch.Tensor) -> List[int]:
+        """Start a step whose gate routed ``counts[e]`` tokens to expert ``e``.
+
+        Args:
+            counts: ``[E]`` integer tensor (any device) of token copies per expert.
+        Returns:
+            The compute order of the used experts: resident ones first (most tokens first, so
+            the longest computations cover the loads), then the loading ones in load order.
+        Raises:
+            PagingError: in training mode, more experts used in one step than device slots.
+        """
+        if counts.shape != (self.num_experts,):
+            raise ConfigError(f"counts has shape {tuple(counts.shape)}; expected ({self.num_experts},)", key="paging.counts")
+        c = counts.detach().to("cpu").tolist()
+        used = [e for e in range(self.num_experts) if c[e] > 0]
+        if self.cfg.training and len(used) > self.num_slots:
+            raise PagingError(
+                f"step {self.step + 1} routes tokens to {len(used)} experts but the budget holds {self.num_slots} "
+                f"(budget_fraction {self.cfg.budget_fraction}); in training every expert of a step stays resident "
+                f"until end_step: raise budget_fraction or lower the tokens per step"
+            )
+        self.step += 1
+        self._poll()
+        self._used_step = set(used)
+        self._faulted_step = set()
+        self._busy = set(used)
+        for e in used:
+            self.last_used[e] = self.step
+        resident = sorted((e for e in used if self.resident(e)), key=lambda e: (-c[e], e))
+        self.stats_total["gate_hits"] += len(resident)
+        in_flight = [e for e in used if e in self._loading]
+        missing = sorted((e for e in used if self.slot_of[e] is None), key=lambda e: (-c[e], e))
+        # In training every used expert must get a slot now (they all stay until end_step):
+        # L2-pinned experts not used this step give theirs up if there is no other way.
+        self._counts = torch.tensor(c, dtype=torch.float64)
+        for e in missing:
+            if self._start_load(e, below=self._incoming_key(e)):
+                continue
+            if not self.cfg.training:
+                self._pending.append(e)  # waits for a slot released within this step
+            elif not self._start_load(e):
+                # Slots held by prefetches in flight or by L2 pins: let those land or go.
+                for x in [x for x in self._loading if x not in self._used_step]:
+                    self._finish_load(x, self.cfg.timeout_s)
+                while not self._start_load(e) and self._unpin_one():
+                    pass
+                if self.slot_of[e] is None:
+                    raise PagingError("no slot could be freed for it in this step", expert=e)
+        in_flight = sorted(in_flight, key=lambda e: self._loading[e].nbytes)  # earlier loads first
+        return resident + in_flight + [e for e in missing]
+
+    def _unpin_one(self) -> bool:
+        cands = [e for e in self.l2_pinned if e not in self._busy]
+        if cands:
+            self.l2_pinned.discard(min(cands, key=self._key))
+        return bool(cands)
+
+    def grants(self, order: Sequence[int]) -> Iterator[Grant]:
+        """Yield one :class:`Grant` per expert of ``order``: ready experts as soon as possible
+        (the given order among them), a waiting fault only when nothing else is ready.
+
+        The caller computes each granted expert, then calls :meth:`release` with
+        ``grant.requested`` before asking for the next one.
+        """
+        remaining = list(order)
+        while remaining:
+            self._poll()
+            self._issue_pending()
+            pick = next((e for e in remaining if self.resident(e)), None)
+            if pick is not None:
+                remaining.remove(pick)
+                self._account(pick, waited=False)
+                yield Grant(pick, pick, "hit")
+                continue
+            # Nothing ready: a fault. Earliest started load first.
+            loading = [e for e in remaining if e in self._loading]
+            if not loading:
+                # Everything left waits for a slot: free one (this step's released experts).
+                e = remaining[0]
+                if not self._start_load(e):
+                    raise PagingError(
+                        f"no device slot can be freed: all {self.num_slots} slots hold experts still in use this "
+                        f"step; release experts after computing them, or raise budget_fraction",
+                        expert=e,
+                    )
+                if e in self._pending:
+                    self._pending.remove(e)
+                continue
+            e = min(loading, key=lambda x: order.index(x))
+            remaining.remove(e)
+            yield self._fault(e)
+
+    def _fault(self, e: int) -> Grant:
+        dcfg = self.cfg.degrade
+        self._faulted_step.add(e)
+        if dcfg.reuse_stale and self.stale.has(e):
+            self.counters.l1_stale += 1
+            self._account(e, waited=True)
+            return Grant(e, e, "stale")
+        if dcfg.substitute:
+            stand_in = self._stand_in(e)
+            if stand_in is not None:
+                who, cos = stand_in
+                log_substitution(self.counters, self.step, e, who, cos)
+                self._account(e, waited=True)
+                return Grant(e, who, "substitute")
+        t0 = time.perf_counter()
+        self._finish_load(e, self.cfg.timeout_s)
+        waited = time.perf_counter() - t0
+        self.counters.l1_waits += 1
+        self.stats_total["stall_s"] += waited
+        self._account(e, waited=True)
+        return Grant(e, e, "waited", waited)
+
+    def _stand_in(self, e: int) -> Optional["tuple[int, float]"]:
+        cands = [x for x in self.resident_experts() if x != e]
+        if not cands:
+            return None
+        if self._sim_cache is None or self.step - self._sim_step >= self.cfg.degrade.similarity_refresh_steps:
+            self._sim_cache = torch.stack([flat_weights(ps).to("cpu") for ps in self.params])
+            self._sim_step = self.step
+        row, cos = most_similar(self._sim_cache[cands], self._sim_cache[e])
+        return cands[row], cos
+
+    def _account(self, e: int, waited: bool) -> None:
+        self.stats_total["computations"] += 1
+        if waited:
+            self.stats_total["waits"] += 1
+        else:
+            self.stats_total["hits"] += 1
+
+    def release(self, e: int) -> None:
+        """Expert ``e``'s computation of this step is done (forward-only mode: its slot may be
+        reused within the step; training mode: it stays until :meth:`end_step`)."""
+        if not self.cfg.training:
+            self._busy.discard(e)
+            self._issue_pending()
+
+    def stale_output(self, e: int, num_rows: int, like: torch.Tensor) -> torch.Tensor:
+        """L1 opt-in: ``[num_rows, D]`` rows of ``e``'s previous output (``like``'s dtype/device)."""
+        return self.stale.output(e, num_rows, like)
+
+    def record_output(self, e: int, output: torch.Tensor) -> None:
+        """Remember ``e``'s output (``[N, D]``) for L1's stale reuse (only when enabled)."""
+        if self.cfg.degrade.reuse_stale:
+            self.stale.record(e, output)
+
+    def end_step(self) -> None:
+        """Close the step (after ``optimizer.step()``): pull new optimizer state into the slots,
+        update the predictor and L2, evict to the watermark, start soft prefetches."""
+        self._poll()
+        for e in list(self._pending):
+            self._pending.remove(e)
+        self._busy = set()
+        for e in self._used_step:
+            if self.slot_of[e] is not None and e not in self._loading:
+                self._bind(e, ("slot", self.slot_of[e]), copy=True)
+        used = torch.zeros(self.num_experts, dtype=torch.float64)
+        if self._used_step:
+            used[list(self._used_step)] = 1.0
+        d = self.cfg.history_decay
+        self._ema = self._ema * d + used * (1 - d)
+        total = float(self._counts.sum())
+        if total > 0:
+            self._share = self._share * d + (self._counts / total) * (1 - d)
+        self.predicted = torch.maximum(self._ema, self._hint)
+        self._hint = torch.zeros_like(self._hint)
+        self._update_l2()
+        S = self.num_slots
+        while self.free_slots() < self.cfg.evict_below_free * S:
+            v = self._victim()
+            if v is None:
+                break
+            self._evict(v)
+        standby = [
+            e for e in range(self.num_experts)
+            if self.slot_of[e] is None and float(self.predicted[e]) >= self.cfg.standby_threshold
+        ]
+        standby.sort(key=lambda e: -float(self.predicted[e]))
+        for e in standby:
+            if self.free_slots() <= self.cfg.prefetch_min_free * S:
+                break
+            self._start_load(e)
+            self.stats_total["prefetches"] += 1
+        self._used_step = set()
+
+    def _update_l2(self) -> None:
+        dcfg = self.cfg.degrade
+        for e in range(self.num_experts):
+            if e in self._faulted_step:
+                self._fault_streak[e] += 1
+            elif e in self._used_step:
+                self._fault_streak[e] = 0
+            if dcfg.pin_after and self._fault_streak[e] >= dcfg.pin_after and e not in self.l2_pinned:
+                self._fault_streak[e] = 0
+                if len(self.l2_pinned) + 1 <= dcfg.max_pinned_fraction * self.num_slots:
+                    self.l2_pinned.add(e)
+                    self.counters.l2_pins += 1
+                    if self.slot_of[e] is None:
+                        self._start_load(e)
+                else:
+                    self.counters.l2_migration_requests += 1
+                    self.migration_requests.append(e)
+
+    def sync(self) -> None:
+        """Wait for every transfer in flight (call before reading weights, e.g. a checkpoint)."""
+        for e in list(self._loading):
+            self._finish_load(e, self.cfg.timeout_s)
+        for e, job in list(self._host_ready.items()):
+            job.done.wait(self.cfg.timeout_s)
+            self._check(job, e)
+
+    def evict(self, e: int) -> None:
+        """Evict ``e`` now (tests, and a balancer moving it elsewhere). No-op when not resident."""
+        if e in self._loading:
+            self._finish_load(e, self.cfg.timeout_s)
+        if self.slot_of[e] is not None:
+            if e in self._busy or e in self.l2_pinned:
+                raise PagingError("is in use this step or pinned; it cannot be evicted now", expert=e)
+            self._evict(e)
+
+    def prefetch(self, e: int) -> bool:
+        """Start loading ``e`` if a slot is free or a colder expert can go. Returns whether it started."""
+        return self._start_load(e, below=self._incoming_key(e))
+
+    # -- reporting and checkpoints ----------------------------------------------------------
+
+    def stats(self) -> Dict[str, Any]:
+        """Cumulative counters: computations, ``hit_rate`` (started without waiting),
+        ``gate_hit_rate`` (resident when the gate routed), stall seconds, transfers, L1/L2/L3."""
+        s = dict(self.stats_total)
+        n = max(1, s["computations"])
+        s["hit_rate"] = s["hits"] / n
+        s["gate_hit_rate"] = s["gate_hits"] / n
+        s["num_slots"] = self.num_slots
+        s["slot_bytes"] = self.slot_bytes
+        s["page_bytes"] = self.page_bytes
+        s["l2_pinned"] = sorted(self.l2_pinned)
+        s.update(self.counters.as_dict())
+        return s
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The pager's own state (predictor, pins, counters); the weights stay in the modules."""
+        return {
+            "step": self.step,
+            "ema": self._ema.clone(),
+            "share": self._share.clone(),
+            "last_used": list(self.last_used),
+            "fault_streak": list(self._fault_streak),
+            "l2_pinned": sorted(self.l2_pinned),
+            "counters": self.counters.as_dict(),
+            "stats": dict(self.stats_total),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the working set starts cold and refills from the predictor)."""
+        if len(state["last_used"]) != self.num_experts:
+            raise ConfigError(
+                f"pager state for {len(state['last_used'])} experts, this layer has {self.num_experts}",
+                key="paging.state_dict",
+            )
+        self.step = int(state["step"])
+        self._ema = state["ema"].to(torch.float64).clone()
+        self._share = state["share"].to(torch.float64).clone()
+        self.predicted = self._ema.clone()
+        self.last_used = list(state["last_used"])
+        self._fault_streak = list(state["fault_streak"])
+        self.l2_pinned = set(state["l2_pinned"])
+        for k, v in state["counters"].items():
+            setattr(self.counters, k, int(v))
+        self.stats_total.update(state["stats"])
+
+    def close(self) -> None:
+        """Finish transfers, stop the copy workers. Weights stay valid (host views)."""
+        if self._closed:
+            return
+        self.sync()
+        self._h2d.close()
+        self._d2h.close()
+        self._closed = True
+
+    def __enter__(self) -> "ExpertPager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

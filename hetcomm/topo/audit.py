@@ -159,6 +159,15 @@ FINDING_CODES: Dict[str, FindingSpec] = {
             "910B NPUs in one node form an HCCS full mesh (56 GB/s per pair); a pair shown as "
             "PCIe/unknown loses most of its bandwidth.",
         ),
+        FindingSpec(
+            "cluster-mismatch",
+            "error",
+            "cluster file contradicts the probed machines",
+            "The cluster YAML declares a device model, node membership or intra-node link class "
+            "that the live probe (or the captures) does not show, e.g. NVLink where the GPUs are "
+            "PCIe cards: plans, wire dtypes and placement then assume bandwidth that is not there "
+            "(hetcomm.topo.discover.compare_with_cluster).",
+        ),
     )
 }
 

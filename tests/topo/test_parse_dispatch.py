@@ -20,6 +20,7 @@ from tests.conftest import FIXTURES
 
 # fixture -> (module of the primary format, modules of all formats, exact names of ours)
 EXPECTED = {
+    "envreport_sglang_h800_nv8_11nic_kvm.txt": ("nvsmi", {"nvsmi", "envreport"}, set()),
     "fabricmanager_log_nvls_multicast.txt": ("lspci", {"lspci"}, set()),
     "hccn_tool_910b_status_lldp_ip_route_ping.txt": ("hccn", {"hccn"}, {"hccn_tool"}),
     "hccn_tool_ascend_8npu_env_check.txt": ("hccn", {"hccn"}, {"hccn_tool"}),

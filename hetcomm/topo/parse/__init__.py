@@ -25,12 +25,12 @@ contract: ``FORMATS = [(name, sniff_fn, parse_fn), ...]``, most specific first.
 from __future__ import annotations
 
 import difflib
-import gzip
 import importlib
-import sys
 import warnings
+import zlib
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+from hetcomm._input import CAPTURE_CAP_ENV, capture_cap, decode_text, read_bounded
 from hetcomm.errors import TopologyParseError, UsageError
 from hetcomm.topo.model import Topology
 from hetcomm.topo.parse._text import numbered_lines, strip_source_header
@@ -60,6 +60,7 @@ MODULES: Tuple[str, ...] = (
     "rdma",
     "lsmod",
     "hccn",
+    "envreport",
 )
 
 # The command behind each format, for error messages and `hetcomm topo --help`.
@@ -85,6 +86,7 @@ _TOOLS: Dict[str, str] = {
     "ibdev2netdev": "ibdev2netdev",
     "lsmod": "lsmod",
     "hccn_tool": "hccn_tool",
+    "env-report": "python -m sglang.check_env / torch.utils.collect_env (GPU model lines)",
 }
 
 Format = Tuple[str, Callable[[str], bool], Callable[..., Topology]]
@@ -307,62 +309,67 @@ def _join_ascend_pci(topo: Topology) -> None:
         d.model = d.model or e["model"]
 
 
-def _decode(data: bytes, path: str) -> str:
-    """Bytes of a capture as text: UTF-8 (with or without BOM) or UTF-16 with a BOM; a gzip
-    file (``nccl.log.gz``) is decompressed first."""
-    if data.startswith(b"\x1f\x8b"):
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError) as e:
-            raise TopologyParseError(f"corrupt gzip file ({e})", path=path) from None
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-        # PowerShell's `>` writes UTF-16 with a BOM.
-        try:
-            return data.decode("utf-16")
-        except UnicodeDecodeError as e:
-            raise TopologyParseError(f"invalid UTF-16 text ({e.reason})", path=path) from None
-    nul = data.find(b"\x00")
-    if nul >= 0:
-        raise TopologyParseError(
-            f"binary file (NUL byte at offset {nul}): expected the text output of a tool, "
-            f"e.g. {_expected().split(', ')[0]}",
-            path=path,
-            line=data[:nul].count(b"\n") + 1,
-        )
+def _gunzip(data: bytes, path: str, limit: int) -> bytes:
+    """Decompress a gzip capture, refusing output beyond ``limit`` (a gzip bomb stops there)."""
+    out = bytearray()
+    stream = zlib.decompressobj(wbits=31)  # gzip framing; one member (what `gzip` writes)
     try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise TopologyParseError(
-            f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); convert the "
-            "capture first, e.g. 'iconv -f GBK -t UTF-8 in.txt > out.txt'",
-            path=path,
-            line=line,
-        ) from None
+        while data:
+            out += stream.decompress(data, limit + 1 - len(out))
+            if len(out) > limit:
+                raise TopologyParseError(_too_big(limit, "decompressed capture"), path=path)
+            data = stream.unconsumed_tail
+            if stream.eof:
+                break
+    except zlib.error as e:
+        raise TopologyParseError(f"corrupt gzip file ({e})", path=path) from None
+    if not stream.eof:
+        raise TopologyParseError("corrupt gzip file (it ends early: truncated download or copy?)", path=path)
+    return bytes(out)
+
+
+_CAP_HINT = (
+    " from one input; keep only the tool's output (e.g. grep 'NCCL INFO' for a log, or one "
+    f"rank's log) or raise the cap, e.g. {CAPTURE_CAP_ENV}=64M"
+)
+
+
+def _too_big(limit: int, what: str) -> str:
+    from hetcomm.units import format_bytes
+
+    return f"{what} is larger than the {format_bytes(limit)} hetcomm reads{_CAP_HINT}"
+
+
+def _decode(data: bytes, path: str, limit: Optional[int] = None) -> str:
+    """Bytes of a capture as text: UTF-8 (with or without BOM) or UTF-16 with a BOM; a gzip
+    file (``nccl.log.gz``) is decompressed first, to at most ``limit`` bytes."""
+    if data.startswith(b"\x1f\x8b"):
+        data = _gunzip(data, path, capture_cap() if limit is None else limit)
+    return decode_text(
+        data,
+        path,
+        TopologyParseError,
+        convert_hint="convert the capture first, e.g. 'iconv -f GBK -t UTF-8 in.txt > out.txt'",
+    )
 
 
 def parse_file(path: str, fmt: Union[None, str, Sequence[str]] = None) -> Topology:
     """Read ``path`` (``-`` for standard input; gzip is decompressed) and :func:`parse_text` it.
 
+    At most ``$HETCOMM_MAX_INPUT_BYTES`` (default 16 MiB) is read, before and after gzip
+    decompression; devices and sockets (``/dev/zero``) are refused, FIFOs and stdin read up to
+    the cap (see ``docs/INPUT_FORMATS.md``).
+
     Raises:
-        TopologyParseError: the file cannot be read, is binary or not UTF-8/UTF-16 text, or does
-            not parse (see :func:`parse_text`).
-        UsageError: ``fmt`` names an unknown format.
+        TopologyParseError: the file cannot be read, is not a regular file or FIFO, is larger
+            than the cap, is binary or not UTF-8/UTF-16 text, or does not parse (see
+            :func:`parse_text`).
+        UsageError: ``fmt`` names an unknown format, or the cap variable is not a size.
     """
-    if path == "-":
-        data = sys.stdin.buffer.read()
-        path = "<stdin>"
-    else:
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except IsADirectoryError:
-            raise TopologyParseError("is a directory, expected a file", path=path) from None
-        except OSError as e:
-            raise TopologyParseError(
-                f"cannot read file: {e.strerror or e}; check the path and permissions", path=path
-            ) from None
-    return parse_text(_decode(data, path), path=path, fmt=fmt)
+    limit = capture_cap()
+    data = read_bounded(path, limit=limit, error=TopologyParseError, what="capture", hint=_CAP_HINT)
+    shown = "<stdin>" if path == "-" else path
+    return parse_text(_decode(data, shown, limit), path=shown, fmt=fmt)
 
 
 def parse_files(paths: Iterable[str], fmt: Union[None, str, Sequence[str]] = None) -> Topology:

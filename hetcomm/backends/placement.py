@@ -2,8 +2,11 @@
 
 With a cluster YAML (``HetcommOptions.cluster`` / ``$HETCOMM_CLUSTER``) ranks are placed node by
 node, device by device, as torchrun numbers them; the device kinds it names are *labels* when the
-process has no such device (a CPU process standing for an A100). Without one, each rank reports
-its own device kind and hostname through the store, and ranks on the same host form one node.
+process has no such device (a CPU process standing for an A100). Without one, the default group
+*detects* its cluster (``hetcomm.topo.discover.discover_cluster``: each host probed once, every
+rank's facts exchanged through the store, the same :class:`Cluster` assembled on every rank);
+``HETCOMM_DETECT=0`` turns that off, and subgroups, or a job whose ranks are not numbered host by
+host, fall back to hostname placement (ranks on the same host form one node).
 
 Either way every rank publishes ``(hostname, pid, device kind)`` through the group's store: the
 shm rail needs the real host (a YAML node is only shared memory if the processes really share a
@@ -15,9 +18,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -59,11 +63,14 @@ class Placement:
 
     Attributes:
         ranks: one :class:`RankPlace` per group rank.
-        cluster: the cluster YAML it came from, or None (hostname placement).
+        cluster: the cluster YAML it came from, the detected cluster, or None (hostname placement).
+        discovered: the :class:`hetcomm.topo.discover.DiscoveredCluster` when the cluster was
+            detected (its findings, notes and per-pair classes), else None.
     """
 
     ranks: Tuple[RankPlace, ...]
     cluster: Optional[Cluster] = None
+    discovered: Optional[Any] = None
 
     def __len__(self) -> int:
         return len(self.ranks)
@@ -156,6 +163,19 @@ def build_placement(
                 f"or point HETCOMM_CLUSTER at a matching file",
                 path=cluster.path,
             )
+    discovered = None
+    if cluster is None and is_default_group and detection_enabled():
+        from hetcomm.topo.discover import discover_cluster
+
+        try:
+            discovered = discover_cluster(store, group_rank, group_size, timeout)
+        except ConfigError as e:
+            # Ranks not numbered host by host, unreadable captures: the job still runs, placed by
+            # hostname as before detection existed; say why once.
+            if group_rank == 0:
+                warnings.warn(f"hetcomm: cluster detection off for this group: {e}", RuntimeWarning, stacklevel=2)
+        else:
+            cluster = discovered.cluster
     places: List[RankPlace] = []
     for r, e in enumerate(entries):
         if cluster is not None:
@@ -168,4 +188,9 @@ def build_placement(
             places.append(
                 RankPlace(r, global_ranks[r], e["host"], e["host"], int(e["pid"]), e["vendor"], e["model"], False)
             )
-    return Placement(tuple(places), cluster)
+    return Placement(tuple(places), cluster, discovered)
+
+
+def detection_enabled() -> bool:
+    """False when ``$HETCOMM_DETECT`` is ``0``/``false``/``no``/``off`` (default: on)."""
+    return os.environ.get("HETCOMM_DETECT", "1").strip().lower() not in ("0", "false", "no", "off")

@@ -34,7 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "with the cost model, next to a lower bound no plan can beat. Nothing runs on devices.",
     )
     p.add_argument("--cluster", required=True, metavar="YAML", help="cluster description (configs/clusters/*.yaml)")
-    p.add_argument("--size", required=True, help="bytes each rank sends in total, e.g. 1M, 64M, 256MiB (binary units)")
+    p.add_argument("--size", default=None, help="bytes each rank sends in total, e.g. 1M, 64M, 256MiB (binary units); required without --placement")
     p.add_argument("--skew", default="uniform", help="uniform (default) or zipf:S, e.g. zipf:1.2 (destination popularity)")
     p.add_argument("--plans", default="flat,hier,multirail,auto", help="comma-separated: flat,hier,multirail,auto")
     p.add_argument("--seed", type=int, default=0, help="seed of the Zipf popularity order (default 0)")
@@ -54,6 +54,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         metavar="CLASS=FILE",
         help="calibrate one link class from `hetcomm bench --json` rows or nccl-tests alltoall_perf output",
     )
+    g = p.add_argument_group("MoE step (--placement): placements judged on all-to-alls + expert compute")
+    g.add_argument("--placement", default=None, metavar="LIST", help="compare expert placements: comma-separated equal,strong,throughput")
+    g.add_argument("--experts", type=int, default=None, help="experts per layer (default: 4 per rank)")
+    g.add_argument("--tokens", type=int, default=4096, help="tokens each rank routes per step (default %(default)s)")
+    g.add_argument("--k", type=int, default=8, help="experts per token (default %(default)s)")
+    g.add_argument("--model-dim", type=int, default=4096, help="D (default %(default)s)")
+    g.add_argument("--hidden-dim", type=int, default=14336, help="F of each expert FFN (default %(default)s)")
+    g.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak TFLOPS a GEMM reaches (default %(default)s)")
     return p
 
 
@@ -286,8 +294,35 @@ def _plot(doc: Dict[str, Any], path: str) -> None:
         plt.close(fig)
 
 
+def _run_placement(args: argparse.Namespace) -> int:
+    from hetcomm.cli._placement import PLACEMENTS, placement_report, placement_text
+    from hetcomm.sched.step import MoEWorkload
+    from hetcomm.topo.cluster import load_cluster
+
+    names = [n.strip() for n in args.placement.split(",") if n.strip()]
+    bad = [n for n in names if n not in PLACEMENTS]
+    if not names or bad:
+        raise UsageError(f"--placement: unknown {bad or args.placement!r}; choose from {', '.join(PLACEMENTS)}")
+    plans = _parse_plans(args.plans)
+    experts = args.experts or 4 * load_cluster(args.cluster).num_ranks
+    workload = MoEWorkload(
+        tokens_per_rank=args.tokens, k=args.k, model_dim=args.model_dim, hidden_dim=args.hidden_dim, efficiency=args.efficiency
+    )
+    doc = placement_report(
+        args.cluster, names, num_experts=experts, workload=workload, skew=args.skew,
+        plan=plans[-1], seed=args.seed, params=_cost_params(args),
+    )
+    print(json.dumps(doc, indent=2) if args.json else placement_text(doc))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from hetcomm.sched.traffic import parse_size, parse_skew
+
+    if args.placement:
+        return _run_placement(args)
+    if args.size is None:
+        raise UsageError("--size is required (or compare placements with --placement)")
 
     size = parse_size(args.size)
     parse_skew(args.skew)

@@ -30,7 +30,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Train a small MoE transformer LM on a synthetic task, expert-parallel over hetcomm.",
     )
     p.add_argument("--config", default=None, help=f"train config YAML (default: {DEFAULT_CONFIG} if present)")
-    p.add_argument("--cluster", default=None, help="cluster YAML (rank placement, strong ranks, wire dtypes)")
+    p.add_argument(
+        "--cluster",
+        default=None,
+        help="cluster YAML (rank placement, strong ranks, wire dtypes), or 'detect': no file, probe every "
+        "host and run on the detected cluster (default: the train config's, configs/clusters/mixed-mini.yaml)",
+    )
     p.add_argument("--steps", type=int, default=None, help="optimizer steps")
     p.add_argument("--experts", type=int, default=None, help="experts per MoE layer")
     p.add_argument("--replicate", dest="replicate", action="store_true", default=None, help="replicate hot experts on strong ranks")
@@ -58,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     if args.cluster:
-        overrides["cluster"] = repo_path(args.cluster)
+        overrides["cluster"] = args.cluster if args.cluster == "detect" else repo_path(args.cluster)
     config_path = repo_path(args.config) if args.config else None
     if config_path is None and os.path.exists(repo_path(DEFAULT_CONFIG)):
         config_path = repo_path(DEFAULT_CONFIG)

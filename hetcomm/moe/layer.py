@@ -64,7 +64,12 @@ class MoEConfig:
         replicate_policy: ``always`` replicates the top ``N``; ``profitable`` only those whose
             saved all-to-all bytes exceed their weight and gradient sync bytes
             (:mod:`hetcomm.moe.replicate`).
-        strong_expert_weight: a strong rank holds this many times the experts of a weak one.
+        strong_expert_weight: a strong rank holds this many times the experts of a weak one
+            (``rank_weights="strong"``).
+        rank_weights: how experts are spread over ranks: ``strong`` (strong ranks hold
+            ``strong_expert_weight`` x the experts of weak ones) or ``throughput`` (experts in
+            proportion to each rank's device TFLOPS from ``hetcomm.topo.compute``, replicas only
+            on the fastest strong ranks) — speed-aware placement for compute-heterogeneous clusters.
         seed: initial weights depend only on this and the expert id (never on the placement).
     """
 
@@ -84,6 +89,7 @@ class MoEConfig:
     replicate_alpha: float = 0.99
     replicate_policy: str = "always"
     strong_expert_weight: float = 2.0
+    rank_weights: str = "strong"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -102,6 +108,8 @@ class MoEConfig:
             raise bad("wire_dtype", f"unknown wire dtype {self.wire_dtype!r}; expected auto, fp32, fp16 or bf16")
         if not isinstance(self.num_chunks, int) or self.num_chunks < 1:
             raise bad("num_chunks", f"must be a positive integer, got {self.num_chunks!r}")
+        if self.rank_weights not in ("strong", "throughput"):
+            raise bad("rank_weights", f"expected 'strong' or 'throughput', got {self.rank_weights!r}")
         if not self.strong_expert_weight > 0:
             raise bad("strong_expert_weight", f"must be > 0, got {self.strong_expert_weight!r}")
         if self.calibration_strength < 0:
@@ -203,14 +211,28 @@ class MoELayer(nn.Module):
                 f"ranks or pass the matching cluster file",
                 path=cluster.path,
             )
+        # Dense FP16 TFLOPS of each group rank's device (hetcomm.topo.compute; YAML device.tflops
+        # overrides), equal without a cluster.
+        self.rank_tflops: List[float] = [1.0] * W
         if cluster is not None:
+            from hetcomm.topo.compute import rank_speeds, strong_by_throughput
+
             strong_global = set(cluster.strong_ranks)
             self.strong_ranks = [r for r in range(W) if self.global_ranks[r] in strong_global]
+            self.rank_tflops = rank_speeds(cluster, self.global_ranks)
+            if cfg.rank_weights == "throughput":
+                # Replica holders are the fastest ranks: the strong ones within STRONG_FRACTION of
+                # the fastest device (a replica on a slow rank adds work where time is short).
+                fast = set(strong_by_throughput(self.rank_tflops))
+                self.strong_ranks = [r for r in self.strong_ranks if r in fast] or sorted(fast)
         else:
             self.strong_ranks = list(range(W))
 
         if placement is None:
-            weights = [cfg.strong_expert_weight if r in self.strong_ranks else 1.0 for r in range(W)]
+            if cfg.rank_weights == "throughput":
+                weights = list(self.rank_tflops)  # experts in proportion to compute speed
+            else:
+                weights = [cfg.strong_expert_weight if r in self.strong_ranks else 1.0 for r in range(W)]
             placement = place_experts(num_experts, W, rank_weights=weights)
         elif placement.world_size != W or placement.num_experts != num_experts:
             raise ConfigError(

@@ -25,6 +25,11 @@ from hetcomm.topo.cluster import CLUSTER_ENV, load_cluster
 from hetcomm.train.data import MarkovTask
 from hetcomm.train.model import LMConfig, MoETransformerLM
 
+#: ``TrainConfig.cluster`` value (``hetcomm train --cluster detect``): no cluster file, detect it.
+DETECT = "detect"
+#: Ranks spawned on one machine for a detected cluster when ``--nprocs`` is not given.
+DETECT_DEFAULT_RANKS = 4
+
 __all__ = ["TrainConfig", "load_train_config", "launch", "train_worker"]
 
 
@@ -33,7 +38,9 @@ class TrainConfig:
     """Everything one ``hetcomm train`` run needs (``configs/train/demo.yaml`` holds the defaults).
 
     Attributes:
-        cluster: cluster YAML deciding rank placement, strong ranks and wire dtypes.
+        cluster: cluster YAML deciding rank placement, strong ranks and wire dtypes, or
+            ``detect``: no file, the backend probes every host when the group is created
+            (``hetcomm.topo.discover``) and the job runs on the cluster it assembles.
         steps: optimizer steps.
         experts: global experts per MoE layer.
         layers: transformer blocks (each with one MoE layer).
@@ -124,11 +131,16 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
     Returns:
         0 when training finished with the loss well below the unigram baseline, 1 otherwise.
     """
-    cluster = load_cluster(cfg.cluster)
+    detect = cfg.cluster == DETECT
+    if detect:
+        # No cluster file: the backend probes the hosts when the group is created (hetcomm.topo.
+        # discover); a stray $HETCOMM_CLUSTER would override that in every rank.
+        os.environ.pop(CLUSTER_ENV, None)
+    cluster = None if detect else load_cluster(cfg.cluster)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return train_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg)
-    world_size = nprocs or cluster.num_ranks
-    if world_size != cluster.num_ranks:
+    world_size = nprocs or (cluster.num_ranks if cluster is not None else DETECT_DEFAULT_RANKS)
+    if cluster is not None and world_size != cluster.num_ranks:
         raise ConfigError(
             f"cluster '{cluster.name}' has {cluster.num_ranks} ranks but {world_size} processes were asked "
             f"for; use --nprocs {cluster.num_ranks} or another --cluster",
@@ -136,7 +148,8 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
         )
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(_free_port())
-    os.environ[CLUSTER_ENV] = os.path.abspath(cfg.cluster)
+    if not detect:
+        os.environ[CLUSTER_ENV] = os.path.abspath(cfg.cluster)
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -221,8 +234,23 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> int:
         dist.destroy_process_group()
 
 
+def _job_cluster(cfg: TrainConfig):
+    """The cluster file's cluster, or (``cluster: detect``) the one the backend detected."""
+    if cfg.cluster != DETECT:
+        return load_cluster(cfg.cluster)
+    import hetcomm
+
+    cluster = hetcomm.communicator().cluster
+    if cluster is None:
+        raise ConfigError(
+            "cluster detection is off (HETCOMM_DETECT=0) or failed; give a cluster file with --cluster",
+            key="train.cluster",
+        )
+    return cluster
+
+
 def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
-    cluster = load_cluster(cfg.cluster)
+    cluster = _job_cluster(cfg)
     task = MarkovTask(vocab_size=256, seed=1234 + cfg.seed)
     lm_cfg = LMConfig(
         vocab_size=task.vocab_size,
@@ -323,11 +351,14 @@ class _Progress:
             labels = ", ".join(
                 f"rank{r}={cluster.rank(r).model}@{cluster.rank(r).node.name}" for r in range(world_size)
             )
-            print(
-                f"hetcomm train: {world_size} ranks on cluster '{cluster.name}' ({labels}); device kinds "
-                f"are labels on this CPU-only machine, the rails between the processes are real.",
-                file=sys.stderr,
-            )
+            if cfg.cluster == DETECT:
+                origin = (
+                    f"; detected by probing every host (no cluster file): {len({n.name for n in cluster.nodes})} "
+                    f"node(s), device kinds as the probe saw them"
+                )
+            else:
+                origin = "; device kinds are labels on this CPU-only machine, the rails between the processes are real"
+            print(f"hetcomm train: {world_size} ranks on cluster '{cluster.name}' ({labels}){origin}.", file=sys.stderr)
 
     def update(self, step: int, loss: float, tokens_per_step: int, model) -> None:
         if not self.enabled:
@@ -376,7 +407,8 @@ def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tok
     layer = model.moe_layers[0]
     st = layer.step_stats()
     rows = [
-        ("ranks", f"{world_size} ({', '.join(sorted({cluster.rank(r).model for r in range(world_size)}))}; labels on CPU)"),
+        ("ranks", f"{world_size} ({', '.join(sorted({cluster.rank(r).model for r in range(world_size)}))}; "
+                  f"{'detected, no cluster file' if cfg.cluster == DETECT else 'labels on CPU'})"),
         ("steps", f"{cfg.steps} in {elapsed:.1f} s"),
         ("tokens/s (all ranks)", f"{tokens_per_step * world_size * cfg.steps / elapsed:,.0f}"),
         ("loss first -> last", f"{first:.3f} -> {last:.3f} (mean of {window} steps)"),

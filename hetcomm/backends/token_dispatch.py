@@ -666,6 +666,14 @@ def _slots_back(comm: DispatchComm, plan: _Plan, grad_w: torch.Tensor) -> torch.
 # In-flight state and Works
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory with its own autograd version counter."""
+    a = torch.empty(0, dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        a.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    return a
+
+
 class _DispatchState:
     """What a dispatch keeps between launch, the waits and backward."""
 
@@ -679,13 +687,18 @@ class _DispatchState:
     def launch(self, x: torch.Tensor) -> torch.Tensor:
         plan = self.plan
         self.x = x
-        self.recv_x = rowpool.empty((sum(plan.chunk_rows), x.size(1)), x.dtype, x.device)
+        recv_x = rowpool.empty((sum(plan.chunk_rows), x.size(1)), x.dtype, x.device)
+        # Chunks are written after recv_x has left autograd's hands, while earlier chunks may
+        # already be saved for backward by the experts: write through an alias with a version
+        # counter of its own, or autograd would call those saved slices modified. Safe because
+        # no row is read before its chunk's wait.
+        self.recv_x = _alias(recv_x)
         self.sends = [_Send(self.comm, plan, c, x, plan.wire, "dispatch") for c in range(len(plan.chunk_rows))]
         for snd in self.sends:
             sent, recv = _count_rows(snd.ex, plan.rank)
             self.bytes_sent += sent
             self.bytes_recv += recv
-        return self.recv_x
+        return recv_x
 
     def finish_chunk(self, c: int) -> None:
         snd = self.sends[c]
@@ -756,7 +769,8 @@ class _CombineState:
 
     def launch(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         plan = self.plan
-        out = rowpool.zeros((plan.num_tokens, y.size(1)), y.dtype, y.device)
+        result = rowpool.zeros((plan.num_tokens, y.size(1)), y.dtype, y.device)
+        out = _alias(result)  # returns are added after the fact (see _DispatchState.launch)
         off = 0
         for c, n in enumerate(plan.chunk_rows):
             yc, wc = y[off : off + n], w[off : off + n]
@@ -773,7 +787,7 @@ class _CombineState:
             self.bytes_sent += sent
             self.bytes_recv += recv
             self.returns.append(ret)
-        return out
+        return result
 
     def finish(self) -> None:
         with torch.no_grad():  # adding into an autograd output in place, after the fact

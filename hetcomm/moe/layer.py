@@ -25,13 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetcomm.backends import token_dispatch
 from hetcomm.errors import ConfigError
 from hetcomm.moe.calibrate import LoadCalibrator
-from hetcomm.moe.dispatch import ChunkLayout, exchange_counts, gather_rows, plan_route, weighted_combine
-from hetcomm.moe.experts import ExpertBank, ExpertSpec, build_expert
+from hetcomm.moe.dispatch import ChunkLayout, gather_rows, plan_route, weighted_combine
+from hetcomm.moe.experts import ExpertBank, ExpertSpec, build_expert, cat_rows
 from hetcomm.moe.gate import TopKGate
 from hetcomm.moe.metrics import MetricsAccumulator, routing_metrics
-from hetcomm.moe.overlap import PipelineTimes, run_pipeline
+from hetcomm.moe.overlap import PipelineTimes
 from hetcomm.moe.placement import ExpertPlacement, place_experts
 from hetcomm.moe.replicate import HotExpertReplicator
 from hetcomm.moe.wire import WIRE_DTYPES, WirePolicy, wire_policy
@@ -128,6 +129,21 @@ class _EndOfBackward(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         torch.autograd.Variable._execution_engine.queue_callback(ctx.callback)
         return grad, None
+
+
+class _WireComm:
+    """The layer's face for :mod:`hetcomm.backends.token_dispatch` (a ``DispatchComm``): its
+    group, and the wire dtype of each pair from the layer's own :class:`WirePolicy` (the
+    ``wire_dtype`` option can differ from the backend's options, so it is not the
+    Communicator's policy)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], rank: int, world_size: int, policy: WirePolicy):
+        self.group, self.rank, self.world_size, self.policy = group, rank, world_size, policy
+
+    def wire_dtype(self, peer: int, dtype: torch.dtype) -> Optional[torch.dtype]:
+        if peer == self.rank:
+            return None
+        return WIRE_DTYPES[self.policy.names[self.rank][peer]]
 
 
 def _group_info(group: Optional[dist.ProcessGroup]):
@@ -241,8 +257,12 @@ class MoELayer(nn.Module):
                 key="moe.placement",
             )
         self.placement = placement
-        self.layout = ChunkLayout.build(placement, cfg.num_chunks)
         self.wire: WirePolicy = wire_policy(W, cfg.wire_dtype, cluster, self.global_ranks)
+        self._comm = _WireComm(group if W > 1 else None, self.rank, W, self.wire)
+        # Registered (not persistent: derived from the placement) so that layer.to(device)
+        # moves it with the parameters.
+        self.register_buffer("_key_of_expert", torch.zeros(num_experts, dtype=torch.int64, device="cpu"), persistent=False)
+        self._adopt_layout(placement)
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
@@ -302,13 +322,23 @@ class MoELayer(nn.Module):
         included): average their gradients over data-parallel ranks like any dense layer's."""
         return self.gate.parameters()
 
+    def _adopt_layout(self, placement: ExpertPlacement) -> None:
+        self.layout = ChunkLayout.build(placement, self.config.num_chunks)
+        with torch.no_grad():
+            self._key_of_expert.copy_(self.layout.key_of_expert)
+
+    def _modules_by_id(self) -> List[nn.Module]:
+        """This rank's experts in ascending global id (the dispatch's local-expert order)."""
+        ids = self.placement.experts_of(self.rank)
+        return [self.experts.experts[i] for i in sorted(range(len(ids)), key=lambda i: ids[i])]
+
     def _make_expert(self, expert_id: int) -> nn.Module:
         return build_expert(self._expert_spec, self.config.model_dim, expert_id, self.config.seed)
 
     def _set_placement(self, placement: ExpertPlacement, modules: Sequence[nn.Module]) -> None:
         """Adopt ``placement`` with ``modules`` as this rank's experts, in local order."""
         self.placement = placement
-        self.layout = ChunkLayout.build(placement, self.config.num_chunks)
+        self._adopt_layout(placement)
         self.local_expert_ids = tuple(placement.experts_of(self.rank))
         self.experts.experts = nn.ModuleList(modules)
         if self.replicator is not None:
@@ -387,7 +417,7 @@ class MoELayer(nn.Module):
         g = self.gate(x2)
         self.l_aux = g.l_aux
         replica_here = rep.replica_here() if rep is not None and rep.replicas else None
-        route = plan_route(g.topk_idx, self.layout.key_of_expert, g.capacity, replica_here)
+        route = plan_route(g.topk_idx, self._key_of_expert, g.capacity, replica_here)
 
         # Global statistics for calibration and replication, summed over ranks: one all-reduce
         # of [probs (E), picks (E), tokens (1)], launched now and awaited after the experts.
@@ -401,9 +431,14 @@ class MoELayer(nn.Module):
                 stat_work = dist.all_reduce(stat_vec, group=self.group, async_op=True)
 
         weights_flat = g.topk_weights.t().reshape(-1)  # [A], choice-major like assignments
+        # The copies that travel (kept, not computed on a local replica), as the dispatch's
+        # topk_idx: -1 in every other slot.
+        A = route.num_assign
+        idx_cm = torch.full((A,), -1, dtype=torch.int64, device=x2.device)
+        idx_cm[route.send_assign] = g.topk_idx.t().reshape(-1)[route.send_assign]
+        idx_send = idx_cm.view(cfg.k, T).t()
 
         times = PipelineTimes()
-        x_send = gather_rows(x2, route.send_token)
         local_out: List = []
 
         def compute_local() -> None:
@@ -419,29 +454,37 @@ class MoELayer(nn.Module):
             local_out.append(y)
             times.expert_s += time.perf_counter() - te
 
-        if self.distributed:
-            recv_counts = exchange_counts(route.send_counts, self.placement, self.rank, self.group)
-            y_back = run_pipeline(
-                x_send,
-                route.send_counts,
-                recv_counts,
-                self.layout,
-                self.experts,
-                self.wire,
-                self.rank,
-                self.group,
-                times,
-                between=compute_local,
-            )
-        else:
+        # gate -> dispatch -> experts (chunk by chunk, as each arrives) -> combine.
+        recv_x, counts, handle, work = token_dispatch.dispatch(
+            self._comm,
+            x2,
+            idx_send,
+            g.topk_weights,
+            expert_to_rank=self.placement.owner,
+            async_op=True,
+            num_chunks=cfg.num_chunks,
+        )
+        compute_local()
+        mods = self._modules_by_id()
+        ys, off = [], 0
+        for c, n in enumerate(handle.chunk_rows):
+            work.wait_chunk(c)
+            lo, hi = handle.chunk_experts[c]
             te = time.perf_counter()
-            counts = [int(route.send_counts[e]) for e in self.local_expert_ids]
-            times.rows_per_expert = counts
-            y_back = self.experts.forward_sorted(x_send, counts)
+            ys.append(self.experts.forward_sorted(recv_x[off : off + n], counts[lo:hi], modules=mods[lo:hi]))
             times.expert_s += time.perf_counter() - te
-            compute_local()
+            off += n
+        y_recv = ys[0] if len(ys) == 1 or not sum(handle.chunk_rows) else cat_rows(ys)
+        tw = time.perf_counter()
+        out = token_dispatch.combine(self._comm, y_recv, handle)
+        times.comm_exposed_s = work.exposed_s + time.perf_counter() - tw
+        times.num_chunks = cfg.num_chunks
+        times.rows_per_expert = list(counts)
+        # Combine sends back exactly what dispatch received, in the same wire dtypes.
+        times.bytes_sent = times.bytes_recv = handle.bytes_sent + handle.bytes_recv
+        times.total_s = time.perf_counter() - t_start
+        saved = self._replica_saved_bytes(g.topk_idx, route, idx_cm, D, x2.element_size())
 
-        out = weighted_combine(y_back, weights_flat.index_select(0, route.send_assign), route.send_token, T)
         if local_out:
             w_loc = weights_flat.index_select(0, route.local_assign)
             out = out + weighted_combine(local_out[0], w_loc, route.local_assign % T, T)
@@ -461,11 +504,34 @@ class MoELayer(nn.Module):
                 self.gate.calibrator.update(gp, gT)
             if rep is not None:
                 rep.observe(gpicks, row_bytes=D * x2.element_size())
-        self._record(route, times, t_start, global_picks=stat_vec[E : 2 * E] if update else None)
+        self._record(route, times, t_start, saved, global_picks=stat_vec[E : 2 * E] if update else None)
         return out.to(x.dtype).reshape(shape)
 
+    def _replica_saved_bytes(self, topk_idx, route, idx_cm, D: int, elem: int) -> int:
+        """Forward bytes (dispatch + combine) the copies computed on local replicas would have
+        cost: the token rows with them minus the token rows without them, per destination."""
+        if route.local_assign.numel() == 0:
+            return 0
+        cfg = self.config
+        T = topk_idx.size(0)
+        with_rep = idx_cm.clone()
+        with_rep[route.local_assign] = topk_idx.t().reshape(-1)[route.local_assign]
+        rows = [
+            token_dispatch.count_token_rows(i.view(cfg.k, T).t(), self.placement.owner, self.world_size, cfg.num_chunks)
+            for i in (with_rep, idx_cm)
+        ]
+        extra = (rows[0] - rows[1]).tolist()
+        saved = 0
+        for d, n in enumerate(extra):
+            if d != self.rank and n:
+                wd = WIRE_DTYPES[self.wire.names[self.rank][d]]
+                # Sent once by dispatch, once more by combine (summed over ranks, what comes back
+                # to one rank is what another sends).
+                saved += 2 * n * D * min(wd.itemsize, elem)
+        return saved
+
     # -- stats -------------------------------------------------------------------------------
-    def _record(self, route, times: PipelineTimes, t_start: float, global_picks=None) -> None:
+    def _record(self, route, times: PipelineTimes, t_start: float, saved: int, global_picks=None) -> None:
         kept = route.num_assign - route.num_dropped
         own = [e for e in self.local_expert_ids]
         num_self = int(route.send_counts[list(own)].sum()) if own else 0
@@ -473,14 +539,6 @@ class MoELayer(nn.Module):
         self.metrics.add(route.picks, route.num_dropped, num_local, kept)
         m = routing_metrics(route.picks, route.num_dropped, num_local, kept)
         D = self.config.model_dim
-        # Bytes the local-replica copies would have cost (dispatch + combine) without replication.
-        saved = 0
-        if route.local_expert.numel():
-            per_e = torch.bincount(route.local_expert, minlength=self.config.num_experts)
-            for e in torch.nonzero(per_e).flatten().tolist():
-                o = self.placement.owner[e]
-                wd = WIRE_DTYPES[self.wire.names[self.rank][o]]
-                saved += 2 * int(per_e[e]) * D * min(wd.itemsize, 4)
         stats: Dict[str, Any] = {
             "rank": self.rank,
             "tokens": route.num_assign // max(1, self.config.k),

@@ -50,13 +50,25 @@ _counters: Dict[str, int] = {"a2a_calls": 0, "a2a_bytes_sent": 0, "a2a_bytes_rec
 
 
 def counters() -> Dict[str, int]:
-    """This process's MoE all-to-all counters (bytes to/from *other* ranks, calls)."""
+    """This process's MoE all-to-all counters (bytes to/from *other* ranks, calls): the layer's
+    dispatch/combine rows (:func:`hetcomm.backends.token_dispatch.counters`, forward and
+    backward, wire dtypes applied) plus any :class:`Exchange` made directly."""
+    from hetcomm.backends import token_dispatch
+
+    td = token_dispatch.counters()
     with _lock:
-        return dict(_counters)
+        out = dict(_counters)
+    out["a2a_calls"] += td["calls"]
+    out["a2a_bytes_sent"] += td["bytes_sent"]
+    out["a2a_bytes_recv"] += td["bytes_recv"]
+    return out
 
 
 def reset_counters() -> None:
-    """Zero the MoE all-to-all counters."""
+    """Zero the MoE all-to-all counters (the token dispatch's included)."""
+    from hetcomm.backends import token_dispatch
+
+    token_dispatch.reset_counters()
     with _lock:
         for k in _counters:
             _counters[k] = 0

@@ -119,9 +119,9 @@ def replication(rank: int, world_size: int, num_hot_list: List[int], steps: int 
     res: Dict[str, Any] = {"bytes": {}}
     w = zipf_gate_weight(E, D, 1.2)
 
-    def make(replicate: bool, num_hot: int):
+    def make(replicate: bool, num_hot: int, wire: str = "auto"):
         layer = MoELayer(
-            D, E, k=2, dropless=True, calibrate=False, replicate=replicate, replicate_top=num_hot,
+            D, E, k=2, dropless=True, calibrate=False, replicate=replicate, replicate_top=num_hot, wire_dtype=wire,
             replicate_every=1, expert=lambda d: torch.nn.Sequential(torch.nn.Linear(d, 32), torch.nn.GELU(), torch.nn.Linear(32, d)),
         )
         with torch.no_grad():
@@ -165,7 +165,11 @@ def replication(rank: int, world_size: int, num_hot_list: List[int], steps: int 
 
     # --- identical outputs and identical training with and without replication -------------
     num_hot = num_hot_list[0]
-    a, b = make(True, num_hot), make(False, num_hot)
+    # FP32 wires here: replica gradients are summed apart from the owner's, so the owner's
+    # parameters drift ~1e-8 from the twin's (float reassociation); over an FP16 wire that can
+    # flip one FP16 rounding of a combined row (2.4e-4 at |y| ~ 0.5), which says nothing about
+    # replication. The byte counts above use the cluster's wires (FP16 to the 910B).
+    a, b = make(True, num_hot, "fp32"), make(False, num_hot, "fp32")
     opt_a = torch.optim.SGD([p for p in a.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
     opt_b = torch.optim.SGD([p for p in b.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
     max_out = max_param = 0.0

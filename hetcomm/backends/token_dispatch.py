@@ -229,7 +229,7 @@ def drop_over_capacity(topk_idx: torch.Tensor, num_experts: int, capacity: int) 
 
 def _expert_tables(expert_to_rank: Union[Sequence[int], torch.Tensor], world_size: int, device: torch.device):
     """``(owner [E], local index [E], experts per rank)`` with local order = ascending id."""
-    owner = torch.as_tensor(expert_to_rank, dtype=torch.int64).to("cpu")
+    owner = torch.as_tensor(expert_to_rank, dtype=torch.int64, device="cpu")  # host tables, E entries
     if owner.dim() != 1 or owner.numel() == 0:
         raise UsageError(f"expert_to_rank must be a non-empty [E] sequence of ranks, got shape {tuple(owner.shape)}")
     bad = ((owner < 0) | (owner >= world_size)).nonzero().flatten().tolist()

@@ -59,9 +59,9 @@ class LoadCalibrator(nn.Module):
         self.decay = decay
         self.lag_coef = lag_coef
         self.enabled = enabled
-        self.register_buffer("history", torch.ones(num_experts, dtype=torch.float32))
-        self.weight = nn.Parameter(torch.full((num_experts,), float(strength)), requires_grad=False)
-        self.register_buffer("num_updates", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("history", torch.ones(num_experts, dtype=torch.float32, device="cpu"))
+        self.weight = nn.Parameter(torch.full((num_experts,), float(strength), device="cpu"), requires_grad=False)
+        self.register_buffer("num_updates", torch.zeros((), dtype=torch.int64, device="cpu"))
 
     def lag_factor(self) -> float:
         """``1 + lag_coef * (max(history) - min(history))``."""

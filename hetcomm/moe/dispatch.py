@@ -73,7 +73,7 @@ class ChunkLayout:
                     key[e] = c * E + placement.slots[e]
         return ChunkLayout(
             num_chunks=C,
-            key_of_expert=torch.tensor(key, dtype=torch.int64),
+            key_of_expert=torch.tensor(key, dtype=torch.int64, device="cpu"),  # the layer keeps a buffer copy
             experts_in=tuple(tuple(x) for x in experts_in),
             local_range=tuple(tuple(x) for x in local_range),
         )
@@ -137,12 +137,12 @@ def plan_route(
     num_dropped = 0
     if capacity is not None and A > 0:
         # Position of each sorted copy inside its expert's run.
-        start_of_key = torch.zeros(E, dtype=torch.int64)
+        start_of_key = torch.zeros(E, dtype=torch.int64, device=topk_idx.device)
         # Runs appear in key order; the start of expert e's run = copies of experts with smaller key.
         expert_by_key = torch.argsort(key_of_expert)
         counts_by_key = picks[expert_by_key]
         start_of_key[expert_by_key] = torch.cumsum(counts_by_key, 0) - counts_by_key
-        pos = torch.arange(A) - start_of_key[e_sorted]
+        pos = torch.arange(A, device=topk_idx.device) - start_of_key[e_sorted]
         keep = pos < capacity
         num_dropped = int(A - int(keep.sum()))
         if num_dropped:
@@ -158,7 +158,7 @@ def plan_route(
     else:
         local_assign = order[:0]
         local_expert = e_sorted[:0]
-        local_counts = torch.zeros(E, dtype=torch.int64)
+        local_counts = torch.zeros(E, dtype=torch.int64, device=topk_idx.device)
     send_counts = torch.bincount(e_sorted, minlength=E)
     return RoutePlan(
         send_assign=order,
@@ -192,10 +192,10 @@ def exchange_counts(
     W = placement.world_size
     L = placement.num_local_experts(rank)
     slot_order = torch.tensor(
-        [e for r in range(W) for e in placement.experts_of(r)], dtype=torch.int64
+        [e for r in range(W) for e in placement.experts_of(r)], dtype=torch.int64, device=send_counts.device
     )
     send = send_counts[slot_order].contiguous()
-    recv = torch.empty(W * L, dtype=torch.int64)
+    recv = torch.empty(W * L, dtype=torch.int64, device=send_counts.device)
     dist.all_to_all_single(
         recv,
         send,

@@ -294,7 +294,7 @@ class MoELayer(nn.Module):
                 alpha=cfg.replicate_alpha,
                 policy=cfg.replicate_policy,
             )
-        self.l_aux: torch.Tensor = torch.zeros(())
+        self.l_aux: torch.Tensor = torch.zeros((), device="cpu")  # replaced by the first forward
         self.last_stats: Dict[str, Any] = {}
         self.metrics = MetricsAccumulator()
 
@@ -412,6 +412,7 @@ class MoELayer(nn.Module):
         E = cfg.num_experts
         rep = self.replicator
         if rep is not None:
+            rep.device = x2.device
             rep.sync()  # collective when distributed: every rank calls it here
 
         g = self.gate(x2)
@@ -425,7 +426,7 @@ class MoELayer(nn.Module):
         stat_vec = stat_work = None
         if update:
             stat_vec = torch.cat(
-                [g.probs.detach().sum(0).double(), route.picks.double(), torch.tensor([float(T)], dtype=torch.float64)]
+                [g.probs.detach().sum(0).double(), route.picks.double(), torch.tensor([float(T)], dtype=torch.float64, device=x2.device)]
             )
             if self.distributed:
                 stat_work = dist.all_reduce(stat_vec, group=self.group, async_op=True)

@@ -99,7 +99,7 @@ def migrate_experts(layer, new_placement, optimizer=None) -> List[int]:
     # Per parameter: values, then per state key: a presence flag and the values (n or 1).
     per_param = [n + sum(1 + (n if kind == "full" else 1) for _, kind, _ in keys) for n in numels]
     row_len = sum(per_param)
-    buf = torch.zeros(len(moved), row_len, dtype=torch.float64)
+    buf = torch.zeros(len(moved), row_len, dtype=torch.float64, device=layer.gate.wg.weight.device)
     row_of = {e: i for i, e in enumerate(moved)}
     for e in outgoing:
         row, off = buf[row_of[e]], 0

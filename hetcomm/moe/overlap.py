@@ -90,12 +90,12 @@ def run_pipeline(
     t0 = time.perf_counter()
     # Per chunk and destination: copies sent. cell = c * W + r.
     cell = torch.tensor(
-        [c * W + r for c in range(C) for r in range(W) for _ in layout.experts_in[c][r]], dtype=torch.int64
+        [c * W + r for c in range(C) for r in range(W) for _ in layout.experts_in[c][r]], dtype=torch.int64, device=x_send.device
     )
     experts_cell_order = torch.tensor(
-        [e for c in range(C) for r in range(W) for e in layout.experts_in[c][r]], dtype=torch.int64
+        [e for c in range(C) for r in range(W) for e in layout.experts_in[c][r]], dtype=torch.int64, device=x_send.device
     )
-    send_split = torch.zeros(C * W, dtype=torch.int64)
+    send_split = torch.zeros(C * W, dtype=torch.int64, device=x_send.device)
     if cell.numel():
         send_split.index_add_(0, cell, send_counts[experts_cell_order])
     send_split = send_split.view(C, W).tolist()

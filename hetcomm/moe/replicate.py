@@ -99,7 +99,11 @@ class HotExpertReplicator:
         #: Why each expert of the last top-N was or was not replicated (``policy="profitable"``):
         #: ``{expert: (bytes saved per step, bytes spent per step)}``.
         self.last_decision: Dict[int, Tuple[float, float]] = {}
+        # host: the EMA drives host decisions (the hot set, sorted in Python) once per step.
         self.ema = torch.zeros(placement.num_experts, dtype=torch.float64)
+        #: Device of the layer's tensors; the layer sets it every forward (replicas and the
+        #: weight/gradient buffers live there).
+        self.device = torch.device("cpu")
         self.steps = 0
         self.hot: Tuple[int, ...] = ()
         self.replicas: Dict[int, nn.Module] = {}
@@ -132,7 +136,7 @@ class HotExpertReplicator:
             row_bytes: bytes of one routed row on the wire (``D`` x element size); used by
                 ``policy="profitable"``.
         """
-        self.ema.mul_(self.alpha).add_(global_picks.double(), alpha=1.0 - self.alpha)
+        self.ema.mul_(self.alpha).add_(global_picks.double().cpu(), alpha=1.0 - self.alpha)
         self.steps += 1
         if self.num_hot and self.steps % self.every == 0:
             # Ties broken by expert id (sort is by (-ema, id)) so every rank picks the same set.
@@ -172,7 +176,7 @@ class HotExpertReplicator:
                 del self.replicas[e]
         for e in sorted(wanted):
             if e not in self.replicas:
-                m = self.make_expert(e)
+                m = self.make_expert(e).to(self.device)
                 for p in m.parameters():
                     p.requires_grad_(True)
                 self.replicas[e] = m
@@ -189,7 +193,7 @@ class HotExpertReplicator:
 
     def replica_here(self) -> torch.Tensor:
         """``[E]`` bool: experts this rank computes on a local replica."""
-        mask = torch.zeros(self.placement.num_experts, dtype=torch.bool)
+        mask = torch.zeros(self.placement.num_experts, dtype=torch.bool, device=self.device)
         for e in self.replicas:
             mask[e] = True
         return mask
@@ -250,12 +254,12 @@ class HotExpertReplicator:
             return False
         changed = force or self.hot != self._synced_hot or self._versions() != self._synced_versions
         if dist.is_initialized() and self.placement.world_size > 1:
-            flag = torch.tensor([1 if changed else 0], dtype=torch.int64)
+            flag = torch.tensor([1 if changed else 0], dtype=torch.int64, device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             changed = bool(flag.item())
         if not changed:
             return False
-        buf = torch.zeros(len(self.hot), P, dtype=torch.float32)
+        buf = torch.zeros(len(self.hot), P, dtype=torch.float32, device=self.device)
         for i, e in enumerate(self.hot):
             if e in self.owned:
                 self._check_shapes(self.owned[e], e)
@@ -299,7 +303,7 @@ class HotExpertReplicator:
         if not member:
             return  # holds no replica and owns none of these experts
         P = self._param_numel()
-        buf = torch.zeros(len(hot), P, dtype=torch.float32)
+        buf = torch.zeros(len(hot), P, dtype=torch.float32, device=self.device)
         for i, e in enumerate(hot):
             if e in replicas:
                 off = 0

@@ -20,9 +20,10 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, Optional, Tuple
+from typing import IO, Any, Dict, Optional, Tuple
 
 from hetcomm.cli import _benchlib as lib
+from hetcomm.cli._args import RANK_BASELINE_BYTES, check_nprocs
 from hetcomm.errors import UsageError
 
 __all__ = ["add_parser", "run", "config_from_args"]
@@ -47,7 +48,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "See docs/BENCH.md."
         ),
     )
-    p.add_argument("collective", choices=lib.COLLECTIVES, help="the collective to measure")
+    p.add_argument(
+        "collective",
+        choices=lib.COLLECTIVES + ("compute",),
+        help="the collective to measure, or 'compute': a GEMM and the expert FFN on this process's "
+        "device (hetcomm.cli.bench_compute; -n/-w/-J/--json apply)",
+    )
     g = p.add_argument_group("nccl-tests flags")
     g.add_argument(
         "-b",
@@ -147,6 +153,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     h.add_argument(
         "--json", action="store_true", help="print one JSON document instead of the table"
     )
+    from hetcomm.cli.bench_compute import add_compute_args
+
+    add_compute_args(p)
     return p
 
 
@@ -177,10 +186,10 @@ def _resolve_nprocs(args: argparse.Namespace, cluster) -> Tuple[int, bool]:
         except ValueError:
             raise UsageError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
     if args.nprocs is not None:
-        if args.nprocs < 1:
-            raise UsageError(f"--nprocs {args.nprocs}: need at least 1 rank")
-        return args.nprocs, True
-    return (cluster.num_ranks if cluster is not None else _DEFAULT_NPROCS), True
+        return check_nprocs(args.nprocs), True
+    if cluster is not None:
+        return check_nprocs(cluster.num_ranks, f"cluster '{cluster.name}' has"), True
+    return _DEFAULT_NPROCS, True
 
 
 def config_from_args(args: argparse.Namespace) -> Tuple[lib.BenchConfig, int, bool]:
@@ -326,20 +335,46 @@ def _check_memory(max_size_bytes: int, num_ranks: int) -> None:
         available = int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return
-    need = _MEMORY_FACTOR * max_size_bytes * num_ranks
+    need = (_MEMORY_FACTOR * max_size_bytes + RANK_BASELINE_BYTES) * num_ranks
     if need > available:
         raise UsageError(
             f"-e/--maxbytes: {num_ranks} ranks x {lib.format_bytes(max_size_bytes)} need about "
-            f"{lib.format_bytes(need)} of memory ({_MEMORY_FACTOR} buffers each) but "
+            f"{lib.format_bytes(need)} of memory ({_MEMORY_FACTOR} buffers and "
+            f"{lib.format_bytes(RANK_BASELINE_BYTES)} of process each) but "
             f"{lib.format_bytes(available)} is available; lower -e or --nprocs"
         )
 
 
-def _emit(result: Dict[str, Any], args: argparse.Namespace) -> None:
-    if args.output_file:
-        with open(args.output_file, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+def _open_output(args: argparse.Namespace) -> Optional[IO[str]]:
+    """Open ``-J PATH`` before any rank starts: a path that cannot be written fails in
+    milliseconds (exit 2), not after the whole benchmark."""
+    if not args.output_file:
+        return None
+    try:
+        return open(args.output_file, "w", encoding="utf-8")
+    except OSError as e:
+        raise UsageError(
+            f"-J/--output_file {args.output_file}: cannot write it ({e.strerror or e}); check the "
+            f"directory exists and is writable"
+        ) from None
+
+
+def _discard_output(out: Optional[IO[str]]) -> None:
+    """Close and remove an output file the run never filled (no empty or partial JSON left)."""
+    if out is None:
+        return
+    out.close()
+    try:
+        os.unlink(out.name)
+    except OSError:
+        pass
+
+
+def _emit(result: Dict[str, Any], args: argparse.Namespace, out: Optional[IO[str]] = None) -> None:
+    if out is not None:
+        with out:
+            json.dump(result, out, indent=2)
+            out.write("\n")
     if args.json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     else:
@@ -362,11 +397,26 @@ def _exit_code_for(result: Dict[str, Any]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Validate the flags, run the ranks, print the table (or JSON); returns the exit code."""
-    from hetcomm.cli.main import EXIT_FINDINGS, EXIT_TIMEOUT
+    if args.collective == "compute":
+        from hetcomm.cli.bench_compute import run_compute
 
+        return run_compute(args)
     config, num_ranks, spawn = config_from_args(args)
     if not spawn:
         return _run_under_torchrun(config, num_ranks, args)
+    out = _open_output(args)
+    try:
+        code = _run_local(config, num_ranks, args, out)
+    except BaseException:
+        _discard_output(out)
+        raise
+    if out is not None and not out.closed:
+        _discard_output(out)
+    return code
+
+
+def _run_local(config: lib.BenchConfig, num_ranks: int, args: argparse.Namespace, out: Optional[IO[str]]) -> int:
+    from hetcomm.cli.main import EXIT_FINDINGS, EXIT_TIMEOUT
 
     env = {"HETCOMM_CLUSTER": config.cluster} if config.cluster else {}
     print(
@@ -402,7 +452,7 @@ def run(args: argparse.Namespace) -> int:
             f"in the backend's teardown",
             file=sys.stderr,
         )
-    _emit(outcome.result, args)
+    _emit(outcome.result, args, out)
     return _exit_code_for(outcome.result)
 
 
@@ -411,15 +461,18 @@ def _run_under_torchrun(config: lib.BenchConfig, num_ranks: int, args: argparse.
 
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    out = _open_output(args) if rank == 0 else None
     try:
         result = lib.run_rank(config, rank, num_ranks, local_rank=local_rank)
     except UsageError:
+        _discard_output(out)
         raise
     except Exception as e:  # a failed collective: name this rank, keep the exit-code contract
+        _discard_output(out)
         print(f"hetcomm bench: error: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_TIMEOUT if lib._is_timeout(type(e).__name__, str(e)) else EXIT_FINDINGS
     if rank == 0:
-        _emit(result, args)
+        _emit(result, args, out)
     return (
         _exit_code_for(result) if rank == 0 else (EXIT_FINDINGS if result["out_of_bounds"] else 0)
     )

@@ -39,6 +39,9 @@ class ConfigError(HetcommError, ValueError):
         key: dotted key of the offending value, e.g. ``nodes[2].nics[0].gbps``.
         path: file the value came from, when it came from a file.
         line: 1-based line of the value in ``path``.
+
+    Attributes:
+        detail: ``message`` alone, without the ``file:line, key`` prefix.
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class ConfigError(HetcommError, ValueError):
         path: Optional[str] = None,
         line: Optional[int] = None,
     ) -> None:
+        self.detail = message
         self.key = key
         self.path = path
         self.line = line
@@ -88,6 +92,11 @@ class CollectiveError(HetcommError, RuntimeError):
         rank: this process's rank in the group.
         peer: the peer rank at fault, when one is known.
         rail: the rail (``shm``, ``gloo``, ``nccl``, ``hccl``, ``bridge``) carrying that peer.
+        diagnosed: True once fault diagnosis has named the rank at fault (the error is final).
+
+    Attributes:
+        detail: ``message`` alone, without the ``op, rank, peer, rail`` prefix (for code that
+            re-raises the error with other fields: never parse ``str(error)``).
     """
 
     def __init__(
@@ -98,11 +107,14 @@ class CollectiveError(HetcommError, RuntimeError):
         rank: Optional[int] = None,
         peer: Optional[int] = None,
         rail: Optional[str] = None,
+        diagnosed: bool = False,
     ) -> None:
+        self.detail = message
         self.op = op
         self.rank = rank
         self.peer = peer
         self.rail = rail
+        self.diagnosed = diagnosed
         parts = []
         if op is not None:
             parts.append(op)

@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from hetcomm.backends.agreement import agree, settings_of
 from hetcomm.backends.options import HetcommOptions, options_from_env, wire_torch_dtype
 from hetcomm.backends.placement import Placement, build_placement
 from hetcomm.errors import UsageError
+
+if TYPE_CHECKING:
+    from hetcomm.backends.routed import RoutedCollectives
 
 __all__ = ["Communicator", "communicator"]
 
@@ -132,20 +135,20 @@ class Communicator:
         pg = _resolve_group(group)
         if options is not None and not isinstance(options, HetcommOptions):
             raise UsageError(f"options must be hetcomm.backends.HetcommOptions, got {type(options).__name__}")
-        opts = options_from_env(options)
         cluster_obj = None
         if isinstance(cluster, (str, os.PathLike)):
-            opts = replace(opts, cluster=os.fspath(cluster))
+            options = (options or HetcommOptions()).with_changes(cluster=os.fspath(cluster))
         elif cluster is not None:
             cluster_obj = cluster  # a loaded or detected Cluster
+        opts = options_from_env(options)
         rank, size = dist.get_rank(pg), dist.get_world_size(pg)
-        store = _group_store(pg)
+        store = _CommStore.prefixed(_group_store(pg), pg)
         timeout = _group_timeout(pg)
         placement = build_placement(
-            _CommStore.prefixed(store, pg), rank, size, _global_ranks(pg),
-            cluster_obj if cluster_obj is not None else opts.cluster, timeout,
+            store, rank, size, _global_ranks(pg), cluster_obj if cluster_obj is not None else opts.cluster, timeout
         )
         self._setup(lambda: pg, rank, size, opts, placement, timeout)
+        agree(store, rank, size, settings_of(opts, placement), timeout, what=f"hetcomm.Communicator over {dist.get_backend(pg)} group")
 
     def _setup(self, group_ref: Callable[[], Any], rank: int, size: int, options: HetcommOptions, placement: Placement, timeout: timedelta) -> None:
         self._group_ref = group_ref
@@ -154,16 +157,60 @@ class Communicator:
         self.options = options
         self.placement = placement
         self.timeout = timeout
+        #: The routed collectives (rails, executor); None over a non-hetcomm group.
+        self.routed: Optional["RoutedCollectives"] = None
+        #: The rail for CPU tensors between same-host peers, per host, as calibrated (or as
+        #: configured: see :mod:`hetcomm.backends.calibrate`); empty over a non-hetcomm group.
+        self.same_host_rail: Dict[str, str] = {}
         self._initialized = True
 
     @classmethod
-    def _for_hetcomm_group(
-        cls, group_ref, rank: int, size: int, options: HetcommOptions, placement: Placement, timeout: timedelta
+    def _for_backend(
+        cls,
+        store,
+        rank: int,
+        size: int,
+        timeout: timedelta,
+        options: Optional[HetcommOptions],
+        global_ranks: Sequence[int],
+        group_id: str,
+        group_ref: Callable[[], Any],
     ) -> "Communicator":
-        """The communicator a :class:`~hetcomm.backends.process_group.HetcommProcessGroup` builds for
-        itself; ``group_ref()`` returns the group (held weakly: the group holds this object)."""
+        """The communicator of a :class:`~hetcomm.backends.process_group.HetcommProcessGroup`
+        under construction: places the ranks, agrees on the settings, builds the rails and the
+        executor. ``group_ref()`` returns the group (held weakly: the group holds this object).
+
+        Raises:
+            ConfigError: settings differ between ranks (before any rail is built).
+        """
+        import weakref
+
+        from hetcomm.backends.calibrate import same_host_rails
+        from hetcomm.backends.executor import Executor
+        from hetcomm.backends.faults import FaultDiagnosis
+        from hetcomm.backends.railset import RailSet
+        from hetcomm.backends.routed import RoutedCollectives
+
+        opts = options_from_env(options)
+        placement = build_placement(store, rank, size, global_ranks, opts.cluster, timeout)
         comm = super().__new__(cls)
-        comm._setup(group_ref, rank, size, options, placement, timeout)
+        comm._setup(group_ref, rank, size, opts, placement, timeout)
+        # Before any rail: two ring layouts of one shared segment would corrupt each other.
+        agree(store, rank, size, settings_of(opts, placement), timeout)
+        # Inner waits get 75 % of the group timeout, so that naming the peer at fault (up to
+        # 10 % more, see faults.py) still ends within the timeout the user gave.
+        inner = timedelta(seconds=timeout.total_seconds() * 0.75)
+        me = weakref.proxy(comm)  # no cycle: the rails must die by reference counting
+        rails = RailSet(store, rank, size, timeout, inner, opts, placement, lambda peer, dt: me.wire_dtype(peer, dt))
+        try:
+            comm.same_host_rail = same_host_rails(store, rails, opts, placement, rank, size, timeout)
+            rails.set_same_host_rails(comm.same_host_rail)
+            faults = FaultDiagnosis(store, placement, rank, size, timeout, lambda: rails.rail_names("cpu"))
+            executor = Executor(group_id, rank, faults.blame)
+        except BaseException:
+            rails.close()
+            raise
+        comm.routed = RoutedCollectives(rails, executor, faults, opts, placement, rank, size, inner.total_seconds())
         return comm
 
     # -- identity ---------------------------------------------------------------------------
@@ -209,6 +256,46 @@ class Communicator:
         from hetcomm.backends.stats import stats
 
         return stats()
+
+    # -- data movement ---------------------------------------------------------------------
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Optional[Sequence[int]] = None,
+        input_split_sizes: Optional[Sequence[int]] = None,
+        async_op: bool = False,
+    ):
+        """``dist.all_to_all_single`` on this communicator's group.
+
+        Args:
+            output: ``[sum(output_split_sizes), *S]``, any dtype, same device as ``input``.
+            input: ``[sum(input_split_sizes), *S]``.
+            output_split_sizes / input_split_sizes: rows per rank (None = equal split).
+            async_op: return the Work instead of waiting.
+
+        Returns:
+            The Work when ``async_op``, else None. On a hetcomm group every peer goes over its
+            rail; on any other group it is that group's own all-to-all.
+        """
+        if self.routed is not None:
+            work = self.routed.all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op)
+            if async_op:
+                return work
+            work.wait()
+            return None
+        import torch.distributed as dist
+
+        return dist.all_to_all_single(
+            output, input, list(output_split_sizes) if output_split_sizes is not None else None,
+            list(input_split_sizes) if input_split_sizes is not None else None, group=self.group, async_op=async_op,
+        )
+
+    def close(self) -> None:
+        """Stop the executor and release the rails (a hetcomm group calls it at shutdown)."""
+        if self.routed is not None:
+            self.routed.executor.close(self.timeout.total_seconds())
+            self.routed.rails.close()
 
     # -- token dispatch (DeepEP-shaped; implemented in token_dispatch.py) ---------------------
     def dispatch(

@@ -13,6 +13,8 @@ Two entry points:
   the pair's rail), and waits for them before stage s+1. A forwarded chunk lands in a staging
   buffer (one per segment this rank relays) and leaves from it in a later stage.
 
+:class:`Executor` is the thread that runs a group's routed collectives in call order.
+
 Both ends of each pair post their transfers in ``Plan.transfers`` order (direct: peer order,
 then chunk order), which is what the FIFO rails (shm rings, gloo pairs) need. Every wait is
 bounded by a deadline and names the peers and rails still pending when it expires.
@@ -21,17 +23,20 @@ bounded by a deadline and names the peers and rails still pending when it expire
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hetcomm.backends.rails.base import Rail, RailOp, Xfer, as_bytes
-from hetcomm.errors import PeerTimeout
+from hetcomm.backends.doorbell import Doorbell
+from hetcomm.backends.rails.base import CompositeOp, Rail, RailOp, Xfer, as_bytes
+from hetcomm.backends.work import HetcommWork
+from hetcomm.errors import CollectiveError, PeerTimeout
 from hetcomm.sched.plan import Plan
 
-__all__ = ["chunk_rows", "direct_all_to_all", "execute_plan", "drive", "TAG_BASE", "meta_tag"]
+__all__ = ["chunk_rows", "direct_all_to_all", "execute_plan", "drive", "Executor", "TAG_BASE", "meta_tag"]
 
 #: Internal gloo tags start here; user send/recv tags below it never collide with ours.
 TAG_BASE = 1 << 30
@@ -82,57 +87,49 @@ def drive(
     op: str,
     rank: int,
     diagnose: Optional[Callable[[List[int]], str]] = None,
-    on_arrival: Optional[Callable[[RailOp], None]] = None,
+    on_arrival: Optional[Callable[[Xfer], None]] = None,
     wakeup: Optional[threading.Event] = None,
 ) -> None:
-    """Poll ``ops`` until all are done; raise :class:`PeerTimeout` at ``deadline`` (monotonic).
+    """Poll ``ops`` (as one :class:`CompositeOp`) until all are done; raise :class:`PeerTimeout`
+    at ``deadline`` (monotonic).
 
     Args:
         diagnose: given the pending peers, returns extra text for the timeout message (e.g.
             which of them have exited).
-        on_arrival: called after each poll with the op (lets the caller report landed chunks).
+        on_arrival: called with every received transfer once it landed (ops that cannot report
+            single chunks report nothing here).
         wakeup: set by rail threads when a transfer completes; while every pending op is of a
             kind that does not need polling, the loop sleeps on it instead of spinning. A
             :class:`~hetcomm.backends.doorbell.Doorbell` is also rung by same-node peers after
             shared-memory progress, so the loop sleeps on it for shm steps too.
     """
+    rung_by_peers = isinstance(wakeup, Doorbell)
+    step = CompositeOp(ops)
     idle = 0
-    pending = list(ops)
-    while pending:
-        still = []
-        progressed = False
-        for o in pending:
-            done = o.poll()
-            if on_arrival is not None:
-                on_arrival(o)
-            if done:
-                o.finish()
-                progressed = True
-            else:
-                progressed = progressed or getattr(o, "progressed", False)
-                still.append(o)
-        pending = still
-        if not pending:
+    while True:
+        done = step.poll()
+        if on_arrival is not None:
+            for x in step.take_arrivals():
+                on_arrival(x)
+        if done:
             return
         if time.monotonic() > deadline:
-            peers = sorted({p for o in pending for p in o.pending_peers()})
-            rails = sorted({o.rail for o in pending})
+            peers = step.pending_peers()
+            rails = step.pending_rails()
             extra = diagnose(peers) if diagnose else ""
-            err = PeerTimeout(
+            raise PeerTimeout(
                 f"no answer from peer(s) {peers} over rail(s) {', '.join(rails)} within the group "
                 f"timeout{extra}; check that every rank calls the same collectives in the same order",
                 op=op,
                 rank=rank,
                 peer=peers[0] if peers else None,
                 rail=rails[0] if len(rails) == 1 else None,
+                diagnosed=diagnose is not None,
             )
-            err.diagnosed = True
-            raise err
-        idle = 0 if progressed else idle + 1
-        if idle and all(hasattr(o, "block") for o in pending):
-            for o in pending:  # only thread-driven rails left: wait in this thread, no hand-off
-                o.block()
-        elif idle and wakeup is not None and (getattr(wakeup, "rung_by_peers", False) or not any(o.needs_polling for o in pending)):
+        idle = 0 if step.progressed else idle + 1
+        if idle and step.can_block:
+            step.block()  # only thread-driven rails left: wait in this thread, no hand-off
+        elif idle and wakeup is not None and (rung_by_peers or not step.needs_polling):
             wakeup.wait(min(0.05, max(0.0, deadline - time.monotonic())))
             wakeup.clear()
         elif idle:
@@ -196,9 +193,7 @@ def direct_all_to_all(
             sends.append(Xfer(dst, input[base : base + c], tag_for(seq, i)))
         for i, (s, c) in enumerate(chunk_rows(output_split_sizes[src], row_bytes, chunk_bytes)):
             base = out_off[src] + s
-            x = Xfer(src, output[base : base + c], tag_for(seq, i))
-            x.meta = (src, base, c)  # type: ignore[attr-defined]
-            recvs.append(x)
+            recvs.append(Xfer(src, output[base : base + c], tag_for(seq, i), where=(src, base, c)))
     # Our own rows: a local copy, done while the rails move the rest.
     ops = start_step(sends, recvs, rail_of, op, seq)
     mine = input_split_sizes[rank]
@@ -208,25 +203,16 @@ def direct_all_to_all(
             on_chunk(rank, out_off[rank], mine)
     reported = set()
 
-    def arrival(o: RailOp) -> None:
-        if on_chunk is None:
-            return
-        for c in _arrived(o):
-            if id(c) not in reported:
-                reported.add(id(c))
-                m = getattr(c, "meta", None)
-                if m is not None:
-                    on_chunk(*m)
+    def arrival(x: Xfer) -> None:
+        if x.where is not None and id(x) not in reported:
+            reported.add(id(x))
+            on_chunk(*x.where)
 
     drive(ops, deadline, op, rank, diagnose, on_arrival=arrival if on_chunk else None, wakeup=wakeup)
     if on_chunk is not None:  # rails that cannot report single chunks: everything at the end
         for x in recvs:
             if id(x) not in reported:
-                on_chunk(*x.meta)  # type: ignore[attr-defined]
-
-
-def _arrived(o: RailOp) -> List[Xfer]:
-    return list(getattr(o, "arrived_xfers", []))
+                on_chunk(*x.where)
 
 
 def _row_numel(t: torch.Tensor) -> int:
@@ -327,3 +313,73 @@ def execute_plan(
         for r, snd, rcv in by_rail.values():
             ops.append(r.start(snd, rcv, op, seq))
         drive(ops, deadline, f"{op} (plan '{plan.strategy}', stage {s})", rank, diagnose, wakeup=wakeup)
+
+
+class Executor:
+    """The one thread per group that runs routed collectives, one after another, in call order,
+    so that every pair's transfers stay in step on every rank. A blocking call with nothing
+    queued runs inline on the caller's thread instead (saves two thread hand-offs).
+
+    Args:
+        name: thread name suffix (the group id).
+        rank: this rank (for errors).
+        blame: maps a job's :class:`CollectiveError` and its collective's sequence number to the
+            error to report (fault diagnosis).
+    """
+
+    def __init__(self, name: str, rank: int, blame: Callable[[CollectiveError, int], CollectiveError]):
+        self.rank = rank
+        self.blame = blame
+        self._jobs: "queue.Queue[Optional[Tuple[Callable, HetcommWork]]]" = queue.Queue()
+        self._exec_lock = threading.Lock()
+        self._pending_lock = threading.Lock()
+        self._pending = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"hetcomm-exec-{name}", daemon=True)
+        self._thread.start()
+
+    def _execute(self, fn: Callable[[HetcommWork], None], work: HetcommWork) -> None:
+        with self._exec_lock:
+            try:
+                # Data movement is never part of an autograd graph (grad mode is per thread, and
+                # the caller's no_grad of e.g. an autograd.Function forward does not reach here).
+                with torch.no_grad():
+                    fn(work)
+            except CollectiveError as e:
+                work._complete(self.blame(e, work.seq))
+            except BaseException as e:  # delivered to the caller through the Work
+                work._complete(e)
+            else:
+                work._complete(None)
+            finally:
+                with self._pending_lock:
+                    self._pending -= 1
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self._execute(*job)
+
+    def submit(self, fn: Callable[[HetcommWork], None], work: HetcommWork, async_op: bool = True) -> HetcommWork:
+        """Run ``fn(work)`` after every earlier job; ``work`` completes with its outcome."""
+        if self._closed:
+            raise CollectiveError("the process group was destroyed", rank=self.rank)
+        with self._pending_lock:
+            inline = not async_op and self._pending == 0
+            self._pending += 1
+        if inline:
+            self._execute(fn, work)
+        else:
+            self._jobs.put((fn, work))
+        return work
+
+    def close(self, timeout_s: float) -> None:
+        """Let queued jobs finish (each bounded by the group timeout), then stop the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout_s)

@@ -9,10 +9,10 @@ how many transfers each pair posts, and both ends must post the same ones.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
-from typing import Mapping, Optional, Tuple
+from dataclasses import dataclass, field, fields
+from typing import Any, FrozenSet, Mapping, Optional, Sequence, Tuple
 
-from hetcomm.errors import ConfigError
+from hetcomm.errors import ConfigError, UsageError
 
 __all__ = ["HetcommOptions", "RAIL_NAMES", "PLAN_NAMES", "WIRE_DTYPES", "options_from_env", "wire_torch_dtype"]
 
@@ -33,7 +33,17 @@ def wire_torch_dtype(name: str) -> "torch.dtype":
 _MiB = 1 << 20
 
 
-@dataclass(frozen=True)
+class _Unset:
+    """Default of every :class:`HetcommOptions` argument: "not passed" (tells explicit from default)."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET: Any = _Unset()
+
+
+@dataclass(frozen=True, init=False)
 class HetcommOptions:
     """How a hetcomm group moves data.
 
@@ -63,6 +73,12 @@ class HetcommOptions:
             sets). With a cluster YAML whose nodes all have ``R >= 2`` ports, the gloo rail then
             stripes every pair's transfers over ``R`` gloo groups, one bound to each port
             (:mod:`hetcomm.backends.rails.striped`). Set it on every rank or on none.
+
+    Fields passed to the constructor are *explicit* (:attr:`explicit`) and always win over the
+    environment, even when the value equals the default (``HetcommOptions(check_splits=True)``
+    under ``HETCOMM_CHECK=0`` keeps the check on). ``dataclasses.replace`` passes every field,
+    so its result counts every field as explicit; use :meth:`with_changes` to keep the rest
+    open to the environment.
     """
 
     rails: Optional[Tuple[str, ...]] = None
@@ -77,6 +93,56 @@ class HetcommOptions:
     wire_dtype: str = "exact"
     cluster: Optional[str] = None
     nic_ifnames: Optional[Tuple[str, ...]] = None
+
+    # Which fields the caller passed, and where each effective value came from (set by
+    # options_from_env): excluded from ==, repr and hash.
+    _explicit: FrozenSet[str] = field(default=frozenset(), init=False, repr=False, compare=False)
+    _sources: Tuple[Tuple[str, str], ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __init__(
+        self,
+        rails: Optional[Sequence[str]] = _UNSET,
+        chunk_bytes: int = _UNSET,
+        plan: str = _UNSET,
+        check_splits: bool = _UNSET,
+        ring_bytes: int = _UNSET,
+        wire_dtype: str = _UNSET,
+        cluster: Optional[str] = _UNSET,
+        nic_ifnames: Optional[Sequence[str]] = _UNSET,
+    ) -> None:
+        given = {
+            "rails": rails, "chunk_bytes": chunk_bytes, "plan": plan, "check_splits": check_splits,
+            "ring_bytes": ring_bytes, "wire_dtype": wire_dtype, "cluster": cluster, "nic_ifnames": nic_ifnames,
+        }
+        explicit = []
+        for f in fields(self):
+            if not f.init:
+                continue
+            value = given[f.name]
+            if value is _UNSET:
+                value = f.default
+            else:
+                explicit.append(f.name)
+            object.__setattr__(self, f.name, value)
+        object.__setattr__(self, "_explicit", frozenset(explicit))
+        object.__setattr__(self, "_sources", tuple((n, "pg_options") for n in explicit))
+        self.__post_init__()
+
+    @property
+    def explicit(self) -> FrozenSet[str]:
+        """Names of the fields the caller passed (they win over ``HETCOMM_*`` variables)."""
+        return self._explicit
+
+    def source(self, name: str) -> str:
+        """Where field ``name``'s value came from: ``pg_options`` (explicit), the environment
+        variable's name, or ``default``."""
+        return dict(self._sources).get(name, "default")
+
+    def with_changes(self, **changes: Any) -> "HetcommOptions":
+        """A copy with ``changes`` made explicit; the other fields keep their explicit status."""
+        keep = {n: getattr(self, n) for n in self._explicit}
+        keep.update(changes)
+        return HetcommOptions(**keep)
 
     def __post_init__(self) -> None:
         if self.rails is not None:
@@ -103,13 +169,13 @@ class HetcommOptions:
 
 
 def _parse_size(text: str, key: str) -> int:
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    suffix = t[-1:] if t[-1:] in ("K", "M", "G") else ""
+    # The one size parser of every command and option (hetcomm.units; EDGE, issue 10 item 8).
+    from hetcomm.units import parse_size
+
     try:
-        return int(float(t[: len(t) - len(suffix)]) * units[suffix])
-    except ValueError:
-        raise ConfigError(f"expected a size like 4M or 65536, got {text!r}", key=key) from None
+        return parse_size(text, what="value")
+    except UsageError as e:
+        raise ConfigError(str(e), key=key) from None
 
 
 def options_from_env(
@@ -126,36 +192,55 @@ def options_from_env(
     """
     env = os.environ if environ is None else environ
     base = base if base is not None else HetcommOptions()
-    default = HetcommOptions()
-    changes = {}
+    values = {f.name: getattr(base, f.name) for f in fields(base) if f.init}
+    sources = {n: "pg_options" for n in base.explicit}
 
     def unset(name: str) -> bool:
-        return getattr(base, name) == getattr(default, name)
+        return name not in base.explicit
+
+    def take(name: str, var: str, value: Any) -> None:
+        values[name] = value
+        sources[name] = var
 
     try:
         if unset("rails") and env.get("HETCOMM_RAILS"):
-            changes["rails"] = tuple(r.strip() for r in env["HETCOMM_RAILS"].split(",") if r.strip())
+            take("rails", "HETCOMM_RAILS", tuple(r.strip() for r in env["HETCOMM_RAILS"].split(",") if r.strip()))
         if unset("chunk_bytes") and env.get("HETCOMM_CHUNK_BYTES"):
-            changes["chunk_bytes"] = _parse_size(env["HETCOMM_CHUNK_BYTES"], "HETCOMM_CHUNK_BYTES")
+            take("chunk_bytes", "HETCOMM_CHUNK_BYTES", _parse_size(env["HETCOMM_CHUNK_BYTES"], "HETCOMM_CHUNK_BYTES"))
         if unset("plan") and env.get("HETCOMM_PLAN"):
-            changes["plan"] = env["HETCOMM_PLAN"].strip()
+            take("plan", "HETCOMM_PLAN", env["HETCOMM_PLAN"].strip())
         if unset("check_splits") and env.get("HETCOMM_CHECK"):
-            changes["check_splits"] = env["HETCOMM_CHECK"].strip().lower() not in ("0", "false", "no", "off")
+            take("check_splits", "HETCOMM_CHECK", env["HETCOMM_CHECK"].strip().lower() not in ("0", "false", "no", "off"))
         if unset("ring_bytes") and env.get("HETCOMM_SHM_RING_BYTES"):
-            changes["ring_bytes"] = _parse_size(env["HETCOMM_SHM_RING_BYTES"], "HETCOMM_SHM_RING_BYTES")
+            take("ring_bytes", "HETCOMM_SHM_RING_BYTES", _parse_size(env["HETCOMM_SHM_RING_BYTES"], "HETCOMM_SHM_RING_BYTES"))
         if unset("wire_dtype") and env.get("HETCOMM_WIRE_DTYPE"):
-            changes["wire_dtype"] = env["HETCOMM_WIRE_DTYPE"].strip()
+            take("wire_dtype", "HETCOMM_WIRE_DTYPE", env["HETCOMM_WIRE_DTYPE"].strip())
         if unset("cluster") and env.get("HETCOMM_CLUSTER"):
-            changes["cluster"] = env["HETCOMM_CLUSTER"]
-        ifnames = env.get("HETCOMM_IFNAMES") or env.get("HETCOMM_EMULATE_IFNAMES")
+            take("cluster", "HETCOMM_CLUSTER", env["HETCOMM_CLUSTER"])
+        var = "HETCOMM_IFNAMES" if env.get("HETCOMM_IFNAMES") else "HETCOMM_EMULATE_IFNAMES"
+        ifnames = env.get(var)
         if unset("nic_ifnames") and ifnames:
-            changes["nic_ifnames"] = tuple(i.strip() for i in ifnames.split(",") if i.strip())
-        return replace(base, **changes) if changes else base
+            take("nic_ifnames", var, tuple(i.strip() for i in ifnames.split(",") if i.strip()))
+        out = HetcommOptions(**{n: values[n] for n in sources})
     except ConfigError as e:
         if e.key and not e.key.startswith("HETCOMM_"):
-            raise ConfigError(
-                str(e).split(": ", 1)[-1], key="HETCOMM_" + {"rails": "RAILS", "plan": "PLAN", "wire_dtype": "WIRE_DTYPE"}.get(e.key, e.key.upper())
-            ) from None
+            var = _ENV_OF.get(e.key)
+            if var is not None and sources.get(e.key) == var:
+                raise ConfigError(f"{e.detail}", key=var) from None
         raise
+    object.__setattr__(out, "_explicit", base.explicit)
+    object.__setattr__(out, "_sources", tuple(sorted(sources.items())))
+    return out
 
 
+#: The environment variable of each field.
+_ENV_OF = {
+    "rails": "HETCOMM_RAILS",
+    "chunk_bytes": "HETCOMM_CHUNK_BYTES",
+    "plan": "HETCOMM_PLAN",
+    "check_splits": "HETCOMM_CHECK",
+    "ring_bytes": "HETCOMM_SHM_RING_BYTES",
+    "wire_dtype": "HETCOMM_WIRE_DTYPE",
+    "cluster": "HETCOMM_CLUSTER",
+    "nic_ifnames": "HETCOMM_IFNAMES",
+}

@@ -53,11 +53,13 @@ class HetcommWork(dist.Work):
 
     Args:
         result: the tensors ``get_future().value()`` returns on success (the outputs).
+        seq: the collective's sequence number in its group (fault diagnosis keys on it).
     """
 
-    def __init__(self, result: List[torch.Tensor]):
+    def __init__(self, result: List[torch.Tensor], seq: int = 0):
         super().__init__()
         self._result = result
+        self.seq = seq
         self._done = threading.Event()
         self._exc: Optional[BaseException] = None
         # The torch Future is made on first get_future() only: most callers just wait().

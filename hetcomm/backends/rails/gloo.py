@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from datetime import timedelta
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -31,7 +32,7 @@ class _Pending:
     """One gloo Work. gloo's p2p completions are counted, so exactly one thread may wait on a
     Work: whoever :meth:`claim` s it first (the executor or the peer's waiter thread)."""
 
-    __slots__ = ("peer", "is_send", "xfer", "work", "done", "error", "claimed", "finished")
+    __slots__ = ("peer", "is_send", "xfer", "work", "done", "error", "claimed", "finished", "posted", "failed_after")
 
     def __init__(self, peer: int, is_send: bool, xfer: Xfer, work):
         self.peer = peer
@@ -42,6 +43,8 @@ class _Pending:
         self.error: Optional[BaseException] = None
         self.claimed = False
         self.finished = threading.Event()
+        self.posted = time.monotonic()
+        self.failed_after = 0.0  # seconds from posting to the failure
 
     def claim(self) -> bool:
         with _claim_lock:
@@ -56,6 +59,7 @@ class _Pending:
             self.work.wait()  # releases the GIL while gloo moves the bytes
         except BaseException as e:  # reported by poll() on the executor thread
             self.error = e
+            self.failed_after = time.monotonic() - self.posted
         self.done = True
         self.finished.set()
 
@@ -68,11 +72,14 @@ class _Pending:
 
 
 class _GlooOp(RailOp):
-    def __init__(self, rank: int, items: List[_Pending], op: str, name: str):
+    can_block = True
+
+    def __init__(self, rank: int, items: List[_Pending], op: str, name: str, timeout_s: float):
         self.rank = rank
         self.items = items
         self.op = op
         self.rail = name
+        self.timeout_s = timeout_s
         self.t0 = time.perf_counter()
         self.progressed = False
         self.arrived_xfers: List[Xfer] = []
@@ -95,7 +102,9 @@ class _GlooOp(RailOp):
                 still.append(it)
                 continue
             if it.error is not None:
-                if "Timed out" in str(it.error):
+                # gloo reports a timeout as a plain RuntimeError: tell it from a broken
+                # connection by when it failed (gloo fails a wait only at its timeout).
+                if it.failed_after >= 0.95 * self.timeout_s:
                     raise PeerTimeout(
                         f"{'send to' if it.is_send else 'receive from'} peer timed out: {it.error}",
                         op=self.op, rank=self.rank, peer=it.peer, rail=self.rail,
@@ -141,13 +150,21 @@ class GlooRail(Rail):
     name = "gloo"
 
     def __init__(
-        self, gloo: "torch.distributed.ProcessGroup", rank: int, wakeup: Optional[threading.Event] = None, name: str = "gloo"
+        self,
+        gloo: "torch.distributed.ProcessGroup",
+        rank: int,
+        wakeup: Optional[threading.Event] = None,
+        name: str = "gloo",
+        timeout: Optional[timedelta] = None,
     ):
         self.gloo = gloo
         self.name = name
         self.rank = rank
         self.wakeup = wakeup if wakeup is not None else threading.Event()
+        #: gloo's own timeout of every wait (the group's inner timeout).
+        self.timeout_s = (timeout if timeout is not None else gloo.options._timeout).total_seconds()
         self._waiters: Dict[int, "queue.Queue"] = {}
+        self._threads: List[threading.Thread] = []
         self._lock = threading.Lock()
 
     def _waiter(self, peer: int) -> "queue.Queue":
@@ -157,7 +174,9 @@ class GlooRail(Rail):
                 q = self._waiters.get(peer)
                 if q is None:
                     q = queue.Queue()
-                    threading.Thread(target=self._wait_loop, args=(q, self.wakeup), name=f"hetcomm-gloo-wait-{peer}", daemon=True).start()
+                    t = threading.Thread(target=self._wait_loop, args=(q, self.wakeup), name=f"hetcomm-gloo-wait-{peer}", daemon=True)
+                    t.start()
+                    self._threads.append(t)
                     self._waiters[peer] = q
         return q
 
@@ -193,9 +212,16 @@ class GlooRail(Rail):
             post(x, True)
         for it in items:
             self._waiter(it.peer).put(it)
-        return _GlooOp(self.rank, items, op, self.name)
+        return _GlooOp(self.rank, items, op, self.name, self.timeout_s)
 
     def close(self) -> None:
-        for q in self._waiters.values():
+        """Stop the waiter threads and join them (each ends within gloo's timeout: a thread
+        still waiting on a Work returns when gloo fails that wait)."""
+        with self._lock:
+            queues, threads = list(self._waiters.values()), self._threads
+            self._waiters, self._threads = {}, []
+        for q in queues:
             q.put(None)
-        self._waiters.clear()
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(timeout=self.timeout_s + 5.0)

@@ -21,44 +21,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Dict, List, Sequence
 
-from hetcomm.backends.rails.base import Rail, RailOp, Xfer
+from hetcomm.backends.rails.base import CompositeOp, Rail, RailOp, Xfer
 
 __all__ = ["StripedRail"]
-
-
-class _StripedOp(RailOp):
-    rail = "gloo"
-
-    def __init__(self, ops: List[RailOp]):
-        self.ops = ops
-        self.needs_polling = any(o.needs_polling for o in ops)
-        self.progressed = False
-        self.arrived_xfers: List[Xfer] = []
-
-    def poll(self) -> bool:
-        still = []
-        progressed = False
-        for o in self.ops:
-            if o.poll():
-                o.finish()
-                progressed = True
-            else:
-                progressed = progressed or getattr(o, "progressed", False)
-                still.append(o)
-            self.arrived_xfers.extend(getattr(o, "arrived_xfers", ()))
-            if hasattr(o, "arrived_xfers"):
-                o.arrived_xfers = []
-        self.ops = still
-        self.progressed = progressed
-        return not still
-
-    def block(self) -> None:
-        """Wait in this thread for every sub-step (all thread-driven gloo steps)."""
-        for o in self.ops:
-            o.block()  # type: ignore[attr-defined]
-
-    def pending_peers(self) -> List[int]:
-        return sorted({p for o in self.ops for p in o.pending_peers()})
 
 
 class StripedRail(Rail):
@@ -90,7 +55,7 @@ class StripedRail(Rail):
         s_by = self._deal(sends, self._sent)
         r_by = self._deal(recvs, self._received)
         ops = [rail.start(s, r, op, seq) for rail, s, r in zip(self.rails, s_by, r_by) if s or r]
-        return _StripedOp(ops)
+        return CompositeOp(ops, rail="gloo")
 
     def close(self) -> None:
         for rail in self.rails:

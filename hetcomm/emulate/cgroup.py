@@ -10,6 +10,13 @@ CPU *time* (``nice``/``cpu.shares`` only weigh contenders and give an idle machi
 anyone), so that is what this module drives; it writes the files directly because there is no
 library for cgroupfs that covers both versions.
 
+The quota alone caps a node but does not guarantee it its share: under contention CFS splits
+the cores by weight, and a cgroup at the default weight counts as *one* task against every other
+task on the machine, so on a loaded host every node would get the same sliver and the emulated
+speeds would flatten. Each node's cgroup therefore gets a high weight (v1 ``cpu.shares``, v2
+``cpu.weight``): the quota, not the neighbours, sets its pace. That is safe for the host because
+the quotas add up to at most the machine's cores by default (``emulation.cpu_per_rank``).
+
 Which hierarchy: cgroup v2 where the unified hierarchy has the ``cpu`` controller, else the v1
 hierarchy the ``cpu`` controller is mounted on (this machine: v1 at /sys/fs/cgroup/cpu, a v2 mount
 without controllers at /sys/fs/cgroup/unified). Found from ``/proc/self/mounts``.
@@ -44,6 +51,9 @@ __all__ = [
 PERIOD_US = 20_000
 #: The kernel refuses quotas under 1 ms.
 _MIN_QUOTA_US = 1_000
+#: Weights that make the quota the binding limit (64x the v1 default; the v2 maximum).
+SHARES_V1 = 65_536
+WEIGHT_V2 = 10_000
 
 
 @dataclass(frozen=True)
@@ -130,9 +140,11 @@ def create_cgroup(h: CpuHierarchy, path: str, cpus: float) -> Tuple[int, int]:
     quota = quota_us_for(cpus)
     if h.version == 2:
         _write(os.path.join(path, "cpu.max"), f"{quota} {PERIOD_US}")
+        _write(os.path.join(path, "cpu.weight"), str(WEIGHT_V2))
     else:
         _write(os.path.join(path, "cpu.cfs_period_us"), str(PERIOD_US))
         _write(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
+        _write(os.path.join(path, "cpu.shares"), str(SHARES_V1))
     return quota, PERIOD_US
 
 

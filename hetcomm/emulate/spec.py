@@ -41,6 +41,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from hetcomm._yaml import load_yaml
 from hetcomm.errors import ConfigError
 from hetcomm.topo.cluster import Cluster, Node
+from hetcomm.topo.compute import relative_speed
 from hetcomm.topo.model import LinkClass
 
 __all__ = [
@@ -78,6 +79,9 @@ _SETTINGS_KEYS = (
     "cpu_per_rank",
 )
 _MODES = ("bridge", "p2p")
+# A CPU-only node beside an H800 would get a thousandth of a core: floor it (and the quota at the
+# kernel's 1 ms per period) so that such a rank still starts within a test's patience.
+_MIN_COMPUTE_SCALE = 0.01
 # Linux interface names are at most 15 bytes (IFNAMSIZ - 1).
 _IFNAMSIZ = 15
 
@@ -97,8 +101,8 @@ class EmulationSettings:
             node's share (see :mod:`hetcomm.emulate.cgroup`). Off by default: a throttled rank
             also imports torch and sets up its group more slowly, which only runs that study
             compute want to pay for.
-        compute_scale: per node group or node name, the relative speed in (0, 1] (1 = the
-            fastest device); nodes not named run at 1.
+        compute_scale: per node group or node name, the relative speed in [0.01, 1] (1 = the
+            fastest device); overrides the device table for the nodes it names.
         cpu_per_rank: CPUs one rank of speed 1 may use (default: this machine's cores shared
             evenly by all ranks, at most 1, so the fastest ranks never wait for a core that
             another rank's quota already holds).
@@ -350,7 +354,7 @@ def _compute_scales(
                 path=cluster.path,
                 line=lines.get(key, lines.get("compute_scale")),
             )
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.01 <= value <= 1:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _MIN_COMPUTE_SCALE <= value <= 1:
             raise ConfigError(
                 f"expected a relative speed in [0.01, 1] (1 = the fastest device, 0.5 = half its "
                 f"speed), got {value!r}",
@@ -363,12 +367,15 @@ def _compute_scales(
 
 
 def node_compute_scale(cluster: Cluster, settings: EmulationSettings, node: Node) -> float:
-    """Relative compute speed of ``node``: its own ``compute_scale`` entry, else its group's,
-    else 1."""
+    """Relative compute speed of ``node``: its own ``emulation.compute_scale`` entry, else its
+    group's, else its devices' throughput over the fastest node's (the device table of
+    :mod:`hetcomm.topo.compute`, or the group's ``device.tflops``), at least 0.01."""
     scales = dict(settings.compute_scale)
     if node.name in scales:
         return scales[node.name]
-    return scales.get(node.group.name, 1.0)
+    if node.group.name in scales:
+        return scales[node.group.name]
+    return max(_MIN_COMPUTE_SCALE, relative_speed(cluster)[node.name])
 
 
 def _emulation_lines(cluster: Cluster) -> Dict[str, int]:

@@ -22,6 +22,7 @@ import time
 import pytest
 
 from hetcomm.cli.main import main as hetcomm_main
+from hetcomm.emulate.cgroup import find_cpu_hierarchy, list_run_cgroups
 from hetcomm.emulate.kernel import list_netns
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,6 +49,7 @@ def _assert_nothing_left(run_ids, state_dir, links_before):
     for rid in run_ids:
         assert not [n for n in list_netns() if n.startswith(f"hc{rid}-")]
         assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"hc{rid}-")]
+        assert not [n for n in list_run_cgroups(find_cpu_hierarchy()) if n.startswith(f"hc{rid}-")]
         assert not os.path.exists(os.path.join(state_dir, f"hc{rid}.json"))
         assert not os.path.exists(os.path.join(state_dir, f"hc{rid}"))
     assert _root_links() == links_before
@@ -250,9 +252,11 @@ def test_up_status_down(tmp_path, capfd):
 
 @pytest.mark.timeout(90)
 def test_killed_run_is_cleaned_by_down(tmp_path):
-    """SIGKILL the `run` parent mid-run: ranks, namespaces and /dev/shm segments stay behind
-    until `down` removes them from the state file."""
+    """SIGKILL the `run` parent mid-run: ranks, namespaces, /dev/shm segments and (with compute
+    emulation) the nodes' cpu cgroups stay behind until `down` removes them from the state file
+    (issue 11.4: no cgroup, namespace, link or /dev/shm entry is left)."""
     links_before = _root_links()
+    compute = ["--compute", "--cpu-per-rank", "0.25"] if find_cpu_hierarchy() else []
     script = 'echo "segment of rank $RANK" > /dev/shm/hetcomm-test-seg$RANK; exec sleep 60'
     proc = subprocess.Popen(
         HETCOMM
@@ -263,6 +267,7 @@ def test_killed_run_is_cleaned_by_down(tmp_path):
             MINI,
             "--state-dir",
             str(tmp_path),
+            *compute,
             "--",
             "sh",
             "-c",
@@ -300,6 +305,11 @@ def test_killed_run_is_cleaned_by_down(tmp_path):
     # The crash left everything behind: namespaces, rank processes, shm segments.
     assert [n for n in list_netns() if n.startswith(f"hc{rid}-")]
     assert any(_alive(p) for p in state["rank_pids"])
+    if compute:
+        assert len(state["cgroups"]) == 3 and all(os.path.isdir(c) for c in state["cgroups"])
+        for pid in state["rank_pids"]:  # every rank runs in its node's cgroup
+            with open(f"/proc/{pid}/cgroup") as f:
+                assert f"/hc{rid}-" in f.read()
     assert hetcomm_main(["emulate", "down", "--state-dir", str(tmp_path)]) == 0
     assert not any(_alive(p) for p in state["rank_pids"])
     assert not any(os.path.exists(s) for s in segs)

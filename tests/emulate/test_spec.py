@@ -162,6 +162,15 @@ def test_rank_env_matches_ranks_to_rails():
         ("mode: star\n", "emulation.mode", "unknown mode 'star'"),
         ("scale: 2\n", "emulation.scale", "in (0, 1]"),
         ("sclae: 0.001\n", "emulation.sclae", "unknown key 'sclae'"),
+        ("compute_scale: {ascend: 0}\n", "emulation.compute_scale.ascend", "in [0.01, 1]"),
+        ("compute_scale: {ascend: 1.5}\n", "emulation.compute_scale.ascend", "in [0.01, 1]"),
+        ("compute_scale: {ascend: half}\n", "emulation.compute_scale.ascend", "in [0.01, 1]"),
+        ("compute_scale: {ascend: .nan}\n", "emulation.compute_scale.ascend", "in [0.01, 1]"),
+        ("compute_scale: {tpu: 0.5}\n", "emulation.compute_scale.tpu", "no node group or node"),
+        ("compute_scale: [0.5]\n", "emulation.compute_scale", "expected a mapping"),
+        ("compute: yes please\n", "emulation.compute", "expected true or false"),
+        ("cpu_per_rank: 0\n", "emulation.cpu_per_rank", "CPUs per rank"),
+        ("cpu_per_rank: 100000\n", "emulation.cpu_per_rank", "CPUs per rank"),
     ],
 )
 def test_bad_emulation_settings_name_key_and_line(tmp_path, emulation, key, needle):
@@ -235,3 +244,49 @@ def test_bad_group_name_error_names_index_and_line(tmp_path):
     assert e.value.key == "node_groups[2].name"
     assert e.value.line == 19 and e.value.path == str(path)
     assert f"{path}:19" in str(e.value)
+
+
+def test_compute_scale_gives_each_node_its_cpu_share():
+    """Issue 11.4: a node's CPU quota is compute_scale x cpu_per_rank x its ranks; naming a
+    node group turns compute emulation on, a node name overrides its group."""
+    c = load_cluster_text(_mini_text("compute_scale: {a100: 1, ascend: 0.5, h800-0: 0.75}\n"))
+    settings = settings_from_cluster(c, num_cpus=2)
+    assert settings.compute and settings.cpu_per_rank == 0.5  # 2 cores / 4 ranks
+    plan = plan_network(c, settings, "abcdef")
+    got = {n.node: (n.compute_scale, n.cpus) for n in plan.nodes}
+    assert got == {"a100-0": (1.0, 1.0), "h800-0": (0.75, 0.375), "ascend-0": (0.5, 0.25)}
+    assert any("ascend-0 x0.5 (0.25 CPUs)" in note for note in plan.notes)
+    # Off by default without compute_scale, and switchable from the command line.
+    plain = load_cluster_text(_mini_text("mode: bridge\n"))
+    assert all(n.cpus is None for n in plan_network(plain, settings_from_cluster(plain), "abcdef").nodes)
+    # Switched on without overrides, the device table decides: H800 fastest, A100 and 910B
+    # at about a third of it (312 and 320 against 990 dense FP16 TFLOPS).
+    on = settings_from_cluster(plain, compute=True, cpu_per_rank=0.2)
+    nodes = plan_network(plain, on, "abcdef").nodes
+    assert [round(n.compute_scale, 2) for n in nodes] == [0.32, 1.0, 0.32]
+    assert [n.cpus for n in nodes] == pytest.approx([0.4 * 0.3153, 0.2, 0.2 * 0.3234], rel=1e-3)
+    # device.tflops in the YAML beats the table: the half-speed 910B cluster DETECT benchmarks.
+    half = load_cluster(os.path.join(REPO, "configs", "clusters", "mixed-mini-halfspeed.yaml"))
+    nodes = plan_network(half, settings_from_cluster(half, compute=True, num_cpus=2), "abcdef").nodes
+    assert [(n.compute_scale, n.cpus) for n in nodes] == [(1.0, 1.0), (1.0, 0.5), (0.5, 0.25)]
+    off = settings_from_cluster(c, compute=False)
+    assert all(n.cpus is None for n in plan_network(c, off, "abcdef").nodes)
+
+
+def test_cgroup_quota_and_hierarchy_detection(tmp_path):
+    from hetcomm.emulate.cgroup import find_cpu_hierarchy, quota_us_for
+
+    assert quota_us_for(0.25) == 5000 and quota_us_for(0.001) == 1000
+    v2 = tmp_path / "unified"
+    v2.mkdir()
+    (v2 / "cgroup.controllers").write_text("cpuset cpu io memory\n")
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "cgroup /sys/fs/cgroup/cpu cgroup rw,relatime,cpu 0 0\n"
+        f"cgroup2 {v2} cgroup2 rw,relatime 0 0\n"
+    )
+    h = find_cpu_hierarchy(str(mounts))
+    assert (h.version, h.root) == (2, str(v2))
+    (v2 / "cgroup.controllers").write_text("hugetlb\n")  # this machine: v2 without cpu
+    h = find_cpu_hierarchy(str(mounts))
+    assert (h.version, h.root) == (1, "/sys/fs/cgroup/cpu")

@@ -432,11 +432,11 @@ class ExpertPager:
         recency = 1.0 / (1 + max(0, self.step - self.last_used[e]))
         return float(self.predicted[e]) * recency
 
-    def _evictable(self, e: int) -> bool:
+    def _evictable(self, e: int, allow_busy: bool = False) -> bool:
         return (
             self.slot_of[e] is not None
             and e not in self._loading
-            and e not in self._busy
+            and (allow_busy or e not in self._busy)
             and e not in self.l2_pinned
         )
 
@@ -445,8 +445,8 @@ class ExpertPager:
         # token share goes first, since it has the shortest computation to hide a reload behind.
         return (self._score(e), float(self._share[e]), self.last_used[e])
 
-    def _victim(self, below: Optional["tuple[float, float, int]"] = None) -> Optional[int]:
-        cands = [e for e in range(self.num_experts) if self._evictable(e)]
+    def _victim(self, below: Optional["tuple[float, float, int]"] = None, allow_busy: bool = False) -> Optional[int]:
+        cands = [e for e in range(self.num_experts) if self._evictable(e, allow_busy)]
         if below is not None:
             cands = [e for e in cands if self._key(e) < below]
         if not cands:
@@ -492,13 +492,16 @@ class ExpertPager:
         if job.error is not None:
             raise PagingError(f"transfer failed: {job.error!r}", expert=e) from job.error
 
-    def _start_load(self, e: int, below: Optional["tuple[float, float, int]"] = None) -> bool:
-        """Start loading ``e`` into a free slot (or one freed by evicting a colder expert)."""
+    def _start_load(
+        self, e: int, below: Optional["tuple[float, float, int]"] = None, allow_busy: bool = False
+    ) -> bool:
+        """Start loading ``e`` into a free slot (or one freed by evicting a colder expert;
+        ``allow_busy``: even one this step still needs, which then reloads when its turn comes)."""
         if self.slot_of[e] is not None:
             return True
         slot = next((s for s in range(self.num_slots) if self.owner[s] is None), None)
         if slot is None:
-            victim = self._victim(below)
+            victim = self._victim(below, allow_busy)
             if victim is None:
                 return False
             slot = self.slot_of[victim]
@@ -534,7 +537,7 @@ class ExpertPager:
     def _issue_pending(self) -> None:
         while self._pending:
             e = self._pending[0]
-            if not self._start_load(e, below=self._incoming_key(e)):
+            if not self._start_load(e):
                 return
             self._pending.pop(0)
 
@@ -589,7 +592,7 @@ class ExpertPager:
         # L2-pinned experts not used this step give theirs up if there is no other way.
         self._counts = torch.tensor(c, dtype=torch.float64)
         for e in missing:
-            if self._start_load(e, below=self._incoming_key(e)):
+            if self._start_load(e):
                 continue
             if not self.cfg.training:
                 self._pending.append(e)  # waits for a slot released within this step
@@ -610,29 +613,47 @@ class ExpertPager:
             self.l2_pinned.discard(min(cands, key=self._key))
         return bool(cands)
 
-    def grants(self, order: Sequence[int]) -> Iterator[Grant]:
+    def grants(self, order: Sequence[int], strict: bool = False) -> Iterator[Grant]:
         """Yield one :class:`Grant` per expert of ``order``: ready experts as soon as possible
         (the given order among them), a waiting fault only when nothing else is ready.
+        ``strict=True`` keeps the given order exactly (a fault waits even if later experts are
+        ready; the benchmark's baseline).
 
         The caller computes each granted expert, then calls :meth:`release` with
         ``grant.requested`` before asking for the next one.
         """
         remaining = list(order)
+        streamed = {e for e in remaining if not self.resident(e)}
         while remaining:
             self._poll()
             self._issue_pending()
-            pick = next((e for e in remaining if self.resident(e)), None)
+            window = remaining[: 1 if strict else None]
+            # A load that just landed goes before the experts resident from the start: computing
+            # it frees its slot for the next load, which keeps the transfers streaming.
+            pick = next((e for e in window if e in streamed and self.resident(e)), None)
+            if pick is None:
+                pick = next((e for e in window if self.resident(e)), None)
             if pick is not None:
                 remaining.remove(pick)
                 self._account(pick, waited=False)
                 yield Grant(pick, pick, "hit")
                 continue
             # Nothing ready: a fault. Earliest started load first.
-            loading = [e for e in remaining if e in self._loading]
+            loading = [e for e in remaining[: 1 if strict else None] if e in self._loading]
             if not loading:
                 # Everything left waits for a slot: free one (this step's released experts).
                 e = remaining[0]
-                if not self._start_load(e):
+                # Forward-only: a slot of an expert needed later this step may go (it reloads
+                # at its turn); training keeps them, autograd holds their weights.
+                if not self._start_load(e) and not (
+                    not self.cfg.training and self._start_load(e, allow_busy=True)
+                ):
+                    if self._loading:  # every slot is mid-load: let the earliest land, retry
+                        first = next(iter(self._loading))
+                        t0 = time.perf_counter()
+                        self._finish_load(first, self.cfg.timeout_s)
+                        self.stats_total["stall_s"] += time.perf_counter() - t0
+                        continue
                     raise PagingError(
                         f"no device slot can be freed: all {self.num_slots} slots hold experts still in use this "
                         f"step; release experts after computing them, or raise budget_fraction",

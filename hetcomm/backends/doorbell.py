@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import select
+import threading
 import uuid
 from datetime import timedelta
 from typing import Dict, Sequence
@@ -54,6 +55,9 @@ class Doorbell:
         self.rank = rank
         self._fd = -1
         self._peer_fds: Dict[int, int] = {}
+        # Held around every write/read and by close(): a rail thread that rings after close must
+        # not write into whatever file reused the descriptor number.
+        self._fd_lock = threading.Lock()
         path = os.path.join(SHM_DIR, f"{SHM_PREFIX}bell-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         os.mkfifo(path, 0o600)
         try:
@@ -89,43 +93,55 @@ class Doorbell:
 
     def ring(self, peer: int) -> None:
         """Wake ``peer`` (a no-op if its doorbell already rings or it is gone)."""
-        fd = self._peer_fds.get(peer)
-        if fd is not None:
-            try:
-                os.write(fd, b"\0")
-            except (BlockingIOError, BrokenPipeError):
-                pass
+        with self._fd_lock:
+            fd = self._peer_fds.get(peer)
+            if fd is not None:
+                try:
+                    os.write(fd, b"\0")
+                except (BlockingIOError, BrokenPipeError):
+                    pass
 
     def ring_all(self) -> None:
-        for peer in self._peer_fds:
+        for peer in list(self._peer_fds):
             self.ring(peer)
 
     # -- threading.Event interface, for the executor's wake-ups -------------------------------
     def set(self) -> None:
-        """Ring this rank's own doorbell (from any thread)."""
-        try:
-            os.write(self._fd, b"\0")
-        except OSError:  # already ringing (pipe full), or closed under a late rail thread
-            pass
+        """Ring this rank's own doorbell (from any thread; a no-op once closed)."""
+        with self._fd_lock:
+            if self._fd < 0:
+                return
+            try:
+                os.write(self._fd, b"\0")
+            except BlockingIOError:  # already ringing (pipe full)
+                pass
 
     def wait(self, timeout: float) -> bool:
         """Sleep until the doorbell rings or ``timeout`` seconds pass; True if it rang."""
-        return bool(select.select([self._fd], [], [], max(0.0, timeout))[0])
+        fd = self._fd
+        if fd < 0:
+            return False
+        return bool(select.select([fd], [], [], max(0.0, timeout))[0])
 
     def clear(self) -> None:
         """Swallow every ring so far (also orders this rank's stores before its next loads)."""
-        try:
-            while os.read(self._fd, 4096):
+        with self._fd_lock:
+            if self._fd < 0:
+                return
+            try:
+                while os.read(self._fd, 4096):
+                    pass
+            except BlockingIOError:  # empty
                 pass
-        except OSError:  # empty (EAGAIN), or closed
-            pass
 
     def close(self) -> None:
-        """Close every end (idempotent)."""
-        for fd in [self._fd, *self._peer_fds.values()]:
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self._fd, self._peer_fds = -1, {}
+        """Close every end (idempotent); later rings and waits do nothing."""
+        with self._fd_lock:
+            fds = [self._fd, *self._peer_fds.values()]
+            self._fd, self._peer_fds = -1, {}
+            for fd in fds:
+                if fd >= 0:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass

@@ -18,6 +18,7 @@ merged result, which :func:`format_table` renders as the nccl-tests table.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -27,9 +28,10 @@ import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from hetcomm.errors import UsageError
+from hetcomm.units import format_bytes, parse_size
 
 __all__ = [
     "COLLECTIVES",
@@ -104,40 +106,16 @@ REDOPS = ("sum", "max", "min")
 # Rails the backend issue defines; the backend itself decides which exist on this machine.
 KNOWN_RAILS = ("shm", "gloo", "nccl", "hccl", "bridge")
 
-_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_BYTES_RE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
-
-
 def parse_bytes(text: str, flag: str = "size") -> int:
-    """Parse a byte count the way nccl-tests does: ``8``, ``1K``, ``128M``, ``1G`` (powers of 2).
+    """A byte count as nccl-tests reads ``-b/-e``: ``8``, ``1K``, ``1.5M``, ``1G`` (powers of 2).
 
-    Args:
-        text: the value as typed; an optional ``B``/``iB`` after the suffix is accepted.
-        flag: the flag it came from, named in the error.
-
-    Returns:
-        The number of bytes.
+    The one size parser of every command (:func:`hetcomm.units.parse_size`); ``flag`` is named
+    in the error.
 
     Raises:
-        UsageError: not a non-negative integer with an optional K/M/G/T suffix.
+        UsageError: not a whole, positive number of bytes up to 1 TiB.
     """
-    m = _BYTES_RE.match(str(text))
-    if not m:
-        raise UsageError(
-            f"{flag}: cannot read {text!r} as a byte count; use an integer with an optional "
-            f"K, M, G or T suffix (powers of 1024), e.g. 8, 1K, 128M, 1G"
-        )
-    return int(m.group(1)) * _SUFFIX[m.group(2).upper()]
-
-
-def format_bytes(num_bytes: float) -> str:
-    """``1048576`` -> ``'1 MiB'`` (binary units, at most one decimal)."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    return parse_size(text, what=flag)
 
 
 @dataclass(frozen=True)
@@ -888,6 +866,28 @@ def _parent_death_signal_setter() -> Optional[Callable[[], None]]:
     return set_pdeathsig
 
 
+@contextlib.contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """Turn SIGTERM into ``SystemExit(143)`` while the ranks run, so that ``finally`` blocks
+    stop the ranks and remove the ``hetcomm-bench-*`` directory (Python's default SIGTERM
+    action ends the process without unwinding: the directory was left in /tmp)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
 def launch_ranks(
     target: str,
     payload: str,
@@ -928,7 +928,7 @@ def launch_ranks(
     )
     procs: List[Any] = []
     preexec = _parent_death_signal_setter()
-    with tempfile.TemporaryDirectory(prefix="hetcomm-bench-") as tmp:
+    with _terminate_as_exit(), tempfile.TemporaryDirectory(prefix="hetcomm-bench-") as tmp:
         base_env = dict(os.environ)
         # torchrun's default: one intra-op thread per rank, or N ranks fight over the cores.
         base_env.setdefault("OMP_NUM_THREADS", "1")

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from hetcomm.topo.audit import parse_size, run_audit
     from hetcomm.topo.render import plot_heatmap, render_audit
 
-    size_bytes = parse_size(args.size)  # bad --size fails before any work
+    size_bytes = parse_size(args.size, what="--size")  # bad --size fails before any work
     topo, cluster = load_topology(args)
     if args.bench:
         from hetcomm.topo.parse import parse_text

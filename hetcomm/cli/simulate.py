@@ -324,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
     if args.size is None:
         raise UsageError("--size is required (or compare placements with --placement)")
 
-    size = parse_size(args.size)
+    size = parse_size(args.size, what="--size")
     parse_skew(args.skew)
     plans = _parse_plans(args.plans)
     if args.seed < 0:

@@ -330,11 +330,11 @@ def load_cost_params(path: str, link_class: Optional[str] = None) -> CostParams:
     Raises:
         ConfigError: unreadable file, unknown keys or class, or no usable rows (with the path).
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ConfigError(f"cannot read cost file: {e.strerror}", path=path) from None
+    from hetcomm._input import capture_cap, decode_text, read_bounded
+
+    # Bounded and decoded like every input (UTF-8 or UTF-16 with a BOM; see docs/INPUT_FORMATS.md).
+    data = read_bounded(path, limit=capture_cap(), error=ConfigError, what="cost file")
+    text = decode_text(data, path, ConfigError)
     doc: Any = None
     try:
         doc = json.loads(text)

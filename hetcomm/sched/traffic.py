@@ -17,35 +17,12 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from hetcomm.errors import UsageError
+from hetcomm.units import format_bytes, parse_size
 
 __all__ = ["uniform", "zipf", "from_splits", "make_traffic", "parse_size", "parse_skew", "format_bytes"]
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``64M``, ``1MiB``, ``256MB``, ``4096`` or ``1.5G`` (binary units, as nccl-tests).
-
-    Raises:
-        UsageError: not a size, or not positive.
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(text))
-    if not m:
-        raise UsageError(f"bad size {text!r}; expected a byte count like 4096, 64K, 64M, 1.5G or 256MiB")
-    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
-    if value < 1:
-        raise UsageError(f"bad size {text!r}; the size must be at least 1 byte")
-    return int(round(value))
-
-
-def format_bytes(num_bytes: float) -> str:
-    """``67108864`` -> ``64 MiB`` (binary units, up to 3 significant decimals)."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" or value == int(value) else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+# One size parser and one byte formatter for every command (hetcomm.units); re-exported here
+# because the CLI and tests have always imported them from this module.
 
 
 def parse_skew(spec: Optional[str]) -> Tuple[str, float]:
@@ -117,7 +94,12 @@ def zipf(num_ranks: int, size_bytes: int, s: float, *, seed: int = 0, align_byte
         raise UsageError(f"the Zipf exponent must be > 0, got {s!r}")
     perm = np.random.default_rng(seed).permutation(num_ranks)
     weights = np.empty(num_ranks)
-    weights[perm] = 1.0 / np.arange(1, num_ranks + 1, dtype=float) ** s
+    # k**-s as exp(-s ln k): a steep skew (zipf:1000) underflows to 0 for k > 1 (all traffic to
+    # the hottest rank) instead of overflowing k**s to inf with a numpy RuntimeWarning.
+    # Past s = 1e4 every weight but the hottest is already 0, so clamping changes nothing (and
+    # keeps s = inf from making 0 * inf = nan at k = 1).
+    with np.errstate(under="ignore", over="ignore"):
+        weights[perm] = np.exp(-min(float(s), 1e4) * np.log(np.arange(1, num_ranks + 1, dtype=float)))
     row = _split(size_bytes, weights, align_bytes)
     return np.tile(row, (num_ranks, 1))
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
 
 from hetcomm.errors import UsageError
+from hetcomm.units import format_bytes, parse_size  # re-exported: the one size parser/formatter
 from hetcomm.topo.bandwidth import canonical_model, is_sxm_model, nvlink_links_for_model
 from hetcomm.topo.model import Device, Finding, Link, LinkClass, Nic, Topology
 from hetcomm.topo.pci_ids import NVIDIA_GPU_IDS
@@ -1180,49 +1181,3 @@ def run_audit(
         cross_vendor=cross_vendor_path(topology),
         measurements=measurement_rows(topology),
     )
-
-
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 1 << 10,
-    "KB": 1 << 10,
-    "KIB": 1 << 10,
-    "M": 1 << 20,
-    "MB": 1 << 20,
-    "MIB": 1 << 20,
-    "G": 1 << 30,
-    "GB": 1 << 30,
-    "GIB": 1 << 30,
-    "T": 1 << 40,
-    "TB": 1 << 40,
-    "TIB": 1 << 40,
-}
-
-
-def parse_size(text: str) -> int:
-    """``"64M"`` -> 67108864; units K/M/G/T are binary, as nccl-tests' ``-b/-e`` read them.
-
-    Raises:
-        UsageError: not a positive size; the message shows the accepted forms.
-    """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = match.group(2).upper() if match else ""
-    if not match or unit not in _UNITS:
-        raise UsageError(
-            f"bad size {text!r}: use bytes or a number with K, M, G or T (binary), e.g. 64M or 1G"
-        )
-    value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise UsageError(f"bad size {text!r}: must be positive")
-    return value
-
-
-def format_bytes(num_bytes: float) -> str:
-    """``67108864`` -> ``"64 MiB"`` (binary units, up to 3 significant digits)."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.3g} {unit}"
-        value /= 1024
-    return f"{value:g} TiB"  # pragma: no cover

@@ -397,6 +397,21 @@ class Cluster:
 
 # -- loading --------------------------------------------------------------------------------
 
+# Limits (docs/TOPOLOGY.md, "Cluster limits"). The planner, simulator and `hetcomm topo` hold
+# every rank pair (n^2 links): 512 ranks take ~12 s and 0.5 GB to simulate on a loaded 2-core
+# machine, 2048 ranks ~155 s and 5 GB, so larger clusters are refused up front with a message
+# rather than ending in a MemoryError minutes later.
+MAX_RANKS = 1024
+MAX_DEVICES_PER_NODE = 64
+MAX_NICS_PER_NODE = 64
+MAX_NUMA_NODES = 64
+#: Any rate (fabric, NIC, bridge), Gb/s per direction: 1 Pb/s is beyond every real link.
+MAX_GBPS = 1e6
+#: The bridge's extra latency, microseconds (1 s).
+MAX_LATENCY_US = 1e6
+MAX_NAME_CHARS = 64
+MAX_DESCRIPTION_CHARS = 4096
+
 _TOP_KEYS = ("name", "description", "node_groups", "interconnect", "wire_dtype", "emulation")
 _GROUP_KEYS = ("name", "count", "device", "fabric", "fabric_gbps", "nics")
 _DEVICE_KEYS = ("model", "count", "strong", "numa_nodes", "tflops")
@@ -436,25 +451,50 @@ def _require(src: SourcedYaml, mapping: Dict[str, Any], key: str, name: str) -> 
 
 def _mapping(src: SourcedYaml, value: Any, key: str) -> Dict[str, Any]:
     if not isinstance(value, dict):
-        raise src.error(key, f"expected a mapping, got {type(value).__name__} {value!r}")
+        raise src.error(key, f"expected a mapping, got {type(value).__name__} {_shown(value)}")
     return value
 
 
-def _positive_int(src: SourcedYaml, value: Any, key: str) -> int:
+def _shown(value: Any) -> str:
+    """``repr`` of a value, shortened: an error must not print a 100 KB string back."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _positive_int(src: SourcedYaml, value: Any, key: str, maximum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise src.error(key, f"expected a positive whole number, got {value!r}")
+        raise src.error(key, f"expected a positive whole number, got {_shown(value)}")
+    if value > maximum:
+        raise src.error(key, f"{value} is more than the {maximum} hetcomm accepts here (see docs/TOPOLOGY.md, cluster limits)")
+    return value
+
+
+def _number(src: SourcedYaml, value: Any, key: str, *, unit: str, minimum: float, maximum: float, positive: bool) -> float:
+    """A finite int or float in ``(0, maximum]`` (``positive``) or ``[minimum, maximum]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise src.error(key, f"expected a number of {unit}, got {type(value).__name__} {_shown(value)}")
+    value = float(value) if not isinstance(value, int) or abs(value) < 1 << 63 else float("inf")
+    if not math.isfinite(value) or (positive and not value > 0) or value < minimum or value > maximum:
+        low = "greater than 0" if positive else f"at least {minimum:g}"
+        raise src.error(key, f"expected {unit} {low} and at most {maximum:g}, got {value:g}")
     return value
 
 
 def _positive_float(src: SourcedYaml, value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise src.error(key, f"expected a positive number, got {value!r}")
-    return float(value)
+    return _number(src, value, key, unit="Gb/s", minimum=0.0, maximum=MAX_GBPS, positive=True)
+
+
+def _text(src: SourcedYaml, value: Any, key: str, what: str, limit: int) -> str:
+    if not isinstance(value, str) or not value:
+        raise src.error(key, f"expected {what} (a non-empty string), got {_shown(value)}")
+    if len(value) > limit:
+        raise src.error(key, f"{what} is {len(value)} characters long; at most {limit} are accepted")
+    return value
 
 
 def _link_class(src: SourcedYaml, value: Any, key: str) -> LinkClass:
     if not isinstance(value, str):
-        raise src.error(key, f"expected a link class name, got {value!r}")
+        raise src.error(key, f"expected a link class name, got {_shown(value)}")
     try:
         return LinkClass.parse(value)
     except ValueError as e:
@@ -464,32 +504,31 @@ def _link_class(src: SourcedYaml, value: Any, key: str) -> LinkClass:
 def _build(src: SourcedYaml) -> Cluster:
     top = _mapping(src, src.data, "")
     reject_unknown_keys(src, top, "", _TOP_KEYS)
-    name = _require(src, top, "", "name")
-    if not isinstance(name, str) or not name:
-        raise src.error("name", f"expected a non-empty string, got {name!r}")
+    name = _text(src, _require(src, top, "", "name"), "name", "a cluster name", MAX_NAME_CHARS)
     groups_raw = _require(src, top, "", "node_groups")
     if not isinstance(groups_raw, list) or not groups_raw:
         raise src.error("node_groups", "expected a non-empty list of node groups")
 
     groups: List[NodeGroup] = []
     seen_names = set()
+    total_ranks = 0
     for gi, graw in enumerate(groups_raw):
         gkey = f"node_groups[{gi}]"
         g = _mapping(src, graw, gkey)
         reject_unknown_keys(src, g, gkey, _GROUP_KEYS)
-        gname = _require(src, g, gkey, "name")
-        if not isinstance(gname, str) or not gname or "/" in gname:
+        gname = _text(src, _require(src, g, gkey, "name"), f"{gkey}.name", "a group name", MAX_NAME_CHARS)
+        if "/" in gname:
             raise src.error(f"{gkey}.name", f"expected a name without '/', got {gname!r}")
         if gname in seen_names:
             raise src.error(f"{gkey}.name", f"node group '{gname}' is defined twice")
         seen_names.add(gname)
-        count = _positive_int(src, g.get("count", 1), f"{gkey}.count")
+        count = _positive_int(src, g.get("count", 1), f"{gkey}.count", MAX_RANKS)
         dev = _mapping(src, _require(src, g, gkey, "device"), f"{gkey}.device")
         reject_unknown_keys(src, dev, f"{gkey}.device", _DEVICE_KEYS)
         model = _require(src, dev, f"{gkey}.device", "model")
-        if not isinstance(model, (str, int)):
-            raise src.error(f"{gkey}.device.model", f"expected a model name, got {model!r}")
-        model = str(model)
+        if isinstance(model, bool) or not isinstance(model, (str, int)):
+            raise src.error(f"{gkey}.device.model", f"expected a model name, got {_shown(model)}")
+        model = _text(src, str(model), f"{gkey}.device.model", "a model name", MAX_NAME_CHARS)
         vendor = vendor_of_model(model)
         if vendor == "nvidia" and canonical_model(model) is None:
             raise src.error(
@@ -497,11 +536,21 @@ def _build(src: SourcedYaml) -> Cluster:
                 f"unknown device model {model!r}; use an NVIDIA data-center name (A100-SXM4-80GB, "
                 f"H800, H100, ...), an Ascend name (910B, 910B3) or 'cpu'",
             )
-        per_node = _positive_int(src, _require(src, dev, f"{gkey}.device", "count"), f"{gkey}.device.count")
+        per_node = _positive_int(
+            src, _require(src, dev, f"{gkey}.device", "count"), f"{gkey}.device.count", MAX_DEVICES_PER_NODE
+        )
+        total_ranks += count * per_node
+        if total_ranks > MAX_RANKS:
+            raise src.error(
+                f"{gkey}.count",
+                f"the cluster reaches {total_ranks} ranks at this group, more than the {MAX_RANKS} "
+                f"hetcomm plans and simulates (every rank pair is modelled); describe one island "
+                f"of at most {MAX_RANKS} ranks",
+            )
         strong = dev.get("strong", vendor == "nvidia")
         if not isinstance(strong, bool):
-            raise src.error(f"{gkey}.device.strong", f"expected true or false, got {strong!r}")
-        numa_nodes = _positive_int(src, dev.get("numa_nodes", 1), f"{gkey}.device.numa_nodes")
+            raise src.error(f"{gkey}.device.strong", f"expected true or false, got {_shown(strong)}")
+        numa_nodes = _positive_int(src, dev.get("numa_nodes", 1), f"{gkey}.device.numa_nodes", MAX_NUMA_NODES)
         tflops = _positive_float(src, dev["tflops"], f"{gkey}.device.tflops") if "tflops" in dev else None
         fabric = (
             _link_class(src, g["fabric"], f"{gkey}.fabric") if "fabric" in g else _DEFAULT_FABRIC[vendor]
@@ -512,6 +561,7 @@ def _build(src: SourcedYaml) -> Cluster:
             _positive_float(src, g["fabric_gbps"], f"{gkey}.fabric_gbps") if "fabric_gbps" in g else None
         )
         nics: List[NicSpec] = []
+        ports = 0
         nics_raw = g.get("nics", []) or []
         if not isinstance(nics_raw, list):
             raise src.error(f"{gkey}.nics", "expected a list of NIC entries")
@@ -523,15 +573,21 @@ def _build(src: SourcedYaml) -> Cluster:
             if not cls.is_network:
                 raise src.error(f"{nkey}.class", f"{cls.name} is not a network class; use one of NET_IB_GDR, NET_IB, NET_ROCE_GDR, NET_ROCE, NET_EFA, NET_SOCKET")
             gbps = _positive_float(src, _require(src, n, nkey, "gbps"), f"{nkey}.gbps")
-            ncount = _positive_int(src, n.get("count", 1), f"{nkey}.count")
+            ncount = _positive_int(src, n.get("count", 1), f"{nkey}.count", MAX_NICS_PER_NODE)
+            ports += ncount
+            if ports > MAX_NICS_PER_NODE:
+                raise src.error(f"{nkey}.count", f"a node of group '{gname}' would have {ports} NIC ports; at most {MAX_NICS_PER_NODE} are accepted")
             numa = n.get("numa")
             if numa is not None:
                 if (
                     not isinstance(numa, list)
                     or len(numa) != ncount
-                    or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in numa)
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_NUMA_NODES for x in numa)
                 ):
-                    raise src.error(f"{nkey}.numa", f"expected a list of {ncount} NUMA node numbers (one per port), got {numa!r}")
+                    raise src.error(
+                        f"{nkey}.numa",
+                        f"expected a list of {ncount} NUMA node numbers 0..{MAX_NUMA_NODES - 1} (one per port), got {_shown(numa)}",
+                    )
                 numa = tuple(numa)
             nics.append(NicSpec(link_class=cls, gbps=gbps, count=ncount, numa=numa))
         groups.append(
@@ -572,7 +628,15 @@ def _build(src: SourcedYaml) -> Cluster:
             same_vendor=same_cls,
             cross_vendor_class=cross_cls,
             cross_vendor_gbps=_positive_float(src, cross.get("gbps", 100.0), "interconnect.cross_vendor.gbps"),
-            cross_vendor_latency_us=float(cross.get("latency_us", 30.0)),
+            cross_vendor_latency_us=_number(
+                src,
+                cross.get("latency_us", 30.0),
+                "interconnect.cross_vendor.latency_us",
+                unit="microseconds",
+                minimum=0.0,
+                maximum=MAX_LATENCY_US,
+                positive=False,
+            ),
         )
 
     wire: List[Tuple[str, str]] = []
@@ -582,21 +646,28 @@ def _build(src: SourcedYaml) -> Cluster:
             key = f"wire_dtype.{cls_name}"
             if cls_name != "default":
                 _link_class(src, cls_name, key)
-            if dtype not in _WIRE_DTYPES:
-                raise src.error(key, f"unknown wire dtype {dtype!r}; expected one of {', '.join(_WIRE_DTYPES)}")
+            if not isinstance(dtype, str) or dtype not in _WIRE_DTYPES:
+                raise src.error(key, f"unknown wire dtype {_shown(dtype)}; expected one of {', '.join(_WIRE_DTYPES)}")
             wire.append((LinkClass.parse(cls_name).name if cls_name != "default" else "default", dtype))
 
     emulation: Tuple[Tuple[str, Any], ...] = ()
     if top.get("emulation") is not None:
         emulation = tuple(_mapping(src, top["emulation"], "emulation").items())
 
-    description = top.get("description", "") or ""
+    description = top.get("description", "")
+    if description is None:
+        description = ""
+    if isinstance(description, bool) or not isinstance(description, (str, int, float)):
+        raise src.error("description", f"expected free text, got {type(description).__name__} {_shown(description)}")
+    description = str(description)
+    if len(description) > MAX_DESCRIPTION_CHARS:
+        raise src.error("description", f"is {len(description)} characters long; at most {MAX_DESCRIPTION_CHARS} are accepted")
     return Cluster(
         name=name,
         groups=tuple(groups),
         interconnect=interconnect,
         wire_dtype=tuple(wire),
         emulation=emulation,
-        description=str(description),
+        description=description,
         path=src.path,
     )

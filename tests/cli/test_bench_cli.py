@@ -28,8 +28,12 @@ RUN_FLAGS = ["-b", "1K", "-e", "64K", "-f", "4", "-n", "2", "-w", "1", "-c", "1"
     "argv, needle",
     [
         (["alltoall", "-b", "64K", "-e", "1K"], "-b/--minbytes 64K (65536 B) is larger than -e"),
-        (["alltoall", "-b", "1.5M"], "cannot read '1.5M' as a byte count"),
-        (["alltoall", "-e", "-4"], "cannot read '-4'"),
+        (["alltoall", "-b", "1.5"], "-b/--minbytes: bad size '1.5' is 1.5 bytes, not a whole number"),
+        (["alltoall", "-e", "-4"], "-e/--maxbytes: bad size '-4'"),
+        (["alltoall", "-e", "99999999999999999999999"], "must be at most 1 TiB"),
+        (["alltoall", "--nprocs", "65"], "--nprocs 65: at most 64 ranks"),
+        (["alltoall", "--nprocs", "0"], "--nprocs 0: need at least 1 rank"),
+        (["alltoall", "-J", "/nonexistent/dir/out.json"], "-J/--output_file /nonexistent/dir/out.json: cannot write it"),
         (["alltoall", "-d", "fp8"], "-d/--datatype 'fp8' is not supported"),
         (["alltoall", "-c", "2"], "-c/--check 2"),
         (["alltoall", "-n", "0"], "-n/--iters 0"),
@@ -50,7 +54,7 @@ RUN_FLAGS = ["-b", "1K", "-e", "64K", "-f", "4", "-n", "2", "-w", "1", "-c", "1"
         (["alltoall", "-b", "1", "-e", "8"], "no size between -b 1 and -e 8"),
         (["alltoall", "-b", "1T", "-e", "1T"], "of memory"),
         (["alltoall", "-T", "0"], "-T/--timeout"),
-        (["alltoall", "-b", "0", "-e", "1G", "-i", "1"], "more than 1000"),
+        (["alltoall", "-b", "1", "-e", "1G", "-i", "1"], "more than 1000"),
     ],
 )
 def test_bad_flags_exit_2_with_message(argv, needle, capsys, monkeypatch):

@@ -50,7 +50,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hetcomm.cli._args import check_nprocs
     from hetcomm.train.loop import TrainConfig, launch, load_train_config
+
+    check_nprocs(args.nprocs)  # 0 used to mean "the default" (4 ranks) silently
 
     overrides = dict(
         cluster=args.cluster,

@@ -329,11 +329,10 @@ def _rail_bytes() -> Dict[str, int]:
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+    # The one byte formatter of every command (hetcomm.units).
+    from hetcomm.units import format_bytes
+
+    return format_bytes(n)
 
 
 class _Progress:

@@ -281,7 +281,7 @@ def execute_plan(
             return out_b[out_off[origin] : out_off[origin] + traffic[origin][final_dst]]
         key = (origin, final_dst)
         if key not in staging:  # this rank relays the segment: hold it until it is sent on
-            staging[key] = torch.empty(traffic[origin][final_dst], dtype=torch.uint8)
+            staging[key] = torch.empty(traffic[origin][final_dst], dtype=torch.uint8, device=in_b.device)
         return staging[key]
 
     own = traffic[rank][rank]

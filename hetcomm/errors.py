@@ -20,6 +20,7 @@ __all__ = [
     "CollectiveError",
     "PeerTimeout",
     "UsageError",
+    "CrossRankMismatch",
 ]
 
 
@@ -29,6 +30,28 @@ class HetcommError(Exception):
 
 class UsageError(HetcommError, ValueError):
     """A command line or API call that cannot be carried out as given (CLI exit code 2)."""
+
+
+class CrossRankMismatch(UsageError):
+    """Ranks called one collective with arguments that do not fit together (split sizes, dtype,
+    shape, reduce op, root, or a different collective altogether); raised on every rank of the
+    group before any byte moves, and the group stays usable.
+
+    Args:
+        message: every rank at odds, with both values, and how to fix the callers.
+        op: the collective, e.g. ``all_reduce``.
+        rank: the rank that raised.
+        ranks: the ranks at odds with the others.
+        field: the kind of mismatch: ``order``, ``arguments``, ``dtype``, ``shape``, ``count``,
+            ``reduce_op``, ``root`` or ``splits``.
+    """
+
+    def __init__(self, message: str, *, op: str, rank: int, ranks: "list[int]", field: str) -> None:
+        self.op = op
+        self.rank = rank
+        self.ranks = list(ranks)
+        self.field = field
+        super().__init__(message)
 
 
 class ConfigError(HetcommError, ValueError):

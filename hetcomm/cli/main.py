@@ -1,4 +1,4 @@
-"""The ``hetcomm`` command: ``hetcomm topo | audit | bench | simulate | train | emulate``.
+"""The ``hetcomm`` command: ``hetcomm topo | audit | bench | simulate | train | emulate | report``.
 
 Each subcommand lives in its own module ``hetcomm.cli.<name>`` exposing::
 
@@ -25,7 +25,7 @@ EXIT_FINDINGS = 1
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 3
 
-SUBCOMMANDS = ("topo", "audit", "bench", "simulate", "train", "emulate", "discover")
+SUBCOMMANDS = ("topo", "audit", "bench", "simulate", "train", "emulate", "discover", "report")
 
 
 def build_parser() -> argparse.ArgumentParser:

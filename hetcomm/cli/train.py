@@ -46,6 +46,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("hetcomm", "gloo"), default=None, help="process-group backend")
     p.add_argument("--nprocs", type=int, default=None, help="local ranks to spawn (default: the cluster's rank count)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--metrics", metavar="FILE.jsonl", default=None, help="write one record per step (see docs/OPERATIONS.md)")
+    p.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="sharded checkpoints (torch.distributed.checkpoint) here")
+    p.add_argument("--checkpoint-every", metavar="N", type=int, default=None, help="save a checkpoint every N steps")
+    p.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint in --checkpoint-dir")
     return p
 
 
@@ -64,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
         wire_dtype=args.wire_dtype,
         backend=args.backend,
         seed=args.seed,
+        metrics=args.metrics,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
     )
     if args.cluster:
         overrides["cluster"] = args.cluster if args.cluster == "detect" else repo_path(args.cluster)

@@ -54,6 +54,10 @@ class TrainConfig:
         seed: seed of the model and of the data streams (rank r uses ``seed + r``).
         log_every: steps between progress lines when stderr is not a terminal.
         timeout_s: collective timeout; a rank that stops answering fails the run after this long.
+        metrics: JSON-lines file for one record per step (:mod:`hetcomm.ops.metrics`), or None.
+        checkpoint_dir: directory of sharded checkpoints (:mod:`hetcomm.ops.checkpoint`), or None.
+        checkpoint_every: steps between checkpoints (0: none).
+        resume: continue from ``checkpoint_dir``'s latest checkpoint when there is one.
     """
 
     cluster: str = "configs/clusters/mixed-mini.yaml"
@@ -72,8 +76,19 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 25
     timeout_s: float = 120.0
+    metrics: Optional[str] = None
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    resume: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ConfigError(f"must be a whole number >= 0, got {self.checkpoint_every!r}", key="train.checkpoint_every")
+        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+            raise ConfigError(
+                "checkpoint_every / resume need a checkpoint directory; pass --checkpoint-dir DIR",
+                key="train.checkpoint_dir",
+            )
         for name in ("steps", "experts", "layers", "model_dim", "hidden_dim", "batch_size", "seq_len", "log_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -288,28 +303,43 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
 
     import hetcomm
 
+    from hetcomm.ops import hooks
+
+    start_step = hooks.resume(cfg, model, opt, gen)
     hetcomm.reset_stats()
     progress = _Progress(rank == 0, cfg, world_size, cluster)
+    mc = hooks.metrics_collector(cfg, rank, world_size, cluster, model, start_step)
     t0 = time.perf_counter()
     tokens_per_step = cfg.batch_size * cfg.seq_len
     losses: List[float] = []
-    for step in range(1, cfg.steps + 1):
+    for step in range(start_step + 1, cfg.steps + 1):
+        mc.start_step()
         batch = task.sample(cfg.batch_size, cfg.seq_len, gen)
+        mc.mark("data")
         _, loss = model(batch[:, :-1], batch[:, 1:])
         aux = sum(m.l_aux for m in model.moe_layers)
+        mc.mark("forward")
         opt.zero_grad(set_to_none=True)
         (loss + 0.01 * aux).backward()
+        mc.mark("backward")
         for p in expert:  # the global loss is the mean over ranks: scale the expert-parallel grads
             if p.grad is not None:
                 p.grad /= world_size
         _allreduce_dense_grads(dense, world_size)
+        mc.mark("grad_sync")
         opt.step()
+        mc.mark("optimizer")
         for m in model.moe_layers:
             m.sync_replicas()
+        mc.mark("replica_sync")
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         losses.append(float(global_loss) / world_size)
+        mc.mark("loss_sync")
+        mc.end_step(step, losses[-1], tokens_per_step * world_size)
+        hooks.maybe_checkpoint(cfg, step, model, opt, gen, mc)
         progress.update(step, losses[-1], tokens_per_step * world_size, model)
+    mc.close()
 
     elapsed = time.perf_counter() - t0
     summary = _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step)

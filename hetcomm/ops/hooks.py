@@ -1,0 +1,108 @@
+"""The training loop's operations hooks: resume, per-step metrics, periodic checkpoints.
+
+``hetcomm.train.loop`` calls these three so that the loop itself stays a loop; each is a no-op
+when its setting is off (``TrainConfig.metrics``, ``checkpoint_dir``/``checkpoint_every``,
+``resume``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict
+from typing import Mapping, Optional
+
+import torch
+from torch import nn
+
+from hetcomm.ops.checkpoint import Stateful, latest_checkpoint, load_checkpoint, save_checkpoint
+from hetcomm.ops.metrics import MetricsCollector, RunHeader, StepRecord
+
+__all__ = ["NullCollector", "metrics_collector", "checkpoint_group", "resume", "maybe_checkpoint"]
+
+_GROUP: list = []
+
+
+def checkpoint_group():
+    """The gloo group DCP coordinates over (collective on first call; None without a job).
+
+    A plain gloo group of the whole job: DCP's object collectives (plans, metadata) then never
+    share a queue with the job's own collectives on the ``hetcomm`` group.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    if not _GROUP or _GROUP[0][0] is not dist.group.WORLD:
+        _GROUP[:] = [(dist.group.WORLD, dist.new_group(backend="gloo"))]
+    return _GROUP[0][1]
+
+
+class NullCollector:
+    """The collector's interface doing nothing (``--metrics`` not given): no timers, no
+    collective, so a run without metrics costs exactly what it did before."""
+
+    def start_step(self) -> None:
+        pass
+
+    def mark(self, phase: str) -> None:
+        pass
+
+    def end_step(self, step: int, loss: float, tokens: int) -> Optional[StepRecord]:
+        return None
+
+    def event(self, step: int, event: str, detail: str = "") -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def metrics_collector(cfg, rank: int, world_size: int, cluster, model: nn.Module, start_step: int):
+    """A :class:`MetricsCollector` writing ``cfg.metrics``, or a :class:`NullCollector`."""
+    if not cfg.metrics:
+        return NullCollector()
+    ranks = [
+        {"rank": r, "model": cluster.rank(r).model, "node": cluster.rank(r).node.name} for r in range(world_size)
+    ]
+    header = RunHeader(
+        world_size=world_size, cluster=cluster.name, ranks=ranks, config=asdict(cfg), start_step=start_step
+    )
+    mc = MetricsCollector(cfg.metrics, rank, world_size, cluster, model.moe_layers, header, backend=cfg.backend)
+    if start_step:
+        mc.event(start_step, "resume", f"from {latest_checkpoint(cfg.checkpoint_dir)}")
+    return mc
+
+
+def resume(
+    cfg, model: nn.Module, optimizer: torch.optim.Optimizer, rng: torch.Generator,
+    extras: Optional[Mapping[str, Stateful]] = None,
+) -> int:
+    """Load the latest checkpoint when ``cfg.resume`` and one exists; returns the step it was
+    taken after (0 for a fresh start). Collective when it loads."""
+    if not cfg.checkpoint_dir:
+        return 0
+    group = checkpoint_group()  # made here, at the same point on every rank
+    if not cfg.resume:
+        return 0
+    path = latest_checkpoint(cfg.checkpoint_dir)
+    if path is None:
+        return 0
+    step = load_checkpoint(path, model, optimizer, rng, extras, process_group=group)
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"hetcomm train: resumed from {path} (after step {step})", file=sys.stderr, flush=True)
+    return step
+
+
+def maybe_checkpoint(
+    cfg, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, rng: torch.Generator, mc,
+    extras: Optional[Mapping[str, Stateful]] = None,
+) -> Optional[str]:
+    """Save after ``step`` when it is a multiple of ``cfg.checkpoint_every`` (collective)."""
+    if not (cfg.checkpoint_dir and cfg.checkpoint_every) or step % cfg.checkpoint_every:
+        return None
+    path = save_checkpoint(cfg.checkpoint_dir, step, model, optimizer, rng, extras, process_group=checkpoint_group())
+    mc.event(step, "checkpoint", os.path.basename(path))
+    return path

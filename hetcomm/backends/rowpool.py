@@ -117,30 +117,33 @@ class BufferPool:
             if best is None:
                 buf = torch.empty(_rounded(numel), dtype=dtype, device="cpu")
                 storage = buf.untyped_storage()
-                best = [buf, storage, 0, 0]
-                best[2] = _use_count(storage._cdata)
+                best = [buf, storage, _use_count(storage._cdata), self._tick]
                 entries.append(best)
                 self.num_allocated += 1
-                self._trim(entries)
+                self._trim(entries, keep=best)
             else:
                 self.num_reused += 1
             best[3] = self._tick
-            storage = best[1]
-        out = torch.empty(0, dtype=dtype, device="cpu")
-        with torch.no_grad():
-            out.set_(storage, 0, shape, _contiguous_strides(shape))
+            # Attach under the lock: until ``out`` holds the storage, the entry still looks free
+            # and another thread could hand the same buffer out.
+            out = torch.empty(0, dtype=dtype, device="cpu")
+            with torch.no_grad():
+                out.set_(best[1], 0, shape, _contiguous_strides(shape))
         return out
 
     def zeros(self, shape: Sequence[int], dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
         """:meth:`empty`, zero-filled."""
         return self.empty(shape, dtype, device).zero_()
 
-    def _trim(self, entries: List[list]) -> None:
+    def _trim(self, entries: List[list], keep: list) -> None:
+        """Drop the least recently used free buffers past ``max_buffers``; never ``keep`` (the
+        buffer being handed out, which still looks free until it is attached)."""
         if len(entries) <= self.max_buffers:
             return
-        free = sorted((e for e in entries if self._is_free(e)), key=lambda e: e[3])
-        for e in free[: len(entries) - self.max_buffers]:
-            entries.remove(e)
+        free = sorted((e for e in entries if e is not keep and self._is_free(e)), key=lambda e: e[3])
+        drop = {id(e) for e in free[: len(entries) - self.max_buffers]}
+        # By identity: list.remove would compare the entries' tensors elementwise.
+        entries[:] = [e for e in entries if id(e) not in drop]
 
     def release(self) -> int:
         """Drop every buffer nothing uses now (their memory goes back to the system).
@@ -151,9 +154,9 @@ class BufferPool:
         released = 0
         with self._lock:
             for entries in self._free.values():
-                for e in [e for e in entries if self._is_free(e)]:
-                    released += e[0].numel() * e[0].element_size()
-                    entries.remove(e)
+                free = [e for e in entries if self._is_free(e)]
+                released += sum(e[0].numel() * e[0].element_size() for e in free)
+                entries[:] = [e for e in entries if not any(e is f for f in free)]
         return released
 
     def held_bytes(self) -> Tuple[int, int]:

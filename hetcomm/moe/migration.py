@@ -1,0 +1,261 @@
+"""Asynchronous expert migration: parameters and optimizer state move while training goes on.
+
+Timeline of one plan (every rank runs the same calls, in the same order):
+
+    opt.step()                              # step s
+    mig.start(plan.moves, slots, opt)       # from_rank isends [params | state]; dst irecvs
+    ... step s+1 forward/backward ...       # the OLD owner still serves the moving experts
+    mig.finish(slots, opt)                  # before step s+1's opt.step(): wait for the copy,
+                                            # the old owner sends this step's gradients, the new
+                                            # owner installs params, state and gradients
+    opt.step()                              # the new owner applies step s+1's update
+
+The copy (3x the parameters for Adam) overlaps a whole forward/backward; only the gradients
+(1x) move after it, so training continues exactly as if nothing had moved (tested bit for bit
+against a twin that never migrates). The old owner's copy is dropped (its slot freed) when
+``finish`` returns; a new replica (``Move.src is None``) is copied from ``from_rank`` the same
+way and the source keeps its copy.
+
+Slots: each rank keeps a fixed pool of expert modules (:class:`ExpertSlots`), all registered
+with the optimizer from the start, so a migration never changes the optimizer's parameter
+list; a free slot's parameters have no gradient and no state, so optimizers skip them.
+
+Written by hand: torch has no primitive that moves one module and its optimizer state between
+two ranks of a running job.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hetcomm.errors import ConfigError, PeerTimeout
+from hetcomm.moe.balancer import Move
+
+__all__ = ["ExpertSlots", "ExpertMigrator", "state_layout"]
+
+
+def state_layout(optimizer: Optional[torch.optim.Optimizer]) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """(per-element state keys, scalar state keys) of a supported optimizer.
+
+    Raises:
+        ConfigError: an optimizer whose state layout hetcomm does not know.
+    """
+    if optimizer is None:
+        return (), ()
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return ("exp_avg", "exp_avg_sq"), ("step",)
+    if isinstance(optimizer, torch.optim.SGD):
+        return ("momentum_buffer",), ()
+    raise ConfigError(
+        f"expert migration knows the state of Adam, AdamW and SGD, not {type(optimizer).__name__}; "
+        f"migrate without optimizer state or use one of those",
+        key="balance.optimizer",
+    )
+
+
+class ExpertSlots:
+    """A rank's pool of expert modules: ``expert_of[i]`` is the global expert in module ``i``
+    (None = free).
+
+    Args:
+        modules: the slot modules (identical layouts).
+        experts: the global expert of each module (None = free).
+    """
+
+    def __init__(self, modules: Sequence[nn.Module], experts: Sequence[Optional[int]]) -> None:
+        if len(modules) != len(experts):
+            raise ConfigError(f"{len(modules)} modules but {len(experts)} expert ids", key="balance.slots")
+        self.modules = list(modules)
+        self.expert_of: List[Optional[int]] = list(experts)
+
+    def module(self, expert: int) -> nn.Module:
+        return self.modules[self.expert_of.index(expert)]
+
+    def holds(self, expert: int) -> bool:
+        return expert in self.expert_of
+
+    def experts(self) -> List[int]:
+        return [e for e in self.expert_of if e is not None]
+
+    def free_slot(self) -> int:
+        try:
+            return self.expert_of.index(None)
+        except ValueError:
+            raise ConfigError(
+                f"no free expert slot on this rank (holds {self.experts()}); give it more slots",
+                key="balance.slots",
+            ) from None
+
+
+def _flat(params: List[nn.Parameter], tensors: List[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else params[0].new_zeros(0)
+
+
+class ExpertMigrator:
+    """Carries out a balancer's moves over ``group`` with point-to-point transfers.
+
+    Args:
+        group: the expert-parallel process group (None = default).
+        timeout_s: longest wait for a copy or a gradient before :class:`PeerTimeout` naming
+            the peer.
+    """
+
+    def __init__(self, group=None, timeout_s: float = 120.0) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.timeout_s = timeout_s
+        self._inflight: List[dict] = []
+        self.stats = {"copies": 0, "bytes_sent": 0, "bytes_received": 0, "wait_s": 0.0}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._inflight)
+
+    def _peer(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def start(self, moves: Sequence[Move], slots: ExpertSlots, optimizer=None) -> None:
+        """Post the copies of ``moves`` (call right after ``optimizer.step()``)."""
+        if self._inflight:
+            raise ConfigError("a migration is still in flight; call finish() first", key="balance.migrate")
+        keys, scalars = state_layout(optimizer)
+        for i, mv in enumerate(m for m in moves if m.dst is not None):
+            tag = 1 + 4 * mv.expert
+            entry = {"move": mv, "keys": keys, "scalars": scalars}
+            if self.rank == mv.from_rank:
+                mod = slots.module(mv.expert)
+                params = list(mod.parameters())
+                state = [optimizer.state.get(p, {}) if optimizer is not None else {} for p in params]
+                has = all(all(k in st for k in keys + scalars) for st in state) and bool(keys + scalars)
+                per = [p for p in params] + [
+                    (st[k] if has else torch.zeros_like(p)) for k in keys for p, st in zip(params, state)
+                ]
+                buf = _flat(params, per)
+                sc = torch.tensor([1.0 if has else 0.0] + [float(state[0][k]) if has else 0.0 for k in scalars],
+                                  dtype=torch.float64)
+                entry["works"] = [dist.isend(buf, self._peer(mv.dst), group=self.group, tag=tag),
+                                  dist.isend(sc, self._peer(mv.dst), group=self.group, tag=tag + 1)]
+                entry["keep"] = (buf, sc)
+                self.stats["bytes_sent"] += buf.numel() * buf.element_size()
+            if self.rank == mv.dst:
+                proto = list(slots.modules[0].parameters())
+                n = sum(p.numel() for p in proto) * (1 + len(keys))
+                buf = torch.empty(n, dtype=proto[0].dtype, device=proto[0].device)
+                sc = torch.empty(1 + len(scalars), dtype=torch.float64)
+                entry["works"] = [dist.irecv(buf, self._peer(mv.from_rank), group=self.group, tag=tag),
+                                  dist.irecv(sc, self._peer(mv.from_rank), group=self.group, tag=tag + 1)]
+                entry["recv"] = (buf, sc)
+                self.stats["bytes_received"] += buf.numel() * buf.element_size()
+            self._inflight.append(entry)
+            self.stats["copies"] += 1
+
+    def _wait(self, work, mv: Move, what: str) -> None:
+        peer = mv.from_rank if self.rank == mv.dst else mv.dst
+        try:
+            ok = work.wait(timeout=_td(self.timeout_s))
+        except RuntimeError as ex:  # gloo raises on timeout or a dead peer
+            raise PeerTimeout(
+                f"expert {mv.expert}'s migration {what} did not complete within {self.timeout_s:.0f} s ({ex})",
+                op="expert migration", rank=self.rank, peer=peer,
+            ) from ex
+        if ok is False:
+            raise PeerTimeout(
+                f"expert {mv.expert}'s migration {what} did not complete within {self.timeout_s:.0f} s",
+                op="expert migration", rank=self.rank, peer=peer,
+            )
+
+    def landed(self) -> bool:
+        """True when every copy this rank receives has arrived (non-blocking)."""
+        return all(w.is_completed() for e in self._inflight if "recv" in e for w in e["works"])
+
+    def finish(self, slots: ExpertSlots, optimizer=None) -> List[Move]:
+        """Wait for the copies, move this step's gradients, install on the new owners, free the
+        old owners' slots (call after backward, before ``optimizer.step()``). Collective.
+
+        Returns:
+            The moves carried out (the caller switches its expert map to the plan's).
+        Raises:
+            PeerTimeout: a copy or a gradient did not arrive within ``timeout_s``.
+        """
+        t0 = time.perf_counter()
+        for e in self._inflight:
+            for w in e.get("works", []):
+                mv = e["move"]
+                self._wait(w, mv, "copy")
+        self.stats["wait_s"] += time.perf_counter() - t0
+        # Gradients of this step, computed by the old owner, go with the expert.
+        grad_works = []
+        for e in self._inflight:
+            mv: Move = e["move"]
+            tag = 3 + 4 * mv.expert
+            if self.rank == mv.from_rank:
+                params = list(slots.module(mv.expert).parameters())
+                g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+                grad_works.append((dist.isend(g, self._peer(mv.dst), group=self.group, tag=tag), g, None, mv))
+            if self.rank == mv.dst:
+                proto = list(slots.modules[0].parameters())
+                g = torch.empty(sum(p.numel() for p in proto), dtype=proto[0].dtype, device=proto[0].device)
+                grad_works.append((dist.irecv(g, self._peer(mv.from_rank), group=self.group, tag=tag), g, e, mv))
+        for w, g, e, mv in grad_works:
+            self._wait(w, mv, "gradient")
+        done: List[Move] = []
+        # Old owners free their slots first (a rank may send one expert and receive another).
+        for e in self._inflight:
+            mv = e["move"]
+            if self.rank == mv.src and mv.src is not None:
+                i = slots.expert_of.index(mv.expert)
+                for p in slots.modules[i].parameters():
+                    p.grad = None
+                    if optimizer is not None:
+                        optimizer.state.pop(p, None)
+                slots.expert_of[i] = None
+        for w, g, e, mv in grad_works:
+            if e is None:
+                continue
+            buf, sc = e["recv"]
+            i = slots.free_slot()
+            params = list(slots.modules[i].parameters())
+            P = sum(p.numel() for p in params)
+            off = 0
+            with torch.no_grad():
+                for p in params:
+                    p.copy_(buf[off : off + p.numel()].view_as(p))
+                    p.grad = g[off : off + p.numel()].view_as(p).clone()
+                    off += p.numel()
+            if optimizer is not None and sc[0] > 0:
+                for j, k in enumerate(e["keys"]):
+                    base = P * (1 + j)
+                    o = 0
+                    for p in params:
+                        optimizer.state.setdefault(p, {})[k] = buf[base + o : base + o + p.numel()].view_as(p).clone()
+                        o += p.numel()
+                for j, k in enumerate(e["scalars"]):
+                    for p in params:
+                        optimizer.state[p][k] = torch.tensor(float(sc[1 + j]), dtype=torch.float32)
+            slots.expert_of[i] = mv.expert
+        for e in self._inflight:
+            done.append(e["move"])
+        self._inflight = []
+        return done
+
+    def drop(self, moves: Sequence[Move], slots: ExpertSlots, optimizer=None) -> None:
+        """Free the slots of dropped replicas (``Move.dst is None``); nothing moves."""
+        for mv in moves:
+            if mv.dst is None and mv.src == self.rank and slots.holds(mv.expert):
+                i = slots.expert_of.index(mv.expert)
+                for p in slots.modules[i].parameters():
+                    p.grad = None
+                    if optimizer is not None:
+                        optimizer.state.pop(p, None)
+                slots.expert_of[i] = None
+
+
+def _td(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)

@@ -69,7 +69,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "--compute",
             action=argparse.BooleanOptionalAction,
             default=None,
-            help="emulate compute speed with a cpu cgroup per node (default: emulation.compute, "
+            help="emulate compute speed with a cpu cgroup per rank (default: emulation.compute, "
             "on when emulation.compute_scale is given)",
         )
         sp.add_argument(
@@ -353,8 +353,8 @@ def _print_state(state, live: Optional[set]) -> None:
     for n in state.nodes:
         if n.get("cpus") is not None:
             print(
-                f"  compute {n['node']:<12} x{n.get('compute_scale', 1):g}: {n['cpus']:.3g} CPUs "
-                f"(cgroup {n.get('cgroup')})"
+                f"  compute {n['node']:<12} x{n.get('compute_scale', 1):.3g}: {n['cpus']:.3g} CPUs "
+                f"per rank (cgroups {state.prefix}{n['node']}-r<rank>)"
             )
     for q in state.qdiscs:
         if "cross-vendor" in q:

@@ -1,11 +1,13 @@
 """CPU cgroups that make an emulated node compute at its device's relative speed.
 
-Every rank of a node runs in that node's cgroup, ``<cpu root>/hc<id>-<node>``, whose CFS bandwidth
-limit (cgroup v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us``, cgroup v2 ``cpu.max``) is the node's
-CPU share: ``compute_scale x cpu_per_rank x ranks`` CPUs. A rank that could use a whole core gets
-its share of each period and is throttled for the rest, so the same GEMM takes ``1/compute_scale``
-times as long on a node at ``compute_scale`` as on the fastest node: the way a 910B rank computes
-more slowly than an H800 rank. The kernel's bandwidth controller is the only tool that bounds
+Every rank runs in a cgroup of its own, ``<cpu root>/hc<id>-<node>-r<rank>``, whose CFS bandwidth
+limit (cgroup v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us``, cgroup v2 ``cpu.max``) is its
+device's CPU share: ``compute_scale x cpu_per_rank`` CPUs. A rank that could use a whole core
+gets its share of each period and is throttled for the rest, so the same GEMM takes
+``1/compute_scale`` times as long on a node at ``compute_scale`` as on the fastest node: the way a
+910B rank computes more slowly than an H800 rank. One cgroup per rank rather than per node
+because a device's speed does not depend on whether the GPU beside it is busy: with a node-wide
+quota a rank whose sibling waits for the network would compute twice as fast. The kernel's bandwidth controller is the only tool that bounds
 CPU *time* (``nice``/``cpu.shares`` only weigh contenders and give an idle machine's cores to
 anyone), so that is what this module drives; it writes the files directly because there is no
 library for cgroupfs that covers both versions.

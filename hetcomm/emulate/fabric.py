@@ -1,5 +1,5 @@
 """Build and remove an emulated cluster in the kernel: namespaces, veths, bridges, shapers,
-and (with compute emulation) one cpu cgroup per node.
+and (with compute emulation) one cpu cgroup per rank.
 
 :func:`bring_up` records every name in the state file first, then creates the objects; any
 failure on the way tears down what exists and re-raises. :func:`tear_down` works from the state
@@ -32,6 +32,7 @@ from hetcomm.emulate.spec import NetPlan, Shaper
 from hetcomm.emulate.state import (
     SHM_ROOT,
     EmulationState,
+    rank_cgroup_name,
     save_state,
     shm_dir_for,
     state_path,
@@ -96,7 +97,11 @@ def bring_up(
         master_port=plan.settings.master_port,
         namespaces=plan.namespaces,
         shm_dirs=[shm_dir_for(plan.run_id, n.node) for n in plan.nodes],
-        cgroups=[cgroup_dir_for(hierarchy, plan.run_id, n.node) for n in plan.nodes]
+        cgroups=[
+            cgroup_dir_for(hierarchy, plan.run_id, rank_cgroup_name(n.node, r))
+            for n in plan.nodes
+            for r in n.ranks
+        ]
         if hierarchy
         else [],
         cgroup_version=hierarchy.version if hierarchy else 0,
@@ -112,7 +117,6 @@ def bring_up(
                 "ranks": list(n.ranks),
                 "compute_scale": n.compute_scale,
                 "cpus": n.cpus,
-                "cgroup": cgroup_dir_for(hierarchy, plan.run_id, n.node) if hierarchy else None,
                 "ifaces": [
                     {
                         "name": i.name,
@@ -160,9 +164,11 @@ def _create(plan: NetPlan, state: EmulationState, progress) -> None:
     if state.cgroups:
         hierarchy = find_cpu_hierarchy()
         assert hierarchy is not None  # checked in bring_up
-        for n, path in zip(plan.nodes, state.cgroups):
-            assert n.cpus is not None
-            create_cgroup(hierarchy, path, n.cpus)
+        cpus = {rank_cgroup_name(n.node, r): n.cpus for n in plan.nodes for r in n.ranks}
+        for path in state.cgroups:
+            share = cpus[os.path.basename(path)[len(state.prefix) :]]
+            assert share is not None
+            create_cgroup(hierarchy, path, share)
         _say(progress, f"emulate: {len(state.cgroups)} cpu cgroups (v{hierarchy.version}) limit compute")
     for ns in plan.namespaces:
         run_tool(["ip", "netns", "add", ns])

@@ -7,7 +7,7 @@ share it (so the ``shm`` rail works between them, as GPUs of one box share memor
 different nodes cannot see each other's segments, and tear-down removes every segment by
 removing the directory, even when a rank was killed before it could unlink.
 
-With compute emulation a small shell in the root namespace first moves itself into the node's
+With compute emulation a small shell in the root namespace first moves itself into the rank's
 cpu cgroup (``echo $$ > <cgroup>/cgroup.procs``) and then execs ``ip netns exec ...``: the rank
 and everything it starts inherit the cgroup. It is done before ``ip netns exec`` because that
 remounts ``/sys`` for the namespace, which hides the host's cgroup mounts.
@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, TextIO
 
-from hetcomm.emulate.state import EmulationState, save_state
+from hetcomm.emulate.state import EmulationState, rank_cgroup_name, save_state
 from hetcomm.errors import UsageError
 
 __all__ = ["RankResult", "RunOutcome", "rank_env", "run_ranks"]
@@ -177,7 +177,7 @@ def run_ranks(
     shm = {
         n["node"]: os.path.join("/dev/shm", f"hc{state.run_id}-{n['node']}") for n in state.nodes
     }
-    # The recorded (and validated) cgroups, by node.
+    # The recorded (and validated) cgroups, by "<node>-r<rank>".
     cgroups = {os.path.basename(c)[len(state.prefix) :]: c for c in state.cgroups}
     t0 = time.monotonic()
     try:
@@ -194,7 +194,7 @@ def run_ranks(
                 shm[node["node"]],
                 *cmd,
             ]
-            cg = cgroups.get(node["node"])
+            cg = cgroups.get(rank_cgroup_name(node["node"], rank))
             if cg is not None:
                 argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(cg, "cgroup.procs"), *argv]
             if rank == 0:

@@ -181,7 +181,7 @@ class NodeNs:
         ifaces: its emulated NICs; ``ifaces[0]`` carries gloo (``GLOO_SOCKET_IFNAME``).
         address: the node's primary address (``ifaces[0]``'s, without prefix).
         compute_scale: relative compute speed (1 = fastest).
-        cpus: CPU quota of the node's cgroup (``compute_scale x cpu_per_rank x ranks``), or None
+        cpus: CPU quota of each of the node's ranks (``compute_scale x cpu_per_rank``), or None
             when compute speed is not emulated.
     """
 
@@ -439,12 +439,12 @@ def _with_compute(cluster: Cluster, settings: EmulationSettings, plan: NetPlan) 
     nodes = []
     for nn in plan.nodes:
         s = node_compute_scale(cluster, settings, by_name[nn.node])
-        cpus = s * settings.cpu_per_rank * len(nn.ranks) if settings.compute else None
+        cpus = s * settings.cpu_per_rank if settings.compute else None
         nodes.append(dataclasses.replace(nn, compute_scale=s, cpus=cpus))
     notes = list(plan.notes)
     if settings.compute:
         notes.append(
-            "compute speed: " + ", ".join(f"{n.node} x{n.compute_scale:g} ({n.cpus:.3g} CPUs)" for n in nodes)
+            "compute speed: " + ", ".join(f"{n.node} x{n.compute_scale:.3g} ({n.cpus:.3g} CPUs per rank)" for n in nodes)
             + f"; {settings.cpu_per_rank:.3g} CPUs per rank at x1"
         )
     elif settings.compute_scale:

@@ -15,7 +15,7 @@ item 1). Three layers keep it from being one:
 - the state file must be a regular file owned by the caller and not writable by others, read
   without following links (:func:`load_state`);
 - every name in it must be one this run's own records produce: ``hc<id>-<node>`` namespaces of
-  the nodes it lists, ``/dev/shm/hc<id>-<node>``, ``<cpu cgroup root>/hc<id>-<node>``
+  the nodes it lists, ``/dev/shm/hc<id>-<node>``, ``<cpu cgroup root>/hc<id>-<node>-r<rank>``
   (:func:`validate_state`). Anything else refuses the whole file; nothing of it is acted on.
 
 Every state directory in use is also entered in a small index, ``/run/hetcomm/emulate-index/hc<id>``
@@ -44,6 +44,7 @@ __all__ = [
     "SHM_ROOT",
     "NODE_NAME_RE",
     "shm_dir_for",
+    "rank_cgroup_name",
     "state_path",
     "secure_state_dir",
     "load_state",
@@ -83,12 +84,12 @@ class EmulationState:
         scale / mode / subnet: the settings it was built with.
         namespaces: every namespace name (fabric first).
         shm_dirs: host directories bind-mounted as ``/dev/shm`` in each node.
-        cgroups: cpu cgroup directories, one per node, when compute speed is emulated.
+        cgroups: cpu cgroup directories, one per rank, when compute speed is emulated.
         cgroup_version: 1 or 2 (0 when there are no cgroups).
         interfaces: ``ns/dev`` of every veth end (gone with their namespaces).
         qdiscs: ``ns/dev: description`` of every shaper.
         nodes: per node: ns, node, ranks, ifaces ``[{name, address, rate_bps}]``, and with compute
-            emulation ``compute_scale`` (relative speed) and ``cpus`` (its CPU quota).
+            emulation ``compute_scale`` (relative speed) and ``cpus`` (each rank's CPU quota).
         rank_pids: process ids of rank launchers of a ``run`` in progress.
         notes: facts from the plan.
     """
@@ -121,6 +122,12 @@ class EmulationState:
 def shm_dir_for(run_id: str, node: str) -> str:
     """Host directory bind-mounted as ``/dev/shm`` for the ranks of ``node``."""
     return os.path.join(SHM_ROOT, f"hc{run_id}-{node}")
+
+
+def rank_cgroup_name(node: str, rank: int) -> str:
+    """``<node>-r<rank>``: the cgroup of one rank is ``<cpu root>/hc<id>-<node>-r<rank>`` (node
+    names end in a digit, so no node is ever named like a rank's cgroup)."""
+    return f"{node}-r{rank}"
 
 
 def state_path(state_dir: str, run_id: str) -> str:
@@ -330,6 +337,7 @@ def validate_state(state: EmulationState, path: Optional[str] = None) -> None:
     if not isinstance(state.nodes, list):
         raise bad("nodes", "expected a list of nodes")
     node_names: List[str] = []
+    rank_cgroups: List[str] = []
     for i, n in enumerate(state.nodes):
         key = f"nodes[{i}]"
         if not isinstance(n, dict):
@@ -347,6 +355,7 @@ def validate_state(state: EmulationState, path: Optional[str] = None) -> None:
         if not isinstance(n.get("ifaces", []), list):
             raise bad(f"{key}.ifaces", "expected a list")
         node_names.append(name)
+        rank_cgroups += [rank_cgroup_name(name, r) for r in ranks]
     allowed_ns = {prefix + "fabric"} | {prefix + x for x in node_names}
     for i, ns in enumerate(state.namespaces):
         if ns not in allowed_ns:
@@ -367,13 +376,13 @@ def validate_state(state: EmulationState, path: Optional[str] = None) -> None:
         from hetcomm.emulate.cgroup import cgroup_dir_for, find_cpu_hierarchy
 
         h = find_cpu_hierarchy()
-        allowed_cg = {cgroup_dir_for(h, rid, x) for x in node_names} if h is not None else set()
+        allowed_cg = {cgroup_dir_for(h, rid, x) for x in rank_cgroups} if h is not None else set()
         for i, d in enumerate(state.cgroups):
             if d not in allowed_cg:
                 raise bad(
                     f"cgroups[{i}]",
-                    f"{d!r} is not one of this run's cgroups (<cpu cgroup root>/{prefix}<node> of "
-                    f"the nodes it lists)",
+                    f"{d!r} is not one of this run's cgroups (<cpu cgroup root>/{prefix}<node>-r<rank> "
+                    f"of the nodes and ranks it lists)",
                 )
     if not isinstance(state.rank_pids, list) or not all(
         isinstance(p, int) and not isinstance(p, bool) and p > 1 for p in state.rank_pids

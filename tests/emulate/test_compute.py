@@ -37,7 +37,7 @@ def _no_cgroups(rid: str) -> bool:
 
 
 @pytest.mark.timeout(60)
-def test_up_makes_a_cgroup_per_node_with_its_quota(tmp_path, capfd):
+def test_up_makes_a_cgroup_per_rank_with_its_quota(tmp_path, capfd):
     sd = str(tmp_path / "sd")
     argv = ["emulate", "up", "--cluster", HALF, "--state-dir", sd, "--compute", "--cpu-per-rank", "0.2"]
     assert hetcomm_main(argv + ["--json"]) == 0
@@ -45,19 +45,20 @@ def test_up_makes_a_cgroup_per_node_with_its_quota(tmp_path, capfd):
     rid = state["run_id"]
     h = find_cpu_hierarchy()
     try:
-        # Recorded before creation, one per node, named with the run's prefix.
-        assert state["cgroups"] == [os.path.join(h.root, f"hc{rid}-{n}") for n in ("a100-0", "h800-0", "ascend-0")]
+        # Recorded before creation, one per rank, named with the run's prefix.
+        names = ["a100-0-r0", "a100-0-r1", "h800-0-r2", "ascend-0-r3"]
+        assert state["cgroups"] == [os.path.join(h.root, f"hc{rid}-{n}") for n in names]
         quotas = {}
-        for n in state["nodes"]:
-            quota, period = read_cpu_limit(h, n["cgroup"])
-            quotas[n["node"]] = quota / period
+        for path in state["cgroups"]:
+            quota, period = read_cpu_limit(h, path)
+            quotas[os.path.basename(path)[9:]] = quota / period
             weight = "cpu.weight" if h.version == 2 else "cpu.shares"
-            with open(os.path.join(n["cgroup"], weight)) as f:
+            with open(os.path.join(path, weight)) as f:
                 assert int(f.read()) == (WEIGHT_V2 if h.version == 2 else SHARES_V1)
-        # a100-0: 2 ranks x 0.2 CPU; h800-0: 0.2; ascend-0 at half speed: 0.1.
-        assert quotas == pytest.approx({"a100-0": 0.4, "h800-0": 0.2, "ascend-0": 0.1})
+        # 0.2 CPU per rank at full speed; the 910B at half speed: 0.1.
+        assert quotas == pytest.approx({"a100-0-r0": 0.2, "a100-0-r1": 0.2, "h800-0-r2": 0.2, "ascend-0-r3": 0.1})
         assert hetcomm_main(["emulate", "status", "--state-dir", sd]) == 0
-        assert "ascend-0     x0.5: 0.1 CPUs" in capfd.readouterr().out
+        assert "ascend-0     x0.5: 0.1 CPUs per rank" in capfd.readouterr().out
     finally:
         assert hetcomm_main(["emulate", "down", "--state-dir", sd]) == 0
     assert _no_cgroups(rid)
@@ -82,7 +83,7 @@ def test_same_gemm_runs_at_the_configured_ratio(tmp_path, capfd, monkeypatch):
     h800 = json.loads((out / "rank2.json").read_text())
     ascend = json.loads((out / "rank3.json").read_text())
     rid = os.path.basename(h800["cgroup"]).split("-")[0][2:]
-    assert h800["cgroup"].endswith(f"hc{rid}-h800-0") and ascend["cgroup"].endswith(f"hc{rid}-ascend-0")
+    assert h800["cgroup"].endswith(f"hc{rid}-h800-0-r2") and ascend["cgroup"].endswith(f"hc{rid}-ascend-0-r3")
     ratio = sum(ascend["wall_s"]) / sum(h800["wall_s"])
     assert 0.75 * 2.0 <= ratio <= 1.25 * 2.0, (ratio, h800, ascend)
     assert _no_cgroups(rid)

@@ -306,7 +306,7 @@ def test_killed_run_is_cleaned_by_down(tmp_path):
     assert [n for n in list_netns() if n.startswith(f"hc{rid}-")]
     assert any(_alive(p) for p in state["rank_pids"])
     if compute:
-        assert len(state["cgroups"]) == 3 and all(os.path.isdir(c) for c in state["cgroups"])
+        assert len(state["cgroups"]) == 4 and all(os.path.isdir(c) for c in state["cgroups"])
         for pid in state["rank_pids"]:  # every rank runs in its node's cgroup
             with open(f"/proc/{pid}/cgroup") as f:
                 assert f"/hc{rid}-" in f.read()

@@ -189,3 +189,35 @@ def test_sweep_spares_live_emulations_and_busy_names(tmp_path, capfd):
         shutil.rmtree(f"/dev/shm/hc{orphan_rid}-n0", ignore_errors=True)
         assert hetcomm_main(["emulate", "down", "--state-dir", str(other)]) == 0
     assert not [n for n in list_netns() if n.startswith(f"hc{live_rid}-")]
+
+
+def test_planted_cgroup_is_refused(tmp_path, capfd):
+    """A state file otherwise well-formed (its own node, namespace and shm names) that also lists
+    a cgroup hetcomm did not make: refused as a whole, the cgroup stays."""
+    from hetcomm.emulate.cgroup import find_cpu_hierarchy
+
+    h = find_cpu_hierarchy()
+    if h is None:
+        pytest.skip("no cgroup cpu controller")
+    rid = secrets.token_hex(3)
+    victim = os.path.join(h.root, f"victim-{rid}")
+    os.mkdir(victim)
+    try:
+        sd = tmp_path / "sd"
+        sd.mkdir(mode=0o700)
+        state = {
+            "run_id": rid,
+            "cluster_name": "x",
+            "cluster_path": "",
+            "namespaces": [f"hc{rid}-n-0"],
+            "shm_dirs": [f"/dev/shm/hc{rid}-n-0"],
+            "cgroups": [victim],
+            "nodes": [{"ns": f"hc{rid}-n-0", "node": "n-0", "ranks": [0], "ifaces": []}],
+        }
+        (sd / f"hc{rid}.json").write_text(json.dumps(state))
+        code = hetcomm_main(["emulate", "down", "--state-dir", str(sd)])
+        err = capfd.readouterr().err
+        assert code == 2 and "cgroups[0]" in err, err
+        assert os.path.isdir(victim)
+    finally:
+        os.rmdir(victim)

@@ -29,11 +29,14 @@ NVLINK_GBPS_PER_LINK = 25 * 8
 NVLINK5_GBPS_PER_LINK = 50 * 8
 
 # Links per GPU for SXM parts (topology-notes §5.1 and §6 row 1):
+#   V100 SXM2: 6 links (DGX-1 hybrid cube mesh: NV1/NV2 to four peers, 6 in total).
 #   A100 SXM4: NV12 = 12 x 25 = 300 GB/s/dir (600 bidir), DGX A100 fixture shows NV12.
 #   A800/H800 SXM: NV8 = 8 x 25 = 200 GB/s/dir (export cap), H800 fixture shows NV8.
 #   H100/H200/H20 SXM: NV18 = 18 x 25 = 450 GB/s/dir, H100 fixture shows NV18.
 #   B200/B300: NV18 at 50 GB/s per link.
 _NVLINK_LINKS = {
+    # V100 SXM2: 6 NVLink2 links x 25 GB/s/dir (NVIDIA V100 datasheet: "NVLink 300 GB/s" bidir).
+    "V100": 6,
     "A100": 12,
     "A800": 8,
     "H800": 8,

@@ -21,6 +21,19 @@ from tests.conftest import FIXTURES
 # fixture -> (module of the primary format, modules of all formats, exact names of ours)
 EXPECTED = {
     "envreport_sglang_h800_nv8_11nic_kvm.txt": ("nvsmi", {"nvsmi", "envreport"}, set()),
+    "envreport_sglang_a100_sxm4_x2_nv12_5nic.txt": ("nvsmi", {"nvsmi", "envreport"}, set()),
+    "nvsmi_topo_p100_x8_pix_phb_jenkins.txt": ("nvsmi", {"nvsmi"}, set()),
+    "nvsmi_nvlink_status_v100_sxm2_2_inactive.txt": ("nvsmi", {"nvsmi"}, set()),
+    "nvsmi_topo_p2p_rtx5090_x2_phb_gns.txt": ("nvsmi", {"nvsmi"}, set()),
+    "nvsmi_topo_h100_x4_nv6_mesh_4numa.txt": ("nvsmi", {"nvsmi"}, set()),
+    "nvsmi_topo_a100_x2_nv12_mlx5_named_columns.txt": ("nvsmi", {"nvsmi"}, set()),
+    "nccl_log_efa_ofi_1.3_hmem_unsupported.txt": ("nccl_log", {"nccl_log"}, {"nccl-log"}),
+    "nccl_log_p5en_h200_efa_16nic_libfabric.txt": ("nccl_log", {"nccl_log"}, {"nccl-log"}),
+    "nccl_topo_xml_aws_p4d_24xl_efa_static.xml": ("nccl_xml", {"nccl_xml"}, set()),
+    "nccl_topo_xml_aws_g5_48xl_cpu_roots_only.xml": ("nccl_xml", {"nccl_xml"}, set()),
+    "nccl_topo_xml_azure_ndv4_a100_ib_4numa.xml": ("nccl_xml", {"nccl_xml"}, set()),
+    "nccl_topo_xml_azure_ndv5_h100_ib_2numa.xml": ("nccl_xml", {"nccl_xml"}, set()),
+    "nccl_topo_xml_azure_ndv2_v100_ib.xml": ("nccl_xml", {"nccl_xml"}, set()),
     "fabricmanager_log_nvls_multicast.txt": ("lspci", {"lspci"}, set()),
     "hccn_tool_910b_status_lldp_ip_route_ping.txt": ("hccn", {"hccn"}, {"hccn_tool"}),
     "hccn_tool_ascend_8npu_env_check.txt": ("hccn", {"hccn"}, {"hccn_tool"}),
@@ -52,6 +65,8 @@ EXPECTED = {
     "sys_class_infiniband_h100_ndr_ib_plus_roce_bond.txt": ("rdma", {"rdma"}, {"ib-sysfs"}),
 }
 OURS = ("npusmi", "rdma", "lsmod", "nccl_log", "hccn")
+#: Real captures a parser claims but must refuse with an error (nothing in them to model).
+REFUSED = {"nccl_topo_xml_aws_g5_48xl_cpu_roots_only.xml"}
 
 
 def module_of(fmt: str) -> str:
@@ -79,6 +94,10 @@ def test_every_fixture_detects_and_parses(name):
     assert module_of(P.detect_format(text, name)) == primary_module
     assert {module_of(f) for f in found} == modules
     assert {f for f in found if module_of(f) in OURS} == ours
+    if name in REFUSED:
+        with pytest.raises(TopologyParseError):
+            P.parse_file(os.path.join(FIXTURES, name))
+        return
     topo = P.parse_file(os.path.join(FIXTURES, name))
     assert topo.facts["formats"] == found  # every detected format parsed, in priority order
     assert topo.facts["sources"] == [os.path.join(FIXTURES, name)]

@@ -280,7 +280,9 @@ def parse_text(
             f"{err} (format {name} recognised the text but could not parse it; the other "
             f"formats' results are kept)"
         )
-    merged.facts["formats"] = list(dict.fromkeys(merged.facts.get("formats", []) + parsed))
+    # The detected formats first, in priority order; a format one parser reports on its own
+    # (the topo -m parser also reads a -p2p matrix in the same file) after them.
+    merged.facts["formats"] = list(dict.fromkeys(parsed + merged.facts.get("formats", [])))
     merged.facts["sources"] = list(dict.fromkeys(merged.facts.get("sources", []) + [path]))
     _join_ascend_pci(merged)
     return merged

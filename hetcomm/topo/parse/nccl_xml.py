@@ -165,6 +165,7 @@ def parse_nccl_xml(text: str, path: str = "<text>") -> Topology:
     gpus: List[Tuple[_Endpoint, ET.Element, ET.Element]] = []  # (endpoint, <gpu>, its <pci>)
     nics: List[_Endpoint] = []
     gpu_by_bus: Dict[str, str] = {}
+    static: List[ET.Element] = []  # bare <pci> leaves of a static topology file
 
     def walk(node: ET.Element, cpu: Optional[ET.Element], chain: List[ET.Element]) -> None:
         for child in node:
@@ -183,6 +184,24 @@ def parse_nccl_xml(text: str, path: str = "<text>") -> Topology:
                 walk(child, cpu, chain)
 
     def _device(pci: ET.Element, cpu: Optional[ET.Element], chain: List[ET.Element]) -> None:
+        cls = (pci.get("class") or "").lower()
+        if len(pci) == 0 and (cls in _GPU_CLASSES or cls.startswith(("0x0207", "0x0200"))):
+            # A static NCCL_TOPO_FILE, as clouds ship them (AWS p4d, Azure NDv4/v5), lists GPUs and
+            # NICs as bare <pci> leaves by class; NCCL fills in <gpu>/<nic> at run time. Number
+            # them in document order, as the file's comments do (GPU 0, GPU 1, ...).
+            static.append(pci)
+            if cls in _GPU_CLASSES:
+                gpu = ET.Element("gpu", {"dev": str(len(gpus))})
+                name = f"GPU{len(gpus)}"
+                gpus.append((_Endpoint(name, cpu, chain), gpu, pci))
+                if pci.get("busid"):
+                    gpu_by_bus[normalize_bus_id(pci.get("busid", ""))] = name
+            else:
+                efa = _hex_id(pci.get("vendor")) == "1d0f"  # Amazon EFA
+                ep = _add_net(ET.Element("net", {"name": f"{'efa' if efa else 'nic'}{len(nics)}"}), pci, cpu)
+                ep.bridges = chain
+                nics.append(ep)
+            return
         for child in pci:
             if child.tag == "gpu":
                 dev = child.get("dev")
@@ -357,7 +376,12 @@ def parse_nccl_xml(text: str, path: str = "<text>") -> Topology:
                 Link(a.name, b.name, cls, raw=raw, gbps=nominal_gbps(cls, model), source=path)
             )
 
-    if gpus:
+    if static:
+        # NVLink is not described in a static file (NCCL reads it from NVML): like `topo -mp`,
+        # a PCIe class between two SXM GPUs here is no evidence that NVLink is missing.
+        topo.facts["nccl_topo_static"] = True
+        topo.facts["pcie_view"] = True
+    if gpus and not static:
         topo.facts["nvlink_active"] = nvlink_total
         topo.facts["nvswitch_count"] = len(switches)
     topo.facts["formats"] = ["nccl-xml"]

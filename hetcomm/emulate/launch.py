@@ -24,6 +24,8 @@ Environment of every rank (on top of the caller's)::
     HETCOMM_EMULATE_NODE          the node name (a100-0)
     HETCOMM_EMULATE_IFNAMES       every emulated NIC of the node, rail order (nic0,nic1,...)
     HETCOMM_EMULATE_ADDRS         their IPv4 addresses, same order
+    HETCOMM_EMULATE_COMPUTE       with --compute: the node's relative speed and the rank's CPU
+                                  quota, ``<speed>/<cpus>`` (``0.5/0.25``); unset otherwise
     OMP_NUM_THREADS               1 unless set: N ranks on a few cores must not oversubscribe
 """
 
@@ -108,6 +110,10 @@ def rank_env(
         HETCOMM_EMULATE_IFNAMES=",".join(i["name"] for i in ifaces),
         HETCOMM_EMULATE_ADDRS=",".join(i["address"].split("/")[0] for i in ifaces),
     )
+    if node.get("cpus") is not None:
+        env["HETCOMM_EMULATE_COMPUTE"] = f"{node.get('compute_scale', 1.0):g}/{node['cpus']:g}"
+    else:
+        env.pop("HETCOMM_EMULATE_COMPUTE", None)
     env.setdefault("OMP_NUM_THREADS", "1")
     # `hetcomm ...` inside a rank must be this installation's, whatever PATH the caller had.
     bindir = os.path.dirname(os.path.abspath(sys.executable))

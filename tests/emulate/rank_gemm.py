@@ -56,6 +56,7 @@ def main() -> int:
         "rank": rank,
         "node": os.environ["HETCOMM_EMULATE_NODE"],
         "cgroup": cgroup,
+        "compute": os.environ.get("HETCOMM_EMULATE_COMPUTE"),
         "wall_s": walls,
         "cpu_s": cpus,
     }

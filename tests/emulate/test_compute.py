@@ -84,6 +84,7 @@ def test_same_gemm_runs_at_the_configured_ratio(tmp_path, capfd, monkeypatch):
     ascend = json.loads((out / "rank3.json").read_text())
     rid = os.path.basename(h800["cgroup"]).split("-")[0][2:]
     assert h800["cgroup"].endswith(f"hc{rid}-h800-0-r2") and ascend["cgroup"].endswith(f"hc{rid}-ascend-0-r3")
+    assert (h800["compute"], ascend["compute"]) == ("1/0.2", "0.5/0.1")
     ratio = sum(ascend["wall_s"]) / sum(h800["wall_s"])
     assert 0.75 * 2.0 <= ratio <= 1.25 * 2.0, (ratio, h800, ascend)
     assert _no_cgroups(rid)

@@ -19,7 +19,9 @@ Model (one training step of one MoE layer):
 * compute: rank ``r`` runs ``W T k p(r)`` token copies through its experts; forward is
   ``4 D F`` FLOPs per copy (two GEMMs), backward twice that; at ``tflops[r] * efficiency``;
 * the step: the ranks meet at every all-to-all, so
-  ``step = dispatch + max_r fwd_r + combine + combine_bwd + max_r bwd_r + dispatch_bwd``.
+  ``step = dispatch + max_r fwd_r + combine + combine_bwd + max_r bwd_r + dispatch_bwd``,
+  plus ``overhead_s``, a per-step constant for what neither term explains (gating, row
+  sorting, the framework), calibrated from one measured step when one is available.
 
 Dense (attention) compute is the same on every rank of a data-parallel group and is left out:
 this is the part placement can change.
@@ -51,6 +53,9 @@ class MoEWorkload:
         backward: include the backward pass (2x forward FLOPs, the all-to-alls again).
         efficiency: fraction of the device's peak TFLOPS an expert GEMM reaches (0.5 is typical
             for the small per-expert batches of MoE; measured with ``hetcomm bench compute``).
+        overhead_s: per-step time neither the links nor the expert GEMMs explain (gating,
+            sorting rows, kernel launches, the framework), the same for every placement; 0 by
+            default, calibrated from one measured step where one exists.
     """
 
     tokens_per_rank: int
@@ -60,6 +65,7 @@ class MoEWorkload:
     wire_bytes: int = 2
     backward: bool = True
     efficiency: float = 0.5
+    overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_rank", "k", "model_dim", "hidden_dim", "wire_bytes"):
@@ -67,6 +73,8 @@ class MoEWorkload:
                 raise UsageError(f"MoE workload: {name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.efficiency <= 1:
             raise UsageError(f"MoE workload: efficiency must be in (0, 1], got {self.efficiency}")
+        if not self.overhead_s >= 0:
+            raise UsageError(f"MoE workload: overhead_s must be >= 0, got {self.overhead_s}")
 
 
 @dataclass(frozen=True)
@@ -181,6 +189,7 @@ def simulate_moe_step(
         step = a2a + float(fwd.max()) + float((compute - fwd).max())
     else:
         step = a2a + float(compute.max())
+    step += workload.overhead_s
     return StepResult(
         time_s=step,
         alltoall_s=a2a,

@@ -64,8 +64,9 @@ class Placement:
     Attributes:
         ranks: one :class:`RankPlace` per group rank.
         cluster: the cluster YAML it came from, the detected cluster, or None (hostname placement).
-        discovered: the :class:`hetcomm.topo.discover.DiscoveredCluster` when the cluster was
-            detected (its findings, notes and per-pair classes), else None.
+        discovered: the :class:`hetcomm.topo.discover.DiscoveredCluster` of the default group
+            (its findings -- ``cluster-mismatch`` ones when a file was given too --, notes and
+            per-pair classes), else None.
     """
 
     ranks: Tuple[RankPlace, ...]
@@ -164,18 +165,32 @@ def build_placement(
                 path=cluster.path,
             )
     discovered = None
-    if cluster is None and is_default_group and detection_enabled():
-        from hetcomm.topo.discover import discover_cluster
+    if is_default_group and detection_enabled():
+        from hetcomm.topo.discover import compare_with_cluster, discover_cluster
 
         try:
             discovered = discover_cluster(store, group_rank, group_size, timeout)
         except ConfigError as e:
             # Ranks not numbered host by host, unreadable captures: the job still runs, placed by
-            # hostname as before detection existed; say why once.
+            # hostname (or by the file) as before detection existed; say why once.
             if group_rank == 0:
                 warnings.warn(f"hetcomm: cluster detection off for this group: {e}", RuntimeWarning, stacklevel=2)
         else:
-            cluster = discovered.cluster
+            if cluster is None:
+                cluster = discovered.cluster
+            else:
+                # The file wins (it may label CPU processes); where the probe contradicts it on
+                # real devices, say so once (a YAML claiming NVLink over PCIe cards).
+                found = compare_with_cluster(discovered, cluster)
+                if found and group_rank == 0:
+                    lines = "; ".join(f"[{f.severity}] {f.subject}: {f.message}" for f in found[:4])
+                    warnings.warn(
+                        f"hetcomm: cluster file '{cluster.name}' contradicts the probed machines "
+                        f"({len(found)} cluster-mismatch finding(s)): {lines}; run `hetcomm discover "
+                        f"--cluster {cluster.path or cluster.name}` for all of them",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
     places: List[RankPlace] = []
     for r, e in enumerate(entries):
         if cluster is not None:

@@ -38,3 +38,21 @@ def test_default_group_runs_on_a_detected_cluster():
 def test_detection_can_be_turned_off():
     res = run_ranks(_placement, world_size=2, env={"HETCOMM_CLUSTER": None, "HETCOMM_DETECT": "0"})
     assert [got["name"] for got in res] == [None, None]
+
+
+def _mismatch(rank: int, world: int):
+    import hetcomm
+
+    found = hetcomm.communicator().placement.discovered
+    return [f.code for f in found.findings if f.code == "cluster-mismatch"]
+
+
+def test_a_file_that_contradicts_the_probe_is_reported(tmp_path):
+    """mixed-mini says A100-SXM4 with NVLink; the ranks read a captured PCIe A100 box."""
+    from tests.topo.test_discover import make_probe_dirs
+
+    template = make_probe_dirs(tmp_path)
+    from tests.backends.ranks import MIXED_MINI
+
+    res = run_ranks(_mismatch, world_size=4, cluster=MIXED_MINI, env={"HETCOMM_PROBE_DIR": template})
+    assert all(r == res[0] and "cluster-mismatch" in r for r in res)

@@ -14,7 +14,8 @@ equal the inverse of the configured speed ratio.
 Needs root. Usage::
 
     sudo .venv/bin/python benchmarks/emulate_compute.py --repeats 3
-    sudo .venv/bin/python benchmarks/emulate_compute.py --cluster configs/clusters/mixed-mini.yaml --lib numpy
+    sudo .venv/bin/python benchmarks/emulate_compute.py --lib numpy \
+        --cluster configs/clusters/mixed-mini.yaml
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ def worker(out_dir: str, order: List[int], rounds: int, iters: int, size: int, l
         import numpy as np
 
         rng = np.random.default_rng(rank)
-        a, b = rng.standard_normal((size, size), dtype=np.float32), rng.standard_normal((size, size), dtype=np.float32)
+        a, b = (
+            rng.standard_normal((size, size), dtype=np.float32),
+            rng.standard_normal((size, size), dtype=np.float32),
+        )
 
         def gemm():
             a @ b
@@ -80,7 +84,15 @@ def worker(out_dir: str, order: List[int], rounds: int, iters: int, size: int, l
         cpus.append(time.process_time() - c0)
         open(os.path.join(out_dir, f"turn{turn}"), "w").close()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "node": os.environ["HETCOMM_EMULATE_NODE"], "wall_s": walls, "cpu_s": cpus}, f)
+        json.dump(
+            {
+                "rank": rank,
+                "node": os.environ["HETCOMM_EMULATE_NODE"],
+                "wall_s": walls,
+                "cpu_s": cpus,
+            },
+            f,
+        )
     return 0
 
 
@@ -110,15 +122,26 @@ def _run(rid: str, state_dir: str, args, order: List[int]) -> Dict[int, Dict]:
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         out, order, rounds, iters, size, lib = sys.argv[2:8]
-        return worker(out, [int(x) for x in order.split(",")], int(rounds), int(iters), int(size), lib)
+        return worker(
+            out, [int(x) for x in order.split(",")], int(rounds), int(iters), int(size), lib
+        )
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cluster", default=os.path.join(REPO, "configs", "clusters", "mixed-mini-halfspeed.yaml"))
+    p.add_argument(
+        "--cluster", default=os.path.join(REPO, "configs", "clusters", "mixed-mini-halfspeed.yaml")
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--iters", type=int, default=800, help="GEMMs per round (a round should span >= 25 CFS periods of 20 ms)")
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=800,
+        help="GEMMs per round (a round should span >= 25 CFS periods of 20 ms)",
+    )
     p.add_argument("--size", type=int, default=256, help="square GEMM dimension (float32)")
     p.add_argument("--lib", choices=("torch", "numpy"), default="torch")
-    p.add_argument("--cpu-per-rank", type=float, default=0.5, help="CPUs of a speed-1 rank (default 0.5)")
+    p.add_argument(
+        "--cpu-per-rank", type=float, default=0.5, help="CPUs of a speed-1 rank (default 0.5)"
+    )
     args = p.parse_args()
     from hetcomm.emulate.spec import node_compute_scale, settings_from_cluster
     from hetcomm.topo.cluster import load_cluster
@@ -145,23 +168,33 @@ def main() -> int:
             subprocess.run(HETCOMM + ["emulate", "down", "--state-dir", sd], cwd=REPO, check=False)
     load1 = os.getloadavg()
     gemm_s = {
-        v: {r: statistics.median(args.rounds * args.iters / sum(res[r]["wall_s"]) for res in results[v]) for r in order}
+        v: {
+            r: statistics.median(
+                args.rounds * args.iters / sum(res[r]["wall_s"]) for res in results[v]
+            )
+            for r in order
+        }
         for v in results
     }
     ratios = {
         r: statistics.median(
-            sum(res[r]["wall_s"]) / min(sum(res[q]["wall_s"]) for q in order) for res in results["on"]
+            sum(res[r]["wall_s"]) / min(sum(res[q]["wall_s"]) for q in order)
+            for res in results["on"]
         )
         for r in order
     }
     top = max(speed.values())
     print(
         f"\n{os.path.basename(args.cluster)}, {args.lib} {args.size}x{args.size} float32 GEMM, "
-        f"{args.rounds} rounds x {args.iters} per node in turns, cpu_per_rank {args.cpu_per_rank:g}, "
+        f"{args.rounds} rounds x {args.iters} per node in turns, "
+        f"cpu_per_rank {args.cpu_per_rank:g}, "
         f"{args.repeats} repeats; {platform.node()}, {os.cpu_count()} CPUs, {started}; "
         f"load average {load0[0]:.1f} at start, {load1[0]:.1f} at end\n"
     )
-    print("| node (rank) | configured speed | GEMM/s, --no-compute | GEMM/s, --compute | time / fastest, measured | expected |")
+    print(
+        "| node (rank) | configured speed | GEMM/s, --no-compute | GEMM/s, --compute "
+        "| time / fastest, measured | expected |"
+    )
     print("|---|---|---|---|---|---|")
     for r in order:
         n = node_of[r]

@@ -229,7 +229,8 @@ def _down(args: argparse.Namespace) -> int:
             _log(f"emulate: hc{s.run_id}: NOT fully removed: " + "; ".join(problems))
         else:
             _log(
-                f"emulate: hc{s.run_id} ({s.cluster_name}) removed: {len(s.namespaces)} namespaces, "
+                f"emulate: hc{s.run_id} ({s.cluster_name}) removed: {len(s.namespaces)} "
+                "namespaces, "
                 f"{len(s.cgroups)} cgroups recorded"
             )
     if args.sweep:
@@ -320,7 +321,8 @@ def _status(args: argparse.Namespace) -> int:
         what = ", ".join(u.objects)
         if u.orphan:
             print(
-                f"  hc{u.run_id}: orphaned (no state file anywhere known, no live process): {what}; "
+                f"  hc{u.run_id}: orphaned (no state file anywhere known, no live process): "
+                f"{what}; "
                 f"'hetcomm emulate down --sweep --id hc{u.run_id}' removes it"
             )
         else:

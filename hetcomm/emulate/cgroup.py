@@ -7,8 +7,9 @@ gets its share of each period and is throttled for the rest, so the same GEMM ta
 ``1/compute_scale`` times as long on a node at ``compute_scale`` as on the fastest node: the way a
 910B rank computes more slowly than an H800 rank. One cgroup per rank rather than per node
 because a device's speed does not depend on whether the GPU beside it is busy: with a node-wide
-quota a rank whose sibling waits for the network would compute twice as fast. The kernel's bandwidth controller is the only tool that bounds
-CPU *time* (``nice``/``cpu.shares`` only weigh contenders and give an idle machine's cores to
+quota a rank whose sibling waits for the network would compute twice as fast. The kernel's
+bandwidth controller is the only tool that bounds CPU *time* (``nice``/``cpu.shares`` only weigh
+contenders and give an idle machine's cores to
 anyone), so that is what this module drives; it writes the files directly because there is no
 library for cgroupfs that covers both versions.
 
@@ -136,7 +137,9 @@ def create_cgroup(h: CpuHierarchy, path: str, cpus: float) -> Tuple[int, int]:
     try:
         os.mkdir(path, 0o755)
     except FileExistsError:
-        raise KernelError(f"cgroup {path} exists already; is another emulation using this id?") from None
+        raise KernelError(
+            f"cgroup {path} exists already; is another emulation using this id?"
+        ) from None
     except OSError as e:
         raise KernelError(f"cannot create cgroup {path}: {e.strerror}") from None
     quota = quota_us_for(cpus)
@@ -207,6 +210,10 @@ def list_run_cgroups(h: Optional[CpuHierarchy]) -> List[str]:
     if h is None:
         return []
     try:
-        return sorted(n for n in os.listdir(h.root) if n.startswith("hc") and os.path.isdir(os.path.join(h.root, n)))
+        return sorted(
+            n
+            for n in os.listdir(h.root)
+            if n.startswith("hc") and os.path.isdir(os.path.join(h.root, n))
+        )
     except OSError:
         return []

@@ -169,7 +169,10 @@ def _create(plan: NetPlan, state: EmulationState, progress) -> None:
             share = cpus[os.path.basename(path)[len(state.prefix) :]]
             assert share is not None
             create_cgroup(hierarchy, path, share)
-        _say(progress, f"emulate: {len(state.cgroups)} cpu cgroups (v{hierarchy.version}) limit compute")
+        _say(
+            progress,
+            f"emulate: {len(state.cgroups)} cpu cgroups (v{hierarchy.version}) limit compute",
+        )
     for ns in plan.namespaces:
         run_tool(["ip", "netns", "add", ns])
         batch("ip", ns, ["link set lo up"])

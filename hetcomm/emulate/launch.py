@@ -202,7 +202,13 @@ def run_ranks(
             ]
             cg = cgroups.get(rank_cgroup_name(node["node"], rank))
             if cg is not None:
-                argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(cg, "cgroup.procs"), *argv]
+                argv = [
+                    "sh",
+                    "-c",
+                    'echo $$ > "$0" && exec "$@"',
+                    os.path.join(cg, "cgroup.procs"),
+                    *argv,
+                ]
             if rank == 0:
                 out = rank0_out if rank0_out is not None else None
                 logs[rank] = None

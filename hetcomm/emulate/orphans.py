@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from hetcomm.emulate.cgroup import find_cpu_hierarchy, list_run_cgroups, remove_cgroup, cgroup_pids
+from hetcomm.emulate.cgroup import cgroup_pids, find_cpu_hierarchy, list_run_cgroups, remove_cgroup
 from hetcomm.emulate.kernel import KernelError, list_netns, netns_pids, run_tool
 from hetcomm.emulate.state import (
     DEFAULT_STATE_DIR,

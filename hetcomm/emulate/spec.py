@@ -354,7 +354,11 @@ def _compute_scales(
                 path=cluster.path,
                 line=lines.get(key, lines.get("compute_scale")),
             )
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _MIN_COMPUTE_SCALE <= value <= 1:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not _MIN_COMPUTE_SCALE <= value <= 1
+        ):
             raise ConfigError(
                 f"expected a relative speed in [0.01, 1] (1 = the fastest device, 0.5 = half its "
                 f"speed), got {value!r}",
@@ -444,7 +448,10 @@ def _with_compute(cluster: Cluster, settings: EmulationSettings, plan: NetPlan) 
     notes = list(plan.notes)
     if settings.compute:
         notes.append(
-            "compute speed: " + ", ".join(f"{n.node} x{n.compute_scale:.3g} ({n.cpus:.3g} CPUs per rank)" for n in nodes)
+            "compute speed: "
+            + ", ".join(
+                f"{n.node} x{n.compute_scale:.3g} ({n.cpus:.3g} CPUs per rank)" for n in nodes
+            )
             + f"; {settings.cpu_per_rank:.3g} CPUs per rank at x1"
         )
     elif settings.compute_scale:

@@ -252,7 +252,9 @@ def _read_private_file(path: str) -> str:
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
-            raise ConfigError("not a regular file; refusing to use it as emulation state", path=path)
+            raise ConfigError(
+                "not a regular file; refusing to use it as emulation state", path=path
+            )
         if st.st_uid != os.geteuid():
             raise ConfigError(
                 f"the state file is owned by {_who(st.st_uid)}, not by you ({_who(os.geteuid())}); "
@@ -261,7 +263,8 @@ def _read_private_file(path: str) -> str:
             )
         if st.st_mode & 0o022:
             raise ConfigError(
-                f"the state file is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+                "the state file is writable by group or others (mode "
+                f"{stat.S_IMODE(st.st_mode):o}); "
                 f"refusing to act on it",
                 path=path,
             )
@@ -381,8 +384,8 @@ def validate_state(state: EmulationState, path: Optional[str] = None) -> None:
             if d not in allowed_cg:
                 raise bad(
                     f"cgroups[{i}]",
-                    f"{d!r} is not one of this run's cgroups (<cpu cgroup root>/{prefix}<node>-r<rank> "
-                    f"of the nodes and ranks it lists)",
+                    f"{d!r} is not one of this run's cgroups (<cpu cgroup root>/"
+                    f"{prefix}<node>-r<rank> of the nodes and ranks it lists)",
                 )
     if not isinstance(state.rank_pids, list) or not all(
         isinstance(p, int) and not isinstance(p, bool) and p > 1 for p in state.rank_pids

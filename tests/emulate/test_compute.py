@@ -39,7 +39,17 @@ def _no_cgroups(rid: str) -> bool:
 @pytest.mark.timeout(60)
 def test_up_makes_a_cgroup_per_rank_with_its_quota(tmp_path, capfd):
     sd = str(tmp_path / "sd")
-    argv = ["emulate", "up", "--cluster", HALF, "--state-dir", sd, "--compute", "--cpu-per-rank", "0.2"]
+    argv = [
+        "emulate",
+        "up",
+        "--cluster",
+        HALF,
+        "--state-dir",
+        sd,
+        "--compute",
+        "--cpu-per-rank",
+        "0.2",
+    ]
     assert hetcomm_main(argv + ["--json"]) == 0
     state = json.loads(capfd.readouterr().out)
     rid = state["run_id"]
@@ -56,7 +66,9 @@ def test_up_makes_a_cgroup_per_rank_with_its_quota(tmp_path, capfd):
             with open(os.path.join(path, weight)) as f:
                 assert int(f.read()) == (WEIGHT_V2 if h.version == 2 else SHARES_V1)
         # 0.2 CPU per rank at full speed; the 910B at half speed: 0.1.
-        assert quotas == pytest.approx({"a100-0-r0": 0.2, "a100-0-r1": 0.2, "h800-0-r2": 0.2, "ascend-0-r3": 0.1})
+        assert quotas == pytest.approx(
+            {"a100-0-r0": 0.2, "a100-0-r1": 0.2, "h800-0-r2": 0.2, "ascend-0-r3": 0.1}
+        )
         assert hetcomm_main(["emulate", "status", "--state-dir", sd]) == 0
         assert "ascend-0     x0.5: 0.1 CPUs per rank" in capfd.readouterr().out
     finally:
@@ -83,7 +95,9 @@ def test_same_gemm_runs_at_the_configured_ratio(tmp_path, capfd, monkeypatch):
     h800 = json.loads((out / "rank2.json").read_text())
     ascend = json.loads((out / "rank3.json").read_text())
     rid = os.path.basename(h800["cgroup"]).split("-")[0][2:]
-    assert h800["cgroup"].endswith(f"hc{rid}-h800-0-r2") and ascend["cgroup"].endswith(f"hc{rid}-ascend-0-r3")
+    assert h800["cgroup"].endswith(f"hc{rid}-h800-0-r2") and ascend["cgroup"].endswith(
+        f"hc{rid}-ascend-0-r3"
+    )
     assert (h800["compute"], ascend["compute"]) == ("1/0.2", "0.5/0.1")
     ratio = sum(ascend["wall_s"]) / sum(h800["wall_s"])
     assert 0.75 * 2.0 <= ratio <= 1.25 * 2.0, (ratio, h800, ascend)

@@ -155,7 +155,9 @@ def test_sweep_spares_live_emulations_and_busy_names(tmp_path, capfd):
     recorded in another state directory, and an unrecorded namespace with a live process."""
     other = tmp_path / "other"
     mine = tmp_path / "mine"
-    assert hetcomm_main(["emulate", "up", "--cluster", MINI, "--state-dir", str(other), "--json"]) == 0
+    assert (
+        hetcomm_main(["emulate", "up", "--cluster", MINI, "--state-dir", str(other), "--json"]) == 0
+    )
     live_rid = json.loads(capfd.readouterr().out)["run_id"]
     busy_rid, orphan_rid = secrets.token_hex(3), secrets.token_hex(3)
     busy = _netns_with_sleeper(f"hc{busy_rid}-n0")
@@ -167,7 +169,10 @@ def test_sweep_spares_live_emulations_and_busy_names(tmp_path, capfd):
         out = capfd.readouterr().out
         for rid in (live_rid, busy_rid, orphan_rid):
             assert f"hc{rid}" in out
-        lines = {rid: [x for x in out.splitlines() if f"hc{rid}" in x] for rid in (live_rid, busy_rid, orphan_rid)}
+        lines = {
+            rid: [x for x in out.splitlines() if f"hc{rid}" in x]
+            for rid in (live_rid, busy_rid, orphan_rid)
+        }
         assert str(other) in " ".join(lines[live_rid])
         assert "--sweep" not in " ".join(lines[live_rid] + lines[busy_rid])
         assert "--sweep" in " ".join(lines[orphan_rid])

@@ -258,7 +258,9 @@ def test_compute_scale_gives_each_node_its_cpu_share():
     assert any("ascend-0 x0.5 (0.25 CPUs per rank)" in note for note in plan.notes)
     # Off by default without compute_scale, and switchable from the command line.
     plain = load_cluster_text(_mini_text("mode: bridge\n"))
-    assert all(n.cpus is None for n in plan_network(plain, settings_from_cluster(plain), "abcdef").nodes)
+    assert all(
+        n.cpus is None for n in plan_network(plain, settings_from_cluster(plain), "abcdef").nodes
+    )
     # Switched on without overrides, the device table decides: H800 fastest, A100 and 910B
     # at about a third of it (312 and 320 against 990 dense FP16 TFLOPS).
     on = settings_from_cluster(plain, compute=True, cpu_per_rank=0.2)
@@ -267,7 +269,9 @@ def test_compute_scale_gives_each_node_its_cpu_share():
     assert [n.cpus for n in nodes] == pytest.approx([0.2 * 0.3153, 0.2, 0.2 * 0.3234], rel=1e-3)
     # device.tflops in the YAML beats the table: the half-speed 910B cluster DETECT benchmarks.
     half = load_cluster(os.path.join(REPO, "configs", "clusters", "mixed-mini-halfspeed.yaml"))
-    nodes = plan_network(half, settings_from_cluster(half, compute=True, num_cpus=2), "abcdef").nodes
+    nodes = plan_network(
+        half, settings_from_cluster(half, compute=True, num_cpus=2), "abcdef"
+    ).nodes
     assert [(n.compute_scale, n.cpus) for n in nodes] == [(1.0, 0.5), (1.0, 0.5), (0.5, 0.25)]
     off = settings_from_cluster(c, compute=False)
     assert all(n.cpus is None for n in plan_network(c, off, "abcdef").nodes)

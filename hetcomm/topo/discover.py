@@ -98,9 +98,9 @@ def probe_host_name(probe_dir: Optional[str] = None) -> str:
         path = os.path.join(probe_dir, "hostname")
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
-                name = f.read().strip().splitlines()[0].strip() if f else ""
-            if name:
-                return name
+                lines = f.read().strip().splitlines()
+            if lines and lines[0].strip():
+                return lines[0].strip()
         return os.path.basename(os.path.normpath(probe_dir))
     return socket.gethostname()
 
@@ -134,7 +134,7 @@ def probe_host(probe_dir: Optional[str] = None) -> Topology:
     from hetcomm.topo.parse import parse_files
 
     topo = parse_files(files)
-    if not any(d.vendor in ("nvidia", "ascend") for d in topo.devices) and not topo.devices:
+    if not topo.devices:  # NIC-only captures: the host's ranks are CPU ranks
         topo.add_device(Device(name="cpu0", vendor="cpu", model="cpu", index=0))
     return topo
 
@@ -217,7 +217,8 @@ def _accelerators(topo: Topology) -> List[Device]:
 
 
 def _group_name(host: str, taken: set) -> str:
-    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", host).strip("-") or "host"
+    # Cluster files cap names (hetcomm.topo.cluster.MAX_NAME_CHARS): keep room for "-<n>-0".
+    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", host).strip("-")[:48] or "host"
     name, i = base, 1
     while name in taken:
         i += 1
@@ -303,7 +304,6 @@ def assemble_cluster(
     rank_models: List[str] = []
     host_nic_rates: List[float] = []
     pair_classes: Dict[Tuple[int, int], LinkClass] = {}
-    first_rank = 0
     for h in order:
         topo = hosts[h]
         ranks = [r for r in range(n) if rank_hosts[r] == h]
@@ -415,7 +415,6 @@ def assemble_cluster(
                 nics=nics,
             )
         )
-        first_rank += len(ranks)
     # strength from throughput
     speeds = []
     for g in groups:
@@ -504,7 +503,7 @@ def compare_with_cluster(discovered: DiscoveredCluster, declared: Cluster) -> Li
                 f"host {discovered.rank_hosts[r]} sees {discovered.cluster.rank(r).model} ({discovered.rank_devices[r]})",
                 fix,
             ))
-    groups: Dict[Tuple[str, str, str], List[str]] = {}
+    groups: Dict[Tuple[str, str, str], List[Tuple[int, int]]] = {}
     for a in range(n):
         for b in range(a + 1, n):
             if not (real[a] and real[b]):
@@ -527,15 +526,15 @@ def compare_with_cluster(discovered: DiscoveredCluster, declared: Cluster) -> Li
             if want_cls != seen_cls:
                 node = declared.node_of(a).name
                 key = (node, want_cls.name, seen_cls.name)
-                groups.setdefault(key, []).append(
-                    f"rank{a}-rank{b} ({discovered.rank_devices[a]}-{discovered.rank_devices[b]})"
-                )
+                groups.setdefault(key, []).append((a, b))
     for (node, want_cls, seen_cls), pairs in groups.items():
-        shown = ", ".join(pairs[:4]) + (f" and {len(pairs) - 4} more" if len(pairs) > 4 else "")
-        host = discovered.rank_hosts[declared.node_of(int(pairs[0].split("-")[0][4:])).first_rank]
+        texts = [f"rank{a}-rank{b} ({discovered.rank_devices[a]}-{discovered.rank_devices[b]})" for a, b in pairs]
+        shown = ", ".join(texts[:4]) + (f" and {len(texts) - 4} more" if len(texts) > 4 else "")
+        a0, b0 = pairs[0]
+        host = discovered.rank_hosts[a0]
         worse = LinkClass[seen_cls] > LinkClass[want_cls]
         found.append(Finding(
-            "cluster-mismatch", "error" if worse else "warning", f"node {node}: {pairs[0].split(' ')[0]}",
+            "cluster-mismatch", "error" if worse else "warning", f"node {node}: rank{a0}-rank{b0}",
             f"cluster file says {want_cls} on node {node} for {shown}; the probe of host {host} sees "
             f"{seen_cls}" + (" (slower than declared: plans and wire dtypes assume bandwidth that is not there)" if worse else ""),
             fix,

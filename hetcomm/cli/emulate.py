@@ -391,6 +391,17 @@ def _run(args: argparse.Namespace) -> int:
                 f"no emulation {args.run_id} in {args.state_dir}; see 'hetcomm emulate status'"
             )
         state = load_state(path)
+    from hetcomm.cli._args import MAX_LOCAL_RANKS
+
+    num_ranks = plan.num_ranks if owned else sum(len(n["ranks"]) for n in state.nodes)
+    if num_ranks > MAX_LOCAL_RANKS:
+        # Every rank is a local process (with torch, ~200 MB): refuse before anything is built.
+        name = plan.cluster_name if owned else state.cluster_name
+        raise UsageError(
+            f"cluster '{name}' has {num_ranks} ranks; 'hetcomm emulate run' starts every rank as a "
+            f"process on this machine and allows at most {MAX_LOCAL_RANKS}; use a smaller cluster "
+            "(configs/clusters/mixed-mini.yaml) or 'hetcomm emulate up' to build and inspect it"
+        )
 
     # SIGTERM/SIGHUP must tear down like Ctrl-C does; SIGKILL cannot, which is what `down` is for.
     def _interrupt(signum, frame):

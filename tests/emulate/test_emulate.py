@@ -322,3 +322,14 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_run_refuses_more_ranks_than_one_machine_starts(tmp_path, capfd):
+    """The 80-rank preset: `run` would start 80 local processes; refused before anything is
+    built (`up` still builds it for inspection)."""
+    big = os.path.join(REPO, "configs", "clusters", "mixed-a100-h800-910b.yaml")
+    argv = ["emulate", "run", "--cluster", big, "--state-dir", str(tmp_path), "--", "true"]
+    code = hetcomm_main(argv)
+    err = capfd.readouterr().err
+    assert code == 2 and "has 80 ranks" in err and "at most 64" in err, err
+    assert "namespaces created" not in err and not list(tmp_path.glob("hc*"))

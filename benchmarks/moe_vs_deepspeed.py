@@ -340,22 +340,18 @@ def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
     clock = _PhaseClock()
     m = v.module
     if v.kind == "hetcomm":
-        import hetcomm.moe.dispatch as D
+        import hetcomm.backends.token_dispatch as TD
         import hetcomm.moe.layer as L
-        import hetcomm.moe.overlap as O
 
         clock.wrap(m.gate, "forward", "gate")
         clock.wrap(L, "plan_route", "route")
-        clock.wrap(L, "exchange_counts", "counts a2a")
-        clock.wrap(O, "launch", "a2a")
-        clock.wrap(O, "wait", "a2a")
-        clock.wrap(L, "gather_rows", "gather")
+        # dispatch = counts + metadata + rows (and the expansion); combine = weighted sums +
+        # the return exchange. Their backwards are the reverse exchanges.
+        clock.wrap(TD, "dispatch", "dispatch")
+        clock.wrap(TD, "combine", "combine")
         clock.wrap(m.experts, "forward_blocks", "experts")
-        clock.wrap(L, "weighted_combine", "combine")
-        # The backward of a dispatch/combine launch is the reverse exchange (launch + wait).
-        clock.wrap(D._Launch, "backward", "a2a")
-        clock.wrap(D._WeightedCombine, "backward", "combine")
-        clock.wrap(D._GatherRows, "backward", "gather")
+        clock.wrap(TD._DispatchFn, "backward", "dispatch")
+        clock.wrap(TD._CombineFn, "backward", "combine")
         experts = list(m.experts.experts) + (list(m.replicator.replicas.values()) if m.replicator else [])
     else:
         import deepspeed.moe.sharded_moe as S
@@ -720,7 +716,7 @@ def render(summary: Dict[str, Any], args, before: Dict[str, Any], after: Dict[st
     return "\n".join(lines)
 
 
-_PHASE_ORDER = ["gate", "route", "counts a2a", "a2a", "permute", "experts", "combine", "rest", "total"]
+_PHASE_ORDER = ["gate", "route", "counts a2a", "a2a", "dispatch", "permute", "experts", "combine", "rest", "total"]
 
 
 def render_profile(results: Dict[int, Any], args) -> str:

@@ -228,44 +228,39 @@ def drop_over_capacity(topk_idx: torch.Tensor, num_experts: int, capacity: int) 
 
 
 def _expert_tables(expert_to_rank: Union[Sequence[int], torch.Tensor], world_size: int, device: torch.device):
-    """``(owner [E], local index [E], experts per rank)`` with local order = ascending id."""
-    owner = torch.as_tensor(expert_to_rank, dtype=torch.int64, device="cpu")  # host tables, E entries
-    if owner.dim() != 1 or owner.numel() == 0:
-        raise UsageError(f"expert_to_rank must be a non-empty [E] sequence of ranks, got shape {tuple(owner.shape)}")
-    bad = ((owner < 0) | (owner >= world_size)).nonzero().flatten().tolist()
+    """``(owner [E], local index [E], experts per rank, owners as host ints)``; local order =
+    ascending id. Built from host integers (pass a list: a device tensor costs a sync)."""
+    own = [int(r) for r in (expert_to_rank.tolist() if torch.is_tensor(expert_to_rank) else expert_to_rank)]
+    if not own:
+        raise UsageError("expert_to_rank must be a non-empty [E] sequence of ranks")
+    bad = [e for e, r in enumerate(own) if not 0 <= r < world_size]
     if bad:
         raise UsageError(
-            f"expert_to_rank maps expert {bad[0]} to rank {int(owner[bad[0]])}, outside the group "
+            f"expert_to_rank maps expert {bad[0]} to rank {own[bad[0]]}, outside the group "
             f"of {world_size} ranks; every expert needs an owner in 0..{world_size - 1}"
         )
-    own = owner.tolist()
     per_rank = [0] * world_size
     local = []
     for r in own:
         local.append(per_rank[r])
         per_rank[r] += 1
-    return (
-        owner.to(device),
-        torch.tensor(local, dtype=torch.int64, device=device),
-        per_rank,
-    )
+    owner = torch.tensor(own, dtype=torch.int64, device=device)
+    return owner, torch.tensor(local, dtype=torch.int64, device=device), per_rank, own
 
 
 def _chunk_bounds(num_local: int, num_chunks: int) -> List[Tuple[int, int]]:
     return [((c * num_local) // num_chunks, ((c + 1) * num_local) // num_chunks) for c in range(num_chunks)]
 
 
-def _chunk_of_local(per_rank: List[int], num_chunks: int, local: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+def _chunk_of_local(per_rank: List[int], num_chunks: int, owners: List[int], device) -> torch.Tensor:
     """``[E]`` chunk of every expert: which of :func:`_chunk_bounds` of its owner holds it."""
-    table = []
-    for L in per_rank:  # ranks' chunk bounds, one small table per rank
-        row = [0] * max(L, 1)
-        for c, (lo, hi) in enumerate(_chunk_bounds(L, num_chunks)):
-            for l in range(lo, hi):
-                row[l] = c
-        table.append(row)
-    chunk = [table[r][l] for r, l in zip(owner.tolist(), local.tolist())]
-    return torch.tensor(chunk, dtype=torch.int64, device=local.device)
+    chunk, seen = [], [0] * len(per_rank)
+    bounds = [_chunk_bounds(L, num_chunks) for L in per_rank]
+    for r in owners:  # local index = order of appearance (ascending id)
+        l = seen[r]
+        seen[r] += 1
+        chunk.append(next(c for c, (lo, hi) in enumerate(bounds[r]) if lo <= l < hi))
+    return torch.tensor(chunk, dtype=torch.int64, device=device)
 
 
 def count_token_rows(
@@ -285,8 +280,8 @@ def count_token_rows(
         ``[W]`` int64 rows per destination (this rank's own entry included).
     """
     T, _ = topk_idx.shape
-    owner, local, per_rank = _expert_tables(expert_to_rank, world_size, topk_idx.device)
-    chunk_of = _chunk_of_local(per_rank, num_chunks, local, owner)
+    owner, local, per_rank, own = _expert_tables(expert_to_rank, world_size, topk_idx.device)
+    chunk_of = _chunk_of_local(per_rank, num_chunks, own, topk_idx.device)
     e = topk_idx.reshape(-1)
     valid = e >= 0
     e = e[valid]
@@ -446,8 +441,8 @@ def _plan(comm: DispatchComm, topk_idx, topk_weights, expert_to_rank, num_chunks
     T, k = topk_idx.shape
     C = num_chunks
     dev = topk_idx.device
-    owner, local, per_rank = _expert_tables(expert_to_rank, W, dev)
-    chunk_of = _chunk_of_local(per_rank, C, local, owner)
+    owner, local, per_rank, own = _expert_tables(expert_to_rank, W, dev)
+    chunk_of = _chunk_of_local(per_rank, C, own, dev)
     E = owner.numel()
     L = per_rank[rank]
 
@@ -907,19 +902,6 @@ class _CombineFn(torch.autograd.Function):
                     torch.mul(gb, w[off + i : off + j].unsqueeze(1).to(gb.dtype), out=gy[off + i : off + j])
             off += n
         return gy, gw, None
-
-
-class _WaitFn(torch.autograd.Function):
-    """Identity for autograd that completes ``work`` first, so every use comes after arrival."""
-
-    @staticmethod
-    def forward(ctx, t, work):  # type: ignore[override]
-        work.wait()
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return grad, None
 
 
 # ----------------------------------------------------------------------------------------------

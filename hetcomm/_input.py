@@ -16,6 +16,7 @@ The caps are documented in ``docs/INPUT_FORMATS.md``.
 from __future__ import annotations
 
 import os
+import select
 import stat
 import sys
 from typing import BinaryIO, Callable, Optional
@@ -112,6 +113,8 @@ def read_bounded(
             )
         if stat.S_ISREG(mode) and st.st_size > limit:
             raise error(_too_big(limit, f"{what} ({st.st_size} bytes)", hint), path=path)
+        if stat.S_ISFIFO(mode):
+            _wait_for_writer(fd, path, what, error)
         os.set_blocking(fd, True)
         with os.fdopen(fd, "rb", closefd=True) as f:
             fd = -1
@@ -119,6 +122,26 @@ def read_bounded(
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+#: How long a named FIFO may go without a writer (``mkfifo f; hetcomm topo -i f`` alone).
+FIFO_WAIT_S = 60.0
+
+
+def _wait_for_writer(fd: int, path: str, what: str, error: ErrorFactory) -> None:
+    """Wait until a FIFO opened without blocking has data or a writer that closed it.
+
+    A FIFO that no writer has opened yet reads as empty at once; ``cat`` would block in
+    ``open`` instead, without a timeout. This waits like ``cat``, but at most FIFO_WAIT_S.
+    """
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP)
+    if not poller.poll(int(FIFO_WAIT_S * 1000)):
+        raise error(
+            f"is a FIFO that nothing wrote to within {FIFO_WAIT_S:.0f} s; start the tool that "
+            f"writes the {what} first, or save it to a file",
+            path=path,
+        )
 
 
 def _read_stream(stream: BinaryIO, limit: int, error: ErrorFactory, path: str, what: str, hint: str) -> bytes:

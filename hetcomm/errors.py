@@ -17,6 +17,7 @@ __all__ = [
     "HetcommError",
     "ConfigError",
     "TopologyParseError",
+    "TruncatedCaptureError",
     "CollectiveError",
     "PeerTimeout",
     "UsageError",
@@ -104,6 +105,13 @@ class TopologyParseError(HetcommError, ValueError):
         if line is not None:
             where = f"{where}:{line}"
         super().__init__(f"{where}: {message}")
+
+
+class TruncatedCaptureError(TopologyParseError):
+    """Captured tool output that ends in the middle of a record (``head``, a full disk, a closed
+    terminal). Never downgraded to a warning, even when other tools' output in the same file
+    parses: a cut-off record would otherwise read as missing hardware (a GPU with 3 of its 12
+    NVLinks) that is not missing at all."""
 
 
 class CollectiveError(HetcommError, RuntimeError):

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hetcomm.topo.parse as P
-from hetcomm.errors import TopologyParseError, UsageError
+from hetcomm.errors import TopologyParseError, TruncatedCaptureError, UsageError
 from hetcomm.topo.model import LinkClass
 from tests.conftest import FIXTURES
 
@@ -205,15 +205,25 @@ def test_910a_capture_joins_lspci_ids_onto_npus():
 
 
 def test_failing_format_becomes_a_warning_when_another_parses():
-    # Synthetic: a matrix cut after its header row, followed by a good ibstat capture.
-    cut = "\tNPU0\tNPU1\tCPU Affinity\nNPU0\tX\tHCCS\t0-23\n"
-    text = cut + "\n" + read("ibstat_ib_hdr200_partial_ibpanic.txt")
+    # Synthetic: a matrix with a row its header does not name, followed by a good ibstat capture.
+    bad = "\tNPU0\tNPU1\tCPU Affinity\nNPU0\tX\tHCCS\t0-23\nNPU2\tHCCS\tX\t0-23\n"
+    text = bad + "\n" + read("ibstat_ib_hdr200_partial_ibpanic.txt")
     topo = P.parse_text(text, "mixed.txt")
     assert topo.facts["formats"] == ["ibstat"]
     assert topo.nic("mlx5_7").rate_gbps == 200.0
     (warning,) = [w for w in topo.facts["parse_warnings"] if "could not parse it" in w]
-    assert warning.startswith("mixed.txt:2:") and "NPU1" in warning and "npu-smi-topo" in warning
-    with pytest.raises(TopologyParseError, match="no row for NPU1"):
+    assert warning.startswith("mixed.txt:3:") and "NPU2" in warning and "npu-smi-topo" in warning
+
+
+def test_truncated_matrix_is_an_error_even_when_another_format_parses():
+    # Issue 14.11: a matrix cut after its first row, followed by a good ibstat capture, used to
+    # be a parse warning (exit 0, the NPUs silently without links); a cut record is an error.
+    cut = "\tNPU0\tNPU1\tCPU Affinity\nNPU0\tX\tHCCS\t0-23\n"
+    text = cut + "\n" + read("ibstat_ib_hdr200_partial_ibpanic.txt")
+    with pytest.raises(TruncatedCaptureError, match="no row for NPU1") as e:
+        P.parse_text(text, "mixed.txt")
+    assert (e.value.path, e.value.line) == ("mixed.txt", 2)
+    with pytest.raises(TruncatedCaptureError, match="no row for NPU1"):
         P.parse_text(cut, "cut.txt")
 
 

@@ -15,7 +15,9 @@ order of :data:`FORMAT_NAMES` (for links, the first format to report a pair wins
 skips the lines that are not its own. When one matched format fails to parse but another
 succeeds, the failure is kept as a ``facts["parse_warnings"]`` entry instead of an exception (a
 sniffer can match a stray line of another tool); when every matched format fails, the first
-error is raised.
+error is raised. A :class:`~hetcomm.errors.TruncatedCaptureError` (a capture that ends inside a
+record: a matrix without its last rows, an ``nvlink -s`` block or ``lspci`` line cut short) is
+always raised, whatever else parsed.
 
 Format modules are imported lazily and defensively: a module that is missing does not break
 the others (:func:`load_errors` says what did not load). Every module follows the parser
@@ -31,7 +33,7 @@ import zlib
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from hetcomm._input import CAPTURE_CAP_ENV, capture_cap, decode_text, read_bounded
-from hetcomm.errors import TopologyParseError, UsageError
+from hetcomm.errors import TopologyParseError, TruncatedCaptureError, UsageError
 from hetcomm.topo.model import Topology
 from hetcomm.topo.parse._text import numbered_lines, strip_source_header
 
@@ -275,6 +277,11 @@ def parse_text(
         parsed.append(name)
     if not parsed:
         raise failures[0][1]
+    for _, err in failures:
+        # A record cut short is never a warning: the other formats' results would be read as
+        # the whole machine (GPUs without their links, a matrix without its last rows).
+        if isinstance(err, TruncatedCaptureError):
+            raise err
     for name, err in failures:
         merged.facts.setdefault("parse_warnings", []).append(
             f"{err} (format {name} recognised the text but could not parse it; the other "

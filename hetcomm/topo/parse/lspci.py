@@ -35,7 +35,7 @@ from __future__ import annotations
 import re
 from typing import Callable, Dict, List, Optional, Tuple
 
-from hetcomm.errors import TopologyParseError
+from hetcomm.errors import TopologyParseError, TruncatedCaptureError
 from hetcomm.topo.model import Device, Nic, Topology, Vendor
 from hetcomm.topo.pci_ids import ASCEND_IDS, NVIDIA_GPU_IDS, NVSWITCH_IDS
 from hetcomm.topo.parse._text import numbered_lines, strip_source_header
@@ -129,6 +129,40 @@ def _vendor_of(desc: str, ven: Optional[str]) -> Optional[str]:
     return None
 
 
+_BDF_START = re.compile(r"^(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]\b")
+_NN_ID = re.compile(r"\[[0-9a-fA-F]{4}:[0-9a-fA-F]{4}\]")
+
+
+def _check_last_line_complete(lines: List[Tuple[int, str]], path: str) -> None:
+    """Raise when the capture's last line is an ``lspci -nn`` record cut short.
+
+    ``lspci -nn`` ends every record with ``[vendor:device]`` (then an optional ``(rev ..)``); a
+    last line that starts with a bus address but lacks the id while the other records have it
+    was cut mid-line (``head -c``, a full disk): silently skipping it would count one device
+    fewer. A capture cut at a line boundary cannot be told from a shorter listing.
+    """
+    content = [(no, line) for no, line in lines if line.strip()]
+    if len(content) < 2:
+        return
+    last_no, last = content[-1]
+    if not _BDF_START.match(last):
+        return
+    others = [line for _, line in content[:-1] if _BDF_START.match(line)]
+    nn = sum(1 for line in others if _NN_ID.search(line))
+    m = _LSPCI_LINE.match(last)
+    # In -nn output the id must be the record's own [vendor:device] group: "[15b3:1016] (" or
+    # "(rev 8" after it means the line was cut after the id.
+    complete = m is not None and (not nn or m.group("ven") is not None)
+    if not complete and others and (nn == len(others) or m is None):
+        raise TruncatedCaptureError(
+            f"the last lspci line ends mid-record ({last.strip()[:60]!r} has no "
+            f"[vendor:device] id, which every other line has): the capture is cut short, and "
+            f"the devices after it are missing. Capture the whole output again: lspci -nn > lspci.txt",
+            path=path,
+            line=last_no,
+        )
+
+
 def parse_lspci(text: str, path: str = "<text>") -> Topology:
     """Parse ``lspci -nn`` output (plain ``lspci`` lines are read too, with less detail).
 
@@ -149,6 +183,7 @@ def parse_lspci(text: str, path: str = "<text>") -> Topology:
         raise TopologyParseError(
             "empty input; expected the output of `lspci -nn`", path=path, line=1
         )
+    _check_last_line_complete(lines, path)
     topo = Topology()
     form_factor: Dict[str, str] = {}
     nic_models: Dict[str, str] = {}

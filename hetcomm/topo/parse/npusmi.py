@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Dict, List, Optional, Tuple
 
-from hetcomm.errors import TopologyParseError
+from hetcomm.errors import TopologyParseError, TruncatedCaptureError
 from hetcomm.topo.bandwidth import nominal_gbps
 from hetcomm.topo.model import Device, Link, LinkClass, Topology, Vendor
 from hetcomm.topo.pci_ids import ASCEND_IDS
@@ -187,7 +187,7 @@ def parse_npusmi_topo(text: str, path: str = "<text>") -> Topology:
             )
         cells = tokens[1 : 1 + num]
         if len(cells) < num:
-            raise TopologyParseError(
+            raise TruncatedCaptureError(
                 f"row {name} has {len(cells)} cells, expected {num} (one per NPU column); "
                 "the matrix looks truncated — capture the whole 'npu-smi info -t topo' output",
                 path=path,
@@ -245,7 +245,7 @@ def parse_npusmi_topo(text: str, path: str = "<text>") -> Topology:
     missing = [n for n in npus if n not in seen_rows]
     if missing:
         last = max(seen_rows.values()) if seen_rows else header_no
-        raise TopologyParseError(
+        raise TruncatedCaptureError(
             f"matrix has no row for {', '.join(missing)} (header lists {num} NPUs); the output "
             "looks truncated",
             path=path,

@@ -51,8 +51,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
-from hetcomm.errors import TopologyParseError
-from hetcomm.topo.bandwidth import nominal_gbps
+from hetcomm.errors import TopologyParseError, TruncatedCaptureError
+from hetcomm.topo.bandwidth import nominal_gbps, nvlink_links_for_model
 from hetcomm.topo.model import Device, Link, LinkClass, Nic, Topology, Vendor
 from hetcomm.topo.parse._text import numbered_lines, strip_source_header
 from hetcomm.topo.parse.lspci import normalize_bus_id
@@ -111,6 +111,8 @@ _COMMAND = re.compile(
 _GPU_TITLE = re.compile(r"^\s*GPU (\d+): (.+?)(?: \(UUID: ([^)]*)\))?\s*$")
 _NVLINK_RATE = re.compile(r"^\s*Link (\d+): ([0-9.]+) GB/s\s*$")
 _NVLINK_OTHER = re.compile(r"^\s*Link (\d+): (.*?)\s*$")
+# The start of a "Link N: 25 GB/s" line, cut anywhere after its indentation.
+_NVLINK_CUT = re.compile(r"^\s+L(?:i(?:n(?:k(?:\s.*)?)?)?)?$")
 _NVLINK_ALL_INACTIVE = re.compile(
     r"Unable to retrieve NVLink information as all links are inActive", re.I
 )
@@ -289,7 +291,7 @@ def _find_matrices(lines: List[Tuple[int, str]], path: str) -> List[_Matrix]:
                 break
             name, cells, extra = _split_row(rline, len(columns), len(trailing))
             if len(cells) < len(columns):
-                raise TopologyParseError(
+                raise TruncatedCaptureError(
                     f"matrix row {name} has {len(cells)} cells but the header at line "
                     f"{lineno} names {len(columns)} columns ({', '.join(columns)}); "
                     "the output is truncated or a cell is missing",
@@ -318,7 +320,7 @@ def _find_matrices(lines: List[Tuple[int, str]], path: str) -> List[_Matrix]:
             seen = {r[1] for r in matrix.rows}
             missing = [c for c in columns if c not in seen]
             last = matrix.rows[-1][0] if matrix.rows else lineno
-            raise TopologyParseError(
+            raise TruncatedCaptureError(
                 f"matrix with header at line {lineno} has no row for {', '.join(missing)}; "
                 "the output is truncated (every column needs a row)",
                 path=path,
@@ -465,6 +467,46 @@ def _add_ibdev2netdev(topo: Topology, lines: List[Tuple[int, str]]) -> bool:
 # -- identity views and nvlink -s ------------------------------------------------------------------
 
 
+def _only_a_cut_line(rest: List[Tuple[int, str]]) -> bool:
+    """True when ``rest`` (what follows a block) is nothing, or one line that is the start of a
+    ``Link N: ...`` line cut short — the file ends inside the block."""
+    tail = [line for _, line in rest if line.strip()]
+    return not tail or (len(tail) == 1 and bool(_NVLINK_CUT.match(tail[0])))
+
+
+def _check_nvlink_block_complete(
+    lines: List[Tuple[int, str]],
+    i: int,
+    k: int,
+    gpu: str,
+    model: Optional[str],
+    link_lines: Dict[str, int],
+    path: str,
+) -> None:
+    """Raise if the ``nvlink -s`` block of ``gpu`` (title at ``i``, its lines up to ``k``) ends
+    the file with fewer Link lines than the GPUs before it, or than its SXM model has links.
+
+    nvidia-smi prints one line for *every* link of a GPU, active or not (``Link 3: <inactive>``),
+    so one model's GPUs have blocks of equal length; a last block that is shorter at the end of
+    the file was cut (``head -n 44``), and reading it would report NVLinks down that are fine.
+    """
+    block = [line for _, line in lines[i + 1 : k]]
+    if any(_NVLINK_ALL_INACTIVE.search(line) for line in block) or not _only_a_cut_line(lines[k:]):
+        return
+    have = sum(1 for line in block if _NVLINK_OTHER.match(line))
+    expected = max(list(link_lines.values()) + [nvlink_links_for_model(model) or 0])
+    if have >= expected:
+        return
+    raise TruncatedCaptureError(
+        f"the `nvidia-smi nvlink -s` output ends inside {gpu}'s block: {have} Link line(s) where "
+        f"{'the GPUs before it have' if link_lines else f'every {model} has'} {expected}; the capture "
+        f"is cut short, which is not the same as links being down. Capture the whole output "
+        f"again: nvidia-smi nvlink -s > nvlink.txt",
+        path=path,
+        line=lines[k - 1][0],
+    )
+
+
 def _add_identity(topo: Topology, lines: List[Tuple[int, str]], path: str) -> Dict[str, bool]:
     """Read the nvidia-smi table, ``-L``, ``--query-gpu`` CSV and ``nvlink -s`` sections."""
     found = {"table": False, "list": False, "csv": False, "nvlink": False}
@@ -473,6 +515,8 @@ def _add_identity(topo: Topology, lines: List[Tuple[int, str]], path: str) -> Di
     n = len(lines)
     nvlink_context = False
     current: Optional[str] = None
+    link_lines: Dict[str, int] = {}  # GPU -> Link lines of its complete nvlink -s block
+    previous_was_nvlink = False  # the last GPU title began an nvlink -s block
     i = 0
     while i < n:
         line = lines[i][1]
@@ -532,7 +576,15 @@ def _add_identity(topo: Topology, lines: List[Tuple[int, str]], path: str) -> Di
                 elif not _NVLINK_ALL_INACTIVE.search(lines[k][1]):
                     break
                 k += 1
-            if k > i + 1 or nvlink_context:
+            # A bare title that ends the file right after an nvlink -s block is that block's
+            # next GPU, cut before its first Link line (not an `nvidia-smi -L` entry).
+            cut_title = k == i + 1 and previous_was_nvlink and _only_a_cut_line(lines[k:])
+            previous_was_nvlink = k > i + 1 or nvlink_context or cut_title
+            if previous_was_nvlink:
+                model = _strip_vendor(title.group(2))
+                _check_nvlink_block_complete(lines, i, k, current, model, link_lines, path)
+                if not any(_NVLINK_ALL_INACTIVE.search(ln) for _, ln in lines[i + 1 : k]):
+                    link_lines[current] = sum(1 for _, ln in lines[i + 1 : k] if _NVLINK_OTHER.match(ln))
                 found["nvlink"] = True
                 facts.setdefault("nvlink_active", {})[current] = len(links)
                 if links:

@@ -275,6 +275,7 @@ def _status(args: argparse.Namespace) -> int:
     from hetcomm.emulate.kernel import list_netns
     from hetcomm.emulate.orphans import find_unrecorded
     from hetcomm.emulate.state import list_states, load_state, run_id_of, state_path
+    from hetcomm.errors import ConfigError
 
     paths = list_states(args.state_dir)
     rid = _norm_id(args.run_id) if args.run_id else None
@@ -284,7 +285,12 @@ def _status(args: argparse.Namespace) -> int:
         live = set(list_netns())
     except OSError:
         live = set()
-    states = [load_state(p) for p in paths]
+    states, refused = [], []
+    for p in paths:
+        try:
+            states.append(load_state(p))
+        except ConfigError as e:
+            refused.append(f"refused {p}: {e}")
     known = {run_id_of(p) for p in list_states(args.state_dir)}
     unrecorded = find_unrecorded([args.state_dir], {k for k in known if k}, only=rid)
     if args.json:
@@ -296,6 +302,7 @@ def _status(args: argparse.Namespace) -> int:
                         dict(asdict(s), present=[n for n in s.namespaces if n in live])
                         for s in states
                     ],
+                    "refused": refused,
                     "unrecorded": [
                         {
                             "run_id": u.run_id,
@@ -315,6 +322,8 @@ def _status(args: argparse.Namespace) -> int:
         print(f"no emulations recorded in {args.state_dir}")
     for s in states:
         _print_state(s, live=live)
+    for line in refused:
+        print(line)
     if unrecorded:
         print(f"hc<id>-* objects that no state file in {args.state_dir} records:")
     for u in unrecorded:

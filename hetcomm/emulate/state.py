@@ -14,7 +14,8 @@ item 1). Three layers keep it from being one:
   change (:func:`secure_state_dir`);
 - the state file must be a regular file owned by the caller and not writable by others, read
   without following links (:func:`load_state`);
-- every name in it must be one this run's own records produce: ``hc<id>-<node>`` namespaces of
+- every name in it must be one this run's own records produce, and the run must not be indexed
+  to another state directory: ``hc<id>-<node>`` namespaces of
   the nodes it lists, ``/dev/shm/hc<id>-<node>``, ``<cpu cgroup root>/hc<id>-<node>-r<rank>``
   (:func:`validate_state`). Anything else refuses the whole file; nothing of it is acted on.
 
@@ -308,6 +309,16 @@ def load_state(path: str) -> EmulationState:
             path=path,
         )
     validate_state(state, path)
+    # hetcomm's own record of where this run lives: a copy of its state file elsewhere (another
+    # state directory of the same user) must not let that directory's `down` act on it.
+    owner = registered_state_dir(state.run_id)
+    here = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    if owner is not None and os.path.realpath(owner) != here:
+        raise ConfigError(
+            f"run hc{state.run_id} is recorded in {owner} (the emulation index), not here: this "
+            f"file is a copy and is not acted on; use --state-dir {owner}",
+            path=path,
+        )
     return state
 
 

@@ -226,3 +226,25 @@ def test_planted_cgroup_is_refused(tmp_path, capfd):
         assert os.path.isdir(victim)
     finally:
         os.rmdir(victim)
+
+
+def test_copied_state_file_of_a_live_emulation_is_refused(tmp_path, capfd):
+    """A valid state file copied from the directory that recorded the run into another private
+    directory: the index says where the run lives, so `down` there acts on nothing."""
+    home, other = tmp_path / "home", tmp_path / "other"
+    assert (
+        hetcomm_main(["emulate", "up", "--cluster", MINI, "--state-dir", str(home), "--json"]) == 0
+    )
+    rid = json.loads(capfd.readouterr().out)["run_id"]
+    try:
+        other.mkdir(mode=0o700)
+        shutil.copy(home / f"hc{rid}.json", other / f"hc{rid}.json")
+        code = hetcomm_main(["emulate", "down", "--state-dir", str(other)])
+        err = capfd.readouterr().err
+        assert code == 2 and "emulation index" in err and str(home) in err, err
+        assert f"hc{rid}-fabric" in list_netns()
+        assert hetcomm_main(["emulate", "status", "--state-dir", str(other)]) == 0
+        assert f"refused {other}" in capfd.readouterr().out
+    finally:
+        assert hetcomm_main(["emulate", "down", "--state-dir", str(home)]) == 0
+    assert not [n for n in list_netns() if n.startswith(f"hc{rid}-")]

@@ -294,3 +294,27 @@ def test_cgroup_quota_and_hierarchy_detection(tmp_path):
     (v2 / "cgroup.controllers").write_text("hugetlb\n")  # this machine: v2 without cpu
     h = find_cpu_hierarchy(str(mounts))
     assert (h.version, h.root) == (1, "/sys/fs/cgroup/cpu")
+
+
+def test_cgroup_v2_files_written(tmp_path):
+    """The v2 branch, on a directory standing in for the unified hierarchy (this machine's cpu
+    controller is on v1, so the kernel path is exercised only there): the root delegates cpu
+    to its children, the rank's cgroup gets cpu.max and cpu.weight."""
+    from hetcomm.emulate.cgroup import (
+        WEIGHT_V2,
+        CpuHierarchy,
+        cgroup_dir_for,
+        create_cgroup,
+        read_cpu_limit,
+    )
+    from hetcomm.emulate.kernel import KernelError
+
+    (tmp_path / "cgroup.subtree_control").write_text("memory\n")
+    h = CpuHierarchy(2, str(tmp_path))
+    path = cgroup_dir_for(h, "abcdef", "ascend-0-r3")
+    assert create_cgroup(h, path, 0.25) == (5000, 20000)
+    assert (tmp_path / "cgroup.subtree_control").read_text() == "+cpu"
+    assert read_cpu_limit(h, path) == (5000, 20000)
+    assert (tmp_path / "hcabcdef-ascend-0-r3" / "cpu.weight").read_text() == str(WEIGHT_V2)
+    with pytest.raises(KernelError, match="exists already"):
+        create_cgroup(h, path, 0.25)

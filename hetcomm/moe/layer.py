@@ -6,9 +6,10 @@ Shapes (DeepEP-style notation, see ``hetcomm.moe.dispatch``):
     l_aux    scalar float32 auxiliary (load-balancing) loss, with grad, on ``layer.l_aux``
 
 One forward:
-    gate (top-k softmax, calibrated)  ->  route (one stable sort; capacity)  ->
-    exchange counts (int64 all-to-all)  ->  dispatch chunks (async, per-pair wire dtype)  ->
-    local experts on each arrived chunk  ->  combine chunks back  ->  weighted index_add
+    gate (top-k softmax, calibrated)  ->  route (one stable sort; capacity; replica copies set
+    aside)  ->  ``token_dispatch.dispatch`` (counts, metadata, token rows: a token crosses to a
+    rank once; async, per chunk, per-pair wire dtype)  ->  local experts on each arrived chunk
+    ->  ``token_dispatch.combine`` (weighted sums per token row, back once per rank)
 
 With one process (no ``torch.distributed``, or a group of one) it runs locally: same routing,
 no collectives. Experts per rank may differ (strong devices hold more, see

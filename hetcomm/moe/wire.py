@@ -255,8 +255,8 @@ class Exchange:
         # Mixed wire dtypes: pack every peer's segment, cast in the copy, as raw bytes.
         send_bytes = [_pad(n * D * dtypes[p].itemsize) for p, n in enumerate(self.send_rows)]
         recv_bytes = [_pad(n * D * dtypes[p].itemsize) for p, n in enumerate(self.recv_rows)]
-        sbuf = buffers.empty((sum(send_bytes),), torch.uint8)
-        rbuf = buffers.empty((sum(recv_bytes),), torch.uint8)
+        sbuf = buffers.empty((sum(send_bytes),), torch.uint8, x.device)
+        rbuf = buffers.empty((sum(recv_bytes),), torch.uint8, x.device)
         off = row = 0
         for p, n in enumerate(self.send_rows):
             if n:

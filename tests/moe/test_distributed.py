@@ -119,8 +119,10 @@ def test_replication_keeps_results_and_cuts_bytes_under_zipf():
     rails = {n: sum(r["bytes"][n]["rail_bytes_sent"] for r in res) for n in res[0]["bytes"]}
     print(f"hetcomm.stats() bytes sent over rails (all collectives of the step): {rails}")
     if rails[0]:  # the hetcomm backend counts per rail (gloo does not): every collective counted,
-        # replica weight/grad all-reduces included, replication still moves fewer bytes
-        assert rails[12] < rails[3] < rails[0], rails
+        # replica weight/grad all-reduces included: what is not all-to-all rows grows with the
+        # replicas. (With token dispatch the row baseline is small here, 256 tokens per rank, and
+        # top-12's syncs outweigh its savings: rails[12] > rails[0]; see docs/MOE.md.)
+        assert rails[12] - total[12] > rails[3] - total[3] > rails[0] - total[0], (rails, total)
     assert cut12 >= 0.5, total
     assert 0.2 < cut3 < cut12, total
     # The layer's own "without replication" counter agrees with the run without replication.

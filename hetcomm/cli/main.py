@@ -25,7 +25,7 @@ EXIT_FINDINGS = 1
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 3
 
-SUBCOMMANDS = ("topo", "audit", "bench", "simulate", "train", "emulate", "discover", "report")
+SUBCOMMANDS = ("topo", "audit", "bench", "simulate", "train", "emulate", "discover", "report", "doctor", "launch")
 
 
 def build_parser() -> argparse.ArgumentParser:

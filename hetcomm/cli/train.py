@@ -50,6 +50,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="sharded checkpoints (torch.distributed.checkpoint) here")
     p.add_argument("--checkpoint-every", metavar="N", type=int, default=None, help="save a checkpoint every N steps")
     p.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--warmup-from", metavar="METRICS.jsonl", default=None, help="seed calibrators and hot experts from a previous run's metrics")
     return p
 
 
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
+        warmup_from=args.warmup_from,
     )
     if args.cluster:
         overrides["cluster"] = args.cluster if args.cluster == "detect" else repo_path(args.cluster)

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from hetcomm.ops.checkpoint import Stateful, latest_checkpoint, load_checkpoint, save_checkpoint
-from hetcomm.ops.metrics import MetricsCollector, RunHeader, StepRecord
+from hetcomm.ops.metrics import MetricsCollector, RunHeader, StepRecord, comm_env
 
-__all__ = ["NullCollector", "metrics_collector", "checkpoint_group", "resume", "maybe_checkpoint"]
+__all__ = ["NullCollector", "metrics_collector", "checkpoint_group", "resume", "warmup", "maybe_checkpoint"]
 
 _GROUP: list = []
 
@@ -66,7 +66,8 @@ def metrics_collector(cfg, rank: int, world_size: int, cluster, model: nn.Module
         {"rank": r, "model": cluster.rank(r).model, "node": cluster.rank(r).node.name} for r in range(world_size)
     ]
     header = RunHeader(
-        world_size=world_size, cluster=cluster.name, ranks=ranks, config=asdict(cfg), start_step=start_step
+        world_size=world_size, cluster=cluster.name, ranks=ranks, config=asdict(cfg), start_step=start_step,
+        env=comm_env(),
     )
     mc = MetricsCollector(cfg.metrics, rank, world_size, cluster, model.moe_layers, header, backend=cfg.backend)
     if start_step:
@@ -106,3 +107,56 @@ def maybe_checkpoint(
     path = save_checkpoint(cfg.checkpoint_dir, step, model, optimizer, rng, extras, process_group=checkpoint_group())
     mc.event(step, "checkpoint", os.path.basename(path))
     return path
+
+
+def warmup(cfg, model: nn.Module, start_step: int) -> bool:
+    """Phase 2 of ``hetcomm launch``: seed each MoE layer from a previous run's record.
+
+    From the last quarter of ``cfg.warmup_from``'s steps (at least 1): the expert load of layer
+    ``i`` becomes its calibrator's history (in fair-share units, what the calibrator itself keeps)
+    and its replicator's heat, and the hottest experts are replicated (paged in on the strong
+    ranks) at the first forward. Skipped after a resume (the checkpoint has the real state).
+    Every rank reads the same file, so the seeded state is identical everywhere.
+
+    Returns:
+        True when it seeded something.
+
+    Raises:
+        ConfigError: the file does not parse, or its layers/experts do not match the model.
+    """
+    if not cfg.warmup_from or start_step:
+        return False
+    from hetcomm.errors import ConfigError
+    from hetcomm.ops.metrics import read_metrics
+
+    log = read_metrics(cfg.warmup_from)
+    steps = log.steps[-max(1, len(log.steps) // 4):]
+    if not steps:
+        raise ConfigError("has no step records to warm up from", path=cfg.warmup_from)
+    layers = model.moe_layers
+    if len(steps[-1].expert_load) != len(layers):
+        raise ConfigError(
+            f"records {len(steps[-1].expert_load)} MoE layers but the model has {len(layers)}; "
+            f"warm up from a run of the same model",
+            path=cfg.warmup_from, key="expert_load",
+        )
+    for i, layer in enumerate(layers):
+        E = layer.config.num_experts
+        load = torch.tensor(
+            [sum(s.expert_load[i][e] for s in steps) for e in range(len(steps[-1].expert_load[i]))], dtype=torch.float64
+        )
+        if load.numel() != E:
+            raise ConfigError(
+                f"layer {i} records {load.numel()} experts but the model has {E}", path=cfg.warmup_from, key="expert_load"
+            )
+        share = load / load.sum().clamp_min(1.0)
+        cal = layer.gate.calibrator
+        if cal is not None:
+            with torch.no_grad():
+                cal.history.copy_((share * E).to(cal.history.dtype))
+        rep = layer.replicator
+        if rep is not None:
+            per_step = load / len(steps)
+            rep.ema.copy_(per_step)
+            rep.set_hot(torch.topk(per_step, min(rep.num_hot, E)).indices.tolist())
+    return True

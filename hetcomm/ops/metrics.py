@@ -6,7 +6,7 @@ A metrics file is JSON lines. Every line is one object with a ``kind``:
 
     {"kind": "run", "schema": "hetcomm.metrics/1", "world_size": 4, "cluster": "mixed-mini",
      "ranks": [{"rank": 0, "model": "A100-SXM4-80GB", "node": "a100-0"}, ...],
-     "config": {...TrainConfig fields...}, "start_step": 0}
+     "config": {...TrainConfig fields...}, "start_step": 0, "env": {"NCCL_IB_HCA": "mlx5_0", ...}}
 
 ``step``  one per optimizer step, written by rank 0 from every rank's numbers
           (:class:`StepRecord`; units in the field names: ``_s`` seconds, ``bytes``)
@@ -40,6 +40,8 @@ from hetcomm.errors import ConfigError
 
 __all__ = [
     "SCHEMA",
+    "ENV_PREFIXES",
+    "comm_env",
     "PHASES",
     "RAILS",
     "LAYER_COUNTERS",
@@ -53,6 +55,17 @@ __all__ = [
 ]
 
 SCHEMA = "hetcomm.metrics/1"
+
+#: Environment variables the ``run`` line records (prefixes).
+ENV_PREFIXES: Tuple[str, ...] = ("NCCL_", "HCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "HETCOMM_")
+
+
+def comm_env(environ: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The communication settings of ``environ`` (default ``os.environ``): :data:`ENV_PREFIXES`."""
+    import os
+
+    src = os.environ if environ is None else environ
+    return {k: v for k, v in sorted(src.items()) if k.startswith(ENV_PREFIXES)}
 
 #: Phases of one training step, in order; ``phase_s`` has exactly these keys.
 PHASES: Tuple[str, ...] = ("data", "forward", "backward", "grad_sync", "optimizer", "replica_sync", "loss_sync")
@@ -77,6 +90,8 @@ class RunHeader:
         ranks: per rank ``{"rank", "model", "node"}``.
         config: the job's settings (``TrainConfig`` fields).
         start_step: 0 for a fresh run, the checkpoint's step after a resume.
+        env: rank 0's communication settings from the environment (``NCCL_*``, ``HCCL_*``,
+            ``TORCH_NCCL_*``, ``TORCH_DISTRIBUTED_*``, ``HETCOMM_*``), for ``hetcomm doctor``.
     """
 
     world_size: int
@@ -84,6 +99,7 @@ class RunHeader:
     ranks: List[Dict[str, Any]]
     config: Dict[str, Any]
     start_step: int = 0
+    env: Dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,8 @@ def plot_metrics(log: MetricsLog, out_dir: str) -> List[str]:
         style = {"checkpoint": ("tab:green", ":"), "resume": ("tab:red", "--")}.get(e.event)
         if style:
             ax.axvline(e.step, color=style[0], ls=style[1], lw=0.8)
-    ax.plot([], [], color="tab:green", ls=":", label="checkpoint")
+    if any(e.event == "checkpoint" for e in log.events):
+        ax.plot([], [], color="tab:green", ls=":", label="checkpoint")
     if any(e.event == "resume" for e in log.events):
         ax.plot([], [], color="tab:red", ls="--", label="resume")
     ax.set_xlabel("step")

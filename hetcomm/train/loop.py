@@ -58,6 +58,8 @@ class TrainConfig:
         checkpoint_dir: directory of sharded checkpoints (:mod:`hetcomm.ops.checkpoint`), or None.
         checkpoint_every: steps between checkpoints (0: none).
         resume: continue from ``checkpoint_dir``'s latest checkpoint when there is one.
+        warmup_from: a previous run's metrics file: seeds calibrators and hot experts before the
+            first step (``hetcomm launch`` phase 2), or None.
     """
 
     cluster: str = "configs/clusters/mixed-mini.yaml"
@@ -80,6 +82,7 @@ class TrainConfig:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     resume: bool = False
+    warmup_from: Optional[str] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
@@ -306,6 +309,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
     from hetcomm.ops import hooks
 
     start_step = hooks.resume(cfg, model, opt, gen)
+    hooks.warmup(cfg, model, start_step)
     hetcomm.reset_stats()
     progress = _Progress(rank == 0, cfg, world_size, cluster)
     mc = hooks.metrics_collector(cfg, rank, world_size, cluster, model, start_step)

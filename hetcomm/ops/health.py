@@ -1,0 +1,236 @@
+"""Phase 1 of ``hetcomm launch``: collective probes per rank and link class, and the verdict.
+
+Run in every worker of a torchrun job (``python -m hetcomm.ops.health --out FILE``), over the
+``hetcomm`` backend, so the probes take the rails the job will take:
+
+* ``allreduce``: ``iters`` all-reduces of ``size`` bytes, timed on each rank;
+* ``alltoall``: ``iters`` all-to-alls of ``size`` bytes per rank;
+* ``pairs``: every pair of ranks exchanges ``size`` bytes (send/recv both ways) ``iters`` times,
+  one round-robin round at a time with a barrier between rounds, so that a rank's time is its
+  own pair's; each sample is filed under the pair's link class (from the cluster YAML).
+
+Every rank all-gathers the pair medians, and the local rank 0 of every node writes the same
+report (JSON) to ``--out``: per rank P50/P99 of each probe and class, and the ``W x W`` matrix of
+pair medians. :func:`judge` turns a report into the verdict.
+
+The verdict. A slow link slows every pair that crosses it, so a rank is not judged by its worst
+pair (everyone has one pair with the slow node) but by its **best**: ``score(r)`` = the lowest
+pair median of ``r`` towards ranks on other nodes (all ranks on a one-node job). A rank is slow
+when ``score(r) > threshold * median(scores)``, a node when the median score of its ranks is
+(default threshold 3). With two nodes a slow link between them cannot be blamed on either side,
+and nothing is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["Verdict", "judge", "render_report", "run_probes", "main"]
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(round(q / 100.0 * (len(s) - 1)))))]
+
+
+def _rounds(world: int) -> List[List[Tuple[int, int]]]:
+    """Round-robin (circle method) pairings: every pair meets once; ``-1`` sits out."""
+    n = world + (world % 2)
+    ids = list(range(n))
+    out = []
+    for _ in range(n - 1):
+        pairs = [(ids[i], ids[n - 1 - i]) for i in range(n // 2)]
+        out.append([(a, b) for a, b in pairs if a < world and b < world])
+        ids = [ids[0], ids[-1]] + ids[1:-1]
+    return out
+
+
+def run_probes(size_bytes: int, iters: int, cluster, node_of_rank: Sequence[str]) -> Dict[str, Any]:
+    """Run the probes on this rank (collective); returns the report (same on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = max(1, size_bytes // 4)
+    x = torch.ones(n, dtype=torch.float32)
+
+    def timed(fn) -> List[float]:
+        fn()  # warm-up: first use sets up rails and buffers
+        out = []
+        for _ in range(iters):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    ar = timed(lambda: dist.all_reduce(x.clone()))
+    per = max(1, n // world)
+    a2a_in = torch.ones(per * world, dtype=torch.float32)
+    a2a_out = torch.empty_like(a2a_in)
+    a2a = timed(lambda: dist.all_to_all_single(a2a_out, a2a_in))
+
+    send = torch.ones(n, dtype=torch.float32)
+    recv = torch.empty_like(send)
+    pair_samples: Dict[int, List[float]] = {}
+    for pairs in _rounds(world):
+        partner = next((b if a == rank else a for a, b in pairs if rank in (a, b)), None)
+        samples: List[float] = []
+        for it in range(iters + 1):
+            dist.barrier()
+            if partner is None:
+                continue
+            t0 = time.perf_counter()
+            reqs = [dist.isend(send, partner), dist.irecv(recv, partner)]
+            for r in reqs:
+                r.wait()
+            if it:  # the first exchange of a pair sets up its connection
+                samples.append(time.perf_counter() - t0)
+        if partner is not None:
+            pair_samples[partner] = samples
+
+    med = torch.full((world,), float("nan"), dtype=torch.float64)
+    for p, s in pair_samples.items():
+        med[p] = statistics.median(s)
+    mine = torch.tensor([_pct(ar, 50), _pct(ar, 99), _pct(a2a, 50), _pct(a2a, 99)], dtype=torch.float64)
+    gathered = [torch.empty(world + 4, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(gathered, torch.cat([mine, med]))
+
+    classes: Dict[str, List[float]] = {}
+    for p, s in pair_samples.items():
+        cls = cluster.link_class(rank, p).name if cluster is not None else "UNKNOWN"
+        classes.setdefault(cls, []).extend(s)
+    per_class = {c: {"p50": _pct(s, 50), "p99": _pct(s, 99)} for c, s in classes.items()}
+    cls_list = [None] * world
+    cls_list[rank] = per_class
+    dist.all_gather_object(cls_list, per_class)
+
+    ranks = []
+    for r in range(world):
+        v = gathered[r].tolist()
+        ranks.append({
+            "rank": r,
+            "node": node_of_rank[r],
+            "allreduce": {"p50": v[0], "p99": v[1]},
+            "alltoall": {"p50": v[2], "p99": v[3]},
+            "classes": cls_list[r],
+        })
+    matrix = [[None if x != x else x for x in gathered[r].tolist()[4:]] for r in range(world)]
+    return {"world_size": world, "size_bytes": size_bytes, "iters": iters, "ranks": ranks, "pair_p50": matrix}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What :func:`judge` found.
+
+    Attributes:
+        scores: per rank, its best pair median towards other nodes (seconds).
+        median: the median score.
+        slow_ranks: ranks whose score exceeds ``threshold * median``.
+        slow_nodes: nodes whose ranks' median score does (only with >= 3 nodes).
+        threshold: the factor used.
+    """
+
+    scores: List[float]
+    median: float
+    slow_ranks: List[int]
+    slow_nodes: List[str]
+    threshold: float
+
+
+def judge(report: Dict[str, Any], threshold: float = 3.0) -> Verdict:
+    """The verdict on a probe report (see the module docstring)."""
+    ranks = report["ranks"]
+    nodes = [r["node"] for r in ranks]
+    m = report["pair_p50"]
+    scores = []
+    for r, row in enumerate(m):
+        other = [row[p] for p in range(len(row)) if p != r and row[p] is not None and nodes[p] != nodes[r]]
+        if not other:
+            other = [row[p] for p in range(len(row)) if p != r and row[p] is not None]
+        scores.append(min(other) if other else float("nan"))
+    valid = [s for s in scores if s == s]
+    med = statistics.median(valid) if valid else float("nan")
+    slow_ranks = [r for r, s in enumerate(scores) if len(valid) >= 3 and s == s and s > threshold * med]
+    node_names = list(dict.fromkeys(nodes))
+    node_scores = {n: statistics.median([scores[r] for r in range(len(scores)) if nodes[r] == n]) for n in node_names}
+    nmed = statistics.median(node_scores.values()) if node_scores else float("nan")
+    slow_nodes = [n for n in node_names if len(node_names) >= 3 and node_scores[n] > threshold * nmed]
+    return Verdict(scores, med, slow_ranks, slow_nodes, threshold)
+
+
+def render_report(report: Dict[str, Any], verdict: Verdict) -> str:
+    """The table ``hetcomm launch`` prints after phase 1."""
+    classes = sorted({c for r in report["ranks"] for c in r["classes"]})
+    head = ["rank", "node", "allreduce p50/p99 ms", "alltoall p50/p99 ms"] + [f"{c} p50/p99 ms" for c in classes] + ["best peer ms"]
+    rows = []
+    for r, s in zip(report["ranks"], verdict.scores):
+        def pp(d):
+            return f"{d['p50'] * 1e3:.2f}/{d['p99'] * 1e3:.2f}" if d else "-"
+
+        flag = "  SLOW" if r["rank"] in verdict.slow_ranks else ""
+        rows.append([str(r["rank"]), r["node"], pp(r["allreduce"]), pp(r["alltoall"])]
+                    + [pp(r["classes"].get(c)) for c in classes] + [f"{s * 1e3:.2f}{flag}"])
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    lines = [
+        f"health check: {report['world_size']} ranks, {report['size_bytes']} B probes x {report['iters']}",
+        "  " + "  ".join(h.ljust(w) for h, w in zip(head, widths)),
+    ]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    if verdict.slow_nodes or verdict.slow_ranks:
+        lines.append(
+            f"slow (best-peer time > {verdict.threshold:g}x the median {verdict.median * 1e3:.2f} ms): "
+            + (f"nodes {', '.join(verdict.slow_nodes)}; " if verdict.slow_nodes else "")
+            + f"ranks {', '.join(map(str, verdict.slow_ranks))}"
+        )
+    else:
+        lines.append(f"no rank or node above {verdict.threshold:g}x the median best-peer time ({verdict.median * 1e3:.2f} ms)")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Worker entry point under torchrun (see the module docstring)."""
+    p = argparse.ArgumentParser(prog="python -m hetcomm.ops.health")
+    p.add_argument("--out", required=True)
+    p.add_argument("--size", type=int, default=65536)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=120.0)
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    import hetcomm  # noqa: F401  (registers the backend)
+    from hetcomm.ops.worker import fresh_store, place
+    from hetcomm.topo.cluster import cluster_from_env
+
+    place([])  # the job's cluster YAML in torchrun's node order (HETCOMM_CLUSTER)
+    fresh_store()
+    torch.set_num_threads(1)
+    dist.init_process_group("hetcomm", timeout=timedelta(seconds=args.timeout))
+    try:
+        cluster = cluster_from_env()
+        world = dist.get_world_size()
+        nodes = [cluster.node_of(r).name if cluster is not None else "local" for r in range(world)]
+        report = run_probes(args.size, args.iters, cluster, nodes)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            tmp = f"{args.out}.{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=1)
+            os.replace(tmp, args.out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

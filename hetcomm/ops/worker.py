@@ -1,0 +1,147 @@
+"""What ``hetcomm launch`` runs in every torchrun worker: place the rank, stagger, run the job.
+
+    python -m hetcomm.ops.worker [hetcomm subcommand and its arguments]
+
+torchrun numbers nodes in rendezvous order, not in the cluster YAML's order, and a node left out
+by the health check is simply absent. A cluster YAML places ranks by position, so before the
+process group exists each worker:
+
+1. publishes its node's name (``HETCOMM_NODE``, set by that node's ``hetcomm launch --node``)
+   under its torchrun node rank (``GROUP_RANK``) in torchrun's own store, reads every node's,
+   and writes the cluster YAML *of this job*: the nodes that joined, in torchrun's order
+   (:func:`hetcomm.ops.placement.job_cluster_yaml`); ``HETCOMM_CLUSTER`` then points at it;
+   without ``HETCOMM_NODE`` (one torchrun for the whole cluster, e.g. on one machine) the YAML
+   is used as it is;
+2. gives this attempt a store of its own (:func:`fresh_store`: a restart must not read the
+   failed attempt's keys), then waits ``(RANK // HETCOMM_GROUP_SIZE) * HETCOMM_GROUP_DELAY`` seconds (grouped start: the
+   ranks of a large job reach the store and the NICs in waves, not all at once);
+3. runs ``hetcomm <args>`` in this process (``--cluster`` replaced by the job's YAML); see
+   :func:`main` for how its exit code reaches ``hetcomm launch``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import List, Optional
+
+__all__ = ["main", "NODE_ENV", "GROUP_SIZE_ENV", "GROUP_DELAY_ENV"]
+
+NODE_ENV = "HETCOMM_NODE"
+GROUP_SIZE_ENV = "HETCOMM_GROUP_SIZE"
+GROUP_DELAY_ENV = "HETCOMM_GROUP_DELAY"
+
+
+def _torchrun_store(timeout_s: float):
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def place(argv: List[str]) -> List[str]:
+    """Step 1: the job's cluster YAML; returns ``argv`` with ``--cluster`` pointing at it."""
+    from hetcomm.ops.placement import job_cluster_yaml
+    from hetcomm.topo.cluster import CLUSTER_ENV
+
+    node = os.environ.get(NODE_ENV)
+    full = os.environ.get(CLUSTER_ENV)
+    if not node or not full:
+        return argv
+    group_rank = int(os.environ["GROUP_RANK"])
+    num_nodes = int(os.environ["GROUP_WORLD_SIZE"])
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = _torchrun_store(120.0)
+    prefix = f"hetcomm/launch/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{restart}/node/"
+    if int(os.environ["LOCAL_RANK"]) == 0:
+        store.set(prefix + str(group_rank), node)
+    keys = [prefix + str(g) for g in range(num_nodes)]
+    store.wait(keys, timedelta(seconds=120))
+    order = [store.get(k).decode() for k in keys]
+    text = job_cluster_yaml(full, order)
+    out_dir = os.environ.get("HETCOMM_LAUNCH_DIR") or os.path.join("/tmp", f"hetcomm-launch-{os.getuid()}")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"cluster-{'_'.join(order)}.yaml")
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)  # every rank writes the same text: the last rename wins harmlessly
+    os.environ[CLUSTER_ENV] = path
+    args = list(argv)
+    if "--cluster" in args:
+        args[args.index("--cluster") + 1] = path
+    else:
+        args += ["--cluster", path]
+    return args
+
+
+def fresh_store() -> None:
+    """Give this attempt's process group a store of its own (rank 0 hosts it on a free port).
+
+    torchrun's workers share the agent's store across restarts, and its keys outlive a failed
+    attempt: gloo's full-mesh connect of the restarted group then reads the dead workers'
+    addresses and fails ("Connection refused"; plain gloo jobs hit it too on torch 2.13). Rank 0
+    of each attempt publishes a free port under the attempt's own key; every rank points
+    ``MASTER_PORT`` at it and lets rank 0 host the store (``TORCHELASTIC_USE_AGENT_STORE=False``),
+    so each attempt starts from an empty store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    import socket
+
+    store = _torchrun_store(120.0)
+    key = f"hetcomm/launch/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/store_port"
+    if os.environ.get("RANK") == "0":
+        with socket.socket() as s:
+            s.bind(("", 0))
+            store.set(key, str(s.getsockname()[1]))
+    os.environ["MASTER_PORT"] = store.get(key).decode()  # get waits for the key (store timeout)
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+
+
+def stagger() -> float:
+    """Step 2: sleep for this rank's group; returns the seconds slept."""
+    size = int(os.environ.get(GROUP_SIZE_ENV, "0") or 0)
+    delay = float(os.environ.get(GROUP_DELAY_ENV, "0") or 0)
+    if size <= 0 or delay <= 0:
+        return 0.0
+    wait = (int(os.environ.get("RANK", "0")) // size) * delay
+    time.sleep(wait)
+    return wait
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the job; a *finished* job's exit code is recorded, not returned.
+
+    torchrun restarts the workers when one exits non-zero, which is right for a crash (a dead
+    peer, a collective error: they propagate from here with their traceback) but wrong for a
+    job that ran to its end and whose check failed (``hetcomm train``'s loss verdict, exit 1) or
+    whose input is bad (exit 2): a restart would only repeat it. Those codes are written to
+    ``$HETCOMM_LAUNCH_DIR/job-exit`` by rank 0, the worker exits 0, and ``hetcomm launch``
+    returns the recorded code.
+    """
+    from hetcomm.cli.main import EXIT_USAGE, build_parser
+    from hetcomm.errors import ConfigError, TopologyParseError, UsageError
+
+    args = place(list(sys.argv[1:] if argv is None else argv))
+    fresh_store()
+    stagger()
+    ns = build_parser().parse_args(args)
+    try:
+        code = int(ns._run(ns) or 0)
+    except (UsageError, ConfigError, TopologyParseError) as e:
+        print(f"hetcomm {ns.command}: error: {e}", file=sys.stderr)
+        code = EXIT_USAGE
+    out = os.environ.get("HETCOMM_LAUNCH_DIR")
+    if out and os.environ.get("RANK", "0") == "0":
+        with open(os.path.join(out, "job-exit"), "w", encoding="utf-8") as f:
+            f.write(f"{code}\n")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -110,8 +110,8 @@ class RailSet:
         self._device_rails: Dict[str, Rail] = {}
         self._routes: Dict[str, List[str]] = {}
         self._uniform_gloo: Optional[bool] = None
-        #: host -> ``shm`` or ``gloo``: the rail of CPU tensors between same-host peers there
-        #: (calibrated; a host not listed uses shm where it may).
+        #: ``host|node`` -> ``shm`` or ``gloo``: the rail of CPU tensors between the ranks that
+        #: share memory there (calibrated, :mod:`.calibrate`; a unit not listed uses shm).
         self.same_host: Dict[str, str] = {}
 
     def set_same_host_rails(self, choice: Dict[str, str]) -> None:
@@ -123,7 +123,8 @@ class RailSet:
     def _shm_allowed(self, a: int, b: int) -> bool:
         """Whether the pair's CPU tensors may use shm: same node and host, and the host's
         calibrated rail is shm. The same answer on every rank (from agreed inputs)."""
-        return shm_possible(self.placement, a, b) and self.same_host.get(self.placement.ranks[a].host, "shm") == "shm"
+        p = self.placement.ranks[a]
+        return shm_possible(self.placement, a, b) and self.same_host.get(f"{p.host}|{p.node}", "shm") == "shm"
 
     def _make_nic_rails(self) -> Optional[StripedRail]:
         """One gloo group per NIC port, when the cluster YAML gives every node of the group

@@ -8,19 +8,37 @@ rails can exceed the collective's time).
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Dict
+from typing import Dict, Iterator
 
-__all__ = ["stats", "reset_stats", "record"]
+__all__ = ["stats", "reset_stats", "record", "paused"]
 
 _FIELDS = ("bytes_sent", "bytes_received", "chunks_sent", "chunks_received", "seconds_busy", "ops")
 _lock = threading.Lock()
 _counters: Dict[str, Dict[str, float]] = {}
 
 
+_paused = threading.local()
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Leave this thread's transfers out of the counters (the rails' calibration, which is no
+    traffic of the user's)."""
+    before = _paused.__dict__.get("on", False)
+    _paused.on = True
+    try:
+        yield
+    finally:
+        _paused.on = before
+
+
 def record(rail: str, **deltas: float) -> None:
     """Add ``deltas`` (keys from ``bytes_sent``, ``bytes_received``, ``chunks_sent``,
     ``chunks_received``, ``seconds_busy``, ``ops``) to the counters of ``rail``."""
+    if _paused.__dict__.get("on", False):
+        return
     with _lock:
         c = _counters.setdefault(rail, {f: 0 for f in _FIELDS})
         for k, v in deltas.items():

@@ -13,7 +13,8 @@ naming the file and line, quickly and in bounded memory:
   (:mod:`hetcomm._input`);
 * aliases are shared nodes in the composed graph; expanding them is what a "billion laughs" file
   exploits (10 levels x 10 aliases in 520 bytes expand to 10^10 values), so the conversion counts
-  every value it produces, aliases included, and stops at :data:`MAX_YAML_VALUES`;
+  the values it produces by expanding an alias and stops at :data:`MAX_ALIAS_VALUES`, and every
+  value at :data:`MAX_YAML_VALUES`;
 * an alias inside its own anchor (``a: &d [*d]``) is a cycle: refused, not recursed into;
 * nesting deeper than :data:`MAX_YAML_DEPTH` is refused (libyaml stops at 1000 levels, which
   would already exhaust Python's recursion limit);
@@ -40,6 +41,7 @@ __all__ = [
     "reject_unknown_keys",
     "MAX_YAML_BYTES",
     "MAX_YAML_VALUES",
+    "MAX_ALIAS_VALUES",
     "MAX_YAML_DEPTH",
 ]
 
@@ -47,8 +49,11 @@ __all__ = [
 #: second on a loaded 2-core machine with libyaml (several without).
 MAX_YAML_BYTES = 256 << 10
 #: Most values (mappings, lists and scalars, every alias expansion counted) one document may
-#: expand to. A 10,000-group cluster file is ~130,000 values; a 520-byte alias bomb is 10^10.
+#: expand to: a backstop, as a 256 KiB file holds at most ~131,000 values plus the alias cap.
 MAX_YAML_VALUES = 200_000
+#: Most values produced by expanding aliases (a NIC list reused by 8 groups is ~50); a 520-byte
+#: alias bomb is 10^10. Kept small so that a bomb stops within milliseconds.
+MAX_ALIAS_VALUES = 10_000
 #: Deepest nesting of mappings and lists (cluster files need 5).
 MAX_YAML_DEPTH = 64
 
@@ -125,6 +130,9 @@ class _Converter:
         self.path = path
         self.lines: Dict[str, int] = {}
         self.values = 0
+        self.alias_values = 0
+        self.expanding = 0  # > 0 while inside a node converted before (an alias of it)
+        self.done: Set[int] = set()  # ids of the collection nodes converted once already
         self.active: Set[int] = set()  # ids of the collection nodes on the current path
         self.scalars = yaml.SafeLoader("")  # its constructors, for scalars only
 
@@ -133,6 +141,16 @@ class _Converter:
 
     def convert(self, node: yaml.Node, key: str, depth: int) -> Any:
         self.values += 1
+        again = id(node) in self.done
+        if again or self.expanding:
+            self.alias_values += 1
+            if self.alias_values > MAX_ALIAS_VALUES:
+                raise self._error(
+                    node,
+                    key,
+                    f"aliases expand to more than {MAX_ALIAS_VALUES:,} values; repeated aliases "
+                    f"of aliases (an 'alias bomb') are not accepted: write the values out",
+                )
         if self.values > MAX_YAML_VALUES:
             raise self._error(
                 node,
@@ -149,12 +167,15 @@ class _Converter:
         if id(node) in self.active:
             raise self._error(node, key, "recursive alias: an alias refers to a value that contains it")
         self.active.add(id(node))
+        self.expanding += again
         try:
             if isinstance(node, yaml.MappingNode):
                 return self._mapping(node, key, depth)
             return [self.convert(v, f"{key}[{i}]", depth + 1) for i, v in enumerate(node.value)]
         finally:
+            self.expanding -= again
             self.active.discard(id(node))
+            self.done.add(id(node))
 
     def _mapping(self, node: yaml.MappingNode, key: str, depth: int) -> Dict[str, Any]:
         out: Dict[str, Any] = {}

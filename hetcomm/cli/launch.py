@@ -53,11 +53,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", type=int, default=None, help="ranks on this node (default: from the cluster)")
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous (multi-node jobs)")
     p.add_argument("--rdzv-id", default=None, help="job id shared by every node's launch (default: random)")
+    p.add_argument("--local-addr", default=None, help="this node's address other nodes reach it by (torchrun --local-addr)")
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun restarts after a worker failure (default 3)")
     p.add_argument("--no-health", dest="health", action="store_false", help="skip phase 1")
     p.add_argument("--threshold", type=float, default=3.0, help="slow = best-peer probe time above this x the median (default 3)")
     p.add_argument("--eject", action="store_true", help="leave slow nodes out of the job")
-    p.add_argument("--probe-size", default="64K", help="bytes per probe message (default 64K)")
+    p.add_argument("--probe-size", default="1M", help="bytes per probe message (default 1M: bandwidth, not latency)")
     p.add_argument("--probe-iters", type=int, default=10, help="timed repetitions per probe (default 10)")
     p.add_argument("--health-only", action="store_true", help="stop after phase 1 (exit 1 if anything is slow)")
     p.add_argument("--warmup-from", metavar="METRICS.jsonl", default=None, help="seed calibrators and hot experts from a previous run")
@@ -79,9 +80,21 @@ def _nnodes(spec: str) -> Tuple[int, int]:
     return a, b
 
 
+def _is_local(host: str) -> bool:
+    """Whether ``host`` is an address of this machine (or network namespace): it can be bound."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((socket.gethostbyname(host), 0))
+        return True
+    except OSError:
+        return False
+
+
 def torchrun_command(
     module_args: List[str], *, nproc: int, nnodes: Tuple[int, int], rdzv_endpoint: Optional[str],
-    rdzv_id: str, max_restarts: int,
+    rdzv_id: str, max_restarts: int, local_addr: Optional[str] = None,
 ) -> List[str]:
     """The torchrun command line for one phase (``python -m torch.distributed.run ...``)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
@@ -91,9 +104,14 @@ def torchrun_command(
     else:
         lo, hi = nnodes
         # last_call_timeout: once MIN nodes are in, wait this long for the rest (an ejected node
-        # never comes; the default 30 s would be dead time).
+        # never comes; the default 30 s would be dead time). is_host: the node whose address is
+        # the endpoint hosts the rendezvous store (torch guesses it from the hostname, which
+        # namespaces or multi-homed hosts share or do not resolve).
+        host = "1" if _is_local(rdzv_endpoint.rsplit(":", 1)[0]) else "0"
         cmd += [f"--nnodes={lo}:{hi}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
-                f"--rdzv-id={rdzv_id}", "--rdzv-conf=last_call_timeout=2,join_timeout=300"]
+                f"--rdzv-id={rdzv_id}", f"--rdzv-conf=last_call_timeout=2,join_timeout=300,is_host={host}"]
+        if local_addr:
+            cmd.append(f"--local-addr={local_addr}")
     return cmd + ["-m"] + module_args
 
 
@@ -139,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         cmd = torchrun_command(
             ["hetcomm.ops.health", "--out", out, "--size", str(parse_size(args.probe_size)), "--iters", str(args.probe_iters)],
             nproc=nproc, nnodes=(hi, hi), rdzv_endpoint=args.rdzv_endpoint, rdzv_id=f"{rdzv_id}-health", max_restarts=0,
+            local_addr=args.local_addr,
         )
         print(f"hetcomm launch: phase 1, health check on {where}", file=sys.stderr, flush=True)
         code = subprocess.call(cmd, env=env)
@@ -177,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         env["HETCOMM_GROUP_DELAY"] = str(args.group_delay)
     cmd = torchrun_command(
         ["hetcomm.ops.worker"] + job, nproc=nproc, nnodes=(lo, hi), rdzv_endpoint=args.rdzv_endpoint,
-        rdzv_id=rdzv_id, max_restarts=args.max_restarts,
+        rdzv_id=rdzv_id, max_restarts=args.max_restarts, local_addr=args.local_addr,
     )
     print(f"hetcomm launch: starting the job on {where}: {' '.join(job)}", file=sys.stderr, flush=True)
     exit_file = os.path.join(work, "job-exit")

@@ -164,6 +164,9 @@ class DispatchHandle:
         num_tokens: ``T`` tokens of the sender (rows of ``x`` and of combine's output).
         num_topk: ``k``.
         recv_counts: ``[L]`` rows received per local expert (local order = ascending expert id).
+        recv_counts_per_source: ``[W][L]`` of those, per source rank (this rank's own included).
+        send_rows: ``[W]`` token rows sent to each rank (0 to itself: its rows never leave).
+        recv_rows: ``[W]`` token rows received from each rank (0 from itself).
         chunk_rows: ``[C]`` rows of ``recv_x`` per chunk; chunk ``c`` holds local experts
             ``chunk_experts[c][0] .. chunk_experts[c][1] - 1``.
         chunk_experts: ``[C]`` ``(first, end)`` local expert indices of each chunk.
@@ -181,6 +184,9 @@ class DispatchHandle:
     num_tokens: int
     num_topk: int
     recv_counts: Tuple[int, ...]
+    recv_counts_per_source: Tuple[Tuple[int, ...], ...]
+    send_rows: Tuple[int, ...]
+    recv_rows: Tuple[int, ...]
     chunk_rows: Tuple[int, ...]
     chunk_experts: Tuple[Tuple[int, int], ...]
     recv_weights: torch.Tensor
@@ -544,7 +550,8 @@ def _plan(comm: DispatchComm, topk_idx, topk_weights, expert_to_rank, num_chunks
         chunk_rows=tuple(chunk_rows),
         wire=_wires(comm, dtype),
     )
-    return plan, torch.cat(recv_w), recv_counts, bounds, meta_bytes
+    per_source = tuple(tuple(counts_from[s][C:]) for s in range(W))
+    return plan, torch.cat(recv_w), recv_counts, bounds, meta_bytes, per_source
 
 
 # ----------------------------------------------------------------------------------------------
@@ -994,7 +1001,9 @@ def dispatch(
     if capacity is not None:
         topk_idx, num_dropped = drop_over_capacity(topk_idx, owner_len, int(capacity))
     meta0 = _counters["meta_bytes_sent"]
-    plan, recv_w, recv_counts, bounds, meta_bytes = _plan(comm, topk_idx, topk_weights, expert_to_rank, num_chunks, x.dtype)
+    plan, recv_w, recv_counts, bounds, meta_bytes, per_source = _plan(
+        comm, topk_idx, topk_weights, expert_to_rank, num_chunks, x.dtype
+    )
     _counters["meta_bytes_sent"] = meta0 + meta_bytes
     _counters["calls"] += 1
     state = _DispatchState(comm, plan, topk_weights.dtype)
@@ -1006,6 +1015,9 @@ def dispatch(
         num_tokens=plan.num_tokens,
         num_topk=plan.num_topk,
         recv_counts=tuple(recv_counts),
+        recv_counts_per_source=per_source,
+        send_rows=tuple(sum(plan.send_splits[c][d] for c in range(len(plan.chunk_rows))) for d in range(plan.world_size)),
+        recv_rows=tuple(sum(plan.recv_splits[c][s] for c in range(len(plan.chunk_rows))) for s in range(plan.world_size)),
         chunk_rows=plan.chunk_rows,
         chunk_experts=tuple(bounds),
         recv_weights=recv_weights,

@@ -24,6 +24,7 @@ def _check(per_rank):
             for key in ("out", "x_grad", "w_grad", "no_grad_out"):
                 assert r[key] <= TOL, (rank, name, key, r)
             assert r["dropped"] == r["ref_dropped"], (rank, name, r)
+            assert r["per_source_ok"], (rank, name, r)
 
 
 def test_one_rank_equals_dense_reference():

@@ -125,6 +125,8 @@ def run_case(comm, case: Dict[str, Any], device="cpu") -> Dict[str, Any]:
         "dropped": handle.num_dropped,
         "ref_dropped": ref_dropped,
         "recv_rows": sum(counts),
+        "per_source_ok": [sum(col) for col in zip(*handle.recv_counts_per_source)] == list(counts)
+        and handle.send_rows[rank] == 0 and handle.recv_rows[rank] == 0,
         "bytes_sent": handle.bytes_sent,
         "device": str(out.device),
         "out_scale": float(ref_out.abs().max()) if ref_out.numel() else 0.0,

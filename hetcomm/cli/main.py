@@ -1,4 +1,4 @@
-"""The ``hetcomm`` command: ``hetcomm topo | audit | bench | simulate | train | emulate | report``.
+"""The ``hetcomm`` command: ``hetcomm topo | audit | bench | simulate | train | emulate | report | doctor | launch``.
 
 Each subcommand lives in its own module ``hetcomm.cli.<name>`` exposing::
 

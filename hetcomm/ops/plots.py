@@ -76,7 +76,12 @@ def summarize(log: MetricsLog) -> str:
     rows.append(("loss first -> last", f"{first:.3f} -> {last:.3f} (mean of {window} steps)"))
     for key in ("page_hits", "page_faults", "migrations"):
         vals = [getattr(s, key) for s in steps if getattr(s, key) is not None]
-        rows.append((key.replace("_", " "), f"{sum(vals):,}" if vals else "not reported by the layer"))
+        text = f"{sum(vals):,}" if vals else "not reported by the layer"
+        if key == "migrations":
+            events = [e.step for e in log.events if e.event == "migration"]
+            if events:
+                text = (text + "; " if vals else "") + f"balancer events at steps {', '.join(map(str, events[:8]))}" + (" ..." if len(events) > 8 else "")
+        rows.append((key.replace("_", " "), text))
     ck = [e.step for e in log.events if e.event == "checkpoint"]
     rs = [e.step for e in log.events if e.event == "resume"]
     rows.append(("checkpoints", ", ".join(map(str, ck)) if ck else "none"))

@@ -109,6 +109,8 @@ def test_cuda_rank_and_cpu_rank_over_the_bridge_equal_the_cpu_reference():
                 assert d[key] <= 1e-4, (rank, name, key, d)
         d16 = m["dispatch_fp16"]["k2"]
         assert d16["out"] <= 2e-2 * max(1.0, d16["out_scale"]), d16
+        # The layer crosses an FP16 wire: CUDA's and the CPU's float32 results differ by ~1e-7,
+        # which can flip one FP16 rounding (an ulp is 1e-3 at |y| ~ 1): a few ulps of slack.
         for key in ("y0", "y1", "x_grad", "gate_grad"):
-            assert _close(m["layer"][key], r["layer"][key], 1e-3), (rank, key)
+            assert _close(m["layer"][key], r["layer"][key], 5e-3), (rank, key)
     assert mixed[0]["bridge_bytes"] > 0 and mixed[1]["bridge_bytes"] > 0

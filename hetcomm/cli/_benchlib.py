@@ -835,13 +835,21 @@ class LaunchResult:
         return not self.failures
 
 
-def _is_timeout(error_type: Optional[str], message: str) -> bool:
-    lowered = message.lower()
-    return (
-        error_type in ("PeerTimeout", "DistStoreError", "TimeoutError")
-        or "timed out" in lowered
-        or "timeout" in lowered
-    )
+def is_timeout(e: BaseException) -> bool:
+    """Whether ``e`` is a timeout, by type: hetcomm's :class:`PeerTimeout`, the store's
+    ``DistStoreError`` (a rank that never arrived), Python's ``TimeoutError``.
+
+    One exception: plain gloo (``--backend gloo``, the comparison) raises a bare ``RuntimeError``
+    for a timeout as for a broken connection, with nothing but its text to tell them apart; only
+    for such a foreign error is gloo's own marker read. hetcomm's errors are never parsed.
+    """
+    import torch.distributed as dist
+
+    from hetcomm.errors import HetcommError, PeerTimeout
+
+    if isinstance(e, (PeerTimeout, TimeoutError, dist.DistStoreError)):
+        return True
+    return type(e) is RuntimeError and not isinstance(e, HetcommError) and "Timed out" in str(e)
 
 
 def _parent_death_signal_setter() -> Optional[Callable[[], None]]:
@@ -866,24 +874,43 @@ def _parent_death_signal_setter() -> Optional[Callable[[], None]]:
     return set_pdeathsig
 
 
+class _TermRequest:
+    """Set by SIGTERM while ranks run; :meth:`check` turns it into ``SystemExit(143)``.
+
+    The handler only records the signal: raised from inside the handler, the exception can land
+    in code that swallows it (logging's at-fork hook during ``Popen``, seen here), and the run
+    would go on. The launcher checks at its own safe points instead: after each rank starts and
+    every 50 ms while it waits.
+    """
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise SystemExit(128 + self.signum)
+
+
 @contextlib.contextmanager
-def _terminate_as_exit() -> Iterator[None]:
-    """Turn SIGTERM into ``SystemExit(143)`` while the ranks run, so that ``finally`` blocks
-    stop the ranks and remove the ``hetcomm-bench-*`` directory (Python's default SIGTERM
-    action ends the process without unwinding: the directory was left in /tmp)."""
+def _terminate_as_exit() -> Iterator[_TermRequest]:
+    """While the ranks run, SIGTERM ends the launcher through ``SystemExit(143)`` raised at a
+    safe point, so that ``finally`` blocks stop the ranks and remove the ``hetcomm-bench-*``
+    directory (Python's default SIGTERM action ends the process without unwinding: the directory
+    was left in /tmp)."""
     import signal
     import threading
 
+    request = _TermRequest()
     if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set from the main thread
+        yield request  # signal handlers can only be set from the main thread
         return
 
     def on_term(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
+        request.signum = signum
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        yield
+        yield request
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
@@ -928,7 +955,7 @@ def launch_ranks(
     )
     procs: List[Any] = []
     preexec = _parent_death_signal_setter()
-    with _terminate_as_exit(), tempfile.TemporaryDirectory(prefix="hetcomm-bench-") as tmp:
+    with _terminate_as_exit() as term, tempfile.TemporaryDirectory(prefix="hetcomm-bench-") as tmp:
         base_env = dict(os.environ)
         # torchrun's default: one intra-op thread per rank, or N ranks fight over the cores.
         base_env.setdefault("OMP_NUM_THREADS", "1")
@@ -958,7 +985,8 @@ def launch_ranks(
                         preexec_fn=preexec,
                     )
                 )
-            exit_order = _watch(procs, error_files, grace_s)
+                term.check()
+            exit_order = _watch(procs, error_files, grace_s, term)
         finally:
             killed = _stop(procs)
         failures, exit_warnings = [], []
@@ -989,7 +1017,7 @@ def _is_secondary(message: str) -> bool:
     )
 
 
-def _watch(procs: List[Any], error_files: List[str], grace_s: float) -> List[int]:
+def _watch(procs: List[Any], error_files: List[str], grace_s: float, term: Optional[_TermRequest] = None) -> List[int]:
     """Wait for every process; after the first failure give the rest ``grace_s`` seconds.
 
     A failure is a non-zero exit or an error file (a rank that reported its error but hangs
@@ -1009,6 +1037,8 @@ def _watch(procs: List[Any], error_files: List[str], grace_s: float) -> List[int
             return exit_order
         if deadline is not None and time.monotonic() > deadline:
             return exit_order
+        if term is not None:
+            term.check()
         time.sleep(0.05)
 
 
@@ -1035,7 +1065,7 @@ def _failure(rank: int, code: int, error_file: str, killed: bool) -> RankFailure
             code,
             data["type"],
             data["message"],
-            is_timeout=_is_timeout(data["type"], data["message"]),
+            is_timeout=bool(data.get("timeout")),
         )
     except (OSError, ValueError, KeyError):
         pass
@@ -1096,7 +1126,7 @@ def child_main() -> None:
             pass
     except BaseException as e:  # noqa: BLE001 - report every failure to the launcher
         with open(os.environ[ERROR_FILE_ENV], "w", encoding="utf-8") as f:
-            json.dump({"type": type(e).__name__, "message": str(e) or repr(e)}, f)
+            json.dump({"type": type(e).__name__, "message": str(e) or repr(e), "timeout": is_timeout(e)}, f)
         if os.environ.get("HETCOMM_BENCH_TRACEBACK"):
             import traceback
 

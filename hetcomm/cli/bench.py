@@ -470,7 +470,7 @@ def _run_under_torchrun(config: lib.BenchConfig, num_ranks: int, args: argparse.
     except Exception as e:  # a failed collective: name this rank, keep the exit-code contract
         _discard_output(out)
         print(f"hetcomm bench: error: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return EXIT_TIMEOUT if lib._is_timeout(type(e).__name__, str(e)) else EXIT_FINDINGS
+        return EXIT_TIMEOUT if lib.is_timeout(e) else EXIT_FINDINGS
     if rank == 0:
         _emit(result, args, out)
     return (

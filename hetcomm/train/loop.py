@@ -121,7 +121,7 @@ def load_train_config(path: str, **overrides: Any) -> TrainConfig:
         cfg = TrainConfig(**src.data)
     except ConfigError as e:
         key = (e.key or "").removeprefix("train.")
-        raise src.error(key, str(e).split(": ", 1)[-1]) from None
+        raise src.error(key, e.detail) from None
     except TypeError as e:
         raise src.error("", f"bad value: {e}") from None
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})

@@ -400,10 +400,11 @@ class ExpertBalancer:
         self.map = initial or ExpertMap.from_lists([[e * W // E] for e in range(E)], W)
         if self.map.num_experts != E or self.map.world_size != W:
             raise ConfigError("initial map does not match num_experts/world size", key="balance.initial")
-        self._window = torch.zeros(self.cfg.window, E, dtype=torch.float64)
+        # host: load history for host decisions (the map is chosen in Python, once per window).
+        self._window = torch.zeros(self.cfg.window, E, dtype=torch.float64, device="cpu")
         self._filled = 0
-        self._fast = torch.zeros(E, dtype=torch.float64)
-        self._fast_slow = torch.zeros(E, dtype=torch.float64)  # window-long EMA of the fast signal
+        self._fast = torch.zeros(E, dtype=torch.float64, device="cpu")
+        self._fast_slow = torch.zeros(E, dtype=torch.float64, device="cpu")  # window-long EMA of the fast signal
         self._drifted = False
         self.step = 0
         self.last_change = [-(10**9)] * E

@@ -321,7 +321,7 @@ class ExpertPager:
         self.num_slots = min(self.num_slots, E)
         mod = _accel(self.device)
         pin = mod is not None
-        self.host = torch.empty(E * self.slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.host = torch.empty(E * self.slot_bytes, dtype=torch.uint8, device="cpu", pin_memory=pin)  # host: the paged-out store
         self.pool = torch.empty(self.num_slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
         self._mod = mod
         self._views: Dict["tuple[str, int]", List[List[torch.Tensor]]] = {}
@@ -338,15 +338,16 @@ class ExpertPager:
         self.l2_pinned: set = set()
         self.migration_requests: List[int] = []
         self.step = 0
-        self.predicted = torch.zeros(E, dtype=torch.float64)  # predicted use probability u_e
-        self._ema = torch.zeros(E, dtype=torch.float64)       # EMA of "used this step"
-        self._share = torch.zeros(E, dtype=torch.float64)     # EMA of the token share (tie-break)
-        self._hint = torch.zeros(E, dtype=torch.float64)
+        # host: the pager's statistics drive host decisions (which expert to load or evict).
+        self.predicted = torch.zeros(E, dtype=torch.float64, device="cpu")  # predicted use probability u_e
+        self._ema = torch.zeros(E, dtype=torch.float64, device="cpu")       # EMA of "used this step"
+        self._share = torch.zeros(E, dtype=torch.float64, device="cpu")     # EMA of the token share (tie-break)
+        self._hint = torch.zeros(E, dtype=torch.float64, device="cpu")
         self.last_used = [-(10**9)] * E
         self._fault_streak = [0] * E
         self.counters = DegradeCounters()
         self.stale = StaleOutputs(E)
-        self._counts = torch.zeros(E, dtype=torch.float64)
+        self._counts = torch.zeros(E, dtype=torch.float64, device="cpu")  # host: as above
         self._sim_cache: Optional[torch.Tensor] = None
         self._sim_step = -(10**9)
         self.stats_total: Dict[str, float] = {
@@ -590,7 +591,7 @@ class ExpertPager:
         missing = sorted((e for e in used if self.slot_of[e] is None), key=lambda e: (-c[e], e))
         # In training every used expert must get a slot now (they all stay until end_step):
         # L2-pinned experts not used this step give theirs up if there is no other way.
-        self._counts = torch.tensor(c, dtype=torch.float64)
+        self._counts = torch.tensor(c, dtype=torch.float64, device="cpu")  # host: pager statistics
         for e in missing:
             if self._start_load(e):
                 continue
@@ -731,7 +732,7 @@ class ExpertPager:
         for e in self._used_step:
             if self.slot_of[e] is not None and e not in self._loading:
                 self._bind(e, ("slot", self.slot_of[e]), copy=True)
-        used = torch.zeros(self.num_experts, dtype=torch.float64)
+        used = torch.zeros(self.num_experts, dtype=torch.float64, device="cpu")  # host: pager statistics
         if self._used_step:
             used[list(self._used_step)] = 1.0
         d = self.cfg.history_decay

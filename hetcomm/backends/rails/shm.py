@@ -215,7 +215,7 @@ class _Cursor:
         self.tag = xfer.tag
         self.payload = payload  # flat uint8
         self.sending = sending
-        self.header = torch.zeros(2, dtype=torch.int64)
+        self.header = torch.zeros(2, dtype=torch.int64, device="cpu")  # host: a shared-memory message header
         if sending:
             self.header[0], self.header[1] = self.tag, payload.numel()
         self.header_bytes = self.header.view(torch.uint8)

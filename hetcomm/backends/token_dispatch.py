@@ -27,7 +27,7 @@ Layout of one dispatch (the same on every rank, decided by the exchanged counts)
        dtype (``comm.wire_dtype(peer, dtype)``), cast on the wire only. Rows for this rank's
        own experts never enter an exchange: they are read straight from ``x``.
     5. expansion on arrival: ``recv_x[r] = token_rows[expand_index[r]]``, experts in local
-       order, inside an expert by source rank then token.
+       order; inside an expert the rows from other ranks by source rank, then the own rows.
 
 ``combine`` runs it backwards: each receiver sums ``w * y`` over the copies of one token row
 (so a token's results cross back once per rank too), returns the sums, and the sender adds the
@@ -527,7 +527,7 @@ def _plan(comm: DispatchComm, topk_idx, topk_weights, expert_to_rank, num_chunks
         loc = m[:, :, 1].reshape(-1).to(torch.int64)  # index row * k + slot
         wts = m[:, :, 0].reshape(-1).contiguous().view(torch.float32)
         sel = (loc >= 0).nonzero().flatten()
-        sidx = sel[torch.argsort(loc[sel], stable=True)]  # expert-major; inside: source, token
+        sidx = sel[torch.argsort(loc[sel], stable=True)]  # expert-major; inside: other sources in order, own rows last
         expand_index.append(sidx // k)
         slot_index.append(sidx)
         recv_w.append(wts[sidx])
@@ -984,8 +984,8 @@ def dispatch(
         ``(recv_x, recv_counts, handle)``, plus a :class:`DispatchWork` when ``async_op``:
 
         - ``recv_x``: ``[num_recv_rows, hidden]``, ``x.dtype``, ``x.device``: one row per
-          (token, local expert), grouped by local expert (inside an expert: by source rank,
-          then token); with ``async_op`` valid only after the work's ``wait()`` (or
+          (token, local expert), grouped by local expert (inside an expert: the rows from
+          other ranks by source rank, then this rank's own rows; each by token); with ``async_op`` valid only after the work's ``wait()`` (or
           ``wait_chunk(c)`` for the rows of chunk ``c``).
         - ``recv_counts``: ``list[int]`` of length ``num_local_experts``: rows per local expert
           (``recv_x.split(recv_counts)`` gives each expert its rows).

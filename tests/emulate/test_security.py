@@ -248,3 +248,33 @@ def test_copied_state_file_of_a_live_emulation_is_refused(tmp_path, capfd):
     finally:
         assert hetcomm_main(["emulate", "down", "--state-dir", str(home)]) == 0
     assert not [n for n in list_netns() if n.startswith(f"hc{rid}-")]
+
+
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="needs setpriv to run as another user")
+def test_recorded_pid_of_another_user_is_not_signalled(tmp_path, capfd):
+    """A state file (valid names) whose rank_pids names another user's process that even carries
+    the run's id in its environment: `down` removes the state but signals nobody else's process."""
+    rid = secrets.token_hex(3)
+    proc = subprocess.Popen(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "60"],
+        env={"HETCOMM_EMULATE": f"hc{rid}", "PATH": os.environ["PATH"]},
+        start_new_session=True,
+    )
+    try:
+        sd = tmp_path / "sd"
+        sd.mkdir(mode=0o700)
+        state = {
+            "run_id": rid,
+            "cluster_name": "x",
+            "cluster_path": "",
+            "namespaces": [f"hc{rid}-n-0"],
+            "nodes": [{"ns": f"hc{rid}-n-0", "node": "n-0", "ranks": [0], "ifaces": []}],
+            "rank_pids": [proc.pid],
+        }
+        (sd / f"hc{rid}.json").write_text(json.dumps(state))
+        assert hetcomm_main(["emulate", "down", "--state-dir", str(sd)]) == 0
+        assert proc.poll() is None, "another user's process was signalled"
+        assert not (sd / f"hc{rid}.json").exists()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -10,6 +10,9 @@ from tests.backends.ranks import MIXED_MINI, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = os.path.join(HERE, "tiny.yaml")
+#: Steps of the shared tiny run (conftest.demo_run) and its checkpoint interval.
+STEPS = 16
+CHECKPOINT_EVERY = 4
 
 
 def _free_port() -> int:

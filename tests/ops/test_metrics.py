@@ -1,4 +1,5 @@
-"""``hetcomm train --metrics`` and ``hetcomm report``: one real 4-rank run, its records and plots."""
+"""``hetcomm train --metrics`` and ``hetcomm report``: one real 4-rank run (``demo_run`` in
+conftest.py), its records and plots."""
 
 from __future__ import annotations
 
@@ -10,21 +11,7 @@ import pytest
 from hetcomm.cli.main import main
 from hetcomm.errors import ConfigError
 from hetcomm.ops.metrics import PHASES, read_metrics
-from tests.ops.jobs import TINY, train_ranks
-
-
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    """8 steps of the tiny job with metrics and a checkpoint every 4 steps (real ranks)."""
-    from hetcomm.train.loop import load_train_config
-
-    d = tmp_path_factory.mktemp("demo")
-    metrics, ck = str(d / "m.jsonl"), str(d / "ck")
-    cfg = load_train_config(TINY, metrics=metrics, checkpoint_dir=ck, checkpoint_every=4)
-    codes = train_ranks(cfg)
-    # The loss verdict of 8 tiny steps is not the point here (1 = the loss did not fall enough).
-    assert codes[0] in (0, 1)
-    return d, metrics, ck
+from tests.ops.jobs import CHECKPOINT_EVERY, STEPS
 
 
 def test_one_record_per_step_with_every_field(demo_run):
@@ -32,7 +19,7 @@ def test_one_record_per_step_with_every_field(demo_run):
     log = read_metrics(metrics)
     assert log.run is not None and log.run.world_size == 4 and log.run.cluster == "mixed-mini"
     assert [r["node"] for r in log.run.ranks] == ["a100-0", "a100-0", "h800-0", "ascend-0"]
-    assert [s.step for s in log.steps] == list(range(1, 9))
+    assert [s.step for s in log.steps] == list(range(1, STEPS + 1))
     for s in log.steps:
         assert set(s.phase_s) == set(PHASES)
         assert abs(sum(s.phase_s.values()) - s.step_s) < 1e-3 + 0.01 * s.step_s  # phases cover the step
@@ -46,7 +33,7 @@ def test_one_record_per_step_with_every_field(demo_run):
         assert {"NVLINK", "NET_ROCE_GDR", "HOST_BRIDGE"} <= set(s.bytes_by_link_class)
         assert s.page_hits is None and s.migrations is None  # not reported by this layer: null, not 0
         assert s.max_rss_bytes and s.max_rss_bytes > 10 * 2**20
-    assert [(e.step, e.event) for e in log.events] == [(4, "checkpoint"), (8, "checkpoint")]
+    assert [(e.step, e.event) for e in log.events] == [(s, "checkpoint") for s in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY)]
 
 
 def test_report_prints_a_summary_and_draws_four_pngs(demo_run, tmp_path, capsys):
@@ -55,7 +42,7 @@ def test_report_prints_a_summary_and_draws_four_pngs(demo_run, tmp_path, capsys)
     out = capsys.readouterr().out
     for needle in ("step time (rank 0)", "time by phase", "bytes over HOST_BRIDGE", "layer1 expert load"):
         assert needle in out, out
-    assert [ln.split()[-2:] for ln in out.splitlines() if ln.startswith("checkpoints")] == [["4,", "8"]]
+    assert [ln.split()[1:] for ln in out.splitlines() if ln.startswith("checkpoints")] == [["4,", "8,", "12,", "16"]]
     names = sorted(os.listdir(tmp_path / "plots"))
     assert names == sorted(["step_time.png", "bytes_by_link_class.png", "expert_load.png", "loss.png"])
     for n in names:

@@ -10,13 +10,16 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import asdict
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
 from hetcomm.ops.checkpoint import Stateful, latest_checkpoint, load_checkpoint, save_checkpoint
 from hetcomm.ops.metrics import MetricsCollector, RunHeader, StepRecord, comm_env
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hetcomm.moe.paging import ExpertPager
 
 __all__ = ["NullCollector", "metrics_collector", "checkpoint_group", "resume", "warmup", "maybe_checkpoint"]
 
@@ -109,13 +112,15 @@ def maybe_checkpoint(
     return path
 
 
-def warmup(cfg, model: nn.Module, start_step: int) -> bool:
+def warmup(cfg, model: nn.Module, start_step: int, pagers: Sequence["ExpertPager"] = ()) -> bool:
     """Phase 2 of ``hetcomm launch``: seed each MoE layer from a previous run's record.
 
     From the last quarter of ``cfg.warmup_from``'s steps (at least 1): the expert load of layer
     ``i`` becomes its calibrator's history (in fair-share units, what the calibrator itself keeps)
-    and its replicator's heat, and the hottest experts are replicated (paged in on the strong
-    ranks) at the first forward. Skipped after a resume (the checkpoint has the real state).
+    and its replicator's heat, and the hottest experts are replicated on the strong ranks at the
+    first forward. With ``pagers`` (one :class:`~hetcomm.moe.paging.ExpertPager` per layer, in
+    layer order) each pager gets the loads as its use hint and pages in the hottest experts, as
+    many as its free slots take. Skipped after a resume (the checkpoint has the real state).
     Every rank reads the same file, so the seeded state is identical everywhere.
 
     Returns:
@@ -159,4 +164,11 @@ def warmup(cfg, model: nn.Module, start_step: int) -> bool:
             per_step = load / len(steps)
             rep.ema.copy_(per_step)
             rep.set_hot(torch.topk(per_step, min(rep.num_hot, E)).indices.tolist())
+        if i < len(pagers):
+            pager = pagers[i]
+            pager.hint(share / share.max().clamp_min(1e-12))  # hottest = certain to be used
+            for e in torch.argsort(share, descending=True).tolist():
+                if not pager.resident(e) and not pager.prefetch(e):
+                    break  # no free slot and nothing colder to evict: the working set is full
+            pager.sync()
     return True

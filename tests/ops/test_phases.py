@@ -59,3 +59,20 @@ def test_grouped_start_waits_by_rank_group(monkeypatch):
     assert waits == {0: 0.0, 1: 0.0, 2: 0.2, 3: 0.2, 5: pytest.approx(0.4)}
     monkeypatch.delenv(worker.GROUP_SIZE_ENV)
     assert worker.stagger() == 0.0
+
+
+def test_warmup_pages_in_the_hottest_experts():
+    from hetcomm.moe.paging import ExpertPager, PagingConfig
+    from hetcomm.ops.metrics import read_metrics
+
+    model = _model()
+    experts = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)) for _ in range(8)]
+    pager = ExpertPager(experts, PagingConfig(budget_fraction=0.5))  # 4 device slots for 8 experts
+    try:
+        assert pager.resident_experts() == []
+        assert hooks.warmup(replace(TrainConfig(), warmup_from=TRACE), model, 0, pagers=[pager])
+        steps = read_metrics(TRACE).steps[-50:]
+        load = torch.tensor([sum(s.expert_load[0][e] for s in steps) for e in range(8)])
+        assert set(pager.resident_experts()) == set(torch.topk(load, 4).indices.tolist())
+    finally:
+        pager.close()

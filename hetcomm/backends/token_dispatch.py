@@ -152,6 +152,13 @@ class _Plan:
     expand_index: Tuple[torch.Tensor, ...]  # [C] of [R_c] int64 into the received token rows
     slot_index: Tuple[torch.Tensor, ...]  # [C] of [R_c] int64: row * k + slot of each copy
     own_expand: Tuple[Optional[torch.Tensor], ...]  # [C] of [R_c] int64 token ids, or None
+    # Chunks that received rows from other ranks: inside each local expert's run the rows from
+    # other ranks come first, then the own rows. The own rows are read from (and written to)
+    # the tokens directly, never staged: runs[c] = ((start, n_remote, n_own) per expert),
+    # remote_src[c] = [sum n_remote] rows of the received block, own_src[c] = [sum n_own] tokens.
+    runs: Tuple[Tuple[Tuple[int, int, int], ...], ...]
+    remote_src: Tuple[Optional[torch.Tensor], ...]
+    own_src: Tuple[Optional[torch.Tensor], ...]
     chunk_rows: Tuple[int, ...]  # [C] R_c
     wire: Tuple[torch.dtype, ...]  # [W] wire dtype per peer (the row dtype for self)
 
@@ -512,6 +519,7 @@ def _plan(comm: DispatchComm, topk_idx, topk_weights, expert_to_rank, num_chunks
 
     row_chunk = row_cell % C
     send_token, expand_index, slot_index, own_expand, chunk_rows, recv_w = [], [], [], [], [], []
+    runs, remote_src, own_src = [], [], []
     for c in range(C):
         in_c = row_chunk == c
         own_tok = row_tok[in_c & ~remote]
@@ -533,8 +541,25 @@ def _plan(comm: DispatchComm, topk_idx, topk_weights, expert_to_rank, num_chunks
         recv_w.append(wts[sidx])
         chunk_rows.append(sum(recv_counts[bounds[c][0] : bounds[c][1]]))
         # Nothing received from other ranks: expand straight from x (no gather of own rows).
-        own_expand.append(own_tok[sidx // k] if sum(recv_rows[c]) == 0 else None)
-        assert sidx.numel() == chunk_rows[-1], (sidx.numel(), chunk_rows[-1], c, rank)
+        Ur = sum(recv_rows[c])
+        own_expand.append(own_tok[sidx // k] if Ur == 0 else None)
+        rc, a = [], 0
+        for l in range(bounds[c][0], bounds[c][1]):
+            n_own = counts_from[rank][C + l]
+            n_rem = sum(counts_from[s][C + l] for s in range(W)) - n_own
+            rc.append((a, n_rem, n_own))
+            a += n_rem + n_own
+        runs.append(tuple(rc))
+        if Ur:
+            rows = sidx // k
+            # Stable: the remote positions first, in order (expert by expert), then the own ones.
+            order = torch.argsort((rows >= Ur).to(torch.int8), stable=True)
+            n_rem_all = sum(r[1] for r in rc)
+            remote_src.append(rows[order[:n_rem_all]])
+            own_src.append(own_tok[rows[order[n_rem_all:]] - Ur])
+        else:
+            remote_src.append(None)
+            own_src.append(None)
     plan = _Plan(
         num_tokens=T,
         num_topk=k,
@@ -547,6 +572,9 @@ def _plan(comm: DispatchComm, topk_idx, topk_weights, expert_to_rank, num_chunks
         expand_index=tuple(expand_index),
         slot_index=tuple(slot_index),
         own_expand=tuple(own_expand),
+        runs=tuple(runs),
+        remote_src=tuple(remote_src),
+        own_src=tuple(own_src),
         chunk_rows=tuple(chunk_rows),
         wire=_wires(comm, dtype),
     )
@@ -561,9 +589,8 @@ def _plan(comm: DispatchComm, topk_idx, topk_weights, expert_to_rank, num_chunks
 class _Send:
     """Chunk ``c``'s token rows of ``src [T, D]`` from senders to receivers (dispatch direction).
 
-    Receiver side: ``full`` (``[U_recv + own, D]``) holds the rows from other ranks, then the
-    own rows, gathered locally; None when nothing came from other ranks (then the expansion
-    reads ``src`` through ``plan.own_expand[c]``).
+    Receiver side: ``full`` (``[U_recv, D]``) holds the rows from other ranks; None when nothing
+    came from them. Own rows are never staged: readers take them from ``src`` (``own_src``).
     """
 
     def __init__(self, comm: DispatchComm, plan: _Plan, c: int, src: torch.Tensor, wire, tag: str):
@@ -575,12 +602,10 @@ class _Send:
         self.full = None
         self.ex: Optional[_Rows] = None
         if Ur:
-            self.full = rowpool.empty((Ur + own, D), src.dtype, src.device)
-            if own:
-                torch.index_select(src, 0, tok[Us:], out=self.full[Ur:])
+            self.full = rowpool.empty((Ur, D), src.dtype, src.device)
         if plan.world_size > 1:  # a collective: every rank takes part, with or without rows
             self.ex = _Rows(comm, plan.send_splits[c], plan.recv_splits[c], wire, src.dtype, D, tag)
-            out = self.full[:Ur] if self.full is not None else src.new_empty((0, D))
+            out = self.full if self.full is not None else src.new_empty((0, D))
             self.ex.start(src, tok[:Us], out)
 
     def wait(self) -> None:
@@ -589,8 +614,9 @@ class _Send:
 
 
 class _Return:
-    """Chunk ``c``'s token rows ``full`` (``[U_recv + own, D]``, or None with ``U_recv == 0``)
-    from receivers back to senders (combine direction), added into ``out [T, D]`` per token."""
+    """Chunk ``c``'s token rows from other ranks, ``full`` (``[U_recv, D]``, or None with
+    ``U_recv == 0``), back to their senders (combine direction), added into ``out [T, D]`` per
+    token on :meth:`wait`. The caller adds the own rows' share itself."""
 
     def __init__(self, comm: DispatchComm, plan: _Plan, c: int, full: Optional[torch.Tensor], out: torch.Tensor, wire, tag: str):
         self.plan, self.c, self.out = plan, c, out
@@ -599,11 +625,9 @@ class _Return:
         self.Us = tok.numel() - plan.num_own[c]
         self.ex: Optional[_Rows] = None
         D = out.size(1)
-        if full is not None and plan.num_own[c]:
-            out.index_add_(0, tok[self.Us :], full[Ur:])
         if plan.world_size > 1:
             self.back = rowpool.empty((self.Us, D), out.dtype, out.device)
-            send = full[:Ur] if full is not None else out.new_empty((0, D))
+            send = full if full is not None else out.new_empty((0, D))
             self.ex = _Rows(comm, plan.recv_splits[c], plan.send_splits[c], wire, out.dtype, D, tag)
             self.ex.start(send, None, self.back)
 
@@ -614,6 +638,20 @@ class _Return:
         if self.Us:
             self.out.index_add_(0, self.plan.send_token[self.c][: self.Us], self.back)
         self.ex = None
+
+
+def _segments(plan: _Plan, c: int):
+    """``(start, n, from_remote, index)`` per run of chunk ``c`` (a chunk that received rows):
+    rows ``start .. start + n - 1`` of the chunk read ``remote[index]`` (the received block) or
+    ``tokens[index]`` (own rows)."""
+    ro = oo = 0
+    for start, n_rem, n_own in plan.runs[c]:
+        if n_rem:
+            yield start, n_rem, True, plan.remote_src[c][ro : ro + n_rem]
+        if n_own:
+            yield start + n_rem, n_own, False, plan.own_src[c][oo : oo + n_own]
+        ro += n_rem
+        oo += n_own
 
 
 def _count_rows(ex: Optional[_Rows], rank: int) -> Tuple[int, int]:
@@ -715,7 +753,8 @@ class _DispatchState:
                 if snd.full is None:
                     torch.index_select(self.x, 0, plan.own_expand[c], out=dst)
                 else:
-                    torch.index_select(snd.full, 0, plan.expand_index[c], out=dst)
+                    for start, n, remote, idx in _segments(plan, c):
+                        torch.index_select(snd.full if remote else self.x, 0, idx, out=dst[start : start + n])
         self.sends[c] = None
         if all(v is None for v in self.sends):
             self.x = None  # do not keep the input alive past the last chunk
@@ -782,8 +821,9 @@ class _CombineState:
                 _weighted_rows(yc, wc, plan.own_expand[c], out)
             else:
                 Ur = sum(plan.recv_splits[c])
-                full = rowpool.zeros((Ur + plan.num_own[c], y.size(1)), y.dtype, y.device)
-                _weighted_rows(yc, wc, plan.expand_index[c], full)
+                full = rowpool.zeros((Ur, y.size(1)), y.dtype, y.device)
+                for start, m, remote, idx in _segments(plan, c):
+                    _weighted_rows(yc[start : start + m], wc[start : start + m], idx, full if remote else out)
             ret = _Return(self.comm, plan, c, full, out, plan.wire, "combine")
             sent, recv = _count_rows(ret.ex, plan.rank)
             self.bytes_sent += sent
@@ -862,8 +902,9 @@ class _DispatchFn(torch.autograd.Function):
                     gx.index_add_(0, plan.own_expand[c], g)
                 else:
                     Ur = sum(plan.recv_splits[c])
-                    full = rowpool.zeros((Ur + plan.num_own[c], g.size(1)), g.dtype, g.device)
-                    full.index_add_(0, plan.expand_index[c], g)
+                    full = rowpool.zeros((Ur, g.size(1)), g.dtype, g.device)
+                    for start, m, remote, idx in _segments(plan, c):
+                        (full if remote else gx).index_add_(0, idx, g[start : start + m])
                 rets.append(_Return(comm, plan, c, full, gx, plan.wire, "dispatch-backward"))
                 _count_rows(rets[-1].ex, plan.rank)
             for r in rets:
@@ -899,14 +940,19 @@ class _CombineFn(torch.autograd.Function):
             _count_rows(snd.ex, plan.rank)
             snd.wait()
             n = plan.chunk_rows[c]
-            src, idx = (grad_out, plan.own_expand[c]) if snd.full is None else (snd.full, plan.expand_index[c])
-            for i in range(0, n, _BLOCK_ROWS):
-                j = min(n, i + _BLOCK_ROWS)
-                gb = torch.index_select(src, 0, idx[i:j])  # gradient of each copy's token sum
-                if need_w:
-                    torch.sum(gb * y[off + i : off + j], 1, dtype=torch.float32, out=gw[off + i : off + j])
-                if need_y:
-                    torch.mul(gb, w[off + i : off + j].unsqueeze(1).to(gb.dtype), out=gy[off + i : off + j])
+            if snd.full is None:
+                segments = [(0, n, grad_out, plan.own_expand[c])] if n else []
+            else:
+                segments = [(st, m, snd.full if remote else grad_out, idx) for st, m, remote, idx in _segments(plan, c)]
+            for start, m, src, idx in segments:
+                for i in range(0, m, _BLOCK_ROWS):
+                    j = min(m, i + _BLOCK_ROWS)
+                    gb = torch.index_select(src, 0, idx[i:j])  # gradient of each copy's token sum
+                    a, b = off + start + i, off + start + j
+                    if need_w:
+                        torch.sum(gb * y[a:b], 1, dtype=torch.float32, out=gw[a:b])
+                    if need_y:
+                        torch.mul(gb, w[a:b].unsqueeze(1).to(gb.dtype), out=gy[a:b])
             off += n
         return gy, gw, None
 

@@ -11,7 +11,7 @@ from tests.backends.ranks import MIXED_MINI, run_ranks
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = os.path.join(HERE, "tiny.yaml")
 #: Steps of the shared tiny run (conftest.demo_run) and its checkpoint interval.
-STEPS = 16
+STEPS = 24
 CHECKPOINT_EVERY = 4
 
 

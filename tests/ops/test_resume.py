@@ -79,7 +79,7 @@ def test_kill_one_rank_resume_from_checkpoint_same_losses(tmp_path, demo_run):
     assert "peer 2" in out, out[-4000:]
     log = read_metrics(metrics)
     resumes = [e.step for e in log.events if e.event == "resume"]
-    assert len(resumes) == 1 and resumes[0] in (4, 8, 12), (resumes, out[-3000:])
+    assert len(resumes) == 1 and resumes[0] % 4 == 0 and 4 <= resumes[0] < STEPS, (resumes, out[-3000:])
     at = resumes[0]
     # Steps redone after the resume are those after the checkpoint: no step before it is lost,
     # none after it is skipped.

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import torch
 
 from hetcomm.backends.agreement import agree, settings_of
-from hetcomm.backends.options import HetcommOptions, options_from_env, wire_torch_dtype
+from hetcomm.backends.options import WIRE_DTYPES, HetcommOptions, options_from_env, wire_torch_dtype
 from hetcomm.backends.placement import Placement, build_placement
-from hetcomm.errors import UsageError
+from hetcomm.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
     from hetcomm.backends.routed import RoutedCollectives
@@ -241,6 +241,8 @@ class Communicator:
             policy: override of ``options.wire_dtype`` (e.g. the MoE layer's ``wire_dtype``).
         """
         name = policy if policy is not None else self.options.wire_dtype
+        if name not in WIRE_DTYPES:
+            raise ConfigError(f"unknown wire dtype {name!r}; choose from {', '.join(WIRE_DTYPES)}", key="wire_dtype")
         if peer == self.rank or not dtype.is_floating_point or name == "exact":
             return None
         if name in ("cluster", "auto"):

@@ -30,7 +30,19 @@ def _identity(rank: int, world_size: int) -> dict:
         "wire_int": comm.wire_dtype(0, torch.int64, policy="fp16"),
         "wire_widen": comm.wire_dtype((rank + 1) % world_size, torch.float16, policy="fp32"),
         "stats": isinstance(comm.stats(), dict),
+        "bad_policy": _raises_config_error(lambda: comm.wire_dtype(0, torch.float32, policy="fp8")),
+        "narrow": str(comm.wire_dtype((rank + 1) % world_size, torch.float32, policy="bf16")) if world_size > 1 else "torch.bfloat16",
     }
+
+
+def _raises_config_error(fn) -> bool:
+    from hetcomm.errors import ConfigError
+
+    try:
+        fn()
+    except ConfigError:
+        return True
+    return False
 
 
 def test_communicator_on_hetcomm_group_is_the_groups_own():
@@ -38,6 +50,7 @@ def test_communicator_on_hetcomm_group_is_the_groups_own():
     for r, o in enumerate(out):
         assert o["same"] and o["group_ok"] and o["rank"] == r and o["world_size"] == 2
         assert o["placement"] == 2 and o["stats"] and o["wire_int"] is None and o["wire_widen"] is None
+        assert o["bad_policy"] and o["narrow"] == "torch.bfloat16"
     # One's own rows are never cast; the other rank's wire follows the (hostname) policy: fp32.
     assert out[0]["wire_to_0"] == "None" and out[1]["wire_to_0"] == "None"
 

@@ -5,7 +5,9 @@ assigned node by node, device by device, the way torchrun numbers them. The same
 the backend (which rail reaches which peer), the planner and simulator (link classes,
 bandwidths, shared NICs), the MoE layer (strong ranks, wire dtypes) and the emulator.
 
-Schema (every key is checked; unknown keys are rejected with the file, line and key)::
+Schema (every key is checked; unknown keys are rejected with the file, line and key; every number
+is type- and range-checked and sizes are capped: the rules and limits, such as 1,024 ranks, are
+in ``docs/TOPOLOGY.md``, "Cluster files: validation and limits")::
 
     name: mixed-mini                  # required
     description: free text            # optional

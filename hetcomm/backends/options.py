@@ -169,13 +169,10 @@ class HetcommOptions:
 
 
 def _parse_size(text: str, key: str) -> int:
-    # The one size parser of every command and option (hetcomm.units; EDGE, issue 10 item 8).
+    """A size from an environment variable (hetcomm's one size parser, :func:`hetcomm.units.parse_size`)."""
     from hetcomm.units import parse_size
 
-    try:
-        return parse_size(text, what="value")
-    except UsageError as e:
-        raise ConfigError(str(e), key=key) from None
+    return parse_size(text, what=key, error=lambda message: ConfigError(message, key=key))
 
 
 def options_from_env(

@@ -49,6 +49,7 @@ __all__ = [
     "encode_collective",
     "meta_width",
     "check_meta",
+    "refusal",
     "dead_peers",
     "missing_peers",
     "DTYPE_NAMES",
@@ -337,6 +338,14 @@ def _raise(op: str, rank: int, field: str, ranks: Sequence[int], parts: List[str
         f"hetcomm {op}: {title or _TITLES[field]}, detected on rank {rank} before any data moved: {shown}. "
         f"Fix: {fix}.",
         op=op, rank=rank, ranks=list(ranks), field=field,
+    )
+
+
+def refusal(op: str, rank: int, text: str) -> CrossRankMismatch:
+    """The error of a rank that refuses its own arguments while the cross-rank check is off (the
+    other ranks are not told: with the check off they wait for this rank and time out)."""
+    return CrossRankMismatch(
+        f"hetcomm {op} (rank {rank}): {text}", op=op, rank=rank, ranks=[rank], field="arguments"
     )
 
 

@@ -1,9 +1,30 @@
-"""Delegated collectives: the ones a hetcomm group runs on its inner gloo group unchanged.
+"""Delegated collectives: the ones a hetcomm group runs on its inner gloo group.
 
-all_reduce, broadcast, all_gather, reduce_scatter, gather, scatter, reduce and barrier run on
-``gloo0`` (:attr:`RailSet.gloo <hetcomm.backends.railset.RailSet.gloo>`), so their results are
-exactly gloo's. This module adds what gloo lacks:
+all_reduce, broadcast, all_gather(_into_tensor), reduce_scatter(_tensor), gather, scatter, reduce,
+barrier and the coalesced forms run on ``gloo0`` (:attr:`RailSet.gloo
+<hetcomm.backends.railset.RailSet.gloo>`), so their results are gloo's. This module adds what gloo
+lacks:
 
+* **a cross-rank check before any byte moves** (:mod:`.checks`, on by default; ``check_splits`` /
+  ``HETCOMM_CHECK=0`` turns it off): every rank publishes the collective's kind, its sequence
+  number in the group, dtype, element count, reduce op and root — through the shared-memory
+  board when the whole group shares memory, else one all_gather on the executor's gloo group —
+  and every rank raises the same :class:`~hetcomm.errors.CrossRankMismatch` (a ``ValueError``)
+  on a mismatch, where gloo would return garbage, time out, or abort the process. A rank whose
+  own arguments are invalid (e.g. an all_gather output list of the wrong length) says so in its
+  vector, so the others raise too instead of waiting for it. The check is ordered with the routed
+  collectives' checks: a checked collective runs as a job of the group's executor (inline on the
+  caller's thread when it blocks and nothing is queued), so ``gloo0`` sees collectives in call
+  order on every rank;
+* **strided views**: gloo reads and writes a non-contiguous tensor as if it were contiguous
+  (``base[2:8:2]`` of 10 elements: it reduced ``base[2:5]``); such tensors are copied into
+  contiguous buffers and back, so only the view's elements change;
+* **dtypes gloo refuses** ("Invalid scalar type": int16, uint16, uint32, uint64, the float8
+  kinds, complex32, ...): data-moving collectives carry their bytes (a ``uint8`` view);
+  reductions run in a wider dtype (int16/uint16 -> int32, uint32 -> int64, float8/complex32 ->
+  float32/complex64) and cast back, which wraps integers exactly like arithmetic in the narrow
+  dtype; uint64 reduces as int64 bit patterns (SUM/PRODUCT/bitwise ops agree modulo 2**64;
+  MIN/MAX/AVG are refused with a clear error);
 * AVG reductions (gloo has none): run as SUM, then divided;
 * errors that name the rank at fault (:mod:`.faults`) instead of gloo's connection text, raised as
   :class:`~hetcomm.errors.CollectiveError` from ``wait()``;
@@ -12,24 +33,69 @@ exactly gloo's. This module adds what gloo lacks:
   ``S`` bytes on ``n`` ranks moves ``2(n-1)/n * S`` per rank each way, an all_gather of an
   ``S``-byte output ``(n-1)/n * S``, a broadcast ``S``), so the train summary's "sent over" rows
   include the replica reductions.
+
+Point-to-point ``send``/``recv`` are not collectives and are not checked (gloo matches them by
+tag). C++ callers of methods the 2.13 trampoline does not forward (functional all_gather /
+reduce_scatter) reach ``gloo0`` directly and are not checked either.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from datetime import timedelta
-from typing import Callable, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 
-from hetcomm.backends.faults import FaultDiagnosis
+from hetcomm.backends import checks
+from hetcomm.backends.faults import FaultDiagnosis, release_frames
 from hetcomm.backends.stats import record as _record
-from hetcomm.backends.work import FutureWork
+from hetcomm.backends.work import HetcommWork
 from hetcomm.errors import CollectiveError
 
-__all__ = ["DelegatedCollectives", "bus_bytes"]
+__all__ = ["DelegatedCollectives", "bus_bytes", "GLOO_DTYPES"]
+
+#: dtypes ProcessGroupGloo (torch 2.13) accepts; every other one fails with "Invalid scalar type".
+GLOO_DTYPES = frozenset(
+    {
+        torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
+        torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+    }
+)
+# Reductions in a dtype gloo refuses run in this one and are cast back.
+_WIDER = {
+    torch.int16: torch.int32,
+    torch.uint16: torch.int32,
+    torch.uint32: torch.int64,
+    torch.float8_e4m3fn: torch.float32,
+    torch.float8_e5m2: torch.float32,
+    torch.float8_e4m3fnuz: torch.float32,
+    torch.float8_e5m2fnuz: torch.float32,
+    torch.float8_e8m0fnu: torch.float32,
+    torch.complex32: torch.complex64,
+}
+# Ops whose result on int64 bit patterns equals the uint64 result modulo 2**64.
+_MODULAR_OPS = ("SUM", "PRODUCT", "BAND", "BOR", "BXOR")
+_OPS = (
+    (dist.ReduceOp.SUM, "SUM"), (dist.ReduceOp.AVG, "AVG"), (dist.ReduceOp.PRODUCT, "PRODUCT"),
+    (dist.ReduceOp.MIN, "MIN"), (dist.ReduceOp.MAX, "MAX"), (dist.ReduceOp.BAND, "BAND"),
+    (dist.ReduceOp.BOR, "BOR"), (dist.ReduceOp.BXOR, "BXOR"), (dist.ReduceOp.PREMUL_SUM, "PREMUL_SUM"),
+)
+
+
+def _op_name(op) -> str:
+    for member, name in _OPS:
+        if op == member:
+            return name
+    return "UNUSED"
+
+
+def _is_async(opts) -> bool:
+    """Whether the caller keeps the Work (``async_op=True``, or a C++ caller: unknown)."""
+    return True if opts is None else bool(opts.asyncOp)
 
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -49,6 +115,143 @@ def bus_bytes(op: str, payload: int, n: int) -> int:
     return (n - 1) * payload // n
 
 
+class _Staging:
+    """Contiguous, gloo-accepted stand-ins for the caller's tensors, and the copies back.
+
+    ``reduce``: the stand-in has a dtype gloo can reduce (see the module docstring); ``move``:
+    the stand-in carries the same bytes (a ``uint8`` view when gloo refuses the dtype). A
+    contiguous tensor of a gloo dtype is used as it is (no copy).
+    """
+
+    def __init__(self, mode: str, reduce_op: str = "SUM"):
+        self.mode = mode
+        self.reduce_op = reduce_op
+        self.back: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (caller's tensor, stand-in)
+        self.error: Optional[str] = None
+
+    def wire_dtype(self, dtype: torch.dtype) -> Optional[torch.dtype]:
+        """The dtype a reduction of ``dtype`` runs in, or None (then :attr:`error` says why)."""
+        if dtype in GLOO_DTYPES:
+            return dtype
+        if dtype in _WIDER:
+            return _WIDER[dtype]
+        if dtype == torch.uint64:
+            if self.reduce_op in _MODULAR_OPS:
+                return torch.int64
+            self.error = (
+                f"{self.reduce_op} of torch.uint64 tensors is not supported (gloo has no unsigned 64-bit "
+                f"reduction; SUM, PRODUCT and bitwise ops are): cast to torch.int64 or a float dtype first"
+            )
+            return None
+        self.error = f"gloo cannot reduce {dtype}: cast to a float or int dtype first"
+        return None
+
+    def stage(self, t: torch.Tensor, is_output: bool) -> torch.Tensor:
+        """The tensor to hand to gloo in place of ``t``."""
+        if self.mode == "reduce":
+            wire = self.wire_dtype(t.dtype)
+            if wire is None:
+                return t
+            if wire == t.dtype and t.is_contiguous():
+                return t
+            if t.dtype == torch.uint64:  # bit patterns, not values
+                s = t.contiguous().view(torch.int64)
+                if is_output and s.data_ptr() != t.data_ptr():
+                    self.back.append((t, s))
+                return s
+            s = t.to(dtype=wire, memory_format=torch.contiguous_format, copy=True)
+        else:
+            if t.dtype in GLOO_DTYPES:
+                if t.is_contiguous():
+                    return t
+                s = t.contiguous()
+            else:
+                flat = t.contiguous().reshape(-1)
+                try:
+                    s = flat.view(torch.uint8)
+                except RuntimeError as e:
+                    self.error = f"cannot send tensors of {t.dtype} as bytes ({e}); cast them first"
+                    return t
+                if t.is_contiguous():
+                    return s  # a view of t's own memory: nothing to copy back
+        if is_output:
+            self.back.append((t, s))
+        return s
+
+    def finish(self) -> None:
+        """Copy the stand-ins of outputs back into the caller's tensors (casting back)."""
+        for t, s in self.back:
+            if s.dtype == torch.uint8 and t.dtype != torch.uint8:
+                t.copy_(s.view(t.dtype).view(t.shape))
+            elif t.dtype == torch.uint64:
+                t.copy_(s.view(torch.uint64).view(t.shape))
+            else:
+                t.copy_(s.view(t.shape))
+
+
+class _Completion:
+    """Completes a delegated collective's Work once gloo's op has finished.
+
+    Holds the group's fault diagnosis weakly: the callback runs on a gloo thread and may outlive
+    the group, and the last reference dropping there would join gloo's threads from one of them.
+    """
+
+    def __init__(self, work: HetcommWork, op: str, rank: int, seq: int, faults_ref, staging, after, nbytes: int):
+        self.work = work
+        self.op = op
+        self.rank = rank
+        self.seq = seq
+        self.faults_ref = faults_ref
+        self.staging = staging
+        self.after = after
+        self.nbytes = nbytes
+        self.t0 = time.perf_counter()
+
+    def callback(self, fut: "torch.futures.Future") -> None:
+        try:
+            fut.value()
+        except Exception as e:
+            self.finish(e)
+        else:
+            self.finish(None)
+
+    def finish(self, error: Optional[BaseException]) -> None:
+        if error is not None:
+            faults = self.faults_ref()
+            ranks, text = faults.culprits(self.seq) if faults is not None else ([], "")
+            err = CollectiveError(
+                f"failed{text}: {error}", op=self.op, rank=self.rank, peer=ranks[0] if ranks else None, rail="gloo",
+                diagnosed=True,
+            )
+            err.__cause__ = error
+            self.work._complete(release_frames(err))
+            return
+        try:
+            if self.after is not None:
+                self.after()
+            if self.staging is not None:
+                self.staging.finish()
+        except BaseException as e:  # e.g. a copy back that fails: the caller must hear of it
+            self.work._complete(release_frames(e))
+            return
+        _record("gloo", bytes_sent=self.nbytes, bytes_received=self.nbytes, seconds_busy=time.perf_counter() - self.t0, ops=1)
+        self.work._complete(None)
+
+
+@dataclass
+class _Call:
+    """One delegated collective, described for the check and the job."""
+
+    kind: str
+    dtype: Optional[torch.dtype] = None
+    count: int = 0
+    shape: Tuple[int, ...] = ()
+    reduce_op: Optional[str] = None
+    root: Optional[int] = None
+    local_error: Optional[str] = None
+    payload: int = 0
+
+
 class DelegatedCollectives:
     """The delegated collectives of one group on this rank.
 
@@ -56,186 +259,266 @@ class DelegatedCollectives:
         gloo: the inner ``ProcessGroupGloo`` (``gloo0``).
         rank / size: this process in the group.
         faults: names the rank at fault when a collective fails.
+        routed: the group's routed collectives: their sequence counter, executor and metadata
+            exchange order the checks of both kinds (:class:`~hetcomm.backends.routed.RoutedCollectives`).
     """
 
-    def __init__(self, gloo, rank: int, size: int, faults: FaultDiagnosis):
+    def __init__(self, gloo, rank: int, size: int, faults: FaultDiagnosis, routed):
         self.gloo = gloo
         self.rank = rank
         self.size = size
         self.faults = faults
-        self._dseq = 0
+        self.routed = routed
 
-    def _next_diag_seq(self) -> int:
-        self._dseq += 1
-        return -self._dseq  # delegated collectives count down, routed ones up: separate diag keys
+    # -- the common path ----------------------------------------------------------------------
+    def _run(
+        self,
+        call: _Call,
+        launch: Callable[[], "dist.Work"],
+        result: List[torch.Tensor],
+        staging: Optional[_Staging],
+        async_op: bool,
+        after: Optional[Callable[[], None]] = None,
+    ) -> HetcommWork:
+        """Check ``call`` across ranks (when the check is on), then ``launch()`` the gloo op; when
+        it completes, run ``after`` (AVG's division), copy staged outputs back, count it and
+        complete the returned Work.
 
-    # -- Work wrappers ----------------------------------------------------------------------------
-    def _guard(
-        self, op: str, fut: "torch.futures.Future", errors: List[BaseException], nbytes: int
-    ) -> "torch.futures.Future":
-        """Chain ``fut`` so that a failure becomes a CollectiveError naming the peer at fault
-        (also appended to ``errors``, so that :class:`FutureWork` can re-raise it as such) and a
-        success is counted in the statistics."""
-        seq = self._next_diag_seq()
-        # The callback runs on a gloo thread and may outlive the group: hold the diagnosis
-        # weakly, or the last reference could drop there and join gloo's threads from one of them.
-        faults_ref = weakref.ref(self.faults)
-        rank = self.rank
-        t0 = time.perf_counter()
+        The check and the launch run in the executor's order (so ``gloo0`` sees collectives in
+        call order on every rank). A blocking call then waits for gloo right there; an async one
+        completes from gloo's future, on a gloo thread, as before the check existed: a completion
+        callback that starts and waits for another collective (PowerSGD's hook does) must not
+        run on the executor thread it would wait for.
 
-        def check(f: "torch.futures.Future"):
+        Raises (from the Work): CrossRankMismatch on every rank when the ranks' calls do not fit;
+        CollectiveError naming the rank at fault when gloo fails.
+        """
+        routed = self.routed
+        seq = routed.next_seq()
+        local_error = call.local_error
+        if local_error is None and staging is not None and staging.error is not None:
+            local_error = staging.error
+        checked = routed.options.check_splits
+        if local_error is not None and not checked:
+            raise checks.refusal(call.kind, self.rank, local_error)
+        meta = None
+        if checked:
+            meta = checks.encode_collective(
+                call.kind, seq, self.size, call.dtype, call.count, call.shape, call.reduce_op, call.root,
+                local_problem=local_error is not None,
+            )
+        user = HetcommWork(result, seq)
+        done = _Completion(
+            user, call.kind, self.rank, seq, weakref.ref(self.faults), staging, after, bus_bytes(call.kind, call.payload, self.size)
+        )
+        faults = self.faults
+        kind = call.kind
+
+        def job(w: HetcommWork) -> None:
             try:
-                value = f.value()
-            except Exception as e:
-                faults = faults_ref()
-                ranks, text = faults.culprits(seq) if faults is not None else ([], "")
-                err = CollectiveError(
-                    f"failed{text}: {e}", op=op, rank=rank, peer=ranks[0] if ranks else None, rail="gloo", diagnosed=True
-                )
-                errors.append(err)
-                raise err from e
-            _record("gloo", bytes_sent=nbytes, bytes_received=nbytes, seconds_busy=time.perf_counter() - t0, ops=1)
-            return value
+                if meta is not None:
+                    routed.exchange_meta(kind, seq, meta, "elements", local_error=local_error)
+                gwork = launch()
+            except CollectiveError as e:
+                user._complete(release_frames(faults.blame(e, seq)))
+                return
+            except BaseException as e:  # CrossRankMismatch, or gloo refusing at once
+                user._complete(release_frames(e))
+                return
+            fut = None
+            if async_op:
+                try:
+                    fut = gwork.get_future()
+                except RuntimeError:  # gloo reduce_scatter/gather/scatter Works have no future
+                    fut = None
+            if fut is None:  # a blocking call waits here: no hand-off through a gloo callback thread
+                try:
+                    gwork.wait()
+                except Exception as e:
+                    done.finish(e)
+                else:
+                    done.finish(None)
+            else:
+                fut.then(done.callback)
 
-        return fut.then(check)
+        routed.executor.submit(job, HetcommWork([], seq), async_op)
+        return user
 
-    def wrap(self, op: str, work: "dist.Work", payload: int) -> "dist.Work":
-        """A gloo Work as a Work whose failure names the peer at fault and that counts in stats."""
-        nbytes = bus_bytes(op, payload, self.size)
-        errors: List[BaseException] = []
-        try:
-            fut = work.get_future()
-        except RuntimeError:  # gloo reduce_scatter/gather/scatter/p2p Works have no future
-            return _GuardedWork(work, op, self, nbytes)
-        return FutureWork(self._guard(op, fut, errors, nbytes), errors)
-
-    def avg_as_sum(self, name: str, opts, launch: Callable, finish: Callable[[int], list], payload: int):
-        """gloo has no AVG: run the reduction with SUM (``launch(sum_opts)`` returns the gloo Work),
-        then ``finish(group_size)`` divides the results (see :func:`_divide`) and returns the
-        future's value."""
-        o = type(opts)()
+    def _reduce_opts(self, opts, cls):
+        """``(gloo options, op name)``: AVG becomes SUM (gloo has no AVG; divided afterwards)."""
+        name = _op_name(opts.reduceOp)
+        o = cls()
         o.timeout = opts.timeout
-        if isinstance(opts, (dist.ReduceOptions,)):
+        if isinstance(opts, dist.ReduceOptions):
             o.rootRank = opts.rootRank
             o.rootTensor = opts.rootTensor
-        o.reduceOp = dist.ReduceOp.SUM
-        errors: List[BaseException] = []
-        fut = self._guard(name, launch(o).get_future(), errors, bus_bytes(name, payload, self.size))
-        return FutureWork(fut.then(lambda f, n=self.size: finish(n)), errors)
+        o.reduceOp = dist.ReduceOp.SUM if name == "AVG" else opts.reduceOp
+        return o, name
 
     # -- the collectives ------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
-        payload = _nbytes(tensors)
-        if opts.reduceOp == dist.ReduceOp.AVG:
-            return self.avg_as_sum("all_reduce", opts, lambda o: self.gloo.allreduce(tensors, o), lambda n: _divide(tensors, n), payload)
-        return self.wrap("all_reduce", self.gloo.allreduce(tensors, opts), payload)
+        o, name = self._reduce_opts(opts, dist.AllreduceOptions)
+        t = tensors[0]
+        call = _Call("all_reduce", t.dtype, t.numel(), tuple(t.shape), name, payload=_nbytes(tensors))
+        if len(tensors) != 1:
+            call.local_error = f"all_reduce takes one tensor per process, got {len(tensors)}"
+        st = _Staging("reduce", name)
+        staged = [st.stage(x, True) for x in tensors]
+        n = self.size
+        after = (lambda: _divide(staged, n)) if name == "AVG" else None
+        return self._run(call, lambda: self.gloo.allreduce(staged, o), list(tensors), st, _is_async(opts), after)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        return self.wrap("all_reduce_coalesced", self.gloo.allreduce_coalesced(tensors, opts), _nbytes(tensors))
+        name = _op_name(opts.reduceOp)
+        call = _Call(
+            "all_reduce_coalesced", tensors[0].dtype if tensors else None, sum(t.numel() for t in tensors),
+            (len(tensors),), name, payload=_nbytes(tensors),
+        )
+        if len({t.dtype for t in tensors}) > 1:
+            call.local_error = "all_reduce_coalesced needs tensors of one dtype"
+        if name == "AVG":
+            call.local_error = "all_reduce_coalesced has no AVG on gloo; use SUM and divide, or all_reduce"
+        st = _Staging("reduce", name)
+        staged = [st.stage(x, True) for x in tensors]
+        return self._run(call, lambda: self.gloo.allreduce_coalesced(staged, opts), list(tensors), st, _is_async(opts))
 
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else dist.BroadcastOptions()
-        return self.wrap("broadcast", self.gloo.broadcast(tensors, opts), _nbytes(tensors))
-
-    def allgather(self, output_tensors, input_tensors, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
-        payload = sum(_nbytes(ts) for ts in output_tensors)
-        return self.wrap("all_gather", self.gloo.allgather(output_tensors, input_tensors, opts), payload)
-
-    def allgather_coalesced(self, output_lists, input_list, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
-        payload = sum(_nbytes(ts) for ts in output_lists)
-        return self.wrap("all_gather_coalesced", self.gloo.allgather_coalesced(output_lists, input_list, opts), payload)
-
-    def all_gather_single(self, output, input, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
-        return self.wrap("all_gather_into_tensor", self.gloo._allgather_base(output, input, opts), _nbytes([output]))
-
-    def reduce_scatter(self, output_tensors, input_lists, opts=None):
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
-        payload = sum(_nbytes(ts) for ts in input_lists)
-        if opts.reduceOp == dist.ReduceOp.AVG:
-            return self.avg_as_sum(
-                "reduce_scatter", opts, lambda o: self.gloo.reduce_scatter(output_tensors, input_lists, o),
-                lambda n: _divide(list(output_tensors), n), payload,
-            )
-        return self.wrap("reduce_scatter", self.gloo.reduce_scatter(output_tensors, input_lists, opts), payload)
-
-    def reduce_scatter_single(self, output, input, opts=None):
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
-        payload = _nbytes([input])
-        if opts.reduceOp == dist.ReduceOp.AVG:
-            return self.avg_as_sum(
-                "reduce_scatter_tensor", opts, lambda o: self.gloo._reduce_scatter_base(output, input, o),
-                lambda n: _divide([output], n), payload,
-            )
-        return self.wrap("reduce_scatter_tensor", self.gloo._reduce_scatter_base(output, input, opts), payload)
+        t = tensors[0]
+        call = _Call("broadcast", t.dtype, t.numel(), tuple(t.shape), root=opts.rootRank, payload=_nbytes(tensors))
+        call.local_error = self._root_error(opts.rootRank)
+        st = _Staging("move")
+        staged = [st.stage(x, True) for x in tensors]
+        return self._run(call, lambda: self.gloo.broadcast(staged, opts), list(tensors), st, _is_async(opts))
 
     def reduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.ReduceOptions()
-        payload = _nbytes(tensors)
-        if opts.reduceOp == dist.ReduceOp.AVG:
-            # Only the root holds the sum; the other ranks' tensors are left as gloo leaves them.
-            on_root = self.rank == opts.rootRank
-            return self.avg_as_sum(
-                "reduce", opts, lambda o: self.gloo.reduce(tensors, o),
-                lambda n: _divide(tensors, n) if on_root else tensors, payload,
+        o, name = self._reduce_opts(opts, dist.ReduceOptions)
+        t = tensors[0]
+        call = _Call("reduce", t.dtype, t.numel(), tuple(t.shape), name, opts.rootRank, payload=_nbytes(tensors))
+        call.local_error = self._root_error(opts.rootRank)
+        st = _Staging("reduce", name)
+        staged = [st.stage(x, True) for x in tensors]
+        # Only the root holds the sum; the other ranks' tensors are left as gloo leaves them.
+        n = self.size
+        after = (lambda: _divide(staged, n)) if name == "AVG" and self.rank == opts.rootRank else None
+        return self._run(call, lambda: self.gloo.reduce(staged, o), list(tensors), st, _is_async(opts), after)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else AllgatherOptions()
+        t = input_tensors[0]
+        outs = output_tensors[0] if output_tensors else []
+        call = _Call("all_gather", t.dtype, t.numel(), tuple(t.shape), payload=sum(_nbytes(ts) for ts in output_tensors))
+        call.local_error = self._list_error("output_tensors", outs, t, self.size)
+        st = _Staging("move")
+        s_in = [st.stage(t, False)]
+        s_out = [[st.stage(x, True) for x in outs]]
+        return self._run(call, lambda: self.gloo.allgather(s_out, s_in, opts), list(outs), st, _is_async(opts))
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        opts = opts if opts is not None else AllgatherOptions()
+        call = _Call(
+            "all_gather_coalesced", input_list[0].dtype if input_list else None, sum(t.numel() for t in input_list),
+            (len(input_list),), payload=sum(_nbytes(ts) for ts in output_lists),
+        )
+        st = _Staging("move")
+        s_in = [st.stage(t, False) for t in input_list]
+        s_out = [[st.stage(x, True) for x in ts] for ts in output_lists]
+        result = [x for ts in output_lists for x in ts]
+        return self._run(call, lambda: self.gloo.allgather_coalesced(s_out, s_in, opts), result, st, _is_async(opts))
+
+    def all_gather_single(self, output, input, opts=None):
+        opts = opts if opts is not None else AllgatherOptions()
+        call = _Call("all_gather_into_tensor", input.dtype, input.numel(), tuple(input.shape), payload=_nbytes([output]))
+        if output.numel() != self.size * input.numel() or output.dtype != input.dtype:
+            call.local_error = (
+                f"the output has {output.numel()} elements of {output.dtype}; all_gather_into_tensor needs "
+                f"group size x input = {self.size} x {input.numel()} elements of {input.dtype}"
             )
-        return self.wrap("reduce", self.gloo.reduce(tensors, opts), payload)
+        st = _Staging("move")
+        s_in, s_out = st.stage(input, False), st.stage(output, True)
+        return self._run(call, lambda: self.gloo._allgather_base(s_out, s_in, opts), [output], st, _is_async(opts))
+
+    def reduce_scatter(self, output_tensors, input_lists, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        o, name = self._reduce_opts(opts, dist.ReduceScatterOptions)
+        out = output_tensors[0]
+        ins = input_lists[0] if input_lists else []
+        call = _Call("reduce_scatter", out.dtype, out.numel(), tuple(out.shape), name, payload=sum(_nbytes(ts) for ts in input_lists))
+        call.local_error = self._list_error("input_list", ins, out, self.size)
+        st = _Staging("reduce", name)
+        s_out = [st.stage(out, True)]
+        s_in = [[st.stage(x, False) for x in ins]]
+        n = self.size
+        after = (lambda: _divide(s_out, n)) if name == "AVG" else None
+        return self._run(call, lambda: self.gloo.reduce_scatter(s_out, s_in, o), [out], st, _is_async(opts), after)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        o, name = self._reduce_opts(opts, dist.ReduceScatterOptions)
+        call = _Call("reduce_scatter_tensor", output.dtype, output.numel(), tuple(output.shape), name, payload=_nbytes([input]))
+        if input.numel() != self.size * output.numel() or output.dtype != input.dtype:
+            call.local_error = (
+                f"the input has {input.numel()} elements of {input.dtype}; reduce_scatter_tensor needs "
+                f"group size x output = {self.size} x {output.numel()} elements of {output.dtype}"
+            )
+        st = _Staging("reduce", name)
+        s_out, s_in = st.stage(output, True), st.stage(input, False)
+        n = self.size
+        after = (lambda: _divide([s_out], n)) if name == "AVG" else None
+        return self._run(call, lambda: self.gloo._reduce_scatter_base(s_out, s_in, o), [output], st, _is_async(opts), after)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else dist.GatherOptions()
-        payload = _nbytes(input_tensors) * self.size
-        return self.wrap("gather", self.gloo.gather(output_tensors, input_tensors, opts), payload)
+        t = input_tensors[0]
+        outs = output_tensors[0] if output_tensors else []
+        call = _Call("gather", t.dtype, t.numel(), tuple(t.shape), root=opts.rootRank, payload=_nbytes(input_tensors) * self.size)
+        call.local_error = self._root_error(opts.rootRank)
+        if call.local_error is None and self.rank == opts.rootRank:
+            call.local_error = self._list_error("gather_list", outs, t, self.size)
+        st = _Staging("move")
+        s_in = [st.stage(t, False)]
+        s_out = [[st.stage(x, True) for x in outs]] if output_tensors else []
+        return self._run(call, lambda: self.gloo.gather(s_out, s_in, opts), list(outs), st, _is_async(opts))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else dist.ScatterOptions()
-        payload = _nbytes(output_tensors) * self.size
-        return self.wrap("scatter", self.gloo.scatter(output_tensors, input_tensors, opts), payload)
+        out = output_tensors[0]
+        ins = input_tensors[0] if input_tensors else []
+        call = _Call("scatter", out.dtype, out.numel(), tuple(out.shape), root=opts.rootRank, payload=_nbytes(output_tensors) * self.size)
+        call.local_error = self._root_error(opts.rootRank)
+        if call.local_error is None and self.rank == opts.rootRank:
+            call.local_error = self._list_error("scatter_list", ins, out, self.size)
+        st = _Staging("move")
+        s_out = [st.stage(out, True)]
+        s_in = [[st.stage(x, False) for x in ins]] if input_tensors else []
+        return self._run(call, lambda: self.gloo.scatter(s_out, s_in, opts), [out], st, _is_async(opts))
 
     def barrier(self, opts=None):
         o = dist.BarrierOptions()
         if opts is not None:
             o.timeout = opts.timeout
-        return self.wrap("barrier", self.gloo.barrier(o), 0)
+        return self._run(_Call("barrier"), lambda: self.gloo.barrier(o), [], None, _is_async(opts))
 
+    # -- local validation (reported through the check, so every rank raises) --------------------
+    def _root_error(self, root: int) -> Optional[str]:
+        if not 0 <= root < self.size:
+            return f"root {root} is not a rank of this group of {self.size}"
+        return None
 
-class _GuardedWork(dist.Work):
-    """An inner Work without a future: ``wait()`` names the peer at fault when it fails and
-    counts the collective in the statistics when it succeeds."""
-
-    def __init__(self, inner: "dist.Work", op: str, owner: DelegatedCollectives, nbytes: int):
-        super().__init__()
-        self._inner = inner
-        self._op = op
-        self._faults = weakref.ref(owner.faults)
-        self._rank = owner.rank
-        self._seq = owner._next_diag_seq()
-        self._nbytes = nbytes
-        self._t0 = time.perf_counter()
-        self._counted = False
-
-    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        try:
-            out = self._inner.wait()
-        except Exception as e:
-            faults = self._faults()
-            ranks, text = faults.culprits(self._seq) if faults is not None else ([], "")
-            raise CollectiveError(
-                f"failed{text}: {e}", op=self._op, rank=self._rank, peer=ranks[0] if ranks else None, rail="gloo", diagnosed=True
-            ) from e
-        if not self._counted:
-            self._counted = True
-            _record("gloo", bytes_sent=self._nbytes, bytes_received=self._nbytes, seconds_busy=time.perf_counter() - self._t0, ops=1)
-        return out
-
-    def is_completed(self) -> bool:
-        return self._inner.is_completed()
-
-    def get_future(self) -> "torch.futures.Future":
-        return self._inner.get_future()
+    @staticmethod
+    def _list_error(name: str, tensors: Sequence[torch.Tensor], like: torch.Tensor, n: int) -> Optional[str]:
+        if len(tensors) != n:
+            return f"{name} has {len(tensors)} tensors for a group of {n}"
+        for i, x in enumerate(tensors):
+            if x.numel() != like.numel() or x.dtype != like.dtype:
+                return (
+                    f"{name}[{i}] has {x.numel()} elements of {x.dtype} but the other side has "
+                    f"{like.numel()} of {like.dtype}"
+                )
+        return None
 
 
 def _divide(tensors: List[torch.Tensor], n: int) -> List[torch.Tensor]:

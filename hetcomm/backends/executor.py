@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hetcomm.backends.doorbell import Doorbell
+from hetcomm.backends.faults import release_frames
 from hetcomm.backends.rails.base import CompositeOp, Rail, RailOp, Xfer, as_bytes
 from hetcomm.backends.work import HetcommWork
 from hetcomm.errors import CollectiveError, PeerTimeout
@@ -86,7 +87,7 @@ def drive(
     deadline: float,
     op: str,
     rank: int,
-    diagnose: Optional[Callable[[List[int]], str]] = None,
+    diagnose: Optional[Callable[[List[int]], Tuple[List[int], str]]] = None,
     on_arrival: Optional[Callable[[Xfer], None]] = None,
     wakeup: Optional[threading.Event] = None,
 ) -> None:
@@ -94,8 +95,9 @@ def drive(
     at ``deadline`` (monotonic).
 
     Args:
-        diagnose: given the pending peers, returns extra text for the timeout message (e.g.
-            which of them have exited).
+        diagnose: given the pending peers, returns ``(ranks at fault, extra text)`` for the
+            timeout (:meth:`FaultDiagnosis.for_seq <hetcomm.backends.faults.FaultDiagnosis.for_seq>`);
+            the error's ``peer`` is the first rank at fault.
         on_arrival: called with every received transfer once it landed (ops that cannot report
             single chunks report nothing here).
         wakeup: set by rail threads when a transfer completes; while every pending op is of a
@@ -116,13 +118,14 @@ def drive(
         if time.monotonic() > deadline:
             peers = step.pending_peers()
             rails = step.pending_rails()
-            extra = diagnose(peers) if diagnose else ""
+            # The rank at fault: among the peers still pending, those provably silent or dead.
+            blamed, extra = diagnose(peers) if diagnose else (peers, "")
             raise PeerTimeout(
                 f"no answer from peer(s) {peers} over rail(s) {', '.join(rails)} within the group "
                 f"timeout{extra}; check that every rank calls the same collectives in the same order",
                 op=op,
                 rank=rank,
-                peer=peers[0] if peers else None,
+                peer=blamed[0] if blamed else (peers[0] if peers else None),
                 rail=rails[0] if len(rails) == 1 else None,
                 diagnosed=diagnose is not None,
             )
@@ -166,7 +169,7 @@ def direct_all_to_all(
     op: str,
     seq: int,
     deadline: float,
-    diagnose: Optional[Callable[[List[int]], str]] = None,
+    diagnose: Optional[Callable[[List[int]], Tuple[List[int], str]]] = None,
     on_chunk: Optional[Callable[[int, int, int], None]] = None,
     wakeup: Optional[threading.Event] = None,
 ) -> None:
@@ -240,7 +243,7 @@ def execute_plan(
     seq: int = 0,
     deadline: Optional[float] = None,
     timeout_s: float = 300.0,
-    diagnose: Optional[Callable[[List[int]], str]] = None,
+    diagnose: Optional[Callable[[List[int]], Tuple[List[int], str]]] = None,
     wakeup: Optional[threading.Event] = None,
 ) -> None:
     """Run ``plan`` on this rank: the byte-level all-to-all ``plan.traffic``.
@@ -345,10 +348,12 @@ class Executor:
                 # the caller's no_grad of e.g. an autograd.Function forward does not reach here).
                 with torch.no_grad():
                     fn(work)
+            # release_frames: a stored error must not keep this frame (and so the work, the job and
+            # the group's rails) alive in a reference cycle (faults.release_frames, issue 14.5).
             except CollectiveError as e:
-                work._complete(self.blame(e, work.seq))
+                work._complete(release_frames(self.blame(e, work.seq)))
             except BaseException as e:  # delivered to the caller through the Work
-                work._complete(e)
+                work._complete(release_frames(e))
             else:
                 work._complete(None)
             finally:

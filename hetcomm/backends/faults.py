@@ -13,13 +13,38 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from hetcomm.backends import checks
 from hetcomm.backends.placement import Placement
-from hetcomm.errors import CollectiveError
+from hetcomm.errors import CollectiveError, HetcommError, PeerTimeout
 
-__all__ = ["FaultDiagnosis"]
+__all__ = ["FaultDiagnosis", "release_frames"]
+
+
+def release_frames(exc: BaseException) -> BaseException:
+    """Let ``exc`` be kept in a Work without keeping the collective's frames; returns ``exc``.
+
+    An exception stored in a Work references its traceback, whose frames reference their locals
+    and, through ``f_back``, every caller up to the c10d call: the Work, the job, the group's rails
+    and gloo groups, the process group itself. That is a reference cycle (work -> error -> frames
+    -> work), so after a failure or a cross-rank mismatch the whole group outlived
+    ``destroy_process_group`` until the cyclic GC ran: at interpreter exit, or on any thread, e.g.
+    a gloo thread whose group destructor then joins itself (issue 14, item 5).
+
+    hetcomm's own errors (:class:`~hetcomm.errors.HetcommError`) say what, where and how to fix in
+    their message and fields, so their tracebacks (and their causes', e.g. gloo's text) are
+    dropped. Any other exception is an internal bug: its traceback is kept for the report.
+    """
+    if not isinstance(exc, HetcommError):
+        return exc
+    seen = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ if e.__cause__ is not None else e.__context__
+    return exc
 
 
 class FaultDiagnosis:
@@ -49,50 +74,74 @@ class FaultDiagnosis:
         self.timeout = timeout
         self.rail_names = rail_names
 
-    def culprits(self, seq: int) -> Tuple[List[int], str]:
-        """``(ranks, text)``: who is most likely at fault for the failure of collective ``seq``.
+    def culprits(self, seq: int, waited_for: Optional[Sequence[int]] = None) -> Tuple[List[int], str]:
+        """``(ranks, text)``: the ranks provably at fault for the failure of collective ``seq``.
 
-        Peers on this host whose process is gone come first, minus those that left a failure
-        mark in the store (they failed like us, maybe one collective earlier or later, and then
-        exited); otherwise the ranks that left no mark within a short wait (dead, hung, or never
-        called the collective). A group is unusable after a failure, so one mark per rank is
-        enough.
+        Only two kinds of rank are named (issue 14, item 14):
+
+        * **dead**: a peer on this host whose process is gone and that left no failure mark in
+          the store. Survivors mark the store before anything else, so one that failed like this
+          rank and then exited is not blamed. When the store is unreachable (it lived in a rank
+          or launcher that exited), marks cannot be read: then only peers already gone at the
+          first look count, restricted to ``waited_for`` when known, and the text says so;
+        * **silent**: a rank that has not marked the failure within the diagnosis window and,
+          when ``waited_for`` is given (the peers this rank still waited for at its deadline),
+          is one of those. A late survivor whose own timeout fires a little later marks within
+          the window and drops out; a peer this rank never waited for is not named.
+
+        Args:
+            seq: the collective's sequence number in the group.
+            waited_for: the peers still pending when the wait ended, if the rail knows them.
         """
         key = lambda r: f"hetcomm/diag/failed/{r}"
         try:
             self.store.set(key(self.rank), "1")
+            store_ok = True
         except Exception:  # the store may be gone with rank 0: diagnosis continues without it
-            pass
+            store_ok = False
+        candidates = None if waited_for is None else {int(r) for r in waited_for if r != self.rank}
+        first_dead = {r for r, _ in checks.dead_peers(self.placement, self.rank, None)}
         # A killed peer's sockets close before /proc shows it dead, and survivors mark the store
         # at slightly different times: look a few times, for at most ~10 % of the timeout.
         deadline = time.monotonic() + min(3.0, max(0.5, 0.1 * self.timeout.total_seconds()))
-        missing: Optional[List[int]] = None
+        silent: Optional[List[int]] = None
         while True:
             dead = checks.dead_peers(self.placement, self.rank, None)
             if dead:
-                try:
-                    failed_too = {r for r, _ in dead if self.store.check([key(r)])}
-                except Exception:
-                    failed_too = set()
-                culprits = [(r, pid) for r, pid in dead if r not in failed_too]
+                marked = set()
+                if store_ok:
+                    try:
+                        marked = {r for r, _ in dead if self.store.check([key(r)])}
+                    except Exception:
+                        store_ok = False
+                if store_ok:
+                    culprits = [(r, pid) for r, pid in dead if r not in marked]
+                    note = ""
+                else:
+                    culprits = [(r, pid) for r, pid in dead if r in first_dead and (candidates is None or r in candidates)]
+                    note = " (the store is unreachable, so a rank that failed like this one and exited first cannot be ruled out)"
                 if culprits:
-                    return [r for r, _ in culprits], "; exited: " + ", ".join(f"rank {r} (pid {pid})" for r, pid in culprits)
-            missing = checks.missing_peers(self.store, self.rank, self.size, 0.0)
-            if missing is None or not missing or time.monotonic() > deadline:
+                    return [r for r, _ in culprits], "; exited: " + ", ".join(f"rank {r} (pid {pid})" for r, pid in culprits) + note
+            missing = checks.missing_peers(self.store, self.rank, self.size, 0.0) if store_ok else None
+            if missing is None:
+                break
+            silent = [r for r in missing if candidates is None or r in candidates]
+            if not silent or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         if missing is None:
             return [], "; the store is unreachable too (did rank 0 or the launcher die?)"
-        if missing:
-            who = ", ".join(f"rank {r}" for r in missing)
-            return missing, f"; {who} did not report this failure: dead, hung, or never called collective #{seq}"
+        if silent:
+            who = ", ".join(f"rank {r}" for r in silent)
+            return silent, f"; {who} did not report this failure: dead, hung, or never called collective #{seq}"
         return [], ""
 
     def blame(self, e: CollectiveError, seq: int) -> CollectiveError:
         """Re-aim a rail error at the rank really at fault (same type; ``diagnosed`` set)."""
         if e.diagnosed:
             return e
-        ranks, text = self.culprits(seq)
+        # A timeout says whom this rank waited for; a broken connection may be a survivor's exit.
+        ranks, text = self.culprits(seq, [e.peer] if isinstance(e, PeerTimeout) and e.peer is not None else None)
         if not ranks or e.peer in ranks:
             out = type(e)(f"{e.detail}{text}", op=e.op, rank=e.rank, peer=e.peer, rail=e.rail, diagnosed=True)
         else:
@@ -105,6 +154,6 @@ class FaultDiagnosis:
         out.__cause__ = e.__cause__ if e.__cause__ is not None else e
         return out
 
-    def for_seq(self, seq: int) -> Callable[[List[int]], str]:
+    def for_seq(self, seq: int) -> Callable[[List[int]], Tuple[List[int], str]]:
         """The ``diagnose`` callback of :func:`hetcomm.backends.executor.drive` for collective ``seq``."""
-        return lambda peers: self.culprits(seq)[1]
+        return lambda peers: self.culprits(seq, peers)

@@ -96,7 +96,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         routed = self.communicator.routed
         assert routed is not None
         self._routed = routed
-        self._delegated = DelegatedCollectives(routed.rails.gloo, rank, size, routed.faults)
+        self._delegated = DelegatedCollectives(routed.rails.gloo, rank, size, routed.faults, routed)
         # C++ callers of methods the 2.13 trampoline does not forward land on this backend.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, routed.rails.gloo)
         if torch.cuda.is_available():

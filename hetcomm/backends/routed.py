@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from hetcomm.backends import checks
 from hetcomm.backends.executor import Executor, chunk_rows, direct_all_to_all, drive, execute_plan, meta_tag, start_step, tag_for
+from hetcomm.backends.delegated import GLOO_DTYPES
 from hetcomm.backends.faults import FaultDiagnosis
 from hetcomm.backends.options import HetcommOptions
 from hetcomm.backends.placement import Placement
@@ -71,9 +72,10 @@ class RoutedCollectives:
         return self._seq
 
     # -- split check ------------------------------------------------------------------------
-    def exchange_meta(self, op: str, seq: int, meta: torch.Tensor, unit: str) -> checks.Meta:
+    def exchange_meta(self, op: str, seq: int, meta: torch.Tensor, unit: str, local_error: Optional[str] = None) -> checks.Meta:
         """Share this rank's metadata vector with every peer, get theirs, and check the whole
-        matrix (:func:`checks.check_meta`).
+        matrix (:func:`checks.check_meta`; ``local_error``: this rank's complaint about its own
+        arguments, flagged in ``meta``).
 
         Through the shared-memory board when the whole group shares memory (tens of
         microseconds); one gloo all_gather when every pair is on gloo; otherwise one parallel
@@ -82,7 +84,7 @@ class RoutedCollectives:
         """
         n, me = self.size, self.rank
         if self.rails.board is not None:
-            return checks.check_meta(op, me, self.rails.board.exchange(meta, self._deadline(), op), unit)
+            return checks.check_meta(op, me, self.rails.board.exchange(meta, self._deadline(), op), unit, local_error)
         if self.rails.every_pair_on_gloo():
             # All peers over TCP anyway: gloo's all_gather is one hand-off instead of 2(n-1) waits.
             out = [torch.empty_like(meta) for _ in range(n)]
@@ -90,14 +92,14 @@ class RoutedCollectives:
                 self.rails.gloo_x.allgather([out], [meta]).wait()
             except Exception as e:
                 raise CollectiveError(f"the split-size exchange failed: {e}", op=op, rank=me, rail="gloo") from e
-            return checks.check_meta(op, me, out, unit)
+            return checks.check_meta(op, me, out, unit, local_error)
         bufs = [meta if r == me else torch.empty_like(meta) for r in range(n)]
         tag = meta_tag(seq)
         sends = [Xfer(p, meta, tag, control=True) for p in range(n) if p != me]
         recvs = [Xfer(p, bufs[p], tag, control=True) for p in range(n) if p != me]
         ops = start_step(sends, recvs, self.rails.rail_of("cpu"), op, seq)
         drive(ops, self._deadline(), f"{op} (split check)", me, self.faults.for_seq(seq), wakeup=self.rails.wakeup)
-        return checks.check_meta(op, me, bufs, unit)
+        return checks.check_meta(op, me, bufs, unit, local_error)
 
     # -- all_to_all_single ----------------------------------------------------------------------
     def all_to_all_single(
@@ -142,6 +144,12 @@ class RoutedCollectives:
         meta = checks.encode_meta(op, seq, input.dtype, row_bytes, row_shape, in_splits, out_splits) if need_meta else None
         src = input if input.is_contiguous() else input.contiguous()
         dst = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+        if input.dtype not in GLOO_DTYPES:
+            # gloo refuses it ("Invalid scalar type") and torch cannot even copy the sub-byte
+            # kinds: the rows travel as their bytes (the check above still names the real dtype).
+            src, dst_bytes = _row_bytes(src), _row_bytes(dst)
+        else:
+            dst_bytes = dst
         work = HetcommWork([output], seq)
         rail_of = self.rails.rail_of(input.device.type)
 
@@ -152,14 +160,14 @@ class RoutedCollectives:
             if use_plan is not None:
                 traffic = [[x * row_bytes for x in m.sends(r)] for r in range(n)]
                 plan = self._make_plan(use_plan, traffic)
-                self._run_plan(plan, dst, src, op, seq, deadline)
+                self._run_plan(plan, dst_bytes, src, op, seq, deadline)
                 _all_arrived(w, out_splits)
             elif input.device.type == "cpu" and self.rails.every_pair_on_gloo() and self.rails.striped is None:
-                self._gloo_all_to_all(dst, src, out_splits, in_splits, row_bytes, op)
+                self._gloo_all_to_all(dst_bytes, src, out_splits, in_splits, row_bytes, op)
                 _all_arrived(w, out_splits)
             else:
                 direct_all_to_all(
-                    dst, src, out_splits, in_splits, me, rail_of, self.options.chunk_bytes, op, seq,
+                    dst_bytes, src, out_splits, in_splits, me, rail_of, self.options.chunk_bytes, op, seq,
                     deadline, self.faults.for_seq(seq), wakeup=self.rails.wakeup,
                     on_chunk=(lambda p, s, c: w._arrived(ChunkArrival(p, s, c))) if dst is output else None,
                 )
@@ -294,6 +302,12 @@ def _all_arrived(w: HetcommWork, out_splits: Sequence[int]) -> None:
     for j, c in enumerate(out_splits):
         w._arrived(ChunkArrival(j, start, c))
         start += c
+
+
+def _row_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``[rows, *S]`` tensor as ``[rows, bytes per row]`` uint8 (same memory)."""
+    rows = t.shape[0] if t.dim() > 0 else 1
+    return t.view(rows, _prod(t.shape[1:])).view(torch.uint8)
 
 
 def _prod(shape: Sequence[int]) -> int:

@@ -34,6 +34,21 @@ def _unwrap(fut: "torch.futures.Future") -> Any:
     return value
 
 
+def _fresh(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` to raise (same type, fields, message and cause).
+
+    Raising the stored object itself would attach the caller's frames to it, and the caller's
+    frame holds this Work (c10d's ``work.wait()``): a reference cycle that keeps the Work, and
+    through the caller's frames the process group, alive after ``destroy_process_group`` until
+    the cyclic GC runs (issue 14.5; see :func:`hetcomm.backends.faults.release_frames`).
+    """
+    new = type(exc).__new__(type(exc))
+    new.__dict__.update(exc.__dict__)
+    new.args = exc.args
+    new.__cause__ = exc.__cause__ if exc.__cause__ is not None else exc.__context__
+    return new
+
+
 class ChunkArrival(tuple):
     """``(peer, row_start, num_rows)``: rows ``[row_start, row_start+num_rows)`` of the output
     came from ``peer`` and may be read now."""
@@ -94,7 +109,7 @@ class HetcommWork(dist.Work):
 
             raise PeerTimeout(f"Work.wait timed out after {seconds:.1f} s")
         if self._exc is not None:
-            raise self._exc
+            raise _fresh(self._exc)
         return True
 
     def is_completed(self) -> bool:

@@ -145,3 +145,36 @@ def test_split_mismatch_raises_value_error_everywhere_without_abort(cluster):
         assert msg.count(" sends ") == 2, msg  # only the two bad pairs are named
         expect = torch.cat([torch.arange(2 * o.rank, 2 * o.rank + 2, dtype=torch.float32) + 10 * j for j in range(4)])
         assert torch.equal(o.result["after"], expect)
+
+
+def silent_rank_and_late_survivor(rank: int, n: int) -> dict:
+    import torch.distributed as dist
+
+    x = torch.arange(n * 2, dtype=torch.float32)
+    y = torch.empty_like(x)
+    dist.all_to_all_single(y, x)
+    if rank == 1:
+        time.sleep(BLAME_TIMEOUT + 4)  # alive, silent past everyone's timeout
+        return {"type": None}
+    if rank == 0:
+        time.sleep(1.5)  # a survivor that reaches the collective (and its timeout) late
+    try:
+        dist.all_to_all_single(y, x)
+    except Exception as e:
+        return {"type": type(e).__name__, "msg": str(e), "peer": getattr(e, "peer", None)}
+    return {"type": None}
+
+
+BLAME_TIMEOUT = 6.0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("env", [{}, {"HETCOMM_CHECK": "0"}], ids=["in-check", "in-data"])
+def test_after_a_timeout_only_the_silent_rank_is_named(env):
+    # issue 14.14: rank 2 used to name rank 0, which had merely not timed out yet when rank 2
+    # diagnosed (it reached the collective 1.5 s later). Only rank 1 is silent.
+    outs = run_ranks(silent_rank_and_late_survivor, world_size=3, env=env, timeout=60, pg_timeout=BLAME_TIMEOUT)
+    for rank in (0, 2):
+        r = outs[rank]
+        assert r["type"] == "PeerTimeout" and r["peer"] == 1, r
+        assert "rank 1 did not report" in r["msg"] and "rank 0" not in r["msg"].split(": ", 1)[1], r

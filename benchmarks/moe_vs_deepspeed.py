@@ -326,8 +326,8 @@ def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
     """Per-phase wall and CPU seconds of one step of ``v`` on this rank (median over ``steps``).
 
     Phases are timed by wrapping the functions each layer calls (hetcomm: gate, ``plan_route``,
-    ``exchange_counts``, ``gather_rows``, the pipeline's all-to-all ``launch``/``wait``,
-    ``ExpertBank.forward_blocks``, ``weighted_combine``; DeepSpeed: gate,
+    ``token_dispatch.dispatch``/``combine`` (their backwards included),
+    ``ExpertBank.forward_blocks``; DeepSpeed: gate,
     ``_route_slots``/``_sparse_encode``, ``_AllToAll``, experts, ``_sparse_decode`` in
     ``deepspeed.moe.sharded_moe``) and, in backward, by hooks on every expert module and on the
     all-to-all's backward. ``rest`` is the stage's total minus the named phases (autograd

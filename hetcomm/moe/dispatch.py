@@ -1,18 +1,17 @@
-"""Dispatch and combine: index-based permutation plus uneven ``all_to_all_single``.
+"""The layer's routing step and its local row helpers.
 
 Notation (see also ``hetcomm.moe.placement``):
     T        tokens on this rank;  k experts per token;  A = T * k token copies ("assignments")
     a        an assignment id, choice-major: ``a = j * T + t`` is token ``t``'s ``j``-th choice
-    S        copies this rank sends over the all-to-all (kept, not computed on a local replica)
-    R        copies this rank receives
-    C        chunks of the pipelined exchange (``hetcomm.moe.overlap``); chunk ``c`` carries,
-             for every rank, the copies bound for that rank's ``c``-th group of local experts
+    S        copies that travel (kept, not computed on a local replica)
+    C        chunks (:class:`ChunkLayout`); chunk ``c`` holds, for every rank, the copies bound
+             for that rank's ``c``-th group of local experts
 
 No dense one-hot ``[T, E, capacity]`` tensor is ever built: one stable sort of the ``A``
-assignments by a per-expert key puts every copy where it travels, the capacity check is a
-position-within-expert comparison on that sorted order, and ``index_select`` / ``index_add_``
-move the rows. The per-(rank, expert) counts are exchanged first (one small int64
-all-to-all), so every rank knows its uneven splits before any activation moves.
+assignments by a per-expert key puts every copy in order, and the capacity check is a
+position-within-expert comparison on that sorted order. The copies then travel through
+:mod:`hetcomm.backends.token_dispatch` (a token crosses to a rank once); :func:`gather_rows` and
+:func:`weighted_combine` serve the copies computed on local replicas.
 """
 
 from __future__ import annotations
@@ -21,18 +20,13 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from hetcomm.moe import buffers
-from hetcomm.moe.wire import Exchange
 
 __all__ = [
     "RoutePlan",
     "ChunkLayout",
     "plan_route",
-    "exchange_counts",
-    "launch",
-    "wait",
     "gather_rows",
     "weighted_combine",
 ]
@@ -171,77 +165,6 @@ def plan_route(
         num_dropped=num_dropped,
         num_assign=A,
     )
-
-
-def exchange_counts(
-    send_counts: torch.Tensor,
-    placement,
-    rank: int,
-    group: Optional[dist.ProcessGroup],
-) -> torch.Tensor:
-    """Tell every rank how many copies it receives per local expert, before any activation moves.
-
-    Args:
-        send_counts: ``[E]`` int64 copies this rank sends to each global expert.
-        placement: the :class:`~hetcomm.moe.placement.ExpertPlacement`.
-        rank: this rank.
-        group: process group.
-    Returns:
-        ``[W, L]`` int64: row ``s`` = copies rank ``s`` sends to each of this rank's ``L`` experts.
-    """
-    W = placement.world_size
-    L = placement.num_local_experts(rank)
-    slot_order = torch.tensor(
-        [e for r in range(W) for e in placement.experts_of(r)], dtype=torch.int64, device=send_counts.device
-    )
-    send = send_counts[slot_order].contiguous()
-    recv = torch.empty(W * L, dtype=torch.int64, device=send_counts.device)
-    dist.all_to_all_single(
-        recv,
-        send,
-        output_split_sizes=[L] * W,
-        input_split_sizes=list(placement.num_local_experts_per_rank),
-        group=group,
-    )
-    return recv.view(W, L)
-
-
-class _Launch(torch.autograd.Function):
-    """Start an exchange; the returned tensor is filled by :class:`_Wait`. Backward: reverse."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, ex: Exchange) -> torch.Tensor:  # type: ignore[override]
-        ctx.ex = ex
-        return ex.start(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        # The backward of dispatch is a combine (and vice versa): same pairs, same wire dtypes,
-        # splits swapped.
-        return ctx.ex.reversed().run(grad.contiguous()), None
-
-
-class _Wait(torch.autograd.Function):
-    """Wait for an exchange started by :class:`_Launch`; identity for autograd."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, ex: Exchange) -> torch.Tensor:  # type: ignore[override]
-        ex.wait()
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad, None
-
-
-def launch(x: torch.Tensor, ex: Exchange) -> torch.Tensor:
-    """Start exchanging ``x`` (``[S, D]``); returns ``[R, D]``, valid after :func:`wait`."""
-    return _Launch.apply(x, ex)
-
-
-def wait(out: torch.Tensor, ex: Exchange) -> torch.Tensor:
-    """Complete the exchange that produced ``out``; returns ``out`` (now valid) for autograd."""
-    return _Wait.apply(out, ex)
 
 
 class _GatherRows(torch.autograd.Function):

@@ -1,17 +1,19 @@
 """Which rail carries CPU tensors between same-host peers: ``shm`` or ``gloo``, chosen by measurement.
 
 Shared memory is not always the faster way between two processes on one host: on a small,
-oversubscribed machine gloo's TCP loopback (two copies through the kernel, moved by gloo's own
-threads) ran at 1.0-1.5x the shm rings' speed (``benchmarks/README.md``), because the ring copies
-run on the executor threads of the same two cores. So with the default rails (``rails=None``)
+oversubscribed machine the shm rail ran at 0.68-0.99x plain gloo at 16 MiB (``benchmarks/README.md``):
+gloo's TCP loopback copies in the kernel and on gloo's own threads, the ring copies on the
+executor threads of the same two cores. So with the default rails (``rails=None``)
 the communicator measures both, once per host, and takes the faster:
 
 * the *unit* of the choice is a set of ranks that may share memory (same YAML node on the same
   host); its lowest rank is the leader;
 * the leader looks the answer up in a cache file (``$HETCOMM_CACHE_DIR``, default
   ``~/.cache/hetcomm/calibration.json``) under a key of everything that changes the answer:
-  hostname, ranks in the unit, group size, ring and chunk sizes, CPU count, torch and hetcomm
-  versions. ``HETCOMM_RECALIBRATE=1`` (read by the leader) ignores the cache and measures again;
+  hostname, ranks in the unit, group size, ring size, CPU count, torch and hetcomm versions (not
+  ``chunk_bytes``: the measurement sends each peer's share as one chunk, so that a test forcing
+  64-byte chunks does not calibrate with 100,000 of them). ``HETCOMM_RECALIBRATE=1`` (read by
+  the leader) ignores the cache and measures again;
 * otherwise the unit's ranks measure together: the same all-to-all (:data:`CAL_BYTES` per rank)
   over the shm rings and over gloo, interleaved, :data:`CAL_REPS` times each. When the unit is
   the whole group the gloo variant is gloo's own all-to-all, which is what the group then runs
@@ -66,7 +68,7 @@ def unit_key(members: int, size: int, options: HetcommOptions) -> str:
 
     return (
         f"host={socket.gethostname()}|unit={members}|group={size}|ring={options.ring_bytes}|"
-        f"chunk={options.chunk_bytes}|cpus={os.cpu_count()}|torch={torch.__version__}|hetcomm={hetcomm.__version__}"
+        f"cpus={os.cpu_count()}|torch={torch.__version__}|hetcomm={hetcomm.__version__}"
     )
 
 

@@ -75,7 +75,8 @@ class RoutedCollectives:
     def exchange_meta(self, op: str, seq: int, meta: torch.Tensor, unit: str, local_error: Optional[str] = None) -> checks.Meta:
         """Share this rank's metadata vector with every peer, get theirs, and check the whole
         matrix (:func:`checks.check_meta`; ``local_error``: this rank's complaint about its own
-        arguments, flagged in ``meta``).
+        arguments, flagged in ``meta``). Every collective of a group takes the same path, so a
+        rank in one collective and its peers in another meet, and the check names both.
 
         Through the shared-memory board when the whole group shares memory (tens of
         microseconds); one gloo all_gather when every pair is on gloo; otherwise one parallel

@@ -131,3 +131,14 @@ def test_matching_vectors_pass_and_a_split_mismatch_still_names_the_pairs():
     with pytest.raises(CrossRankMismatch, match="rank 0 sends 4 rows to rank 2, but rank 2 expects 3") as e:
         check_meta("all_to_all_single", 1, bad)
     assert e.value.field == "splits" and "split size mismatch" in str(e.value)
+
+
+def test_ring_bytes_errors_name_the_variable_the_user_set():
+    # issue 14.15: the error used to name HETCOMM_RING_BYTES, a variable that does not exist
+    from hetcomm.backends.options import options_from_env
+    from hetcomm.errors import ConfigError
+
+    for value in ("100", "abc"):
+        with pytest.raises(ConfigError) as e:
+            options_from_env(environ={"HETCOMM_SHM_RING_BYTES": value})
+        assert e.value.key == "HETCOMM_SHM_RING_BYTES" and "HETCOMM_SHM_RING_BYTES" in str(e.value)

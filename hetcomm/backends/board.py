@@ -1,6 +1,6 @@
 """The metadata board: a cross-rank exchange of small int64 vectors through shared memory.
 
-Every ``all_to_all_single`` first checks split sizes across ranks (:mod:`hetcomm.backends.checks`).
+Every collective of a hetcomm group first checks its arguments across ranks (:mod:`hetcomm.backends.checks`).
 Over gloo that check is a collective of its own: on 4 ranks sharing 2 cores a gloo all_gather of
 100 bytes took 3.8 ms, longer than the 1 MiB all-to-all it protects (1.1 ms). When every rank of
 the group runs on this host, the board does the same exchange in tens of microseconds: each rank
@@ -118,12 +118,12 @@ class MetaBoard:
                 for r in pending:
                     if not pid_alive(self.pids[r]):
                         raise CollectiveError(
-                            f"rank {r} (pid {self.pids[r]}) exited before the split check",
+                            f"rank {r} (pid {self.pids[r]}) exited before the cross-rank check",
                             op=op, rank=self.rank, peer=r, rail="shm",
                         )
             if time.monotonic() > deadline:
                 raise PeerTimeout(
-                    f"no split-check metadata from rank(s) {pending} within the group timeout",
+                    f"no cross-rank check metadata from rank(s) {pending} within the group timeout",
                     op=op, rank=self.rank, peer=pending[0], rail="shm",
                 )
             self._bell.wait(_BLOCK_S)

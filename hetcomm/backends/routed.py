@@ -126,17 +126,22 @@ class RoutedCollectives:
         """
         op = "all_to_all_single"
         n, me = self.size, self.rank
-        in_splits = _splits(input_split_sizes, input, n, "input_split_sizes", "input", me)
-        out_splits = _splits(output_split_sizes, output, n, "output_split_sizes", "output", me)
-        if input.dtype != output.dtype:
-            raise UsageError(f"hetcomm {op} (rank {me}): input dtype {input.dtype} != output dtype {output.dtype}")
-        if input.device != output.device:
-            raise UsageError(f"hetcomm {op} (rank {me}): input on {input.device} but output on {output.device}")
-        if tuple(input.shape[1:]) != tuple(output.shape[1:]):
-            raise UsageError(
-                f"hetcomm {op} (rank {me}): input rows have shape {tuple(input.shape[1:])} but output rows "
-                f"{tuple(output.shape[1:])}; both must be [rows, *S] with the same S"
-            )
+        try:
+            in_splits = _splits(input_split_sizes, input, n, "input_split_sizes", "input", me)
+            out_splits = _splits(output_split_sizes, output, n, "output_split_sizes", "output", me)
+            if input.dtype != output.dtype:
+                raise UsageError(f"hetcomm {op} (rank {me}): input dtype {input.dtype} != output dtype {output.dtype}")
+            if input.device != output.device:
+                raise UsageError(f"hetcomm {op} (rank {me}): input on {input.device} but output on {output.device}")
+            if tuple(input.shape[1:]) != tuple(output.shape[1:]):
+                raise UsageError(
+                    f"hetcomm {op} (rank {me}): input rows have shape {tuple(input.shape[1:])} but output rows "
+                    f"{tuple(output.shape[1:])}; both must be [rows, *S] with the same S"
+                )
+        except UsageError as e:
+            if not self.options.check_splits or checks.splits_are_agreed():
+                raise
+            return self._refuse(op, str(e), input.dtype, async_op)
         seq = self.next_seq()
         row_shape = tuple(input.shape[1:])
         row_bytes = input.element_size() * _prod(row_shape)
@@ -177,6 +182,18 @@ class RoutedCollectives:
                 _all_arrived(w, out_splits)
 
         return self.executor.submit(job, work, async_op)
+
+    def _refuse(self, op: str, error: str, dtype: torch.dtype, async_op: bool) -> HetcommWork:
+        """This rank's arguments are invalid: take part in the cross-rank check with the refusal
+        flagged, so that every rank raises (instead of its peers waiting for it until the timeout,
+        and its sequence number falling one behind theirs)."""
+        seq = self.next_seq()
+        meta = checks.encode_collective(op, seq, self.size, dtype, local_problem=True)
+
+        def job(w: HetcommWork) -> None:
+            self.exchange_meta(op, seq, meta, "rows", local_error=error)
+
+        return self.executor.submit(job, HetcommWork([], seq), async_op)
 
     def _gloo_all_to_all(self, dst, src, out_splits, in_splits, row_bytes: int, op: str) -> None:
         """Every pair is on the gloo rail: one gloo all-to-all carries the whole step (gloo's own

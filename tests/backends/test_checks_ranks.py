@@ -54,6 +54,10 @@ def mismatches(rank: int, n: int) -> dict:
     out["rs"] = _outcome(lambda: dist.reduce_scatter_tensor(torch.empty(rows), torch.ones(rows * n)))
     glist = [torch.empty(2) for _ in range(n)] if rank == 0 else None
     out["gather"] = _outcome(lambda: dist.gather(torch.ones(3 if rank == last else 2), glist, dst=0))
+    # 6b. an all_to_all_single whose split list has the wrong length on one rank: its peers hear of
+    #     it at once (they used to wait for it until the timeout)
+    bad_in = [2] * (n - 1 if rank == last else n)
+    out["a2a_args"] = _outcome(lambda: dist.all_to_all_single(torch.empty(2 * n), torch.ones(2 * n), [2] * n, bad_in))
     # 7. a skipped collective (item 12): the last rank skips one all_to_all_single, then everybody
     #    calls all_reduce: its all_reduce meets the others' all_to_all_single
     x = torch.arange(2 * n, dtype=torch.float32)
@@ -86,6 +90,7 @@ def _assert_mismatches(outs, n):
         "args": ("arguments", [last], f"rank {last} refused its own arguments"),
         "rs": ("count", [last], f"rank {last} has 3 elements"),
         "gather": ("count", [last], f"rank {last} has 3 elements"),
+        "a2a_args": ("arguments", [last], f"rank {last} refused its own arguments"),
     }
     for rank, o in enumerate(outs):
         for key, (field, ranks, needle) in expect.items():
@@ -99,6 +104,7 @@ def _assert_mismatches(outs, n):
         assert t == [n * (n + 1) / 2] * 3 and b == [float(last)] * 2
         assert g == [[float(r)] * 2 for r in range(n)]
     assert "here (rank %d): output_tensors has %d tensors" % (last, n - 1) in outs[last]["args"][2]
+    assert "input_split_sizes has %d entries for a group of %d" % (n - 1, n) in outs[last]["a2a_args"][2]
 
 
 @pytest.mark.timeout(120)

@@ -51,6 +51,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", metavar="N", type=int, default=None, help="save a checkpoint every N steps")
     p.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--warmup-from", metavar="METRICS.jsonl", default=None, help="seed calibrators and hot experts from a previous run's metrics")
+    p.add_argument("--balance", action="store_true", default=None,
+                   help="run the expert balancer: capacity-aware migrations between ranks (docs/MOE.md)")
+    p.add_argument("--balance-every", metavar="N", type=int, default=None, help="steps between balancer plans (default 50)")
+    p.add_argument("--balance-cooldown", metavar="N", type=int, default=None,
+                   help="steps before a moved expert may move again (default 1000)")
+    p.add_argument("--powersgd", metavar="RANK", type=int, default=None,
+                   help="PowerSGD of this rank for the dense gradients on cross-node pairs (0/absent: off)")
     return p
 
 
@@ -74,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         warmup_from=args.warmup_from,
+        balance=args.balance,
+        balance_every=args.balance_every,
+        balance_cooldown=args.balance_cooldown,
+        powersgd_rank=args.powersgd,
     )
     if args.cluster:
         overrides["cluster"] = args.cluster if args.cluster == "detect" else repo_path(args.cluster)

@@ -103,10 +103,13 @@ class ExpertMigrator:
         group: the expert-parallel process group (None = default).
         timeout_s: longest wait for a copy or a gradient before :class:`PeerTimeout` naming
             the peer.
+        tag_base: offset of this migrator's message tags (one migrator per MoE layer: give
+            each a different multiple of ``4 * num_experts``).
     """
 
-    def __init__(self, group=None, timeout_s: float = 120.0) -> None:
+    def __init__(self, group=None, timeout_s: float = 120.0, tag_base: int = 0) -> None:
         self.group = group
+        self.tag_base = tag_base  # distinct per layer, so two layers' transfers never match up
         self.rank = dist.get_rank(group)
         self.timeout_s = timeout_s
         self._inflight: List[dict] = []
@@ -125,7 +128,7 @@ class ExpertMigrator:
             raise ConfigError("a migration is still in flight; call finish() first", key="balance.migrate")
         keys, scalars = state_layout(optimizer)
         for i, mv in enumerate(m for m in moves if m.dst is not None):
-            tag = 1 + 4 * mv.expert
+            tag = self.tag_base + 1 + 4 * mv.expert
             entry = {"move": mv, "keys": keys, "scalars": scalars}
             if self.rank == mv.from_rank:
                 mod = slots.module(mv.expert)
@@ -192,7 +195,7 @@ class ExpertMigrator:
         grad_works = []
         for e in self._inflight:
             mv: Move = e["move"]
-            tag = 3 + 4 * mv.expert
+            tag = self.tag_base + 3 + 4 * mv.expert
             if self.rank == mv.from_rank:
                 params = list(slots.module(mv.expert).parameters())
                 g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])

@@ -102,7 +102,7 @@ class SlowLinkPowerSGD:
         node_ids: Sequence[int],
         matrix_approximation_rank: int = 4,
         start_iter: int = 10,
-        min_compression_rate: float = 2.0,
+        min_compression_rate: float = 1.5,
         seed: int = 0,
         backend: Optional[str] = None,
     ) -> None:
@@ -141,6 +141,7 @@ class SlowLinkPowerSGD:
                 compression_stats_logging_frequency=10**9,
             )
         self.calls = 0
+        self.compressed_calls = 0
         self._bytes_uncompressed = 0
         self._bytes_compressed = 0
 
@@ -158,6 +159,7 @@ class SlowLinkPowerSGD:
             flat = fut.wait()
             flat.mul_(self.num_nodes / self.world_size)
             if compressing:
+                self.compressed_calls += 1
                 el = flat.element_size()
                 self._bytes_uncompressed += (self.state.total_numel_before_compression - before[0]) * el
                 self._bytes_compressed += (self.state.total_numel_after_compression - before[1]) * el
@@ -176,6 +178,7 @@ class SlowLinkPowerSGD:
         """On a leader: bytes per compressed averaging on the leader pairs, without and with
         compression, and their ratio (zeros elsewhere and before ``start_iter``)."""
         return {
+            "compressed_calls": float(self.compressed_calls),
             "uncompressed_bytes": float(self._bytes_uncompressed),
             "compressed_bytes": float(self._bytes_compressed),
             "reduction": (self._bytes_uncompressed / self._bytes_compressed) if self._bytes_compressed else 0.0,

@@ -58,6 +58,10 @@ class TrainConfig:
         checkpoint_dir: directory of sharded checkpoints (:mod:`hetcomm.ops.checkpoint`), or None.
         checkpoint_every: steps between checkpoints (0: none).
         resume: continue from ``checkpoint_dir``'s latest checkpoint when there is one.
+        balance: run the expert balancer (:mod:`hetcomm.train.balance`): migrations between ranks.
+        balance_every / balance_cooldown: steps between plan evaluations / before an expert
+            that moved may move again.
+        powersgd_rank: PowerSGD rank for the dense gradients on cross-node pairs (0: off).
         warmup_from: a previous run's metrics file: seeds calibrators and hot experts before the
             first step (``hetcomm launch`` phase 2), or None.
     """
@@ -82,6 +86,10 @@ class TrainConfig:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     resume: bool = False
+    balance: bool = False
+    balance_every: int = 50
+    balance_cooldown: int = 1000
+    powersgd_rank: int = 0
     warmup_from: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -102,6 +110,11 @@ class TrainConfig:
             raise ConfigError(
                 f"unknown wire dtype {self.wire_dtype!r}; expected auto, fp32, fp16 or bf16", key="train.wire_dtype"
             )
+        for name in ("balance_every", "balance_cooldown", "powersgd_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "balance_every" else 0):
+                raise ConfigError(f"must be a whole number >= {1 if name == 'balance_every' else 0}, got {value!r}",
+                                  key=f"train.{name}")
         if self.experts < 2:
             raise ConfigError("an MoE layer needs at least 2 experts", key="train.experts")
 
@@ -308,10 +321,27 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
 
     from hetcomm.ops import hooks
 
-    start_step = hooks.resume(cfg, model, opt, gen)
+    # --balance / --powersgd (hetcomm.train.balance): their state is checkpointed with the model.
+    from hetcomm.train.balance import TrainBalancer, make_powersgd
+
+    balancer = psgd = None
+    extras: Dict[str, Any] = {}
+    if cfg.balance:
+        from hetcomm.moe.balancer import BalancerConfig
+        from hetcomm.topo.compute import rank_speeds
+
+        balancer = TrainBalancer(model, opt, rank_speeds(cluster, range(world_size)),
+                                 BalancerConfig(every=cfg.balance_every, cooldown=cfg.balance_cooldown),
+                                 flops_per_token=6 * 2 * cfg.model_dim * cfg.hidden_dim)
+        extras["balancer"] = balancer
+        expert = expert + balancer.spare_parameters()  # a spare may hold an expert later
+    if cfg.powersgd_rank:
+        psgd = make_powersgd(cluster, world_size, cfg.powersgd_rank, cfg.seed)
+        extras["powersgd"] = psgd
+    start_step = hooks.resume(cfg, model, opt, gen, extras or None)
     hooks.warmup(cfg, model, start_step)
     hetcomm.reset_stats()
-    progress = _Progress(rank == 0, cfg, world_size, cluster)
+    progress = _Progress(rank == 0, cfg, world_size, cluster, balancer)
     mc = hooks.metrics_collector(cfg, rank, world_size, cluster, model, start_step)
     t0 = time.perf_counter()
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -329,24 +359,38 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
         for p in expert:  # the global loss is the mean over ranks: scale the expert-parallel grads
             if p.grad is not None:
                 p.grad /= world_size
-        _allreduce_dense_grads(dense, world_size)
+        if balancer is not None:
+            balancer.after_backward()  # migrations started last step land; old owners computed this one
+        if psgd is not None:
+            for p in dense:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            psgd.all_reduce_mean([p.grad for p in dense])
+        else:
+            _allreduce_dense_grads(dense, world_size)
         mc.mark("grad_sync")
         opt.step()
         mc.mark("optimizer")
         for m in model.moe_layers:
             m.sync_replicas()
+        if balancer is not None:
+            for line in balancer.after_step(step):
+                mc.event(step, "migration", line)
         mc.mark("replica_sync")
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         losses.append(float(global_loss) / world_size)
         mc.mark("loss_sync")
         mc.end_step(step, losses[-1], tokens_per_step * world_size)
-        hooks.maybe_checkpoint(cfg, step, model, opt, gen, mc)
+        hooks.maybe_checkpoint(cfg, step, model, opt, gen, mc, extras or None)
         progress.update(step, losses[-1], tokens_per_step * world_size, model)
     mc.close()
+    if balancer is not None:
+        balancer.finish_pending()
 
     elapsed = time.perf_counter() - t0
-    summary = _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step)
+    summary = _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step,
+                         balancer, psgd)
     if rank == 0:
         progress.close()
         print(summary["text"])
@@ -372,9 +416,10 @@ def _fmt_bytes(n: float) -> str:
 class _Progress:
     """A one-line progress bar on a terminal; a line every ``log_every`` steps otherwise."""
 
-    def __init__(self, enabled: bool, cfg: TrainConfig, world_size: int, cluster) -> None:
+    def __init__(self, enabled: bool, cfg: TrainConfig, world_size: int, cluster, balancer=None) -> None:
         self.enabled = enabled
         self.cfg = cfg
+        self.balancer = balancer
         self.tty = sys.stderr.isatty()
         self.t0 = time.perf_counter()
         self.last_t = self.t0
@@ -416,6 +461,7 @@ class _Progress:
             f"a2a/step(rank0) {rails}"
             + (f" top5 {top5:.0%}" if isinstance(top5, float) else "")
             + (f" replicas {replicas}" if replicas is not None else "")
+            + (f" migrations {self.balancer.migrations}" if self.balancer is not None else "")
         )
         if self.tty:
             print("\r" + line[:200].ljust(120), end="", file=sys.stderr, flush=True)
@@ -427,7 +473,18 @@ class _Progress:
             print(file=sys.stderr)
 
 
-def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step) -> Dict[str, Any]:
+def _psgd_row(psgd) -> str:
+    st = psgd.stats()
+    if not st["compressed_bytes"]:
+        return f"rank {psgd.state.matrix_approximation_rank if psgd.state else '-'}; no compressed step on rank 0"
+    n = max(1, st["compressed_calls"])
+    return (f"rank {psgd.state.matrix_approximation_rank}: {_fmt_bytes(st['compressed_bytes'] / n)} per step "
+            f"instead of {_fmt_bytes(st['uncompressed_bytes'] / n)} on rank 0's leader links "
+            f"({st['reduction']:.1f}x fewer)")
+
+
+def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step,
+               balancer=None, psgd=None) -> Dict[str, Any]:
     unigram = task.unigram_entropy()
     optimum = task.conditional_entropy()
     window = max(1, min(20, len(losses) // 5))
@@ -450,6 +507,8 @@ def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tok
         ("verdict", ("PASS: " if ok else "FAIL: ") + f"last loss {'<=' if ok else '>'} {target:.3f} (half-way to optimum)"),
         ("replication / calibration", f"{'on' if cfg.replicate else 'off'} / {'on' if cfg.calibrate else 'off'}"),
         ("wire dtype", cfg.wire_dtype),
+        *(balancer.summary_rows() if balancer is not None else []),
+        *([("PowerSGD (cross-node pairs)", _psgd_row(psgd))] if psgd is not None else []),
     ]
     for rail, c in sorted(rails.items()):
         rows.append((f"rank0 sent over {rail}", f"{_fmt_bytes(c)} ({_fmt_bytes(c / cfg.steps)}/step)"))

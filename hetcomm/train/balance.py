@@ -1,0 +1,204 @@
+"""``hetcomm train --balance`` and ``--powersgd``: the balancer and the slow-link compression wired
+into the training loop.
+
+Per step (every rank, in the same order):
+
+- a forward hook on each MoE layer's gate records this rank's picks per expert (``[E]``) and the
+  confidence-weighted top-20 share of its routing probabilities (``fast_signal`` of
+  ``log probs``, the logits up to a per-token constant);
+- after backward: in-flight migrations finish (the old owners computed this step; their
+  gradients travel with the experts) and the layer adopts the new placement;
+- after the optimizer step: one all-reduce of ``[layers, 2E]`` float64, then rank 0's result
+  broadcast (sums of float shares may differ in the last bit between ranks), gives every rank the
+  same global loads and fast shares; each layer's :class:`~hetcomm.moe.balancer.ExpertBalancer` sees
+  them, every rank computes the same plan, rank 0 broadcasts its map in CSR form and the others
+  check theirs against it; the moves start (asynchronous copies of parameters + Adam state).
+
+The layer owns one copy per expert (its hot-expert replicator adds replicas on its own), so the
+balancer here makes no redundant copies. Each rank gets ``ceil(E / W)`` spare expert modules
+(registered with the optimizer up front, so its parameter list never changes): a fast rank can
+take up to that many more experts than it started with, so capacity decides both how many and
+which experts a rank holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from hetcomm.errors import CollectiveError
+from hetcomm.moe.balancer import BalancerConfig, ExpertBalancer, ExpertMap, broadcast_map, diff_maps, fast_signal
+from hetcomm.moe.migration import ExpertMigrator, ExpertSlots
+from hetcomm.moe.placement import ExpertPlacement
+from hetcomm.moe.powersgd import SlowLinkPowerSGD, node_ids_of
+
+__all__ = ["TrainBalancer", "make_powersgd"]
+
+
+class TrainBalancer:
+    """One :class:`ExpertBalancer` per MoE layer of ``model``, with migrations.
+
+    Args:
+        model: the LM (``model.moe_layers``).
+        optimizer: the optimizer over all parameters (its expert state migrates).
+        speeds: ``[W]`` rank throughput (``rank_speeds(cluster)``).
+        config: balancer knobs (``every``/``cooldown``/``window``...).
+        flops_per_token: expert FLOPs per routed token (forward + backward), to turn load into
+            modelled seconds for the gain-vs-cost test.
+    """
+
+    def __init__(self, model, optimizer, speeds, config: BalancerConfig, flops_per_token: float) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.layers = list(model.moe_layers)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.migrators: List[ExpertMigrator] = []
+        # Migration traffic on a gloo group of its own: its sends and receives stay pending
+        # across a whole step, which the job's backend must not have to order against the
+        # step's collectives (on the hetcomm backend a pending receive held up the all-to-alls).
+        self.p2p_group = dist.new_group(backend="gloo")
+        self.balancers: List[ExpertBalancer] = []
+        self._picks: List[torch.Tensor] = []
+        self._fast: List[torch.Tensor] = []
+        self._pending: List[Optional[tuple]] = []
+        self.migrations = 0
+        self.plans = 0
+        self.last: str = "-"
+        tflops_unit = 1e12 * 0.5  # speeds are TFLOPS; 50% model-flops utilisation
+        self.spares: List[List[torch.nn.Module]] = []
+        for i, layer in enumerate(self.layers):
+            E = layer.config.num_experts
+            spare = [layer._make_expert(0) for _ in range(-(-E // self.world_size))]
+            for m in spare:
+                for p in m.parameters():
+                    p.hetcomm_expert = True  # as the layer marks its own experts
+                    p.grad = None
+            optimizer.add_param_group({"params": [p for m in spare for p in m.parameters()]})
+            self.spares.append(spare)
+            per_param = 4 + 8  # fp32 weight + Adam's two fp32 moments
+            nbytes = sum(p.numel() for p in layer.experts.experts[0].parameters()) * per_param if layer.experts.experts else 0
+            cfg = BalancerConfig(**{**config.__dict__, "redundant": 0, "seconds_per_unit": flops_per_token / tflops_unit})
+            self.balancers.append(ExpertBalancer(
+                E, speeds, cfg, bytes_per_expert=nbytes,
+                slots=[n + len(spare) for n in layer.placement.num_local_experts_per_rank],
+                initial=ExpertMap.from_lists([[r] for r in layer.placement.owner], self.world_size),
+            ))
+            self._picks.append(torch.zeros(E, dtype=torch.float64))
+            self._fast.append(torch.zeros(E, dtype=torch.float64))
+            self._pending.append(None)
+            self.migrators.append(ExpertMigrator(self.p2p_group, timeout_s=120.0, tag_base=8 * E * i))
+            layer.gate.register_forward_hook(self._gate_hook(i))
+
+    def _gate_hook(self, i: int):
+        def hook(_module, _inputs, out) -> None:
+            if not torch.is_grad_enabled():
+                return  # evaluation forwards do not count
+            E = self._picks[i].numel()
+            self._picks[i] += torch.bincount(out.topk_idx.detach().reshape(-1).cpu(), minlength=E).double()
+            self._fast[i] += fast_signal(torch.log(out.probs.detach().clamp_min(1e-30)), 20)
+
+        return hook
+
+    def after_backward(self) -> None:
+        """Finish the migrations started after the previous step (collective)."""
+        for i, pend in enumerate(self._pending):
+            if pend is None:
+                continue
+            plan, slots = pend
+            self.migrators[i].finish(slots, self.optimizer)
+            layer = self.layers[i]
+            owner = plan.new_map.owner()
+            placement = ExpertPlacement(tuple(owner), self.world_size)
+            mods = [slots.module(e) for e in placement.experts_of(self.rank)]
+            layer._set_placement(placement, mods)
+            self.spares[i] = [m for m, e in zip(slots.modules, slots.expert_of) if e is None]
+            self._pending[i] = None
+
+    def after_step(self, step: int) -> List[str]:
+        """Observe this step's loads, plan, start migrations. Returns event lines (for metrics)."""
+        E = [b.num_experts for b in self.balancers]
+        vec = torch.cat([torch.cat([p, f]) for p, f in zip(self._picks, self._fast)])
+        dist.all_reduce(vec)
+        # Every rank must take the same decisions from bitwise the same numbers; an all-reduce
+        # may sum in a different order on each rank (float shares), so rank 0's result wins.
+        dist.broadcast(vec, src=0)
+        events = []
+        off = 0
+        for i, bal in enumerate(self.balancers):
+            n = E[i]
+            load, fast = vec[off : off + n], vec[off + n : off + 2 * n] / self.world_size
+            off += 2 * n
+            self._picks[i].zero_()
+            self._fast[i].zero_()
+            bal.observe(load, fast=fast)
+            if self.migrators[i].busy:
+                continue  # one migration per layer at a time
+            old = bal.map
+            plan = bal.maybe_rebalance()
+            if plan is None:
+                continue
+            got = broadcast_map(plan.new_map if self.rank == 0 else None, src=0, num_experts=n,
+                                world_size=self.world_size, max_nnz=n)
+            if got != plan.new_map:
+                raise CollectiveError(
+                    f"layer {i}: this rank's balancer chose another expert map than rank 0's at step {step}; "
+                    f"the load all-reduce should make them equal",
+                    op="balance", rank=self.rank, peer=0,
+                )
+            layer = self.layers[i]
+            slots = ExpertSlots(list(layer.experts.experts) + self.spares[i],
+                                list(layer.local_expert_ids) + [None] * len(self.spares[i]))
+            moves = diff_maps(old, plan.new_map)
+            self.migrators[i].start(moves, slots, self.optimizer)
+            self._pending[i] = (plan, slots)
+            self.migrations += len(moves)
+            self.plans += 1
+            self.last = (f"layer{i} step {step}: {len(moves)} moves, predicted max/mean "
+                         f"{plan.imbalance_before:.2f} -> {plan.imbalance_after:.2f}")
+            events.append(self.last)
+        return events
+
+    def spare_parameters(self) -> List[torch.nn.Parameter]:
+        """Parameters of the spare expert modules (expert-parallel: scale, never average)."""
+        return [p for spare in self.spares for m in spare for p in m.parameters()]
+
+    def finish_pending(self) -> None:
+        """At the end of the run: land what is in flight (no gradients: grads are None)."""
+        if any(p is not None for p in self._pending):
+            for layer in self.layers:
+                for p in layer.experts.experts.parameters():
+                    p.grad = None
+            self.after_backward()
+
+    def summary_rows(self) -> List[tuple]:
+        viol = sum(len(b.cooldown_violations()) for b in self.balancers)
+        bal = self.balancers[0]
+        evaluated = sum(len(b.plans) for b in self.balancers)
+        last_eval = "-"
+        if bal.plans:
+            p = bal.plans[-1]
+            last_eval = (f"layer0 step {p.step}: {len(p.moves)} moves, max/mean {p.imbalance_before:.2f} -> "
+                         f"{p.imbalance_after:.2f}, gain {p.predicted_gain_s * 1e3:.3f} ms vs cost {p.cost_s * 1e3:.3f} ms, "
+                         f"{'adopted' if p.adopted else 'not adopted'}")
+        return [
+            ("balancer plans", f"{evaluated} evaluated (last 20 kept per layer); last: {last_eval}"),
+            ("balancer", f"{self.migrations} expert moves in {self.plans} plans (cooldown {bal.cfg.cooldown} steps, "
+                         f"{viol} violations); last: {self.last}"),
+            ("balancer map (CSR)", f"{bal.map.nbytes()} bytes per layer broadcast; layer0 experts per rank "
+                                   f"{[len(bal.map.experts_on(r)) for r in range(self.world_size)]}"),
+        ]
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {f"layer{i}": b.state_dict() for i, b in enumerate(self.balancers)}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        for i, b in enumerate(self.balancers):
+            b.load_state_dict(sd[f"layer{i}"])
+
+
+def make_powersgd(cluster, world_size: int, matrix_rank: int, seed: int) -> SlowLinkPowerSGD:
+    """The dense-gradient averager of ``hetcomm train --powersgd RANK`` (collective)."""
+    return SlowLinkPowerSGD(node_ids_of(cluster, world_size), matrix_approximation_rank=matrix_rank, seed=seed)

@@ -200,5 +200,12 @@ class TrainBalancer:
 
 
 def make_powersgd(cluster, world_size: int, matrix_rank: int, seed: int) -> SlowLinkPowerSGD:
-    """The dense-gradient averager of ``hetcomm train --powersgd RANK`` (collective)."""
-    return SlowLinkPowerSGD(node_ids_of(cluster, world_size), matrix_approximation_rank=matrix_rank, seed=seed)
+    """The dense-gradient averager of ``hetcomm train --powersgd RANK`` (collective).
+
+    Its node and leader groups are gloo groups: torch's PowerSGD hook chains futures whose
+    callbacks launch the next all-reduce, and on the hetcomm backend such a callback runs on the
+    thread that completes collectives, which then waits for itself (seen as a hang at the first
+    compressed step; reported to the backend owners).
+    """
+    return SlowLinkPowerSGD(node_ids_of(cluster, world_size), matrix_approximation_rank=matrix_rank, seed=seed,
+                            backend="gloo")

@@ -140,7 +140,7 @@ class ExpertMigrator:
                 ]
                 buf = _flat(params, per)
                 sc = torch.tensor([1.0 if has else 0.0] + [float(state[0][k]) if has else 0.0 for k in scalars],
-                                  dtype=torch.float64)
+                                  dtype=torch.float64, device=buf.device)
                 entry["works"] = [dist.isend(buf, self._peer(mv.dst), group=self.group, tag=tag),
                                   dist.isend(sc, self._peer(mv.dst), group=self.group, tag=tag + 1)]
                 entry["keep"] = (buf, sc)
@@ -149,7 +149,7 @@ class ExpertMigrator:
                 proto = list(slots.modules[0].parameters())
                 n = sum(p.numel() for p in proto) * (1 + len(keys))
                 buf = torch.empty(n, dtype=proto[0].dtype, device=proto[0].device)
-                sc = torch.empty(1 + len(scalars), dtype=torch.float64)
+                sc = torch.empty(1 + len(scalars), dtype=torch.float64, device=buf.device)
                 entry["works"] = [dist.irecv(buf, self._peer(mv.from_rank), group=self.group, tag=tag),
                                   dist.irecv(sc, self._peer(mv.from_rank), group=self.group, tag=tag + 1)]
                 entry["recv"] = (buf, sc)
@@ -239,7 +239,8 @@ class ExpertMigrator:
                         o += p.numel()
                 for j, k in enumerate(e["scalars"]):
                     for p in params:
-                        optimizer.state[p][k] = torch.tensor(float(sc[1 + j]), dtype=torch.float32)
+                        # host: non-capturable optimizers keep scalar state (Adam's step) on the CPU.
+                        optimizer.state[p][k] = torch.tensor(float(sc[1 + j]), dtype=torch.float32, device="cpu")
             slots.expert_of[i] = mv.expert
         for e in self._inflight:
             done.append(e["move"])

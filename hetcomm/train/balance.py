@@ -199,7 +199,7 @@ class TrainBalancer:
             b.load_state_dict(sd[f"layer{i}"])
 
 
-def make_powersgd(cluster, world_size: int, matrix_rank: int, seed: int) -> SlowLinkPowerSGD:
+def make_powersgd(cluster, world_size: int, matrix_rank: int, seed: int, steps: int = 100) -> SlowLinkPowerSGD:
     """The dense-gradient averager of ``hetcomm train --powersgd RANK`` (collective).
 
     Its node and leader groups are gloo groups: torch's PowerSGD hook chains futures whose
@@ -207,5 +207,7 @@ def make_powersgd(cluster, world_size: int, matrix_rank: int, seed: int) -> Slow
     thread that completes collectives, which then waits for itself (seen as a hang at the first
     compressed step; reported to the backend owners).
     """
+    # Compression starts after the first 10% of the run (at least 10 steps), as torch advises
+    # for start_powerSGD_iter: the early, fast-changing gradients go uncompressed.
     return SlowLinkPowerSGD(node_ids_of(cluster, world_size), matrix_approximation_rank=matrix_rank, seed=seed,
-                            backend="gloo")
+                            start_iter=max(10, steps // 10), backend="gloo")

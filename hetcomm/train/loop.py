@@ -336,7 +336,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
         extras["balancer"] = balancer
         expert = expert + balancer.spare_parameters()  # a spare may hold an expert later
     if cfg.powersgd_rank:
-        psgd = make_powersgd(cluster, world_size, cfg.powersgd_rank, cfg.seed)
+        psgd = make_powersgd(cluster, world_size, cfg.powersgd_rank, cfg.seed, cfg.steps)
         extras["powersgd"] = psgd
     start_step = hooks.resume(cfg, model, opt, gen, extras or None)
     hooks.warmup(cfg, model, start_step)

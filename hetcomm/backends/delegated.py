@@ -41,6 +41,7 @@ reduce_scatter) reach ``gloo0`` directly and are not checked either.
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -207,6 +208,16 @@ class _Completion:
         self.nbytes = nbytes
         self.t0 = time.perf_counter()
 
+    def callback_off(self, fut: "torch.futures.Future", executor) -> None:
+        """:meth:`callback`, but never on the executor thread: a gloo op that finished before its
+        callback was attached runs it inline, there, and a user callback that starts and waits
+        for another collective (PowerSGD's hook) would then wait for the executor's next job on
+        the executor itself. Such a completion moves to a short-lived thread."""
+        if executor.on_thread():
+            threading.Thread(target=self.callback, args=(fut,), name="hetcomm-complete", daemon=True).start()
+        else:
+            self.callback(fut)
+
     def callback(self, fut: "torch.futures.Future") -> None:
         try:
             fut.value()
@@ -313,6 +324,7 @@ class DelegatedCollectives:
         )
         faults = self.faults
         kind = call.kind
+        executor = routed.executor
 
         def job(w: HetcommWork) -> None:
             try:
@@ -339,7 +351,7 @@ class DelegatedCollectives:
                 else:
                     done.finish(None)
             else:
-                fut.then(done.callback)
+                fut.then(lambda f: done.callback_off(f, executor))
 
         routed.executor.submit(job, HetcommWork([], seq), async_op)
         return user

@@ -367,6 +367,10 @@ class Executor:
                 return
             self._execute(*job)
 
+    def on_thread(self) -> bool:
+        """True on the executor's own thread (where nothing may wait for a later job)."""
+        return threading.current_thread() is self._thread
+
     def submit(self, fn: Callable[[HetcommWork], None], work: HetcommWork, async_op: bool = True) -> HetcommWork:
         """Run ``fn(work)`` after every earlier job; ``work`` completes with its outcome."""
         if self._closed:

@@ -223,3 +223,25 @@ def a2a_every_dtype(rank: int, n: int) -> list:
 def test_all_to_all_single_moves_every_dtype(env):
     for rank, bad in enumerate(run_ranks(a2a_every_dtype, world_size=2, env=env, timeout=90, pg_timeout=PG_TIMEOUT)):
         assert bad == [], f"rank {rank}: {bad}"
+
+
+def nested_in_callbacks(rank: int, n: int) -> list:
+    """PowerSGD's pattern: a future callback that starts another collective and waits for it,
+    while earlier async collectives keep the executor busy (so jobs run on its thread)."""
+    import torch.distributed as dist
+
+    got = []
+    for _ in range(20):
+        b = torch.ones(1)
+        earlier = dist.all_reduce(torch.ones(64), async_op=True)
+        w = dist.all_reduce(torch.ones(1), async_op=True)
+        f = w.get_future().then(lambda fut: dist.all_reduce(b, async_op=True).get_future().wait()[0])
+        got.append(f.wait().item())
+        earlier.wait()
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_a_callback_may_start_and_wait_for_another_collective():
+    for got in run_ranks(nested_in_callbacks, world_size=2, timeout=90, pg_timeout=PG_TIMEOUT):
+        assert got == [2.0] * 20

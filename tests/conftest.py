@@ -8,6 +8,12 @@ import shutil
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Same-host pairs ride shm in every test, whatever an earlier calibration on this host measured
+# (hetcomm/backends/calibrate.py): expectations about rails must not depend on the machine's
+# state. Set before any rank, forkserver or CLI subprocess starts, so all of them inherit it;
+# tests/backends/test_calibrate.py unsets it where it measures.
+os.environ.setdefault("HETCOMM_SAME_HOST_RAIL", "shm")
 FIXTURES = os.path.join(REPO_ROOT, "tests", "fixtures")
 
 

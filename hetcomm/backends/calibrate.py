@@ -13,7 +13,10 @@ the communicator measures both, once per host, and takes the faster:
   hostname, ranks in the unit, group size, ring size, CPU count, torch and hetcomm versions (not
   ``chunk_bytes``: the measurement sends each peer's share as one chunk, so that a test forcing
   64-byte chunks does not calibrate with 100,000 of them). ``HETCOMM_RECALIBRATE=1`` (read by
-  the leader) ignores the cache and measures again;
+  the leader) ignores the cache and measures again; ``HETCOMM_SAME_HOST_RAIL=shm|gloo`` (read by
+  the leader) skips the measurement and the cache and takes that rail: for a deployment that
+  knows its hosts, and for the test suite, whose expectations must not depend on what an
+  earlier run measured on this host;
 * otherwise the unit's ranks measure together: the same all-to-all (:data:`CAL_BYTES` per rank)
   over the shm rings and over gloo, interleaved, :data:`CAL_REPS` times each. When the unit is
   the whole group the gloo variant is gloo's own all-to-all, which is what the group then runs
@@ -44,6 +47,7 @@ from hetcomm.backends.options import HetcommOptions
 from hetcomm.backends.placement import Placement
 from hetcomm.backends.rails.base import Rail
 from hetcomm.backends.stats import paused
+from hetcomm.errors import ConfigError
 
 __all__ = ["same_host_rails", "unit_key", "cache_path", "CAL_BYTES", "CAL_REPS", "MARGIN"]
 
@@ -138,6 +142,21 @@ def _calibrate_unit(store, rails, options: HetcommOptions, members: List[int], r
         if rails.shm is None:
             store.set(f"{base}/plan", "decided")
             store.set(f"{base}/rail", "gloo")  # no shared memory here after all
+            return
+        pinned = os.environ.get("HETCOMM_SAME_HOST_RAIL", "").strip()
+        if pinned:
+            if pinned not in ("shm", "gloo"):
+                # Published before raising, so the unit's other ranks fail on the same setting
+                # instead of waiting for a measurement that never starts.
+                store.set(f"{base}/plan", "decided")
+                store.set(f"{base}/rail", "gloo")
+                raise ConfigError(
+                    f"HETCOMM_SAME_HOST_RAIL={pinned!r} (rank {rank}) is not a rail for same-host "
+                    "pairs; use 'shm' or 'gloo', or unset it to let hetcomm measure",
+                    key="HETCOMM_SAME_HOST_RAIL",
+                )
+            store.set(f"{base}/plan", "decided")
+            store.set(f"{base}/rail", pinned)
             return
         if cached is not None and cached.get("rail") in ("shm", "gloo"):
             store.set(f"{base}/plan", "decided")

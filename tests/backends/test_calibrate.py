@@ -26,7 +26,8 @@ def _routes(rank: int, world_size: int) -> dict:
 
 
 def test_calibration_measures_once_caches_and_agrees(tmp_path):
-    env = {"HETCOMM_CACHE_DIR": str(tmp_path), "HETCOMM_RECALIBRATE": None}
+    # The suite pins same-host pairs to shm (tests/conftest.py); this test measures.
+    env = {"HETCOMM_CACHE_DIR": str(tmp_path), "HETCOMM_RECALIBRATE": None, "HETCOMM_SAME_HOST_RAIL": None}
     first = run_ranks(_routes, world_size=2, timeout=120, env=env)
     cache = json.loads((tmp_path / "calibration.json").read_text())
     (key, entry), = cache.items()
@@ -58,3 +59,12 @@ def test_explicit_rails_are_not_calibrated(tmp_path):
                     pg_options=HetcommOptions(rails=("shm", "gloo")))
     assert all(o["choice"] == {} and o["ok"] for o in out)
     assert out[0]["rails"] == ["self", "shm"] and not os.path.exists(tmp_path / "calibration.json")
+
+
+def test_pinned_rail_skips_measurement_and_cache(tmp_path):
+    for rail in ("gloo", "shm"):
+        out = run_ranks(_routes, world_size=2, timeout=60,
+                        env={"HETCOMM_CACHE_DIR": str(tmp_path), "HETCOMM_SAME_HOST_RAIL": rail})
+        assert all(o["ok"] and list(o["choice"].values()) == [rail] for o in out), out
+        assert out[0]["rails"] == ["self", rail]
+    assert not os.path.exists(tmp_path / "calibration.json")

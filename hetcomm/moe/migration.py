@@ -139,8 +139,8 @@ class ExpertMigrator:
                     (st[k] if has else torch.zeros_like(p)) for k in keys for p, st in zip(params, state)
                 ]
                 buf = _flat(params, per)
-                sc = torch.tensor([1.0 if has else 0.0] + [float(state[0][k]) if has else 0.0 for k in scalars],
-                                  dtype=torch.float64, device=buf.device)
+                flags = [1.0 if has else 0.0] + [float(state[0][k]) if has else 0.0 for k in scalars]
+                sc = torch.tensor(flags, dtype=torch.float64, device=buf.device)
                 entry["works"] = [dist.isend(buf, self._peer(mv.dst), group=self.group, tag=tag),
                                   dist.isend(sc, self._peer(mv.dst), group=self.group, tag=tag + 1)]
                 entry["keep"] = (buf, sc)

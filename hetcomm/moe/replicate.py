@@ -100,7 +100,7 @@ class HotExpertReplicator:
         #: ``{expert: (bytes saved per step, bytes spent per step)}``.
         self.last_decision: Dict[int, Tuple[float, float]] = {}
         # host: the EMA drives host decisions (the hot set, sorted in Python) once per step.
-        self.ema = torch.zeros(placement.num_experts, dtype=torch.float64)
+        self.ema = torch.zeros(placement.num_experts, dtype=torch.float64, device="cpu")
         #: Device of the layer's tensors; the layer sets it every forward (replicas and the
         #: weight/gradient buffers live there).
         self.device = torch.device("cpu")

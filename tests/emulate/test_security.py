@@ -16,6 +16,7 @@ import subprocess
 import pytest
 
 from hetcomm.cli.main import main as hetcomm_main
+from hetcomm.emulate.cgroup import find_cpu_hierarchy
 from hetcomm.emulate.kernel import list_netns
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -196,14 +197,11 @@ def test_sweep_spares_live_emulations_and_busy_names(tmp_path, capfd):
     assert not [n for n in list_netns() if n.startswith(f"hc{live_rid}-")]
 
 
+@pytest.mark.skipif(find_cpu_hierarchy() is None, reason="no cgroup cpu controller")
 def test_planted_cgroup_is_refused(tmp_path, capfd):
     """A state file otherwise well-formed (its own node, namespace and shm names) that also lists
     a cgroup hetcomm did not make: refused as a whole, the cgroup stays."""
-    from hetcomm.emulate.cgroup import find_cpu_hierarchy
-
     h = find_cpu_hierarchy()
-    if h is None:
-        pytest.skip("no cgroup cpu controller")
     rid = secrets.token_hex(3)
     victim = os.path.join(h.root, f"victim-{rid}")
     os.mkdir(victim)

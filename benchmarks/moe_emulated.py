@@ -60,15 +60,14 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from emulated_runs import run_in_emulation
 from zipf_routing import ZIPF_S, expert_ffn, zipf_gate_weight, zipf_input, zipf_probs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -363,17 +362,6 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def _hetcomm_cli(*argv: str, timeout: float, capture: bool = False) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hetcomm", "emulate", *argv],
-        cwd=REPO,
-        timeout=timeout,
-        check=False,
-        stdout=subprocess.PIPE if capture else None,
-        text=True,
-    )
-
-
 def summarize(runs: list[dict[int, Any]], shape: LayerShape) -> dict[str, Any]:
     """Per variant: median over runs of the per-run median step time; bytes per link class."""
     med = statistics.median
@@ -570,65 +558,13 @@ def main(argv: list[str] | None = None) -> int:
     shape = LayerShape(args.num_experts, args.model_dim, args.hidden_dim, args.tokens)
     before = machine_info()
     t_start = time.monotonic()
-    up = _hetcomm_cli(
-        "up",
-        "--cluster",
-        args.cluster,
-        "--scale",
-        f"{args.scale:g}",
-        "--json",
-        timeout=120,
-        capture=True,
+    rc, runs = run_in_emulation(
+        "moe_emulated", __file__, args,
+        ("num_experts", "model_dim", "hidden_dim", "tokens", "steps", "warmup", "timeout"),
+        WORLD_SIZE,
     )
-    if up.returncode != 0:
-        print(f"moe_emulated: 'hetcomm emulate up' failed (exit {up.returncode})", file=sys.stderr)
-        return up.returncode
-    run_id = "hc" + json.loads(up.stdout)["run_id"]
-    runs: list[dict[int, Any]] = []
-    tmp = tempfile.mkdtemp(prefix="moe_emulated.")
-    try:
-        for i in range(args.runs):
-            out = os.path.join(tmp, f"run{i}")
-            os.makedirs(out)
-            print(f"moe_emulated: run {i + 1}/{args.runs} in {run_id}", file=sys.stderr, flush=True)
-            worker = [sys.executable, os.path.abspath(__file__), "--worker-out", out]
-            for opt in (
-                "num_experts",
-                "model_dim",
-                "hidden_dim",
-                "tokens",
-                "steps",
-                "warmup",
-                "timeout",
-            ):
-                worker += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
-            rc = _hetcomm_cli(
-                "run",
-                "--id",
-                run_id,
-                "--timeout",
-                str(args.timeout),
-                "--",
-                *worker,
-                timeout=args.timeout + 60,
-            ).returncode
-            if rc != 0:
-                print(
-                    f"moe_emulated: run {i + 1} failed (exit {rc}); see the rank log above",
-                    file=sys.stderr,
-                )
-                return rc
-            res = {}
-            for r in range(WORLD_SIZE):
-                with open(os.path.join(out, f"rank{r}.json")) as f:
-                    res[r] = json.load(f)
-            runs.append(res)
-    finally:
-        _hetcomm_cli("down", "--id", run_id, timeout=120)
-        for root, dirs, files in os.walk(tmp, topdown=False):
-            for name in files:
-                os.unlink(os.path.join(root, name))
-            os.rmdir(root)
+    if rc != 0:
+        return rc
     after = machine_info()
     summary = summarize(runs, shape)
     print(render(summary, args, before, after, versions))

@@ -42,12 +42,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from typing import Any, Dict, List
+
+from emulated_runs import run_in_emulation
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -138,13 +138,6 @@ def machine_info() -> Dict[str, Any]:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "loadavg": [round(x, 2) for x in os.getloadavg()],
     }
-
-
-def _emulate(*argv: str, timeout: float, capture: bool = False) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hetcomm", "emulate", *argv],
-        cwd=REPO, timeout=timeout, check=False, stdout=subprocess.PIPE if capture else None, text=True,
-    )
 
 
 def predict(cluster_path: str, run: Dict[int, Any], args) -> Dict[str, float]:
@@ -283,38 +276,14 @@ def main(argv=None) -> int:
         return 2
     before = machine_info()
     t_start = time.monotonic()
-    up = _emulate("up", "--cluster", args.cluster, "--scale", f"{args.scale:g}", "--compute", "--json", timeout=180, capture=True)
-    if up.returncode != 0:
-        print(f"placement_speed: 'hetcomm emulate up' failed (exit {up.returncode})", file=sys.stderr)
-        return up.returncode
-    run_id = "hc" + json.loads(up.stdout)["run_id"]
-    runs: List[Dict[int, Any]] = []
-    predictions: List[Dict[str, float]] = []
-    tmp = tempfile.mkdtemp(prefix="placement_speed.")
-    try:
-        for i in range(args.runs):
-            out = os.path.join(tmp, f"run{i}")
-            os.makedirs(out)
-            print(f"placement_speed: run {i + 1}/{args.runs} in {run_id}", file=sys.stderr, flush=True)
-            worker = [sys.executable, os.path.abspath(__file__), "--worker-out", out]
-            for opt in ("num_experts", "model_dim", "hidden_dim", "tokens", "steps", "warmup", "timeout"):
-                worker += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
-            rc = _emulate("run", "--id", run_id, "--timeout", str(args.timeout), "--", *worker, timeout=args.timeout + 60).returncode
-            if rc != 0:
-                print(f"placement_speed: run {i + 1} failed (exit {rc}); see the rank log above", file=sys.stderr)
-                return rc
-            run = {}
-            for r in range(WORLD_SIZE):
-                with open(os.path.join(out, f"rank{r}.json")) as f:
-                    run[r] = json.load(f)
-            runs.append(run)
-            predictions.append(predict(args.cluster, run, args))
-    finally:
-        _emulate("down", "--id", run_id, timeout=120)
-        for root, dirs, files in os.walk(tmp, topdown=False):
-            for name in files:
-                os.unlink(os.path.join(root, name))
-            os.rmdir(root)
+    rc, runs = run_in_emulation(
+        "placement_speed", __file__, args,
+        ("num_experts", "model_dim", "hidden_dim", "tokens", "steps", "warmup", "timeout"),
+        WORLD_SIZE, up_options=("--compute",), up_timeout=180,
+    )
+    if rc != 0:
+        return rc
+    predictions = [predict(args.cluster, run, args) for run in runs]
     after = machine_info()
     summary = summarize(runs, predictions, args)
     print(render(summary, args, before, after))

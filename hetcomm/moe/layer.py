@@ -11,6 +11,12 @@ One forward:
     rank once; async, per chunk, per-pair wire dtype)  ->  local experts on each arrived chunk
     ->  ``token_dispatch.combine`` (weighted sums per token row, back once per rank)
 
+With ``page_budget > 0`` the local experts are paged (:mod:`hetcomm.moe.paging`): once the
+dispatch's count exchange tells which local experts receive rows, the pager starts their loads
+(overlapping the rows' transfer) and the experts run resident-first, faults as their loads land;
+a training step whose experts do not fit the budget streams them in waves (backward pages each
+in again). See ``docs/MOE.md``.
+
 With one process (no ``torch.distributed``, or a group of one) it runs locally: same routing,
 no collectives. Experts per rank may differ (strong devices hold more, see
 ``hetcomm.moe.placement``).
@@ -19,8 +25,8 @@ no collectives. Experts per rank may differ (strong devices hold more, see
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -30,10 +36,11 @@ from hetcomm.backends import token_dispatch
 from hetcomm.errors import ConfigError
 from hetcomm.moe.calibrate import LoadCalibrator
 from hetcomm.moe.dispatch import ChunkLayout, gather_rows, plan_route, weighted_combine
-from hetcomm.moe.experts import ExpertBank, ExpertSpec, build_expert, cat_rows
+from hetcomm.moe.experts import ExpertBank, ExpertSpec, build_expert, cat_rows, split_rows
 from hetcomm.moe.gate import TopKGate
 from hetcomm.moe.metrics import MetricsAccumulator, routing_metrics
 from hetcomm.moe.overlap import PipelineTimes
+from hetcomm.moe.paging import ExpertPager, Grant, PagingConfig
 from hetcomm.moe.placement import ExpertPlacement, place_experts
 from hetcomm.moe.replicate import HotExpertReplicator
 from hetcomm.moe.wire import WIRE_DTYPES, WirePolicy, wire_policy
@@ -73,6 +80,12 @@ class MoEConfig:
             proportion to each rank's device TFLOPS from ``hetcomm.topo.compute``, replicas only
             on the fastest strong ranks) — speed-aware placement for compute-heterogeneous clusters.
         seed: initial weights depend only on this and the expert id (never on the placement).
+        page_budget: expert paging (:mod:`hetcomm.moe.paging`): the fraction of this rank's
+            local experts whose weights (and optimizer state) stay on the device; the rest wait
+            in a host pool and are paged in when the gate routes tokens to them. 0 (default):
+            off, every expert stays where the module put it.
+        paging: the pager's other knobs (:class:`~hetcomm.moe.paging.PagingConfig`; its
+            ``budget_fraction`` is replaced by ``page_budget``), or None for the defaults.
     """
 
     model_dim: int
@@ -93,6 +106,8 @@ class MoEConfig:
     strong_expert_weight: float = 2.0
     rank_weights: str = "strong"
     seed: int = 0
+    page_budget: float = 0.0
+    paging: Optional[PagingConfig] = None
 
     def __post_init__(self) -> None:
         def bad(key: str, msg: str) -> ConfigError:
@@ -116,6 +131,11 @@ class MoEConfig:
             raise bad("strong_expert_weight", f"must be > 0, got {self.strong_expert_weight!r}")
         if self.calibration_strength < 0:
             raise bad("calibration_strength", f"must be >= 0, got {self.calibration_strength!r}")
+        pb = self.page_budget
+        if isinstance(pb, bool) or not isinstance(pb, (int, float)) or not 0.0 <= pb <= 1.0:
+            raise bad("page_budget", f"must be a fraction within [0, 1] (0 = paging off), got {pb!r}")
+        if self.paging is not None and not isinstance(self.paging, PagingConfig):
+            raise bad("paging", f"must be a hetcomm.moe.paging.PagingConfig or None, got {type(self.paging).__name__}")
 
 
 class _EndOfBackward(torch.autograd.Function):
@@ -130,6 +150,42 @@ class _EndOfBackward(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         torch.autograd.Variable._execution_engine.queue_callback(ctx.callback)
         return grad, None
+
+
+class _StreamedExpert(torch.autograd.Function):
+    """One paged expert in a step whose experts do not all fit the budget (a *wave* step).
+
+    Forward runs the expert without keeping its weights (its slot may go to the next expert);
+    backward acquires it again from the pager (a reload when it was evicted meanwhile),
+    recomputes its output with autograd on and returns the gradients of the rows and of its
+    parameters, so they land on the paged copy. Backward runs in reverse order, so the experts
+    computed last, still resident, go first. Experts must be deterministic (no dropout): the
+    recomputation must give the forward's output.
+
+    ``rows``: ``[N, D]``; returns ``[N, D]``, same dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, pager: ExpertPager, e: int, module: nn.Module, *params):  # type: ignore[override]
+        ctx.pager, ctx.e, ctx.module = pager, e, module
+        ctx.save_for_backward(rows)
+        return module(rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (rows,) = ctx.saved_tensors
+        ctx.pager.acquire(ctx.e)
+        try:
+            params = [p for p in ctx.module.parameters() if p.requires_grad]
+            with torch.enable_grad():
+                x = rows.detach().requires_grad_(ctx.needs_input_grad[0])
+                y = ctx.module(x)
+                inputs = ([x] if ctx.needs_input_grad[0] else []) + params
+                grads = torch.autograd.grad(y, inputs, grad, allow_unused=True)
+        finally:
+            ctx.pager.release(ctx.e)
+        gx = grads[0] if ctx.needs_input_grad[0] else None
+        return (gx, None, None, None) + tuple(grads[1 if ctx.needs_input_grad[0] else 0 :])
 
 
 class _WireComm:
@@ -299,6 +355,16 @@ class MoELayer(nn.Module):
         self.last_stats: Dict[str, Any] = {}
         self.metrics = MetricsAccumulator()
 
+        # Expert paging (config.page_budget > 0): the pager is built at the first forward, on
+        # the input's device, over this rank's experts in dispatch order (ascending id).
+        self.pager: Optional[ExpertPager] = None
+        self._page_optimizer: Optional[torch.optim.Optimizer] = None
+        self._page_open = False            # a step began and end_page_step has not closed it
+        self._page_mark: Dict[str, float] = {}
+        self._page_last: Dict[str, Any] = {}
+        self._migrations: Optional[int] = None  # experts landed here by apply_placement, since the last forward
+        self._check_page_budget()
+
     # -- helpers -----------------------------------------------------------------------------
     @property
     def distributed(self) -> bool:
@@ -328,6 +394,10 @@ class MoELayer(nn.Module):
         with torch.no_grad():
             self._key_of_expert.copy_(self.layout.key_of_expert)
 
+    def _sorted_local_ids(self) -> List[int]:
+        """This rank's experts' global ids in ascending order (the dispatch's local order)."""
+        return sorted(self.local_expert_ids)
+
     def _modules_by_id(self) -> List[nn.Module]:
         """This rank's experts in ascending global id (the dispatch's local-expert order)."""
         ids = self.placement.experts_of(self.rank)
@@ -338,6 +408,7 @@ class MoELayer(nn.Module):
 
     def _set_placement(self, placement: ExpertPlacement, modules: Sequence[nn.Module]) -> None:
         """Adopt ``placement`` with ``modules`` as this rank's experts, in local order."""
+        self._drop_pager()  # its slots index the old local experts; the next forward builds one
         self.placement = placement
         self._adopt_layout(placement)
         self.local_expert_ids = tuple(placement.experts_of(self.rank))
@@ -346,6 +417,191 @@ class MoELayer(nn.Module):
             self.replicator.adopt_placement(
                 placement, {e: self.experts.experts[i] for i, e in enumerate(self.local_expert_ids)}
             )
+        self._check_page_budget()
+
+    def apply_placement(
+        self,
+        expert_to_rank: Union[ExpertPlacement, Sequence[int]],
+        modules: Mapping[int, nn.Module],
+    ) -> List[int]:
+        """Adopt a new expert -> rank map whose parameters have already moved (a balancer's
+        migration, :mod:`hetcomm.train.balance`). Local, not collective: every rank of the group
+        calls it with the same map, each with its own modules.
+
+        Args:
+            expert_to_rank: ``[E]`` owner rank of each global expert (or an
+                :class:`ExpertPlacement`), identical on every rank.
+            modules: global expert id -> module, for exactly the experts this rank owns under
+                the new map, each with the same parameter shapes as this layer's experts.
+        Returns:
+            Global ids of the experts that arrived on this rank.
+
+        Raises:
+            ConfigError: (``key='moe.placement'``) a map of the wrong length or with an owner
+                outside the group, a module missing or extra for an expert, or one whose
+                parameters do not match — naming the expert; nothing changes then.
+        """
+        E, W = self.config.num_experts, self.world_size
+        owner = list(expert_to_rank.owner) if isinstance(expert_to_rank, ExpertPlacement) else [int(r) for r in expert_to_rank]
+        if len(owner) != E:
+            raise ConfigError(
+                f"the map names {len(owner)} experts but the layer has {E} (rank {self.rank})", key="moe.placement"
+            )
+        for e, r in enumerate(owner):
+            if not 0 <= r < W:
+                raise ConfigError(
+                    f"expert {e} is mapped to rank {r}, outside the group of {W} ranks (rank {self.rank})",
+                    key="moe.placement",
+                )
+        mine = [e for e in range(E) if owner[e] == self.rank]
+        for e in mine:
+            if e not in modules:
+                raise ConfigError(
+                    f"expert {e} is mapped to rank {self.rank} but no module for it was given; pass "
+                    f"modules[{e}] (the migrated expert)",
+                    key="moe.placement",
+                )
+        extra = sorted(set(modules) - set(mine))
+        if extra:
+            raise ConfigError(
+                f"expert {extra[0]} has a module on rank {self.rank} but the map puts it on rank "
+                f"{owner[extra[0]] if 0 <= extra[0] < E else '(no such expert)'}",
+                key="moe.placement",
+            )
+        ref = self.experts.experts[0] if len(self.experts) else self._make_expert(0)
+        want = [tuple(p.shape) for p in ref.parameters()]
+        for e in mine:
+            m = modules[e]
+            got = [tuple(p.shape) for p in m.parameters()] if isinstance(m, nn.Module) else None
+            if got != want:
+                raise ConfigError(
+                    f"expert {e}'s module has parameters {got} but this layer's experts have {want} (rank {self.rank})",
+                    key="moe.placement",
+                )
+        before = set(self.local_expert_ids)
+        self._set_placement(ExpertPlacement(tuple(owner), W), [modules[e] for e in ExpertPlacement(tuple(owner), W).experts_of(self.rank)])
+        arrived = [e for e in mine if e not in before]
+        self._migrations = (self._migrations or 0) + len(arrived)
+        return arrived
+
+    # -- paging ------------------------------------------------------------------------------
+    def _check_page_budget(self) -> None:
+        """A budget that holds no expert of this rank is a configuration error (now, not at
+        the first forward)."""
+        L = len(self.local_expert_ids)
+        budget = self.config.page_budget
+        if budget > 0 and L and int(budget * L + 1e-9) < 1:
+            raise ConfigError(
+                f"page_budget {budget} of rank {self.rank}'s {L} local experts holds no expert on the device; "
+                f"raise it to at least {1 / L:.3f}",
+                key="moe.page_budget",
+            )
+
+    def _ensure_pager(self, device: torch.device) -> Optional[ExpertPager]:
+        if self.pager is None and self.config.page_budget > 0 and len(self.experts):
+            pcfg = replace(self.config.paging or PagingConfig(), budget_fraction=self.config.page_budget)
+            self.pager = ExpertPager(self._modules_by_id(), pcfg, device=device, optimizer=self._page_optimizer)
+            self._page_mark = dict(self.pager.stats_total)
+        return self.pager
+
+    def _drop_pager(self) -> None:
+        if self.pager is not None:
+            if self._page_open:
+                self.end_page_step()
+            self.pager.close()  # waits for write-backs: the modules keep valid (host) weights
+            self.pager = None
+
+    def attach_optimizer(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Page ``optimizer``'s per-element state of the experts with their weights (Adam's
+        moments move with each expert). Call it once the optimizer exists, before its first
+        step; without it, a paged layer's optimizer state stays where the optimizer made it,
+        which is only correct when host and device are the same memory (CPU)."""
+        self._page_optimizer = optimizer
+        if self.pager is not None:
+            self.pager.optimizer = optimizer
+
+    def end_page_step(self) -> None:
+        """Close the paging step (after ``optimizer.step()``): the pager updates its
+        predictor, evicts down to its watermark and starts soft prefetches. The next forward
+        calls it when the loop did not; a training loop with more than one forward per
+        optimizer step (gradient accumulation) must call it after each ``optimizer.step()``."""
+        if self.pager is not None and self._page_open:
+            self.pager.end_step()
+        self._page_open = False
+
+    def sync_pages(self) -> None:
+        """Wait for every page transfer in flight (before reading expert weights outside a
+        step: a checkpoint, a replica refresh, a comparison). No-op without paging."""
+        if self.pager is not None:
+            self.pager.sync()
+
+    def _paged_experts(self, recv_x: torch.Tensor, counts: Sequence[int], handle, work, times: PipelineTimes) -> torch.Tensor:
+        """The local experts over the pager: resident experts first, page faults as their
+        loads land (loads started when the counts arrived, overlapping the token rows' transfer).
+
+        ``recv_x``: ``[R, D]`` rows grouped by local expert (``counts``); returns ``[R, D]``.
+        A training step whose experts do not all fit the budget runs in waves
+        (:class:`_StreamedExpert`): the experts stream through the slots and backward pages
+        each in again.
+        """
+        pager = self.pager
+        assert pager is not None
+        grad = torch.is_grad_enabled()
+        used = sum(1 for n in counts if n)
+        waves = grad and used > pager.num_slots
+        counts_t = torch.tensor(list(counts), dtype=torch.int64, device="cpu")  # host: the pager plans on the host
+        order = pager.begin_step(counts_t, hold=grad and not waves)
+        self._page_open = True
+        self._page_last = {"page_waves": waves, "page_experts_used": used}
+        if not sum(counts):
+            return recv_x * 0  # keep the rows in the graph (every rank's backward matches)
+        pieces = split_rows(recv_x, counts)
+        outs: List[torch.Tensor] = list(pieces)
+        for c in range(len(handle.chunk_rows)):
+            work.wait_chunk(c)
+            lo, hi = handle.chunk_experts[c]
+            te = time.perf_counter()
+            for g in pager.grants([e for e in order if lo <= e < hi]):
+                outs[g.requested] = self._run_grant(g, pieces[g.requested], waves)
+                pager.release(g.requested)
+            times.expert_s += time.perf_counter() - te
+        return cat_rows(outs)
+
+    def _run_grant(self, g: Grant, rows: torch.Tensor, waves: bool) -> torch.Tensor:
+        pager = self.pager
+        assert pager is not None
+        if g.kind == "stale":  # L1 opt-in: the expert's previous output, no compute
+            return pager.stale_output(g.requested, rows.size(0), like=rows)
+        module = pager.experts[g.expert]  # g.expert != g.requested: the L3 stand-in
+        if waves:
+            y = _StreamedExpert.apply(rows, pager, g.expert, module, *[p for p in module.parameters() if p.requires_grad])
+        else:
+            y = module(rows)
+        pager.record_output(g.requested, y.detach())
+        return y
+
+    def _page_step_stats(self) -> Dict[str, Any]:
+        """This rank's paging counters since the previous forward (see :meth:`step_stats`)."""
+        pager = self.pager
+        if pager is None:
+            if self.config.page_budget > 0:
+                return {"page_hits": 0, "page_faults": 0, "page_stall_s": 0.0}  # a rank without experts
+            return {}
+        now = dict(pager.stats_total)
+        d = {k: now[k] - self._page_mark.get(k, 0) for k in now}
+        self._page_mark = now
+        return {
+            "page_hits": int(d["hits"]),
+            "page_faults": int(d["waits"]),
+            "page_stall_s": float(d["stall_s"] + d["reacquire_stall_s"]),
+            "page_loads": int(d["loads"]),
+            "page_evictions": int(d["evictions"]),
+            "page_prefetches": int(d["prefetches"]),
+            "page_reacquires": int(d["reacquires"]),
+            "page_resident": len(pager.resident_experts()),
+            "page_slots": pager.num_slots,
+            **self._page_last,
+        }
 
     def rebalance(self, expert_load: Optional[Sequence[float]] = None, optimizer=None) -> List[int]:
         """Re-place experts by load: hottest spread over strong ranks, coldest on weak ranks.
@@ -365,6 +621,7 @@ class MoELayer(nn.Module):
         """
         from hetcomm.moe.migrate import migrate_experts
 
+        self.sync_pages()  # the migration reads the experts' weights
         if expert_load is None:
             if self.replicator is None:
                 raise ConfigError(
@@ -412,8 +669,14 @@ class MoELayer(nn.Module):
         T = x2.size(0)
         E = cfg.num_experts
         rep = self.replicator
+        pager = None
+        if cfg.page_budget > 0:
+            self.end_page_step()  # the previous step's, when the loop did not close it
+            pager = self._ensure_pager(x2.device)
         if rep is not None:
             rep.device = x2.device
+            if pager is not None:
+                pager.sync()  # a refresh reads owned experts' weights: no write-back half done
             rep.sync()  # collective when distributed: every rank calls it here
 
         g = self.gate(x2)
@@ -456,6 +719,14 @@ class MoELayer(nn.Module):
             local_out.append(y)
             times.expert_s += time.perf_counter() - te
 
+        if pager is not None:
+            # This rank's own tokens are sure to reach its experts: page those in before the
+            # count exchange tells what the other ranks send.
+            own = route.send_counts[list(self._sorted_local_ids())].tolist()
+            for l, n in enumerate(own):
+                if n and not pager.resident(l):
+                    pager.prefetch(l)
+
         # gate -> dispatch -> experts (chunk by chunk, as each arrives) -> combine.
         recv_x, counts, handle, work = token_dispatch.dispatch(
             self._comm,
@@ -467,16 +738,19 @@ class MoELayer(nn.Module):
             num_chunks=cfg.num_chunks,
         )
         compute_local()
-        mods = self._modules_by_id()
-        ys, off = [], 0
-        for c, n in enumerate(handle.chunk_rows):
-            work.wait_chunk(c)
-            lo, hi = handle.chunk_experts[c]
-            te = time.perf_counter()
-            ys.append(self.experts.forward_sorted(recv_x[off : off + n], counts[lo:hi], modules=mods[lo:hi]))
-            times.expert_s += time.perf_counter() - te
-            off += n
-        y_recv = ys[0] if len(ys) == 1 or not sum(handle.chunk_rows) else cat_rows(ys)
+        if pager is not None:
+            y_recv = self._paged_experts(recv_x, counts, handle, work, times)
+        else:
+            mods = self._modules_by_id()
+            ys, off = [], 0
+            for c, n in enumerate(handle.chunk_rows):
+                work.wait_chunk(c)
+                lo, hi = handle.chunk_experts[c]
+                te = time.perf_counter()
+                ys.append(self.experts.forward_sorted(recv_x[off : off + n], counts[lo:hi], modules=mods[lo:hi]))
+                times.expert_s += time.perf_counter() - te
+                off += n
+            y_recv = ys[0] if len(ys) == 1 or not sum(handle.chunk_rows) else cat_rows(ys)
         tw = time.perf_counter()
         out = token_dispatch.combine(self._comm, y_recv, handle)
         times.comm_exposed_s = work.exposed_s + time.perf_counter() - tw
@@ -496,6 +770,10 @@ class MoELayer(nn.Module):
             # the end of the whole backward pass. The hook sits on the layer's output, which
             # every backward through this layer starts from (the gate may be frozen).
             out = _EndOfBackward.apply(out, rep.grad_reducer())
+        if pager is not None and self._page_last.get("page_waves") and out.requires_grad:
+            # Backward of a wave step evicts experts with write-backs in flight, whose host
+            # copies the optimizer step then updates: land them first.
+            out = _EndOfBackward.apply(out, pager.sync)
 
         # Statistics, after the experts so that the all-reduce was hidden behind them.
         if update:
@@ -569,6 +847,10 @@ class MoELayer(nn.Module):
             stats["global_min_expert_rate"] = gm.min_expert_rate
         if self.gate.calibrator is not None:
             stats["calibration_lag"] = self.gate.calibrator.lag_factor()
+        stats.update(self._page_step_stats())
+        if self._migrations is not None:
+            stats["migrations"] = self._migrations
+            self._migrations = 0
         self.last_stats = stats
 
     def step_stats(self) -> Dict[str, Any]:
@@ -582,5 +864,16 @@ class MoELayer(nn.Module):
         ``comm_exposed_s``, ``expert_s``, ``forward_s``, ``num_chunks``, ``rows_per_expert`` (rows
         each local expert computed); ``hot_experts``,
         ``replicas`` (held here), ``replica_extra_bytes``; ``l_aux``; ``calibration_lag``.
+
+        With paging (``page_budget > 0``), this rank's pager since the previous forward (so a
+        step's end-of-step evictions and prefetches, and a wave step's backward reloads, show in
+        the next forward's stats): ``page_hits`` (expert computations that started without
+        waiting), ``page_faults`` (that waited, or took the L1/L3 answer), ``page_stall_s``
+        (seconds computations waited for loads, backward reloads included), ``page_loads``,
+        ``page_evictions``, ``page_prefetches``, ``page_reacquires`` (backward reloads of a wave
+        step), ``page_resident`` / ``page_slots`` (experts on the device / room),
+        ``page_waves`` (this step's experts did not fit and streamed), ``page_experts_used``.
+        ``migrations``: experts that landed on this rank through :meth:`apply_placement` since
+        the previous forward (present once a placement has been applied).
         """
         return dict(self.last_stats)

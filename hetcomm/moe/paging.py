@@ -333,6 +333,7 @@ class ExpertPager:
         self._host_ready: Dict[int, _Job] = {}  # expert -> the write-back filling its host region
         self._pending: List[int] = []          # loads waiting for a slot
         self._busy: set = set()                # experts this step still needs (or holds, training)
+        self._hold = self.cfg.training         # this step keeps its experts until end_step
         self._used_step: set = set()
         self._faulted_step: set = set()
         self.l2_pinned: set = set()
@@ -353,6 +354,7 @@ class ExpertPager:
         self.stats_total: Dict[str, float] = {
             "computations": 0, "hits": 0, "gate_hits": 0, "waits": 0, "stall_s": 0.0,
             "loads": 0, "prefetches": 0, "evictions": 0, "writebacks": 0, "bytes_in": 0, "bytes_out": 0,
+            "reacquires": 0, "reacquire_stall_s": 0.0,
         }
         for e in range(E):
             self._bind(e, ("host", e), copy=True)
@@ -416,6 +418,10 @@ class ExpertPager:
                     view.copy_(t.detach())
                 with torch.no_grad():
                     t.data = view
+            if p.grad is not None and p.grad.device != p.device:
+                # A gradient accumulated while the expert was elsewhere follows it: the
+                # optimizer updates a parameter, its gradient and its state on one device.
+                p.grad = p.grad.to(p.device)
 
     # -- slots ------------------------------------------------------------------------------
 
@@ -557,11 +563,16 @@ class ExpertPager:
             )
         self._hint = use_probability.detach().to("cpu", torch.float64).clamp(0, 1)
 
-    def begin_step(self, counts: torch.Tensor) -> List[int]:
+    def begin_step(self, counts: torch.Tensor, hold: Optional[bool] = None) -> List[int]:
         """Start a step whose gate routed ``counts[e]`` tokens to expert ``e``.
 
         Args:
             counts: ``[E]`` integer tensor (any device) of token copies per expert.
+            hold: keep every expert used in this step resident until :meth:`end_step` (autograd
+                holds its weights); default ``config.training``. ``False`` streams the step's
+                experts through the slots (a forward without autograd, or the layer's waves,
+                whose backward re-acquires each expert with :meth:`acquire`); evicted experts are
+                still written back when ``config.training``.
         Returns:
             The compute order of the used experts: resident ones first (most tokens first, so
             the longest computations cover the loads), then the loading ones in load order.
@@ -572,7 +583,8 @@ class ExpertPager:
             raise ConfigError(f"counts has shape {tuple(counts.shape)}; expected ({self.num_experts},)", key="paging.counts")
         c = counts.detach().to("cpu").tolist()
         used = [e for e in range(self.num_experts) if c[e] > 0]
-        if self.cfg.training and len(used) > self.num_slots:
+        self._hold = self.cfg.training if hold is None else bool(hold)
+        if self._hold and len(used) > self.num_slots:
             raise PagingError(
                 f"step {self.step + 1} routes tokens to {len(used)} experts but the budget holds {self.num_slots} "
                 f"(budget_fraction {self.cfg.budget_fraction}); in training every expert of a step stays resident "
@@ -595,7 +607,7 @@ class ExpertPager:
         for e in missing:
             if self._start_load(e):
                 continue
-            if not self.cfg.training:
+            if not self._hold:
                 self._pending.append(e)  # waits for a slot released within this step
             elif not self._start_load(e):
                 # Slots held by prefetches in flight or by L2 pins: let those land or go.
@@ -647,7 +659,7 @@ class ExpertPager:
                 # Forward-only: a slot of an expert needed later this step may go (it reloads
                 # at its turn); training keeps them, autograd holds their weights.
                 if not self._start_load(e) and not (
-                    not self.cfg.training and self._start_load(e, allow_busy=True)
+                    not self._hold and self._start_load(e, allow_busy=True)
                 ):
                     if self._loading:  # every slot is mid-load: let the earliest land, retry
                         first = next(iter(self._loading))
@@ -709,9 +721,38 @@ class ExpertPager:
     def release(self, e: int) -> None:
         """Expert ``e``'s computation of this step is done (forward-only mode: its slot may be
         reused within the step; training mode: it stays until :meth:`end_step`)."""
-        if not self.cfg.training:
+        if not self._hold:
             self._busy.discard(e)
             self._issue_pending()
+
+    def acquire(self, e: int) -> float:
+        """Make ``e`` resident now and keep it until :meth:`release` (a streamed step's
+        backward: the layer recomputes ``e`` on the device to get its gradients). Loads it when
+        it is not resident, evicting the coldest expert nobody holds. Returns seconds waited.
+
+        Raises:
+            PagingError: every slot is held (nothing can be evicted), or the load timed out.
+        """
+        t0 = time.perf_counter()
+        self._poll()
+        loaded = self.slot_of[e] is None or e in self._loading
+        while self.slot_of[e] is None and not self._start_load(e):
+            if any(x != e for x in self._loading):
+                self._finish_load(next(x for x in self._loading if x != e), self.cfg.timeout_s)
+            elif not self._unpin_one():
+                raise PagingError(
+                    f"no device slot can be freed: all {self.num_slots} slots hold experts in use; release "
+                    f"acquired experts after computing them, or raise budget_fraction",
+                    expert=e,
+                )
+        if e in self._loading:
+            self._finish_load(e, self.cfg.timeout_s)
+        self._busy.add(e)
+        waited = time.perf_counter() - t0
+        if loaded:
+            self.stats_total["reacquires"] += 1
+            self.stats_total["reacquire_stall_s"] += waited
+        return waited
 
     def stale_output(self, e: int, num_rows: int, like: torch.Tensor) -> torch.Tensor:
         """L1 opt-in: ``[num_rows, D]`` rows of ``e``'s previous output (``like``'s dtype/device)."""
@@ -730,7 +771,15 @@ class ExpertPager:
             self._pending.remove(e)
         self._busy = set()
         for e in self._used_step:
-            if self.slot_of[e] is not None and e not in self._loading:
+            if self.slot_of[e] is None:
+                # Streamed out within the step (hold=False): the optimizer updated the host copy;
+                # state it created goes into the host region, after the write-back that fills it.
+                job = self._host_ready.get(e)
+                if job is not None:
+                    job.done.wait(self.cfg.timeout_s)
+                    self._check(job, e)
+                self._bind(e, ("host", e), copy=True)
+            elif e not in self._loading:
                 self._bind(e, ("slot", self.slot_of[e]), copy=True)
         used = torch.zeros(self.num_experts, dtype=torch.float64, device="cpu")  # host: pager statistics
         if self._used_step:

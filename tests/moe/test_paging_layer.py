@@ -1,0 +1,167 @@
+"""The paged MoELayer (``page_budget > 0``): forward, backward and AdamW training equal the
+unpaged layer's, on 1 and 2 real ranks, with a budget small enough that steps both fit it
+(experts held until the optimizer step) and overflow it (waves: experts stream through the
+slots, backward pages them in again); plus the paging step stats and ``apply_placement``."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from hetcomm.errors import ConfigError
+from hetcomm.moe import MoELayer
+from hetcomm.moe.placement import ExpertPlacement
+from tests.backends.ranks import run_ranks
+
+D, E = 16, 8
+TOL = 1e-6
+
+
+def _layers(budget: float, seed: int = 0):
+    """An unpaged layer and its paged twin (same weights), each with its own AdamW."""
+    plain = MoELayer(D, E, k=2, dropless=True, calibrate=False, wire_dtype="fp32", seed=seed)
+    paged = MoELayer(D, E, k=2, dropless=True, calibrate=False, wire_dtype="fp32", seed=seed, page_budget=budget)
+    paged.load_state_dict(plain.state_dict())
+    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    opt_paged = torch.optim.AdamW(paged.parameters(), lr=1e-2)
+    paged.attach_optimizer(opt_paged)
+    return plain, paged, opt_plain, opt_paged
+
+
+def _max_diff(a, b) -> float:
+    return max((x - y).abs().max().item() if x.numel() else 0.0 for x, y in zip(a, b))
+
+
+def train_twins(rank: int, world_size: int, budget: float, steps: int, seed: int, max_tokens: int = 12):
+    """Train an unpaged and a paged layer side by side on the same tokens; return the largest
+    differences seen (outputs, input grads, parameter grads, weights, Adam state) and the
+    paging counters. Token counts vary per step so some steps fit the budget and some do not."""
+    sys.setswitchinterval(1e-4)  # hand-offs to the copy workers at 0.1 ms (as tests/moe/test_paging.py)
+    plain, paged, opt_plain, opt_paged = _layers(budget, seed)
+    gen = torch.Generator().manual_seed(1000 * seed + rank)
+    worst = {"out": 0.0, "x_grad": 0.0, "param_grad": 0.0, "weights": 0.0, "adam": 0.0}
+    totals = {"page_hits": 0, "page_faults": 0, "page_loads": 0, "page_evictions": 0, "page_reacquires": 0}
+    waves = held = 0
+    for step in range(steps):
+        T = int(torch.randint(1, max_tokens, (1,), generator=gen))
+        x = torch.randn(T, D, generator=gen)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = plain(xa), paged(xb)
+        (ya.pow(2).mean() + 0.01 * plain.l_aux).backward()
+        (yb.pow(2).mean() + 0.01 * paged.l_aux).backward()
+        worst["out"] = max(worst["out"], (ya - yb).abs().max().item())
+        worst["x_grad"] = max(worst["x_grad"], (xa.grad - xb.grad).abs().max().item())
+        ga = [p.grad if p.grad is not None else torch.zeros_like(p) for p in plain.parameters()]
+        gb = [p.grad if p.grad is not None else torch.zeros_like(p) for p in paged.parameters()]
+        worst["param_grad"] = max(worst["param_grad"], _max_diff(ga, gb))
+        opt_plain.step()
+        opt_paged.step()
+        opt_plain.zero_grad(set_to_none=True)
+        opt_paged.zero_grad(set_to_none=True)
+        paged.end_page_step()
+        st = paged.step_stats()
+        for k in totals:
+            totals[k] += st[k]
+        if st["page_experts_used"] > st["page_slots"]:
+            waves += 1
+            assert st["page_waves"]
+        else:
+            held += 1
+    # A forward without autograd streams whatever it routes (never over budget).
+    with torch.no_grad():
+        x = torch.randn(24, D, generator=gen)
+        worst["out"] = max(worst["out"], (plain(x) - paged(x)).abs().max().item())
+    paged.end_page_step()
+    paged.sync_pages()
+    worst["weights"] = _max_diff(list(plain.parameters()), list(paged.parameters()))
+    sa = [opt_plain.state[p][k] for p in plain.parameters() for k in ("exp_avg", "exp_avg_sq") if p in opt_plain.state]
+    sb = [opt_paged.state[p][k] for p in paged.parameters() for k in ("exp_avg", "exp_avg_sq") if p in opt_paged.state]
+    assert len(sa) == len(sb)
+    worst["adam"] = _max_diff(sa, sb)
+    slots = paged.pager.num_slots
+    local = len(paged.local_expert_ids)
+    paged.pager.close()
+    return {"worst": worst, "totals": totals, "waves": waves, "held": held, "slots": slots, "local": local}
+
+
+def _check(res):
+    for key, v in res["worst"].items():
+        assert v <= TOL, (key, res)
+    t = res["totals"]
+    # The budget really forced paging: evictions and reloads, steps in both modes.
+    assert res["slots"] < res["local"], res
+    assert t["page_evictions"] > 0 and t["page_loads"] > 0, res
+    assert res["waves"] > 0 and res["held"] > 0, res
+    assert t["page_reacquires"] > 0, res
+    assert t["page_hits"] + t["page_faults"] > 0, res
+
+
+def test_paged_layer_trains_exactly_like_the_unpaged_one_on_one_rank():
+    res = train_twins(0, 1, 0.5, 40, 0)
+    assert res["slots"] == 4 and res["local"] == 8
+    _check(res)
+
+
+@pytest.mark.timeout(180)
+def test_paged_layer_trains_exactly_like_the_unpaged_one_on_two_ranks():
+    # 4 local experts per rank, a budget of 2: steps of 1-4 tokens per rank use 1-4 of them.
+    res = run_ranks(train_twins, world_size=2, cluster=None, timeout=150, args=(0.5, 30, 1, 5))
+    for r in res:
+        assert r["local"] == 4 and r["slots"] == 2
+        _check(r)
+
+
+def test_page_budget_errors_name_the_key_and_the_minimum():
+    with pytest.raises(ConfigError) as info:
+        MoELayer(D, E, page_budget=1.5)
+    assert info.value.key == "moe.page_budget"
+    with pytest.raises(ConfigError) as info:
+        MoELayer(D, E, page_budget=0.1)  # 0.1 x 8 local experts: no slot
+    assert info.value.key == "moe.page_budget" and "0.125" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        MoELayer(D, E, paging="fast")
+    assert info.value.key == "moe.paging"
+
+
+def test_step_stats_without_paging_have_no_page_keys():
+    layer = MoELayer(D, E)
+    layer(torch.randn(4, D))
+    assert not any(k.startswith("page_") for k in layer.step_stats())
+    assert "migrations" not in layer.step_stats()
+
+
+def test_apply_placement_validates_and_names_the_expert():
+    layer = MoELayer(D, E, page_budget=0.5, calibrate=False)
+    layer(torch.randn(6, D))
+    mods = {e: layer.experts.experts[i] for i, e in enumerate(layer.local_expert_ids)}
+    cases = [
+        ([0] * (E - 1), mods, "names 7 experts"),
+        ([0] * (E - 1) + [1], mods, "expert 7 is mapped to rank 1"),
+        ([0] * E, {e: m for e, m in mods.items() if e != 5}, "expert 5 is mapped to rank 0 but no module"),
+        ([0] * E, {**mods, 9: nn.Linear(1, 1)}, "expert 9 has a module"),
+        ([0] * E, {**mods, 2: nn.Linear(D, D)}, "expert 2's module has parameters"),
+    ]
+    for owner, ms, text in cases:
+        with pytest.raises(ConfigError, match=text) as info:
+            layer.apply_placement(owner, ms)
+        assert info.value.key == "moe.placement"
+    # A valid map: expert 3 gets a fresh module (as a migration would bring it); the layer
+    # computes with it and the pager is rebuilt over the new modules.
+    fresh = layer._make_expert(3)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.mul_(2.0)
+    arrived = layer.apply_placement(ExpertPlacement(tuple([0] * E), 1), {**mods, 3: fresh})
+    assert arrived == []  # expert 3 was already on rank 0
+    assert layer.experts.experts[layer.local_expert_ids.index(3)] is fresh
+    x = torch.randn(32, D)
+    y = layer(x)
+    assert layer.pager is not None and layer.pager.experts[3] is fresh
+    assert layer.step_stats()["migrations"] == 0
+    ref = MoELayer(D, E, calibrate=False)
+    ref.load_state_dict(layer.state_dict())
+    assert torch.allclose(ref(x), y, atol=TOL)
+    layer.pager.close()

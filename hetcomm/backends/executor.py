@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from hetcomm.backends.devices import RailStreams
 from hetcomm.backends.doorbell import Doorbell
 from hetcomm.backends.faults import release_frames
 from hetcomm.backends.rails.base import CompositeOp, Rail, RailOp, Xfer, as_bytes
@@ -338,6 +339,8 @@ class Executor:
         self._pending_lock = threading.Lock()
         self._pending = 0
         self._closed = False
+        #: Device jobs run on these streams, ordered after the caller's (hetcomm.backends.devices).
+        self.streams = RailStreams()
         self._thread = threading.Thread(target=self._run, name=f"hetcomm-exec-{name}", daemon=True)
         self._thread.start()
 
@@ -346,7 +349,9 @@ class Executor:
             try:
                 # Data movement is never part of an autograd graph (grad mode is per thread, and
                 # the caller's no_grad of e.g. an autograd.Function forward does not reach here).
-                with torch.no_grad():
+                # Device work runs on the rail stream, after the event the call recorded on the
+                # caller's stream; the scope records the done event before the work completes.
+                with torch.no_grad(), self.streams.scope(work.order):
                     fn(work)
             # release_frames: a stored error must not keep this frame (and so the work, the job and
             # the group's rails) alive in a reference cycle (faults.release_frames, issue 14.5).

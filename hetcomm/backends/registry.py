@@ -24,7 +24,10 @@ def supported_devices() -> List[str]:
 
     devices = ["cpu"]
     try:
-        if torch.cuda.is_available():
+        # device_count() asks NVML first and leaves CUDA uninitialised; is_available() calls
+        # cudaGetDeviceCount, which initialises the driver: done at import in the test
+        # launcher's forkserver, every rank forked from it would then fail to use CUDA.
+        if torch.cuda.device_count() > 0:
             devices.append("cuda")
     except Exception:
         pass

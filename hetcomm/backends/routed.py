@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from hetcomm.backends import checks
+from hetcomm.backends import checks, devices
 from hetcomm.backends.executor import Executor, chunk_rows, direct_all_to_all, drive, execute_plan, meta_tag, start_step, tag_for
 from hetcomm.backends.delegated import GLOO_DTYPES
 from hetcomm.backends.faults import FaultDiagnosis
@@ -156,7 +156,9 @@ class RoutedCollectives:
             src, dst_bytes = _row_bytes(src), _row_bytes(dst)
         else:
             dst_bytes = dst
-        work = HetcommWork([output], seq)
+        # Device tensors: ordered after the caller's current stream as of now, that is after
+        # the contiguous copies above too (hetcomm.backends.devices).
+        work = HetcommWork([output], seq, order=devices.capture((input, output, src, dst), seq))
         rail_of = self.rails.rail_of(input.device.type)
 
         def job(w: HetcommWork) -> None:
@@ -245,7 +247,8 @@ class RoutedCollectives:
         meta = None
         if self.options.check_splits:
             meta = checks.encode_meta(op, seq, dtype, esize, (), [t.numel() for t in ins], [t.numel() for t in outs])
-        work = HetcommWork(list(output_tensors), seq)
+        order = devices.capture(list(input_tensors) + list(output_tensors) + ins + outs, seq)
+        work = HetcommWork(list(output_tensors), seq, order=order)
         rail_of = self.rails.rail_of(input_tensors[0].device.type)
 
         def job(w: HetcommWork) -> None:
@@ -312,7 +315,7 @@ class RoutedCollectives:
         def job(w: HetcommWork) -> None:
             self._run_plan(plan, output, input, f"plan '{plan.strategy}'", seq, self._deadline())
 
-        return self.executor.submit(job, HetcommWork([output], seq))
+        return self.executor.submit(job, HetcommWork([output], seq, order=devices.capture((input, output), seq)))
 
 
 def _all_arrived(w: HetcommWork, out_splits: Sequence[int]) -> None:

@@ -6,6 +6,14 @@ re-raises the collective's error (``ValueError`` for a cross-rank mismatch, ``Co
 the same error at the C++ level (a Python ``Future.set_exception`` would not, see the torch
 backend notes), so DDP and functional collectives see failures too.
 
+Device tensors follow torch's stream contract (:mod:`hetcomm.backends.devices`): a routed
+collective's Work carries a :class:`~hetcomm.backends.devices.StreamOrder` captured on the
+caller's thread at the call; ``wait()`` and ``synchronize()`` make the *waiting thread's current
+stream* wait for the collective's device work (the host waits only for the job's host side, as
+c10d's ProcessGroupNCCL blocks the stream, not the CPU); ``is_completed()`` also asks whether the
+device work has finished; ``get_future()`` of CUDA work is a device-aware torch Future, whose
+``wait()``/``value()``/callbacks synchronise with the current streams like NCCL's futures.
+
 ``FutureWork`` wraps one inner future plus a finalizer (e.g. the division of an AVG all_reduce).
 """
 
@@ -19,12 +27,19 @@ from typing import Any, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
+from hetcomm.backends import devices
+
 __all__ = ["HetcommWork", "FutureWork", "ChunkArrival"]
 
 
 class _Failure:
     def __init__(self, exc: BaseException):
         self.exc = exc
+
+    def __reduce__(self):
+        # A device-aware Future finds the tensors of its value by pickling it; an error holds
+        # none, and its fields need not be picklable: it pickles as an empty stand-in.
+        return (_Failure, (None,))
 
 
 def _unwrap(fut: "torch.futures.Future") -> Any:
@@ -69,12 +84,17 @@ class HetcommWork(dist.Work):
     Args:
         result: the tensors ``get_future().value()`` returns on success (the outputs).
         seq: the collective's sequence number in its group (fault diagnosis keys on it).
+        order: where its device work goes (:func:`hetcomm.backends.devices.capture`, taken on
+            the caller's thread at the call); the executor runs the job in
+            ``RailStreams.scope(order)``. None: no stream handling (host-only work, or work
+            completed by someone else, such as the delegated collectives' gloo futures).
     """
 
-    def __init__(self, result: List[torch.Tensor], seq: int = 0):
+    def __init__(self, result: List[torch.Tensor], seq: int = 0, order: Optional[devices.StreamOrder] = None):
         super().__init__()
         self._result = result
         self.seq = seq
+        self.order = order
         self._done = threading.Event()
         self._exc: Optional[BaseException] = None
         # The torch Future is made on first get_future() only: most callers just wait().
@@ -94,11 +114,17 @@ class HetcommWork(dist.Work):
             base = self._base
         self._arrivals.put(None)
         if base is not None:
-            base.set_result(_Failure(exc) if exc is not None else self._result)
+            # On the rail stream, just after the job's done event: a device-aware future records
+            # its own event on the current stream here (see get_future).
+            with devices.on_rail_stream(self.order):
+                base.set_result(_Failure(exc) if exc is not None else self._result)
 
     # -- user side ---------------------------------------------------------------------------
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        """Block until the collective finished; raise its error if it failed.
+        """Block until the collective's host side finished; raise its error if it failed; then
+        make this thread's current stream wait for its device work (device tensors: the outputs
+        are ready for whatever is queued on that stream next; the host does not wait for the
+        device).
 
         The executor enforces the group timeout itself (every wait names the silent peer), so
         this wait needs no timeout of its own; a non-zero ``timeout`` bounds it anyway.
@@ -110,10 +136,18 @@ class HetcommWork(dist.Work):
             raise PeerTimeout(f"Work.wait timed out after {seconds:.1f} s")
         if self._exc is not None:
             raise _fresh(self._exc)
+        devices.join(self.order)
         return True
 
+    def synchronize(self) -> None:
+        """torch's ``Work.synchronize()``: later work on this thread's current stream is ordered
+        after the collective (as :meth:`wait`; the host waits for the job's host side, which
+        the executor drives, but not for the device)."""
+        self.wait()
+
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        """True once the job ended and, for device work, its device work has finished too."""
+        return self._done.is_set() and devices.completed(self.order)
 
     def is_success(self) -> bool:
         return self._done.is_set() and self._exc is None
@@ -122,12 +156,24 @@ class HetcommWork(dist.Work):
         return self._exc
 
     def get_future(self) -> "torch.futures.Future":
+        """A torch Future of the outputs (the collective's error raised from ``wait()``/``value()``).
+
+        For CUDA work it is device-aware (``Future(devices=[device])``), like ProcessGroupNCCL's:
+        its completion event is recorded after the collective's device work, and ``wait()``,
+        ``value()`` and ``then`` callbacks make their current streams wait for it.
+        """
         with self._lock:
             if self._future is None:
-                self._base = torch.futures.Future()
+                order = self.order
+                cuda = order is not None and order.device.type == "cuda"
+                self._base = torch.futures.Future(devices=[order.device]) if cuda else torch.futures.Future()
                 self._future = self._base.then(_unwrap)
                 if self._done.is_set():
-                    self._base.set_result(_Failure(self._exc) if self._exc is not None else self._result)
+                    # Completed already: the future's event goes on the rail stream, after the
+                    # job's done event (and after whatever later jobs queued there since: a
+                    # later point than needed, never an earlier one).
+                    with devices.on_rail_stream(order):
+                        self._base.set_result(_Failure(self._exc) if self._exc is not None else self._result)
         return self._future
 
     def result(self) -> List[torch.Tensor]:
@@ -140,7 +186,13 @@ class HetcommWork(dist.Work):
         The rows of a yielded :class:`ChunkArrival` are final and may be consumed while later
         chunks are still in flight (only for the direct route; a planned or non-contiguous-output
         call yields everything at the end). Raises the collective's error, like :meth:`wait`.
+
+        Device work yields everything after :meth:`wait` (which orders this thread's current
+        stream after it): a chunk that reached the host side may still be in a copy queued on
+        the rail's stream, so an early chunk would not be final for the caller's stream.
         """
+        if self.order is not None and self.order.ready is not None:
+            self.wait()
         while True:
             item = self._arrivals.get(timeout=timeout)
             if item is None:

@@ -1,15 +1,56 @@
-"""Device paths (nccl, bridge with CUDA tensors, hccl): run only where the devices exist.
+"""Device paths (nccl, bridge with CUDA tensors, hccl) and the stream contract
+(:mod:`hetcomm.backends.devices`).
 
-On the CPU-only development machine these are skipped (markers ``gpu`` / ``npu``); the CPU
-tests exercise the same executor, checks and bridge staging with CPU tensors.
+The device tests run only where the devices exist (markers ``gpu`` / ``npu``); on the CPU-only
+development machine the CPU tests exercise the same executor, checks and bridge staging with
+CPU tensors. The contract's *logic* is checked here on CPU through the helper's trace: the
+event is taken on the caller's thread at the call (not when the executor gets to the job), the
+rail side waits for it on the executor's thread, the done event follows, and the join happens
+on the thread that waits. tests/gpu/test_streams.py checks the same on a real GPU with a side
+stream and a slow kernel.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
+
 import pytest
 import torch
 
-from tests.backends.ranks import run_ranks
+from tests.backends.ranks import REPO_ROOT, run_ranks
+
+PAIR = os.path.join(REPO_ROOT, "tests", "gpu", "nvidia-ascend-2.yaml")  # NVIDIA + Ascend: the bridge
+
+
+def test_importing_hetcomm_touches_no_device_runtime():
+    code = (
+        "import sys, torch, hetcomm, hetcomm.backends.process_group, hetcomm.backends.devices, "
+        "hetcomm.backends.token_dispatch, hetcomm.moe; "
+        "assert 'torch_npu' not in sys.modules, 'torch_npu imported'; "
+        "assert not torch.cuda.is_initialized(), 'CUDA initialised'"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+
+
+def test_the_contract_steps_on_cpu_happen_in_order_and_log_their_thread():
+    from hetcomm.backends import devices
+
+    rails = devices.RailStreams()
+    with devices.tracing() as log:
+        order = devices.capture([torch.zeros(3), torch.ones(3)], tag=7)
+        with rails.scope(order):
+            pass
+        devices.join(order)
+    assert order.device.type == "cpu" and order.ready is None and order.done is None
+    assert [(e.step, e.thread, e.tag) for e in log] == [
+        ("capture", "MainThread", 7), ("rail-wait", "MainThread", 7), ("rail-done", "MainThread", 7), ("join", "MainThread", 7),
+    ]
+    assert devices.completed(order) and devices.completed(None)
+    assert devices.device_module(torch.device("cpu")) is None
 
 
 def cuda_all_to_all(rank: int, n: int) -> dict:
@@ -68,3 +109,94 @@ def npu_all_to_all(rank: int, n: int) -> bool:
 @pytest.mark.timeout(180)
 def test_npu_all_to_all_over_hccl():
     assert all(run_ranks(npu_all_to_all, world_size=2, timeout=150))
+
+
+# -- the stream contract's order of steps, on CPU, through the bridge ------------------------------
+
+
+def _contract_body(rank, world_size):
+    import hetcomm
+    import torch.distributed as dist
+
+    from hetcomm.backends import devices, hetcomm_group
+    from hetcomm.backends.token_dispatch import GroupComm, dispatch
+
+    hetcomm.reset_stats()
+    marks = {}
+    with devices.tracing() as log:
+        x1, y1 = torch.arange(8.0) + 100 * rank, torch.empty(8)
+        w1 = dist.all_to_all_single(y1, x1, async_op=True)  # async: the executor thread runs it
+        box = {}
+
+        def other_caller():
+            x2, y2 = torch.arange(6.0) - rank, torch.empty(6)
+            box["work"] = dist.all_to_all_single(y2, x2, async_op=True)
+            box["ok"] = (x2, y2)
+
+        t = threading.Thread(target=other_caller, name="second-caller")
+        t.start()
+        t.join()
+        marks["before_waits"] = len(log)
+        w1.wait()
+        box["work"].wait()
+        dist.all_to_all_single(torch.empty(4), torch.zeros(4))  # blocking: may run inline
+        # dispatch with two async chunks: each chunk's exchange is captured at the dispatch call
+        T, D, E = 12, 4, 4
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(T, D, generator=g)
+        idx = torch.randint(0, E, (T, 1), generator=g)
+        w = torch.ones(T, 1)
+        marks["dispatch"] = len(log)
+        recv_x, counts, handle, work = dispatch(
+            GroupComm.of(None), x, idx, w, expert_to_rank=[0, 0, 1, 1], async_op=True, num_chunks=2
+        )
+        marks["dispatched"] = len(log)
+        work.wait_chunk(0)
+        marks["chunk0"] = len(log)
+        work.wait_chunk(1)
+    return {
+        "log": [tuple(e) for e in log],
+        "marks": marks,
+        "rails": hetcomm_group().rail_names("cpu"),
+        "bridge": dict(hetcomm.stats().get("bridge", {})),
+        "w1_tag": w1.seq,
+        "w2_tag": box["work"].seq,
+    }
+
+
+def _steps(log, tag):
+    """``{step: (index in the log, thread)}`` of one collective (each step happens once)."""
+    out = {}
+    for i, (step, thread, device, t) in enumerate(log):
+        if t == tag:
+            assert step not in out, (step, tag, log)
+            out[step] = (i, thread)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_stream_order_is_captured_on_the_callers_thread_and_joined_by_the_waiter():
+    res = run_ranks(_contract_body, world_size=2, cluster=PAIR, timeout=100)
+    for rank, r in enumerate(res):
+        log, marks = r["log"], r["marks"]
+        assert r["rails"][1 - rank] == "bridge", r["rails"]  # the pair crosses vendors
+        assert r["bridge"].get("bytes_sent", 0) > 0, r["bridge"]
+        for tag, caller in ((r["w1_tag"], "MainThread"), (r["w2_tag"], "second-caller")):
+            s = _steps(log, tag)
+            assert set(s) == {"capture", "rail-wait", "rail-done", "join"}, (tag, log)
+            # at the call, on the calling thread: not later, on the executor's
+            assert s["capture"][1] == caller and s["capture"][0] < marks["before_waits"], (tag, s)
+            assert s["rail-wait"][1].startswith("hetcomm-exec"), s
+            assert s["rail-done"][1] == s["rail-wait"][1], s
+            assert s["join"][1] == "MainThread", s  # the thread that called wait()
+            assert s["capture"][0] < s["rail-wait"][0] < s["rail-done"][0] < s["join"][0], s
+        # dispatch: the counts and metadata exchanges are blocking; the two chunk exchanges are
+        # captured during the dispatch call, joined only by their own wait_chunk.
+        tags = sorted({t for (step, thread, dev, t) in log[marks["dispatch"] :]})
+        assert len(tags) == 4, (tags, log[marks["dispatch"] :])
+        for tag in tags:
+            s = _steps(log, tag)
+            assert s["capture"][1] == "MainThread" and s["capture"][0] < marks["dispatched"], s
+            assert s["join"][1] == "MainThread", s
+        c0, c1 = _steps(log, tags[2]), _steps(log, tags[3])
+        assert c0["join"][0] < marks["chunk0"] <= c1["join"][0], (c0, c1, marks)

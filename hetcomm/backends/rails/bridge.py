@@ -17,11 +17,17 @@ wire; on the receiving side the host->device copy of piece ``r`` is queued as so
 posted at a time (pinned memory is the budget). Both ends post the rounds in the same order,
 so each ordered pair stays a FIFO stream for the host transport.
 
-Stream contract (device tensors; see docs/BACKEND.md): the step is ordered after the work
-queued so far on the current stream of the thread that starts it (an event recorded there, the
-copy stream waits on it); the step finishes only after its host->device copies have completed
-(the copy stream is synchronised in :meth:`_BridgeOp.finish`), so the results are ready for
-every stream once the collective's Work completes.
+Stream contract (device tensors; see docs/BACKEND.md and :mod:`hetcomm.backends.devices`):
+the step is ordered after the work queued so far on the current stream of the thread that
+starts it (an event recorded there, the copy stream waits on it). Inside a collective that
+thread is the executor's, and its current stream is the group's rail stream, which already
+waited on the event the call recorded on the *caller's* stream: so the device->host copies read
+what the caller's kernels wrote, on whatever stream the caller made current. When the step
+finishes, the finishing thread's current stream (the rail stream again) waits on the copy
+stream, so the host->device copies are before the collective's done event, and the host never
+waits for them. Device tensors are ``record_stream``-ed on the copy stream (the caller may free
+them while copies are queued); the pinned staging buffers are protected by the host caching
+allocator, which records an event for each non-blocking copy from or to pinned memory.
 
 With CPU tensors (this repository's test machine) the same path runs: the pieces, rounds and
 casts are real, the copies are plain host copies done in line. ``chunk_bytes`` small forces
@@ -35,6 +41,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from hetcomm.backends.devices import device_module
 from hetcomm.backends.rails.base import CompositeOp, Rail, RailOp, Xfer
 from hetcomm.backends.stats import record as _record
 from hetcomm.errors import CollectiveError
@@ -54,13 +61,6 @@ def pieces(numel: int, itemsize: int, chunk_bytes: int) -> List[Tuple[int, int]]
     if numel == 0:
         return [(0, 0)]
     return [(s, min(per, numel - s)) for s in range(0, numel, per)]
-
-
-def _device_module(device: torch.device):
-    """``torch.cuda`` / ``torch.npu`` / ... for a device tensor (imported lazily), else None."""
-    if device.type == "cpu":
-        return None
-    return torch.get_device_module(device)
 
 
 class _Staged:
@@ -173,7 +173,9 @@ class _BridgeOp(RailOp):
 
     def finish(self) -> None:
         if self.copy_stream is not None:
-            self.copy_stream.synchronize()  # results ready for every stream (contract above)
+            # The host->device copies are ordered before later work on this thread's current
+            # stream (the rail stream: the collective's done event follows); no host wait.
+            self.dev_mod.current_stream(self.copy_stream.device).wait_stream(self.copy_stream)
         for s in self.recvs:
             if not s.x.control:
                 _record("bridge", bytes_received=s.host.nbytes, chunks_received=len(s.pieces))
@@ -232,14 +234,20 @@ class BridgeRail(Rail):
         staged_s = [_Staged(x, self._wire(x.peer, x.tensor.dtype), self.chunk_bytes) for x in sends]
         staged_r = [_Staged(x, self._wire(x.peer, x.tensor.dtype), self.chunk_bytes) for x in recvs]
         device = next((x.tensor.device for x in list(sends) + list(recvs) if x.tensor.device.type != "cpu"), None)
-        dev_mod = _device_module(device) if device is not None else None
+        dev_mod = device_module(device) if device is not None else None
         copy_stream = None
         if dev_mod is not None:
             copy_stream = self._copy_stream(device, dev_mod)
-            # Ordered after what the starting thread queued so far on its current stream.
+            # Ordered after what the starting thread queued so far on its current stream (in a
+            # collective: the rail stream, itself after the caller's stream; module docstring).
             ready = dev_mod.Event()
             ready.record(dev_mod.current_stream(device))
             copy_stream.wait_event(ready)
+            for x in list(sends) + list(recvs):
+                if x.tensor.device == device:
+                    # The copy stream reads (sends) or writes (receives) this memory later; the
+                    # caching allocator must not hand it out again before those copies ran.
+                    x.tensor.record_stream(copy_stream)
         for s in staged_s:
             for r in range(len(s.pieces)):
                 if copy_stream is not None and s.x.tensor.device.type != "cpu":

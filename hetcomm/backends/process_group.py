@@ -12,6 +12,11 @@ the wire-dtype policy. Every c10d method forwards:
   group, so their results are exactly gloo's; send/recv straight to it. The inner gloo group is
   also registered as the group's C++ fallback backend, so C++ callers of methods the 2.13
   trampoline does not forward (functional all_gather/reduce_scatter) reach it.
+
+Device tensors follow torch's stream contract (ordered after the caller's current stream,
+results ready on the waiting thread's stream; :mod:`hetcomm.backends.devices`): the routed
+collectives record the caller's event on this (the caller's) thread before the hand-off to the
+executor, after the contiguous copies they make, which is why it happens there and not here.
 """
 
 from __future__ import annotations
@@ -99,7 +104,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         self._delegated = DelegatedCollectives(routed.rails.gloo, rank, size, routed.faults, routed)
         # C++ callers of methods the 2.13 trampoline does not forward land on this backend.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, routed.rails.gloo)
-        if torch.cuda.is_available():
+        if torch.cuda.device_count() > 0:  # NVML first: no CUDA initialisation (registry.py)
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.CUSTOM, routed.rails.gloo)
         self._log_routes()
 

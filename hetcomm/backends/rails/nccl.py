@@ -5,6 +5,14 @@ created on first use (its NCCL communicators are created lazily by NCCL itself),
 one coalesced batch of ``send``/``recv`` (``ncclGroupStart/End`` under the hood), so sends and
 receives between the same pair cannot deadlock. Untested on the CPU-only development machine:
 its tests carry ``@pytest.mark.gpu``.
+
+Stream contract (:mod:`hetcomm.backends.devices`): steps start on the executor inside the
+group's rail-stream scope, so the rail stream (already waiting on the event the call recorded on
+the caller's stream) is the current stream here. ProcessGroupNCCL makes its NCCL stream wait on
+the current stream at each call, and ``work.wait()`` in :meth:`_CoalescedOp.poll` makes the
+current stream wait on the NCCL kernels, so the collective's done event follows them. The poll
+itself waits on the host for the kernels to finish (``is_completed`` queries their events): the
+executor is host-driven. ProcessGroupNCCL ``record_stream``-s the tensors on its own stream.
 """
 
 from __future__ import annotations

@@ -58,6 +58,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="steps before a moved expert may move again (default 1000)")
     p.add_argument("--powersgd", metavar="RANK", type=int, default=None,
                    help="PowerSGD of this rank for the dense gradients on cross-node pairs (0/absent: off)")
+    p.add_argument("--page-budget", metavar="FRACTION", type=float, default=None,
+                   help="expert paging: keep this fraction of each rank's experts on the device, page the rest in "
+                   "from a host pool as the gate routes (e.g. 0.4; 0/absent: off; docs/MOE.md)")
     return p
 
 
@@ -85,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         balance_every=args.balance_every,
         balance_cooldown=args.balance_cooldown,
         powersgd_rank=args.powersgd,
+        page_budget=args.page_budget,
     )
     if args.cluster:
         overrides["cluster"] = args.cluster if args.cluster == "detect" else repo_path(args.cluster)

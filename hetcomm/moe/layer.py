@@ -643,6 +643,7 @@ class MoELayer(nn.Module):
         """Refresh replicas from their owners now (collective). Returns True if weights moved."""
         if self.replicator is None:
             return False
+        self.sync_pages()  # the refresh reads owned experts' weights: no write-back half done
         return self.replicator.sync(force)
 
     # -- forward -----------------------------------------------------------------------------

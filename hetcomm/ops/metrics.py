@@ -14,10 +14,11 @@ A metrics file is JSON lines. Every line is one object with a ``kind``:
 ``event`` something that happened between steps: ``{"kind": "event", "step": 40, "event":
           "checkpoint", "detail": "..."}`` (``checkpoint``, ``resume``)
 
-Fields a layer does not report yet (``page_hits``, ``page_faults``, ``migrations``) are
-``null``; they are filled as soon as a layer puts them in
-:meth:`hetcomm.moe.MoELayer.step_stats` (keys :data:`LAYER_COUNTERS`, summed over layers and
-ranks). ``docs/OPERATIONS.md`` documents every field.
+Fields no layer reports (``page_hits``, ``page_faults``, ``page_stall_s`` without paging,
+``migrations`` before the first placement change) are ``null``, never a fake 0; they are filled
+from :meth:`hetcomm.moe.MoELayer.step_stats` (keys :data:`LAYER_COUNTERS` and
+:data:`LAYER_SECONDS`, summed over layers and ranks) as soon as a layer reports them.
+``docs/OPERATIONS.md`` documents every field.
 
 Why by hand: nothing in torch records per-phase step time, per-rail bytes and per-expert load of
 an expert-parallel job; the file itself is plain JSON lines so that jq, pandas or the doctor read
@@ -45,6 +46,7 @@ __all__ = [
     "PHASES",
     "RAILS",
     "LAYER_COUNTERS",
+    "LAYER_SECONDS",
     "OTHER",
     "RunHeader",
     "StepRecord",
@@ -78,6 +80,9 @@ OTHER = "OTHER"
 
 #: Counters summed from ``MoELayer.step_stats()`` when a layer reports them (else ``null``).
 LAYER_COUNTERS: Tuple[str, ...] = ("page_hits", "page_faults", "migrations")
+
+#: Seconds summed from ``MoELayer.step_stats()`` when a layer reports them (else ``null``).
+LAYER_SECONDS: Tuple[str, ...] = ("page_stall_s",)
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,11 @@ class StepRecord:
         expert_load: ``[layers][E]`` token copies routed to each expert, all ranks.
         dropped: token copies dropped by capacity, all layers and ranks.
         page_hits / page_faults / migrations: summed :data:`LAYER_COUNTERS`, or None when no
-            layer reports them.
+            layer reports them: expert computations that started without waiting for their
+            pages / that waited (or took a degraded answer); experts that landed on a rank
+            through a placement change.
+        page_stall_s: seconds expert computations waited for page loads, summed over layers
+            and ranks (:data:`LAYER_SECONDS`), or None without paging.
         max_rss_bytes: largest resident set size among the ranks so far.
     """
 
@@ -144,6 +153,7 @@ class StepRecord:
     page_faults: Optional[int] = None
     migrations: Optional[int] = None
     max_rss_bytes: Optional[int] = None
+    page_stall_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -403,6 +413,9 @@ class MetricsCollector:
         for key in LAYER_COUNTERS:
             vals = [st[key] for st in stats if key in st]
             counters.append(float(sum(vals)) if vals else math.nan)
+        for key in LAYER_SECONDS:
+            vals = [float(st[key]) for st in stats if key in st]
+            counters.append(sum(vals) if vals else math.nan)
         vec = torch.tensor(
             [step_s]
             + [self._phase.get(p, 0.0) for p in PHASES]
@@ -450,6 +463,9 @@ class MetricsCollector:
         counters = {}
         for key in LAYER_COUNTERS:
             counters[key] = None if math.isnan(total[i]) else int(total[i])
+            i += 1
+        for key in LAYER_SECONDS:
+            counters[key] = None if math.isnan(total[i]) else float(total[i])
             i += 1
         rss = int(allv[:, i].max())
         rec = StepRecord(

@@ -81,6 +81,14 @@ def summarize(log: MetricsLog) -> str:
             events = [e.step for e in log.events if e.event == "migration"]
             if events:
                 text = (text + "; " if vals else "") + f"balancer events at steps {', '.join(map(str, events[:8]))}" + (" ..." if len(events) > 8 else "")
+        if key == "page_faults" and vals:
+            hits = sum(s.page_hits for s in steps if s.page_hits is not None)
+            stall = [s.page_stall_s for s in steps if s.page_stall_s is not None]
+            n = hits + sum(vals)
+            ws = log.run.world_size if log.run is not None else 1
+            text += (f" ({hits / n:.2%} of expert computations started without waiting" if n else " (") + (
+                f"; {sum(stall):.3f} s stalled on page loads, all ranks: {sum(stall) / ws / max(1e-12, sum(s.step_s for s in steps)):.2%} "
+                f"of a rank's step time on average)" if stall else ")")
         rows.append((key.replace("_", " "), text))
     ck = [e.step for e in log.events if e.event == "checkpoint"]
     rs = [e.step for e in log.events if e.event == "resume"]

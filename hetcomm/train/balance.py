@@ -7,7 +7,9 @@ Per step (every rank, in the same order):
   confidence-weighted top-20 share of its routing probabilities (``fast_signal`` of
   ``log probs``, the logits up to a per-token constant);
 - after backward: in-flight migrations finish (the old owners computed this step; their
-  gradients travel with the experts) and the layer adopts the new placement;
+  gradients travel with the experts) and the layer adopts the new placement
+  (:meth:`~hetcomm.moe.layer.MoELayer.apply_placement`, which counts the experts that landed in
+  the layer's ``migrations`` step stat);
 - after the optimizer step: one all-reduce of ``[layers, 2E]`` float64, then rank 0's result
   broadcast (sums of float shares may differ in the last bit between ranks), gives every rank the
   same global loads and fast shares; each layer's :class:`~hetcomm.moe.balancer.ExpertBalancer` sees
@@ -31,7 +33,6 @@ import torch.distributed as dist
 from hetcomm.errors import CollectiveError
 from hetcomm.moe.balancer import BalancerConfig, ExpertBalancer, ExpertMap, broadcast_map, diff_maps, fast_signal
 from hetcomm.moe.migration import ExpertMigrator, ExpertSlots
-from hetcomm.moe.placement import ExpertPlacement
 from hetcomm.moe.powersgd import SlowLinkPowerSGD, node_ids_of
 
 __all__ = ["TrainBalancer", "make_powersgd"]
@@ -111,9 +112,7 @@ class TrainBalancer:
             self.migrators[i].finish(slots, self.optimizer)
             layer = self.layers[i]
             owner = plan.new_map.owner()
-            placement = ExpertPlacement(tuple(owner), self.world_size)
-            mods = [slots.module(e) for e in placement.experts_of(self.rank)]
-            layer._set_placement(placement, mods)
+            layer.apply_placement(owner, {e: slots.module(e) for e, r in enumerate(owner) if r == self.rank})
             self.spares[i] = [m for m, e in zip(slots.modules, slots.expert_of) if e is None]
             self._pending[i] = None
 

@@ -64,6 +64,8 @@ class TrainConfig:
         powersgd_rank: PowerSGD rank for the dense gradients on cross-node pairs (0: off).
         warmup_from: a previous run's metrics file: seeds calibrators and hot experts before the
             first step (``hetcomm launch`` phase 2), or None.
+        page_budget: expert paging (``MoEConfig.page_budget``): the fraction of each rank's
+            experts kept on the device, the rest paged in from a host pool as routed (0: off).
     """
 
     cluster: str = "configs/clusters/mixed-mini.yaml"
@@ -91,6 +93,7 @@ class TrainConfig:
     balance_cooldown: int = 1000
     powersgd_rank: int = 0
     warmup_from: Optional[str] = None
+    page_budget: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
@@ -117,6 +120,15 @@ class TrainConfig:
                                   key=f"train.{name}")
         if self.experts < 2:
             raise ConfigError("an MoE layer needs at least 2 experts", key="train.experts")
+        pb = self.page_budget
+        if isinstance(pb, bool) or not isinstance(pb, (int, float)) or not 0.0 <= pb <= 1.0:
+            raise ConfigError(f"must be a fraction within [0, 1] (0 = paging off), got {pb!r}", key="train.page_budget")
+        if pb and self.balance:
+            raise ConfigError(
+                "paging cannot be combined with balance yet: a migration sends expert memory that the pager "
+                "moves between host and device while the copy is in flight; use --page-budget or --balance",
+                key="train.page_budget",
+            )
 
 
 def load_train_config(path: str, **overrides: Any) -> TrainConfig:
@@ -309,12 +321,17 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
             calibrate=cfg.calibrate,
             wire_dtype=cfg.wire_dtype,
             seed=cfg.seed * 1000 + layer_index,
+            page_budget=cfg.page_budget,
         )
 
     torch.manual_seed(cfg.seed)  # dense weights identical on every rank
     model = MoETransformerLM(lm_cfg, make_moe)
     dense, expert = _split_parameters(model)
     opt = torch.optim.AdamW(dense + expert, lr=cfg.lr, weight_decay=0.0)
+    paged = cfg.page_budget > 0
+    if paged:
+        for m in model.moe_layers:
+            m.attach_optimizer(opt)  # Adam's moments are paged with each expert
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)
 
     import hetcomm
@@ -373,6 +390,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
         mc.mark("optimizer")
         for m in model.moe_layers:
             m.sync_replicas()
+            m.end_page_step()  # after the refresh read the owners' weights: evictions, prefetch
         if balancer is not None:
             for line in balancer.after_step(step):
                 mc.event(step, "migration", line)
@@ -382,6 +400,9 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
         losses.append(float(global_loss) / world_size)
         mc.mark("loss_sync")
         mc.end_step(step, losses[-1], tokens_per_step * world_size)
+        if paged and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            for m in model.moe_layers:
+                m.sync_pages()  # the checkpoint reads the experts: no write-back half done
         hooks.maybe_checkpoint(cfg, step, model, opt, gen, mc, extras or None)
         progress.update(step, losses[-1], tokens_per_step * world_size, model)
     mc.close()
@@ -462,6 +483,7 @@ class _Progress:
             + (f" top5 {top5:.0%}" if isinstance(top5, float) else "")
             + (f" replicas {replicas}" if replicas is not None else "")
             + (f" migrations {self.balancer.migrations}" if self.balancer is not None else "")
+            + (f" pages {_page_line(model)}" if self.cfg.page_budget else "")
         )
         if self.tty:
             print("\r" + line[:200].ljust(120), end="", file=sys.stderr, flush=True)
@@ -471,6 +493,40 @@ class _Progress:
     def close(self) -> None:
         if self.enabled and self.tty:
             print(file=sys.stderr)
+
+
+def _page_totals(model) -> Dict[str, float]:
+    """This rank's pager counters summed over layers (cumulative; :meth:`ExpertPager.stats`)."""
+    keys = ("hits", "waits", "stall_s", "loads", "evictions", "prefetches", "reacquires", "reacquire_stall_s")
+    tot = {k: 0.0 for k in keys}
+    tot["slots"] = tot["experts"] = 0
+    for m in model.moe_layers:
+        if m.pager is None:
+            continue
+        st = m.pager.stats()
+        for k in keys:
+            tot[k] += st[k]
+        tot["slots"] += m.pager.num_slots
+        tot["experts"] += m.pager.num_experts
+    return tot
+
+
+def _page_line(model) -> str:
+    t = _page_totals(model)
+    n = t["hits"] + t["waits"]
+    rate = f"{t['hits'] / n:.1%}" if n else "-"
+    return f"{rate} hit, stall {(t['stall_s'] + t['reacquire_stall_s']) * 1e3:.0f} ms"
+
+
+def _page_row(cfg, model) -> str:
+    t = _page_totals(model)
+    n = t["hits"] + t["waits"]
+    rate = f"{t['hits'] / n:.2%}" if n else "-"
+    return (f"budget {cfg.page_budget:g} of each rank's experts ({int(t['slots'])} of {int(t['experts'])} expert slots "
+            f"on rank0's device); {int(t['hits']):,} computations started without waiting, {int(t['waits']):,} "
+            f"faulted ({rate} hits); stall {(t['stall_s'] + t['reacquire_stall_s']):.2f} s; {int(t['loads']):,} loads, "
+            f"{int(t['evictions']):,} evictions, {int(t['prefetches']):,} prefetches, {int(t['reacquires']):,} "
+            f"backward reloads (steps over budget)")
 
 
 def _psgd_row(psgd) -> str:
@@ -509,6 +565,7 @@ def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tok
         ("wire dtype", cfg.wire_dtype),
         *(balancer.summary_rows() if balancer is not None else []),
         *([("PowerSGD (cross-node pairs)", _psgd_row(psgd))] if psgd is not None else []),
+        *([("paging (rank0)", _page_row(cfg, model))] if cfg.page_budget else []),
     ]
     for rail, c in sorted(rails.items()):
         rows.append((f"rank0 sent over {rail}", f"{_fmt_bytes(c)} ({_fmt_bytes(c / cfg.steps)}/step)"))

@@ -165,3 +165,45 @@ def test_apply_placement_validates_and_names_the_expert():
     ref.load_state_dict(layer.state_dict())
     assert torch.allclose(ref(x), y, atol=TOL)
     layer.pager.close()
+
+
+def test_metrics_records_carry_the_paging_counters(tmp_path):
+    """``hetcomm train --metrics``: a paged layer's counters reach the step record (one rank),
+    an unpaged layer's stay null; ``hetcomm report`` prints them."""
+    from hetcomm.ops.metrics import MetricsCollector, RunHeader, read_metrics
+    from hetcomm.ops.plots import summarize
+
+    recs = {}
+    for budget in (0.0, 0.5):
+        layer = MoELayer(D, E, k=2, calibrate=False, page_budget=budget)
+        path = str(tmp_path / f"m{budget}.jsonl")
+        mc = MetricsCollector(path, 0, 1, None, [layer], RunHeader(1, "none", [], {}))
+        for step in (1, 2, 3):
+            mc.start_step()
+            layer(torch.randn(16, D)).sum().backward()
+            mc.mark("forward")
+            layer.end_page_step()
+            mc.end_step(step, 1.0, 16)
+        mc.close()
+        if layer.pager is not None:
+            layer.pager.close()
+        recs[budget] = read_metrics(path)
+    off, on = recs[0.0].steps, recs[0.5].steps
+    assert all(s.page_hits is None and s.page_faults is None and s.page_stall_s is None for s in off)
+    assert all(isinstance(s.page_hits, int) and isinstance(s.page_stall_s, float) for s in on)
+    # 16 tokens x 2 copies over 8 experts: every step uses more experts than the 4 slots.
+    assert sum(s.page_hits + s.page_faults for s in on) >= 3 * 5
+    text = summarize(recs[0.5])
+    assert "of expert computations started without waiting" in text and "stalled on page loads" in text
+
+
+def test_train_page_budget_is_checked():
+    from hetcomm.train.loop import TrainConfig
+
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(page_budget=2.0)
+    assert info.value.key == "train.page_budget"
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(page_budget=0.4, balance=True)
+    assert info.value.key == "train.page_budget" and "balance" in str(info.value)
+    assert TrainConfig(page_budget=0.4).page_budget == 0.4

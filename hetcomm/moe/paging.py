@@ -31,9 +31,12 @@ One step (the layer, or a benchmark, drives it)::
 ``begin_step`` starts the loads of the routed experts that are not resident (the gate's output
 is known before the tokens arrive, so the loads overlap the dispatch) and returns the compute
 order. Then, as ``training=True`` keeps every expert used in a step resident until ``end_step``
-(autograd saved its weights), the working set of one step must fit the budget; with
-``training=False`` (inference, or forward-only measurement) released experts can be evicted
-within the step, so more experts than slots stream through.
+(autograd saved its weights), the working set of one step must fit the budget, unless the step
+is begun with ``hold=False``: released experts can then be evicted within the step (written
+back, as in training), and a backward that needs one again takes it with :meth:`acquire` and
+gives it back with :meth:`release` (``hetcomm.moe.layer``'s waves recompute each expert that
+way). With ``training=False`` (inference, or forward-only measurement) every step streams, so
+more experts than slots go through.
 
 Policy (defaults from the MegaScale-MoE notes):
 - predicted use ``u_e = max(EMA of "used this step", hint_e)`` where ``hint`` is the gate's

@@ -111,7 +111,7 @@ def tracing() -> Iterator[List[TraceEntry]]:
 
 
 def _log(step: str, order: "StreamOrder") -> None:
-    log = _trace
+    log = _trace  # read once: tracing() may end on another thread meanwhile
     if log is not None:
         log.append(TraceEntry(step, threading.current_thread().name, order.device.type, order.tag))
 
@@ -137,6 +137,14 @@ class StreamOrder:
     done: Any = None
 
 
+#: The order of every host collective while nothing traces (nothing in it is ever set).
+_CPU_ORDER = StreamOrder(torch.device("cpu"), 0)
+
+
+_CPU = torch.device("cpu")
+_NOTHING = contextlib.nullcontext()
+
+
 def capture(tensors: Sequence[torch.Tensor], tag: int = 0) -> StreamOrder:
     """Step 1, on the caller's thread at the call: where the collective's device work goes.
 
@@ -147,17 +155,65 @@ def capture(tensors: Sequence[torch.Tensor], tag: int = 0) -> StreamOrder:
 
     Returns:
         A :class:`StreamOrder`; for device tensors with ``ready`` recorded on the current stream.
+        Host tensors get one shared, empty order while nothing traces (this runs once per
+        collective, and the CPU path is the latency-sensitive one).
     """
-    device = next((t.device for t in tensors if t.device.type != "cpu"), None)
-    if device is None:
-        order = StreamOrder(torch.device("cpu"), tag)
+    for t in tensors:
+        if not t.is_cpu:
+            device = t.device
+            mod = device_module(device)
+            ready = mod.Event()
+            ready.record(mod.current_stream(device))
+            order = StreamOrder(device, tag, ready, tuple(x for x in tensors if x.device == device))
+            break
     else:
-        mod = device_module(device)
-        ready = mod.Event()
-        ready.record(mod.current_stream(device))
-        order = StreamOrder(device, tag, ready, tuple(t for t in tensors if t.device == device))
+        if _trace is None:
+            return _CPU_ORDER
+        order = StreamOrder(_CPU, tag)
     _log("capture", order)
     return order
+
+
+class _TracedHostScope:
+    """The scope of host work while :func:`tracing` is on: logs, nothing else."""
+
+    def __init__(self, order: StreamOrder):
+        self.order = order
+
+    def __enter__(self) -> None:
+        _log("rail-wait", self.order)
+
+    def __exit__(self, *exc) -> None:
+        _log("rail-done", self.order)
+
+
+class _DeviceScope:
+    """The scope of device work (see :meth:`RailStreams.scope`)."""
+
+    def __init__(self, stream: Any, order: StreamOrder):
+        self.stream, self.order = stream, order
+        self.ctx = None
+
+    def __enter__(self) -> None:
+        order, s = self.order, self.stream
+        _log("rail-wait", order)
+        s.wait_event(order.ready)
+        for t in order.tensors:
+            t.record_stream(s)  # the caller may drop them before the rail stream is done with them
+        order.tensors = ()
+        order.rail_stream = s
+        self.ctx = device_module(order.device).stream(s)
+        self.ctx.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        order, s = self.order, self.stream
+        try:
+            self.ctx.__exit__(*exc)
+        finally:
+            done = device_module(order.device).Event()
+            done.record(s)
+            order.done = done
+            _log("rail-done", order)
 
 
 class RailStreams:
@@ -178,39 +234,16 @@ class RailStreams:
             s = self._streams[device] = device_module(device).Stream(device=device)
         return s
 
-    @contextlib.contextmanager
-    def scope(self, order: Optional[StreamOrder]) -> Iterator[None]:
-        """Step 2: run a job ordered after ``order``'s caller stream, on the rail stream.
+    def scope(self, order: Optional[StreamOrder]):
+        """Step 2: a context that runs a job ordered after ``order``'s caller stream.
 
         Inside: the rail stream waited on ``order.ready`` and is the current stream of
-        ``order.device``. On exit (errors too): ``order.done`` is recorded on it. ``None`` or
-        a CPU order: nothing to do (logged only).
+        ``order.device``. On exit (errors too): ``order.done`` is recorded on it. ``None`` or a
+        host order: nothing to do (logged only, while tracing).
         """
-        if order is None:
-            yield
-            return
-        _log("rail-wait", order)
-        if order.ready is None:
-            try:
-                yield
-            finally:
-                _log("rail-done", order)
-            return
-        mod = device_module(order.device)
-        s = self.stream(order.device)
-        s.wait_event(order.ready)
-        for t in order.tensors:
-            t.record_stream(s)  # the caller may drop them before the rail stream is done with them
-        order.tensors = ()
-        order.rail_stream = s
-        try:
-            with mod.stream(s):
-                yield
-        finally:
-            done = mod.Event()
-            done.record(s)
-            order.done = done
-            _log("rail-done", order)
+        if order is None or order.ready is None:
+            return _NOTHING if _trace is None or order is None else _TracedHostScope(order)
+        return _DeviceScope(self.stream(order.device), order)
 
 
 def join(order: Optional[StreamOrder]) -> None:
@@ -219,7 +252,8 @@ def join(order: Optional[StreamOrder]) -> None:
     Call only after the job ended (``Work.wait()`` waits for that first)."""
     if order is None:
         return
-    _log("join", order)
+    if _trace is not None:
+        _log("join", order)
     if order.done is not None:
         device_module(order.device).current_stream(order.device).wait_event(order.done)
 

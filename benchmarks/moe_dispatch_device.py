@@ -100,7 +100,8 @@ def main() -> int:
     from tests.backends.ranks import run_ranks
 
     res = run_ranks(rank_body, world_size=2, backend="hetcomm", cluster=CLUSTER, timeout=400,
-                    args=(a.device, a.tokens, a.dim, a.experts, a.k, a.iters, a.warmup))
+                    args=(a.device, a.tokens, a.dim, a.experts, a.k, a.iters, a.warmup),
+                    start_method="spawn" if a.device != "cpu" else "forkserver")  # tests/gpu/__init__.py
     summary = {"config": vars(a), "ranks": res, "median_ms": {}}
     print(f"2 ranks over the bridge (rank 0 on {res[0]['device']}, rank 1 on cpu): T={a.tokens} D={a.dim} "
           f"E={a.experts} k={a.k} FP32, {a.iters} iterations; checks: {[r['ok'] for r in res]}")

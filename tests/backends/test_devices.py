@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.backends.ranks import REPO_ROOT, run_ranks
+from tests.gpu import DEVICE_START
 
 PAIR = os.path.join(REPO_ROOT, "tests", "gpu", "nvidia-ascend-2.yaml")  # NVIDIA + Ascend: the bridge
 
@@ -75,7 +76,7 @@ def cuda_all_to_all(rank: int, n: int) -> dict:
 def test_cuda_all_to_all_over_nccl():
     # Without a cluster YAML, CUDA ranks are real NVIDIA ranks: peers go over nccl.
     n = max(2, min(4, torch.cuda.device_count()))
-    outs = run_ranks(cuda_all_to_all, world_size=n, timeout=150)
+    outs = run_ranks(cuda_all_to_all, world_size=n, timeout=150, start_method=DEVICE_START)
     for o in outs:
         assert o["ok"]
         assert set(o["rails"]) - {"self"} == {"nccl"}
@@ -85,7 +86,8 @@ def test_cuda_all_to_all_over_nccl():
 @pytest.mark.gpu
 @pytest.mark.timeout(180)
 def test_cuda_all_to_all_over_bridge_when_nccl_is_not_allowed():
-    outs = run_ranks(cuda_all_to_all, world_size=2, timeout=150, env={"HETCOMM_RAILS": "bridge,gloo"})
+    outs = run_ranks(cuda_all_to_all, world_size=2, timeout=150, env={"HETCOMM_RAILS": "bridge,gloo"},
+                     start_method=DEVICE_START)
     for o in outs:
         assert o["ok"]
         assert set(o["rails"]) - {"self"} == {"bridge"}

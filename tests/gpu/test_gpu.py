@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.backends.ranks import run_ranks
+from tests.gpu import DEVICE_START
 
 CLUSTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nvidia-ascend-2.yaml")
 pytestmark = pytest.mark.gpu
@@ -98,7 +99,7 @@ def _pair_body(rank, world_size, use_cuda: bool):
 
 @pytest.mark.timeout(300)
 def test_cuda_rank_and_cpu_rank_over_the_bridge_equal_the_cpu_reference():
-    mixed = run_ranks(_pair_body, world_size=2, cluster=CLUSTER, timeout=280, args=(True,))
+    mixed = run_ranks(_pair_body, world_size=2, cluster=CLUSTER, timeout=280, args=(True,), start_method=DEVICE_START)
     ref = run_ranks(_pair_body, world_size=2, cluster=CLUSTER, timeout=280, args=(False,))
     for rank in range(2):
         m, r = mixed[rank], ref[rank]

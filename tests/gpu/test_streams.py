@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from tests.backends.ranks import run_ranks
+from tests.gpu import DEVICE_START
 
 CLUSTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nvidia-ascend-2.yaml")
 pytestmark = pytest.mark.gpu
@@ -107,7 +108,7 @@ def test_side_stream_work_is_ordered_before_the_bridge_and_results_are_ready_on_
     from hetcomm.backends.options import HetcommOptions
 
     res = run_ranks(_side_stream_body, world_size=2, cluster=CLUSTER, timeout=220,
-                    pg_options=HetcommOptions(chunk_bytes=256 << 10))
+                    pg_options=HetcommOptions(chunk_bytes=256 << 10), start_method=DEVICE_START)
     h = ROWS // 2
     for name in ("async", "blocking", "future"):
         # rank r's output: rows [0, h) from rank 0 (its first half), rows [h, 2h) from rank 1 (its second half)
@@ -155,5 +156,5 @@ def _dispatch_body(rank, world_size, kind="cuda"):
 
 @pytest.mark.timeout(240)
 def test_async_dispatch_chunks_and_combine_on_a_side_stream():
-    res = run_ranks(_dispatch_body, world_size=2, cluster=CLUSTER, timeout=220)
+    res = run_ranks(_dispatch_body, world_size=2, cluster=CLUSTER, timeout=220, start_method=DEVICE_START)
     assert all(r["ok"] for r in res) and res[0]["chunks"] == 2, res

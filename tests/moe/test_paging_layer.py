@@ -20,10 +20,11 @@ D, E = 16, 8
 TOL = 1e-6
 
 
-def _layers(budget: float, seed: int = 0):
+def _layers(budget: float, seed: int = 0, num_chunks: int = 1):
     """An unpaged layer and its paged twin (same weights), each with its own AdamW."""
-    plain = MoELayer(D, E, k=2, dropless=True, calibrate=False, wire_dtype="fp32", seed=seed)
-    paged = MoELayer(D, E, k=2, dropless=True, calibrate=False, wire_dtype="fp32", seed=seed, page_budget=budget)
+    kw = dict(k=2, dropless=True, calibrate=False, wire_dtype="fp32", seed=seed, num_chunks=num_chunks)
+    plain = MoELayer(D, E, **kw)
+    paged = MoELayer(D, E, page_budget=budget, **kw)
     paged.load_state_dict(plain.state_dict())
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     opt_paged = torch.optim.AdamW(paged.parameters(), lr=1e-2)
@@ -35,12 +36,13 @@ def _max_diff(a, b) -> float:
     return max((x - y).abs().max().item() if x.numel() else 0.0 for x, y in zip(a, b))
 
 
-def train_twins(rank: int, world_size: int, budget: float, steps: int, seed: int, max_tokens: int = 12):
+def train_twins(rank: int, world_size: int, budget: float, steps: int, seed: int, max_tokens: int = 12,
+                num_chunks: int = 1):
     """Train an unpaged and a paged layer side by side on the same tokens; return the largest
     differences seen (outputs, input grads, parameter grads, weights, Adam state) and the
     paging counters. Token counts vary per step so some steps fit the budget and some do not."""
     sys.setswitchinterval(1e-4)  # hand-offs to the copy workers at 0.1 ms (as tests/moe/test_paging.py)
-    plain, paged, opt_plain, opt_paged = _layers(budget, seed)
+    plain, paged, opt_plain, opt_paged = _layers(budget, seed, num_chunks)
     gen = torch.Generator().manual_seed(1000 * seed + rank)
     worst = {"out": 0.0, "x_grad": 0.0, "param_grad": 0.0, "weights": 0.0, "adam": 0.0}
     totals = {"page_hits": 0, "page_faults": 0, "page_loads": 0, "page_evictions": 0, "page_reacquires": 0}
@@ -107,8 +109,9 @@ def test_paged_layer_trains_exactly_like_the_unpaged_one_on_one_rank():
 
 @pytest.mark.timeout(180)
 def test_paged_layer_trains_exactly_like_the_unpaged_one_on_two_ranks():
-    # 4 local experts per rank, a budget of 2: steps of 1-4 tokens per rank use 1-4 of them.
-    res = run_ranks(train_twins, world_size=2, cluster=None, timeout=150, args=(0.5, 30, 1, 5))
+    # 4 local experts per rank, a budget of 2: steps of 1-4 tokens per rank use 1-4 of them;
+    # two dispatch chunks (the pager grants each chunk's experts as the chunk arrives).
+    res = run_ranks(train_twins, world_size=2, cluster=None, timeout=150, args=(0.5, 30, 1, 5, 2))
     for r in res:
         assert r["local"] == 4 and r["slots"] == 2
         _check(r)

@@ -18,7 +18,6 @@ merged result, which :func:`format_table` renders as the nccl-tests table.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
@@ -28,8 +27,9 @@ import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from hetcomm import launcher as _launcher
 from hetcomm.errors import UsageError
 from hetcomm.units import format_bytes, parse_size
 
@@ -781,16 +781,12 @@ def _sent_bytes(counters: Any) -> Optional[float]:
 
 
 # -- launching local ranks ----------------------------------------------------------------------
-# Ranks are separate Python processes started with subprocess (like torchrun), not forks: each
-# one imports torch itself and owns its threads. The parent hosts the TCPStore, so there is no
-# free-port race, and every rank connects to it as a client.
+# Ranks are started by the one launcher (hetcomm.launcher, start="exec"): separate Python processes
+# like torchrun's, not forks, so each one imports torch itself and owns its threads. The launcher
+# hosts the TCPStore (no free-port race); every rank connects to it as a client. This layer keeps
+# bench's view of a launch: rank 0's result, the failures root cause first, exit warnings.
 
-STORE_ENV = "HETCOMM_BENCH_STORE"
-ERROR_FILE_ENV = "HETCOMM_BENCH_ERROR_FILE"
-RESULT_FILE_ENV = "HETCOMM_BENCH_RESULT_FILE"
-TIMEOUT_ENV = "HETCOMM_BENCH_TIMEOUT"
-
-_CHILD_CODE = "from hetcomm.cli._benchlib import child_main; child_main()"
+is_timeout = _launcher.is_timeout
 
 
 @dataclass(frozen=True)
@@ -821,7 +817,7 @@ class LaunchResult:
     Attributes:
         result: rank 0's return value (None when a rank failed).
         failures: ranks that did not finish, the first failure first.
-        exit_warnings: ranks that finished their work (result written, group destroyed) and then
+        exit_warnings: ranks that finished their work (result reported, group destroyed) and then
             died while the interpreter shut down, e.g. a C++ thread aborting in a destructor. The
             result stands; the crash is reported, never hidden.
     """
@@ -833,86 +829,6 @@ class LaunchResult:
     @property
     def ok(self) -> bool:
         return not self.failures
-
-
-def is_timeout(e: BaseException) -> bool:
-    """Whether ``e`` is a timeout, by type: hetcomm's :class:`PeerTimeout`, the store's
-    ``DistStoreError`` (a rank that never arrived), Python's ``TimeoutError``.
-
-    One exception: plain gloo (``--backend gloo``, the comparison) raises a bare ``RuntimeError``
-    for a timeout as for a broken connection, with nothing but its text to tell them apart; only
-    for such a foreign error is gloo's own marker read. hetcomm's errors are never parsed.
-    """
-    import torch.distributed as dist
-
-    from hetcomm.errors import HetcommError, PeerTimeout
-
-    if isinstance(e, (PeerTimeout, TimeoutError, dist.DistStoreError)):
-        return True
-    return type(e) is RuntimeError and not isinstance(e, HetcommError) and "Timed out" in str(e)
-
-
-def _parent_death_signal_setter() -> Optional[Callable[[], None]]:
-    """A ``preexec_fn`` that makes the child die with the launcher (Linux), or None elsewhere.
-
-    If the launcher dies (even by SIGKILL), the kernel kills its ranks too, so no stray process
-    is left holding shared-memory segments or ports. libc is loaded here, in the parent: between
-    fork and exec the child only makes the one call (no imports, no locks).
-    """
-    try:
-        import ctypes
-        import signal
-
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    sigkill = int(signal.SIGKILL)
-
-    def set_pdeathsig() -> None:  # pragma: no cover - runs in the child before exec
-        prctl(1, sigkill)  # 1 = PR_SET_PDEATHSIG
-
-    return set_pdeathsig
-
-
-class _TermRequest:
-    """Set by SIGTERM while ranks run; :meth:`check` turns it into ``SystemExit(143)``.
-
-    The handler only records the signal: raised from inside the handler, the exception can land
-    in code that swallows it (logging's at-fork hook during ``Popen``, seen here), and the run
-    would go on. The launcher checks at its own safe points instead: after each rank starts and
-    every 50 ms while it waits.
-    """
-
-    def __init__(self) -> None:
-        self.signum: Optional[int] = None
-
-    def check(self) -> None:
-        if self.signum is not None:
-            raise SystemExit(128 + self.signum)
-
-
-@contextlib.contextmanager
-def _terminate_as_exit() -> Iterator[_TermRequest]:
-    """While the ranks run, SIGTERM ends the launcher through ``SystemExit(143)`` raised at a
-    safe point, so that ``finally`` blocks stop the ranks and remove the ``hetcomm-bench-*``
-    directory (Python's default SIGTERM action ends the process without unwinding: the directory
-    was left in /tmp)."""
-    import signal
-    import threading
-
-    request = _TermRequest()
-    if threading.current_thread() is not threading.main_thread():
-        yield request  # signal handlers can only be set from the main thread
-        return
-
-    def on_term(signum: int, frame: Any) -> None:
-        request.signum = signum
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield request
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def launch_ranks(
@@ -929,84 +845,46 @@ def launch_ranks(
     Args:
         target: ``"module:function"``; the function must be importable in the child (set
             ``PYTHONPATH`` through ``env`` for modules outside the package). Rank 0's return
-            value must be JSON-serializable; it becomes :attr:`LaunchResult.result`.
+            value becomes :attr:`LaunchResult.result`.
         payload: a string handed to every rank unchanged (a JSON config).
         num_ranks: number of processes; ranks 0..num_ranks-1 with ``LOCAL_RANK`` = rank.
         timeout_s: store timeout; a rank that cannot rendezvous fails after this long.
         env: extra environment for the ranks (e.g. ``HETCOMM_CLUSTER``).
         grace_s: after the first rank fails, how long the others get to fail on their own (they
-            usually see the broken connection at once) before they are killed.
+            usually see the broken connection at once) before they are stopped.
 
     Returns:
         The result of rank 0, or the failures, the first failure first.
+
+    Raises:
+        SystemExit: SIGTERM while the ranks ran (exit status 143, after they were stopped and the
+            ``hetcomm-bench-*`` scratch directory was removed).
     """
-    import subprocess
-    import tempfile
-
-    import torch.distributed as dist
-
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        num_ranks + 1,
-        is_master=True,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
+    outcome = _launcher.launch(
+        _bench_child,
+        num_ranks,
+        args=(target, payload, timeout_s),
+        start="exec",
+        env=env,
+        store=True,
+        store_timeout_s=timeout_s,
+        grace_s=grace_s,
+        kill_grace_s=5.0,
+        clean_shm=True,
+        name="bench",
     )
-    procs: List[Any] = []
-    preexec = _parent_death_signal_setter()
-    with _terminate_as_exit() as term, tempfile.TemporaryDirectory(prefix="hetcomm-bench-") as tmp:
-        base_env = dict(os.environ)
-        # torchrun's default: one intra-op thread per rank, or N ranks fight over the cores.
-        base_env.setdefault("OMP_NUM_THREADS", "1")
-        base_env.update(env or {})
-        base_env[STORE_ENV] = f"127.0.0.1:{store.port}"
-        base_env[TIMEOUT_ENV] = str(timeout_s)
-        base_env.update(
-            WORLD_SIZE=str(num_ranks),
-            LOCAL_WORLD_SIZE=str(num_ranks),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(store.port),
-        )
-        error_files = [os.path.join(tmp, f"rank{r}.error.json") for r in range(num_ranks)]
-        result_file = os.path.join(tmp, "result.json")
-        try:
-            for r in range(num_ranks):
-                child_env = dict(
-                    base_env,
-                    RANK=str(r),
-                    LOCAL_RANK=str(r),
-                    **{ERROR_FILE_ENV: error_files[r], RESULT_FILE_ENV: result_file},
-                )
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-c", _CHILD_CODE, target, payload],
-                        env=child_env,
-                        preexec_fn=preexec,
-                    )
-                )
-                term.check()
-            exit_order = _watch(procs, error_files, grace_s, term)
-        finally:
-            killed = _stop(procs)
-        failures, exit_warnings = [], []
-        for r in exit_order + [r for r in range(num_ranks) if r not in exit_order]:
-            code = procs[r].returncode
-            if code == 0:
-                continue
-            failure = _failure(r, code, error_files[r], r in killed)
-            if failure.error_type is None and os.path.exists(error_files[r] + ".done"):
-                exit_warnings.append(failure)
-            else:
-                failures.append(failure)
-        result = None
-        if not failures:
-            with open(result_file, encoding="utf-8") as f:
-                result = json.load(f)
-    del store
+    failures, exit_warnings = [], []
+    ended = list(outcome.end_order)
+    for r in ended + [r for r in range(num_ranks) if r not in ended]:
+        rank = outcome.ranks[r]
+        if rank.exit_warning:
+            exit_warnings.append(_failure(rank))
+        elif not rank.ok:
+            failures.append(_failure(rank))
     # Root causes first: a rank's own error beats "connection closed by peer" on the others,
     # and those beat ranks the launcher had to stop.
     failures.sort(key=lambda f: (f.killed_by_launcher, _is_secondary(f.message)))
+    result = outcome.ranks[0].result if not failures else None
     return LaunchResult(result=result, failures=tuple(failures), exit_warnings=tuple(exit_warnings))
 
 
@@ -1017,61 +895,13 @@ def _is_secondary(message: str) -> bool:
     )
 
 
-def _watch(procs: List[Any], error_files: List[str], grace_s: float, term: Optional[_TermRequest] = None) -> List[int]:
-    """Wait for every process; after the first failure give the rest ``grace_s`` seconds.
-
-    A failure is a non-zero exit or an error file (a rank that reported its error but hangs
-    while exiting is still caught).
-    """
-    exit_order: List[int] = []
-    deadline: Optional[float] = None
-    while True:
-        for r, p in enumerate(procs):
-            if r not in exit_order and p.poll() is not None:
-                exit_order.append(r)
-                if p.returncode != 0 and deadline is None:
-                    deadline = time.monotonic() + grace_s
-            if deadline is None and os.path.exists(error_files[r]):
-                deadline = time.monotonic() + grace_s
-        if len(exit_order) == len(procs):
-            return exit_order
-        if deadline is not None and time.monotonic() > deadline:
-            return exit_order
-        if term is not None:
-            term.check()
-        time.sleep(0.05)
-
-
-def _stop(procs: List[Any]) -> List[int]:
-    """Terminate, then kill, every process still running; returns their ranks."""
-    running = [r for r, p in enumerate(procs) if p.poll() is None]
-    for r in running:
-        procs[r].terminate()
-    for r in running:
-        try:
-            procs[r].wait(timeout=5)
-        except Exception:
-            procs[r].kill()
-            procs[r].wait()
-    return running
-
-
-def _failure(rank: int, code: int, error_file: str, killed: bool) -> RankFailure:
-    try:
-        with open(error_file, encoding="utf-8") as f:
-            data = json.load(f)
+def _failure(rank: "_launcher.RankOutcome") -> RankFailure:
+    code = rank.exitcode if rank.exitcode is not None else -9
+    if rank.error_type is not None:
+        return RankFailure(rank.rank, code, rank.error_type, rank.error or "", is_timeout=rank.timeout_error)
+    if rank.stopped is not None:
         return RankFailure(
-            rank,
-            code,
-            data["type"],
-            data["message"],
-            is_timeout=bool(data.get("timeout")),
-        )
-    except (OSError, ValueError, KeyError):
-        pass
-    if killed:
-        return RankFailure(
-            rank,
+            rank.rank,
             code,
             None,
             "still running after another rank failed; stopped",
@@ -1086,29 +916,27 @@ def _failure(rank: int, code: int, error_file: str, killed: bool) -> RankFailure
         except ValueError:
             name = f"signal {-code}"
         hint = " (out of memory?)" if name == "SIGKILL" else ""
-        return RankFailure(rank, code, None, f"killed by {name}{hint}", is_timeout=False)
+        return RankFailure(rank.rank, code, None, f"killed by {name}{hint}", is_timeout=False)
     return RankFailure(
-        rank, code, None, f"exited with status {code} without a Python error", is_timeout=False
+        rank.rank, code, None, f"exited with status {code} without a Python error", is_timeout=False
     )
 
 
-def child_main() -> None:
-    """Entry point of a rank started by :func:`launch_ranks` (argv: target, payload)."""
+def _bench_child(target: str, payload: str, timeout_s: float) -> Any:
+    """The launcher's target in every bench rank: connect to the launcher's store, run
+    ``target(payload, rank, world_size, store)``; rank 0's return value is the result."""
     import importlib
 
-    target, payload = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     try:
         import torch.distributed as dist
 
-        host, port = os.environ[STORE_ENV].rsplit(":", 1)
         module_name, func_name = target.split(":")
         func = getattr(importlib.import_module(module_name), func_name)
-        timeout_s = float(os.environ.get(TIMEOUT_ENV, "300"))
         store = dist.TCPStore(
-            host,
-            int(port),
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
             world_size + 1,
             is_master=False,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -1116,26 +944,13 @@ def child_main() -> None:
         # A prefix per launch keeps the keys of this run apart from anything else on the store.
         store = dist.PrefixStore("hetcomm-bench/", store)
         result = func(payload, rank, world_size, store)
-        if rank == 0:
-            tmp = os.environ[RESULT_FILE_ENV] + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(result, f)
-            os.replace(tmp, os.environ[RESULT_FILE_ENV])
-        # Work finished: a crash from here on happens while the interpreter shuts down.
-        with open(os.environ[ERROR_FILE_ENV] + ".done", "w", encoding="utf-8"):
-            pass
-    except BaseException as e:  # noqa: BLE001 - report every failure to the launcher
-        with open(os.environ[ERROR_FILE_ENV], "w", encoding="utf-8") as f:
-            json.dump({"type": type(e).__name__, "message": str(e) or repr(e), "timeout": is_timeout(e)}, f)
+    except BaseException:
         if os.environ.get("HETCOMM_BENCH_TRACEBACK"):
             import traceback
 
             traceback.print_exc()
-        sys.stderr.flush()
-        # sys.exit, not os._exit: atexit handlers (the shm rail's segment cleanup) must run.
-        sys.exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
+        raise
+    return result if rank == 0 else None
 
 
 def bench_rank_entry(payload: str, rank: int, world_size: int, store) -> Optional[Dict[str, Any]]:

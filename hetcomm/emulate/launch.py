@@ -1,5 +1,9 @@
 """Run one process per rank inside its node's namespace, and wait for all of them.
 
+The ranks are started and watched by the one launcher (:func:`hetcomm.launcher.launch`, as for
+``bench``, ``train`` and the tests); this module supplies what is emulate's own: each rank's
+command prefix (below), its environment, its log file, and the run's exit code and message.
+
 Each rank runs as ``ip netns exec <node-ns> sh -c 'mount --bind <shm-dir> /dev/shm; exec CMD'``:
 ``ip netns exec`` already gives the process a private mount namespace, and the bind mount makes
 ``/dev/shm`` a per-node directory of the host (``/dev/shm/hc<id>-<node>``). Ranks of one node
@@ -33,11 +37,9 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, TextIO
+from typing import Dict, List, Optional, Sequence, TextIO, Union
 
 from hetcomm.emulate.state import EmulationState, rank_cgroup_name, save_state
 from hetcomm.errors import UsageError
@@ -46,7 +48,6 @@ __all__ = ["RankResult", "RunOutcome", "rank_env", "run_ranks"]
 
 # After the first failure the other ranks get this long to exit on SIGTERM before SIGKILL.
 _KILL_GRACE_S = 3.0
-_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,9 @@ def run_ranks(
 
     Rank 0's stdout and stderr go to ``rank0_out`` (default: this process's); every other
     rank's to ``<state_dir>/hc<id>/rank<N>.log``. The first rank to fail (non-zero exit) ends
-    the run: the others get SIGTERM, then SIGKILL.
+    the run: the others get SIGTERM, then SIGKILL. The ranks are started by the one launcher
+    (:func:`hetcomm.launcher.launch`); the namespace, ``/dev/shm`` and cgroup wrappers are its
+    per-rank command prefix.
 
     Args:
         state: an emulation that is ``up``.
@@ -165,6 +168,8 @@ def run_ranks(
     Raises:
         UsageError: ``cmd`` is empty or the emulation is not up.
     """
+    from hetcomm.launcher import launch
+
     if not cmd:
         raise UsageError(
             "nothing to run: give the command after '--', e.g. "
@@ -178,92 +183,66 @@ def run_ranks(
     log_dir = os.path.join(state_dir, f"hc{state.run_id}")
     os.makedirs(log_dir, exist_ok=True)
     world = sum(len(n["ranks"]) for n in state.nodes)
-    procs: Dict[int, subprocess.Popen] = {}
-    logs: Dict[int, Optional[str]] = {}
-    shm = {
-        n["node"]: os.path.join("/dev/shm", f"hc{state.run_id}-{n['node']}") for n in state.nodes
+    logs: Dict[int, Optional[str]] = {
+        r: (None if r == 0 else os.path.join(log_dir, f"rank{r}.log")) for r in range(world)
     }
-    # The recorded (and validated) cgroups, by "<node>-r<rank>".
-    cgroups = {os.path.basename(c)[len(state.prefix) :]: c for c in state.cgroups}
-    t0 = time.monotonic()
+    outputs: Dict[int, Union[str, int]] = {r: p for r, p in logs.items() if p is not None}
+    if rank0_out is not None:
+        outputs[0] = rank0_out.fileno()
+
+    def on_start(rank: int, pid: int) -> None:
+        state.rank_pids.append(pid)
+        if rank == world - 1:
+            save_state(state_dir, state)
+
     try:
-        for rank in range(world):
-            node = _node_of(state, rank)
-            argv = [
-                "ip",
-                "netns",
-                "exec",
-                node["ns"],
-                "sh",
-                "-c",
-                'mount --bind "$0" /dev/shm && exec "$@"',
-                shm[node["node"]],
-                *cmd,
-            ]
-            cg = cgroups.get(rank_cgroup_name(node["node"], rank))
-            if cg is not None:
-                argv = [
-                    "sh",
-                    "-c",
-                    'echo $$ > "$0" && exec "$@"',
-                    os.path.join(cg, "cgroup.procs"),
-                    *argv,
-                ]
-            if rank == 0:
-                out = rank0_out if rank0_out is not None else None
-                logs[rank] = None
-                stdout = out.fileno() if out is not None else None
-                stderr = subprocess.STDOUT if out is not None else None
-            else:
-                logs[rank] = os.path.join(log_dir, f"rank{rank}.log")
-                stdout = open(logs[rank], "wb")
-                stderr = subprocess.STDOUT
-            try:
-                # Own session per rank: tear-down can kill a rank and all it spawned by group.
-                procs[rank] = subprocess.Popen(
-                    argv,
-                    env=rank_env(state, rank),
-                    stdin=subprocess.DEVNULL,
-                    stdout=stdout,
-                    stderr=stderr,
-                    start_new_session=True,
-                )
-            finally:
-                if rank != 0:
-                    stdout.close()
-            state.rank_pids.append(procs[rank].pid)
-        save_state(state_dir, state)
-        return _wait(procs, logs, state, timeout_s, t0)
+        outcome = launch(
+            list(cmd),
+            world,
+            prefix=lambda rank: _rank_prefix(state, rank),
+            rank_env=lambda rank: _launch_env(state, rank),
+            logs=outputs,
+            timeout_s=timeout_s,
+            grace_s=0.0,
+            kill_grace_s=_KILL_GRACE_S,
+            # A killed `run` leaves its ranks to `hetcomm emulate down`, which reads rank_pids.
+            die_with_launcher=False,
+            name="emulate",
+            on_start=on_start,
+        )
     finally:
-        _kill_all(procs)
         state.rank_pids = []
         save_state(state_dir, state)
+    return _run_outcome(state, outcome, logs, timeout_s)
 
 
-def _wait(procs, logs, state: EmulationState, timeout_s: float, t0: float) -> RunOutcome:
-    deadline = t0 + timeout_s
-    first: Optional[int] = None
-    while True:
-        codes = {r: p.poll() for r, p in procs.items()}
-        failed = [r for r, c in codes.items() if c not in (None, 0)]
-        if failed and first is None:
-            first = failed[0]
-            break
-        if all(c is not None for c in codes.values()):
-            break
-        if time.monotonic() > deadline:
-            break
-        time.sleep(_POLL_S)
-    running = [r for r, p in procs.items() if p.poll() is None]
-    timed_out = running if first is None and running else []
-    _kill_all(procs)
-    wall = time.monotonic() - t0
-    results = [
-        RankResult(r, _node_of(state, r)["node"], procs[r].returncode, logs[r])
-        for r in sorted(procs)
-    ]
+def _rank_prefix(state: EmulationState, rank: int) -> List[str]:
+    """The wrapper a rank's command runs in: its node's namespace with the node's ``/dev/shm``
+    bound over ``/dev/shm`` and, with compute emulation, its cpu cgroup (module docstring)."""
+    node = _node_of(state, rank)
+    shm = os.path.join("/dev/shm", f"hc{state.run_id}-{node['node']}")
+    argv = ["ip", "netns", "exec", node["ns"], "sh", "-c", 'mount --bind "$0" /dev/shm && exec "$@"', shm]
+    # The recorded (and validated) cgroups, by "<node>-r<rank>".
+    cgroups = {os.path.basename(c)[len(state.prefix) :]: c for c in state.cgroups}
+    cg = cgroups.get(rank_cgroup_name(node["node"], rank))
+    if cg is not None:
+        argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(cg, "cgroup.procs"), *argv]
+    return argv
+
+
+def _launch_env(state: EmulationState, rank: int) -> Dict[str, Optional[str]]:
+    env: Dict[str, Optional[str]] = dict(rank_env(state, rank))
+    env.setdefault("HETCOMM_EMULATE_COMPUTE", None)  # unset unless this run emulates compute
+    return env
+
+
+def _run_outcome(state: EmulationState, outcome, logs: Dict[int, Optional[str]], timeout_s: float) -> RunOutcome:
+    wall = outcome.wall_s
+    results = [RankResult(r.rank, _node_of(state, r.rank)["node"], r.exitcode, logs[r.rank]) for r in outcome.ranks]
+    first = outcome.first_failure
     if first is not None:
-        code = procs[first].returncode
+        code = outcome.ranks[first].exitcode
+        code = code if code is not None else -signal.SIGKILL  # unreapable: reported as killed
         exit_code = code if code > 0 else 128 + (-code)
         how = (
             f"exited with code {code}"
@@ -275,6 +254,7 @@ def _wait(procs, logs, state: EmulationState, timeout_s: float, t0: float) -> Ru
         if logs[first]:
             msg += f"; its output: {logs[first]}"
         return RunOutcome(exit_code, first, [], results, wall, msg)
+    timed_out = list(outcome.timed_out)
     if timed_out:
         msg = (
             f"ranks {timed_out} did not finish within {timeout_s:g} s (--timeout); they were "
@@ -283,29 +263,8 @@ def _wait(procs, logs, state: EmulationState, timeout_s: float, t0: float) -> Ru
         )
         return RunOutcome(3, None, timed_out, results, wall, msg)
     return RunOutcome(
-        0, None, [], results, wall, f"all {len(procs)} ranks exited 0 in {wall:.1f} s"
+        0, None, [], results, wall, f"all {len(results)} ranks exited 0 in {wall:.1f} s"
     )
-
-
-def _kill_all(procs: Dict[int, subprocess.Popen]) -> None:
-    live = [p for p in procs.values() if p.poll() is None]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in live:
-            try:
-                os.killpg(p.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + _KILL_GRACE_S
-        while time.monotonic() < deadline and any(p.poll() is None for p in live):
-            time.sleep(_POLL_S)
-        live = [p for p in live if p.poll() is None]
-        if not live:
-            break
-    for p in procs.values():
-        try:
-            p.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def tail(path: Optional[str], num_lines: int = 15) -> str:

@@ -1,0 +1,175 @@
+"""hetcomm.launcher: the one rank launcher (bench, train, emulate and the tests start ranks with it).
+
+Real processes throughout; the only time bounds are generous timeouts that a correct launcher
+meets on a loaded machine by a wide margin.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hetcomm.errors import PeerTimeout, UsageError
+from hetcomm.launcher import is_timeout, launch
+
+from tests.conftest import REPO_ROOT
+
+
+def report_env(tag):
+    """Target: what this rank was given."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_USE_AGENT_STORE", "LAUNCH_TEST")
+    return {"tag": tag, "pid": os.getpid(), **{k: os.environ.get(k) for k in keys}}
+
+
+def store_sum(_):
+    """Target: every rank adds its rank on the launcher's store, then reads the total."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
+                          timeout=datetime.timedelta(seconds=60))
+    store.add("sum", rank)
+    store.add("arrived", 1)
+    while int(store.add("arrived", 0)) < world:
+        time.sleep(0.01)
+    return int(store.add("sum", 0))
+
+
+def one_raises(bad_rank):
+    """Target: ``bad_rank`` raises at once; the others would sleep for ten minutes."""
+    if int(os.environ["RANK"]) == bad_rank:
+        raise PeerTimeout("deliberate: peer never answered", op="test", rank=bad_rank, rail=None)
+    time.sleep(600)
+
+
+def one_silent(silent_rank):
+    """Target: ``silent_rank`` never returns; the others finish."""
+    if int(os.environ["RANK"]) == silent_rank:
+        time.sleep(600)
+    return int(os.environ["RANK"])
+
+
+def leaves_segment(_):
+    """Target: make a /dev/shm entry named the way the shm rail names its segments, then die
+    without unlinking it (as a SIGKILLed rank would)."""
+    path = f"/dev/shm/hetcomm-{os.getpid()}-launchertest"
+    with open(path, "wb") as f:
+        f.write(b"x")
+    os._exit(9)
+
+
+@pytest.mark.timeout(120)
+def test_results_env_and_store_come_back_per_rank():
+    out = launch(report_env, 3, args=("t",), start="forkserver", env={"LAUNCH_TEST": "yes"}, store=True, timeout_s=90)
+    assert out.ok, out.message()
+    assert [r["RANK"] for r in out.results] == ["0", "1", "2"]
+    assert {(r["WORLD_SIZE"], r["LOCAL_RANK"] == r["RANK"], r["LAUNCH_TEST"], r["TORCHELASTIC_USE_AGENT_STORE"])
+            for r in out.results} == {("3", True, "yes", "True")}
+    assert [r.pid for r in out.ranks] == [r["pid"] for r in out.results]
+    assert all(r.exitcode == 0 and r.stopped is None for r in out.ranks)
+    # A fresh interpreter per rank (exec) rendezvouses through the launcher's store.
+    out = launch(store_sum, 2, args=(None,), start="exec", store=True, timeout_s=90)
+    assert out.ok, out.message()
+    assert out.results == [1, 1]
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_rank_stops_the_others_and_its_error_comes_back():
+    t0 = time.monotonic()
+    out = launch(one_raises, 3, args=(1,), start="forkserver", timeout_s=90, grace_s=0, kill_grace_s=2)
+    assert time.monotonic() - t0 < 60  # not the sleepers' ten minutes
+    assert not out.ok and out.first_failure == 1
+    bad = out.ranks[1]
+    assert (bad.error_type, bad.timeout_error, bad.exitcode, bad.stopped) == ("PeerTimeout", True, 1, None)
+    assert "deliberate: peer never answered" in bad.error
+    assert "one_raises" in bad.traceback and "raise PeerTimeout" in bad.traceback
+    for r in (0, 2):
+        assert out.ranks[r].stopped == "failure" and out.ranks[r].exitcode == -signal.SIGTERM, out.ranks[r]
+    assert [f.rank for f in out.failures][0] == 1  # the root cause first
+    assert "rank 1 raised PeerTimeout" in out.message().splitlines()[0]
+
+
+@pytest.mark.timeout(120)
+def test_the_timeout_names_the_silent_rank():
+    out = launch(one_silent, 3, args=(2,), start="forkserver", timeout_s=8, kill_grace_s=1)
+    assert out.timed_out == (2,)
+    assert [r.ok for r in out.ranks] == [True, True, False]
+    assert out.results[:2] == [0, 1]
+    assert out.ranks[2].stopped == "timeout"
+    assert "ranks [2] did not finish within 8 s" in out.message()
+
+
+@pytest.mark.timeout(60)
+def test_commands_take_a_per_rank_prefix_env_and_log(tmp_path):
+    logs = {r: str(tmp_path / f"rank{r}.log") for r in range(3)}
+    out = launch(
+        ["sh", "-c", 'echo "$PREFIXED $RANK/$WORLD_SIZE $NODE"; exit "$RANK"'],
+        3,
+        prefix=lambda r: ["env", f"PREFIXED=p{r}"],
+        rank_env=lambda r: {"NODE": f"n{r}"},
+        logs=logs,
+        timeout_s=30,
+        grace_s=None,
+    )
+    assert [open(logs[r]).read().strip() for r in range(3)] == ["p0 0/3 n0", "p1 1/3 n1", "p2 2/3 n2"]
+    assert [(r.ok, r.exitcode, r.log) for r in out.ranks] == [(True, 0, logs[0]), (False, 1, logs[1]), (False, 2, logs[2])]
+    assert out.first_failure in (1, 2)
+    with pytest.raises(UsageError):
+        launch([], 2)
+    with pytest.raises(UsageError):
+        launch(["true"], 0)
+
+
+@pytest.mark.timeout(60)
+def test_shm_left_by_a_dead_rank_is_removed_and_listed():
+    out = launch(leaves_segment, 2, args=(None,), start="forkserver", timeout_s=30, grace_s=None, clean_shm=True)
+    assert [r.exitcode for r in out.ranks] == [9, 9]
+    want = sorted(f"/dev/shm/hetcomm-{r.pid}-launchertest" for r in out.ranks)
+    assert list(out.shm_removed) == want
+    assert not any(os.path.exists(p) for p in want)
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_stops_the_ranks_and_exits_143(tmp_path):
+    pidfile = tmp_path / "rank"
+    code = (
+        "from hetcomm.launcher import launch\n"
+        f"launch(['sh', '-c', 'echo $$ > {pidfile}.$RANK.tmp && mv {pidfile}.$RANK.tmp {pidfile}.$RANK; exec sleep 300'], 2, timeout_s=120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+    try:
+        deadline = time.monotonic() + 45
+        while not all(os.path.exists(f"{pidfile}.{r}") for r in range(2)) and time.monotonic() < deadline:
+            assert proc.poll() is None
+            time.sleep(0.05)
+        pids = [int(open(f"{pidfile}.{r}").read()) for r in range(2)]
+        assert all(_alive(pid) for pid in pids)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert [pid for pid in pids if _alive(pid)] == []  # the launcher reaped them before exiting
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_is_timeout_goes_by_type():
+    assert is_timeout(PeerTimeout("x", op="o", rank=0, rail=None))
+    assert is_timeout(TimeoutError())
+    assert not is_timeout(RuntimeError("connection closed by peer"))

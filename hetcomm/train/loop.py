@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass, fields, replace
@@ -162,18 +161,18 @@ def load_train_config(path: str, **overrides: Any) -> TrainConfig:
 # -- launching ------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
-    """Run the job: under torchrun (``RANK``/``WORLD_SIZE`` set) join it, else spawn local ranks.
+    """Run the job: under torchrun (``RANK``/``WORLD_SIZE`` set) join it, else start local ranks.
+
+    Local ranks are started by :func:`hetcomm.launcher.launch` (fresh interpreters; the launcher
+    hosts the store, so ``env://`` needs no free port): the first rank to fail stops the others,
+    and the run is stopped after ``timeout_s + 10 s per step``, naming the ranks that were late.
 
     Returns:
         0 when training finished with the loss well below the unigram baseline, 1 otherwise.
     """
+    from hetcomm.launcher import launch as launch_ranks
+
     detect = cfg.cluster == DETECT
     if detect:
         # No cluster file: the backend probes the hosts when the group is created (hetcomm.topo.
@@ -189,52 +188,35 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
             f"for; use --nprocs {cluster.num_ranks} or another --cluster",
             path=cluster.path,
         )
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(_free_port())
-    if not detect:
-        os.environ[CLUSTER_ENV] = os.path.abspath(cfg.cluster)
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    result = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_spawned, args=(r, world_size, cfg, result), daemon=False) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + cfg.timeout_s + cfg.steps * 10.0
-    codes: Dict[int, int] = {}
-    try:
-        while len(codes) < world_size:
-            for r, p in enumerate(procs):
-                if r not in codes and not p.is_alive():
-                    codes[r] = p.exitcode
-                    if p.exitcode != 0:
-                        # One rank failed: the others would wait for it until their timeout.
-                        print(f"hetcomm train: rank {r} exited with code {p.exitcode}; stopping the other ranks",
-                              file=sys.stderr)
-                        for q in procs:
-                            if q.is_alive():
-                                q.terminate()
-            if time.monotonic() > deadline:
-                print("hetcomm train: the run exceeded its time limit; stopping all ranks", file=sys.stderr)
-                for q in procs:
-                    q.terminate()
-                return 1
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        for q in procs:
-            q.terminate()
-        raise
-    for p in procs:
-        p.join(5)
-    if any(c != 0 for c in codes.values()):
+    limit_s = cfg.timeout_s + cfg.steps * 10.0
+    outcome = launch_ranks(
+        _rank_main,
+        world_size,
+        args=(cfg,),
+        env={CLUSTER_ENV: None if detect else os.path.abspath(cfg.cluster)},
+        store=True,
+        store_timeout_s=cfg.timeout_s,
+        timeout_s=limit_s,
+        grace_s=0.0,  # one rank failed: the others would wait for it until their timeout
+        clean_shm=True,
+        name="train",
+    )
+    if outcome.timed_out:
+        print(f"hetcomm train: the run exceeded its time limit ({limit_s:g} s); ranks {list(outcome.timed_out)} "
+              "had not finished; stopped all ranks", file=sys.stderr)
         return 1
-    return 0 if (not result.empty() and result.get() == 0) else 1
+    if not outcome.ok:
+        first = outcome.ranks[outcome.first_failure if outcome.first_failure is not None else outcome.failures[0].rank]
+        if first.traceback:
+            print(first.traceback, file=sys.stderr, end="")
+        print(f"hetcomm train: {first.describe()}; stopped the other ranks", file=sys.stderr)
+        return 1
+    return 0 if outcome.results[0] == 0 else 1
 
 
-def _spawned(rank: int, world_size: int, cfg: TrainConfig, result) -> None:
-    code = train_worker(rank, world_size, cfg)
-    if rank == 0:
-        result.put(code)
+def _rank_main(cfg: TrainConfig) -> int:
+    """One locally launched rank (the launcher's target); returns the job's exit code."""
+    return train_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg)
 
 
 # -- one rank -------------------------------------------------------------------------------

@@ -49,13 +49,12 @@ def transfer_multiple(tokens_per_expert: float, mfu: float) -> float:
     return A100_BF16_FLOPS * mfu / (PCIE4_EFFECTIVE_BPS * tokens_per_expert)
 
 
-def drifting_zipf_trace(num_experts: int, steps: int, assignments: int, s: float, seed: int):
-    """``[steps, E]`` int64 token copies per expert per step (see the module docstring)."""
-    g = torch.Generator().manual_seed(seed)
+def drifting_zipf(num_experts: int, steps: int, s: float, g: torch.Generator):
+    """Yield each step's ``[E]`` float64 popularity (see the module docstring), drawing the
+    drift from ``g``; the caller draws the step's routing from ``g`` in between."""
     base = torch.arange(1, num_experts + 1, dtype=torch.float64) ** -s
     base /= base.sum()
     perm = torch.randperm(num_experts, generator=g)  # perm[r] = expert at popularity rank r
-    out = torch.zeros(steps, num_experts, dtype=torch.int64)
     for t in range(steps):
         if t and t % 200 == 0:
             perm = torch.roll(perm, 8)
@@ -64,6 +63,14 @@ def drifting_zipf_trace(num_experts: int, steps: int, assignments: int, s: float
             perm[[r, r + 1]] = perm[[r + 1, r]]
         p = torch.empty(num_experts, dtype=torch.float64)
         p[perm] = base
+        yield p
+
+
+def drifting_zipf_trace(num_experts: int, steps: int, assignments: int, s: float, seed: int):
+    """``[steps, E]`` int64 token copies per expert per step (see the module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.zeros(steps, num_experts, dtype=torch.int64)
+    for t, p in enumerate(drifting_zipf(num_experts, steps, s, g)):
         picks = torch.multinomial(p, assignments, replacement=True, generator=g)
         out[t] = torch.bincount(picks, minlength=num_experts)
     return out

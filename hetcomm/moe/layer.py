@@ -535,6 +535,40 @@ class MoELayer(nn.Module):
         if self.pager is not None:
             self.pager.sync()
 
+    def warm_pages(self, expert_share: torch.Tensor) -> List[int]:
+        """Seed the pager from a known routing (``hetcomm launch --warmup-from``: a previous
+        run's per-expert load): hint the predictor and page in this rank's hottest experts, as
+        many as the free slots take. Builds the pager on the experts' device if the first
+        forward has not. No-op without paging.
+
+        Args:
+            expert_share: ``[E]`` float, any device: each global expert's share of the load.
+        Returns:
+            Global ids of the experts resident afterwards because of it, hottest first.
+        Raises:
+            ConfigError: ``expert_share`` is not ``[E]`` (``key='moe.page_budget'``).
+        """
+        E = self.config.num_experts
+        if tuple(expert_share.shape) != (E,):
+            raise ConfigError(
+                f"expert_share has shape {tuple(expert_share.shape)}; expected ({E},), one share per global expert",
+                key="moe.page_budget",
+            )
+        if self.config.page_budget <= 0 or not len(self.experts):
+            return []
+        pager = self._ensure_pager(next(self.experts.parameters()).device)
+        assert pager is not None
+        ids = self._sorted_local_ids()
+        local = expert_share.detach().to("cpu", torch.float64)[ids]
+        pager.hint(local / local.max().clamp_min(1e-12))  # hottest = certain to be used
+        warmed = []
+        for l in torch.argsort(local, descending=True, stable=True).tolist():
+            if local[l] <= 0 or (not pager.resident(l) and not pager.prefetch(l)):
+                break  # unused from here on, or no free slot and nothing colder to evict
+            warmed.append(ids[l])
+        pager.sync()
+        return warmed
+
     def _paged_experts(self, recv_x: torch.Tensor, counts: Sequence[int], handle, work, times: PipelineTimes) -> torch.Tensor:
         """The local experts over the pager: resident experts first, page faults as their
         loads land (loads started when the counts arrived, overlapping the token rows' transfer).

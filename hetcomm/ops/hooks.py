@@ -120,7 +120,8 @@ def warmup(cfg, model: nn.Module, start_step: int, pagers: Sequence["ExpertPager
     and its replicator's heat, and the hottest experts are replicated on the strong ranks at the
     first forward. With ``pagers`` (one :class:`~hetcomm.moe.paging.ExpertPager` per layer, in
     layer order) each pager gets the loads as its use hint and pages in the hottest experts, as
-    many as its free slots take. Skipped after a resume (the checkpoint has the real state).
+    many as its free slots take; a paged layer (``page_budget > 0``) does the same for its own
+    pager (:meth:`~hetcomm.moe.layer.MoELayer.warm_pages`). Skipped after a resume (the checkpoint has the real state).
     Every rank reads the same file, so the seeded state is identical everywhere.
 
     Returns:
@@ -164,6 +165,7 @@ def warmup(cfg, model: nn.Module, start_step: int, pagers: Sequence["ExpertPager
             per_step = load / len(steps)
             rep.ema.copy_(per_step)
             rep.set_hot(torch.topk(per_step, min(rep.num_hot, E)).indices.tolist())
+        layer.warm_pages(share)  # a paged layer (page_budget > 0) pages in its hottest experts
         if i < len(pagers):
             pager = pagers[i]
             pager.hint(share / share.max().clamp_min(1e-12))  # hottest = certain to be used

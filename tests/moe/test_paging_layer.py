@@ -210,3 +210,16 @@ def test_train_page_budget_is_checked():
         TrainConfig(page_budget=0.4, balance=True)
     assert info.value.key == "train.page_budget" and "balance" in str(info.value)
     assert TrainConfig(page_budget=0.4).page_budget == 0.4
+
+
+def test_warm_pages_loads_the_hottest_local_experts():
+    layer = MoELayer(D, E, calibrate=False, page_budget=0.5)
+    share = torch.tensor([0.0, 0.05, 0.4, 0.0, 0.3, 0.05, 0.2, 0.0])
+    warmed = layer.warm_pages(share)
+    assert warmed == [2, 4, 6, 1]  # 4 slots; hottest first (1 before 5: the stable order of equal shares)
+    assert sorted(layer.pager.resident_experts()) == [1, 2, 4, 6]
+    with pytest.raises(ConfigError) as info:
+        layer.warm_pages(torch.ones(3))
+    assert info.value.key == "moe.page_budget"
+    assert MoELayer(D, E).warm_pages(share) == []  # paging off: nothing to do
+    layer.pager.close()

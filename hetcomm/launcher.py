@@ -348,9 +348,16 @@ def launch(
             ]
             spec_path = None
             if not is_command and start == "exec":
+                from multiprocessing import spawn as mp_spawn
+
                 spec_path = os.path.join(run_dir, "target.pickle")
                 with open(spec_path, "wb") as f:
-                    pickle.dump(list(sys.path), f)
+                    # What multiprocessing's spawn hands its children (import path, the main
+                    # module to re-import as __mp_main__), so a target defined in a script's
+                    # __main__ unpickles in the rank too.
+                    prep = mp_spawn.get_preparation_data(f"hetcomm-{name}")
+                    prep.pop("authkey", None)  # not picklable outside multiprocessing; unused here
+                    pickle.dump(prep, f)
                     pickle.dump((target, tuple(args)), f)
             for r in range(world_size):
                 log = (logs or {}).get(r)
@@ -507,10 +514,15 @@ def _forked_main(target, args, rank, env, run_dir, log) -> None:  # pragma: no c
 def _exec_main() -> None:  # pragma: no cover - in the rank
     """Entry point of an exec'd rank: argv = spec path, rank, run dir."""
     spec_path, rank, run_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    from multiprocessing import spawn as mp_spawn
+
     with open(spec_path, "rb") as f:
-        # The launcher's import path after the rank's own, so the target unpickles by reference.
-        sys.path.extend(p for p in pickle.load(f) if p not in sys.path)
         try:
+            own_path = list(sys.path)
+            # The launcher's import path and main module, as a spawned child gets them; then the
+            # rank's own entries ($PYTHONPATH of its environment) after them.
+            mp_spawn.prepare(pickle.load(f))
+            sys.path.extend(p for p in own_path if p not in sys.path)
             target, args = pickle.load(f)
         except BaseException as e:  # noqa: BLE001 - a target that cannot be imported is this rank's error
             _report(run_dir, rank, "error", _error_record(e))

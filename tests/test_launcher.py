@@ -26,22 +26,6 @@ def report_env(tag):
     return {"tag": tag, "pid": os.getpid(), **{k: os.environ.get(k) for k in keys}}
 
 
-def store_sum(_):
-    """Target: every rank adds its rank on the launcher's store, then reads the total."""
-    import datetime
-
-    import torch.distributed as dist
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
-                          timeout=datetime.timedelta(seconds=60))
-    store.add("sum", rank)
-    store.add("arrived", 1)
-    while int(store.add("arrived", 0)) < world:
-        time.sleep(0.01)
-    return int(store.add("sum", 0))
-
-
 def one_raises(bad_rank):
     """Target: ``bad_rank`` raises at once; the others would sleep for ten minutes."""
     if int(os.environ["RANK"]) == bad_rank:
@@ -74,10 +58,40 @@ def test_results_env_and_store_come_back_per_rank():
             for r in out.results} == {("3", True, "yes", "True")}
     assert [r.pid for r in out.ranks] == [r["pid"] for r in out.results]
     assert all(r.exitcode == 0 and r.stopped is None for r in out.ranks)
-    # A fresh interpreter per rank (exec) rendezvouses through the launcher's store.
+
+
+SCRIPT = """
+import os, sys, time
+from hetcomm.launcher import launch
+
+def store_sum(_):
+    import datetime
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
+                          timeout=datetime.timedelta(seconds=60))
+    store.add("sum", rank)
+    store.add("arrived", 1)
+    while int(store.add("arrived", 0)) < world:
+        time.sleep(0.01)
+    return int(store.add("sum", 0))
+
+if __name__ == "__main__":
     out = launch(store_sum, 2, args=(None,), start="exec", store=True, timeout_s=90)
-    assert out.ok, out.message()
-    assert out.results == [1, 1]
+    print("RESULTS", out.ok, out.results, out.message())
+"""
+
+
+@pytest.mark.timeout(120)
+def test_exec_ranks_of_a_script_target_meet_at_the_launchers_store(tmp_path):
+    # A fresh interpreter per rank (exec) unpickles a target defined in the script's __main__
+    # (as multiprocessing's spawn would) and rendezvouses through the launcher's store.
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=REPO_ROOT),
+                          capture_output=True, text=True, timeout=110)
+    assert "RESULTS True [1, 1] all 2 ranks finished" in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.timeout(120)

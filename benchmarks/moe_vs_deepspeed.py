@@ -327,7 +327,7 @@ def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
 
     Phases are timed by wrapping the functions each layer calls (hetcomm: gate, ``plan_route``,
     ``token_dispatch.dispatch``/``combine`` (their backwards included),
-    ``ExpertBank.forward_blocks``; DeepSpeed: gate,
+    ``ExpertBank.forward_pieces``/``forward_blocks``; DeepSpeed: gate,
     ``_route_slots``/``_sparse_encode``, ``_AllToAll``, experts, ``_sparse_decode`` in
     ``deepspeed.moe.sharded_moe``) and, in backward, by hooks on every expert module and on the
     all-to-all's backward. ``rest`` is the stage's total minus the named phases (autograd
@@ -351,6 +351,7 @@ def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
         clock.wrap(TD, "dispatch", "dispatch")
         clock.wrap(TD, "combine", "combine")
         clock.wrap(m.experts, "forward_blocks", "experts")
+        clock.wrap(m.experts, "forward_pieces", "experts")
         clock.wrap(TD._DispatchFn, "backward", "dispatch")
         clock.wrap(TD._CombineFn, "backward", "combine")
         experts = list(m.experts.experts) + (list(m.replicator.replicas.values()) if m.replicator else [])

@@ -44,6 +44,7 @@ host bridge) needs the same semantics over ``all_to_all_single``.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Protocol, Sequence, Tuple, Union
@@ -152,10 +153,10 @@ class _Plan:
     expand_index: Tuple[torch.Tensor, ...]  # [C] of [R_c] int64 into the received token rows
     slot_index: Tuple[torch.Tensor, ...]  # [C] of [R_c] int64: row * k + slot of each copy
     own_expand: Tuple[Optional[torch.Tensor], ...]  # [C] of [R_c] int64 token ids, or None
-    # Chunks that received rows from other ranks: inside each local expert's run the rows from
-    # other ranks come first, then the own rows. The own rows are read from (and written to)
-    # the tokens directly, never staged: runs[c] = ((start, n_remote, n_own) per expert),
-    # remote_src[c] = [sum n_remote] rows of the received block, own_src[c] = [sum n_own] tokens.
+    # Inside each local expert's run the rows from other ranks come first, then the own rows.
+    # The own rows are read from (and written to) the tokens directly, never staged:
+    # runs[c] = ((start, n_remote, n_own) per expert), remote_src[c] = [sum n_remote] rows of
+    # the received block (None: nothing received), own_src[c] = [sum n_own] tokens.
     runs: Tuple[Tuple[Tuple[int, int, int], ...], ...]
     remote_src: Tuple[Optional[torch.Tensor], ...]
     own_src: Tuple[Optional[torch.Tensor], ...]
@@ -559,7 +560,7 @@ def _plan(comm: DispatchComm, topk_idx, topk_weights, expert_to_rank, num_chunks
             own_src.append(own_tok[rows[order[n_rem_all:]] - Ur])
         else:
             remote_src.append(None)
-            own_src.append(None)
+            own_src.append(own_expand[-1])  # every run is own rows: the same tokens, expert by expert
     plan = _Plan(
         num_tokens=T,
         num_topk=k,
@@ -652,6 +653,31 @@ def _segments(plan: _Plan, c: int):
             yield start + n_rem, n_own, False, plan.own_src[c][oo : oo + n_own]
         ro += n_rem
         oo += n_own
+
+
+class _Pieces:
+    """The ``[R, D]`` rows of one side of a dispatch, held as one tensor or as ``L`` per-expert
+    pieces (``split_by_expert``): :meth:`rows` reads any run of rows inside one piece, so that
+    expert outputs and their gradients never need a concatenation.
+
+    Args:
+        parts: one ``[R, D]`` tensor, or ``L`` tensors ``[sizes[l], D]``.
+        sizes: rows of each part.
+    """
+
+    def __init__(self, parts: Sequence[torch.Tensor], sizes: Sequence[int]) -> None:
+        self.parts = list(parts)
+        self.starts, a = [], 0
+        for n in sizes:
+            self.starts.append(a)
+            a += int(n)
+
+    def rows(self, a: int, n: int) -> torch.Tensor:
+        """Rows ``a .. a + n - 1`` (``n > 0``; they lie inside one part: one expert's run)."""
+        if len(self.parts) == 1:
+            return self.parts[0].narrow(0, a, n)
+        i = bisect.bisect_right(self.starts, a) - 1  # the last part starting at or before a
+        return self.parts[i].narrow(0, a - self.starts[i], n)
 
 
 def _count_rows(ex: Optional[_Rows], rank: int) -> Tuple[int, int]:
@@ -808,22 +834,22 @@ class _CombineState:
         self.returns: List[_Return] = []
         self.bytes_sent = self.bytes_recv = 0
 
-    def launch(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def launch(self, y: "_Pieces", w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+        """Start the combine of the expert outputs ``y`` (``[R, D]`` in pieces) weighted by
+        ``w [R]``; ``ref`` gives the output dtype, width and device. Returns the ``[T, D]``
+        output, complete after :meth:`finish`."""
         plan = self.plan
-        result = rowpool.zeros((plan.num_tokens, y.size(1)), y.dtype, y.device)
+        D, dt, dev = ref.size(1), ref.dtype, ref.device
+        result = rowpool.zeros((plan.num_tokens, D), dt, dev)
         out = _alias(result)  # returns are added after the fact (see _DispatchState.launch)
         off = 0
         for c, n in enumerate(plan.chunk_rows):
-            yc, wc = y[off : off + n], w[off : off + n]
+            Ur = sum(plan.recv_splits[c])
+            full = rowpool.zeros((Ur, D), dt, dev) if Ur else None
+            for start, m, remote, idx in _segments(plan, c):
+                a = off + start
+                _weighted_rows(y.rows(a, m), w[a : a + m], idx, full if remote else out)
             off += n
-            full = None
-            if plan.own_expand[c] is not None:
-                _weighted_rows(yc, wc, plan.own_expand[c], out)
-            else:
-                Ur = sum(plan.recv_splits[c])
-                full = rowpool.zeros((Ur, y.size(1)), y.dtype, y.device)
-                for start, m, remote, idx in _segments(plan, c):
-                    _weighted_rows(yc[start : start + m], wc[start : start + m], idx, full if remote else out)
             ret = _Return(self.comm, plan, c, full, out, plan.wire, "combine")
             sent, recv = _count_rows(ret.ex, plan.rank)
             self.bytes_sent += sent
@@ -873,7 +899,9 @@ class CombineWork:
 
 
 class _DispatchFn(torch.autograd.Function):
-    """``(x [T, D], topk_weights [T, k]) -> recv_x [R, D]`` plus ``recv_weights [R]``.
+    """``(x [T, D], topk_weights [T, k]) -> (recv_weights [R], recv_x [R, D])``, or with
+    ``sizes`` ``(recv_weights, *pieces)``: ``recv_x`` split per local expert (views of one
+    buffer), whose gradients then come back without a concatenation.
 
     Backward (a combine without weights): every receiver sums the gradients of a token row's
     copies, sends the sums back once per row, and the sender adds them per token; the weight
@@ -881,80 +909,81 @@ class _DispatchFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, topk_weights, recv_w, state):  # type: ignore[override]
-        ctx.state = state
-        return state.launch(x), recv_w.view_as(recv_w)
+    def forward(ctx, x, topk_weights, recv_w, state, sizes):  # type: ignore[override]
+        ctx.state, ctx.sizes = state, sizes
+        ctx.width, ctx.dtype, ctx.device = x.size(1), x.dtype, x.device
+        recv_x = state.launch(x)
+        outs = (recv_x,) if sizes is None else recv_x.split(sizes)
+        return (recv_w.view_as(recv_w),) + tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad_recv_x, grad_recv_w):  # type: ignore[override]
+    def backward(ctx, grad_recv_w, *grads):  # type: ignore[override]
         st: _DispatchState = ctx.state
         plan, comm = st.plan, st.comm
         gx = gw = None
         if ctx.needs_input_grad[0]:
-            g_all = grad_recv_x.contiguous()
-            gx = rowpool.zeros((plan.num_tokens, g_all.size(1)), g_all.dtype, g_all.device)
+            dt = grads[0].dtype if grads else ctx.dtype
+            g = _Pieces([t.contiguous() for t in grads], ctx.sizes or [sum(plan.chunk_rows)])
+            gx = rowpool.zeros((plan.num_tokens, ctx.width), dt, ctx.device)
             rets, off = [], 0
             for c, n in enumerate(plan.chunk_rows):
-                g = g_all[off : off + n]
+                Ur = sum(plan.recv_splits[c])
+                full = rowpool.zeros((Ur, ctx.width), dt, ctx.device) if Ur else None
+                for start, m, remote, idx in _segments(plan, c):
+                    (full if remote else gx).index_add_(0, idx, g.rows(off + start, m))
                 off += n
-                full = None
-                if plan.own_expand[c] is not None:
-                    gx.index_add_(0, plan.own_expand[c], g)
-                else:
-                    Ur = sum(plan.recv_splits[c])
-                    full = rowpool.zeros((Ur, g.size(1)), g.dtype, g.device)
-                    for start, m, remote, idx in _segments(plan, c):
-                        (full if remote else gx).index_add_(0, idx, g[start : start + m])
                 rets.append(_Return(comm, plan, c, full, gx, plan.wire, "dispatch-backward"))
                 _count_rows(rets[-1].ex, plan.rank)
             for r in rets:
                 r.wait()
         if ctx.needs_input_grad[1]:
             gw = _slots_back(comm, plan, grad_recv_w.float()).to(st.weight_dtype)
-        return gx, gw, None, None
+        return gx, gw, None, None, None
 
 
 class _CombineFn(torch.autograd.Function):
-    """``(y [R, D], recv_weights [R]) -> out [T, D]``, per token the sum of ``w * y`` over its
-    copies. Backward (a dispatch): ``grad_y = w * grad_out[token]``,
-    ``grad_w = <grad_out[token], y>``."""
+    """``(recv_weights [R], y [R, D] or its per-expert pieces) -> out [T, D]``, per token the
+    sum of ``w * y`` over its copies. Backward (a dispatch): ``grad_y = w * grad_out[token]``
+    (in the pieces' shapes, views of one buffer), ``grad_w = <grad_out[token], y>``."""
 
     @staticmethod
-    def forward(ctx, y, recv_w, state):  # type: ignore[override]
-        ctx.state = state
-        ctx.save_for_backward(y, recv_w)
-        return state.launch(y, recv_w)
+    def forward(ctx, recv_w, state, sizes, *ys):  # type: ignore[override]
+        ctx.state, ctx.sizes = state, sizes
+        ctx.save_for_backward(recv_w, *ys)
+        return state.launch(_Pieces(ys, sizes or [ys[0].size(0)]), recv_w, ys[0])
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         st: _CombineState = ctx.state
         plan, comm = st.plan, st.comm
-        y, w = ctx.saved_tensors
+        w, *ys = ctx.saved_tensors
+        y = _Pieces(ys, ctx.sizes or [ys[0].size(0)])
         grad_out = grad_out.contiguous()
-        need_y, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gy = rowpool.empty(y.shape, grad_out.dtype, grad_out.device) if need_y else None
-        gw = torch.empty(y.size(0), dtype=torch.float32, device=y.device) if need_w else None
+        need_w, need_y = ctx.needs_input_grad[0], any(ctx.needs_input_grad[3:])
+        R = sum(plan.chunk_rows)
+        gy = rowpool.empty((R, grad_out.size(1)), grad_out.dtype, grad_out.device) if need_y else None
+        gw = torch.empty(R, dtype=torch.float32, device=grad_out.device) if need_w else None
         sends = [_Send(comm, plan, c, grad_out, plan.wire, "combine-backward") for c in range(len(plan.chunk_rows))]
         off = 0
         for c, snd in enumerate(sends):
             _count_rows(snd.ex, plan.rank)
             snd.wait()
-            n = plan.chunk_rows[c]
-            if snd.full is None:
-                segments = [(0, n, grad_out, plan.own_expand[c])] if n else []
-            else:
-                segments = [(st, m, snd.full if remote else grad_out, idx) for st, m, remote, idx in _segments(plan, c)]
-            for start, m, src, idx in segments:
+            for start, m, remote, idx in _segments(plan, c):
+                src = snd.full if remote else grad_out
                 for i in range(0, m, _BLOCK_ROWS):
                     j = min(m, i + _BLOCK_ROWS)
                     gb = torch.index_select(src, 0, idx[i:j])  # gradient of each copy's token sum
                     a, b = off + start + i, off + start + j
                     if need_w:
-                        torch.sum(gb * y[a:b], 1, dtype=torch.float32, out=gw[a:b])
+                        torch.sum(gb * y.rows(a, j - i), 1, dtype=torch.float32, out=gw[a:b])
                     if need_y:
                         torch.mul(gb, w[a:b].unsqueeze(1).to(gb.dtype), out=gy[a:b])
-            off += n
-        return gy, gw, None
+            off += plan.chunk_rows[c]
+        if gy is None:
+            gys: Tuple[Optional[torch.Tensor], ...] = (None,) * len(ys)
+        else:
+            gys = (gy,) if ctx.sizes is None else tuple(gy.split(ctx.sizes))
+        return (gw, None, None) + gys
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1004,6 +1033,7 @@ def dispatch(
     capacity: Optional[int] = None,
     async_op: bool = False,
     num_chunks: int = 1,
+    split_by_expert: bool = False,
 ):
     """Send every token to the ranks that own its experts, once per rank (collective).
 
@@ -1025,14 +1055,21 @@ def dispatch(
         num_chunks: ``C``: each rank's local experts are cut into ``C`` contiguous groups and
             each group's rows travel in their own exchange, so that experts can start on a
             chunk that has arrived. A token crosses once per (rank, chunk).
+        split_by_expert: return ``recv_x`` as a tuple of ``num_local_experts`` tensors, one per
+            local expert (``[recv_counts[l], hidden]``, views of one buffer), instead of one
+            ``[num_recv_rows, hidden]`` tensor. Their gradients then flow back without a
+            concatenation, and :func:`combine` takes the experts' outputs in the same form:
+            at E=64, D=1024 this saves two ``[R, D]`` copies per step. The pieces must not be
+            modified in place.
 
     Returns:
         ``(recv_x, recv_counts, handle)``, plus a :class:`DispatchWork` when ``async_op``:
 
         - ``recv_x``: ``[num_recv_rows, hidden]``, ``x.dtype``, ``x.device``: one row per
           (token, local expert), grouped by local expert (inside an expert: the rows from
-          other ranks by source rank, then this rank's own rows; each by token); with ``async_op`` valid only after the work's ``wait()`` (or
-          ``wait_chunk(c)`` for the rows of chunk ``c``).
+          other ranks by source rank, then this rank's own rows; each by token); with
+          ``async_op`` valid only after the work's ``wait()`` (or ``wait_chunk(c)`` for the rows
+          of chunk ``c``). With ``split_by_expert``: a tuple of one such block per local expert.
         - ``recv_counts``: ``list[int]`` of length ``num_local_experts``: rows per local expert
           (``recv_x.split(recv_counts)`` gives each expert its rows).
         - ``handle``: the :class:`DispatchHandle` that :func:`combine` takes.
@@ -1053,7 +1090,8 @@ def dispatch(
     _counters["meta_bytes_sent"] = meta0 + meta_bytes
     _counters["calls"] += 1
     state = _DispatchState(comm, plan, topk_weights.dtype)
-    recv_x, recv_weights = _DispatchFn.apply(x, topk_weights, recv_w, state)
+    recv_weights, *outs = _DispatchFn.apply(x, topk_weights, recv_w, state, list(recv_counts) if split_by_expert else None)
+    recv_x = tuple(outs) if split_by_expert else outs[0]
     work = DispatchWork(state)
     if not async_op:
         work.wait()
@@ -1089,7 +1127,9 @@ def combine(comm: DispatchComm, y: torch.Tensor, handle: DispatchHandle, *, asyn
     Arguments:
         comm: the communicator the dispatch used.
         y: ``[num_recv_rows, hidden]`` float (any dtype; the output takes it), in ``recv_x``'s
-            row order: the expert outputs.
+            row order: the expert outputs; or, as ``dispatch(split_by_expert=True)`` delivers
+            them, a sequence of one ``[recv_counts[l], hidden]`` tensor per local expert (no
+            concatenation needed; their gradients come back as views of one buffer).
         handle: the :class:`DispatchHandle` of the dispatch.
         async_op: return ``(out, CombineWork)``; ``out`` is valid after the work's ``wait()``.
 
@@ -1103,13 +1143,32 @@ def combine(comm: DispatchComm, y: torch.Tensor, handle: DispatchHandle, *, asyn
         CollectiveError: an exchange failed or timed out.
     """
     R = sum(handle.chunk_rows)
-    if y.dim() != 2 or y.size(0) != R:
-        raise UsageError(
-            f"combine: y must be [{R}, hidden] (one row per row dispatch delivered), got "
-            f"{tuple(y.shape)} (rank {comm.rank})"
-        )
+    if torch.is_tensor(y):
+        if y.dim() != 2 or y.size(0) != R:
+            raise UsageError(
+                f"combine: y must be [{R}, hidden] (one row per row dispatch delivered), got "
+                f"{tuple(y.shape)} (rank {comm.rank})"
+            )
+        parts, sizes = [y.contiguous()], None
+    else:
+        parts, want = list(y), list(handle.recv_counts)
+        got = [tuple(p.shape) for p in parts]
+        if not parts or len(parts) != len(want) or any(
+            p.dim() != 2 or p.size(0) != n or p.size(1) != parts[0].size(1) for p, n in zip(parts, want)
+        ):
+            raise UsageError(
+                f"combine: y as pieces must be one [rows, hidden] tensor per local expert with rows "
+                f"{want} (handle.recv_counts), got shapes {got} (rank {comm.rank}); a rank without "
+                f"local experts passes a [0, hidden] tensor"
+            )
+        if len({(p.dtype, p.device) for p in parts}) > 1:
+            raise UsageError(
+                f"combine: the pieces of y must share one dtype and device, got "
+                f"{sorted({(str(p.dtype), str(p.device)) for p in parts})} (rank {comm.rank})"
+            )
+        parts, sizes = [p.contiguous() for p in parts], want
     state = _CombineState(comm, handle.plan)
-    out = _CombineFn.apply(y.contiguous(), handle.recv_weights, state)
+    out = _CombineFn.apply(handle.recv_weights, state, sizes, *parts)
     work = CombineWork(state)
     if async_op:
         return out, work

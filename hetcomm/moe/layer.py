@@ -757,12 +757,21 @@ class MoELayer(nn.Module):
         if pager is not None:
             # This rank's own tokens are sure to reach its experts: page those in before the
             # count exchange tells what the other ranks send.
+            # Only into free slots: an eviction here could push out an expert the other ranks
+            # route to, which the counts would have said a moment later.
+            free = pager.free_slots()
             own = route.send_counts[list(self._sorted_local_ids())].tolist()
             for l, n in enumerate(own):
-                if n and not pager.resident(l):
-                    pager.prefetch(l)
+                if not free:
+                    break
+                if n and pager.slot_of[l] is None and pager.prefetch(l):
+                    free -= 1
 
         # gate -> dispatch -> experts (chunk by chunk, as each arrives) -> combine.
+        # Unpaged, the rows arrive as one piece per local expert and the outputs go to the
+        # combine as they come: no [R, D] concatenation of rows or gradients. A rank without
+        # experts takes the whole (empty) block, which keeps x in its backward's graph.
+        mods = self._modules_by_id() if pager is None else []
         recv_x, counts, handle, work = token_dispatch.dispatch(
             self._comm,
             x2,
@@ -771,21 +780,21 @@ class MoELayer(nn.Module):
             expert_to_rank=self.placement.owner,
             async_op=True,
             num_chunks=cfg.num_chunks,
+            split_by_expert=bool(mods),
         )
         compute_local()
         if pager is not None:
             y_recv = self._paged_experts(recv_x, counts, handle, work, times)
-        else:
-            mods = self._modules_by_id()
-            ys, off = [], 0
-            for c, n in enumerate(handle.chunk_rows):
+        elif mods:
+            y_recv = []
+            for c, (lo, hi) in enumerate(handle.chunk_experts):
                 work.wait_chunk(c)
-                lo, hi = handle.chunk_experts[c]
                 te = time.perf_counter()
-                ys.append(self.experts.forward_sorted(recv_x[off : off + n], counts[lo:hi], modules=mods[lo:hi]))
+                y_recv += self.experts.forward_pieces(recv_x[lo:hi], modules=mods[lo:hi])
                 times.expert_s += time.perf_counter() - te
-                off += n
-            y_recv = ys[0] if len(ys) == 1 or not sum(handle.chunk_rows) else cat_rows(ys)
+        else:
+            work.wait()
+            y_recv = recv_x * 0
         tw = time.perf_counter()
         out = token_dispatch.combine(self._comm, y_recv, handle)
         times.comm_exposed_s = work.exposed_s + time.perf_counter() - tw

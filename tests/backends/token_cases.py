@@ -88,7 +88,15 @@ def run_case(comm, case: Dict[str, Any], device="cpu") -> Dict[str, Any]:
     xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     kw = dict(expert_to_rank=owner, capacity=case.get("capacity"), num_chunks=case.get("chunks", 1))
     mine = [e for e in range(len(owner)) if owner[e] == rank]
-    if case.get("async"):
+    if case.get("pieces"):  # split_by_expert: one piece per local expert, outputs as they come
+        recv, counts, handle, work = td.dispatch(comm, xg, idx, wg, async_op=True, split_by_expert=True, **kw)
+        assert [tuple(p.shape) for p in recv] == [(n, D) for n in counts]
+        ys = []
+        for c, (lo, hi) in enumerate(handle.chunk_experts):
+            work.wait_chunk(c)
+            ys += [expert_fn(mine[l], recv[l], weights) for l in range(lo, hi)]
+        out = td.combine(comm, ys, handle)
+    elif case.get("async"):
         recv_x, counts, handle, work = td.dispatch(comm, xg, idx, wg, async_op=True, **kw)
         ys = []
         off = 0
@@ -149,6 +157,8 @@ def all_cases(world_size: int) -> List[Dict[str, Any]]:
         {"name": "all_to_rank0", "k": 2, "owner": even, "only_experts": [e for e in range(8) if even[e] == 0] or [0, 1]},
         {"name": "holes_capacity", "k": 2, "owner": even, "holes": True, "capacity": 5},
         {"name": "k4_chunks3", "k": 4, "owner": even, "chunks": 3},
+        {"name": "k2_pieces", "k": 2, "owner": even, "pieces": True},
+        {"name": "k4_chunks3_pieces_capacity", "k": 4, "owner": even, "chunks": 3, "pieces": True, "capacity": 9},
     ]
     return cases
 

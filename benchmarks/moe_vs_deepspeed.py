@@ -355,6 +355,8 @@ def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
         clock.wrap(TD._DispatchFn, "backward", "dispatch")
         clock.wrap(TD._CombineFn, "backward", "combine")
         experts = list(m.experts.experts) + (list(m.replicator.replicas.values()) if m.replicator else [])
+    elif v.kind == "floor":
+        experts = []  # nothing but expert math: the whole stage is its "experts" phase
     else:
         import deepspeed.moe.sharded_moe as S
 
@@ -398,8 +400,9 @@ def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
                     named = [k for k in clock.wall if k.startswith(stage + " ")]
                     for k in named:
                         row[k] = (clock.wall[k], clock.cpu[k])
-                    row[f"{stage} rest"] = (wall - sum(clock.wall[k] for k in named),
-                                            cpu - sum(clock.cpu[k] for k in named))
+                    rest = "experts" if v.kind == "floor" else "rest"
+                    row[f"{stage} {rest}"] = (wall - sum(clock.wall[k] for k in named),
+                                              cpu - sum(clock.cpu[k] for k in named))
                     row[f"{stage} total"] = (wall, cpu)
                 row["step total"] = (marks[2][0] - marks[0][0], marks[2][1] - marks[0][1])
                 per_step.append(row)
@@ -482,7 +485,7 @@ def _rank_main(rank: int, port: int, args, q) -> None:
                              "first_choice_counts": {v.name: v.first_choice_counts for v in variants if v.first_choice_counts}}
         if args.profile:
             results[cfg.name]["profile"] = {
-                v.name: _profile_variant(v, args.profile) for v in variants if v.name in ("hetcomm", "deepspeed")
+                v.name: _profile_variant(v, args.profile) for v in variants if v.name in ("hetcomm", "deepspeed", "floor x4")
             }
         del variants, opts
     q.put((rank, results))
@@ -752,7 +755,28 @@ def render_profile(results: Dict[int, Any], args) -> str:
                 else:
                     cells.append("")
             lines.append(f"| {k} | " + " | ".join(cells) + " |")
+        if "hetcomm" in names and "floor x4" in names:
+            # The gap to the floor by CPU: hetcomm's own expert calls against the floor's, and
+            # every other phase (what the floor does not do at all).
+            def cpu(n: str, k: str) -> float:
+                vals = [p[n]["phases"][k][1] for p in profs if k in p[n]["phases"]]
+                return sum(vals) / len(vals) * 1e3 if vals else 0.0
+
+            het_total, floor_total = cpu("hetcomm", "step total"), cpu("floor x4", "step total")
+            het_exp = cpu("hetcomm", "fwd experts") + cpu("hetcomm", "bwd experts")
+            others = sorted(((k, cpu("hetcomm", k)) for k in keys
+                             if k.startswith(("fwd ", "bwd ")) and not k.endswith((" experts", " total"))),
+                            key=lambda kv: -kv[1])
+            lines.append("")
+            lines.append(
+                f"CPU ms per step and rank: hetcomm {het_total:.0f} = experts {het_exp:.0f} (the floor's "
+                f"expert math: {floor_total:.0f}) + everything else {het_total - het_exp:.0f} ("
+                + ", ".join(f"{k} {v:.0f}" for k, v in others if v >= 0.5) + "). floor / hetcomm by CPU = "
+                f"{floor_total / het_total:.2f}x."
+            )
         for n in names:
+            if n.startswith("floor"):
+                continue
             lines.append("")
             lines.append(f"{n}, top ops on rank 0 (self ms, one profiled step): "
                          + ", ".join(f"{op} {t * 1e3:.0f}" for op, t in profs[0][n]["top_ops"]))

@@ -689,13 +689,10 @@ def _count_rows(ex: Optional[_Rows], rank: int) -> Tuple[int, int]:
     return sent, recv
 
 
-def _weighted_rows(y: torch.Tensor, w: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[index[i]] += w[i] * y[i]``, block by block (a block and its scratch stay in cache)."""
+def _weighted_rows(y: torch.Tensor, wc: torch.Tensor, index: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:
+    """``out[index[i]] += wc[i] * y[i]`` (``wc``: ``[S, 1]`` in ``y``'s dtype), block by block
+    through ``scratch`` (``[_BLOCK_ROWS, D]``; a block stays in cache)."""
     S = y.size(0)
-    if S == 0:
-        return
-    wc = w.unsqueeze(1).to(y.dtype)
-    scratch = torch.empty((min(S, _BLOCK_ROWS), y.size(1)), dtype=y.dtype, device=y.device)
     for i in range(0, S, _BLOCK_ROWS):
         j = min(S, i + _BLOCK_ROWS)
         out.index_add_(0, index[i:j], torch.mul(y[i:j], wc[i:j], out=scratch[: j - i]))
@@ -842,13 +839,15 @@ class _CombineState:
         D, dt, dev = ref.size(1), ref.dtype, ref.device
         result = rowpool.zeros((plan.num_tokens, D), dt, dev)
         out = _alias(result)  # returns are added after the fact (see _DispatchState.launch)
+        wc = w.unsqueeze(1).to(dt)
+        scratch = torch.empty((_BLOCK_ROWS, D), dtype=dt, device=dev)
         off = 0
         for c, n in enumerate(plan.chunk_rows):
             Ur = sum(plan.recv_splits[c])
             full = rowpool.zeros((Ur, D), dt, dev) if Ur else None
             for start, m, remote, idx in _segments(plan, c):
                 a = off + start
-                _weighted_rows(y.rows(a, m), w[a : a + m], idx, full if remote else out)
+                _weighted_rows(y.rows(a, m), wc[a : a + m], idx, full if remote else out, scratch)
             off += n
             ret = _Return(self.comm, plan, c, full, out, plan.wire, "combine")
             sent, recv = _count_rows(ret.ex, plan.rank)
@@ -964,20 +963,28 @@ class _CombineFn(torch.autograd.Function):
         gy = rowpool.empty((R, grad_out.size(1)), grad_out.dtype, grad_out.device) if need_y else None
         gw = torch.empty(R, dtype=torch.float32, device=grad_out.device) if need_w else None
         sends = [_Send(comm, plan, c, grad_out, plan.wire, "combine-backward") for c in range(len(plan.chunk_rows))]
+        dt, dev, D = grad_out.dtype, grad_out.device, grad_out.size(1)
+        wc = w.unsqueeze(1).to(dt)
+        # Per block of 256 copies: the gradient of each copy's token sum, gathered once into a
+        # scratch that stays in cache, then both products.
+        gb_all = torch.empty((_BLOCK_ROWS, D), dtype=dt, device=dev)
+        prod_all = torch.empty((_BLOCK_ROWS, D), dtype=dt, device=dev) if need_w else None
         off = 0
         for c, snd in enumerate(sends):
             _count_rows(snd.ex, plan.rank)
             snd.wait()
             for start, m, remote, idx in _segments(plan, c):
                 src = snd.full if remote else grad_out
+                ym = y.rows(off + start, m) if need_w else None
                 for i in range(0, m, _BLOCK_ROWS):
                     j = min(m, i + _BLOCK_ROWS)
-                    gb = torch.index_select(src, 0, idx[i:j])  # gradient of each copy's token sum
+                    gb = torch.index_select(src, 0, idx[i:j], out=gb_all[: j - i])
                     a, b = off + start + i, off + start + j
                     if need_w:
-                        torch.sum(gb * y.rows(a, j - i), 1, dtype=torch.float32, out=gw[a:b])
+                        prod = torch.mul(gb, ym[i:j], out=prod_all[: j - i])
+                        torch.sum(prod, 1, dtype=torch.float32, out=gw[a:b])
                     if need_y:
-                        torch.mul(gb, w[a:b].unsqueeze(1).to(gb.dtype), out=gy[a:b])
+                        torch.mul(gb, wc[a:b], out=gy[a:b])
             off += plan.chunk_rows[c]
         if gy is None:
             gys: Tuple[Optional[torch.Tensor], ...] = (None,) * len(ys)

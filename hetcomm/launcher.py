@@ -121,6 +121,7 @@ class RankOutcome:
         pid: its process id.
         seconds: wall time from the launch to its end.
         log: where its output went (a path), or None.
+        python: it ran a Python target (False: a command, which reports no result).
     """
 
     rank: int
@@ -135,6 +136,7 @@ class RankOutcome:
     pid: Optional[int] = None
     seconds: Optional[float] = None
     log: Optional[str] = None
+    python: bool = True
 
     @property
     def exit_warning(self) -> bool:
@@ -143,28 +145,35 @@ class RankOutcome:
         return self.ok and self.exitcode not in (0, None)
 
     def describe(self) -> str:
-        """One line: what happened to this rank."""
+        """One line: what happened to this rank (``rank 2 was killed by SIGKILL (out of memory?)``)."""
+        return f"rank {self.rank} {self.how_it_ended()}"
+
+    def how_it_ended(self) -> str:
+        """:meth:`describe` without the rank: ``killed by SIGABRT``, ``still running after another
+        rank failed; stopped``, ``raised ValueError: ...``."""
         if self.error_type is not None:
-            return f"rank {self.rank} raised {self.error_type}: {self.error}"
+            return f"raised {self.error_type}: {self.error}"
         if self.stopped == "timeout":
-            return f"rank {self.rank} was still running at the timeout; stopped"
+            return "still running at the timeout; stopped"
         if self.stopped == "failure":
-            return f"rank {self.rank} was still running after another rank failed; stopped"
+            return "still running after another rank failed; stopped"
         if self.stopped == "signal":
-            return f"rank {self.rank} was stopped by a signal to the launcher"
+            return "stopped by a signal to the launcher"
         code = self.exitcode
         if code is None:
-            return f"rank {self.rank} could not be reaped"
+            return "could not be reaped"
         if code < 0:
             try:
                 name = signal.Signals(-code).name
             except ValueError:
                 name = f"signal {-code}"
             hint = " (out of memory?)" if name == "SIGKILL" else ""
-            return f"rank {self.rank} was killed by {name}{hint}"
+            return f"killed by {name}{hint}"
+        if not self.python:
+            return f"exited with status {code}"
         if code == 0 and not self.ok:
-            return f"rank {self.rank} exited with status 0 without reporting a result"
-        return f"rank {self.rank} exited with status {code}" + ("" if self.ok else " without a Python error")
+            return "exited with status 0 without reporting a result"
+        return f"exited with status {code}" + ("" if self.ok else " without a Python error")
 
 
 @dataclass(frozen=True)
@@ -716,7 +725,7 @@ def _outcome(rank: int, h: _Proc, run_dir: str, reports: bool, stopped: Optional
     code = h.poll()
     common = dict(rank=rank, exitcode=code, stopped=stopped, pid=h.pid, seconds=seconds, log=h.log)
     if not reports:
-        return RankOutcome(ok=code == 0 and stopped is None, **common)
+        return RankOutcome(ok=code == 0 and stopped is None, python=False, **common)
     err = _read(run_dir, rank, "error")
     if err is not None:
         e = pickle.loads(err)

@@ -135,6 +135,7 @@ def test_commands_take_a_per_rank_prefix_env_and_log(tmp_path):
     assert [open(logs[r]).read().strip() for r in range(3)] == ["p0 0/3 n0", "p1 1/3 n1", "p2 2/3 n2"]
     assert [(r.ok, r.exitcode, r.log) for r in out.ranks] == [(True, 0, logs[0]), (False, 1, logs[1]), (False, 2, logs[2])]
     assert out.first_failure in (1, 2)
+    assert out.ranks[2].describe() == "rank 2 exited with status 2"
     with pytest.raises(UsageError):
         launch([], 2)
     with pytest.raises(UsageError):

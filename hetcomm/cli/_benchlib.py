@@ -896,29 +896,13 @@ def _is_secondary(message: str) -> bool:
 
 
 def _failure(rank: "_launcher.RankOutcome") -> RankFailure:
-    code = rank.exitcode if rank.exitcode is not None else -9
-    if rank.error_type is not None:
-        return RankFailure(rank.rank, code, rank.error_type, rank.error or "", is_timeout=rank.timeout_error)
-    if rank.stopped is not None:
-        return RankFailure(
-            rank.rank,
-            code,
-            None,
-            "still running after another rank failed; stopped",
-            is_timeout=False,
-            killed_by_launcher=True,
-        )
-    if code < 0:
-        import signal
-
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        hint = " (out of memory?)" if name == "SIGKILL" else ""
-        return RankFailure(rank.rank, code, None, f"killed by {name}{hint}", is_timeout=False)
     return RankFailure(
-        rank.rank, code, None, f"exited with status {code} without a Python error", is_timeout=False
+        rank.rank,
+        rank.exitcode if rank.exitcode is not None else -9,
+        rank.error_type,
+        (rank.error or "") if rank.error_type is not None else rank.how_it_ended(),
+        is_timeout=rank.timeout_error,
+        killed_by_launcher=rank.stopped is not None,
     )
 
 

@@ -56,10 +56,12 @@ offload moves whole flat parameters every step, not a predicted working set).
 
 from __future__ import annotations
 
+import atexit
 import math
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -80,6 +82,20 @@ __all__ = ["PagingConfig", "ExpertPager", "Grant", "PagingError", "pages_for"]
 
 _ALIGN = 64
 MiB = 1 << 20
+
+# Pagers not closed yet. Their copy workers are daemon threads; one still inside a torch copy
+# when the interpreter finalises would abort the process ("terminate called without an active
+# exception": CPython ends the thread inside pybind11's GIL release). atexit runs before that.
+_LIVE: "weakref.WeakSet[ExpertPager]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_pagers() -> None:
+    for pager in list(_LIVE):
+        try:
+            pager.close()
+        except Exception:  # exiting anyway: a failed transfer must not hide the real exit status
+            pass
 
 
 class PagingError(HetcommError, RuntimeError):
@@ -346,6 +362,13 @@ class ExpertPager:
         self.predicted = torch.zeros(E, dtype=torch.float64, device="cpu")  # predicted use probability u_e
         self._ema = torch.zeros(E, dtype=torch.float64, device="cpu")       # EMA of "used this step"
         self._share = torch.zeros(E, dtype=torch.float64, device="cpu")     # EMA of the token share (tie-break)
+        # Python copies of predicted/_share: the victim search reads them O(E) times per load,
+        # and a tensor element read costs ~1 us where a list's costs ~30 ns.
+        self._pred_l: List[float] = [0.0] * E
+        self._share_l: List[float] = [0.0] * E
+        # Experts whose optimizer state is bound into the pools (views): Adam creates its state
+        # once per parameter and updates it in place, so only these need no re-binding.
+        self._state_seen: set = set()
         self._hint = torch.zeros(E, dtype=torch.float64, device="cpu")
         self.last_used = [-(10**9)] * E
         self._fault_streak = [0] * E
@@ -365,6 +388,7 @@ class ExpertPager:
         self._h2d = _Copier("h2d", rate, self.device)
         self._d2h = _Copier("d2h", rate, self.device)
         self._closed = False
+        _LIVE.add(self)
 
     # -- regions and binding --------------------------------------------------------------
 
@@ -409,7 +433,10 @@ class ExpertPager:
         """Make expert ``e``'s parameters (and state) views of region ``key``, copying their
         values in first when ``copy`` (values already there when the region was just loaded)."""
         for p, views in zip(self.params[e], self._region_views(key)):
-            for t, view in zip([p] + self._state_tensors(p), views):
+            state = self._state_tensors(p)
+            if state:
+                self._state_seen.add(e)
+            for t, view in zip([p] + state, views):
                 if t.data_ptr() == view.data_ptr():
                     continue
                 if t.dtype != view.dtype:
@@ -440,7 +467,7 @@ class ExpertPager:
 
     def _score(self, e: int) -> float:
         recency = 1.0 / (1 + max(0, self.step - self.last_used[e]))
-        return float(self.predicted[e]) * recency
+        return self._pred_l[e] * recency
 
     def _evictable(self, e: int, allow_busy: bool = False) -> bool:
         return (
@@ -453,7 +480,7 @@ class ExpertPager:
     def _key(self, e: int) -> "tuple[float, float, int]":
         # u_e * recency_e first; among equals (every expert used every step) the smaller
         # token share goes first, since it has the shortest computation to hide a reload behind.
-        return (self._score(e), float(self._share[e]), self.last_used[e])
+        return (self._score(e), self._share_l[e], self.last_used[e])
 
     def _victim(self, below: Optional["tuple[float, float, int]"] = None, allow_busy: bool = False) -> Optional[int]:
         cands = [e for e in range(self.num_experts) if self._evictable(e, allow_busy)]
@@ -471,7 +498,8 @@ class ExpertPager:
             # byte for byte; the parameters point at the host region from now on.
             # The host region is complete once the write-back lands: a reload of ``e`` and the
             # next load into ``s`` both wait for it (``_Job.after``); ``sync()`` before reading.
-            self._bind(e, ("slot", s), copy=True)
+            if e not in self._state_seen:
+                self._bind(e, ("slot", s), copy=True)
             ev = self._record_compute()
             job = self._d2h.submit(_Job(self._slot_region(s), self._host_region(e), [], ev))
             self._writeback[s] = job
@@ -553,7 +581,7 @@ class ExpertPager:
 
     def _incoming_key(self, e: int) -> "tuple[float, float, int]":
         # An expert needed now counts as used now (recency 1); it displaces only colder ones.
-        return (max(float(self.predicted[e]), 1e-12), float(self._share[e]), self.step)
+        return (max(self._pred_l[e], 1e-12), self._share_l[e], self.step)
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -782,7 +810,7 @@ class ExpertPager:
                     job.done.wait(self.cfg.timeout_s)
                     self._check(job, e)
                 self._bind(e, ("host", e), copy=True)
-            elif e not in self._loading:
+            elif e not in self._loading and e not in self._state_seen:
                 self._bind(e, ("slot", self.slot_of[e]), copy=True)
         used = torch.zeros(self.num_experts, dtype=torch.float64, device="cpu")  # host: pager statistics
         if self._used_step:
@@ -793,6 +821,7 @@ class ExpertPager:
         if total > 0:
             self._share = self._share * d + (self._counts / total) * (1 - d)
         self.predicted = torch.maximum(self._ema, self._hint)
+        self._pred_l, self._share_l = self.predicted.tolist(), self._share.tolist()
         self._hint = torch.zeros_like(self._hint)
         self._update_l2()
         S = self.num_slots
@@ -892,6 +921,7 @@ class ExpertPager:
         self._ema = state["ema"].to(torch.float64).clone()
         self._share = state["share"].to(torch.float64).clone()
         self.predicted = self._ema.clone()
+        self._pred_l, self._share_l = self.predicted.tolist(), self._share.tolist()
         self.last_used = list(state["last_used"])
         self._fault_streak = list(state["fault_streak"])
         self.l2_pinned = set(state["l2_pinned"])
@@ -903,10 +933,13 @@ class ExpertPager:
         """Finish transfers, stop the copy workers. Weights stay valid (host views)."""
         if self._closed:
             return
-        self.sync()
-        self._h2d.close()
-        self._d2h.close()
         self._closed = True
+        _LIVE.discard(self)
+        try:
+            self.sync()
+        finally:
+            self._h2d.close()
+            self._d2h.close()
 
     def __enter__(self) -> "ExpertPager":
         return self

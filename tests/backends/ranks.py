@@ -115,7 +115,9 @@ def run_ranks_outcomes(
     Returns:
         One :class:`RankOutcome` per rank, in rank order.
     """
-    child_env: Dict[str, Optional[str]] = {"HETCOMM_CLUSTER": cluster}
+    # The ranks join the test's store as clients by hand (below); fns that build their own env://
+    # group at another MASTER_PORT (tests/ops/jobs.py) need rank 0 to host it, as before.
+    child_env: Dict[str, Optional[str]] = {"HETCOMM_CLUSTER": cluster, "TORCHELASTIC_USE_AGENT_STORE": None}
     child_env.update(env or {})
     out = launch(
         _rank_body,

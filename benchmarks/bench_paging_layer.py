@@ -13,7 +13,8 @@ forward compute at the trace's average rows per expert, ``M`` from an A100 over 
 slot holds the expert's weights and Adam's two moments, every eviction writes back, and a step
 whose routed experts exceed the slots streams them in waves (backward reloads them).
 
-Variants, on the same trace and the same initial weights, in one run:
+Variants, on the same trace and the same initial weights, in one run (``--runs`` times each,
+interleaved; medians of the runs, and the median of each run's ratio to the unpaged run):
   unpaged     every expert resident (the reference step time)
   paged B     page_budget B for each B of --budgets
 
@@ -28,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from typing import List
 
 import torch
 
@@ -116,6 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens-per-expert", type=float, default=8192)
     ap.add_argument("--mfu", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", type=int, default=3, help="runs of every variant, interleaved; medians reported")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     sys.setswitchinterval(1e-4)  # copy-worker hand-offs (see bench_paging)
@@ -135,10 +138,20 @@ def main(argv=None) -> int:
     print(f"# transfer multiple M={M:.2f}; CPU forward of one expert at {max(1, 2 * args.tokens // E)} rows "
           f"{t_c * 1e3:.3f} ms -> {M * t_c * 1e3:.3f} ms per {slot_bytes / 2**20:.2f} MiB slot (weights + Adam)")
     print(f"# load average at start {os.getloadavg()[0]:.2f}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    rows = [run_variant("unpaged", make_layer(E, D, F, 0.0, rate), batches, args.warmup)]
-    for b in args.budgets.split(","):
-        rows.append(run_variant(f"paged {float(b):g}", make_layer(E, D, F, float(b), rate), batches, args.warmup))
-    base = rows[0]["median_step_ms"]
+    budgets = [0.0] + [float(b) for b in args.budgets.split(",")]
+    runs: List[List[dict]] = [[] for _ in budgets]
+    for _ in range(args.runs):  # interleaved, so load changes hit every variant alike
+        for i, b in enumerate(budgets):
+            runs[i].append(run_variant("unpaged" if b == 0 else f"paged {b:g}", make_layer(E, D, F, b, rate),
+                                       batches, args.warmup))
+    rows = []
+    for per in runs:
+        r = dict(per[0])
+        for key in ("median_step_ms", "hit_rate", "stall_frac"):
+            if r[key] is not None:
+                r[key] = statistics.median(x[key] for x in per)
+        r["ratio"] = statistics.median(x["median_step_ms"] / u["median_step_ms"] for x, u in zip(per, runs[0]))
+        rows.append(r)
     print("| variant | slots | experts used/step | steps in waves | started without waiting | exposed stall / step time "
           "| median step ms | vs unpaged |")
     print("|---|---|---|---|---|---|---|---|")
@@ -147,7 +160,7 @@ def main(argv=None) -> int:
             return "-" if v is None else f"{v:.2%}"
         used = "-" if r["experts_used"] is None else f"{r['experts_used']:.1f}"
         print(f"| {r['variant']} | {r['slots']} | {used} | {pct(r['wave_steps'])} | {pct(r['hit_rate'])} | "
-              f"{pct(r['stall_frac'])} | {r['median_step_ms']:.1f} | {r['median_step_ms'] / base:.2f}x |")
+              f"{pct(r['stall_frac'])} | {r['median_step_ms']:.1f} | {r['ratio']:.2f}x |")
     print(f"# load average at end {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -117,7 +117,8 @@ class RankOutcome:
         exitcode: process exit status (negative: killed by that signal); None only if the
             process could not be reaped.
         stopped: why the launcher stopped it: ``"failure"`` (another rank failed),
-            ``"timeout"``, ``"signal"``, or None (it ended on its own).
+            ``"timeout"``, or None (it ended on its own). (On SIGTERM/SIGINT the launcher
+            raises instead of returning an outcome.)
         pid: its process id.
         seconds: wall time from the launch to its end.
         log: where its output went (a path), or None.
@@ -157,8 +158,6 @@ class RankOutcome:
             return "still running at the timeout; stopped"
         if self.stopped == "failure":
             return "still running after another rank failed; stopped"
-        if self.stopped == "signal":
-            return "stopped by a signal to the launcher"
         code = self.exitcode
         if code is None:
             return "could not be reaped"

@@ -20,11 +20,11 @@ D, E = 16, 8
 TOL = 1e-6
 
 
-def _layers(budget: float, seed: int = 0, num_chunks: int = 1):
+def _layers(budget: float, seed: int = 0, num_chunks: int = 1, device: str = "cpu"):
     """An unpaged layer and its paged twin (same weights), each with its own AdamW."""
     kw = dict(k=2, dropless=True, calibrate=False, wire_dtype="fp32", seed=seed, num_chunks=num_chunks)
-    plain = MoELayer(D, E, **kw)
-    paged = MoELayer(D, E, page_budget=budget, **kw)
+    plain = MoELayer(D, E, **kw).to(device)
+    paged = MoELayer(D, E, page_budget=budget, **kw).to(device)  # the pager is built on it at the first forward
     paged.load_state_dict(plain.state_dict())
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     opt_paged = torch.optim.AdamW(paged.parameters(), lr=1e-2)
@@ -37,19 +37,19 @@ def _max_diff(a, b) -> float:
 
 
 def train_twins(rank: int, world_size: int, budget: float, steps: int, seed: int, max_tokens: int = 12,
-                num_chunks: int = 1):
+                num_chunks: int = 1, device: str = "cpu"):
     """Train an unpaged and a paged layer side by side on the same tokens; return the largest
     differences seen (outputs, input grads, parameter grads, weights, Adam state) and the
     paging counters. Token counts vary per step so some steps fit the budget and some do not."""
     sys.setswitchinterval(1e-4)  # hand-offs to the copy workers at 0.1 ms (as tests/moe/test_paging.py)
-    plain, paged, opt_plain, opt_paged = _layers(budget, seed, num_chunks)
+    plain, paged, opt_plain, opt_paged = _layers(budget, seed, num_chunks, device)
     gen = torch.Generator().manual_seed(1000 * seed + rank)
     worst = {"out": 0.0, "x_grad": 0.0, "param_grad": 0.0, "weights": 0.0, "adam": 0.0}
     totals = {"page_hits": 0, "page_faults": 0, "page_loads": 0, "page_evictions": 0, "page_reacquires": 0}
     waves = held = 0
     for step in range(steps):
         T = int(torch.randint(1, max_tokens, (1,), generator=gen))
-        x = torch.randn(T, D, generator=gen)
+        x = torch.randn(T, D, generator=gen).to(device)
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
         ya, yb = plain(xa), paged(xb)
         (ya.pow(2).mean() + 0.01 * plain.l_aux).backward()
@@ -74,7 +74,7 @@ def train_twins(rank: int, world_size: int, budget: float, steps: int, seed: int
             held += 1
     # A forward without autograd streams whatever it routes (never over budget).
     with torch.no_grad():
-        x = torch.randn(24, D, generator=gen)
+        x = torch.randn(24, D, generator=gen).to(device)
         worst["out"] = max(worst["out"], (plain(x) - paged(x)).abs().max().item())
     paged.end_page_step()
     paged.sync_pages()
@@ -89,9 +89,9 @@ def train_twins(rank: int, world_size: int, budget: float, steps: int, seed: int
     return {"worst": worst, "totals": totals, "waves": waves, "held": held, "slots": slots, "local": local}
 
 
-def _check(res):
+def _check(res, tol: float = TOL):
     for key, v in res["worst"].items():
-        assert v <= TOL, (key, res)
+        assert v <= tol, (key, res)
     t = res["totals"]
     # The budget really forced paging: evictions and reloads, steps in both modes.
     assert res["slots"] < res["local"], res

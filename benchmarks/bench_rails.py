@@ -45,10 +45,13 @@ if REPO_ROOT not in sys.path:
 
 from hetcomm.cli import _benchlib as lib  # noqa: E402
 
-VARIANTS = ("gloo", "hetcomm/gloo", "hetcomm/shm", "copy")
+VARIANTS = ("gloo", "hetcomm/gloo", "hetcomm/shm", "hetcomm/default", "copy")
 # HetcommOptions of each hetcomm variant; the "-nocheck" ones (--unchecked) turn off the
 # cross-rank split check (one small gloo all_gather per call) to show what it costs.
 HETCOMM_VARIANTS = {
+    # The default rails: same-host ways as calibrated per size class (calibrate.py), e.g. the
+    # single-copy path; HETCOMM_SAME_HOST_RAIL in the environment pins it instead.
+    "hetcomm/default": {},
     "hetcomm/gloo": {"rails": ["gloo"]},
     "hetcomm/shm": {"rails": ["shm"]},
     "hetcomm/gloo-nocheck": {"rails": ["gloo"], "check_splits": False},
@@ -58,6 +61,7 @@ LABELS = {
     "gloo": "plain gloo",
     "hetcomm/gloo": "hetcomm, gloo rail forced",
     "hetcomm/shm": "hetcomm, shm rail forced",
+    "hetcomm/default": "hetcomm, default rails (calibrated)",
     "hetcomm/gloo-nocheck": "hetcomm, gloo rail, split check off",
     "hetcomm/shm-nocheck": "hetcomm, shm rail, split check off",
 }
@@ -88,7 +92,8 @@ def rank_main(payload: str, rank: int, world_size: int, store) -> Dict[str, Any]
     for name in variants:  # same order on every rank: new_group is collective
         if name in HETCOMM_VARIANTS:
             spec = dict(HETCOMM_VARIANTS[name])
-            spec["rails"] = tuple(spec["rails"])
+            if "rails" in spec:
+                spec["rails"] = tuple(spec["rails"])
             groups[name] = dist.new_group(
                 backend="hetcomm", timeout=timeout, pg_options=HetcommOptions(**spec)
             )
@@ -224,6 +229,11 @@ def render(summary: Dict[str, Any], args: argparse.Namespace, machine: Dict[str,
     lines.append(
         "| shm copy bound (2 copies per byte) | "
         + " | ".join(f"{_ms(2 * copy[s]['median'])}" for s in sizes)
+        + " |"
+    )
+    lines.append(
+        "| single-copy bound (1 copy per byte) | "
+        + " | ".join(f"{_ms(copy[s]['median'])}" for s in sizes)
         + " |"
     )
     lines.append(

@@ -86,10 +86,11 @@ _KIND = {k: i for i, k in enumerate(KINDS) if k}
 REDUCE_OPS = ("", "SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM", "UNUSED")
 _REDUCE = {k: i for i, k in enumerate(REDUCE_OPS) if k}
 
-_HEAD = 16
+_HEAD = 17
 _DIMS = 6  # shape sizes carried verbatim (the hash covers the rest)
 (_F_KIND, _F_SEQ, _F_DTYPE, _F_COUNT, _F_REDOP, _F_ROOT, _F_LOCAL, _F_NDIM) = range(8)
-_F_HASH, _F_N = 14, 15
+# _F_ADDR: the input's address, for the single-copy all-to-all (rails/cma.py); never compared.
+_F_HASH, _F_N, _F_ADDR = 14, 15, 16
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -129,6 +130,7 @@ def meta_width(n: int) -> int:
 def _vector(
     kind: str, seq: int, dtype: Optional[torch.dtype], count: int, shape: Sequence[int], reduce_op: Optional[str],
     root: Optional[int], local_problem: bool, input_sizes: Sequence[int], output_sizes: Sequence[int], n: int,
+    addr: int = 0,
 ) -> torch.Tensor:
     dims = [int(d) for d in shape]
     head = [0] * _HEAD
@@ -143,6 +145,7 @@ def _vector(
     head[_F_NDIM + 1 : _F_NDIM + 1 + min(len(dims), _DIMS)] = dims[:_DIMS]
     head[_F_HASH] = _shape_hash(dims)
     head[_F_N] = n
+    head[_F_ADDR] = int(addr)
     sizes = list(input_sizes) + list(output_sizes)
     if not sizes:
         sizes = [0] * (2 * n)
@@ -152,9 +155,9 @@ def _vector(
 
 def encode_meta(
     op: str, seq: int, dtype: torch.dtype, row_bytes: int, row_shape: Sequence[int],
-    input_sizes: Sequence[int], output_sizes: Sequence[int],
+    input_sizes: Sequence[int], output_sizes: Sequence[int], addr: int = 0,
 ) -> torch.Tensor:
-    """This rank's metadata vector for an all-to-all: ``[16 + 2n]``, ``torch.int64``.
+    """This rank's metadata vector for an all-to-all: ``[17 + 2n]``, ``torch.int64``.
 
     Args:
         op: ``all_to_all_single``, ``all_to_all`` or ``plan``.
@@ -163,9 +166,11 @@ def encode_meta(
             list form, whose sizes are elements).
         input_sizes / output_sizes: rows (``all_to_all_single``) or elements (``all_to_all``)
             this rank sends to / receives from each rank.
+        addr: the input's host address when the peers may read it in place (the single-copy
+            path, :mod:`hetcomm.backends.rails.cma`); 0 otherwise. Not compared across ranks.
     """
     assert len(input_sizes) == len(output_sizes), (input_sizes, output_sizes)
-    return _vector(op, seq, dtype, row_bytes, row_shape, None, None, False, input_sizes, output_sizes, len(input_sizes))
+    return _vector(op, seq, dtype, row_bytes, row_shape, None, None, False, input_sizes, output_sizes, len(input_sizes), addr)
 
 
 def encode_collective(
@@ -173,7 +178,7 @@ def encode_collective(
     shape: Sequence[int] = (), reduce_op: Optional[str] = None, root: Optional[int] = None,
     local_problem: bool = False,
 ) -> torch.Tensor:
-    """This rank's metadata vector for any other collective: ``[16 + 2n]``, ``torch.int64``.
+    """This rank's metadata vector for any other collective: ``[17 + 2n]``, ``torch.int64``.
 
     Args:
         kind: one of :data:`KINDS` (e.g. ``all_reduce``).
@@ -205,6 +210,16 @@ class Meta:
     def recvs(self, r: int) -> List[int]:
         """Rank r's output split sizes."""
         return self.rows[r][_HEAD + self.n : _HEAD + 2 * self.n]
+
+    def addr(self, r: int) -> int:
+        """Rank r's input address (0 unless it offered its input for single-copy reads)."""
+        return self.rows[r][_F_ADDR]
+
+
+def failures(rows: Sequence[Sequence[int]]) -> List[Tuple[int, int, int]]:
+    """``[(rank, peer, errno)]`` of the ranks whose closing vector of a single-copy all-to-all
+    (:func:`hetcomm.backends.rails.cma.finish`) flags a failed read of ``peer``."""
+    return [(r, row[_F_ROOT], row[_F_COUNT]) for r, row in enumerate(rows) if row[_F_LOCAL]]
 
 
 def _shape_text(row: Sequence[int]) -> str:

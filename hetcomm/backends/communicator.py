@@ -159,9 +159,11 @@ class Communicator:
         self.timeout = timeout
         #: The routed collectives (rails, executor); None over a non-hetcomm group.
         self.routed: Optional["RoutedCollectives"] = None
-        #: The rail for CPU tensors between same-host peers, per host, as calibrated (or as
-        #: configured: see :mod:`hetcomm.backends.calibrate`); empty over a non-hetcomm group.
-        self.same_host_rail: Dict[str, str] = {}
+        #: The way CPU tensors travel between same-host peers, per host and size class, as
+        #: calibrated (or as configured): ``host|node -> SameHostRails`` (``str()`` reads e.g.
+        #: ``gloo at 1 MiB, cma at 4 MiB, cma at 16 MiB``; see :mod:`hetcomm.backends.calibrate`);
+        #: empty over a non-hetcomm group.
+        self.same_host_rail: Dict[str, Any] = {}
         self._initialized = True
 
     @classmethod

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import weakref
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ from hetcomm.backends.rails.shm import ShmRail, shm_supported
 from hetcomm.backends.rails.striped import StripedRail
 from hetcomm.backends.select import choose_rail, shm_possible
 from hetcomm.errors import UsageError
+
+if TYPE_CHECKING:
+    from hetcomm.backends.calibrate import SameHostRails
 
 __all__ = ["RailSet"]
 
@@ -110,21 +113,29 @@ class RailSet:
         self._device_rails: Dict[str, Rail] = {}
         self._routes: Dict[str, List[str]] = {}
         self._uniform_gloo: Optional[bool] = None
-        #: ``host|node`` -> ``shm`` or ``gloo``: the rail of CPU tensors between the ranks that
-        #: share memory there (calibrated, :mod:`.calibrate`; a unit not listed uses shm).
-        self.same_host: Dict[str, str] = {}
+        #: ``host|node`` -> the way CPU tensors travel between the ranks that share memory there,
+        #: per size class (calibrated, :class:`~.calibrate.SameHostRails`; a unit not listed uses shm).
+        self.same_host: Dict[str, "SameHostRails"] = {}
+        #: The whole group's size classes when the way depends on the call (several ways, or the
+        #: single-copy path): :meth:`RoutedCollectives.all_to_all_single` then picks per call.
+        self.size_routes: Optional["SameHostRails"] = None
 
-    def set_same_host_rails(self, choice: Dict[str, str]) -> None:
-        """Adopt the (agreed) same-host rail of every host; before the first collective."""
+    def set_same_host_rails(self, choice: Dict[str, "SameHostRails"]) -> None:
+        """Adopt the (agreed) same-host ways of every host; before the first collective."""
         self.same_host = dict(choice)
         self._routes.clear()
         self._uniform_gloo = None
+        self.size_routes = None
+        if self.board is not None and len(choice) == 1:
+            (classes,) = choice.values()
+            self.size_routes = classes if classes.per_call else None
 
     def _shm_allowed(self, a: int, b: int) -> bool:
         """Whether the pair's CPU tensors may use shm: same node and host, and the host's
-        calibrated rail is shm. The same answer on every rank (from agreed inputs)."""
+        calibrated ways use shared memory. The same answer on every rank (from agreed inputs)."""
         p = self.placement.ranks[a]
-        return shm_possible(self.placement, a, b) and self.same_host.get(f"{p.host}|{p.node}", "shm") == "shm"
+        classes = self.same_host.get(f"{p.host}|{p.node}")
+        return shm_possible(self.placement, a, b) and (classes is None or classes.pair_rail == "shm")
 
     def _make_nic_rails(self) -> Optional[StripedRail]:
         """One gloo group per NIC port, when the cluster YAML gives every node of the group

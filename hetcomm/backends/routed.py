@@ -9,6 +9,7 @@ its future. The c10d face (:mod:`.process_group`) and the communicator call thes
 
 from __future__ import annotations
 
+import os
 import time
 from typing import List, Optional, Sequence
 
@@ -22,6 +23,7 @@ from hetcomm.backends.faults import FaultDiagnosis
 from hetcomm.backends.options import HetcommOptions
 from hetcomm.backends.placement import Placement
 from hetcomm.backends.railset import RailSet
+from hetcomm.backends.rails import cma
 from hetcomm.backends.rails.base import Xfer
 from hetcomm.backends.stats import record as _record
 from hetcomm.backends.work import ChunkArrival, HetcommWork
@@ -146,8 +148,11 @@ class RoutedCollectives:
         row_shape = tuple(input.shape[1:])
         row_bytes = input.element_size() * _prod(row_shape)
         use_plan = self._plan_strategy(input)
-        need_meta = (self.options.check_splits and not checks.splits_are_agreed()) or use_plan is not None
-        meta = checks.encode_meta(op, seq, input.dtype, row_bytes, row_shape, in_splits, out_splits) if need_meta else None
+        # The whole group on one host, with a way that depends on the call (calibrate.py): the
+        # board exchange always runs (it carries the split matrix that decides the size class,
+        # and the input addresses of the single-copy path), and the check on it comes for free.
+        sized = self.rails.size_routes if input.device.type == "cpu" and use_plan is None and self.rails.striped is None else None
+        need_meta = (self.options.check_splits and not checks.splits_are_agreed()) or use_plan is not None or sized is not None
         src = input if input.is_contiguous() else input.contiguous()
         dst = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
         if input.dtype not in GLOO_DTYPES:
@@ -156,6 +161,8 @@ class RoutedCollectives:
             src, dst_bytes = _row_bytes(src), _row_bytes(dst)
         else:
             dst_bytes = dst
+        addr = src.data_ptr() if sized is not None and "cma" in sized.ways else 0
+        meta = checks.encode_meta(op, seq, input.dtype, row_bytes, row_shape, in_splits, out_splits, addr) if need_meta else None
         # Device tensors: ordered after the caller's current stream as of now, that is after
         # the contiguous copies above too (hetcomm.backends.devices).
         work = HetcommWork([output], seq, order=devices.capture((input, output, src, dst), seq))
@@ -165,12 +172,20 @@ class RoutedCollectives:
             deadline = self._deadline()
             if need_meta:
                 m = self.exchange_meta(op, seq, meta, "rows")
+            way = None
+            if sized is not None:
+                way = sized.rail_for(sum(sum(m.sends(r)) for r in range(n)) * row_bytes // n)
             if use_plan is not None:
                 traffic = [[x * row_bytes for x in m.sends(r)] for r in range(n)]
                 plan = self._make_plan(use_plan, traffic)
                 self._run_plan(plan, dst_bytes, src, op, seq, deadline)
                 _all_arrived(w, out_splits)
-            elif input.device.type == "cpu" and self.rails.every_pair_on_gloo() and self.rails.striped is None:
+            elif way == "cma":
+                self._cma_all_to_all(dst_bytes, src, m, row_bytes, op, seq, deadline)
+                _all_arrived(w, out_splits)
+            elif way == "gloo" or (
+                way is None and input.device.type == "cpu" and self.rails.every_pair_on_gloo() and self.rails.striped is None
+            ):
                 self._gloo_all_to_all(dst_bytes, src, out_splits, in_splits, row_bytes, op)
                 _all_arrived(w, out_splits)
             else:
@@ -196,6 +211,40 @@ class RoutedCollectives:
             self.exchange_meta(op, seq, meta, "rows", local_error=error)
 
         return self.executor.submit(job, HetcommWork([], seq), async_op)
+
+    def _cma_all_to_all(self, dst, src, m: checks.Meta, row_bytes: int, op: str, seq: int, deadline: float) -> None:
+        """The whole group on one host: read every peer's rows for this rank straight from the
+        peer's input (one copy per byte, :mod:`.rails.cma`), then a closing board exchange, after
+        which no peer reads this rank's input any more; a failed read raises on every rank.
+
+        Args:
+            dst / src: contiguous output and input (rows of ``row_bytes``).
+            m: the exchanged (and checked) metadata, with every rank's input address.
+        """
+        n, me = self.size, self.rank
+        pids = [p.pid for p in self.placement.ranks]
+        recv_bytes = [c * row_bytes for c in m.recvs(me)]
+        # Where rank j's rows for this rank start in rank j's input.
+        offsets = [sum(m.sends(j)[:me]) * row_bytes for j in range(n)]
+        error, seconds = cma.gather_rows(pids, me, dst, src, [m.addr(j) for j in range(n)], recv_bytes, offsets)
+        failed = cma.finish(self.rails.board, me, n, op, seq, error, deadline)
+        if failed:
+            r, peer, code = failed[0]
+            raise CollectiveError(
+                f"single-copy all-to-all: rank {r} could not read rank {peer}'s input ({os.strerror(code)}, "
+                f"errno {code}); the group is still usable, or set HETCOMM_SAME_HOST_RAIL=shm to use the rings",
+                op=op, rank=me, peer=peer, rail="shm",
+            )
+        sent = [c * row_bytes for c in m.sends(me)]
+        _record(
+            "shm",
+            bytes_sent=sum(b for j, b in enumerate(sent) if j != me),
+            bytes_received=sum(b for j, b in enumerate(recv_bytes) if j != me),
+            chunks_sent=sum(1 for j, b in enumerate(sent) if j != me and b),
+            chunks_received=sum(1 for j, b in enumerate(recv_bytes) if j != me and b),
+            seconds_busy=seconds,
+            ops=1,
+        )
 
     def _gloo_all_to_all(self, dst, src, out_splits, in_splits, row_bytes: int, op: str) -> None:
         """Every pair is on the gloo rail: one gloo all-to-all carries the whole step (gloo's own

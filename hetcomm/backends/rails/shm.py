@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from hetcomm.backends.rails.base import Rail, RailOp, Xfer, as_bytes
+from hetcomm.backends.rails.cma import copy_bytes
 from hetcomm.backends.stats import record as _record
 from hetcomm.errors import CollectiveError
 
@@ -171,6 +172,7 @@ class _Ring:
     def __init__(self, mm: mmap.mmap, offset: int, capacity: int):
         self.ctrl = np.frombuffer(mm, dtype=np.int64, count=_CTRL_BYTES // 8, offset=offset)
         self.data = torch.frombuffer(mm, dtype=torch.uint8, count=capacity, offset=offset + _CTRL_BYTES)
+        self.base = self.data.data_ptr()
         self.capacity = capacity
         self.head = int(self.ctrl[_HEAD])  # writer's own copy
         self.tail = int(self.ctrl[_TAIL])  # reader's own copy
@@ -183,9 +185,10 @@ class _Ring:
             return 0
         pos = self.head % self.capacity
         first = min(n, self.capacity - pos)
-        self.data[pos : pos + first].copy_(src[offset : offset + first])
-        if n > first:
-            self.data[: n - first].copy_(src[offset + first : offset + n])
+        # memmove on this thread, not Tensor.copy_ (OpenMP threads; see cma.copy_bytes).
+        at = src.data_ptr() + offset
+        copy_bytes(self.base + pos, at, first)
+        copy_bytes(self.base, at + first, n - first)
         self.head += n
         self.ctrl[_HEAD] = self.head  # publish after the data (x86-64 TSO)
         return n
@@ -197,9 +200,9 @@ class _Ring:
             return 0
         pos = self.tail % self.capacity
         first = min(n, self.capacity - pos)
-        dst[offset : offset + first].copy_(self.data[pos : pos + first])
-        if n > first:
-            dst[offset + first : offset + n].copy_(self.data[: n - first])
+        at = dst.data_ptr() + offset
+        copy_bytes(at, self.base + pos, first)
+        copy_bytes(at + first, self.base, n - first)
         self.tail += n
         self.ctrl[_TAIL] = self.tail
         return n

@@ -417,7 +417,6 @@ class MoELayer(nn.Module):
             self.replicator.adopt_placement(
                 placement, {e: self.experts.experts[i] for i, e in enumerate(self.local_expert_ids)}
             )
-        self._check_page_budget()
 
     def apply_placement(
         self,
@@ -499,7 +498,10 @@ class MoELayer(nn.Module):
 
     def _ensure_pager(self, device: torch.device) -> Optional[ExpertPager]:
         if self.pager is None and self.config.page_budget > 0 and len(self.experts):
-            pcfg = replace(self.config.paging or PagingConfig(), budget_fraction=self.config.page_budget)
+            # At least one slot: checked at construction, and kept when a migration leaves this
+            # rank fewer experts than the budget holds one of (a running job must not stop there).
+            budget = min(1.0, max(self.config.page_budget, 1.0 / len(self.experts)))
+            pcfg = replace(self.config.paging or PagingConfig(), budget_fraction=budget)
             self.pager = ExpertPager(self._modules_by_id(), pcfg, device=device, optimizer=self._page_optimizer)
             self._page_mark = dict(self.pager.stats_total)
         return self.pager

@@ -151,6 +151,7 @@ class TrainBalancer:
             slots = ExpertSlots(list(layer.experts.experts) + self.spares[i],
                                 list(layer.local_expert_ids) + [None] * len(self.spares[i]))
             moves = diff_maps(old, plan.new_map)
+            layer.sync_pages()  # start() copies the experts out: no page write-back half done
             self.migrators[i].start(moves, slots, self.optimizer)
             self._pending[i] = (plan, slots)
             self.migrations += len(moves)

@@ -122,12 +122,6 @@ class TrainConfig:
         pb = self.page_budget
         if isinstance(pb, bool) or not isinstance(pb, (int, float)) or not 0.0 <= pb <= 1.0:
             raise ConfigError(f"must be a fraction within [0, 1] (0 = paging off), got {pb!r}", key="train.page_budget")
-        if pb and self.balance:
-            raise ConfigError(
-                "paging cannot be combined with balance yet: a migration sends expert memory that the pager "
-                "moves between host and device while the copy is in flight; use --page-budget or --balance",
-                key="train.page_budget",
-            )
 
 
 def load_train_config(path: str, **overrides: Any) -> TrainConfig:

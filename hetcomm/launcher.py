@@ -38,8 +38,8 @@ What a launch does:
 * **Timeout.** ``timeout_s`` bounds the whole run; ranks still running then are stopped and
   named in :attr:`LaunchOutcome.timed_out` and in the message.
 * **Signals.** While the ranks run, SIGTERM and SIGINT are recorded and acted on at the
-  launcher's own safe points (every 50 ms): the ranks are stopped, then the handler the caller
-  had installed runs, and the launcher raises ``SystemExit(128 + signal)`` (SIGTERM) or
+  launcher's own safe points (every 50 ms): the signal is forwarded to the ranks (SIGKILL
+  follows after ``kill_grace_s``), then the handler the caller had installed runs, and the launcher raises ``SystemExit(128 + signal)`` (SIGTERM) or
   ``KeyboardInterrupt`` (SIGINT), so every caller's ``finally`` blocks run. (Raised from inside
   the handler, the exception could land in code that swallows it, e.g. logging's at-fork hook
   during ``Popen``, and the run would go on.)
@@ -378,7 +378,7 @@ def launch(
                     handles.append(_start_exec(argv, envs[r], log, die_with_launcher))
                 if on_start is not None:
                     on_start(r, handles[-1].pid)
-                signals.check(lambda: _stop(handles, range(len(handles)), kill_grace_s))
+                signals.check(lambda sig: _stop(handles, range(len(handles)), kill_grace_s, sig))
             outcome = _watch(handles, run_dir, not is_command, t0, timeout_s, grace_s, kill_grace_s, signals)
     finally:
         _stop(handles, range(len(handles)), kill_grace_s)
@@ -607,10 +607,10 @@ class _SignalRequests:
         self.signum: Optional[int] = None
         self.previous: Dict[int, Any] = {}
 
-    def check(self, stop: Callable[[], None]) -> None:
+    def check(self, stop: Callable[[int], None]) -> None:
         if self.signum is None:
             return
-        stop()
+        stop(self.signum)  # the ranks get the same signal: a Python rank unwinds on SIGINT
         # Then the signal is the caller's again: its own handler decides (emulate's raises
         # KeyboardInterrupt to tear down; SIGINT's default does too); by default, exit 128+sig.
         previous = self.previous.get(self.signum)
@@ -651,7 +651,7 @@ def _watch(handles: List[_Proc], run_dir: str, reports: bool, t0: float, timeout
     stopped: Dict[int, str] = {}
     deadline = t0 + timeout_s if timeout_s is not None else None
     while True:
-        signals.check(lambda: _stop(handles, [r for r in range(n) if r not in ended], kill_grace_s))
+        signals.check(lambda sig: _stop(handles, [r for r in range(n) if r not in ended], kill_grace_s, sig))
         now = time.monotonic()
         for r, h in enumerate(handles):
             if r in ended:
@@ -740,13 +740,14 @@ def _outcome(rank: int, h: _Proc, run_dir: str, reports: bool, stopped: Optional
     return RankOutcome(ok=False, **common)
 
 
-def _stop(handles: List[_Proc], ranks: Any, kill_grace_s: float) -> None:
-    """SIGTERM, then after ``kill_grace_s`` SIGKILL, to every given rank still running; reap."""
+def _stop(handles: List[_Proc], ranks: Any, kill_grace_s: float, first: int = signal.SIGTERM) -> None:
+    """``first`` (SIGTERM, or the signal the launcher got), then after ``kill_grace_s`` SIGKILL,
+    to every given rank still running; reap."""
     live = [handles[r] for r in ranks if handles[r].poll() is None]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig in (first, signal.SIGKILL):
         for h in live:
             h.signal(sig)
-        deadline = time.monotonic() + (kill_grace_s if sig == signal.SIGTERM else 5.0)
+        deadline = time.monotonic() + (kill_grace_s if sig != signal.SIGKILL else 5.0)
         while live and time.monotonic() < deadline:
             live = [h for h in live if h.poll() is None]
             if live:

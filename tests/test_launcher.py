@@ -151,28 +151,48 @@ def test_shm_left_by_a_dead_rank_is_removed_and_listed():
     assert not any(os.path.exists(p) for p in want)
 
 
-@pytest.mark.timeout(60)
-def test_sigterm_stops_the_ranks_and_exits_143(tmp_path):
-    pidfile = tmp_path / "rank"
-    code = (
-        "from hetcomm.launcher import launch\n"
-        f"launch(['sh', '-c', 'echo $$ > {pidfile}.$RANK.tmp && mv {pidfile}.$RANK.tmp {pidfile}.$RANK; exec sleep 300'], 2, timeout_s=120)\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+SIGNALLED = """
+import sys
+from hetcomm.launcher import launch
+
+def job(attempt):
+    pidfile = f"{sys.argv[1]}.{attempt}"
+    cmd = f"echo $$ > {pidfile}.$RANK.tmp && mv {pidfile}.$RANK.tmp {pidfile}.$RANK; exec sleep 300"
+    launch(["sh", "-c", cmd], 2, timeout_s=120)
+
+try:
+    job("int")
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", flush=True)
+job("term")
+"""
+
+
+@pytest.mark.timeout(90)
+def test_sigint_and_sigterm_to_the_launcher_stop_the_ranks(tmp_path):
+    # One launcher process, two launches: SIGINT to the first (KeyboardInterrupt, caught by the
+    # script), SIGTERM to the second (exit 143). The ranks are gone before the launcher moves on.
+    pidfile = str(tmp_path / "rank")
+    proc = subprocess.Popen([sys.executable, "-c", SIGNALLED, pidfile], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
     try:
-        deadline = time.monotonic() + 45
-        while not all(os.path.exists(f"{pidfile}.{r}") for r in range(2)) and time.monotonic() < deadline:
-            assert proc.poll() is None
-            time.sleep(0.05)
-        pids = [int(open(f"{pidfile}.{r}").read()) for r in range(2)]
-        assert all(_alive(pid) for pid in pids)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        for attempt, sig in (("int", signal.SIGINT), ("term", signal.SIGTERM)):
+            deadline = time.monotonic() + 60
+            while not all(os.path.exists(f"{pidfile}.{attempt}.{r}") for r in range(2)):
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            pids = [int(open(f"{pidfile}.{attempt}.{r}").read()) for r in range(2)]
+            assert all(_alive(pid) for pid in pids)
+            proc.send_signal(sig)
+            if sig == signal.SIGINT:
+                assert proc.stdout.readline().strip() == "KeyboardInterrupt"
+            else:
+                assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+            assert [pid for pid in pids if _alive(pid)] == [], attempt  # stopped before launch returned
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert [pid for pid in pids if _alive(pid)] == []  # the launcher reaped them before exiting
 
 
 def _alive(pid: int) -> bool:

@@ -700,6 +700,14 @@ def render(summary: Dict[str, Any], args, before: Dict[str, Any], after: Dict[st
         het = s["rows"]["hetcomm"]
         lines.append("")
         lines.append(
+            "step ms: forward + backward, slowest rank, median over timed rounds; floor x4: the same 4 "
+            "processes doing nothing but the expert math (Linear+GELU+Linear on 8,192 rows each, no "
+            "gate, routing or communication); floor x2: that work 2 processes at a time, scaled to 4 "
+            "ranks on 2 cores; CPU s/rank: CPU seconds of a rank's process per step, all threads "
+            "(communication included), median over ranks and rounds."
+        )
+        lines.append("")
+        lines.append(
             f"hetcomm / DeepSpeed = {het['vs_deepspeed']:.2f}x ({'met' if s['target_vs_deepspeed_met'] else 'MISSED'}), "
             f"hetcomm / floor x4 = {het['vs_floor']:.2f}x ({'met' if s['target_vs_floor_met'] else 'MISSED'})."
         )
@@ -724,7 +732,7 @@ def render(summary: Dict[str, Any], args, before: Dict[str, Any], after: Dict[st
 _PHASE_ORDER = ["gate", "route", "counts a2a", "a2a", "dispatch", "permute", "experts", "combine", "rest", "total"]
 
 
-def render_profile(results: Dict[int, Any], args) -> str:
+def render_profile(results: Dict[int, Any], args, summary: Optional[Dict[str, Any]] = None) -> str:
     """Per-phase table, hetcomm beside DeepSpeed: ms per step, mean over the 4 ranks (min..max)."""
     lines = []
     for cfg_name in args.configs:
@@ -772,7 +780,10 @@ def render_profile(results: Dict[int, Any], args) -> str:
                 f"CPU ms per step and rank: hetcomm {het_total:.0f} = experts {het_exp:.0f} (the floor's "
                 f"expert math: {floor_total:.0f}) + everything else {het_total - het_exp:.0f} ("
                 + ", ".join(f"{k} {v:.0f}" for k, v in others if v >= 0.5) + "). floor / hetcomm by CPU = "
-                f"{floor_total / het_total:.2f}x."
+                f"{floor_total / het_total:.2f}x in these profiled steps"
+                + (f" ({summary[cfg_name]['rows']['floor x4']['cpu_s'] / summary[cfg_name]['rows']['hetcomm']['cpu_s']:.2f}x "
+                   f"in the timed rounds above)." if summary and "cpu_s" in summary[cfg_name]["rows"].get("floor x4", {})
+                   and "cpu_s" in summary[cfg_name]["rows"].get("hetcomm", {}) else ".")
             )
         for n in names:
             if n.startswith("floor"):
@@ -835,7 +846,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     summary = summarize(results, args)
     print(render(summary, args, before, after, versions))
     if args.profile:
-        print(render_profile(results, args))
+        print(render_profile(results, args, summary))
     print(f"\n({time.monotonic() - t0:.0f} s)", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:

@@ -17,43 +17,15 @@ failures; the other ranks are never stopped early, so a fault test reads what th
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from hetcomm.launcher import launch
+from hetcomm.launcher import RankOutcome, launch
 
 __all__ = ["run_ranks", "run_ranks_outcomes", "RankOutcome", "RanksFailed", "MIXED_MINI"]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIXED_MINI = os.path.join(REPO_ROOT, "configs", "clusters", "mixed-mini.yaml")
-
-
-@dataclass
-class RankOutcome:
-    """What one rank did.
-
-    Attributes:
-        rank: the rank.
-        ok: fn returned normally.
-        result: fn's return value (when ok).
-        error_type: class name of the exception fn raised (``None`` if ok or the process died).
-        error: str() of that exception.
-        traceback: its formatted traceback.
-        exitcode: the process exit code (negative = killed by that signal).
-        seconds: wall time from start to the rank's end.
-        timed_out: it was still running at the timeout and was killed.
-    """
-
-    rank: int
-    ok: bool = False
-    result: Any = None
-    error_type: Optional[str] = None
-    error: Optional[str] = None
-    traceback: Optional[str] = None
-    exitcode: Optional[int] = None
-    seconds: Optional[float] = None
-    timed_out: bool = False
 
 
 class RanksFailed(AssertionError):
@@ -113,7 +85,8 @@ def run_ranks_outcomes(
             interpreter per rank, for tests that must not inherit the server's state).
 
     Returns:
-        One :class:`RankOutcome` per rank, in rank order.
+        One :class:`hetcomm.launcher.RankOutcome` per rank, in rank order (``ok``, ``result``,
+        ``error_type``, ``error``, ``traceback``, ``exitcode``, ``stopped == "timeout"``, ...).
     """
     # The ranks join the test's store as clients by hand (below); fns that build their own env://
     # group at another MASTER_PORT (tests/ops/jobs.py) need rank 0 to host it, as before.
@@ -132,13 +105,7 @@ def run_ranks_outcomes(
         kill_grace_s=1.0,
         name="test-ranks",
     )
-    return [
-        RankOutcome(
-            rank=o.rank, ok=o.ok, result=o.result, error_type=o.error_type, error=o.error, traceback=o.traceback,
-            exitcode=o.exitcode, seconds=o.seconds, timed_out=o.stopped == "timeout",
-        )
-        for o in out.ranks
-    ]
+    return list(out.ranks)
 
 
 def run_ranks(
@@ -158,13 +125,5 @@ def run_ranks(
     outs = run_ranks_outcomes(fn, world_size, backend, cluster, timeout, args, env, pg_timeout, pg_options, start_method)
     bad = [o for o in outs if not o.ok]
     if bad:
-        parts = []
-        for o in bad:
-            if o.error_type:
-                parts.append(f"rank {o.rank} raised {o.error_type}: {o.error}\n{o.traceback}")
-            elif o.timed_out:
-                parts.append(f"rank {o.rank} still running after {timeout} s (killed)")
-            else:
-                parts.append(f"rank {o.rank} died with exit code {o.exitcode} without reporting")
-        raise RanksFailed("\n".join(parts))
+        raise RanksFailed("\n".join(o.describe() + (f"\n{o.traceback}" if o.traceback else "") for o in bad))
     return [o.result for o in outs]

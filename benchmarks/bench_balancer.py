@@ -108,24 +108,28 @@ def eplb_rebalance(weight: Sequence[float], num_phy: int, num_gpus: int) -> Expe
 # -- trace --------------------------------------------------------------------------------------
 
 
-def make_trace(E: int, steps: int, sample_tokens: int, tokens: int, phase: int, seed: int):
-    """(counts [S, E] float64 scaled to ``tokens`` top-2 picks per step, fast [S, E])."""
+def make_trace(E: int, steps: int, sample_tokens: int, tokens: int, phase: int, seed: int, biases: bool = False):
+    """(counts [S, E] float64 scaled to ``tokens`` top-2 picks per step, fast [S, E]), and with
+    ``biases`` also the gate bias of each phase (``[S // phase]`` lists of ``E`` floats: a
+    token's logits are ``bias + Gumbel noise``, so a benchmark can draw more tokens of any step)."""
     g = torch.Generator().manual_seed(seed)
     logp = torch.log(torch.arange(1, E + 1, dtype=torch.float64) ** -1.2)
     counts = torch.zeros(steps, E, dtype=torch.float64)
     fast = torch.zeros(steps, E, dtype=torch.float64)
     perm = torch.randperm(E, generator=g)
+    phase_bias: List[List[float]] = []
     for t in range(steps):
         if t % phase == 0:
             perm = torch.randperm(E, generator=g)
-        bias = torch.empty(E, dtype=torch.float64)
-        bias[perm] = logp
+            bias = torch.empty(E, dtype=torch.float64)
+            bias[perm] = logp
+            phase_bias.append(bias.tolist())
         u = torch.rand(sample_tokens, E, generator=g, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
         logits = (bias - torch.log(-torch.log(u))).float()
         top2 = logits.topk(2, dim=1).indices.reshape(-1)
         counts[t] = torch.bincount(top2, minlength=E).double() * (tokens / sample_tokens)
         fast[t] = fast_signal(logits, 20)
-    return counts, fast
+    return (counts, fast, phase_bias) if biases else (counts, fast)
 
 
 # -- simulation ---------------------------------------------------------------------------------
@@ -141,7 +145,10 @@ def rank_tokens(m: ExpertMap, load, speeds, proportional: bool) -> List[float]:
     return out
 
 
-def simulate(policy: str, counts, fast, speeds: List[float], redundant: int, mfu: float, cooldown: int):
+def simulate(policy: str, counts, fast, speeds: List[float], redundant: int, mfu: float, cooldown: int,
+             record: Sequence[int] = ()):
+    """Run one placement policy over the trace. ``record``: steps whose map in force (after that
+    step's plan) is returned under ``"maps"`` as ``{step: [ranks of each expert]}``."""
     S, E = counts.shape
     W = len(speeds)
     sec_per_unit = FLOPS_PER_TOKEN / (1e12 * mfu)
@@ -156,6 +163,8 @@ def simulate(policy: str, counts, fast, speeds: List[float], redundant: int, mfu
                              slots=[2 * (E + redundant) // W] * W)
     step_times, compute_times, imbalances = [], [], []
     copies_moved = 0
+    maps: Dict[int, List[List[int]]] = {}
+    want = set(record)
     for t in range(S):
         load = counts[t].tolist()
         extra = 0.0
@@ -174,6 +183,8 @@ def simulate(policy: str, counts, fast, speeds: List[float], redundant: int, mfu
             copies_moved += n
             extra = n * move_s
             m = new
+        if t in want:
+            maps[t] = [list(rs) for rs in m.lists()]
         L = rank_tokens(m, load, speeds, proportional=False)
         tt = [L[r] / speeds[r] for r in range(W)]
         imbalances.append(max(tt) / (sum(tt) / W))
@@ -186,6 +197,7 @@ def simulate(policy: str, counts, fast, speeds: List[float], redundant: int, mfu
         "tokens_per_s": counts.sum().item() / sum(step_times),
         "tokens_per_s_free_moves": counts.sum().item() / sum(compute_times),
         "copies_moved": copies_moved,
+        "maps": maps,
     }
     if bal is not None:
         out["cooldown_violations"] = len(bal.cooldown_violations())
@@ -196,13 +208,15 @@ def simulate(policy: str, counts, fast, speeds: List[float], redundant: int, mfu
 
 
 def cluster_speeds(name: str) -> List[float]:
+    """Rank speeds of ``mixed``, ``half``, ``equal`` (4 x 312) or a cluster YAML's path."""
     if name == "equal":
         return [312.0] * 4
     from hetcomm.topo.cluster import load_cluster
     from hetcomm.topo.compute import rank_speeds
 
-    path = {"mixed": "mixed-mini.yaml", "half": "mixed-mini-halfspeed.yaml"}[name]
-    return [float(s) for s in rank_speeds(load_cluster(os.path.join(REPO, "configs", "clusters", path)))]
+    path = {"mixed": "mixed-mini.yaml", "half": "mixed-mini-halfspeed.yaml"}.get(name)
+    path = os.path.join(REPO, "configs", "clusters", path) if path else name
+    return [float(s) for s in rank_speeds(load_cluster(path))]
 
 
 def main(argv=None) -> int:

@@ -361,6 +361,7 @@ class MoELayer(nn.Module):
         self._page_optimizer: Optional[torch.optim.Optimizer] = None
         self._page_open = False            # a step began and end_page_step has not closed it
         self._page_mark: Dict[str, float] = {}
+        self._page_retired: Dict[str, float] = {}  # counters of pagers replaced by a placement change
         self._page_last: Dict[str, Any] = {}
         self._migrations: Optional[int] = None  # experts landed here by apply_placement, since the last forward
         self._check_page_budget()
@@ -510,8 +511,25 @@ class MoELayer(nn.Module):
         if self.pager is not None:
             if self._page_open:
                 self.end_page_step()
-            self.pager.close()  # waits for write-backs: the modules keep valid (host) weights
+            self.pager.close()  # waits for write-backs: the modules' weights stay valid views
+            for k, v in self.pager.stats_total.items():
+                self._page_retired[k] = self._page_retired.get(k, 0) + v
             self.pager = None
+
+    def page_stats(self) -> Dict[str, float]:
+        """This rank's pager counters since the layer was built (the pager's ``stats_total``
+        keys: ``hits``, ``waits``, ``stall_s``, ``loads``, ``evictions``, ``prefetches``,
+        ``reacquires``, ...), summed over the pagers a placement change replaced, plus
+        ``slots`` and ``experts`` of the current one. Empty without paging."""
+        if self.config.page_budget <= 0:
+            return {}
+        out = dict(self._page_retired)
+        if self.pager is not None:
+            for k, v in self.pager.stats_total.items():
+                out[k] = out.get(k, 0) + v
+        out["slots"] = self.pager.num_slots if self.pager is not None else 0
+        out["experts"] = len(self.local_expert_ids)
+        return out
 
     def attach_optimizer(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
         """Page ``optimizer``'s per-element state of the experts with their weights (Adam's

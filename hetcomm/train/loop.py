@@ -472,18 +472,14 @@ class _Progress:
 
 
 def _page_totals(model) -> Dict[str, float]:
-    """This rank's pager counters summed over layers (cumulative; :meth:`ExpertPager.stats`)."""
-    keys = ("hits", "waits", "stall_s", "loads", "evictions", "prefetches", "reacquires", "reacquire_stall_s")
+    """This rank's pager counters summed over layers (cumulative; ``MoELayer.page_stats``)."""
+    keys = ("hits", "waits", "stall_s", "loads", "evictions", "prefetches", "reacquires", "reacquire_stall_s",
+            "slots", "experts")
     tot = {k: 0.0 for k in keys}
-    tot["slots"] = tot["experts"] = 0
     for m in model.moe_layers:
-        if m.pager is None:
-            continue
-        st = m.pager.stats()
+        st = m.page_stats()
         for k in keys:
-            tot[k] += st[k]
-        tot["slots"] += m.pager.num_slots
-        tot["experts"] += m.pager.num_experts
+            tot[k] += st.get(k, 0)
     return tot
 
 

@@ -245,3 +245,17 @@ def test_train_with_paging_and_balance_follows_the_unpaged_run(tmp_path):
     assert [s.migrations for s in plain] == [s.migrations for s in paged]
     assert all(s.page_hits is not None and s.page_stall_s is not None for s in paged)
     assert all(s.page_hits is None for s in plain)
+
+
+def test_page_stats_survive_a_placement_change():
+    layer = MoELayer(D, E, calibrate=False, page_budget=0.5)
+    assert MoELayer(D, E).page_stats() == {}
+    layer(torch.randn(16, D))
+    before = layer.page_stats()
+    assert before["slots"] == 4 and before["experts"] == 8 and before["hits"] + before["waits"] > 0
+    mods = {e: layer.experts.experts[i] for i, e in enumerate(layer.local_expert_ids)}
+    layer.apply_placement([0] * E, mods)  # the pager is rebuilt at the next forward
+    assert layer.pager is None and layer.page_stats()["loads"] == before["loads"]
+    layer(torch.randn(16, D))
+    assert layer.page_stats()["hits"] + layer.page_stats()["waits"] > before["hits"] + before["waits"]
+    layer.pager.close()

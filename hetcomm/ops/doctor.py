@@ -359,6 +359,9 @@ def _prefetch_on(rec: JobRecord) -> Optional[str]:
         for k, v in rec.metrics.run.config.items():
             if "prefetch" in k and v not in (None, False, 0, "off", "false"):
                 return f"{rec.metrics.path}: config {k}={v}"
+            if k == "page_budget" and isinstance(v, (int, float)) and v > 0:
+                # hetcomm train --page-budget: the pager prefetches experts predicted hot.
+                return f"{rec.metrics.path}: config page_budget={v} (expert paging prefetches)"
     for k, (v, where) in rec.env().items():
         if "PREFETCH" in k and v not in ("0", "off", "false", ""):
             return f"{where}: {k}={v}"

@@ -259,3 +259,23 @@ def test_page_stats_survive_a_placement_change():
     layer(torch.randn(16, D))
     assert layer.page_stats()["hits"] + layer.page_stats()["waits"] > before["hits"] + before["waits"]
     layer.pager.close()
+
+
+def test_doctor_counts_paging_as_prefetch(tmp_path):
+    """An out-of-memory log beside a run with --page-budget is the oom-prefetch finding."""
+    import os
+
+    from hetcomm.ops.doctor import diagnose, load_record
+    from tests.ops.traces import make_traces
+
+    def paged(o):
+        if o["kind"] == "run":
+            o["config"]["page_budget"] = 0.4
+
+    make_traces._write(str(tmp_path), "paged.jsonl", make_traces._records(paged))
+    oom = os.path.join(make_traces.HERE, "oom_prefetch.log")
+    (f,) = [x for x in diagnose(load_record([str(tmp_path / "paged.jsonl"), oom])) if x.code.startswith("oom")]
+    assert f.code == "oom-prefetch" and "page_budget=0.4" in f.message
+    make_traces._write(str(tmp_path), "plain.jsonl", make_traces._records(lambda o: None))
+    (f,) = [x for x in diagnose(load_record([str(tmp_path / "plain.jsonl"), oom])) if x.code.startswith("oom")]
+    assert f.code == "oom"

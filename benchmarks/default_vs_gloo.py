@@ -97,12 +97,14 @@ def main() -> None:
         print("# no calibration cache entry for this group shape (HETCOMM_SAME_HOST_RAIL pinned?)")
         return
     print(f"# calibration ({entry.get('when')}, load {entry.get('load', 0):.1f}, single-copy possible: "
-          f"{entry.get('cma_possible')}): slowest rank's best time per way")
-    print("| calibrated size per rank | shm rings (ms) | gloo (ms) | cma single-copy (ms) | chosen |")
-    print("|---|---|---|---|---|")
+          f"{entry.get('cma_possible')}): slowest rank's best wall time / CPU time of all ranks (median), per way; "
+          f"decided by wall time on a quiet host, by CPU time on a busy one")
+    print("| calibrated size per rank | shm rings (ms) | gloo (ms) | cma single-copy (ms) | decided by | chosen |")
+    print("|---|---|---|---|---|---|")
     for row in entry.get("measured", []):
-        cell = lambda k: f"{row[k] * 1e3:.1f}" if k in row else "-"
-        print(f"| {row['bytes_per_rank'] >> 20} MiB | {cell('shm_s')} | {cell('gloo_s')} | {cell('cma_s')} | {row['rail']} |")
+        cell = lambda k: f"{row[k + '_s'] * 1e3:.1f} / {row[k + '_cpu_s'] * 1e3:.1f}" if k + "_s" in row else "-"
+        print(f"| {row['bytes_per_rank'] >> 20} MiB | {cell('shm')} | {cell('gloo')} | {cell('cma')} | "
+              f"{row.get('by', 'wall')} | {row['rail']} |")
 
 
 if __name__ == "__main__":

@@ -90,6 +90,8 @@ def test_bad_input_is_named_before_anything_moves():
     recv_x, counts, h = td.dispatch(comm, x, torch.zeros(4, 1, dtype=torch.int64), w[:, :1], expert_to_rank=[0, 0])
     with pytest.raises(UsageError, match=r"y must be \[4, hidden\]"):
         td.combine(comm, recv_x[:3], h)
+    with pytest.raises(UsageError, match=r"one \[rows, hidden\] tensor per local expert with rows \[4, 0\]"):
+        td.combine(comm, [recv_x], h)
 
 
 def _readme_example(rank, world_size):

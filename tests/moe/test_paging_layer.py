@@ -13,6 +13,7 @@ from torch import nn
 
 from hetcomm.errors import ConfigError
 from hetcomm.moe import MoELayer
+from hetcomm.moe.paging import PagingConfig
 from hetcomm.moe.placement import ExpertPlacement
 from tests.backends.ranks import run_ranks
 
@@ -279,3 +280,31 @@ def test_doctor_counts_paging_as_prefetch(tmp_path):
     make_traces._write(str(tmp_path), "plain.jsonl", make_traces._records(lambda o: None))
     (f,) = [x for x in diagnose(load_record([str(tmp_path / "plain.jsonl"), oom])) if x.code.startswith("oom")]
     assert f.code == "oom"
+
+
+@pytest.mark.parametrize("level,counter", [("reuse_stale", "l1_stale"), ("substitute", "l3_substitutions")])
+def test_degraded_answers_in_the_layer(level, counter):
+    """L1 stale / L3 stand-in inside the layer: with loads that take ~0.1 s, cold experts get the
+    degraded answer instead of a wait; forward and backward still run (opt-in: approximate)."""
+    from hetcomm.moe.degrade import DegradeConfig
+
+    sys.setswitchinterval(1e-4)
+    probe = MoELayer(D, E, page_budget=1.0)
+    probe(torch.randn(2, D))
+    slot_bytes = probe.pager.slot_bytes
+    probe.pager.close()
+    paging = PagingConfig(transfer_bytes_per_s=slot_bytes / 0.1, degrade=DegradeConfig(**{level: True}))
+    layer = MoELayer(D, E, k=1, calibrate=False, page_budget=0.5, paging=paging)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(12, D, generator=gen, requires_grad=True)
+        y = layer(x)
+        y.sum().backward()
+        assert torch.isfinite(y).all() and x.grad is not None
+        layer.end_page_step()
+        layer.pager.sync()
+        for e in layer.pager.resident_experts():  # cold again next step, so it faults again
+            if e not in layer.pager.l2_pinned:  # (L2 pins an expert after 3 faulting steps)
+                layer.pager.evict(e)
+    assert layer.pager.stats()[counter] > 0
+    layer.pager.close()

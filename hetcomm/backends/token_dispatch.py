@@ -152,7 +152,8 @@ class _Plan:
     num_own: Tuple[int, ...]  # [C] own rows (the tail of send_token[c] and of the received rows)
     expand_index: Tuple[torch.Tensor, ...]  # [C] of [R_c] int64 into the received token rows
     slot_index: Tuple[torch.Tensor, ...]  # [C] of [R_c] int64: row * k + slot of each copy
-    own_expand: Tuple[Optional[torch.Tensor], ...]  # [C] of [R_c] int64 token ids, or None
+    # [C] of [R_c] int64 token ids when nothing came from other ranks (one gather from x), or None
+    own_expand: Tuple[Optional[torch.Tensor], ...]
     # Inside each local expert's run the rows from other ranks come first, then the own rows.
     # The own rows are read from (and written to) the tokens directly, never staged:
     # runs[c] = ((start, n_remote, n_own) per expert), remote_src[c] = [sum n_remote] rows of
@@ -642,9 +643,9 @@ class _Return:
 
 
 def _segments(plan: _Plan, c: int):
-    """``(start, n, from_remote, index)`` per run of chunk ``c`` (a chunk that received rows):
-    rows ``start .. start + n - 1`` of the chunk read ``remote[index]`` (the received block) or
-    ``tokens[index]`` (own rows)."""
+    """``(start, n, from_remote, index)`` per run of chunk ``c``: rows ``start .. start + n - 1``
+    of the chunk read ``remote[index]`` (the received block) or ``tokens[index]`` (own rows).
+    Every run lies inside one local expert's rows (a piece of ``split_by_expert``)."""
     ro = oo = 0
     for start, n_rem, n_own in plan.runs[c]:
         if n_rem:

@@ -432,26 +432,26 @@ class ExpertPager:
     def _bind(self, e: int, key: "tuple[str, int]", copy: bool) -> None:
         """Make expert ``e``'s parameters (and state) views of region ``key``, copying their
         values in first when ``copy`` (values already there when the region was just loaded)."""
-        for p, views in zip(self.params[e], self._region_views(key)):
-            state = self._state_tensors(p)
-            if state:
-                self._state_seen.add(e)
-            for t, view in zip([p] + state, views):
-                if t.data_ptr() == view.data_ptr():
-                    continue
-                if t.dtype != view.dtype:
-                    raise ConfigError(
-                        f"optimizer state of dtype {t.dtype} beside a {p.dtype} parameter cannot be paged",
-                        key="paging.optimizer",
-                    )
-                if copy:
-                    view.copy_(t.detach())
-                with torch.no_grad():
+        with torch.no_grad():  # once per expert: entering it per tensor was a third of the cost
+            for p, views in zip(self.params[e], self._region_views(key)):
+                state = self._state_tensors(p)
+                if state:
+                    self._state_seen.add(e)
+                for t, view in zip([p] + state, views):
+                    if t.data_ptr() == view.data_ptr():
+                        continue
+                    if t.dtype != view.dtype:
+                        raise ConfigError(
+                            f"optimizer state of dtype {t.dtype} beside a {p.dtype} parameter cannot be paged",
+                            key="paging.optimizer",
+                        )
+                    if copy:
+                        view.copy_(t.detach())
                     t.data = view
-            if p.grad is not None and p.grad.device != p.device:
-                # A gradient accumulated while the expert was elsewhere follows it: the
-                # optimizer updates a parameter, its gradient and its state on one device.
-                p.grad = p.grad.to(p.device)
+                if p.grad is not None and p.grad.device != p.device:
+                    # A gradient accumulated while the expert was elsewhere follows it: the
+                    # optimizer updates a parameter, its gradient and its state on one device.
+                    p.grad = p.grad.to(p.device)
 
     # -- slots ------------------------------------------------------------------------------
 

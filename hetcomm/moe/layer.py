@@ -504,15 +504,20 @@ class MoELayer(nn.Module):
             budget = min(1.0, max(self.config.page_budget, 1.0 / len(self.experts)))
             pcfg = replace(self.config.paging or PagingConfig(), budget_fraction=budget)
             self.pager = ExpertPager(self._modules_by_id(), pcfg, device=device, optimizer=self._page_optimizer)
-            self._page_mark = dict(self.pager.stats_total)
+            self._page_mark = self._page_counters()
         return self.pager
+
+    def _page_counters(self) -> Dict[str, float]:
+        """The current pager's cumulative counters: transfers and hits, and L1/L2/L3."""
+        assert self.pager is not None
+        return {**self.pager.stats_total, **self.pager.counters.as_dict()}
 
     def _drop_pager(self) -> None:
         if self.pager is not None:
             if self._page_open:
                 self.end_page_step()
             self.pager.close()  # waits for write-backs: the modules' weights stay valid views
-            for k, v in self.pager.stats_total.items():
+            for k, v in self._page_counters().items():
                 self._page_retired[k] = self._page_retired.get(k, 0) + v
             self.pager = None
 
@@ -525,7 +530,7 @@ class MoELayer(nn.Module):
             return {}
         out = dict(self._page_retired)
         if self.pager is not None:
-            for k, v in self.pager.stats_total.items():
+            for k, v in self._page_counters().items():
                 out[k] = out.get(k, 0) + v
         out["slots"] = self.pager.num_slots if self.pager is not None else 0
         out["experts"] = len(self.local_expert_ids)
@@ -641,7 +646,7 @@ class MoELayer(nn.Module):
             if self.config.page_budget > 0:
                 return {"page_hits": 0, "page_faults": 0, "page_stall_s": 0.0}  # a rank without experts
             return {}
-        now = dict(pager.stats_total)
+        now = self._page_counters()
         d = {k: now[k] - self._page_mark.get(k, 0) for k in now}
         self._page_mark = now
         return {
@@ -654,6 +659,12 @@ class MoELayer(nn.Module):
             "page_reacquires": int(d["reacquires"]),
             "page_resident": len(pager.resident_experts()),
             "page_slots": pager.num_slots,
+            # Degradation levels (hetcomm.moe.degrade), this step's share of each.
+            "page_l1_waits": int(d["l1_waits"]),
+            "page_l1_stale": int(d["l1_stale"]),
+            "page_l2_pins": int(d["l2_pins"]),
+            "page_l2_migration_requests": int(d["l2_migration_requests"]),
+            "page_l3_substitutions": int(d["l3_substitutions"]),
             **self._page_last,
         }
 
@@ -936,7 +947,9 @@ class MoELayer(nn.Module):
         (seconds computations waited for loads, backward reloads included), ``page_loads``,
         ``page_evictions``, ``page_prefetches``, ``page_reacquires`` (backward reloads of a wave
         step), ``page_resident`` / ``page_slots`` (experts on the device / room),
-        ``page_waves`` (this step's experts did not fit and streamed), ``page_experts_used``.
+        ``page_waves`` (this step's experts did not fit and streamed), ``page_experts_used``;
+        the degradation levels: ``page_l1_waits``, ``page_l1_stale``, ``page_l2_pins``,
+        ``page_l2_migration_requests``, ``page_l3_substitutions``.
         ``migrations``: experts that landed on this rank through :meth:`apply_placement` since
         the previous forward (present once a placement has been applied).
         """

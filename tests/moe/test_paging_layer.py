@@ -307,4 +307,6 @@ def test_degraded_answers_in_the_layer(level, counter):
             if e not in layer.pager.l2_pinned:  # (L2 pins an expert after 3 faulting steps)
                 layer.pager.evict(e)
     assert layer.pager.stats()[counter] > 0
+    assert layer.page_stats()[counter] == layer.pager.stats()[counter]
+    assert "page_" + counter in layer.step_stats()
     layer.pager.close()

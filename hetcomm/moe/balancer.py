@@ -26,8 +26,9 @@ Every ``every`` steps (50) the balancer proposes an expert->rank map:
    (capacity-unaware, EPLB's choice); refinement undoes that. Each change must shorten the
    predicted step by its transfer time plus ``min_gain`` (1%) of the step
    (:meth:`ExpertBalancer.lock_cost`: the cooldown locks every changed expert, and the next
-   shift of the hot set may need it); of the two refined maps the one with the larger net gain
-   is proposed. Starting from the map in force keeps plans small: on the issue's drifting
+   shift of the hot set may need it), +``lock_spread`` (10%) of that price per expert already
+   locked on the receiving rank; of the two refined maps the one with the larger net gain is
+   proposed. Starting from the map in force keeps plans small: on the issue's drifting
    trace, greedy LPT alone changed ~3x as many experts and then found hot experts locked on the
    910B (mean max/mean 1.23 over four seeds on the half-speed cluster, 1.10 with refinement);
 4. **cost test**: the plan is adopted only when the predicted gain over the next window,
@@ -99,6 +100,9 @@ class BalancerConfig:
         min_gain: every new copy must also shorten the predicted step by this fraction (0.01):
             the price of locking an expert for ``cooldown`` steps (see
             :meth:`ExpertBalancer.lock_cost`).
+        lock_spread: that price grows by this fraction (0.1) per expert already locked on the
+            receiving rank, so the locked experts spread over the ranks (several cooling
+            experts on one rank, one of which turns hot, cannot be relieved).
     """
 
     window: int = 100
@@ -112,6 +116,7 @@ class BalancerConfig:
     link_bytes_per_s: float = 25e9
     seconds_per_unit: float = 1e-6
     min_gain: float = 0.01
+    lock_spread: float = 0.1
 
     def __post_init__(self) -> None:
         for key in ("window", "fast_topk", "every"):
@@ -128,6 +133,9 @@ class BalancerConfig:
             raise ConfigError(f"must be within [0, 1), got {self.stickiness!r}", key="balance.stickiness")
         if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float)) or not 0 <= self.min_gain < 1:
             raise ConfigError(f"must be within [0, 1), got {self.min_gain!r}", key="balance.min_gain")
+        if isinstance(self.lock_spread, bool) or not isinstance(self.lock_spread, (int, float)) \
+                or not 0 <= self.lock_spread < float("inf"):
+            raise ConfigError(f"must be a number >= 0, got {self.lock_spread!r}", key="balance.lock_spread")
         for key in ("link_bytes_per_s", "seconds_per_unit"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"must be > 0, got {getattr(self, key)!r}", key=f"balance.{key}")
@@ -374,6 +382,7 @@ def refine_placement(
     total_copies: Optional[int] = None,
     current: Optional[ExpertMap] = None,
     move_cost: float = 0.0,
+    spread: float = 0.0,
     max_iters: int = 500,
 ) -> List[List[int]]:
     """Local search that lowers the slowest rank's finish time ``max_r L_r / c_r``.
@@ -396,6 +405,10 @@ def refine_placement(
         total_copies: at most this many copies in all (default: as many as ``placed`` has).
         current: the map in force: a copy on a rank it does not hold there costs ``move_cost``.
         move_cost: cost of one new copy, in units of finish time (``L / c``).
+        spread: a new copy on rank ``r`` costs ``move_cost * (1 + spread * locked_r)``, with
+            ``locked_r`` the experts already locked there (cooling, or added by this search):
+            changes concentrated on one rank are what strands a newly hot expert there with
+            companions that may not leave.
         max_iters: bound on changes (each strictly improves, so the search ends anyway).
     Returns:
         ``[E]`` lists of ranks.
@@ -413,8 +426,16 @@ def refine_placement(
             free[r] -= 1
     n_copies = sum(len(rs) for rs in pl)
 
+    # Experts locked on each rank: those cooling there, plus the copies this search adds.
+    locked = [0] * W
+    for e in fixed_set:
+        for r in pl[e]:
+            locked[r] += 1
+
     def new_cost(e: int, r: int) -> float:
-        return move_cost if held is not None and r not in held[e] else 0.0
+        if held is None or r in held[e]:
+            return 0.0
+        return move_cost * (1 + spread * locked[r])
 
     def score(t: List[float]) -> Tuple[float, float]:
         return max(t), sum(x * x for x in t)
@@ -495,6 +516,12 @@ def refine_placement(
                 L[q] += load[f] / len(pl[f])
         for q in pl[e]:
             L[q] += load[e] / len(pl[e])
+        if held is not None:
+            locked = [0] * W
+            for f in range(E):
+                for q in pl[f]:
+                    if f in fixed_set or q not in held[f]:
+                        locked[q] += 1
     return pl
 
 
@@ -657,7 +684,7 @@ class ExpertBalancer:
         # packing (a better optimum after a big shift); the one with the larger net gain wins.
         for start in (self.map.lists(), fresh.lists()):
             pl = refine_placement(load, start, self.speeds, self.slots, fixed=cooling, total_copies=budget,
-                                  current=self.map, move_cost=move_cost)
+                                  current=self.map, move_cost=move_cost, spread=self.cfg.lock_spread)
             new = _keep_primary(ExpertMap.from_lists(pl, W), self.map)
             moves = diff_maps(self.map, new)
             gain = self.cfg.window * (t_now - self.step_time(new, load))

@@ -96,3 +96,25 @@ def test_refine_never_worsens_and_keeps_every_rule(case):
         assert pl[e] == start[e]
     assert sum(len(r) for r in pl) <= max(budget, sum(len(r) for r in start))
     assert all(len(m.experts_on(r)) <= slots[r] for r in range(W))
+
+
+def test_spread_sends_a_change_to_the_rank_with_fewer_locked_experts():
+    # Rank 0 carries two busy experts; ranks 1 and 2 are equally good destinations, but rank 1
+    # already holds two (idle) experts that are cooling down.
+    load = [10.0, 10.0, 0.0, 0.0]
+    start = [[0], [0], [1], [1]]
+    current = ExpertMap.from_lists(start, 3)
+    speeds = [1.0, 1.0, 1.0]
+    kw = dict(fixed=[2, 3], current=current, move_cost=0.1)
+    plain = refine_placement(load, start, speeds, [4] * 3, **kw)
+    spread = refine_placement(load, start, speeds, [4] * 3, spread=0.5, **kw)
+    assert t_max(plain, load, speeds) == t_max(spread, load, speeds) == 10.0
+    def dest(pl):
+        (moved,) = [pl[e][0] for e in (0, 1) if pl[e] != [0]]
+        return moved
+
+    assert dest(plain) == 1  # a tie: the first rank wins
+    assert dest(spread) == 2
+    with pytest.raises(ConfigError) as info:
+        BalancerConfig(lock_spread=-1.0)
+    assert info.value.key == "balance.lock_spread"

@@ -43,8 +43,8 @@ size class:
 * every rank of the group reads every unit's classes from the store, so all ranks route every
   call and pair the same way (a pair whose ends chose differently would deadlock).
 
-Cost: about 1 s on 4 ranks of a quiet 2-core machine, once per host and group shape (then one
-file read). Explicit rails (``HetcommOptions.rails`` / ``HETCOMM_RAILS``) are never overridden.
+Cost: 1.4-2.9 s on 4 ranks of a 2-core machine at load 15-18, once per host and group shape
+(then one file read). Explicit rails (``HetcommOptions.rails`` / ``HETCOMM_RAILS``) are never overridden.
 """
 
 from __future__ import annotations
@@ -73,8 +73,7 @@ __all__ = [
 ]
 
 #: Bytes each rank sends per measured all-to-all, one size per class: latency-bound (1 MiB),
-#: between (4 MiB), bandwidth-bound (16 MiB, the sizes MoE steps move). Calibrating 4 ranks costs
-#: about a second on a quiet 2-core host.
+#: between (4 MiB), bandwidth-bound (16 MiB, the sizes MoE steps move).
 CAL_SIZES = (1 << 20, 4 << 20, 16 << 20)
 #: Timed repetitions per variant and size (best of them counts: the machine may be busy).
 CAL_REPS = 3

@@ -409,7 +409,7 @@ def refine_placement(
             ``locked_r`` the experts already locked there (cooling, or added by this search):
             changes concentrated on one rank are what strands a newly hot expert there with
             companions that may not leave.
-        max_iters: bound on changes (each strictly improves, so the search ends anyway).
+        max_iters: at most this many changes.
     Returns:
         ``[E]`` lists of ranks.
     """
@@ -426,11 +426,16 @@ def refine_placement(
             free[r] -= 1
     n_copies = sum(len(rs) for rs in pl)
 
-    # Experts locked on each rank: those cooling there, plus the copies this search adds.
-    locked = [0] * W
-    for e in fixed_set:
-        for r in pl[e]:
-            locked[r] += 1
+    def count_locked() -> List[int]:
+        """Experts locked on each rank: those cooling there, plus copies new to that rank."""
+        out = [0] * W
+        for f in range(E):
+            for q in pl[f]:
+                if f in fixed_set or (held is not None and q not in held[f]):
+                    out[q] += 1
+        return out
+
+    locked = count_locked()
 
     def new_cost(e: int, r: int) -> float:
         if held is None or r in held[e]:
@@ -516,12 +521,7 @@ def refine_placement(
                 L[q] += load[f] / len(pl[f])
         for q in pl[e]:
             L[q] += load[e] / len(pl[e])
-        if held is not None:
-            locked = [0] * W
-            for f in range(E):
-                for q in pl[f]:
-                    if f in fixed_set or q not in held[f]:
-                        locked[q] += 1
+        locked = count_locked()
     return pl
 
 

@@ -199,6 +199,10 @@ def save_checkpoint(
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(os.path.basename(path) + "\n")
         os.replace(tmp, os.path.join(root, _LATEST))
+    if dist.is_initialized():
+        # ``latest`` names this step on every rank once save returns: a rank that reads it right
+        # away (a resume, or a test) must not see the previous step, or none.
+        dist.barrier(group=process_group)
     return path
 
 

@@ -64,8 +64,15 @@ def _hetcomm_registered() -> bool:
 
 
 def _within(measured_s: float, num_bytes: int, rate_bps: float) -> bool:
+    """The transfer was shaped to ``rate_bps``: it cannot have run faster than the shaper lets
+    it (a lower bound that holds on any machine; 0.7 leaves room for the token bucket's burst),
+    and it did finish within a generous multiple of the nominal time. Only the lower bound is
+    tight on purpose: a loaded CI machine makes transfers slower, never faster, so an upper
+    bound near the nominal time would fail a correct program (it did at load 8: 1.34x). The
+    lower bounds also order the links: 6 MB over the 100 Mbit/s path may not take less than
+    0.34 s, which a 200 Mbit/s shaper (0.24 s) would violate."""
     expected_s = num_bytes * 8 / rate_bps
-    return 0.7 * expected_s <= measured_s <= 1.3 * expected_s
+    return 0.7 * expected_s <= measured_s <= 10 * expected_s
 
 
 @pytest.mark.timeout(150)

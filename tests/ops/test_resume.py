@@ -76,7 +76,10 @@ def test_kill_one_rank_resume_from_checkpoint_same_losses(tmp_path, demo_run):
     assert killed is not None, "the job ended before rank 2 could be killed"
     assert proc.returncode in (0, 1), out[-4000:]  # 1: the tiny job's loss verdict, not a crash
     # The survivors name the dead rank; torchrun restarted the group.
-    assert "peer 2" in out, out[-4000:]
+    # Who names the dead rank depends on a race: a survivor inside a collective names it
+    # ("peer 2"); a survivor still computing is stopped by torchrun first, and torchrun names it
+    # ("local_rank: 2"). Either way the job must say which rank died.
+    assert "peer 2" in out or "local_rank: 2" in out, out[-4000:]
     log = read_metrics(metrics)
     resumes = [e.step for e in log.events if e.event == "resume"]
     assert len(resumes) == 1 and resumes[0] % 4 == 0 and 4 <= resumes[0] < STEPS, (resumes, out[-3000:])

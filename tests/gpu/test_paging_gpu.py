@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.moe.test_paging_layer import _check, train_twins
+from tests.moe.test_paging_layer import assert_trains_like_unpaged, train_twins
 
 pytestmark = pytest.mark.gpu
 
@@ -17,6 +17,7 @@ pytestmark = pytest.mark.gpu
 def test_paged_layer_on_cuda_trains_like_the_unpaged_one():
     torch.backends.cuda.matmul.allow_tf32 = False
     res = train_twins(0, 1, 0.5, 30, 0, 12, 1, "cuda")
+    assert res["slots"] == 4 and res["local"] == 8  # as on CPU: half the experts' slots
     # The paged weights live in a pool at 64-byte alignment, the unpaged ones where the caching
     # allocator put them; cuBLAS may pick other kernels for either, so FP32 rounding may differ.
-    _check(res, tol=1e-4)
+    assert_trains_like_unpaged(res, tol=1e-4)

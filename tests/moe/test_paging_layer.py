@@ -90,7 +90,8 @@ def train_twins(rank: int, world_size: int, budget: float, steps: int, seed: int
     return {"worst": worst, "totals": totals, "waves": waves, "held": held, "slots": slots, "local": local}
 
 
-def _check(res, tol: float = TOL):
+def assert_trains_like_unpaged(res, tol: float = TOL) -> None:
+    """Every difference within `tol`, and the budget really forced paging (asserts)."""
     for key, v in res["worst"].items():
         assert v <= tol, (key, res)
     t = res["totals"]
@@ -105,7 +106,7 @@ def _check(res, tol: float = TOL):
 def test_paged_layer_trains_exactly_like_the_unpaged_one_on_one_rank():
     res = train_twins(0, 1, 0.5, 40, 0)
     assert res["slots"] == 4 and res["local"] == 8
-    _check(res)
+    assert_trains_like_unpaged(res)
 
 
 @pytest.mark.timeout(180)
@@ -115,7 +116,7 @@ def test_paged_layer_trains_exactly_like_the_unpaged_one_on_two_ranks():
     res = run_ranks(train_twins, world_size=2, cluster=None, timeout=150, args=(0.5, 30, 1, 5, 2))
     for r in res:
         assert r["local"] == 4 and r["slots"] == 2
-        _check(r)
+        assert_trains_like_unpaged(r)
 
 
 def test_page_budget_errors_name_the_key_and_the_minimum():

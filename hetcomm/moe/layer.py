@@ -479,7 +479,8 @@ class MoELayer(nn.Module):
                     key="moe.placement",
                 )
         before = set(self.local_expert_ids)
-        self._set_placement(ExpertPlacement(tuple(owner), W), [modules[e] for e in ExpertPlacement(tuple(owner), W).experts_of(self.rank)])
+        placement = ExpertPlacement(tuple(owner), W)
+        self._set_placement(placement, [modules[e] for e in placement.experts_of(self.rank)])
         arrived = [e for e in mine if e not in before]
         self._migrations = (self._migrations or 0) + len(arrived)
         return arrived

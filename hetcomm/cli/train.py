@@ -66,9 +66,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from hetcomm.cli._args import check_nprocs
-    from hetcomm.train.loop import TrainConfig, launch, load_train_config
+    from hetcomm.train.loop import launch
 
     check_nprocs(args.nprocs)  # 0 used to mean "the default" (4 ranks) silently
+    return launch(train_config(args), nprocs=args.nprocs)
+
+
+def train_config(args: argparse.Namespace):
+    """The job's ``TrainConfig`` from the parsed flags (also what ``hetcomm launch`` checks before
+    torchrun starts: a bad config or override is exit 2 there, not a worker failure)."""
+    from hetcomm.train.loop import TrainConfig, load_train_config
 
     overrides = dict(
         cluster=args.cluster,
@@ -101,4 +108,4 @@ def run(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         cfg = replace(TrainConfig(), **{k: v for k, v in overrides.items() if v is not None})
-    return launch(cfg, nprocs=args.nprocs)
+    return cfg

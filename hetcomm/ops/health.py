@@ -33,7 +33,19 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Verdict", "judge", "render_report", "run_probes", "main"]
+__all__ = ["Verdict", "judge", "render_report", "run_probes", "main", "is_local_address"]
+
+
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` is an address of this machine (or network namespace): it can be bound."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((socket.gethostbyname(host), 0))
+        return True
+    except OSError:
+        return False
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -203,7 +215,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--size", type=int, default=65536)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--marks", default=None, help="launch directory: leave this rank's end mark there (hetcomm.ops.rank_marks)")
+    p.add_argument("--rdzv-host", default=None, help="host of the rendezvous endpoint: each rank reports whether it is local")
     args = p.parse_args(argv)
+    from hetcomm.ops.rank_marks import marked
+
+    rank = int(os.environ.get("RANK", "0"))
+    with marked(args.marks, "health", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), rank):
+        return _probe_main(args)
+
+
+def _probe_main(args: argparse.Namespace) -> int:
 
     import torch
     import torch.distributed as dist
@@ -221,6 +243,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         world = dist.get_world_size()
         nodes = [cluster.node_of(r).name if cluster is not None else "local" for r in range(world)]
         report = run_probes(args.size, args.iters, cluster, nodes)
+        if args.rdzv_host is not None:
+            hosts = [None] * world
+            dist.all_gather_object(hosts, is_local_address(args.rdzv_host))
+            for r, entry in enumerate(report["ranks"]):
+                entry["hosts_rendezvous"] = bool(hosts[r])
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             tmp = f"{args.out}.{os.getpid()}"
             with open(tmp, "w", encoding="utf-8") as f:

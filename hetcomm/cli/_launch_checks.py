@@ -39,6 +39,8 @@ def check_options(args: argparse.Namespace) -> int:
     probe_bytes = parse_size(args.probe_size, what="--probe-size", minimum=4, maximum=MAX_PROBE_BYTES)
     if not (math.isfinite(args.threshold) and args.threshold > 1.0):
         raise UsageError(f"--threshold {args.threshold}: need a finite factor above 1 (slow = above this x the median)")
+    if not (math.isfinite(args.probe_compute) and 0.0 <= args.probe_compute <= 60.0):
+        raise UsageError(f"--probe-compute {args.probe_compute}: need 0 to 60 seconds of GEMMs per rank")
     if args.group_size < 0:
         raise UsageError(f"--group-size {args.group_size}: need 0 (all at once) or more ranks per wave")
     if not (math.isfinite(args.group_delay) and 0.0 <= args.group_delay <= MAX_GROUP_DELAY_S):

@@ -60,6 +60,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--eject", action="store_true", help="leave slow nodes out of the job")
     p.add_argument("--probe-size", default="1M", help="bytes per probe message (default 1M: bandwidth, not latency)")
     p.add_argument("--probe-iters", type=int, default=10, help="timed repetitions per probe (default 10)")
+    p.add_argument("--probe-compute", metavar="S", type=float, default=0.0,
+                   help="seconds of GEMMs per rank for the per-device-class compute check (default 0: off; on a CPU "
+                   "machine whose devices are labels every rank computes alike, so the check needs real devices or "
+                   "`hetcomm emulate --compute`)")
     p.add_argument("--health-only", action="store_true", help="stop after phase 1 (exit 1 if anything is slow)")
     p.add_argument("--warmup-from", metavar="METRICS.jsonl", default=None, help="seed calibrators and hot experts from a previous run")
     p.add_argument("--group-size", type=int, default=0, help="ranks per start wave (0: all at once)")
@@ -117,6 +121,28 @@ def eject_plan(report: dict, verdict) -> Tuple[List[str], List[str]]:
     hosts = {r["node"] for r in report["ranks"] if r.get("hosts_rendezvous")}
     kept = [n for n in verdict.slow_nodes if n in hosts]
     return [n for n in verdict.slow_nodes if n not in hosts], kept
+
+
+def _judge_by_class(report: dict, cluster, work: str):
+    """Print and record (``health-records.jsonl``) the per-device-class verdict (hetcomm.ops.health_class)."""
+    from hetcomm.ops.health_class import judge_by_class, records
+    from hetcomm.topo.compute import rank_speeds
+
+    world = report["world_size"]
+    names = [r["node"] for r in report["ranks"]]
+    # Ranks follow the job's node order; the declared speed is that of each rank's own node.
+    by_node = {n.name: n.first_rank for n in cluster.nodes}
+    speeds = [rank_speeds(cluster, [by_node[names[r]]])[0] if names[r] in by_node else 1.0 for r in range(world)]
+    verdict = judge_by_class(report, speeds)
+    for s in verdict.slow:
+        print(f"slow in its class: {s.line()}", flush=True)
+    if not verdict.slow and verdict.compute_factor:
+        print(f"per device class: no rank slower than its class (compute factors "
+              f"{', '.join(f'{r}:{f:.2f}' for r, f in sorted(verdict.compute_factor.items()))})", flush=True)
+    with open(os.path.join(work, "health-records.jsonl"), "a", encoding="utf-8") as f:
+        for rec in records(verdict):
+            f.write(json.dumps(rec) + "\n")
+    return verdict
 
 
 def _phase(cmd: List[str], env: dict, what: str) -> int:
@@ -198,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     if args.health:
         out = os.path.join(work, f"health-{args.node or 'local'}.json")
         probe = ["hetcomm.ops.health", "--out", out, "--size", str(probe_bytes), "--iters", str(args.probe_iters),
-                 "--marks", work]
+                 "--marks", work, "--compute-s", str(args.probe_compute)]
         if args.rdzv_endpoint is not None:
             probe += ["--rdzv-host", args.rdzv_endpoint.rsplit(":", 1)[0]]
         cmd = torchrun_command(
@@ -218,10 +244,12 @@ def run(args: argparse.Namespace) -> int:
             report = json.load(f)
         verdict = judge(report, args.threshold)
         print(render_report(report, verdict), flush=True)
+        by_class = _judge_by_class(report, cluster, work)
         with open(os.path.join(work, "verdict.json"), "w", encoding="utf-8") as f:
-            json.dump({"slow_nodes": verdict.slow_nodes, "slow_ranks": verdict.slow_ranks}, f)
+            json.dump({"slow_nodes": verdict.slow_nodes, "slow_ranks": verdict.slow_ranks,
+                       "slow_in_class": [s.rank for s in by_class.slow]}, f)
         if args.health_only:
-            return 1 if (verdict.slow_nodes or verdict.slow_ranks) else 0
+            return 1 if (verdict.slow_nodes or verdict.slow_ranks or by_class.slow) else 0
         if args.eject and verdict.slow_nodes:
             ejected, kept = eject_plan(report, verdict)
             if kept:

@@ -218,3 +218,21 @@ def test_the_node_hosting_the_rendezvous_is_never_ejected():
     for r in report["ranks"]:
         r["hosts_rendezvous"] = r["node"] == "fast-0"
     assert eject_plan(report, verdict) == (["slow-0"], [])
+
+
+def test_per_class_judge_scales_by_declared_speed_and_names_the_baseline():
+    # Real numbers of an emulated run (tests/emulate/test_health_class.py) in miniature: the 910B
+    # declares half the TFLOPS and takes twice as long (healthy); the H800 declares full speed and
+    # takes twice as long too (throttled).
+    from hetcomm.ops.health_class import judge_by_class
+
+    models = ["A100-SXM4-80GB", "A100-SXM4-80GB", "H800", "910B"]
+    gemm = [0.010, 0.011, 0.021, 0.020]
+    report = {"ranks": [{"rank": r, "node": f"n{r}", "model": m, "gemm_s": g} for r, (m, g) in enumerate(zip(models, gemm))],
+              "pair_p50": [[None, 1, 1, 1], [1, None, 1, 1], [1, 1, None, 1], [1, 1, 1, None]]}
+    v = judge_by_class(report, [100.0, 100.0, 100.0, 50.0])
+    assert [(s.rank, s.probe) for s in v.slow] == [(2, "compute")]
+    s = v.slow[0]
+    assert s.measured_s == 0.021 and abs(s.baseline_s - 0.0105) < 1e-9 and "speed-scaled median of 4" in s.baseline_of
+    assert "rank 2 (H800 on n2) slow in compute" in s.line()
+    assert v.compute_factor[3] < 1.4

@@ -140,7 +140,7 @@ def nothing_to_train(cfg, rank: int, start_step: int) -> int:
     from hetcomm.ops.checkpoint_files import read_verdict
 
     rec = read_verdict(cfg.checkpoint_dir)
-    if rec is None or rec.get("step") != start_step or not isinstance(rec.get("ok"), bool):
+    if start_step != cfg.steps or rec is None or rec.get("step") != start_step or not isinstance(rec.get("ok"), bool):
         raise UsageError(
             f"nothing to train: the latest checkpoint in {cfg.checkpoint_dir} is after step {start_step} and "
             f"--steps is {cfg.steps}; pass --steps larger than {start_step} to train on, or another --checkpoint-dir"

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import uuid
 from typing import List, Optional, Tuple
@@ -95,7 +94,9 @@ def torchrun_command(
     rdzv_id: str, max_restarts: int, local_addr: Optional[str] = None,
 ) -> List[str]:
     """The torchrun command line for one phase (``python -m torch.distributed.run ...``)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+    # -P: the current directory is not on torchrun's sys.path; PYTHONSAFEPATH=1 in the job's
+    # environment (run) does the same for the workers torchrun starts as `python -m ...`.
+    cmd = [sys.executable, "-P", "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
            "--monitor-interval=0.5"]
     if rdzv_endpoint is None:
         cmd += ["--standalone", "--nnodes=1"]
@@ -139,9 +140,9 @@ def _judge_by_class(report: dict, cluster, work: str):
     if not verdict.slow and verdict.compute_factor:
         print(f"per device class: no rank slower than its class (compute factors "
               f"{', '.join(f'{r}:{f:.2f}' for r, f in sorted(verdict.compute_factor.items()))})", flush=True)
-    with open(os.path.join(work, "health-records.jsonl"), "a", encoding="utf-8") as f:
-        for rec in records(verdict):
-            f.write(json.dumps(rec) + "\n")
+    from hetcomm.ops.safe_fs import write_private
+
+    write_private(os.path.join(work, "health-records.jsonl"), "".join(json.dumps(rec) + "\n" for rec in records(verdict)))
     return verdict
 
 
@@ -162,8 +163,20 @@ def _phase(cmd: List[str], env: dict, what: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hetcomm.ops.safe_fs import remove_tree
+
+    made: List[str] = []  # the default work directory: removed when the launch ends (--work-dir is kept)
+    try:
+        return _run(args, made)
+    finally:
+        for path in made:
+            remove_tree(path)
+
+
+def _run(args: argparse.Namespace, made: List[str]) -> int:
     from hetcomm.cli._launch_checks import check_job, check_options, check_rdzv_endpoint, job_cluster
     from hetcomm.ops.health import judge, render_report
+    from hetcomm.ops.safe_fs import launch_work_dir, read_nofollow, write_private
     from hetcomm.ops.rank_marks import clear_marks, describe, last_attempt, read_marks
     from hetcomm.topo.cluster import CLUSTER_ENV, load_cluster
 
@@ -210,12 +223,14 @@ def run(args: argparse.Namespace) -> int:
                          f"(omit the flag, or give a cluster with {args.nproc_per_node})")
     nproc = expected
     rdzv_id = args.rdzv_id or uuid.uuid4().hex[:8]
-    work = args.work_dir or os.path.join("/tmp", f"hetcomm-launch-{os.getuid()}", rdzv_id)
-    os.makedirs(work, exist_ok=True)
+    work = launch_work_dir(args.work_dir, rdzv_id)  # private, never reused from someone else
+    if args.work_dir is None:
+        made.append(work)
     env = dict(os.environ)
     env[CLUSTER_ENV] = cluster_path
     env["HETCOMM_LAUNCH_DIR"] = work
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONSAFEPATH"] = "1"  # torchrun's `python -m hetcomm.ops.worker` must not import ./hetcomm
     if args.node:
         env["HETCOMM_NODE"] = args.node
     where = f"node {args.node}" if args.node else "this machine"
@@ -240,14 +255,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"hetcomm launch: the health check failed (torchrun exit {code}): {why}; not starting the job",
                   file=sys.stderr)
             return 1
-        with open(out, encoding="utf-8") as f:
-            report = json.load(f)
+        report = json.loads(read_nofollow(out, limit=64 << 20, what="health report"))
         verdict = judge(report, args.threshold)
         print(render_report(report, verdict), flush=True)
         by_class = _judge_by_class(report, cluster, work)
-        with open(os.path.join(work, "verdict.json"), "w", encoding="utf-8") as f:
-            json.dump({"slow_nodes": verdict.slow_nodes, "slow_ranks": verdict.slow_ranks,
-                       "slow_in_class": [s.rank for s in by_class.slow]}, f)
+        write_private(os.path.join(work, "verdict.json"),
+                      json.dumps({"slow_nodes": verdict.slow_nodes, "slow_ranks": verdict.slow_ranks,
+                                  "slow_in_class": [s.rank for s in by_class.slow]}))
         if args.health_only:
             return 1 if (verdict.slow_nodes or verdict.slow_ranks or by_class.slow) else 0
         if args.eject and verdict.slow_nodes:
@@ -290,7 +304,6 @@ def run(args: argparse.Namespace) -> int:
               f"{args.max_restarts} spent; torchrun exit {code}); last attempt: {why}", file=sys.stderr, flush=True)
         return 1
     try:
-        with open(exit_file, encoding="utf-8") as f:
-            return int(f.read().strip() or 0)
+        return int(read_nofollow(exit_file, limit=64, what="job exit file").strip() or 0)
     except FileNotFoundError:
         return 0  # rank 0 ran on another node: its launch reports the job's own exit code

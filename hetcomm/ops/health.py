@@ -281,10 +281,9 @@ def _probe_main(args: argparse.Namespace) -> int:
             for r, entry in enumerate(report["ranks"]):
                 entry["hosts_rendezvous"] = bool(hosts[r])
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            tmp = f"{args.out}.{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(report, f, indent=1)
-            os.replace(tmp, args.out)
+            from hetcomm.ops.safe_fs import write_private
+
+            write_private(args.out, json.dumps(report, indent=1))  # 0600, never through a link
         dist.barrier()
     finally:
         dist.destroy_process_group()

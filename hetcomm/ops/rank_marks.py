@@ -28,7 +28,7 @@ import os
 import signal
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
 __all__ = ["RankMark", "write_mark", "read_marks", "culprits", "describe", "install_stop_mark", "marked", "last_attempt", "clear_marks"]
 

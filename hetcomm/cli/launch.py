@@ -2,7 +2,7 @@
 
     hetcomm launch [--cluster YAML] [--node NAME --nnodes MIN:MAX --rdzv-endpoint HOST:PORT]
                    [--nproc-per-node N] [--max-restarts R]
-                   [--no-health] [--threshold 3] [--eject] [--probe-size 64K] [--probe-iters 10]
+                   [--no-health] [--threshold 3] [--eject] [--probe-size 64K] [--probe-iters 10] [--probe-compute S]
                    [--warmup-from METRICS.jsonl] [--group-size N --group-delay S]
                    [-- train ARGS...]
 
@@ -11,18 +11,25 @@ Run it once per node (like torchrun). Without ``--node`` it is a one-machine job
 
 1. **Health check** (``hetcomm.ops.health`` under torchrun, rendezvous id ``<id>-health``):
    all-reduce, all-to-all and pairwise probes, P50/P99 per rank and link class printed; ranks and
-   nodes whose best-peer time exceeds ``--threshold`` x the median are reported. With
-   ``--eject`` a slow node's launch stops here (exit 0, saying so) and the others start the job
-   with ``--nnodes <remaining>:<all>``, so torchrun's rendezvous completes without it.
+   nodes whose best-peer time exceeds ``--threshold`` x the median are reported, and with
+   ``--probe-compute S`` each rank's GEMM time against its device class
+   (:mod:`hetcomm.ops.health_class`). With ``--eject`` a slow node's launch stops here (exit 0,
+   saying so) and the others start the job with ``--nnodes <remaining>:<all>``, so torchrun's
+   rendezvous completes without it; the node hosting the rendezvous store is never ejected.
 2. **Warm-up**: ``--warmup-from`` a previous run's metrics file seeds every MoE layer's
    calibrator history and replicates (pages in) its hottest experts before the first step
    (passed to ``hetcomm train --warmup-from``).
 3. **Grouped start**: ranks start in waves of ``--group-size`` every ``--group-delay`` seconds
    (``hetcomm.ops.worker``), so a large job does not hit the store and the NICs all at once.
 
-The job runs under torchrun with ``--max-restarts``: a rank that dies makes the survivors raise
-(naming it), torchrun restarts every worker, and ``hetcomm train --resume`` continues from the
-last checkpoint. Exit code: torchrun's (0 ok, 1 a worker failed for good), 2 bad usage.
+Before torchrun starts, every option and the job after ``--`` are checked
+(:mod:`hetcomm.cli._launch_checks`: exit 2, one line). Each phase runs supervised
+(:mod:`hetcomm.ops.supervise`: SIGTERM/SIGINT forwarded, SIGKILL after a grace, nothing
+orphaned), and each worker leaves an end mark (:mod:`hetcomm.ops.rank_marks`) so that a failed
+phase names the rank at fault. The job runs under torchrun with ``--max-restarts``: a rank that
+dies makes the survivors raise (naming it), torchrun restarts every worker, and ``hetcomm train
+--resume`` continues from the last checkpoint. Exit code: the job's (0 ok, 1 a worker failed
+for good, with a summary line), 2 bad usage, 128 + signal after SIGTERM/SIGINT.
 """
 
 from __future__ import annotations

@@ -141,6 +141,7 @@ def _judge_by_class(report: dict, cluster, work: str):
     # Ranks follow the job's node order; the declared speed is that of each rank's own node.
     by_node = {n.name: n.first_rank for n in cluster.nodes}
     speeds = [rank_speeds(cluster, [by_node[names[r]]])[0] if names[r] in by_node else 1.0 for r in range(world)]
+    # Network: the best-peer verdict above (judge) already scores every rank by its own best link.
     verdict = judge_by_class(report, speeds)
     for s in verdict.slow:
         print(f"slow in its class: {s.line()}", flush=True)

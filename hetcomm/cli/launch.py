@@ -35,6 +35,7 @@ import sys
 import uuid
 from typing import List, Optional, Tuple
 
+from hetcomm import settings
 from hetcomm.errors import UsageError
 
 __all__ = ["add_parser", "run", "torchrun_command"]
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     from hetcomm.topo.cluster import CLUSTER_ENV, load_cluster
     from hetcomm.units import parse_size
 
-    cluster_path = os.path.abspath(repo_path(args.cluster or os.environ.get(CLUSTER_ENV) or "configs/clusters/mixed-mini.yaml"))
+    cluster_path = os.path.abspath(repo_path(args.cluster or settings.CLUSTER.get() or "configs/clusters/mixed-mini.yaml"))
     cluster = load_cluster(cluster_path)
     job = list(args.job)
     if job and job[0] == "--":

@@ -29,9 +29,12 @@ from typing import List, Optional
 
 __all__ = ["main", "NODE_ENV", "GROUP_SIZE_ENV", "GROUP_DELAY_ENV"]
 
-NODE_ENV = "HETCOMM_NODE"
-GROUP_SIZE_ENV = "HETCOMM_GROUP_SIZE"
-GROUP_DELAY_ENV = "HETCOMM_GROUP_DELAY"
+from hetcomm import settings
+
+# The names, for callers that set them in a child environment (declared in hetcomm.settings).
+NODE_ENV = settings.NODE.name
+GROUP_SIZE_ENV = settings.GROUP_SIZE.name
+GROUP_DELAY_ENV = settings.GROUP_DELAY.name
 
 
 def _torchrun_store(timeout_s: float):
@@ -48,8 +51,8 @@ def place(argv: List[str]) -> List[str]:
     from hetcomm.ops.placement import job_cluster_yaml
     from hetcomm.topo.cluster import CLUSTER_ENV
 
-    node = os.environ.get(NODE_ENV)
-    full = os.environ.get(CLUSTER_ENV)
+    node = settings.NODE.get()
+    full = settings.CLUSTER.get()
     if not node or not full:
         return argv
     group_rank = int(os.environ["GROUP_RANK"])
@@ -63,7 +66,7 @@ def place(argv: List[str]) -> List[str]:
     store.wait(keys, timedelta(seconds=120))
     order = [store.get(k).decode() for k in keys]
     text = job_cluster_yaml(full, order)
-    out_dir = os.environ.get("HETCOMM_LAUNCH_DIR") or os.path.join("/tmp", f"hetcomm-launch-{os.getuid()}")
+    out_dir = settings.LAUNCH_DIR.get() or os.path.join("/tmp", f"hetcomm-launch-{os.getuid()}")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"cluster-{'_'.join(order)}.yaml")
     tmp = f"{path}.{os.getpid()}"
@@ -105,8 +108,8 @@ def fresh_store() -> None:
 
 def stagger() -> float:
     """Step 2: sleep for this rank's group; returns the seconds slept."""
-    size = int(os.environ.get(GROUP_SIZE_ENV, "0") or 0)
-    delay = float(os.environ.get(GROUP_DELAY_ENV, "0") or 0)
+    size = settings.GROUP_SIZE.get()
+    delay = settings.GROUP_DELAY.get()
     if size <= 0 or delay <= 0:
         return 0.0
     wait = (int(os.environ.get("RANK", "0")) // size) * delay
@@ -136,7 +139,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (UsageError, ConfigError, TopologyParseError) as e:
         print(f"hetcomm {ns.command}: error: {e}", file=sys.stderr)
         code = EXIT_USAGE
-    out = os.environ.get("HETCOMM_LAUNCH_DIR")
+    out = settings.LAUNCH_DIR.get()
     if out and os.environ.get("RANK", "0") == "0":
         with open(os.path.join(out, "job-exit"), "w", encoding="utf-8") as f:
             f.write(f"{code}\n")

@@ -13,7 +13,7 @@ default. The environment is for launch-time facts that scripts under ``torchrun`
 other way; values that must agree across ranks are compared by
 :mod:`hetcomm.backends.agreement` whatever their source.
 
-``python -m hetcomm.settings --markdown`` prints the table in ``docs/ARCHITECTURE.md``
+``hetcomm settings --markdown`` prints the table in ``docs/ARCHITECTURE.md``
 ("Environment variables"); ``tests/test_settings.py`` checks that the page equals the registry.
 
 This module is on the lowest floor: it imports :mod:`hetcomm.errors`, :mod:`hetcomm.units` and
@@ -23,8 +23,7 @@ This module is on the lowest floor: it imports :mod:`hetcomm.errors`, :mod:`hetc
 from __future__ import annotations
 
 import os
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, Generic, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from hetcomm.errors import SettingError
@@ -260,7 +259,7 @@ CLUSTER = StrSetting(
     "cluster YAML every rank places itself by (a --cluster flag, a config key or HetcommOptions.cluster wins)",
     readers=("hetcomm.topo.cluster", f"{_B}.options", "hetcomm.cli.bench", "hetcomm.cli._benchlib",
              "hetcomm.cli.discover", "hetcomm.cli.launch", "hetcomm.ops.worker"),
-    set_by=("hetcomm.ops.worker", "hetcomm.emulate.launch"),
+    set_by=("hetcomm.ops.worker", "hetcomm.emulate.ranks"),
     form="path",
 )
 DETECT = BoolSetting(
@@ -349,7 +348,7 @@ LOG = ChoiceSetting(
 LAUNCH_DIR = StrSetting(
     "HETCOMM_LAUNCH_DIR", None,
     "work directory of this hetcomm launch (the worker records a finished job's exit code there)",
-    readers=("hetcomm.ops.worker",),
+    readers=("hetcomm.ops.worker", "hetcomm.cli.worker"),
     set_by=("hetcomm.cli.launch",),
     form="path",
 )
@@ -382,37 +381,37 @@ EMULATE = StrSetting(
     "HETCOMM_EMULATE", None,
     "run id (hc<id>) of the emulated cluster this process belongs to (found by the orphan sweep)",
     readers=("hetcomm.emulate.fabric", "hetcomm.emulate.orphans"),
-    set_by=("hetcomm.emulate.launch",),
+    set_by=("hetcomm.emulate.ranks",),
 )
 EMULATE_SCALE = FloatSetting(
     "HETCOMM_EMULATE_SCALE", None,
     "rate scale of the emulated links (rates on the wire are gbps * scale)",
     readers=("benchmarks", "tests"),
-    set_by=("hetcomm.emulate.launch",),
+    set_by=("hetcomm.emulate.ranks",),
 )
 EMULATE_NODE = StrSetting(
     "HETCOMM_EMULATE_NODE", None,
     "name of the emulated node this rank runs on (a100-0)",
     readers=("benchmarks", "tests"),
-    set_by=("hetcomm.emulate.launch",),
+    set_by=("hetcomm.emulate.ranks",),
 )
 EMULATE_IFNAMES = ListSetting(
     "HETCOMM_EMULATE_IFNAMES", None,
     "every emulated NIC of the node, rail order; nic_ifnames when HETCOMM_IFNAMES is unset",
     readers=(f"{_B}.options",),
-    set_by=("hetcomm.emulate.launch",),
+    set_by=("hetcomm.emulate.ranks",),
 )
 EMULATE_ADDRS = ListSetting(
     "HETCOMM_EMULATE_ADDRS", None,
     "IPv4 addresses of the emulated NICs, same order",
     readers=("tests",),
-    set_by=("hetcomm.emulate.launch",),
+    set_by=("hetcomm.emulate.ranks",),
 )
 EMULATE_COMPUTE = StrSetting(
     "HETCOMM_EMULATE_COMPUTE", None,
     "with hetcomm emulate --compute: the node's relative speed and the rank's CPUs (speed/cpus)",
     readers=("tests",),
-    set_by=("hetcomm.emulate.launch",),
+    set_by=("hetcomm.emulate.ranks",),
 )
 
 
@@ -480,23 +479,3 @@ def markdown_table(settings: Sequence[Setting] = ()) -> str:
             f"{', '.join(s.readers)} | {', '.join(s.set_by) or '-'} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m hetcomm.settings [--markdown]``: the registry as a table (the docs page's source)."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m hetcomm.settings", description=main.__doc__)
-    p.add_argument("--markdown", action="store_true", help="the Markdown table of docs/ARCHITECTURE.md")
-    args = p.parse_args(argv)
-    if args.markdown:
-        sys.stdout.write(markdown_table())
-        return 0
-    for s in REGISTRY.values():
-        state = "unset" if not s.is_set() else repr(s.raw())
-        print(f"{s.name:26} {s.kind:6} {state}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -130,11 +130,25 @@ def test_docs_table_equals_the_registry():
     m = re.search(r"<!-- settings:begin -->\n(.*?)<!-- settings:end -->", page, re.S)
     assert m, "docs/ARCHITECTURE.md lacks the generated settings table"
     assert m.group(1) == settings.markdown_table(), (
-        "docs/ARCHITECTURE.md's table is stale: paste `python -m hetcomm.settings --markdown`"
+        "docs/ARCHITECTURE.md's table is stale: paste `hetcomm settings --markdown`"
     )
-    out = subprocess.run([sys.executable, "-m", "hetcomm.settings", "--markdown"], capture_output=True, text=True,
-                         check=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-m", "hetcomm.cli.main", "settings", "--markdown"], capture_output=True,
+                         text=True, check=True, cwd=ROOT)
     assert out.stdout == m.group(1)
+
+
+def test_settings_command_lists_values_and_flags_typos():
+    env = dict(os.environ, HETCOMM_CHUNK_BYTES="64K", HETCOMM_CLUSTRE="x.yaml")
+    out = subprocess.run([sys.executable, "-m", "hetcomm.cli.main", "settings"], capture_output=True, text=True,
+                         cwd=ROOT, env=env)
+    assert out.returncode == 1, out.stderr
+    assert "HETCOMM_CLUSTRE is set but not a hetcomm setting" in out.stderr and "did you mean HETCOMM_CLUSTER?" in out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("HETCOMM_CHUNK_BYTES"))
+    assert "65536" in line
+    env = dict(os.environ, HETCOMM_CHECK="maybe")
+    out = subprocess.run([sys.executable, "-m", "hetcomm.cli.main", "settings"], capture_output=True, text=True,
+                         cwd=ROOT, env=env)
+    assert out.returncode == 2 and "HETCOMM_CHECK='maybe' is not valid" in out.stderr
 
 
 # -- wire dtypes ------------------------------------------------------------------------------

@@ -151,11 +151,11 @@ def cache_path() -> str:
 
 def unit_key(members: int, size: int, options: HetcommOptions) -> str:
     """The cache key of a unit's choice: everything that changes which way is faster."""
-    import hetcomm
+    from hetcomm._version import __version__
 
     return (
         f"v={CACHE_VERSION}|host={socket.gethostname()}|unit={members}|group={size}|ring={options.ring_bytes}|"
-        f"cpus={os.cpu_count()}|torch={torch.__version__}|hetcomm={hetcomm.__version__}"
+        f"cpus={os.cpu_count()}|torch={torch.__version__}|hetcomm={__version__}"
     )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -37,6 +38,11 @@ if TYPE_CHECKING:
 __all__ = ["Communicator", "communicator"]
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo groups
+
+#: The communicator each hetcomm group built for itself (:meth:`Communicator._for_backend`),
+#: keyed weakly by the group. ``Communicator(group)`` looks a group up here instead of importing
+#: its c10d face (``hetcomm.backends.process_group`` imports this module, not the other way).
+_GROUP_OWNED: "weakref.WeakKeyDictionary[Any, Communicator]" = weakref.WeakKeyDictionary()
 
 
 def _resolve_group(group):
@@ -109,11 +115,9 @@ class Communicator:
     _initialized: bool = False
 
     def __new__(cls, group=None, *, cluster=None, options: Optional[HetcommOptions] = None):
-        from hetcomm.backends.process_group import HetcommProcessGroup
-
         pg = _resolve_group(group)
-        if isinstance(pg, HetcommProcessGroup):
-            comm = pg.communicator
+        comm = _GROUP_OWNED.get(pg)
+        if comm is not None:  # a hetcomm group: it built its communicator when c10d created it
             if options is not None and options_from_env(options) != comm.options:
                 raise UsageError(
                     f"hetcomm.Communicator (rank {comm.rank}): this hetcomm group was created with "
@@ -186,8 +190,6 @@ class Communicator:
         Raises:
             ConfigError: settings differ between ranks (before any rail is built).
         """
-        import weakref
-
         from hetcomm.backends.calibrate import same_host_rails
         from hetcomm.backends.executor import Executor
         from hetcomm.backends.faults import FaultDiagnosis
@@ -214,6 +216,7 @@ class Communicator:
             rails.close()
             raise
         comm.routed = RoutedCollectives(rails, executor, faults, opts, placement, rank, size, inner.total_seconds())
+        _GROUP_OWNED[group_ref()] = comm
         return comm
 
     # -- identity ---------------------------------------------------------------------------

@@ -105,7 +105,7 @@ _ITEMSIZE = {
 REDOPS = ("sum", "max", "min")
 
 # Rails the backend issue defines; the backend itself decides which exist on this machine.
-KNOWN_RAILS = ("shm", "gloo", "nccl", "hccl", "bridge")
+KNOWN_RAILS = settings.RAIL_NAMES  # the one vocabulary (hetcomm.settings)
 
 def parse_bytes(text: str, flag: str = "size") -> int:
     """A byte count as nccl-tests reads ``-b/-e``: ``8``, ``1K``, ``1.5M``, ``1G`` (powers of 2).
@@ -601,7 +601,7 @@ def _merge(
             }
         rows.append(row)
     ranks = [r["info"] for r in per_rank]
-    from hetcomm import __version__
+    from hetcomm._version import __version__
 
     return {
         "tool": "hetcomm bench",

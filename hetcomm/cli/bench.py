@@ -165,12 +165,7 @@ def _under_torchrun() -> bool:
 
 
 def _rail_and_plan_names() -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
-    try:
-        from hetcomm.backends.options import PLAN_NAMES, RAIL_NAMES
-
-        return tuple(RAIL_NAMES), tuple(PLAN_NAMES)
-    except ImportError:  # an older backend without options: fall back to the names
-        return lib.KNOWN_RAILS, ("direct",)
+    return settings.RAIL_NAMES, settings.PLAN_NAMES
 
 
 def _resolve_nprocs(args: argparse.Namespace, cluster) -> Tuple[int, bool]:

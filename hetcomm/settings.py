@@ -348,7 +348,7 @@ LOG = ChoiceSetting(
 LAUNCH_DIR = StrSetting(
     "HETCOMM_LAUNCH_DIR", None,
     "work directory of this hetcomm launch (the worker records a finished job's exit code there)",
-    readers=("hetcomm.ops.worker", "hetcomm.cli.worker"),
+    readers=("hetcomm.ops.worker",),
     set_by=("hetcomm.cli.launch",),
     form="path",
 )

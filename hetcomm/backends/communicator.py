@@ -200,6 +200,7 @@ class Communicator:
         placement = build_placement(store, rank, size, global_ranks, opts.cluster, timeout)
         comm = super().__new__(cls)
         comm._setup(group_ref, rank, size, opts, placement, timeout)
+        _GROUP_OWNED[group_ref()] = comm  # the group dies with its construction if that fails below
         # Before any rail: two ring layouts of one shared segment would corrupt each other.
         agree(store, rank, size, settings_of(opts, placement), timeout)
         # Inner waits get 75 % of the group timeout, so that naming the peer at fault (up to
@@ -216,7 +217,6 @@ class Communicator:
             rails.close()
             raise
         comm.routed = RoutedCollectives(rails, executor, faults, opts, placement, rank, size, inner.total_seconds())
-        _GROUP_OWNED[group_ref()] = comm
         return comm
 
     # -- identity ---------------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""What ``hetcomm launch``'s torchrun workers do before the job: place the rank, stagger.
+"""What ``hetcomm launch`` runs in every torchrun worker: place the rank, stagger, run the job.
 
-The worker's entry point, ``python -m hetcomm.cli.worker [hetcomm subcommand and its arguments]``
-(:mod:`hetcomm.cli.worker`), runs these steps and then the job; it lives in ``cli`` because it
-runs a CLI subcommand (``ops`` does not import the floor above it).
+    python -m hetcomm.cli.worker [hetcomm subcommand and its arguments]
+
+(the entry point is :mod:`hetcomm.cli.worker`, which hands the CLI's parser to :func:`main`:
+``ops`` does not import the floor above it).
 
 torchrun numbers nodes in rendezvous order, not in the cluster YAML's order, and a node left out
 by the health check is simply absent. A cluster YAML places ranks by position, so before the
@@ -17,20 +18,24 @@ process group exists each worker:
 2. gives this attempt a store of its own (:func:`fresh_store`: a restart must not read the
    failed attempt's keys), then waits ``(RANK // HETCOMM_GROUP_SIZE) * HETCOMM_GROUP_DELAY`` seconds (grouped start: the
    ranks of a large job reach the store and the NICs in waves, not all at once);
-3. (:func:`hetcomm.cli.worker.main`) runs ``hetcomm <args>`` in this process (``--cluster``
-   replaced by the job's YAML) and records a finished job's exit code for ``hetcomm launch``.
+3. runs ``hetcomm <args>`` in this process (``--cluster`` replaced by the job's YAML); see
+   :func:`main` for how its exit code reaches ``hetcomm launch``.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from datetime import timedelta
-from typing import List
+from typing import TYPE_CHECKING, Callable, List, Optional
 
-__all__ = ["place", "fresh_store", "stagger", "NODE_ENV", "GROUP_SIZE_ENV", "GROUP_DELAY_ENV"]
+__all__ = ["main", "NODE_ENV", "GROUP_SIZE_ENV", "GROUP_DELAY_ENV"]
 
 from hetcomm import settings
+
+if TYPE_CHECKING:
+    import argparse
 
 # The names, for callers that set them in a child environment (declared in hetcomm.settings).
 NODE_ENV = settings.NODE.name
@@ -116,3 +121,37 @@ def stagger() -> float:
     wait = (int(os.environ.get("RANK", "0")) // size) * delay
     time.sleep(wait)
     return wait
+
+
+def main(argv: Optional[List[str]] = None, *, build_parser: "Callable[[], argparse.ArgumentParser]", exit_usage: int) -> int:
+    """Run the job; a *finished* job's exit code is recorded, not returned.
+
+    torchrun restarts the workers when one exits non-zero, which is right for a crash (a dead
+    peer, a collective error: they propagate from here with their traceback) but wrong for a
+    job that ran to its end and whose check failed (``hetcomm train``'s loss verdict, exit 1) or
+    whose input is bad (exit 2): a restart would only repeat it. Those codes are written to
+    ``$HETCOMM_LAUNCH_DIR/job-exit`` by rank 0, the worker exits 0, and ``hetcomm launch``
+    returns the recorded code.
+
+    Args:
+        argv: the hetcomm subcommand and its arguments (default ``sys.argv[1:]``).
+        build_parser / exit_usage: the CLI's parser and usage exit code, passed in by the entry
+            point :mod:`hetcomm.cli.worker` (``ops`` does not import the floor above it).
+    """
+    EXIT_USAGE = exit_usage
+    from hetcomm.errors import ConfigError, TopologyParseError, UsageError
+
+    args = place(list(sys.argv[1:] if argv is None else argv))
+    fresh_store()
+    stagger()
+    ns = build_parser().parse_args(args)
+    try:
+        code = int(ns._run(ns) or 0)
+    except (UsageError, ConfigError, TopologyParseError) as e:
+        print(f"hetcomm {ns.command}: error: {e}", file=sys.stderr)
+        code = EXIT_USAGE
+    out = settings.LAUNCH_DIR.get()
+    if out and os.environ.get("RANK", "0") == "0":
+        with open(os.path.join(out, "job-exit"), "w", encoding="utf-8") as f:
+            f.write(f"{code}\n")
+    return 0

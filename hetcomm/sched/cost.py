@@ -46,6 +46,7 @@ import numpy as np
 from hetcomm.errors import ConfigError
 from hetcomm.topo.bandwidth import PCIE_GBPS, SYS_GBPS, canonical_model, nominal_gbps
 from hetcomm.topo.cluster import Cluster
+from hetcomm.topo.linkcost import LATENCY_US, OVERHEAD_US, UNKNOWN_LATENCY_US, UNKNOWN_OVERHEAD_US
 from hetcomm.topo.model import LinkClass
 
 __all__ = [
@@ -58,52 +59,16 @@ __all__ = [
     "DEFAULT_OVERHEAD_US",
 ]
 
-# Latency (alpha) per message by link class, microseconds. Order-of-magnitude figures for a
-# large-message protocol (one-way time to first byte, including software launch): device
-# fabrics a few us, RDMA with GPUDirect under 10 us, host-bounced paths more, TCP tens of us.
-# They are assumptions, not measurements: calibrate with `hetcomm bench` output. HOST_BRIDGE
-# takes the cluster's own `interconnect.cross_vendor.latency_us`.
+# Latency (alpha) and per-message overhead by link class, microseconds: the one table that
+# `hetcomm audit` reads too (hetcomm.topo.linkcost), keyed here by class name as CostParams
+# overrides are. HOST_BRIDGE latency takes the cluster's own `interconnect.cross_vendor.latency_us`.
 DEFAULT_LATENCY_US: Dict[str, float] = {
-    "NVLINK": 3.0,
-    "HCCS": 4.0,
-    "PCIE_PIX": 5.0,
-    "PCIE_PXB": 5.0,
-    "PCIE_PHB": 6.0,
-    "PCIE_NODE": 6.0,
-    "PCIE_SYS": 8.0,
-    "P2P": 5.0,
-    "SHM": 8.0,
-    "NET_IB_GDR": 6.0,
-    "NET_IB": 9.0,
-    "NET_ROCE_GDR": 8.0,
-    "NET_ROCE": 11.0,
-    "NET_EFA": 15.0,
-    "NET_SOCKET": 50.0,
-    "UNKNOWN": 50.0,
+    **{c.name: v for c, v in LATENCY_US.items() if c != LinkClass.HOST_BRIDGE},
+    "UNKNOWN": UNKNOWN_LATENCY_US,
 }
-
-# Per-message occupancy (LogGP "gap") on every resource a message crosses, microseconds:
-# posting a work request / launching a copy. Host-staged paths (SHM, non-GDR NICs, the
-# cross-vendor bridge) need a device<->host copy per message driven by a host proxy, hence more.
-# Assumptions like the latencies above; calibratable.
 DEFAULT_OVERHEAD_US: Dict[str, float] = {
-    "NVLINK": 1.0,
-    "HCCS": 1.0,
-    "PCIE_PIX": 2.0,
-    "PCIE_PXB": 2.0,
-    "PCIE_PHB": 2.0,
-    "PCIE_NODE": 2.0,
-    "PCIE_SYS": 2.0,
-    "P2P": 2.0,
-    "SHM": 4.0,
-    "NET_IB_GDR": 2.0,
-    "NET_IB": 4.0,
-    "NET_ROCE_GDR": 2.0,
-    "NET_ROCE": 4.0,
-    "NET_EFA": 4.0,
-    "NET_SOCKET": 10.0,
-    "HOST_BRIDGE": 10.0,
-    "UNKNOWN": 10.0,
+    **{c.name: v for c, v in OVERHEAD_US.items()},
+    "UNKNOWN": UNKNOWN_OVERHEAD_US,
 }
 
 # Device memory bandwidth, GB/s, by model family (datasheets: A100 80GB SXM4 2,039; H100/H800

@@ -128,11 +128,14 @@ def test_all_format_modules_load():
     assert set(P.format_tools()) == set(names)
 
 
-def test_missing_module_does_not_break_the_others(monkeypatch):
+def test_a_missing_module_of_our_own_is_an_error_not_silence(monkeypatch):
+    # issue #18: the guard that turned a missing parser module into "format unknown" is gone.
     monkeypatch.setattr(P, "MODULES", ("not_written_yet",) + P.MODULES)
     monkeypatch.setattr(P, "_registry", None)
-    monkeypatch.setattr(P, "_load_errors", {})
-    assert P.load_errors() == {"not_written_yet": "module not found"}
+    with pytest.raises(ModuleNotFoundError, match="not_written_yet"):
+        P.detect_format(read("npusmi_topo_910b3_x8_hccs.txt"))
+    monkeypatch.setattr(P, "MODULES", P.MODULES[1:])
+    monkeypatch.setattr(P, "_registry", None)
     assert P.detect_format(read("npusmi_topo_910b3_x8_hccs.txt")) == "npu-smi-topo"
 
 

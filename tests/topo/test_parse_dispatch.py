@@ -63,6 +63,11 @@ EXPECTED = {
     "nvsmi_topo_mp_dgx1_v100_pcie_only.txt": ("nvsmi", {"nvsmi"}, set()),
     "nvsmi_topo_pcie8_pix_pxb_sys_numa_na.txt": ("nvsmi", {"nvsmi"}, set()),
     "sys_class_infiniband_h100_ndr_ib_plus_roce_bond.txt": ("rdma", {"rdma"}, {"ib-sysfs"}),
+    # issue #22's captures
+    "npusmi_info_a3_910c_8card_16chip_cann_8.2rc1.txt": ("npusmi", {"npusmi"}, {"npu-smi-info"}),
+    "nccltests_alltoall_rtx2080ti_x2_pix_p2p_ns.txt": ("nccl_tests", {"nccl_tests", "nvsmi"}, set()),
+    "nccltests_allreduce_h100_1node_and_2node_srun_l.txt": ("nccl_tests", {"nccl_tests"}, set()),
+    "nccltests_allreduce_h100_2node_srun_l_only.txt": ("nccl_tests", {"nccl_tests"}, set()),
 }
 OURS = ("npusmi", "rdma", "lsmod", "nccl_log", "hccn")
 #: Real captures a parser claims but must refuse with an error (nothing in them to model).

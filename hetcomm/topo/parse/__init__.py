@@ -291,7 +291,15 @@ def parse_text(
             dict.fromkeys(merged.facts.get("line_prefixes", []) + prefixes)
         )
     _join_ascend_pci(merged)
+    join_ascend_chips(merged)
     return merged
+
+
+def join_ascend_chips(topo: Topology) -> None:
+    """See :func:`hetcomm.topo.parse.npusmi.join_ascend_chips` (imported on use)."""
+    from hetcomm.topo.parse.npusmi import join_ascend_chips as join
+
+    join(topo)
 
 
 def _join_ascend_pci(topo: Topology) -> None:
@@ -386,4 +394,5 @@ def parse_files(paths: Iterable[str], fmt: Union[None, str, Sequence[str]] = Non
     merged = Topology()
     for path in paths:
         merged.merge(parse_file(path, fmt=fmt))
+    join_ascend_chips(merged)
     return merged

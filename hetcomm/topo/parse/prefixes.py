@@ -10,7 +10,7 @@ only the start of each line changes, so errors still name the line of the origin
 family             looks like                                 written by
 =================  =========================================  ==================================
 ``rfc3339``        ``2024-05-01T12:00:00.123456789Z ``        ``kubectl logs --timestamps``,
-                   (also ``2024-05-01 12:00:00,123 ``)        journald/Docker/CloudWatch exports
+                   (also ``2024-05-01 12:00:00,123 ``)        Docker/journald ``-o short-iso`` exports
 ``openmpi-tag``    ``[1,7]<stdout>:``                         OpenMPI ``mpirun --tag-output``
 ``slurm-task``     ``  7: ``                                  Slurm ``srun -l`` / ``--label``
 ``torchrun-rank``  ``[rank7]:`` / ``[default7]:``             torchrun (``--tee`` / local-rank
@@ -33,8 +33,7 @@ from hetcomm.topo.parse._text import is_source_header
 __all__ = ["PREFIX_FAMILIES", "strip_prefixes"]
 
 _RFC3339 = re.compile(
-    r"^\s*\|?\s*\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d{1,9})?(?:Z|[+-]\d{2}:?\d{2})?"
-    r"(?:\s+\|)?\s?"
+    r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d{1,9})?(?:Z|[+-]\d{2}:?\d{2})? ?"
 )
 _OPENMPI = re.compile(r"^\[\d+,\d+\]<std(?:out|err)>:\s?")
 _SLURM = re.compile(r"^\s{0,4}\d{1,5}: ")

@@ -322,7 +322,8 @@ def _rule_numa_unknown(ctx: RuleContext) -> List[Finding]:
 
 
 def _rule_no_gdr(ctx: RuleContext) -> List[Finding]:
-    if not ctx.rdma_present:
+    plugin_off = [str(m) for m in (ctx.facts.get("nccl_gdr_off") or [])]
+    if not ctx.rdma_present and not plugin_off:
         return []
     if ctx.devices and not any(d.vendor == "nvidia" for d in ctx.devices):
         # GPUDirect RDMA concerns NVIDIA GPUs: not a CPU-only or Ascend-only host (Ascend's
@@ -343,9 +344,17 @@ def _rule_no_gdr(ctx: RuleContext) -> List[Finding]:
     )
     if plain:
         why.append(f"unused: NCCL channels go via {_subject(plain, 3)} without /GDRDMA")
+    if plugin_off:
+        # aws-ofi-nccl / libfabric: the plugin turns GDR off itself and says so.
+        why.append(f"off: the network plugin says '{plugin_off[0]}'")
     if not why:
         return []
-    nics = _subject([n.name for n in ctx.rdma_nics]) if ctx.rdma_nics else "NCCL's IB transport"
+    ofi = [n.name for n in ctx.nics if n.name.split("@")[0].startswith("ofi")]
+    nics = (
+        _subject([n.name for n in ctx.rdma_nics])
+        if ctx.rdma_nics
+        else _subject(ofi) if ofi else "NCCL's network transport"
+    )
     return [
         Finding(
             code="no-gdr",
@@ -357,7 +366,9 @@ def _rule_no_gdr(ctx: RuleContext) -> List[Finding]:
             "nv_peer_mem is deprecated) and check `lsmod | grep nvidia_peermem` shows ib_core "
             "using it, or "
             "use DMA-BUF (NCCL logs 'DMA-BUF is available'); keep GPUs and NICs within "
-            "NCCL_NET_GDR_LEVEL (PXB) of each other.",
+            "NCCL_NET_GDR_LEVEL (PXB) of each other. On EFA (aws-ofi-nccl): GDR needs an "
+            "RDMA-capable instance (p4d/p5: `fi_info -p efa -v | grep FI_HMEM`), "
+            "FI_EFA_USE_DEVICE_RDMA=1 and a current aws-ofi-nccl/EFA installer.",
         )
     ]
 

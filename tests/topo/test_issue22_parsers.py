@@ -106,3 +106,31 @@ def test_real_srun_l_capture_is_recognised():
 def test_plain_key_value_lines_are_not_mistaken_for_host_tags():
     text = read("ibstat_cx7_roce200_cx6dx_down_truncated.txt")
     assert strip_prefixes(text)[1] == []
+
+
+def test_ofi_plugin_disabling_gdr_fires_no_gdr_and_lists_its_nic():
+    from hetcomm.topo.audit import audit
+
+    topo = parse_file(os.path.join(FIXTURES, "nccl_log_ofi_efa_disabling_gdr_proto_simple.txt"))
+    assert [(n.name, n.link_layer, n.gdr) for n in topo.nics] == [("ofi0", "EFA", False)]
+    codes = {f.code: f for f in audit(topo)}
+    assert "no-gdr" in codes and "disabling GDR" in codes["no-gdr"].message
+
+
+def test_p5en_efa_nic_groups_are_listed():
+    topo = parse_file(os.path.join(FIXTURES, "nccl_log_p5en_h200_efa_16nic_libfabric.txt"))
+    assert any(n.name.startswith("ofi7.0") and n.pci_bus_id == "0000:a3:00.0" for n in topo.nics)
+
+
+def test_ibext_sharp_plugin_and_its_hcas():
+    topo = parse_file(os.path.join(FIXTURES, "nccl_log_h100_ibext_sharp_collnet_4nic.txt"))
+    assert topo.facts["nccl_plugins"] == {"net": "NCCL RDMA Plugin v6", "collnet": "SHARP"}
+    assert topo.facts["nccl_network"] == "IBext"
+    assert {n.name.split("@")[0] for n in topo.nics} == {"mlx5_0", "mlx5_1", "mlx5_4", "mlx5_5"}
+
+
+def test_openmpi_tagged_nccl_log_reads_its_channels():
+    topo = parse_file(os.path.join(FIXTURES, "nccl_log_ompi_tag_horovod_efa_aws_libfabric.txt"))
+    assert topo.facts["line_prefixes"] == ["openmpi-tag"]
+    # (NCCL 2.4's "Ring 00 : a[d] -> b[d] via ..." lines are not channel records the parser models)
+    assert topo.facts["nccl_warnings"] == ["NET/OFI Couldn't open AV. RC: -22, ERROR: Invalid argument"]

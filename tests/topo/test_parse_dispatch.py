@@ -68,6 +68,9 @@ EXPECTED = {
     "nccltests_alltoall_rtx2080ti_x2_pix_p2p_ns.txt": ("nccl_tests", {"nccl_tests", "nvsmi"}, set()),
     "nccltests_allreduce_h100_1node_and_2node_srun_l.txt": ("nccl_tests", {"nccl_tests"}, set()),
     "nccltests_allreduce_h100_2node_srun_l_only.txt": ("nccl_tests", {"nccl_tests"}, set()),
+    "nccl_log_ofi_efa_disabling_gdr_proto_simple.txt": ("nccl_log", {"nccl_log"}, {"nccl-log"}),
+    "nccl_log_h100_ibext_sharp_collnet_4nic.txt": ("nccl_log", {"nccl_log"}, {"nccl-log"}),
+    "nccl_log_ompi_tag_horovod_efa_aws_libfabric.txt": ("nccl_log", {"nccl_log"}, {"nccl-log"}),
 }
 OURS = ("npusmi", "rdma", "lsmod", "nccl_log", "hccn")
 #: Real captures a parser claims but must refuse with an error (nothing in them to model).

@@ -117,6 +117,22 @@ FINDING_CODES: Dict[str, FindingSpec] = {
             "PCIe cards: plans, wire dtypes and placement then assume bandwidth that is not there "
             "(hetcomm.topo.discover.compare_with_cluster).",
         ),
+        FindingSpec(
+            "bandwidth-shortfall",
+            "warning",
+            "measured bus bandwidth far below the link class's nominal",
+            "The topology looks right but a measured run (nccl-tests, hetcomm bench) reaches less "
+            "than 70 % (NVLink/NVSwitch/HCCS) or 60 % (PCIe, network) of the nominal bandwidth at its "
+            "largest size: a PCIe card sold as SXM, SR-IOV/ACS/IOMMU settings, a degraded NVLink, "
+            "NUMA placement or GDR off. Every collective on this machine runs that much slower.",
+        ),
+        FindingSpec(
+            "known-bad-version",
+            "error",
+            "a driver or CANN release known to be bad",
+            "The NVIDIA driver or the CANN toolkit is a release listed in "
+            "hetcomm.topo.rules_measured.KNOWN_BAD_VERSIONS (each entry names its source).",
+        ),
     )
 }
 

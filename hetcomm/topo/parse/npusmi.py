@@ -118,6 +118,27 @@ def _model_from_name(name: str, num_chips: int = 1) -> Optional[str]:
     return short or None
 
 
+_CANN_CFG = re.compile(r"^\s*(?:runtime|toolkit)_running_version=\[[^:\]]*:([^\]]+)\]")
+_CANN_INFO = re.compile(r"^\s*version=(\d+\.\d+\.\w+)\s*$")
+
+
+def _cann_version(lines: List[Tuple[int, str]]) -> Optional[str]:
+    """The CANN release a capture shows: ``version.cfg``'s ``runtime_running_version=[7.5.0.1.129:
+    8.0.RC3]`` or ``ascend_toolkit_install.info``'s ``version=8.2.RC1`` after
+    ``package_name=Ascend-cann-toolkit`` (what ``collect_env`` and env-check scripts paste)."""
+    toolkit = False
+    for _, line in lines:
+        m = _CANN_CFG.match(line)
+        if m:
+            return m.group(1).strip()
+        if "package_name=Ascend-cann-toolkit" in line:
+            toolkit = True
+        m = _CANN_INFO.match(line)
+        if m and toolkit:
+            return m.group(1)
+    return None
+
+
 # -- npu-smi info -t topo ------------------------------------------------------------------------
 
 
@@ -388,6 +409,9 @@ def parse_npusmi_info(text: str, path: str = "<text>") -> Topology:
             line=first,
         )
     topo.facts["npu_health"] = health
+    cann = _cann_version(lines)
+    if cann:
+        topo.facts["cann_version"] = cann
     if any("-" in name for name in phy_ids):
         topo.facts["npu_phy_ids"] = phy_ids
     if hbm:

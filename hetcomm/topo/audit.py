@@ -137,6 +137,8 @@ class AuditReport:
                 "bottleneck": a.bottleneck.name if a.bottleneck is not None else None,
                 "algbw_gbs": a.algbw_gbs,
                 "busbw_gbs": a.busbw_gbs,
+                "model": a.model,
+                "alpha_beta_time_us": a.alpha_beta_time_us,
                 "per_class": [
                     {
                         "class": r.link_class.name,

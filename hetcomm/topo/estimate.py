@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from hetcomm.errors import UsageError
@@ -41,6 +41,7 @@ __all__ = [
     "ClassEstimate",
     "AlltoallEstimate",
     "estimate_alltoall",
+    "with_predicted_time",
     "CrossVendorAnswer",
     "cross_vendor_path",
     "measurement_rows",
@@ -90,6 +91,10 @@ class AlltoallEstimate:
         algbw_gbs: ``S / time`` in GB/s, nccl-tests' algbw, for comparison with a measured table.
         busbw_gbs: ``algbw · (n-1)/n``.
         notes: caveats (labels, missing links, unknown bandwidths).
+        model: ``alpha-beta`` (this module's table), or ``cost-model`` when ``time_us`` is the
+            scheduler's prediction for the flat plan (``hetcomm audit --cluster``: the number
+            ``hetcomm simulate`` prints for the same cluster and size).
+        alpha_beta_time_us: the α–β table's own time when ``model`` is ``cost-model``.
     """
 
     size_bytes: int
@@ -102,6 +107,23 @@ class AlltoallEstimate:
     algbw_gbs: Optional[float]
     busbw_gbs: Optional[float]
     notes: Tuple[str, ...] = ()
+    model: str = "alpha-beta"
+    alpha_beta_time_us: Optional[float] = None
+
+
+def with_predicted_time(estimate: AlltoallEstimate, time_us: float, how: str) -> AlltoallEstimate:
+    """``estimate`` with ``time_us`` replaced by a cost-model prediction (the α–β time kept)."""
+    n = estimate.num_ranks
+    algbw = estimate.size_bytes / (time_us * 1e-6) / 1e9 if time_us > 0 else None
+    return replace(
+        estimate,
+        time_us=time_us,
+        algbw_gbs=algbw,
+        busbw_gbs=algbw * (n - 1) / n if algbw is not None and n else None,
+        model="cost-model",
+        alpha_beta_time_us=estimate.time_us,
+        notes=estimate.notes + (how,),
+    )
 
 
 def _estimate_ranks(topology: Topology, cluster: Optional["Cluster"]) -> List[str]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import glob
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -47,13 +45,15 @@ def test_known_bad_cann_and_driver_versions():
 
 
 @pytest.mark.parametrize("name", sorted(os.path.basename(p) for p in glob.glob(os.path.join(FIXTURES, "*"))))
-def test_audit_cli_on_every_fixture_never_tracebacks(name):
-    # Timing is measured separately (docs/INPUT_FORMATS.md); a loaded machine must not fail this.
-    proc = subprocess.run(
-        [sys.executable, "-m", "hetcomm", "audit", "-i", os.path.join(FIXTURES, name)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert "Traceback" not in proc.stderr + proc.stdout
-    assert proc.returncode in (0, 1, 2), proc.stderr  # findings (1) and refused input (2) are answers
+def test_audit_cli_on_every_fixture_never_tracebacks(name, capsys):
+    # In-process (the CLI's own main), so that 50 fixtures do not pay 50 interpreter start-ups;
+    # the < 2 s per fixture is measured separately (docs/INPUT_FORMATS.md), never asserted here.
+    from hetcomm.cli.main import main
+
+    try:
+        rc = main(["audit", "-i", os.path.join(FIXTURES, name)])
+    except SystemExit as e:  # argparse / a usage error exits; that is an answer, not a crash
+        rc = e.code
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    assert rc in (0, 1, 2), out.err  # findings (1) and refused input (2) are answers

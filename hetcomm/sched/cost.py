@@ -229,49 +229,34 @@ def _rows_from_json(doc: Any) -> List[Dict[str, Any]]:
 
 
 def _parse_nccl_tests(text: str, path: str) -> List[Dict[str, float]]:
-    """Rows of an nccl-tests ``*_perf`` table: size, out-of-place time and busbw."""
-    header: Optional[List[str]] = None
-    rows: List[Dict[str, float]] = []
-    tables: List[int] = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        s = line.strip()
-        if s.startswith("#"):
-            tokens = s.lstrip("#").split()
-            if "size" in tokens and "time" in tokens and "busbw" in tokens:
-                header = tokens
-                tables.append(lineno)
-            continue
-        if header is None or not s:
-            continue
-        tokens = s.split()
-        if not tokens[0].isdigit() or len(tokens) < header.index("busbw") + 1:
-            continue
-        try:
-            rows.append(
-                {
-                    "size_bytes": float(tokens[header.index("size")]),
-                    "time_us": float(tokens[header.index("time")]),
-                    "busbw_gbps": float(tokens[header.index("busbw")]),
-                }
-            )
-        except ValueError:
-            continue
-    if header is None:
+    """Rows of one nccl-tests run (size, out-of-place time and busbw), read by the one nccl-tests
+    parser (:mod:`hetcomm.topo.parse.nccl_tests`), launcher prefixes stripped like every input."""
+    from hetcomm.errors import TopologyParseError
+    from hetcomm.topo.parse import parse_text
+
+    try:
+        topo = parse_text(text, path=path, fmt="nccl-tests")
+    except TopologyParseError as e:
         raise ConfigError(
             "not a cost file: expected JSON (cost parameters or bench rows with size_bytes and "
-            "time_us) or nccl-tests output with a '# size ... time algbw busbw' header",
+            f"time_us) or nccl-tests output with a '# size ... time algbw busbw' header ({e})",
             path=path,
-        )
-    if len(tables) > 1:
+        ) from None
+    rows = [m for m in topo.measurements if not m.in_place]
+    runs = sorted({(m.op, m.num_ranks) for m in rows}, key=str)
+    if len(runs) > 1:
         # Two runs (say one node and two nodes) measure different links; fitting one line
         # through both would describe neither.
         raise ConfigError(
-            f"holds {len(tables)} nccl-tests result tables (headers at lines "
-            f"{', '.join(map(str, tables))}); calibrate from a file with one run of one link class",
+            f"holds {len(runs)} nccl-tests result tables ("
+            + ", ".join(f"{op} on {n} ranks" for op, n in runs)
+            + "); calibrate from a file with one run of one link class",
             path=path,
-            line=tables[1],
         )
-    return rows
+    return [
+        {"size_bytes": float(m.size_bytes), "time_us": float(m.time_us), "busbw_gbps": float(m.busbw_gbps)}
+        for m in rows
+    ]
 
 
 def load_cost_params(path: str, link_class: Optional[str] = None) -> CostParams:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -147,7 +148,10 @@ class Communicator:
         placement = build_placement(
             store, rank, size, _global_ranks(pg), cluster_obj if cluster_obj is not None else opts.cluster, timeout
         )
-        self._setup(lambda: pg, rank, size, opts, placement, timeout)
+        # Weakly: a communicator (cached by communicator(), kept by a layer) must not keep its
+        # group alive past destroy_process_group(), or the group's gloo threads die inside the
+        # interpreter's finalisation ("terminate called without an active exception").
+        self._setup(weakref.ref(pg), rank, size, opts, placement, timeout)
         agree(store, rank, size, settings_of(opts, placement), timeout, what=f"hetcomm.Communicator over {dist.get_backend(pg)} group")
 
     def _setup(self, group_ref: Callable[[], Any], rank: int, size: int, options: HetcommOptions, placement: Placement, timeout: timedelta) -> None:
@@ -386,6 +390,8 @@ class _CommStore:
 
 
 _cache_lock = threading.Lock()
+# (id, name) of the group -> (weak reference to the group, its communicator). Weak: the cache must
+# not keep a destroyed group alive until the interpreter's finalisation (#21 item 12).
 _cache: Dict[Tuple[int, str], Tuple[Any, "Communicator"]] = {}
 
 
@@ -401,12 +407,12 @@ def communicator(group=None) -> Communicator:
     live = dist.distributed_c10d._world.pg_map
     key = (id(pg), str(pg.group_name))
     with _cache_lock:
-        for k in [k for k, (g, _) in _cache.items() if g not in live]:
+        for k in [k for k, (g, _) in _cache.items() if g() is None or g() not in live]:
             del _cache[k]  # destroyed groups
         hit = _cache.get(key)
-    if hit is not None:
+    if hit is not None and hit[0]() is pg:
         return hit[1]
     comm = Communicator(pg)
     with _cache_lock:
-        _cache[key] = (pg, comm)
+        _cache[key] = (weakref.ref(pg), comm)
     return comm

@@ -10,7 +10,7 @@ from hetcomm.moe.gate import GateOutput, TopKGate, expert_capacity
 from hetcomm.moe.layer import MoEConfig, MoELayer
 from hetcomm.moe.metrics import MetricsAccumulator, RoutingMetrics, routing_metrics
 from hetcomm.moe.placement import ExpertPlacement, place_experts
-from hetcomm.moe.replicate import HotExpertReplicator
+from hetcomm.moe.placement.replicate import HotExpertReplicator
 from hetcomm.moe.step_stats import StepStats
 from hetcomm.moe.traffic import counters, reset_counters
 

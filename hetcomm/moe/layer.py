@@ -25,6 +25,7 @@ no collectives. Experts per rank may differ (strong devices hold more, see
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
@@ -43,7 +44,7 @@ from hetcomm.moe.metrics import MetricsAccumulator, routing_metrics
 from hetcomm.moe.overlap import PipelineTimes
 from hetcomm.moe.paging import ExpertPager, Grant, PagingConfig
 from hetcomm.moe.placement import ExpertPlacement, place_experts
-from hetcomm.moe.replicate import HotExpertReplicator
+from hetcomm.moe.placement.replicate import HotExpertReplicator
 from hetcomm.moe.step_stats import StepStats
 
 __all__ = ["MoEConfig", "MoELayer"]
@@ -229,12 +230,13 @@ def _layer_communicator(group, cluster, world_size: int, rank: int) -> token_dis
         )
     key = (id(comm.group), cluster.path or cluster.name)
     hit = _CLUSTER_COMMS.get(key)
-    if hit is None or hit[0] is not comm.group:
-        hit = _CLUSTER_COMMS[key] = (comm.group, Communicator(comm.group, cluster=cluster))
+    if hit is None or hit[0]() is not comm.group:
+        hit = _CLUSTER_COMMS[key] = (weakref.ref(comm.group), Communicator(comm.group, cluster=cluster))
     return hit[1]
 
 
-#: Communicators over non-hetcomm groups for layers that name their own cluster, by (group, file).
+#: Communicators over non-hetcomm groups for layers that name their own cluster, by (group,
+#: file); the group held weakly (a destroyed group must not live on until the interpreter exits).
 _CLUSTER_COMMS: Dict[Any, Any] = {}
 
 
@@ -335,11 +337,14 @@ class MoELayer(nn.Module):
         else:
             self.strong_ranks = list(range(W))
 
+        if cfg.rank_weights == "throughput":
+            weights = list(self.rank_tflops)  # experts in proportion to compute speed
+        else:
+            weights = [cfg.strong_expert_weight if r in self.strong_ranks else 1.0 for r in range(W)]
+        #: ``[W]`` relative speed of each rank: the initial assignment's weights and the
+        #: placement policy's speeds (:meth:`rebalance`).
+        self.rank_weights: List[float] = weights
         if placement is None:
-            if cfg.rank_weights == "throughput":
-                weights = list(self.rank_tflops)  # experts in proportion to compute speed
-            else:
-                weights = [cfg.strong_expert_weight if r in self.strong_ranks else 1.0 for r in range(W)]
             placement = place_experts(num_experts, W, rank_weights=weights)
         elif placement.world_size != W or placement.num_experts != num_experts:
             raise ConfigError(
@@ -392,6 +397,7 @@ class MoELayer(nn.Module):
         # The one load observer's subscribers (add_load_observer): each training forward's
         # global statistics, all-reduced once, go to the calibrator, the replicator and these.
         self._load_observers: List[Any] = []
+        self._fast_topk: Optional[int] = None
 
         # Expert paging (config.page_budget > 0): the pager is built at the first forward, on
         # the input's device, over this rank's experts in dispatch order (ascending id).
@@ -418,14 +424,36 @@ class MoELayer(nn.Module):
             self._comm = _layer_communicator(self.group, self.cluster, self.world_size, self.rank)
         return self._comm
 
-    def add_load_observer(self, observer) -> None:
-        """Subscribe ``observer(global_picks, global_probs, num_tokens)`` to the layer's one
-        load observer: after every training forward, with the statistics the layer all-reduces
-        anyway (``global_picks`` ``[E]`` float64 picks per expert summed over the group,
-        dropped ones included; ``global_probs`` ``[E]`` float64 summed router probabilities;
-        ``num_tokens`` the group's tokens). The calibrator and the replicator read the same
-        numbers; the balancer (:mod:`hetcomm.train.balance`) subscribes here."""
+    def add_load_observer(self, observer, fast_topk: Optional[int] = None) -> None:
+        """Subscribe ``observer(global_picks, global_probs, num_tokens, global_fast)`` to the
+        layer's one load observer: called after every training forward with the statistics the
+        layer all-reduces anyway, in the same all-reduce (``global_picks`` ``[E]`` float64 picks
+        per expert summed over the group, dropped ones included; ``global_probs`` ``[E]``
+        float64 summed router probabilities; ``num_tokens`` the group's tokens;
+        ``global_fast`` ``[E]`` float64 the summed ``fast_signal`` of the router's log
+        probabilities over their top ``fast_topk``, or None when no observer asked for it).
+        The calibrator and the replicator read the same numbers; the balancer
+        (:mod:`hetcomm.train.balance`) subscribes here."""
+        if fast_topk is not None:
+            if self._fast_topk and self._fast_topk != fast_topk:
+                raise ConfigError(
+                    f"the layer's load observer already computes the fast signal over the top {self._fast_topk}; "
+                    f"got another observer asking for {fast_topk}",
+                    key="moe.load_observer",
+                )
+            self._fast_topk = int(fast_topk)
         self._load_observers.append(observer)
+
+    def take_migration_requests(self) -> List[int]:
+        """Global ids of the experts the pager asked to move since the last call (its L2 level:
+        an expert that keeps faulting when pinning it would exceed the pin budget,
+        :mod:`hetcomm.moe.degrade`); the balancer reads them. Empty without paging."""
+        if self.pager is None or not self.pager.migration_requests:
+            return []
+        ids = self._sorted_local_ids()
+        out = [ids[l] for l in self.pager.migration_requests]
+        self.pager.migration_requests.clear()
+        return out
 
     def wire_dtype(self, peer: int, dtype: torch.dtype = torch.float32) -> torch.dtype:
         """The dtype ``dtype`` rows of this layer travel in to/from group rank ``peer`` (the
@@ -465,8 +493,12 @@ class MoELayer(nn.Module):
         ids = self.placement.experts_of(self.rank)
         return [self.experts.experts[i] for i in sorted(range(len(ids)), key=lambda i: ids[i])]
 
-    def _make_expert(self, expert_id: int) -> nn.Module:
+    def make_expert(self, expert_id: int) -> nn.Module:
+        """A fresh module of expert ``expert_id`` as this layer builds it (its initial weights
+        depend only on the seed and the id): spare slots for migrations, references."""
         return build_expert(self._expert_spec, self.config.model_dim, expert_id, self.config.seed)
+
+    _make_expert = make_expert
 
     def _set_placement(self, placement: ExpertPlacement, modules: Sequence[nn.Module]) -> None:
         """Adopt ``placement`` with ``modules`` as this rank's experts, in local order."""
@@ -731,10 +763,14 @@ class MoELayer(nn.Module):
         }
 
     def rebalance(self, expert_load: Optional[Sequence[float]] = None, optimizer=None) -> List[int]:
-        """Re-place experts by load: hottest spread over strong ranks, coldest on weak ranks.
+        """Re-place experts by load, now (collective), with the one placement policy.
 
-        Collective. Every rank keeps its number of experts; moved experts carry their optimizer
-        state along (see :mod:`hetcomm.moe.migrate`), so training continues unchanged.
+        The map comes from :class:`~hetcomm.moe.placement.balancer.ExpertBalancer` (the policy
+        of ``hetcomm train --balance``: capacity-aware packing by rank speed, refined, moves
+        only where they shorten the slowest rank's step), fed this one load; every rank keeps
+        its number of experts; the moves are carried out by
+        :func:`~hetcomm.moe.placement.migration.migrate_now` (parameters, optimizer state and
+        gradients travel with each expert), so training continues unchanged.
 
         Args:
             expert_load: ``[E]`` load per expert, identical on every rank (default: the
@@ -746,9 +782,9 @@ class MoELayer(nn.Module):
         Raises:
             ConfigError: no load given and replication off.
         """
-        from hetcomm.moe.migrate import migrate_experts
+        from hetcomm.moe.placement.balancer import BalancerConfig, ExpertBalancer, ExpertMap
+        from hetcomm.moe.placement.migration import migrate_now
 
-        self.sync_pages()  # the migration reads the experts' weights
         if expert_load is None:
             if self.replicator is None:
                 raise ConfigError(
@@ -757,14 +793,19 @@ class MoELayer(nn.Module):
                     key="moe.rebalance",
                 )
             expert_load = self.replicator.ema.tolist()
-        new = place_experts(
-            self.config.num_experts,
-            self.world_size,
-            strong_ranks=self.strong_ranks,
-            expert_load=list(expert_load),
-            num_local_experts=self.placement.num_local_experts_per_rank,
+        E, W = self.config.num_experts, self.world_size
+        balancer = ExpertBalancer(
+            E,
+            self.rank_weights,
+            BalancerConfig(window=1, every=1, cooldown=1),
+            slots=list(self.placement.num_local_experts_per_rank),
+            initial=ExpertMap.from_lists([[r] for r in self.placement.owner], W),
         )
-        return migrate_experts(self, new, optimizer)
+        balancer.observe(torch.tensor([float(v) for v in expert_load], dtype=torch.float64))
+        plan = balancer.propose()
+        if not plan.adopted:
+            return []
+        return migrate_now(self, plan.new_map.owner(), optimizer)
 
     def sync_replicas(self, force: bool = False) -> bool:
         """Refresh replicas from their owners now (collective). Returns True if weights moved."""
@@ -819,9 +860,12 @@ class MoELayer(nn.Module):
         update = self.training and (self.gate.calibrator is not None or rep is not None or bool(self._load_observers))
         stat_vec = stat_work = None
         if update:
-            stat_vec = torch.cat(
-                [g.probs.detach().sum(0).double(), route.picks.double(), torch.tensor([float(T)], dtype=torch.float64, device=x2.device)]
-            )
+            parts = [g.probs.detach().sum(0).double(), route.picks.double(), torch.tensor([float(T)], dtype=torch.float64, device=x2.device)]
+            if self._fast_topk:  # the balancer's fast timescale (add_load_observer(fast_topk=...))
+                from hetcomm.moe.placement.balancer import fast_signal
+
+                parts.append(fast_signal(torch.log(g.probs.detach().clamp_min(1e-30)), self._fast_topk).to(torch.float64))
+            stat_vec = torch.cat(parts)
             if self.distributed:
                 stat_work = dist.all_reduce(stat_vec, group=self.group, async_op=True)
 
@@ -919,8 +963,9 @@ class MoELayer(nn.Module):
                 self.gate.calibrator.update(gp, gT)
             if rep is not None:
                 rep.observe(gpicks, row_bytes=D * x2.element_size())
+            gfast = stat_vec[2 * E + 1 :] if self._fast_topk else None
             for observer in self._load_observers:
-                observer(gpicks, gp, gT)
+                observer(gpicks, gp, gT, gfast)
         self._record(route, times, t_start, saved, global_picks=stat_vec[E : 2 * E] if update else None)
         return out.to(x.dtype).reshape(shape)
 

@@ -320,7 +320,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
     balancer = psgd = None
     extras: Dict[str, Any] = {}
     if cfg.balance:
-        from hetcomm.moe.balancer import BalancerConfig
+        from hetcomm.moe.placement.balancer import BalancerConfig
         from hetcomm.topo.compute import rank_speeds
 
         balancer = TrainBalancer(model, opt, rank_speeds(cluster, range(world_size)),

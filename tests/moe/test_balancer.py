@@ -9,7 +9,7 @@ from torch import nn
 import pytest
 
 from hetcomm.errors import ConfigError
-from hetcomm.moe.balancer import (
+from hetcomm.moe.placement.balancer import (
     BalancerConfig,
     ExpertBalancer,
     ExpertMap,
@@ -140,7 +140,7 @@ def _batch(step, e):
 def _rank_migration(rank, world_size):
     import torch.distributed as dist
 
-    from hetcomm.moe.migration import ExpertMigrator, ExpertSlots
+    from hetcomm.moe.placement.migration import ExpertMigrator, ExpertSlots
 
     E = 8
     torch.manual_seed(0)

@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import torch
 
 from hetcomm.backends.agreement import agree, settings_of
-from hetcomm.backends.options import WIRE_DTYPES, HetcommOptions, options_from_env, wire_torch_dtype
+from hetcomm.backends.options import HetcommOptions, options_from_env
 from hetcomm.backends.placement import Placement, build_placement
-from hetcomm.errors import ConfigError, UsageError
+from hetcomm.errors import UsageError
+from hetcomm.wire_dtypes import WireDtype, parse_wire_dtype, wire_torch_dtype
 
 if TYPE_CHECKING:
     from hetcomm.backends.routed import RoutedCollectives
@@ -37,6 +38,11 @@ if TYPE_CHECKING:
 __all__ = ["Communicator", "communicator"]
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo groups
+
+#: The communicator each hetcomm group built for itself (:meth:`Communicator._for_backend`),
+#: keyed weakly by the group. ``Communicator(group)`` looks a group up here instead of importing
+#: its c10d face (``hetcomm.backends.process_group`` imports this module, not the other way).
+_GROUP_OWNED: "weakref.WeakKeyDictionary[Any, Communicator]" = weakref.WeakKeyDictionary()
 
 
 def _resolve_group(group):
@@ -109,11 +115,9 @@ class Communicator:
     _initialized: bool = False
 
     def __new__(cls, group=None, *, cluster=None, options: Optional[HetcommOptions] = None):
-        from hetcomm.backends.process_group import HetcommProcessGroup
-
         pg = _resolve_group(group)
-        if isinstance(pg, HetcommProcessGroup):
-            comm = pg.communicator
+        comm = _GROUP_OWNED.get(pg)
+        if comm is not None:  # a hetcomm group: it built its communicator when c10d created it
             if options is not None and options_from_env(options) != comm.options:
                 raise UsageError(
                     f"hetcomm.Communicator (rank {comm.rank}): this hetcomm group was created with "
@@ -189,8 +193,6 @@ class Communicator:
         Raises:
             ConfigError: settings differ between ranks (before any rail is built).
         """
-        import weakref
-
         from hetcomm.backends.calibrate import same_host_rails
         from hetcomm.backends.executor import Executor
         from hetcomm.backends.faults import FaultDiagnosis
@@ -217,6 +219,7 @@ class Communicator:
             rails.close()
             raise
         comm.routed = RoutedCollectives(rails, executor, faults, opts, placement, rank, size, inner.total_seconds())
+        _GROUP_OWNED[group_ref()] = comm
         return comm
 
     # -- identity ---------------------------------------------------------------------------
@@ -234,7 +237,7 @@ class Communicator:
     def wire_dtype(self, peer: int, dtype: torch.dtype, policy: Optional[str] = None) -> Optional[torch.dtype]:
         """The dtype a ``dtype`` tensor travels in between this rank and ``peer``; None = as is.
 
-        One vocabulary for the backend and the MoE layer (:data:`hetcomm.backends.options.WIRE_DTYPES`):
+        One vocabulary for the backend and the MoE layer (:mod:`hetcomm.wire_dtypes`):
         ``exact`` keeps every dtype; ``cluster`` (alias ``auto``) follows the cluster YAML's
         ``wire_dtype`` per link class (FP16 across vendors, FP32 elsewhere, by default);
         ``fp32``/``fp16``/``bf16`` force one. Only floating-point tensors are cast, and a wire
@@ -246,12 +249,10 @@ class Communicator:
             dtype: the tensor's dtype.
             policy: override of ``options.wire_dtype`` (e.g. the MoE layer's ``wire_dtype``).
         """
-        name = policy if policy is not None else self.options.wire_dtype
-        if name not in WIRE_DTYPES:
-            raise ConfigError(f"unknown wire dtype {name!r}; choose from {', '.join(WIRE_DTYPES)}", key="wire_dtype")
-        if peer == self.rank or not dtype.is_floating_point or name == "exact":
+        name = parse_wire_dtype(policy if policy is not None else self.options.wire_dtype)
+        if peer == self.rank or not dtype.is_floating_point or name is WireDtype.EXACT:
             return None
-        if name in ("cluster", "auto"):
+        if name is WireDtype.CLUSTER:
             name = self.placement.wire_dtype(self.rank, peer)
         wire = wire_torch_dtype(name)
         if wire == dtype or wire.itemsize > dtype.itemsize:

@@ -152,7 +152,10 @@ class Communicator:
         placement = build_placement(
             store, rank, size, _global_ranks(pg), cluster_obj if cluster_obj is not None else opts.cluster, timeout
         )
-        self._setup(lambda: pg, rank, size, opts, placement, timeout)
+        # Weakly: a communicator (cached by communicator(), kept by a layer) must not keep its
+        # group alive past destroy_process_group(), or the group's gloo threads die inside the
+        # interpreter's finalisation ("terminate called without an active exception").
+        self._setup(weakref.ref(pg), rank, size, opts, placement, timeout)
         agree(store, rank, size, settings_of(opts, placement), timeout, what=f"hetcomm.Communicator over {dist.get_backend(pg)} group")
 
     def _setup(self, group_ref: Callable[[], Any], rank: int, size: int, options: HetcommOptions, placement: Placement, timeout: timedelta) -> None:
@@ -313,6 +316,9 @@ class Communicator:
         expert_to_rank,
         capacity: Optional[int] = None,
         async_op: bool = False,
+        num_chunks: int = 1,
+        split_by_expert: bool = False,
+        wire_dtype: Optional[str] = None,
     ):
         """Send each token's row to the ranks of its top-k experts (once per destination rank).
 
@@ -321,17 +327,23 @@ class Communicator:
             topk_idx: ``[T, k]`` int64 expert ids (``-1`` = no expert).
             topk_weights: ``[T, k]`` float gate weights.
             expert_to_rank: group rank of every expert (``[E]``).
-            capacity: rows per local expert kept at most (None = dropless).
-            async_op: return a Work as well (see :func:`hetcomm.backends.token_dispatch.dispatch`).
+            capacity: copies per expert kept at most, an integer >= 0 (None = dropless).
+            async_op: return before the rows arrive (``result.work``).
+            num_chunks: chunks of the pipelined exchange.
+            split_by_expert: ``recv_x`` as one piece per local expert.
+            wire_dtype: wire-dtype policy of these rows (None: ``options.wire_dtype``), see
+                :meth:`wire_dtype`.
 
         Returns:
-            ``(recv_x [R, D], recv_counts per local expert, handle)`` — see
+            A :class:`~hetcomm.backends.token_dispatch.DispatchResult` (``recv_x [R, D]``,
+            ``recv_counts`` per local expert, ``handle``, ``work``) — see
             :func:`hetcomm.backends.token_dispatch.dispatch`.
         """
         from hetcomm.backends import token_dispatch
 
         return token_dispatch.dispatch(
-            self, x, topk_idx, topk_weights, expert_to_rank=expert_to_rank, capacity=capacity, async_op=async_op
+            self, x, topk_idx, topk_weights, expert_to_rank=expert_to_rank, capacity=capacity, async_op=async_op,
+            num_chunks=num_chunks, split_by_expert=split_by_expert, wire_dtype=wire_dtype,
         )
 
     def combine(self, y: torch.Tensor, handle, *, async_op: bool = False):
@@ -379,6 +391,8 @@ class _CommStore:
 
 
 _cache_lock = threading.Lock()
+# (id, name) of the group -> (weak reference to the group, its communicator). Weak: the cache must
+# not keep a destroyed group alive until the interpreter's finalisation (#21 item 12).
 _cache: Dict[Tuple[int, str], Tuple[Any, "Communicator"]] = {}
 
 
@@ -394,12 +408,12 @@ def communicator(group=None) -> Communicator:
     live = dist.distributed_c10d._world.pg_map
     key = (id(pg), str(pg.group_name))
     with _cache_lock:
-        for k in [k for k, (g, _) in _cache.items() if g not in live]:
+        for k in [k for k, (g, _) in _cache.items() if g() is None or g() not in live]:
             del _cache[k]  # destroyed groups
         hit = _cache.get(key)
-    if hit is not None:
+    if hit is not None and hit[0]() is pg:
         return hit[1]
     comm = Communicator(pg)
     with _cache_lock:
-        _cache[key] = (pg, comm)
+        _cache[key] = (weakref.ref(pg), comm)
     return comm

@@ -286,6 +286,8 @@ def _job_cluster(cfg: TrainConfig):
 
 
 def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
+    from hetcomm.moe.layer import MoEConfig
+
     cluster = _job_cluster(cfg)
     task = MarkovTask(vocab_size=256, seed=1234 + cfg.seed)
     lm_cfg = LMConfig(
@@ -315,6 +317,8 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
             wire_dtype=cfg.wire_dtype,
             seed=cfg.seed * 1000 + layer_index,
             page_budget=cfg.page_budget,
+            # The layer's default of 3 hot experts, but never more than the layer has (--experts 2).
+            replicate_top=min(MoEConfig.replicate_top, cfg.experts),
         )
 
     torch.manual_seed(cfg.seed)  # dense weights identical on every rank

@@ -98,7 +98,9 @@ def torchrun_command(
     rdzv_id: str, max_restarts: int, local_addr: Optional[str] = None,
 ) -> List[str]:
     """The torchrun command line for one phase (``python -m torch.distributed.run ...``)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+    # -P: the current directory is not on torchrun's sys.path; PYTHONSAFEPATH=1 in the job's
+    # environment (run) does the same for the workers torchrun starts as `python -m ...`.
+    cmd = [sys.executable, "-P", "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
            "--monitor-interval=0.5"]
     if rdzv_endpoint is None:
         cmd += ["--standalone", "--nnodes=1"]
@@ -117,7 +119,19 @@ def torchrun_command(
 
 
 def run(args: argparse.Namespace) -> int:
+    from hetcomm.ops.safe_fs import remove_tree
+
+    made: List[str] = []  # the default work directory: removed when the launch ends (--work-dir is kept)
+    try:
+        return _run(args, made)
+    finally:
+        for path in made:
+            remove_tree(path)
+
+
+def _run(args: argparse.Namespace, made: List[str]) -> int:
     from hetcomm.cli.train import repo_path
+    from hetcomm.ops.safe_fs import launch_work_dir, read_nofollow, write_private
     from hetcomm.ops.health import judge, render_report
     from hetcomm.topo.cluster import CLUSTER_ENV, load_cluster
     from hetcomm.units import parse_size
@@ -142,12 +156,14 @@ def run(args: argparse.Namespace) -> int:
         nproc = args.nproc_per_node or cluster.num_ranks
         lo, hi = 1, 1
     rdzv_id = args.rdzv_id or uuid.uuid4().hex[:8]
-    work = args.work_dir or os.path.join("/tmp", f"hetcomm-launch-{os.getuid()}", rdzv_id)
-    os.makedirs(work, exist_ok=True)
+    work = launch_work_dir(args.work_dir, rdzv_id)  # private, never reused from someone else
+    if args.work_dir is None:
+        made.append(work)
     env = dict(os.environ)
     env[CLUSTER_ENV] = cluster_path
     env["HETCOMM_LAUNCH_DIR"] = work
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONSAFEPATH"] = "1"  # torchrun's `python -m hetcomm.ops.worker` must not import ./hetcomm
     if args.node:
         env["HETCOMM_NODE"] = args.node
     where = f"node {args.node}" if args.node else "this machine"
@@ -165,12 +181,11 @@ def run(args: argparse.Namespace) -> int:
         if code != 0:
             print(f"hetcomm launch: the health check failed (torchrun exit {code}); not starting the job", file=sys.stderr)
             return 1
-        with open(out, encoding="utf-8") as f:
-            report = json.load(f)
+        report = json.loads(read_nofollow(out, limit=64 << 20, what="health report"))
         verdict = judge(report, args.threshold)
         print(render_report(report, verdict), flush=True)
-        with open(os.path.join(work, "verdict.json"), "w", encoding="utf-8") as f:
-            json.dump({"slow_nodes": verdict.slow_nodes, "slow_ranks": verdict.slow_ranks}, f)
+        write_private(os.path.join(work, "verdict.json"),
+                      json.dumps({"slow_nodes": verdict.slow_nodes, "slow_ranks": verdict.slow_ranks}))
         if args.health_only:
             return 1 if (verdict.slow_nodes or verdict.slow_ranks) else 0
         if args.eject and verdict.slow_nodes:
@@ -207,7 +222,6 @@ def run(args: argparse.Namespace) -> int:
     if code != 0:
         return 1  # torchrun gave up: a worker kept failing after --max-restarts restarts
     try:
-        with open(exit_file, encoding="utf-8") as f:
-            return int(f.read().strip() or 0)
+        return int(read_nofollow(exit_file, limit=64, what="job exit file").strip() or 0)
     except FileNotFoundError:
         return 0  # rank 0 ran on another node: its launch reports the job's own exit code

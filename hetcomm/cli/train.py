@@ -68,6 +68,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from hetcomm.cli._args import check_nprocs
+    from hetcomm.errors import UsageError
     from hetcomm.train.loop import TrainConfig, launch, load_train_config
 
     check_nprocs(args.nprocs)  # 0 used to mean "the default" (4 ranks) silently
@@ -103,4 +104,8 @@ def run(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         cfg = replace(TrainConfig(), **{k: v for k, v in overrides.items() if v is not None})
+    given = [flag for flag, v in (("--balance-every", args.balance_every), ("--balance-cooldown", args.balance_cooldown))
+             if v is not None]
+    if given and not cfg.balance:  # they used to be ignored silently
+        raise UsageError(f"{' and '.join(given)} only apply with the balancer; add --balance or drop them")
     return launch(cfg, nprocs=args.nprocs)

@@ -222,10 +222,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         nodes = [cluster.node_of(r).name if cluster is not None else "local" for r in range(world)]
         report = run_probes(args.size, args.iters, cluster, nodes)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            tmp = f"{args.out}.{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(report, f, indent=1)
-            os.replace(tmp, args.out)
+            from hetcomm.ops.safe_fs import write_private
+
+            write_private(args.out, json.dumps(report, indent=1))  # 0600, never through a link
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -72,13 +72,17 @@ def place(argv: List[str]) -> List[str]:
     store.wait(keys, timedelta(seconds=120))
     order = [store.get(k).decode() for k in keys]
     text = job_cluster_yaml(full, order)
-    out_dir = settings.LAUNCH_DIR.get() or os.path.join("/tmp", f"hetcomm-launch-{os.getuid()}")
-    os.makedirs(out_dir, exist_ok=True)
+    from hetcomm.ops.safe_fs import check_private_dir, write_private
+
+    out_dir = settings.LAUNCH_DIR.get()
+    if out_dir:
+        check_private_dir(out_dir, what="$HETCOMM_LAUNCH_DIR")
+    else:  # a worker started by plain torchrun: a fresh private directory of its own
+        import tempfile
+
+        out_dir = tempfile.mkdtemp(prefix=f"hetcomm-cluster-{os.getuid()}-")  # 0700, a name nobody had
     path = os.path.join(out_dir, f"cluster-{'_'.join(order)}.yaml")
-    tmp = f"{path}.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)  # every rank writes the same text: the last rename wins harmlessly
+    write_private(path, text)  # every rank writes the same text: the last rename wins harmlessly
     os.environ[CLUSTER_ENV] = path
     args = list(argv)
     if "--cluster" in args:
@@ -152,6 +156,7 @@ def main(argv: Optional[List[str]] = None, *, build_parser: "Callable[[], argpar
         code = EXIT_USAGE
     out = settings.LAUNCH_DIR.get()
     if out and os.environ.get("RANK", "0") == "0":
-        with open(os.path.join(out, "job-exit"), "w", encoding="utf-8") as f:
-            f.write(f"{code}\n")
+        from hetcomm.ops.safe_fs import write_private
+
+        write_private(os.path.join(out, "job-exit"), f"{code}\n")
     return 0

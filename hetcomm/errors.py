@@ -20,6 +20,7 @@ __all__ = [
     "TruncatedCaptureError",
     "CollectiveError",
     "PeerTimeout",
+    "GroupStoppedWaiting",
     "UsageError",
     "CrossRankMismatch",
 ]
@@ -161,3 +162,8 @@ class CollectiveError(HetcommError, RuntimeError):
 
 class PeerTimeout(CollectiveError):
     """A peer did not answer within the group timeout."""
+
+
+class GroupStoppedWaiting(CollectiveError):
+    """This rank came late: a peer (``peer``) timed out waiting for it in an earlier or the same
+    collective and left the group, so this rank's collective failed when it finally arrived."""

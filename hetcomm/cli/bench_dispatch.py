@@ -290,7 +290,7 @@ def format_dispatch_table(result: Dict[str, Any]) -> str:
         f"{c['iters']} iterations ({result['timing']} timing)",
         "# bytes per rank per call: to/from other ranks (wire dtype), local rows apart; GB/s = DeepEP's logical",
         "# bandwidth (received bytes for dispatch-shaped phases, sent bytes for combine-shaped ones) / p50",
-        "#  rank  phase               send(MB)  recv(MB) local(MB)    p50(us)    p90(us)    p99(us)   p999(us)  GB/s",
+        "#  rank  phase               send(MB)  recv(MB) local(MB)    p50(us)    p90(us)    p99(us)   p999(us)    GB/s",
     ]
     for r in result["ranks"]:
         for phase in PHASES:
@@ -298,7 +298,7 @@ def format_dispatch_table(result: Dict[str, Any]) -> str:
             lines.append(
                 f"  {r['rank']:>5}  {phase:<18} {p['send_bytes'] / 1e6:>9.3f} {p['recv_bytes'] / 1e6:>9.3f} "
                 f"{p['local_bytes'] / 1e6:>9.3f} {p['p50_us']:>10.1f} {p['p90_us']:>10.1f} {p['p99_us']:>10.1f} "
-                f"{p['p999_us']:>10.1f} {p['logical_GBps']:>5.2f}"
+                f"{p['p999_us']:>10.1f} {p['logical_GBps']:>7.4f}"
             )
     return "\n".join(lines) + "\n"
 

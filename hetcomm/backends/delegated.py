@@ -309,9 +309,12 @@ class DelegatedCollectives:
 
         The check and the launch run in the executor's order (so ``gloo0`` sees collectives in
         call order on every rank). A blocking call then waits for gloo right there; an async one
-        completes from gloo's future, on a gloo thread, as before the check existed: a completion
-        callback that starts and waits for another collective (PowerSGD's hook does) must not
-        run on the executor thread it would wait for.
+        completes from gloo's future, on a gloo thread, as before the check existed. Completions
+        made inside the job (a blocking call, a refusal, a gloo op that finished before its
+        callback was attached) go through ``Executor.complete``, which defers them until the job
+        released the executor and hands the queue to a new thread before running callbacks on
+        the executor's own thread: a callback that starts and waits for another collective
+        (PowerSGD's hook does) never waits for itself.
 
         Raises (from the Work): CrossRankMismatch on every rank when the ranks' calls do not fit;
         CollectiveError naming the rank at fault when gloo fails.

@@ -199,6 +199,10 @@ class Communicator:
         from hetcomm.backends.railset import RailSet
         from hetcomm.backends.routed import RoutedCollectives
 
+        from hetcomm.backends.claim import claim_rank
+
+        # Before anything is published: a process that joined another job's store says so now.
+        claim_rank(store, rank, size)
         opts = options_from_env(options)
         placement = build_placement(store, rank, size, global_ranks, opts.cluster, timeout)
         comm = super().__new__(cls)

@@ -32,7 +32,8 @@ import torch
 
 from hetcomm.backends.devices import RailStreams
 from hetcomm.backends.doorbell import Doorbell
-from hetcomm.backends.faults import release_frames
+from hetcomm.backends import heartbeat
+from hetcomm.backends.faults import SeqDiagnosis, release_frames
 from hetcomm.backends.rails.base import CompositeOp, Rail, RailOp, Xfer, as_bytes
 from hetcomm.backends.rails.cma import copy_bytes
 from hetcomm.backends.work import HetcommWork
@@ -107,7 +108,17 @@ def drive(
     rung_by_peers = isinstance(wakeup, Doorbell)
     step = CompositeOp(ops)
     idle = 0
+    # A peer the heartbeat declared lost ends the wait at once (hetcomm.backends.heartbeat);
+    # checked only when the heartbeat's loss counter moves.
+    watch = diagnose if isinstance(diagnose, SeqDiagnosis) else None
+    beat = heartbeat.active()
+    losses_seen = 0
     while True:
+        if watch is not None and beat is not None and beat.version != losses_seen:
+            losses_seen = beat.version
+            lost = watch.lost_error(step.pending_peers(), op)
+            if lost is not None:
+                raise lost
         done = step.poll()
         if done:
             return

@@ -16,10 +16,12 @@ from typing import Optional
 __all__ = [
     "HetcommError",
     "ConfigError",
+    "SettingError",
     "TopologyParseError",
     "TruncatedCaptureError",
     "CollectiveError",
     "PeerTimeout",
+    "GroupStoppedWaiting",
     "UsageError",
     "CrossRankMismatch",
     "UnsafePathError",
@@ -89,6 +91,28 @@ class ConfigError(HetcommError, ValueError):
             where.append(f"key '{key}'")
         prefix = (", ".join(where) + ": ") if where else ""
         super().__init__(prefix + message)
+
+
+class SettingError(ConfigError):
+    """A ``HETCOMM_*`` environment variable whose value cannot be read (see :mod:`hetcomm.settings`).
+
+    Args:
+        name: the variable, e.g. ``HETCOMM_CHECK``.
+        value: the value as set in the environment.
+        allowed: the values or forms the variable accepts, in words.
+
+    ``key`` (of :class:`ConfigError`) is the variable's name too, so code that already decides
+    by ``ConfigError.key`` keeps working.
+    """
+
+    def __init__(self, name: str, value: str, allowed: str, *, reason: str = "") -> None:
+        self.name = name
+        self.value = value
+        self.allowed = allowed
+        why = f" ({reason})" if reason else ""
+        message = f"{name}={value!r} is not valid{why}; allowed: {allowed}; fix or unset the variable"
+        super().__init__(message, key=name)
+        self.args = (message,)  # the message already names the variable: no "key '...'" prefix
 
 
 class TopologyParseError(HetcommError, ValueError):
@@ -198,3 +222,8 @@ class CheckpointError(ConfigError):
     def __init__(self, message: str, *, path: str, key: Optional[str] = None, reason: str) -> None:
         self.reason = reason
         super().__init__(message, path=path, key=key)
+
+
+class GroupStoppedWaiting(CollectiveError):
+    """This rank came late: a peer (``peer``) timed out waiting for it in an earlier or the same
+    collective and left the group, so this rank's collective failed when it finally arrived."""

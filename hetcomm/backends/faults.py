@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
 
 from hetcomm.backends import checks
 from hetcomm.backends.placement import Placement
-from hetcomm.errors import CollectiveError, HetcommError, PeerTimeout
+from hetcomm.errors import CollectiveError, GroupStoppedWaiting, HetcommError, PeerTimeout
 
 if TYPE_CHECKING:
     from hetcomm.backends.heartbeat import PeerLoss
@@ -135,14 +135,59 @@ class FaultDiagnosis:
         if missing is None:
             return [], "; the store is unreachable too (did rank 0 or the launcher die?)"
         if silent:
+            if store_ok:
+                # Say whom this rank stopped waiting for: a late rank that arrives after this one
+                # left is told so (stopped_waiting_for_me), not "connection closed by peer".
+                try:
+                    self.store.set(f"hetcomm/diag/gave-up/{self.rank}", f"{seq}:" + ",".join(map(str, silent)))
+                except Exception:
+                    pass
             who = ", ".join(f"rank {r}" for r in silent)
             return silent, f"; {who} did not report this failure: dead, hung, or never called collective #{seq}"
         return [], ""
+
+    def stopped_waiting_for_me(self, seq: int) -> Optional[Tuple[int, int]]:
+        """``(rank, its collective)`` of a peer that timed out waiting for *this* rank and left,
+        or None (issue 21.17). Read from the peers' ``hetcomm/diag/gave-up/<rank>`` marks
+        (``"<seq>:<ranks it stopped waiting for>"``), left by :meth:`culprits`."""
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            key = f"hetcomm/diag/gave-up/{r}"
+            try:
+                if not self.store.check([key]):
+                    continue
+                their_seq, _, ranks = self.store.get(key).decode().partition(":")
+            except Exception:  # no store: nothing to tell
+                return None
+            if str(self.rank) in ranks.split(",") and int(their_seq) <= seq:
+                return r, int(their_seq)
+        return None
+
+    def late_error(self, e: CollectiveError, seq: int) -> Optional[GroupStoppedWaiting]:
+        """The error for this rank when a peer stopped waiting for it (see
+        :meth:`stopped_waiting_for_me`), else None."""
+        gave_up = self.stopped_waiting_for_me(seq)
+        if gave_up is None:
+            return None
+        peer, their_seq = gave_up
+        out = GroupStoppedWaiting(
+            f"the group stopped waiting for this rank: rank {peer} timed out in collective #{their_seq} "
+            f"waiting for rank {self.rank} (this rank reached it more than the group timeout of "
+            f"{self.timeout.total_seconds():.0f} s late) and left; make every rank reach each collective "
+            f"within the group timeout, or raise init_process_group(timeout=...)",
+            op=e.op, rank=e.rank, peer=peer, rail=e.rail, diagnosed=True,
+        )
+        out.__cause__ = e  # what this rank saw (a closed connection, a peer that exited)
+        return out
 
     def blame(self, e: CollectiveError, seq: int) -> CollectiveError:
         """Re-aim a rail error at the rank really at fault (same type; ``diagnosed`` set)."""
         if e.diagnosed:
             return e
+        late = self.late_error(e, seq)
+        if late is not None:
+            return late
         # A timeout says whom this rank waited for; a broken connection may be a survivor's exit.
         ranks, text = self.culprits(seq, [e.peer] if isinstance(e, PeerTimeout) and e.peer is not None else None)
         if not ranks or e.peer in ranks:

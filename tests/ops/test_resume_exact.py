@@ -25,7 +25,7 @@ CASES = {
     # the balancer to move experts (steps 3 and 9) in 16 steps
     "balance": dict(balance=True, balance_every=3, balance_cooldown=3, experts=16, layers=1, model_dim=64,
                     hidden_dim=128, batch_size=16, seq_len=32),
-    "page-budget": dict(page_budget=0.5),
+    "page-budget": dict(page_budget=0.5, experts=16),  # >= 2 experts on every rank, half on the device
     # compression starts at step 10 (max(10, steps // 10)): the save at 12 holds its error feedback
     "powersgd": dict(powersgd_rank=2),
 }

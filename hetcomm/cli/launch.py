@@ -239,7 +239,7 @@ def _run(args: argparse.Namespace, made: List[str]) -> int:
     env[CLUSTER_ENV] = cluster_path
     env["HETCOMM_LAUNCH_DIR"] = work
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONSAFEPATH"] = "1"  # torchrun's `python -m hetcomm.ops.worker` must not import ./hetcomm
+    env["PYTHONSAFEPATH"] = "1"  # torchrun's `python -m hetcomm.cli.worker` must not import ./hetcomm
     if args.node:
         env["HETCOMM_NODE"] = args.node
     where = f"node {args.node}" if args.node else "this machine"

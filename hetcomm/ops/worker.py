@@ -146,6 +146,9 @@ def main(argv: Optional[List[str]] = None, *, build_parser: "Callable[[], argpar
     from hetcomm.errors import ConfigError, TopologyParseError, UsageError
     from hetcomm.ops.rank_marks import marked
 
+    from hetcomm.ops.supervise import die_with_parent
+
+    die_with_parent()  # a SIGKILLed agent must not leave this worker training on
     out = settings.LAUNCH_DIR.get()
     # This rank's end mark (done / failed, naming the peer a hetcomm error blames / stopped) lets
     # `hetcomm launch` name the rank at fault once torchrun gives up (hetcomm.ops.rank_marks).

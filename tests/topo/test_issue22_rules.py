@@ -62,3 +62,13 @@ def test_audit_cli_on_every_fixture_never_tracebacks(name, capsys):
     out = capsys.readouterr()
     assert "Traceback" not in out.out + out.err
     assert rc in (0, 1, 2), out.err  # findings (1) and refused input (2) are answers
+
+
+def test_cross_vendor_wire_rule_names_the_cann_release_it_protects_against():
+    from hetcomm.topo import cluster as C
+    from hetcomm.topo.rules_measured import KNOWN_BAD_VERSIONS
+
+    assert C.CROSS_VENDOR_WIRE_DTYPE == "fp16"
+    cann = next(k for k in KNOWN_BAD_VERSIONS if k.component == "cann")
+    assert cann.version in C.CROSS_VENDOR_WIRE_PROTECTS_AGAINST and cann.fixed_in in C.CROSS_VENDOR_WIRE_PROTECTS_AGAINST
+    assert "7.0.RC1" in C.Cluster.wire_dtype_for.__doc__

@@ -22,6 +22,7 @@ import os
 import sys
 from typing import IO, Any, Dict, Optional, Tuple
 
+from hetcomm import settings
 from hetcomm.cli import _benchlib as lib
 from hetcomm.cli._args import RANK_BASELINE_BYTES, check_nprocs
 from hetcomm.errors import UsageError
@@ -50,9 +51,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "collective",
-        choices=lib.COLLECTIVES + ("compute",),
+        choices=lib.COLLECTIVES + ("compute", "dispatch"),
         help="the collective to measure, or 'compute': a GEMM and the expert FFN on this process's "
-        "device (hetcomm.cli.bench_compute; -n/-w/-J/--json apply)",
+        "device (hetcomm.cli.bench_compute; -n/-w/-J/--json apply), or 'dispatch': dispatch/combine "
+        "forward and backward over the communicator, per-rank percentiles and logical bandwidth "
+        "(hetcomm.cli.bench_dispatch)",
     )
     g = p.add_argument_group("nccl-tests flags")
     g.add_argument(
@@ -156,6 +159,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     from hetcomm.cli.bench_compute import add_compute_args
 
     add_compute_args(p)
+    from hetcomm.cli.bench_dispatch import add_dispatch_args
+
+    add_dispatch_args(p)
     return p
 
 
@@ -164,12 +170,7 @@ def _under_torchrun() -> bool:
 
 
 def _rail_and_plan_names() -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
-    try:
-        from hetcomm.backends.options import PLAN_NAMES, RAIL_NAMES
-
-        return tuple(RAIL_NAMES), tuple(PLAN_NAMES)
-    except ImportError:  # an older backend without options: fall back to the names
-        return lib.KNOWN_RAILS, ("direct",)
+    return settings.RAIL_NAMES, settings.PLAN_NAMES
 
 
 def _resolve_nprocs(args: argparse.Namespace, cluster) -> Tuple[int, bool]:
@@ -275,7 +276,7 @@ def config_from_args(args: argparse.Namespace) -> Tuple[lib.BenchConfig, int, bo
         if args.collective != "alltoall":
             raise UsageError("--plan: plans apply to alltoall only")
 
-    cluster_path = args.cluster or os.environ.get("HETCOMM_CLUSTER") or None
+    cluster_path = args.cluster or settings.CLUSTER.get()
     cluster = None
     if cluster_path:
         if not os.path.isfile(cluster_path):
@@ -401,6 +402,13 @@ def run(args: argparse.Namespace) -> int:
         from hetcomm.cli.bench_compute import run_compute
 
         return run_compute(args)
+    if args.collective == "dispatch":
+        from hetcomm.cli.bench_dispatch import run_dispatch
+
+        if _under_torchrun():
+            raise UsageError("bench dispatch starts its own ranks: run it outside torchrun, with --nprocs N")
+        num_ranks, _ = _resolve_nprocs(args, None)
+        return run_dispatch(args, num_ranks)
     config, num_ranks, spawn = config_from_args(args)
     if not spawn:
         return _run_under_torchrun(config, num_ranks, args)

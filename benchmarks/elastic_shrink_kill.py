@@ -17,7 +17,7 @@ for pid in os.listdir("/proc"):
         env=open(f"/proc/{pid}/environ","rb").read().split(b"\0")
         cmd=open(f"/proc/{pid}/cmdline","rb").read()
     except OSError: continue
-    if b"HETCOMM_EMULATE_NODE=h800-0" in env and (b"hetcomm.cli.main\0launch" in cmd or b"torch.distributed.run" in cmd or b"hetcomm.cli.worker" in cmd):
+    if b"HETCOMM_EMULATE_NODE=h800-0" in env and (b"hetcomm.cli.main\0launch" in cmd or b"torch.distributed.run" in cmd or b"hetcomm.cli.launch_worker" in cmd):
         victims.append(int(pid))
 print("killing", victims, flush=True)
 t_kill=time.time()

@@ -43,6 +43,8 @@ from hetcomm.moe.overlap import PipelineTimes
 from hetcomm.moe.paging import ExpertPager, Grant, PagingConfig
 from hetcomm.moe.placement import ExpertPlacement, place_experts
 from hetcomm.moe.replicate import HotExpertReplicator
+from hetcomm.moe.speed import SpeedMeter
+from hetcomm.moe.token_split import TokenSplitter
 from hetcomm.moe.wire import WIRE_DTYPES, WirePolicy, wire_policy
 
 __all__ = ["MoEConfig", "MoELayer"]
@@ -86,6 +88,11 @@ class MoEConfig:
             off, every expert stays where the module put it.
         paging: the pager's other knobs (:class:`~hetcomm.moe.paging.PagingConfig`; its
             ``budget_fraction`` is replaced by ``page_budget``), or None for the defaults.
+        token_split: per-step, time-proportional split of a replicated expert's rows among its
+            copies (:mod:`hetcomm.moe.token_split`; needs ``replicate``; off with paging).
+        speed_every: steps between agreements of the measured per-rank speed vector
+            (:mod:`hetcomm.moe.speed`; 0 = keep the datasheet prior).
+        speed_alpha: EMA decay of the measured rows and seconds.
     """
 
     model_dim: int
@@ -108,6 +115,9 @@ class MoEConfig:
     seed: int = 0
     page_budget: float = 0.0
     paging: Optional[PagingConfig] = None
+    token_split: bool = False
+    speed_every: int = 10
+    speed_alpha: float = 0.8
 
     def __post_init__(self) -> None:
         def bad(key: str, msg: str) -> ConfigError:
@@ -127,6 +137,8 @@ class MoEConfig:
             raise bad("num_chunks", f"must be a positive integer, got {self.num_chunks!r}")
         if self.rank_weights not in ("strong", "throughput"):
             raise bad("rank_weights", f"expected 'strong' or 'throughput', got {self.rank_weights!r}")
+        if self.token_split and not self.replicate:
+            raise bad("token_split", "splits a replicated expert's rows among its copies: set replicate=True too")
         if not self.strong_expert_weight > 0:
             raise bad("strong_expert_weight", f"must be > 0, got {self.strong_expert_weight!r}")
         if self.calibration_strength < 0:
@@ -365,6 +377,11 @@ class MoELayer(nn.Module):
         self._page_last: Dict[str, Any] = {}
         self._migrations: Optional[int] = None  # experts landed here by apply_placement, since the last forward
         self._check_page_budget()
+        # Measured speed (hetcomm.moe.speed): the datasheet TFLOPS are the prior.
+        self.speed = SpeedMeter(W, self.rank, self.rank_tflops, group, every=cfg.speed_every, alpha=cfg.speed_alpha)
+        self.splitter: Optional[TokenSplitter] = (
+            TokenSplitter(W, self.rank, group, num_experts) if cfg.token_split and W > 1 else None
+        )
 
     # -- helpers -----------------------------------------------------------------------------
     @property
@@ -621,9 +638,11 @@ class MoELayer(nn.Module):
             work.wait_chunk(c)
             lo, hi = handle.chunk_experts[c]
             te = time.perf_counter()
+            mark = self.speed.begin(recv_x.device)
             for g in pager.grants([e for e in order if lo <= e < hi]):
                 outs[g.requested] = self._run_grant(g, pieces[g.requested], waves)
                 pager.release(g.requested)
+            self.speed.end(mark, sum(counts[lo:hi]))
             times.expert_s += time.perf_counter() - te
         return cat_rows(outs)
 
@@ -749,6 +768,11 @@ class MoELayer(nn.Module):
         g = self.gate(x2)
         self.l_aux = g.l_aux
         replica_here = rep.replica_here() if rep is not None and rep.replicas else None
+        # Per-step split among copies (hetcomm.moe.token_split): every kept copy travels (a
+        # holder's own rows stay local inside the dispatch), none is set aside for a replica.
+        splitter = self.splitter if self.splitter is not None and rep is not None and rep.hot and pager is None else None
+        if splitter is not None:
+            replica_here = None
         route = plan_route(g.topk_idx, self._key_of_expert, g.capacity, replica_here)
 
         # Global statistics for calibration and replication, summed over ranks: one all-reduce
@@ -769,6 +793,11 @@ class MoELayer(nn.Module):
         idx_cm = torch.full((A,), -1, dtype=torch.int64, device=x2.device)
         idx_cm[route.send_assign] = g.topk_idx.t().reshape(-1)[route.send_assign]
         idx_send = idx_cm.view(cfg.k, T).t()
+        owner_map: Sequence[int] = self.placement.owner
+        split_mods: List[nn.Module] = []
+        if splitter is not None:
+            sr = splitter.route(idx_cm, route.send_counts, cfg.k, owner_map, rep.holders_of_hot(), rep.replicas, self.speed.speeds)
+            idx_send, owner_map, split_mods = sr.topk_idx, sr.expert_to_rank, sr.modules
 
         times = PipelineTimes()
         local_out: List = []
@@ -778,12 +807,14 @@ class MoELayer(nn.Module):
             if route.local_assign.numel() == 0:
                 return
             te = time.perf_counter()
+            mark = self.speed.begin(x2.device)
             xs = gather_rows(x2, route.local_assign % T)
             counts = torch.bincount(route.local_expert, minlength=E)
             order = sorted(set(route.local_expert.tolist()), key=lambda e: int(self.layout.key_of_expert[e]))
             mods = rep.local_modules(order)
             y = self.experts.forward_sorted(xs, [int(counts[e]) for e in order], modules=mods)
             local_out.append(y)
+            self.speed.end(mark, xs.size(0))
             times.expert_s += time.perf_counter() - te
 
         if pager is not None:
@@ -803,13 +834,13 @@ class MoELayer(nn.Module):
         # Unpaged, the rows arrive as one piece per local expert and the outputs go to the
         # combine as they come: no [R, D] concatenation of rows or gradients. A rank without
         # experts takes the whole (empty) block, which keeps x in its backward's graph.
-        mods = self._modules_by_id() if pager is None else []
+        mods = self._modules_by_id() + split_mods if pager is None else []
         recv_x, counts, handle, work = token_dispatch.dispatch(
             self._comm,
             x2,
             idx_send,
             g.topk_weights,
-            expert_to_rank=self.placement.owner,
+            expert_to_rank=owner_map,
             async_op=True,
             num_chunks=cfg.num_chunks,
             split_by_expert=bool(mods),
@@ -822,7 +853,9 @@ class MoELayer(nn.Module):
             for c, (lo, hi) in enumerate(handle.chunk_experts):
                 work.wait_chunk(c)
                 te = time.perf_counter()
+                mark = self.speed.begin(x2.device)
                 y_recv += self.experts.forward_pieces(recv_x[lo:hi], modules=mods[lo:hi])
+                self.speed.end(mark, sum(counts[lo:hi]))
                 times.expert_s += time.perf_counter() - te
         else:
             work.wait()
@@ -860,7 +893,12 @@ class MoELayer(nn.Module):
                 self.gate.calibrator.update(gp, gT)
             if rep is not None:
                 rep.observe(gpicks, row_bytes=D * x2.element_size())
+        self.speed.finish_step()  # collective every speed_every forwards (the agreement)
+        if self.splitter is not None:
+            self.splitter.last_expert_s = times.expert_s
         self._record(route, times, t_start, saved, global_picks=stat_vec[E : 2 * E] if update else None)
+        if splitter is not None:
+            self.last_stats.update(splitter.record())
         return out.to(x.dtype).reshape(shape)
 
     def _replica_saved_bytes(self, topk_idx, route, idx_cm, D: int, elem: int) -> int:
@@ -924,6 +962,7 @@ class MoELayer(nn.Module):
         if self.gate.calibrator is not None:
             stats["calibration_lag"] = self.gate.calibrator.lag_factor()
         stats.update(self._page_step_stats())
+        stats.update(self.speed.record())
         if self._migrations is not None:
             stats["migrations"] = self._migrations
             self._migrations = 0

@@ -354,7 +354,9 @@ class MoELayer(nn.Module):
             self.replicator = HotExpertReplicator(
                 placement,
                 self.rank,
-                self.strong_ranks,
+                # With the per-step split every rank may hold a copy: the split gives each one
+                # rows in proportion to its speed (a slow rank gets few, never extra work).
+                list(range(W)) if cfg.token_split else self.strong_ranks,
                 lambda e: build_expert(self._expert_spec, model_dim, e, cfg.seed),
                 owned,
                 group,

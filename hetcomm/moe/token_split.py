@@ -71,37 +71,54 @@ class SplitPlan:
     makespan: float
 
 
-def _max_flow(cap: List[List[int]], src: int, sink: int) -> Tuple[int, List[List[int]]]:
-    """Edmonds-Karp on a dense capacity matrix; returns (value, flow matrix). Deterministic:
-    BFS visits nodes in index order."""
-    n = len(cap)
-    flow = [[0] * n for _ in range(n)]
+def max_flow(num_nodes: int, edges: Sequence[Tuple[int, int, float]], src: int, sink: int, eps: float = 0.0):
+    """Dinic's max-flow on a small graph: ``edges`` are ``(u, v, capacity)``; returns
+    ``(value, flows)`` with ``flows[i]`` the flow on ``edges[i]``. Integer capacities give an
+    integral flow. Deterministic: edges are explored in the order given."""
+    head: List[List[int]] = [[] for _ in range(num_nodes)]
+    to: List[int] = []
+    cap: List[float] = []
+    for u, v, c in edges:
+        head[u].append(len(to)); to.append(v); cap.append(c)
+        head[v].append(len(to)); to.append(u); cap.append(0)
+    orig = list(cap)
     total = 0
     while True:
-        parent = [-1] * n
-        parent[src] = src
+        level = [-1] * num_nodes
+        level[src] = 0
         q = deque([src])
-        while q and parent[sink] < 0:
+        while q:
             u = q.popleft()
-            for v in range(n):
-                if parent[v] < 0 and cap[u][v] - flow[u][v] > 0:
-                    parent[v] = u
-                    q.append(v)
-        if parent[sink] < 0:
-            return total, flow
-        push, v = None, sink
-        while v != src:
-            u = parent[v]
-            r = cap[u][v] - flow[u][v]
-            push = r if push is None else min(push, r)
-            v = u
-        v = sink
-        while v != src:
-            u = parent[v]
-            flow[u][v] += push
-            flow[v][u] -= push
-            v = u
-        total += push
+            for a in head[u]:
+                if cap[a] > eps and level[to[a]] < 0:
+                    level[to[a]] = level[u] + 1
+                    q.append(to[a])
+        if level[sink] < 0:
+            break
+        it = [0] * num_nodes
+
+        def push(u: int, f):
+            if u == sink:
+                return f
+            while it[u] < len(head[u]):
+                a = head[u][it[u]]
+                v = to[a]
+                if cap[a] > eps and level[v] == level[u] + 1:
+                    d = push(v, min(f, cap[a]))
+                    if d > eps:
+                        cap[a] -= d
+                        cap[a ^ 1] += d
+                        return d
+                it[u] += 1
+            return 0
+
+        while True:
+            f = push(src, float("inf"))
+            if f <= eps:
+                break
+            total += f
+    flows = [orig[2 * i] - cap[2 * i] for i in range(len(edges))]
+    return total, flows
 
 
 def plan_split(
@@ -135,29 +152,31 @@ def plan_split(
         m = len(multi)
         src, sink = 0, m + W + 1  # nodes: 0 src, 1..m experts, m+1..m+W ranks, sink
         need = sum(total[e] for e in multi)
+        pairs = [(i, e, h) for i, e in enumerate(multi) for h in hs_of[e]]
+
+        def caps(T: float) -> List[int]:
+            return [max(0, int(T * speeds[r] - base[r] + 1e-9)) for r in range(W)]
 
         def feasible(T: float):
-            n = m + W + 2
-            cap = [[0] * n for _ in range(n)]
-            for i, e in enumerate(multi):
-                cap[src][1 + i] = total[e]
-                for h in hs_of[e]:
-                    cap[1 + i][1 + m + h] = total[e]
-            for r in range(W):
-                cap[1 + m + r][sink] = max(0, int(T * speeds[r] - base[r] + 1e-9))
-            value, flow = _max_flow(cap, src, sink)
-            return value == need, flow
+            edges = [(src, 1 + i, total[e]) for i, e in enumerate(multi)]
+            edges += [(1 + i, 1 + m + h, total[e]) for i, e, h in pairs]
+            edges += [(1 + m + r, sink, c) for r, c in enumerate(caps(T))]
+            value, flows = max_flow(m + W + 2, edges, src, sink)
+            return value == need, flows[m : m + len(pairs)]
 
-        # Upper bound: every row on its owner (always feasible).
+        # Upper bound: every row on its owner (always feasible); lower: the fixed load, or
+        # everything spread in proportion to speed.
         own_rows = list(base)
         for e in multi:
             own_rows[owner[e]] += total[e]
         hi = max(own_rows[r] / speeds[r] for r in range(W))
-        lo = max(base[r] / speeds[r] for r in range(W))
+        lo = max(max(base[r] / speeds[r] for r in range(W)), (sum(base) + need) / sum(speeds) * (1 - 1e-12))
         ok, flow = feasible(hi)
         assert ok, "every row on its owner must be feasible"
-        for _ in range(60):
-            if hi - lo <= 1e-12 * max(hi, 1e-300):
+        # Capacities are integers floor(T s_r - base_r): once no rank's capacity changes between
+        # lo and hi, hi's integral flow is the optimum.
+        for _ in range(200):
+            if caps(lo) == caps(hi) or hi - lo <= 1e-12 * hi:
                 break
             mid = (lo + hi) / 2
             ok_mid, flow_mid = feasible(mid)
@@ -165,11 +184,9 @@ def plan_split(
                 hi, flow = mid, flow_mid
             else:
                 lo = mid
-        for i, e in enumerate(multi):
-            for h in hs_of[e]:
-                q = flow[1 + i][1 + m + h]
-                if q > 0:
-                    quota[e][h] = q
+        for (i, e, h), q in zip(pairs, flow):
+            if q > 0:
+                quota[e][h] = int(q)
     rows = list(base)
     for e, q in quota.items():
         for h, n in q.items():

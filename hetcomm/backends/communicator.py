@@ -311,6 +311,9 @@ class Communicator:
         expert_to_rank,
         capacity: Optional[int] = None,
         async_op: bool = False,
+        num_chunks: int = 1,
+        split_by_expert: bool = False,
+        wire_dtype: Optional[str] = None,
     ):
         """Send each token's row to the ranks of its top-k experts (once per destination rank).
 
@@ -319,17 +322,23 @@ class Communicator:
             topk_idx: ``[T, k]`` int64 expert ids (``-1`` = no expert).
             topk_weights: ``[T, k]`` float gate weights.
             expert_to_rank: group rank of every expert (``[E]``).
-            capacity: rows per local expert kept at most (None = dropless).
-            async_op: return a Work as well (see :func:`hetcomm.backends.token_dispatch.dispatch`).
+            capacity: copies per expert kept at most, an integer >= 0 (None = dropless).
+            async_op: return before the rows arrive (``result.work``).
+            num_chunks: chunks of the pipelined exchange.
+            split_by_expert: ``recv_x`` as one piece per local expert.
+            wire_dtype: wire-dtype policy of these rows (None: ``options.wire_dtype``), see
+                :meth:`wire_dtype`.
 
         Returns:
-            ``(recv_x [R, D], recv_counts per local expert, handle)`` — see
+            A :class:`~hetcomm.backends.token_dispatch.DispatchResult` (``recv_x [R, D]``,
+            ``recv_counts`` per local expert, ``handle``, ``work``) — see
             :func:`hetcomm.backends.token_dispatch.dispatch`.
         """
         from hetcomm.backends import token_dispatch
 
         return token_dispatch.dispatch(
-            self, x, topk_idx, topk_weights, expert_to_rank=expert_to_rank, capacity=capacity, async_op=async_op
+            self, x, topk_idx, topk_weights, expert_to_rank=expert_to_rank, capacity=capacity, async_op=async_op,
+            num_chunks=num_chunks, split_by_expert=split_by_expert, wire_dtype=wire_dtype,
         )
 
     def combine(self, y: torch.Tensor, handle, *, async_op: bool = False):

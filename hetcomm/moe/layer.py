@@ -1,6 +1,6 @@
 """``MoELayer``: a Mixture-of-Experts layer whose expert-parallel traffic goes through hetcomm.
 
-Shapes (DeepEP-style notation, see ``hetcomm.moe.dispatch``):
+Shapes (DeepEP-style notation, see ``hetcomm.moe.routing``):
     x        ``[..., D]`` input, any float dtype; flattened to ``[T, D]`` inside
     output   same shape and dtype as ``x``
     l_aux    scalar float32 auxiliary (load-balancing) loss, with grad, on ``layer.l_aux``
@@ -33,9 +33,10 @@ import torch.distributed as dist
 from torch import nn
 
 from hetcomm.backends import token_dispatch
+from hetcomm.backends.options import WIRE_DTYPES
 from hetcomm.errors import ConfigError
 from hetcomm.moe.calibrate import LoadCalibrator
-from hetcomm.moe.dispatch import ChunkLayout, gather_rows, plan_route, weighted_combine
+from hetcomm.moe.routing import ChunkLayout, gather_rows, route_tokens, weighted_combine
 from hetcomm.moe.experts import ExpertBank, ExpertSpec, build_expert, cat_rows, split_rows
 from hetcomm.moe.gate import TopKGate
 from hetcomm.moe.metrics import MetricsAccumulator, routing_metrics
@@ -44,8 +45,8 @@ from hetcomm.moe.paging import ExpertPager, Grant, PagingConfig
 from hetcomm.moe.placement import ExpertPlacement, place_experts
 from hetcomm.moe.replicate import HotExpertReplicator
 from hetcomm.moe.speed import SpeedMeter
+from hetcomm.moe.step_stats import StepStats
 from hetcomm.moe.token_split import TokenSplitter
-from hetcomm.moe.wire import WIRE_DTYPES, WirePolicy, wire_policy
 
 __all__ = ["MoEConfig", "MoELayer"]
 
@@ -65,8 +66,9 @@ class MoEConfig:
             ``layer.gate.calibrator.enabled``).
         calibration_strength: initial per-expert calibration weight. 1.5: on a gate whose top-5
             experts take 91% of picks it settles at ~58% top-5 share (1.0 gives ~67%).
-        wire_dtype: ``auto`` (the cluster's per-link policy; FP32 without a cluster) or
-            ``fp32``/``fp16``/``bf16`` for every pair.
+        wire_dtype: the Communicator's wire rule for the layer's rows
+            (:meth:`hetcomm.Communicator.wire_dtype`): ``auto``/``cluster`` (the cluster's
+            per-link policy), ``exact``, or ``fp32``/``fp16``/``bf16`` for every pair.
         num_chunks: chunks of the pipelined dispatch/combine (1 = no pipelining).
         replicate: hot-expert replication on strong ranks.
         replicate_top: ``N`` hot experts replicated.
@@ -131,8 +133,8 @@ class MoEConfig:
             raise bad("k", f"must be in 1..num_experts={self.num_experts}, got {self.k!r}")
         if not self.capacity_factor > 0:
             raise bad("capacity_factor", f"must be > 0, got {self.capacity_factor!r} (use dropless=True for no limit)")
-        if self.wire_dtype != "auto" and self.wire_dtype not in WIRE_DTYPES:
-            raise bad("wire_dtype", f"unknown wire dtype {self.wire_dtype!r}; expected auto, fp32, fp16 or bf16")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise bad("wire_dtype", f"unknown wire dtype {self.wire_dtype!r}; expected one of {', '.join(WIRE_DTYPES)}")
         if not isinstance(self.num_chunks, int) or self.num_chunks < 1:
             raise bad("num_chunks", f"must be a positive integer, got {self.num_chunks!r}")
         if self.rank_weights not in ("strong", "throughput"):
@@ -200,21 +202,6 @@ class _StreamedExpert(torch.autograd.Function):
         return (gx, None, None, None) + tuple(grads[1 if ctx.needs_input_grad[0] else 0 :])
 
 
-class _WireComm:
-    """The layer's face for :mod:`hetcomm.backends.token_dispatch` (a ``DispatchComm``): its
-    group, and the wire dtype of each pair from the layer's own :class:`WirePolicy` (the
-    ``wire_dtype`` option can differ from the backend's options, so it is not the
-    Communicator's policy)."""
-
-    def __init__(self, group: Optional[dist.ProcessGroup], rank: int, world_size: int, policy: WirePolicy):
-        self.group, self.rank, self.world_size, self.policy = group, rank, world_size, policy
-
-    def wire_dtype(self, peer: int, dtype: torch.dtype) -> Optional[torch.dtype]:
-        if peer == self.rank:
-            return None
-        return WIRE_DTYPES[self.policy.names[self.rank][peer]]
-
-
 def _group_info(group: Optional[dist.ProcessGroup]):
     """(world_size, rank, global ranks) of ``group``; (1, 0, [0]) without torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -226,6 +213,53 @@ def _group_info(group: Optional[dist.ProcessGroup]):
     else:
         ranks = [dist.get_global_rank(group, r) for r in range(W)]
     return W, rank, ranks
+
+
+def _layer_communicator(group, cluster, world_size: int, rank: int) -> token_dispatch.DispatchComm:
+    """The communicator a layer's tokens travel through: the group's :class:`Communicator`
+    (a ``hetcomm`` group's own), one over ``cluster`` when the layer names another cluster
+    than the group's (a gloo group), or a local one when the group has one rank.
+
+    Raises:
+        ConfigError: the layer names another cluster than its ``hetcomm`` group uses (one
+            wire rule per group: give the backend the same file).
+    """
+    if world_size == 1:
+        return token_dispatch.GroupComm(None, 0, 1)
+    from hetcomm.backends.communicator import Communicator, communicator
+
+    comm = communicator(group)
+    if cluster is None or _same_cluster(cluster, comm.cluster):
+        return comm
+    if comm.routed is not None:
+        raise ConfigError(
+            f"MoELayer (rank {rank}) was given cluster '{cluster.name}' but its hetcomm group uses "
+            f"{comm.cluster.name if comm.cluster is not None else 'none'!r}; pass the same cluster to "
+            f"the backend (HetcommOptions.cluster / pg_options, or HETCOMM_CLUSTER) or drop cluster=",
+            key="moe.cluster",
+            path=cluster.path,
+        )
+    key = (id(comm.group), cluster.path or cluster.name)
+    hit = _CLUSTER_COMMS.get(key)
+    if hit is None or hit[0] is not comm.group:
+        hit = _CLUSTER_COMMS[key] = (comm.group, Communicator(comm.group, cluster=cluster))
+    return hit[1]
+
+
+#: Communicators over non-hetcomm groups for layers that name their own cluster, by (group, file).
+_CLUSTER_COMMS: Dict[Any, Any] = {}
+
+
+def _same_cluster(a, b) -> bool:
+    if a is b:
+        return True
+    if a is None or b is None:
+        return False
+    import os
+
+    if a.path and b.path:
+        return os.path.realpath(a.path) == os.path.realpath(b.path)
+    return a == b
 
 
 class MoELayer(nn.Module):
@@ -326,8 +360,9 @@ class MoELayer(nn.Module):
                 key="moe.placement",
             )
         self.placement = placement
-        self.wire: WirePolicy = wire_policy(W, cfg.wire_dtype, cluster, self.global_ranks)
-        self._comm = _WireComm(group if W > 1 else None, self.rank, W, self.wire)
+        # The group's Communicator, resolved at the first forward (a collective over a group
+        # that has none yet; construction of the layer stays local).
+        self._comm: Optional[token_dispatch.DispatchComm] = None
         # Registered (not persistent: derived from the placement) so that layer.to(device)
         # moves it with the parameters.
         self.register_buffer("_key_of_expert", torch.zeros(num_experts, dtype=torch.int64, device="cpu"), persistent=False)
@@ -366,8 +401,11 @@ class MoELayer(nn.Module):
                 policy=cfg.replicate_policy,
             )
         self.l_aux: torch.Tensor = torch.zeros((), device="cpu")  # replaced by the first forward
-        self.last_stats: Dict[str, Any] = {}
+        self.last_stats: Optional[StepStats] = None  # set by every forward
         self.metrics = MetricsAccumulator()
+        # The one load observer's subscribers (add_load_observer): each training forward's
+        # global statistics, all-reduced once, go to the calibrator, the replicator and these.
+        self._load_observers: List[Any] = []
 
         # Expert paging (config.page_budget > 0): the pager is built at the first forward, on
         # the input's device, over this rank's experts in dispatch order (ascending id).
@@ -390,12 +428,35 @@ class MoELayer(nn.Module):
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def comm(self) -> token_dispatch.DispatchComm:
+        """The :class:`hetcomm.Communicator` of the layer's group (its ``dispatch``/``combine``
+        move the tokens, its ``wire_dtype`` decides each pair's wire dtype), built on first use
+        (collective when the group has none yet); a local one with a group of one."""
+        if self._comm is None:
+            self._comm = _layer_communicator(self.group, self.cluster, self.world_size, self.rank)
+        return self._comm
+
+    def add_load_observer(self, observer) -> None:
+        """Subscribe ``observer(global_picks, global_probs, num_tokens)`` to the layer's one
+        load observer: after every training forward, with the statistics the layer all-reduces
+        anyway (``global_picks`` ``[E]`` float64 picks per expert summed over the group,
+        dropped ones included; ``global_probs`` ``[E]`` float64 summed router probabilities;
+        ``num_tokens`` the group's tokens). The calibrator and the replicator read the same
+        numbers; the balancer (:mod:`hetcomm.train.balance`) subscribes here."""
+        self._load_observers.append(observer)
+
+    def wire_dtype(self, peer: int, dtype: torch.dtype = torch.float32) -> torch.dtype:
+        """The dtype ``dtype`` rows of this layer travel in to/from group rank ``peer`` (the
+        Communicator's rule under the layer's ``wire_dtype`` option)."""
+        return self.comm.wire_dtype(peer, dtype, self.config.wire_dtype) or dtype
+
     def extra_repr(self) -> str:
         c = self.config
         return (
             f"model_dim={c.model_dim}, num_experts={c.num_experts}, k={c.k}, capacity_factor="
             f"{c.capacity_factor}, dropless={c.dropless}, world_size={self.world_size}, rank={self.rank}, "
-            f"local_experts={list(self.local_expert_ids)}, wire={self.wire.uniform or 'mixed'}, "
+            f"local_experts={list(self.local_expert_ids)}, wire_dtype={c.wire_dtype}, "
             f"num_chunks={c.num_chunks}, replicate={c.replicate}"
         )
 
@@ -775,11 +836,13 @@ class MoELayer(nn.Module):
         splitter = self.splitter if self.splitter is not None and rep is not None and rep.hot and pager is None else None
         if splitter is not None:
             replica_here = None
-        route = plan_route(g.topk_idx, self._key_of_expert, g.capacity, replica_here)
+        # The only routing step: capacity, then the copies for local replicas set aside; the
+        # dispatch plans the exchange of what is left.
+        route = route_tokens(g.topk_idx, self._key_of_expert, g.capacity, replica_here)
 
         # Global statistics for calibration and replication, summed over ranks: one all-reduce
         # of [probs (E), picks (E), tokens (1)], launched now and awaited after the experts.
-        update = self.training and (self.gate.calibrator is not None or rep is not None)
+        update = self.training and (self.gate.calibrator is not None or rep is not None or bool(self._load_observers))
         stat_vec = stat_work = None
         if update:
             stat_vec = torch.cat(
@@ -789,16 +852,12 @@ class MoELayer(nn.Module):
                 stat_work = dist.all_reduce(stat_vec, group=self.group, async_op=True)
 
         weights_flat = g.topk_weights.t().reshape(-1)  # [A], choice-major like assignments
-        # The copies that travel (kept, not computed on a local replica), as the dispatch's
-        # topk_idx: -1 in every other slot.
-        A = route.num_assign
-        idx_cm = torch.full((A,), -1, dtype=torch.int64, device=x2.device)
-        idx_cm[route.send_assign] = g.topk_idx.t().reshape(-1)[route.send_assign]
-        idx_send = idx_cm.view(cfg.k, T).t()
+        idx_send = route.send_idx
         owner_map: Sequence[int] = self.placement.owner
         split_mods: List[nn.Module] = []
         if splitter is not None:
-            sr = splitter.route(idx_cm, route.send_counts, cfg.k, owner_map, rep.holders_of_hot(), rep.replicas, self.speed.speeds)
+            sr = splitter.route(route.send_idx.t().reshape(-1), route.send_counts, cfg.k, owner_map,
+                                rep.holders_of_hot(), rep.replicas, self.speed.speeds)
             idx_send, owner_map, split_mods = sr.topk_idx, sr.expert_to_rank, sr.modules
 
         times = PipelineTimes()
@@ -837,8 +896,7 @@ class MoELayer(nn.Module):
         # combine as they come: no [R, D] concatenation of rows or gradients. A rank without
         # experts takes the whole (empty) block, which keeps x in its backward's graph.
         mods = self._modules_by_id() + split_mods if pager is None else []
-        recv_x, counts, handle, work = token_dispatch.dispatch(
-            self._comm,
+        res = self.comm.dispatch(
             x2,
             idx_send,
             g.topk_weights,
@@ -846,7 +904,9 @@ class MoELayer(nn.Module):
             async_op=True,
             num_chunks=cfg.num_chunks,
             split_by_expert=bool(mods),
+            wire_dtype=cfg.wire_dtype,
         )
+        recv_x, counts, handle, work = res.recv_x, res.recv_counts, res.handle, res.work
         compute_local()
         if pager is not None:
             y_recv = self._paged_experts(recv_x, counts, handle, work, times)
@@ -863,14 +923,14 @@ class MoELayer(nn.Module):
             work.wait()
             y_recv = recv_x * 0
         tw = time.perf_counter()
-        out = token_dispatch.combine(self._comm, y_recv, handle)
+        out = self.comm.combine(y_recv, handle)
         times.comm_exposed_s = work.exposed_s + time.perf_counter() - tw
         times.num_chunks = cfg.num_chunks
         times.rows_per_expert = list(counts)
         # Combine sends back exactly what dispatch received, in the same wire dtypes.
         times.bytes_sent = times.bytes_recv = handle.bytes_sent + handle.bytes_recv
         times.total_s = time.perf_counter() - t_start
-        saved = self._replica_saved_bytes(g.topk_idx, route, idx_cm, D, x2.element_size())
+        saved = self._replica_saved_bytes(g.topk_idx, route, x2.dtype)
 
         if local_out:
             w_loc = weights_flat.index_select(0, route.local_assign)
@@ -895,21 +955,23 @@ class MoELayer(nn.Module):
                 self.gate.calibrator.update(gp, gT)
             if rep is not None:
                 rep.observe(gpicks, row_bytes=D * x2.element_size())
+            for observer in self._load_observers:
+                observer(gpicks, gp, gT)
         self.speed.finish_step()  # collective every speed_every forwards (the agreement)
         if self.splitter is not None:
             self.splitter.last_expert_s = times.expert_s
-        self._record(route, times, t_start, saved, global_picks=stat_vec[E : 2 * E] if update else None)
-        if splitter is not None:
-            self.last_stats.update(splitter.record())
+        self._record(route, times, t_start, saved, global_picks=stat_vec[E : 2 * E] if update else None,
+                     splitter=splitter)
         return out.to(x.dtype).reshape(shape)
 
-    def _replica_saved_bytes(self, topk_idx, route, idx_cm, D: int, elem: int) -> int:
+    def _replica_saved_bytes(self, topk_idx, route, dtype: torch.dtype) -> int:
         """Forward bytes (dispatch + combine) the copies computed on local replicas would have
         cost: the token rows with them minus the token rows without them, per destination."""
         if route.local_assign.numel() == 0:
             return 0
         cfg = self.config
         T = topk_idx.size(0)
+        idx_cm = route.send_idx.t().reshape(-1)
         with_rep = idx_cm.clone()
         with_rep[route.local_assign] = topk_idx.t().reshape(-1)[route.local_assign]
         rows = [
@@ -920,79 +982,62 @@ class MoELayer(nn.Module):
         saved = 0
         for d, n in enumerate(extra):
             if d != self.rank and n:
-                wd = WIRE_DTYPES[self.wire.names[self.rank][d]]
+                wd = self.comm.wire_dtype(d, dtype, cfg.wire_dtype) or dtype
                 # Sent once by dispatch, once more by combine (summed over ranks, what comes back
                 # to one rank is what another sends).
-                saved += 2 * n * D * min(wd.itemsize, elem)
+                saved += 2 * n * cfg.model_dim * wd.itemsize
         return saved
 
     # -- stats -------------------------------------------------------------------------------
-    def _record(self, route, times: PipelineTimes, t_start: float, saved: int, global_picks=None) -> None:
+    def _record(self, route, times: PipelineTimes, t_start: float, saved: int, global_picks=None, splitter=None) -> None:
         kept = route.num_assign - route.num_dropped
         own = [e for e in self.local_expert_ids]
         num_self = int(route.send_counts[list(own)].sum()) if own else 0
         num_local = num_self + int(route.local_assign.numel())
         self.metrics.add(route.picks, route.num_dropped, num_local, kept)
         m = routing_metrics(route.picks, route.num_dropped, num_local, kept)
-        D = self.config.model_dim
-        stats: Dict[str, Any] = {
-            "rank": self.rank,
-            "tokens": route.num_assign // max(1, self.config.k),
-            "copies": route.num_assign,
-            "dropped": route.num_dropped,
-            "overflow_rate": m.overflow_rate,
-            "top5_share": m.top5_share,
-            "min_expert_rate": m.min_expert_rate,
-            "local_fraction": m.local_fraction,
-            "a2a_bytes_sent": times.bytes_sent,
-            "a2a_bytes_recv": times.bytes_recv,
-            "a2a_bytes_sent_without_replication": times.bytes_sent + saved,
-            "comm_exposed_s": times.comm_exposed_s,
-            "expert_s": times.expert_s,
-            "forward_s": time.perf_counter() - t_start,
-            "num_chunks": times.num_chunks,
-            "rows_per_expert": list(times.rows_per_expert),
-            "replicas": tuple(self.replicator.replicas) if self.replicator else (),
-            "hot_experts": self.replicator.hot if self.replicator else (),
-            "replica_extra_bytes": self.replicator.extra_bytes if self.replicator else 0,
-            "l_aux": float(self.l_aux.detach()),
-        }
-        if global_picks is not None:
-            gm = routing_metrics(global_picks, 0, 0)
-            stats["global_top5_share"] = gm.top5_share
-            stats["global_min_expert_rate"] = gm.min_expert_rate
-        if self.gate.calibrator is not None:
-            stats["calibration_lag"] = self.gate.calibrator.lag_factor()
-        stats.update(self._page_step_stats())
-        stats.update(self.speed.record())
-        if self._migrations is not None:
-            stats["migrations"] = self._migrations
-            self._migrations = 0
-        self.last_stats = stats
+        gm = routing_metrics(global_picks, 0, 0) if global_picks is not None else None
+        rep = self.replicator
+        migrations, self._migrations = self._migrations, (0 if self._migrations is not None else None)
+        self.last_stats = StepStats(
+            rank=self.rank,
+            tokens=route.num_assign // max(1, self.config.k),
+            copies=route.num_assign,
+            dropped=route.num_dropped,
+            overflow_rate=m.overflow_rate,
+            top5_share=m.top5_share,
+            min_expert_rate=m.min_expert_rate,
+            local_fraction=m.local_fraction,
+            a2a_bytes_sent=times.bytes_sent,
+            a2a_bytes_recv=times.bytes_recv,
+            a2a_bytes_sent_without_replication=times.bytes_sent + saved,
+            comm_exposed_s=times.comm_exposed_s,
+            expert_s=times.expert_s,
+            forward_s=time.perf_counter() - t_start,
+            num_chunks=times.num_chunks,
+            rows_per_expert=tuple(times.rows_per_expert),
+            replicas=tuple(rep.replicas) if rep else (),
+            hot_experts=tuple(rep.hot) if rep else (),
+            replica_extra_bytes=rep.extra_bytes if rep else 0,
+            l_aux=float(self.l_aux.detach()),
+            global_top5_share=gm.top5_share if gm is not None else None,
+            global_min_expert_rate=gm.min_expert_rate if gm is not None else None,
+            calibration_lag=self.gate.calibrator.lag_factor() if self.gate.calibrator is not None else None,
+            migrations=migrations,
+            **self._page_step_stats(),
+            **self.speed.record(),
+            **(splitter.record() if splitter is not None else {}),
+        )
 
-    def step_stats(self) -> Dict[str, Any]:
-        """The per-step stats dict of the last forward (a copy). Keys:
+    def step_stats(self) -> StepStats:
+        """What the last forward did on this rank: a :class:`~hetcomm.moe.step_stats.StepStats`
+        (frozen; its fields are documented there). It also reads like the dict of earlier
+        releases (``st["dropped"]``, ``"page_hits" in st``, ``dict(st)``).
 
-        ``tokens``, ``copies``, ``dropped``, ``overflow_rate``, ``top5_share``,
-        ``min_expert_rate``, ``local_fraction`` (this rank's routing); ``global_top5_share`` and
-        ``global_min_expert_rate`` (all ranks, training steps only); ``a2a_bytes_sent`` /
-        ``a2a_bytes_recv`` (forward activation bytes to/from other ranks, wire dtypes applied);
-        ``a2a_bytes_sent_without_replication`` (what replication saved, added back);
-        ``comm_exposed_s``, ``expert_s``, ``forward_s``, ``num_chunks``, ``rows_per_expert`` (rows
-        each local expert computed); ``hot_experts``,
-        ``replicas`` (held here), ``replica_extra_bytes``; ``l_aux``; ``calibration_lag``.
-
-        With paging (``page_budget > 0``), this rank's pager since the previous forward (so a
+        Paging counters (``page_*``) cover this rank's pager since the previous forward, so a
         step's end-of-step evictions and prefetches, and a wave step's backward reloads, show in
-        the next forward's stats): ``page_hits`` (expert computations that started without
-        waiting), ``page_faults`` (that waited, or took the L1/L3 answer), ``page_stall_s``
-        (seconds computations waited for loads, backward reloads included), ``page_loads``,
-        ``page_evictions``, ``page_prefetches``, ``page_reacquires`` (backward reloads of a wave
-        step), ``page_resident`` / ``page_slots`` (experts on the device / room),
-        ``page_waves`` (this step's experts did not fit and streamed), ``page_experts_used``;
-        the degradation levels: ``page_l1_waits``, ``page_l1_stale``, ``page_l2_pins``,
-        ``page_l2_migration_requests``, ``page_l3_substitutions``.
-        ``migrations``: experts that landed on this rank through :meth:`apply_placement` since
-        the previous forward (present once a placement has been applied).
+        the next forward's stats; ``migrations`` counts the experts that landed on this rank
+        through :meth:`apply_placement` since the previous forward.
         """
-        return dict(self.last_stats)
+        return self.last_stats if self.last_stats is not None else StepStats.empty(self.rank)
+

@@ -260,7 +260,7 @@ class SpeedMeter:
         ``speed_agreements``, ``speed_local_rows_per_s``, ``speed_max_over_min``."""
         s = self.speeds
         return {
-            "speed_rows_per_s": list(s),
+            "speed_rows_per_s": tuple(s),
             "speed_measured": self.measured,
             "speed_agreements": self.agreements,
             "speed_local_rows_per_s": self.local_speed(),

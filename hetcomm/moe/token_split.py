@@ -328,11 +328,11 @@ class TokenSplitter:
             return {}
         p = self.last.plan
         return {
-            "split_experts": sorted(p.quota),
-            "moe_rows": list(p.rows),
-            "moe_time_predicted": list(p.predicted),
+            "split_experts": tuple(sorted(p.quota)),
+            "moe_rows": tuple(p.rows),
+            "moe_time_predicted": tuple(p.predicted),
             "moe_time_predicted_max_over_mean": max_over_mean(p.predicted),
-            "moe_time_measured_s": list(self.last.measured),
+            "moe_time_measured_s": tuple(self.last.measured),
             "moe_time_measured_max_over_mean": max_over_mean(self.last.measured),
         }
 

@@ -464,10 +464,9 @@ class _Progress:
         rail_now = _rail_bytes()
         per_rail = {r: (b - self.last_bytes.get(r, 0)) / max(steps, 1) for r, b in rail_now.items()}
         self.last_t, self.last_step, self.last_bytes = now, step, rail_now
-        st = model.moe_layers[0].step_stats()
-        top5 = st.get("global_top5_share", st.get("top5_share"))
-        replicas = st.get("replicas")
-        replicas = list(replicas) if replicas is not None else None
+        st = model.moe_layers[0].step_stats()  # a StepStats
+        top5 = st.global_top5_share if st.global_top5_share is not None else st.top5_share
+        replicas = list(st.replicas)
         frac = step / self.cfg.steps
         bar = "#" * int(frac * 20) + "." * (20 - int(frac * 20))
         rails = " ".join(f"{r}:{_fmt_bytes(b)}" for r, b in sorted(per_rail.items())) or "-"

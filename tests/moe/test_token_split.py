@@ -127,7 +127,7 @@ def test_two_ranks_split_equals_static_every_rank_holds_every_hot_expert():
     res = run_ranks(split_cases.split_vs_static, world_size=2, backend="gloo", cluster=None, timeout=200,
                     args=([3.0, 1.0], [0, 1, 2]))
     _check(res)
-    assert all(r["split_experts"][0] == [0, 1, 2] for r in res)
+    assert all(tuple(r["split_experts"][0]) == (0, 1, 2) for r in res)
     # Time-proportional: rank 0 (3x faster) computes more rows than rank 1.
     rows = res[0]["rows"][0]
     assert rows == res[1]["rows"][0] and rows[0] > rows[1]

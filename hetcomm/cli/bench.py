@@ -50,9 +50,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "collective",
-        choices=lib.COLLECTIVES + ("compute",),
+        choices=lib.COLLECTIVES + ("compute", "moe"),
         help="the collective to measure, or 'compute': a GEMM and the expert FFN on this process's "
-        "device (hetcomm.cli.bench_compute; -n/-w/-J/--json apply)",
+        "device (hetcomm.cli.bench_compute; -n/-w/-J/--json apply), or 'moe': the skew workloads "
+        "W0-W7 under the per-rank time model (hetcomm.cli.bench_moe, --workload)",
     )
     g = p.add_argument_group("nccl-tests flags")
     g.add_argument(
@@ -156,6 +157,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     from hetcomm.cli.bench_compute import add_compute_args
 
     add_compute_args(p)
+    from hetcomm.cli.bench_moe import add_moe_args
+
+    add_moe_args(p)
     return p
 
 
@@ -401,6 +405,10 @@ def run(args: argparse.Namespace) -> int:
         from hetcomm.cli.bench_compute import run_compute
 
         return run_compute(args)
+    if args.collective == "moe":
+        from hetcomm.cli.bench_moe import run_moe
+
+        return run_moe(args)
     config, num_ranks, spawn = config_from_args(args)
     if not spawn:
         return _run_under_torchrun(config, num_ranks, args)

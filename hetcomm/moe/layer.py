@@ -146,8 +146,8 @@ class MoEConfig:
         if self.calibration_strength < 0:
             raise bad("calibration_strength", f"must be >= 0, got {self.calibration_strength!r}")
         pb = self.page_budget
-        if isinstance(pb, bool) or not isinstance(pb, (int, float)) or not 0.0 <= pb <= 1.0:
-            raise bad("page_budget", f"must be a fraction within [0, 1] (0 = paging off), got {pb!r}")
+        if pb != "auto" and (isinstance(pb, bool) or not isinstance(pb, (int, float)) or not 0.0 <= pb <= 1.0):
+            raise bad("page_budget", f"must be a fraction within [0, 1] (0 = paging off) or 'auto', got {pb!r}")
         if self.paging is not None and not isinstance(self.paging, PagingConfig):
             raise bad("paging", f"must be a hetcomm.moe.paging.PagingConfig or None, got {type(self.paging).__name__}")
 
@@ -389,9 +389,10 @@ class MoELayer(nn.Module):
             self.replicator = HotExpertReplicator(
                 placement,
                 self.rank,
-                # With the per-step split every rank may hold a copy: the split gives each one
-                # rows in proportion to its speed (a slow rank gets few, never extra work).
-                list(range(W)) if cfg.token_split else self.strong_ranks,
+                # Copies on the strong ranks only, with or without the per-step split: their
+                # weight and gradient reductions then run over the holders' group and never
+                # cross a weak rank's (often cross-vendor) link; the split balances among them.
+                self.strong_ranks,
                 lambda e: build_expert(self._expert_spec, model_dim, e, cfg.seed),
                 owned,
                 group,
@@ -416,6 +417,17 @@ class MoELayer(nn.Module):
         self._page_retired: Dict[str, float] = {}  # counters of pagers replaced by a placement change
         self._page_last: Dict[str, Any] = {}
         self._migrations: Optional[int] = None  # experts landed here by apply_placement, since the last forward
+        # page_budget="auto" (hetcomm.moe.paging_rule): page only when the experts do not fit the
+        # device they were built on; decided here, the config then holds the fraction.
+        self.page_budget_auto = cfg.page_budget == "auto"
+        if self.page_budget_auto:
+            from hetcomm.moe import paging_rule
+
+            dev = next(self.experts.parameters()).device if len(self.experts) else torch.device("cpu")
+            nbytes = sum(p.numel() * p.element_size() for p in self.experts.parameters())
+            budget = paging_rule.auto_page_budget(nbytes, len(self.experts), paging_rule.free_device_bytes(dev))
+            self.config = cfg = replace(cfg, page_budget=budget)
+        self._h2d_bytes_per_s: Optional[float] = None  # measured when a pager is built on a device
         self._check_page_budget()
         # Measured speed (hetcomm.moe.speed): the datasheet TFLOPS are the prior.
         self.speed = SpeedMeter(W, self.rank, self.rank_tflops, group, every=cfg.speed_every, alpha=cfg.speed_alpha)
@@ -586,7 +598,27 @@ class MoELayer(nn.Module):
             pcfg = replace(self.config.paging or PagingConfig(), budget_fraction=budget)
             self.pager = ExpertPager(self._modules_by_id(), pcfg, device=device, optimizer=self._page_optimizer)
             self._page_mark = self._page_counters()
+            if self._h2d_bytes_per_s is None:
+                from hetcomm.moe.paging_rule import measure_h2d_bytes_per_s
+
+                self._h2d_bytes_per_s = measure_h2d_bytes_per_s(device)
         return self.pager
+
+    def _page_hide_stats(self, rows_per_expert: Sequence[int]) -> Dict[str, Any]:
+        """Can paging's copies hide behind this step's compute (:mod:`hetcomm.moe.paging_rule`)?
+        Tokens per used local expert against peak FLOPS / measured host-to-device bandwidth."""
+        if self.pager is None:
+            return {}
+        from hetcomm.moe.paging_rule import copies_can_hide, hide_threshold_tokens
+
+        used = [n for n in rows_per_expert if n]
+        tokens = sum(used) / len(used) if used else 0.0
+        flops = self.rank_tflops[self.rank] * 1e12
+        bw = self._h2d_bytes_per_s
+        return {
+            "page_can_hide": copies_can_hide(tokens, flops, bw),
+            "page_hide_threshold_tokens": hide_threshold_tokens(flops, bw) if bw else None,
+        }
 
     def _page_counters(self) -> Dict[str, float]:
         """The current pager's cumulative counters: transfers and hits, and L1/L2/L3."""
@@ -1025,6 +1057,7 @@ class MoELayer(nn.Module):
             calibration_lag=self.gate.calibrator.lag_factor() if self.gate.calibrator is not None else None,
             migrations=migrations,
             **self._page_step_stats(),
+            **self._page_hide_stats(times.rows_per_expert),
             **self.speed.record(),
             **(splitter.record() if splitter is not None else {}),
         )

@@ -110,6 +110,9 @@ class StepStats(Mapping):
     page_l2_pins: Optional[int] = None
     page_l2_migration_requests: Optional[int] = None
     page_l3_substitutions: Optional[int] = None
+    # Paging rule (hetcomm.moe.paging_rule): do the copies hide? None on CPU ranks.
+    page_can_hide: Optional[bool] = None
+    page_hide_threshold_tokens: Optional[float] = None
     # Measured speed (hetcomm.moe.speed): the agreed per-rank vector, rows/s (prior units before
     # the first agreement).
     speed_rows_per_s: Optional[Tuple[float, ...]] = None

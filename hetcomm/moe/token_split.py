@@ -2,7 +2,7 @@
 
 MoonEP and UltraEP give every rank the same number of token rows each micro-batch; on an A100
 beside a 910B at half its speed, equal rows are unequal time. When an expert has copies on
-several ranks (the hot replicas of :mod:`hetcomm.moe.replicate`), this module decides, each step,
+several ranks (the hot replicas of :mod:`hetcomm.moe.replicate`: its owner and every strong rank), this module decides, each step,
 how many of that expert's rows each holder computes, so that every rank's *predicted expert time*
 ``rows_r / speed_r`` (``speed`` = the agreed measured vector of :mod:`hetcomm.moe.speed`) is as
 equal as the copies allow:

@@ -55,6 +55,7 @@ from hetcomm.backends.token_exchange import DispatchComm, _counters, counters, r
 from hetcomm.backends.token_flow import CombineWork, DispatchWork, _CombineFn, _CombineState, _DispatchFn, _DispatchState
 from hetcomm.backends.token_plan import _Plan, _plan, count_token_rows, drop_over_capacity
 from hetcomm.errors import UsageError
+from hetcomm.wire_dtypes import WireDtype, parse_wire_dtype
 
 __all__ = [
     "DispatchComm",
@@ -104,13 +105,12 @@ class GroupComm:
         return combine(self, y, handle, async_op=async_op)
 
     def wire_dtype(self, peer: int, dtype: torch.dtype, policy: Optional[str] = None) -> Optional[torch.dtype]:
-        if policy is None or policy in ("cluster", "auto"):
-            return self.wire
-        if policy == "exact":
+        name = WireDtype.CLUSTER if policy is None else parse_wire_dtype(policy)
+        if name is WireDtype.CLUSTER:
+            return self.wire  # a plain group has no cluster: its one wire dtype
+        if name is WireDtype.EXACT or not dtype.is_floating_point:
             return None
-        from hetcomm.backends.options import wire_torch_dtype
-
-        return wire_torch_dtype(policy)
+        return name.torch_dtype()
 
 
 

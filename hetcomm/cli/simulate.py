@@ -295,7 +295,7 @@ def _plot(doc: Dict[str, Any], path: str) -> None:
 
 
 def _run_placement(args: argparse.Namespace) -> int:
-    from hetcomm.cli._placement import PLACEMENTS, placement_report, placement_text
+    from hetcomm.cli._placement_report import PLACEMENTS, placement_report, placement_text
     from hetcomm.sched.step import MoEWorkload
     from hetcomm.topo.cluster import load_cluster
 

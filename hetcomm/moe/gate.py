@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetcomm.backends import rowpool as buffers
-from hetcomm.moe.calibrate import LoadCalibrator
+from hetcomm.moe.gate_calibration import LoadCalibrator
 
 __all__ = ["GateOutput", "TopKGate", "expert_capacity"]
 

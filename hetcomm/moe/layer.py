@@ -25,7 +25,8 @@ no collectives. Experts per rank may differ (strong devices hold more, see
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields, replace
+import weakref
+from dataclasses import fields, replace
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -33,123 +34,23 @@ import torch.distributed as dist
 from torch import nn
 
 from hetcomm.backends import token_dispatch
-from hetcomm.backends.options import WIRE_DTYPES
 from hetcomm.errors import ConfigError
-from hetcomm.moe.calibrate import LoadCalibrator
+from hetcomm.moe.gate_calibration import LoadCalibrator
 from hetcomm.moe.routing import ChunkLayout, gather_rows, route_tokens, weighted_combine
-from hetcomm.moe.experts import ExpertBank, ExpertSpec, build_expert, cat_rows, split_rows
+from hetcomm.moe.experts import ExpertBank, ExpertSpec, build_expert
 from hetcomm.moe.gate import TopKGate
-from hetcomm.moe.metrics import MetricsAccumulator, routing_metrics
+from hetcomm.moe.routing_metrics import MetricsAccumulator, routing_metrics
 from hetcomm.moe.overlap import PipelineTimes
-from hetcomm.moe.paging import ExpertPager, Grant, PagingConfig
+from hetcomm.moe.layer_config import MoEConfig
+from hetcomm.moe.layer_paging import PagedExperts
+from hetcomm.moe.paging import ExpertPager
 from hetcomm.moe.placement import ExpertPlacement, place_experts
-from hetcomm.moe.replicate import HotExpertReplicator
+from hetcomm.moe.placement.replicate import HotExpertReplicator
 from hetcomm.moe.speed import SpeedMeter
 from hetcomm.moe.step_stats import StepStats
 from hetcomm.moe.token_split import TokenSplitter
 
 __all__ = ["MoEConfig", "MoELayer"]
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """Configuration of one :class:`MoELayer` (validated on construction).
-
-    Attributes:
-        model_dim: ``D``.
-        num_experts: ``E`` global experts.
-        k: experts per token.
-        capacity_factor: capacity slack over an even split (ignored when ``dropless``).
-        dropless: never drop a token copy.
-        normalize_topk: rescale a token's ``k`` weights to sum to 1.
-        calibrate: load-aware gate calibration on (switchable at run time through
-            ``layer.gate.calibrator.enabled``).
-        calibration_strength: initial per-expert calibration weight. 1.5: on a gate whose top-5
-            experts take 91% of picks it settles at ~58% top-5 share (1.0 gives ~67%).
-        wire_dtype: the Communicator's wire rule for the layer's rows
-            (:meth:`hetcomm.Communicator.wire_dtype`): ``auto``/``cluster`` (the cluster's
-            per-link policy), ``exact``, or ``fp32``/``fp16``/``bf16`` for every pair.
-        num_chunks: chunks of the pipelined dispatch/combine (1 = no pipelining).
-        replicate: hot-expert replication on strong ranks.
-        replicate_top: ``N`` hot experts replicated.
-        replicate_every: ``M`` steps between hot-set refreshes.
-        replicate_alpha: EMA decay of per-expert token counts.
-        replicate_policy: ``always`` replicates the top ``N``; ``profitable`` only those whose
-            saved all-to-all bytes exceed their weight and gradient sync bytes
-            (:mod:`hetcomm.moe.replicate`).
-        strong_expert_weight: a strong rank holds this many times the experts of a weak one
-            (``rank_weights="strong"``).
-        rank_weights: how experts are spread over ranks: ``strong`` (strong ranks hold
-            ``strong_expert_weight`` x the experts of weak ones) or ``throughput`` (experts in
-            proportion to each rank's device TFLOPS from ``hetcomm.topo.compute``, replicas only
-            on the fastest strong ranks) — speed-aware placement for compute-heterogeneous clusters.
-        seed: initial weights depend only on this and the expert id (never on the placement).
-        page_budget: expert paging (:mod:`hetcomm.moe.paging`): the fraction of this rank's
-            local experts whose weights (and optimizer state) stay on the device; the rest wait
-            in a host pool and are paged in when the gate routes tokens to them. 0 (default):
-            off, every expert stays where the module put it.
-        paging: the pager's other knobs (:class:`~hetcomm.moe.paging.PagingConfig`; its
-            ``budget_fraction`` is replaced by ``page_budget``), or None for the defaults.
-        token_split: per-step, time-proportional split of a replicated expert's rows among its
-            copies (:mod:`hetcomm.moe.token_split`; needs ``replicate``; off with paging).
-        speed_every: steps between agreements of the measured per-rank speed vector
-            (:mod:`hetcomm.moe.speed`; 0 = keep the datasheet prior).
-        speed_alpha: EMA decay of the measured rows and seconds.
-    """
-
-    model_dim: int
-    num_experts: int
-    k: int = 2
-    capacity_factor: float = 1.25
-    dropless: bool = False
-    normalize_topk: bool = True
-    calibrate: bool = True
-    calibration_strength: float = 1.5
-    wire_dtype: str = "auto"
-    num_chunks: int = 1
-    replicate: bool = False
-    replicate_top: int = 3
-    replicate_every: int = 10
-    replicate_alpha: float = 0.99
-    replicate_policy: str = "always"
-    strong_expert_weight: float = 2.0
-    rank_weights: str = "strong"
-    seed: int = 0
-    page_budget: float = 0.0
-    paging: Optional[PagingConfig] = None
-    token_split: bool = False
-    speed_every: int = 10
-    speed_alpha: float = 0.8
-
-    def __post_init__(self) -> None:
-        def bad(key: str, msg: str) -> ConfigError:
-            return ConfigError(msg, key=f"moe.{key}")
-
-        if not isinstance(self.model_dim, int) or self.model_dim < 1:
-            raise bad("model_dim", f"must be a positive integer, got {self.model_dim!r}")
-        if not isinstance(self.num_experts, int) or self.num_experts < 1:
-            raise bad("num_experts", f"must be a positive integer, got {self.num_experts!r}")
-        if not isinstance(self.k, int) or not 1 <= self.k <= self.num_experts:
-            raise bad("k", f"must be in 1..num_experts={self.num_experts}, got {self.k!r}")
-        if not self.capacity_factor > 0:
-            raise bad("capacity_factor", f"must be > 0, got {self.capacity_factor!r} (use dropless=True for no limit)")
-        if self.wire_dtype not in WIRE_DTYPES:
-            raise bad("wire_dtype", f"unknown wire dtype {self.wire_dtype!r}; expected one of {', '.join(WIRE_DTYPES)}")
-        if not isinstance(self.num_chunks, int) or self.num_chunks < 1:
-            raise bad("num_chunks", f"must be a positive integer, got {self.num_chunks!r}")
-        if self.rank_weights not in ("strong", "throughput"):
-            raise bad("rank_weights", f"expected 'strong' or 'throughput', got {self.rank_weights!r}")
-        if self.token_split and not self.replicate:
-            raise bad("token_split", "splits a replicated expert's rows among its copies: set replicate=True too")
-        if not self.strong_expert_weight > 0:
-            raise bad("strong_expert_weight", f"must be > 0, got {self.strong_expert_weight!r}")
-        if self.calibration_strength < 0:
-            raise bad("calibration_strength", f"must be >= 0, got {self.calibration_strength!r}")
-        pb = self.page_budget
-        if pb != "auto" and (isinstance(pb, bool) or not isinstance(pb, (int, float)) or not 0.0 <= pb <= 1.0):
-            raise bad("page_budget", f"must be a fraction within [0, 1] (0 = paging off) or 'auto', got {pb!r}")
-        if self.paging is not None and not isinstance(self.paging, PagingConfig):
-            raise bad("paging", f"must be a hetcomm.moe.paging.PagingConfig or None, got {type(self.paging).__name__}")
 
 
 class _EndOfBackward(torch.autograd.Function):
@@ -164,42 +65,6 @@ class _EndOfBackward(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         torch.autograd.Variable._execution_engine.queue_callback(ctx.callback)
         return grad, None
-
-
-class _StreamedExpert(torch.autograd.Function):
-    """One paged expert in a step whose experts do not all fit the budget (a *wave* step).
-
-    Forward runs the expert without keeping its weights (its slot may go to the next expert);
-    backward acquires it again from the pager (a reload when it was evicted meanwhile),
-    recomputes its output with autograd on and returns the gradients of the rows and of its
-    parameters, so they land on the paged copy. Backward runs in reverse order, so the experts
-    computed last, still resident, go first. Experts must be deterministic (no dropout): the
-    recomputation must give the forward's output.
-
-    ``rows``: ``[N, D]``; returns ``[N, D]``, same dtype.
-    """
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, pager: ExpertPager, e: int, module: nn.Module, *params):  # type: ignore[override]
-        ctx.pager, ctx.e, ctx.module = pager, e, module
-        ctx.save_for_backward(rows)
-        return module(rows)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        (rows,) = ctx.saved_tensors
-        ctx.pager.acquire(ctx.e)
-        try:
-            params = [p for p in ctx.module.parameters() if p.requires_grad]
-            with torch.enable_grad():
-                x = rows.detach().requires_grad_(ctx.needs_input_grad[0])
-                y = ctx.module(x)
-                inputs = ([x] if ctx.needs_input_grad[0] else []) + params
-                grads = torch.autograd.grad(y, inputs, grad, allow_unused=True)
-        finally:
-            ctx.pager.release(ctx.e)
-        gx = grads[0] if ctx.needs_input_grad[0] else None
-        return (gx, None, None, None) + tuple(grads[1 if ctx.needs_input_grad[0] else 0 :])
 
 
 def _group_info(group: Optional[dist.ProcessGroup]):
@@ -241,12 +106,13 @@ def _layer_communicator(group, cluster, world_size: int, rank: int) -> token_dis
         )
     key = (id(comm.group), cluster.path or cluster.name)
     hit = _CLUSTER_COMMS.get(key)
-    if hit is None or hit[0] is not comm.group:
-        hit = _CLUSTER_COMMS[key] = (comm.group, Communicator(comm.group, cluster=cluster))
+    if hit is None or hit[0]() is not comm.group:
+        hit = _CLUSTER_COMMS[key] = (weakref.ref(comm.group), Communicator(comm.group, cluster=cluster))
     return hit[1]
 
 
-#: Communicators over non-hetcomm groups for layers that name their own cluster, by (group, file).
+#: Communicators over non-hetcomm groups for layers that name their own cluster, by (group,
+#: file); the group held weakly (a destroyed group must not live on until the interpreter exits).
 _CLUSTER_COMMS: Dict[Any, Any] = {}
 
 
@@ -262,7 +128,7 @@ def _same_cluster(a, b) -> bool:
     return a == b
 
 
-class MoELayer(nn.Module):
+class MoELayer(PagedExperts, nn.Module):
     """Mixture-of-Experts layer (Tutel/DeepSpeed shape) over any process group.
 
     Args:
@@ -347,11 +213,14 @@ class MoELayer(nn.Module):
         else:
             self.strong_ranks = list(range(W))
 
+        if cfg.rank_weights == "throughput":
+            weights = list(self.rank_tflops)  # experts in proportion to compute speed
+        else:
+            weights = [cfg.strong_expert_weight if r in self.strong_ranks else 1.0 for r in range(W)]
+        #: ``[W]`` relative speed of each rank: the initial assignment's weights and the
+        #: placement policy's speeds (:meth:`rebalance`).
+        self.rank_weights: List[float] = weights
         if placement is None:
-            if cfg.rank_weights == "throughput":
-                weights = list(self.rank_tflops)  # experts in proportion to compute speed
-            else:
-                weights = [cfg.strong_expert_weight if r in self.strong_ranks else 1.0 for r in range(W)]
             placement = place_experts(num_experts, W, rank_weights=weights)
         elif placement.world_size != W or placement.num_experts != num_experts:
             raise ConfigError(
@@ -407,6 +276,7 @@ class MoELayer(nn.Module):
         # The one load observer's subscribers (add_load_observer): each training forward's
         # global statistics, all-reduced once, go to the calibrator, the replicator and these.
         self._load_observers: List[Any] = []
+        self._fast_topk: Optional[int] = None
 
         # Expert paging (config.page_budget > 0): the pager is built at the first forward, on
         # the input's device, over this rank's experts in dispatch order (ascending id).
@@ -449,14 +319,36 @@ class MoELayer(nn.Module):
             self._comm = _layer_communicator(self.group, self.cluster, self.world_size, self.rank)
         return self._comm
 
-    def add_load_observer(self, observer) -> None:
-        """Subscribe ``observer(global_picks, global_probs, num_tokens)`` to the layer's one
-        load observer: after every training forward, with the statistics the layer all-reduces
-        anyway (``global_picks`` ``[E]`` float64 picks per expert summed over the group,
-        dropped ones included; ``global_probs`` ``[E]`` float64 summed router probabilities;
-        ``num_tokens`` the group's tokens). The calibrator and the replicator read the same
-        numbers; the balancer (:mod:`hetcomm.train.balance`) subscribes here."""
+    def add_load_observer(self, observer, fast_topk: Optional[int] = None) -> None:
+        """Subscribe ``observer(global_picks, global_probs, num_tokens, global_fast)`` to the
+        layer's one load observer: called after every training forward with the statistics the
+        layer all-reduces anyway, in the same all-reduce (``global_picks`` ``[E]`` float64 picks
+        per expert summed over the group, dropped ones included; ``global_probs`` ``[E]``
+        float64 summed router probabilities; ``num_tokens`` the group's tokens;
+        ``global_fast`` ``[E]`` float64 the summed ``fast_signal`` of the router's log
+        probabilities over their top ``fast_topk``, or None when no observer asked for it).
+        The calibrator and the replicator read the same numbers; the balancer
+        (:mod:`hetcomm.train.balance`) subscribes here."""
+        if fast_topk is not None:
+            if self._fast_topk and self._fast_topk != fast_topk:
+                raise ConfigError(
+                    f"the layer's load observer already computes the fast signal over the top {self._fast_topk}; "
+                    f"got another observer asking for {fast_topk}",
+                    key="moe.load_observer",
+                )
+            self._fast_topk = int(fast_topk)
         self._load_observers.append(observer)
+
+    def take_migration_requests(self) -> List[int]:
+        """Global ids of the experts the pager asked to move since the last call (its L2 level:
+        an expert that keeps faulting when pinning it would exceed the pin budget,
+        :mod:`hetcomm.moe.degrade`); the balancer reads them. Empty without paging."""
+        if self.pager is None or not self.pager.migration_requests:
+            return []
+        ids = self._sorted_local_ids()
+        out = [ids[l] for l in self.pager.migration_requests]
+        self.pager.migration_requests.clear()
+        return out
 
     def wire_dtype(self, peer: int, dtype: torch.dtype = torch.float32) -> torch.dtype:
         """The dtype ``dtype`` rows of this layer travel in to/from group rank ``peer`` (the
@@ -496,8 +388,12 @@ class MoELayer(nn.Module):
         ids = self.placement.experts_of(self.rank)
         return [self.experts.experts[i] for i in sorted(range(len(ids)), key=lambda i: ids[i])]
 
-    def _make_expert(self, expert_id: int) -> nn.Module:
+    def make_expert(self, expert_id: int) -> nn.Module:
+        """A fresh module of expert ``expert_id`` as this layer builds it (its initial weights
+        depend only on the seed and the id): spare slots for migrations, references."""
         return build_expert(self._expert_spec, self.config.model_dim, expert_id, self.config.seed)
+
+    _make_expert = make_expert
 
     def _set_placement(self, placement: ExpertPlacement, modules: Sequence[nn.Module]) -> None:
         """Adopt ``placement`` with ``modules`` as this rank's experts, in local order."""
@@ -577,217 +473,15 @@ class MoELayer(nn.Module):
         self._migrations = (self._migrations or 0) + len(arrived)
         return arrived
 
-    # -- paging ------------------------------------------------------------------------------
-    def _check_page_budget(self) -> None:
-        """A budget that holds no expert of this rank is a configuration error (now, not at
-        the first forward)."""
-        L = len(self.local_expert_ids)
-        budget = self.config.page_budget
-        if budget > 0 and L and int(budget * L + 1e-9) < 1:
-            raise ConfigError(
-                f"page_budget {budget} of rank {self.rank}'s {L} local experts holds no expert on the device; "
-                f"raise it to at least {1 / L:.3f}",
-                key="moe.page_budget",
-            )
-
-    def _ensure_pager(self, device: torch.device) -> Optional[ExpertPager]:
-        if self.pager is None and self.config.page_budget > 0 and len(self.experts):
-            # At least one slot: checked at construction, and kept when a migration leaves this
-            # rank fewer experts than the budget holds one of (a running job must not stop there).
-            budget = min(1.0, max(self.config.page_budget, 1.0 / len(self.experts)))
-            pcfg = replace(self.config.paging or PagingConfig(), budget_fraction=budget)
-            self.pager = ExpertPager(self._modules_by_id(), pcfg, device=device, optimizer=self._page_optimizer)
-            self._page_mark = self._page_counters()
-            if self._h2d_bytes_per_s is None:
-                from hetcomm.moe.paging_rule import measure_h2d_bytes_per_s
-
-                self._h2d_bytes_per_s = measure_h2d_bytes_per_s(device)
-        return self.pager
-
-    def _page_hide_stats(self, rows_per_expert: Sequence[int]) -> Dict[str, Any]:
-        """Can paging's copies hide behind this step's compute (:mod:`hetcomm.moe.paging_rule`)?
-        Tokens per used local expert against peak FLOPS / measured host-to-device bandwidth."""
-        if self.pager is None:
-            return {}
-        from hetcomm.moe.paging_rule import copies_can_hide, hide_threshold_tokens
-
-        used = [n for n in rows_per_expert if n]
-        tokens = sum(used) / len(used) if used else 0.0
-        flops = self.rank_tflops[self.rank] * 1e12
-        bw = self._h2d_bytes_per_s
-        return {
-            "page_can_hide": copies_can_hide(tokens, flops, bw),
-            "page_hide_threshold_tokens": hide_threshold_tokens(flops, bw) if bw else None,
-        }
-
-    def _page_counters(self) -> Dict[str, float]:
-        """The current pager's cumulative counters: transfers and hits, and L1/L2/L3."""
-        assert self.pager is not None
-        return {**self.pager.stats_total, **self.pager.counters.as_dict()}
-
-    def _drop_pager(self) -> None:
-        if self.pager is not None:
-            if self._page_open:
-                self.end_page_step()
-            self.pager.close()  # waits for write-backs: the modules' weights stay valid views
-            for k, v in self._page_counters().items():
-                self._page_retired[k] = self._page_retired.get(k, 0) + v
-            self.pager = None
-
-    def page_stats(self) -> Dict[str, float]:
-        """This rank's pager counters since the layer was built (the pager's ``stats_total``
-        keys: ``hits``, ``waits``, ``stall_s``, ``loads``, ``evictions``, ``prefetches``,
-        ``reacquires``, ...), summed over the pagers a placement change replaced, plus
-        ``slots`` and ``experts`` of the current one. Empty without paging."""
-        if self.config.page_budget <= 0:
-            return {}
-        out = dict(self._page_retired)
-        if self.pager is not None:
-            for k, v in self._page_counters().items():
-                out[k] = out.get(k, 0) + v
-        out["slots"] = self.pager.num_slots if self.pager is not None else 0
-        out["experts"] = len(self.local_expert_ids)
-        return out
-
-    def attach_optimizer(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
-        """Page ``optimizer``'s per-element state of the experts with their weights (Adam's
-        moments move with each expert). Call it once the optimizer exists, before its first
-        step; without it, a paged layer's optimizer state stays where the optimizer made it,
-        which is only correct when host and device are the same memory (CPU)."""
-        self._page_optimizer = optimizer
-        if self.pager is not None:
-            self.pager.optimizer = optimizer
-
-    def end_page_step(self) -> None:
-        """Close the paging step (after ``optimizer.step()``): the pager updates its
-        predictor, evicts down to its watermark and starts soft prefetches. The next forward
-        calls it when the loop did not; a training loop with more than one forward per
-        optimizer step (gradient accumulation) must call it after each ``optimizer.step()``."""
-        if self.pager is not None and self._page_open:
-            self.pager.end_step()
-        self._page_open = False
-
-    def sync_pages(self) -> None:
-        """Wait for every page transfer in flight (before reading expert weights outside a
-        step: a checkpoint, a replica refresh, a comparison). No-op without paging."""
-        if self.pager is not None:
-            self.pager.sync()
-
-    def warm_pages(self, expert_share: torch.Tensor) -> List[int]:
-        """Seed the pager from a known routing (``hetcomm launch --warmup-from``: a previous
-        run's per-expert load): hint the predictor and page in this rank's hottest experts, as
-        many as the free slots take. Builds the pager on the experts' device if the first
-        forward has not. No-op without paging.
-
-        Args:
-            expert_share: ``[E]`` float, any device: each global expert's share of the load.
-        Returns:
-            Global ids of the experts resident afterwards because of it, hottest first.
-        Raises:
-            ConfigError: ``expert_share`` is not ``[E]`` (``key='moe.page_budget'``).
-        """
-        E = self.config.num_experts
-        if tuple(expert_share.shape) != (E,):
-            raise ConfigError(
-                f"expert_share has shape {tuple(expert_share.shape)}; expected ({E},), one share per global expert",
-                key="moe.page_budget",
-            )
-        if self.config.page_budget <= 0 or not len(self.experts):
-            return []
-        pager = self._ensure_pager(next(self.experts.parameters()).device)
-        assert pager is not None
-        ids = self._sorted_local_ids()
-        local = expert_share.detach().to("cpu", torch.float64)[ids]
-        pager.hint(local / local.max().clamp_min(1e-12))  # hottest = certain to be used
-        warmed = []
-        for l in torch.argsort(local, descending=True, stable=True).tolist():
-            if local[l] <= 0 or (not pager.resident(l) and not pager.prefetch(l)):
-                break  # unused from here on, or no free slot and nothing colder to evict
-            warmed.append(ids[l])
-        pager.sync()
-        return warmed
-
-    def _paged_experts(self, recv_x: torch.Tensor, counts: Sequence[int], handle, work, times: PipelineTimes) -> torch.Tensor:
-        """The local experts over the pager: resident experts first, page faults as their
-        loads land (loads started when the counts arrived, overlapping the token rows' transfer).
-
-        ``recv_x``: ``[R, D]`` rows grouped by local expert (``counts``); returns ``[R, D]``.
-        A training step whose experts do not all fit the budget runs in waves
-        (:class:`_StreamedExpert`): the experts stream through the slots and backward pages
-        each in again.
-        """
-        pager = self.pager
-        assert pager is not None
-        grad = torch.is_grad_enabled()
-        used = sum(1 for n in counts if n)
-        waves = grad and used > pager.num_slots
-        counts_t = torch.tensor(list(counts), dtype=torch.int64, device="cpu")  # host: the pager plans on the host
-        order = pager.begin_step(counts_t, hold=grad and not waves)
-        self._page_open = True
-        self._page_last = {"page_waves": waves, "page_experts_used": used}
-        if not sum(counts):
-            return recv_x * 0  # keep the rows in the graph (every rank's backward matches)
-        pieces = split_rows(recv_x, counts)
-        outs: List[torch.Tensor] = list(pieces)
-        for c in range(len(handle.chunk_rows)):
-            work.wait_chunk(c)
-            lo, hi = handle.chunk_experts[c]
-            te = time.perf_counter()
-            mark = self.speed.begin(recv_x.device)
-            for g in pager.grants([e for e in order if lo <= e < hi]):
-                outs[g.requested] = self._run_grant(g, pieces[g.requested], waves)
-                pager.release(g.requested)
-            self.speed.end(mark, sum(counts[lo:hi]))
-            times.expert_s += time.perf_counter() - te
-        return cat_rows(outs)
-
-    def _run_grant(self, g: Grant, rows: torch.Tensor, waves: bool) -> torch.Tensor:
-        pager = self.pager
-        assert pager is not None
-        if g.kind == "stale":  # L1 opt-in: the expert's previous output, no compute
-            return pager.stale_output(g.requested, rows.size(0), like=rows)
-        module = pager.experts[g.expert]  # g.expert != g.requested: the L3 stand-in
-        if waves:
-            y = _StreamedExpert.apply(rows, pager, g.expert, module, *[p for p in module.parameters() if p.requires_grad])
-        else:
-            y = module(rows)
-        pager.record_output(g.requested, y.detach())
-        return y
-
-    def _page_step_stats(self) -> Dict[str, Any]:
-        """This rank's paging counters since the previous forward (see :meth:`step_stats`)."""
-        pager = self.pager
-        if pager is None:
-            if self.config.page_budget > 0:
-                return {"page_hits": 0, "page_faults": 0, "page_stall_s": 0.0}  # a rank without experts
-            return {}
-        now = self._page_counters()
-        d = {k: now[k] - self._page_mark.get(k, 0) for k in now}
-        self._page_mark = now
-        return {
-            "page_hits": int(d["hits"]),
-            "page_faults": int(d["waits"]),
-            "page_stall_s": float(d["stall_s"] + d["reacquire_stall_s"]),
-            "page_loads": int(d["loads"]),
-            "page_evictions": int(d["evictions"]),
-            "page_prefetches": int(d["prefetches"]),
-            "page_reacquires": int(d["reacquires"]),
-            "page_resident": len(pager.resident_experts()),
-            "page_slots": pager.num_slots,
-            # Degradation levels (hetcomm.moe.degrade), this step's share of each.
-            "page_l1_waits": int(d["l1_waits"]),
-            "page_l1_stale": int(d["l1_stale"]),
-            "page_l2_pins": int(d["l2_pins"]),
-            "page_l2_migration_requests": int(d["l2_migration_requests"]),
-            "page_l3_substitutions": int(d["l3_substitutions"]),
-            **self._page_last,
-        }
-
     def rebalance(self, expert_load: Optional[Sequence[float]] = None, optimizer=None) -> List[int]:
-        """Re-place experts by load: hottest spread over strong ranks, coldest on weak ranks.
+        """Re-place experts by load, now (collective), with the one placement policy.
 
-        Collective. Every rank keeps its number of experts; moved experts carry their optimizer
-        state along (see :mod:`hetcomm.moe.migrate`), so training continues unchanged.
+        The map comes from :class:`~hetcomm.moe.placement.balancer.ExpertBalancer` (the policy
+        of ``hetcomm train --balance``: capacity-aware packing by rank speed, refined, moves
+        only where they shorten the slowest rank's step), fed this one load; every rank keeps
+        its number of experts; the moves are carried out by
+        :func:`~hetcomm.moe.placement.migration.migrate_now` (parameters, optimizer state and
+        gradients travel with each expert), so training continues unchanged.
 
         Args:
             expert_load: ``[E]`` load per expert, identical on every rank (default: the
@@ -799,9 +493,9 @@ class MoELayer(nn.Module):
         Raises:
             ConfigError: no load given and replication off.
         """
-        from hetcomm.moe.migrate import migrate_experts
+        from hetcomm.moe.placement.balancer import BalancerConfig, ExpertBalancer, ExpertMap
+        from hetcomm.moe.placement.migration import migrate_now
 
-        self.sync_pages()  # the migration reads the experts' weights
         if expert_load is None:
             if self.replicator is None:
                 raise ConfigError(
@@ -810,14 +504,19 @@ class MoELayer(nn.Module):
                     key="moe.rebalance",
                 )
             expert_load = self.replicator.ema.tolist()
-        new = place_experts(
-            self.config.num_experts,
-            self.world_size,
-            strong_ranks=self.strong_ranks,
-            expert_load=list(expert_load),
-            num_local_experts=self.placement.num_local_experts_per_rank,
+        E, W = self.config.num_experts, self.world_size
+        balancer = ExpertBalancer(
+            E,
+            self.rank_weights,
+            BalancerConfig(window=1, every=1, cooldown=1),
+            slots=list(self.placement.num_local_experts_per_rank),
+            initial=ExpertMap.from_lists([[r] for r in self.placement.owner], W),
         )
-        return migrate_experts(self, new, optimizer)
+        balancer.observe(torch.tensor([float(v) for v in expert_load], dtype=torch.float64))
+        plan = balancer.propose()
+        if not plan.adopted:
+            return []
+        return migrate_now(self, plan.new_map.owner(), optimizer)
 
     def sync_replicas(self, force: bool = False) -> bool:
         """Refresh replicas from their owners now (collective). Returns True if weights moved."""
@@ -877,9 +576,12 @@ class MoELayer(nn.Module):
         update = self.training and (self.gate.calibrator is not None or rep is not None or bool(self._load_observers))
         stat_vec = stat_work = None
         if update:
-            stat_vec = torch.cat(
-                [g.probs.detach().sum(0).double(), route.picks.double(), torch.tensor([float(T)], dtype=torch.float64, device=x2.device)]
-            )
+            parts = [g.probs.detach().sum(0).double(), route.picks.double(), torch.tensor([float(T)], dtype=torch.float64, device=x2.device)]
+            if self._fast_topk:  # the balancer's fast timescale (add_load_observer(fast_topk=...))
+                from hetcomm.moe.placement.balancer import fast_signal
+
+                parts.append(fast_signal(torch.log(g.probs.detach().clamp_min(1e-30)), self._fast_topk).to(torch.float64))
+            stat_vec = torch.cat(parts)
             if self.distributed:
                 stat_work = dist.all_reduce(stat_vec, group=self.group, async_op=True)
 
@@ -987,8 +689,9 @@ class MoELayer(nn.Module):
                 self.gate.calibrator.update(gp, gT)
             if rep is not None:
                 rep.observe(gpicks, row_bytes=D * x2.element_size())
+            gfast = stat_vec[2 * E + 1 :] if self._fast_topk else None
             for observer in self._load_observers:
-                observer(gpicks, gp, gT)
+                observer(gpicks, gp, gT, gfast)
         self.speed.finish_step()  # collective every speed_every forwards (the agreement)
         if self.splitter is not None:
             self.splitter.last_expert_s = times.expert_s

@@ -1,6 +1,8 @@
-"""What ``hetcomm launch`` runs in every torchrun worker: place the rank, stagger, run the job.
+"""What ``hetcomm launch``'s torchrun workers do before the job: place the rank, stagger.
 
-    python -m hetcomm.ops.worker [hetcomm subcommand and its arguments]
+The worker's entry point, ``python -m hetcomm.cli.worker [hetcomm subcommand and its arguments]``
+(:mod:`hetcomm.cli.worker`), runs these steps and then the job; it lives in ``cli`` because it
+runs a CLI subcommand (``ops`` does not import the floor above it).
 
 torchrun numbers nodes in rendezvous order, not in the cluster YAML's order, and a node left out
 by the health check is simply absent. A cluster YAML places ranks by position, so before the
@@ -9,29 +11,31 @@ process group exists each worker:
 1. publishes its node's name (``HETCOMM_NODE``, set by that node's ``hetcomm launch --node``)
    under its torchrun node rank (``GROUP_RANK``) in torchrun's own store, reads every node's,
    and writes the cluster YAML *of this job*: the nodes that joined, in torchrun's order
-   (:func:`hetcomm.ops.placement.job_cluster_yaml`); ``HETCOMM_CLUSTER`` then points at it;
+   (:func:`hetcomm.ops.job_cluster.job_cluster_yaml`); ``HETCOMM_CLUSTER`` then points at it;
    without ``HETCOMM_NODE`` (one torchrun for the whole cluster, e.g. on one machine) the YAML
    is used as it is;
 2. gives this attempt a store of its own (:func:`fresh_store`: a restart must not read the
    failed attempt's keys), then waits ``(RANK // HETCOMM_GROUP_SIZE) * HETCOMM_GROUP_DELAY`` seconds (grouped start: the
    ranks of a large job reach the store and the NICs in waves, not all at once);
-3. runs ``hetcomm <args>`` in this process (``--cluster`` replaced by the job's YAML); see
-   :func:`main` for how its exit code reaches ``hetcomm launch``.
+3. (:func:`hetcomm.cli.worker.main`) runs ``hetcomm <args>`` in this process (``--cluster``
+   replaced by the job's YAML) and records a finished job's exit code for ``hetcomm launch``.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from datetime import timedelta
-from typing import List, Optional
+from typing import List
 
-__all__ = ["main", "NODE_ENV", "GROUP_SIZE_ENV", "GROUP_DELAY_ENV"]
+__all__ = ["place", "fresh_store", "stagger", "NODE_ENV", "GROUP_SIZE_ENV", "GROUP_DELAY_ENV"]
 
-NODE_ENV = "HETCOMM_NODE"
-GROUP_SIZE_ENV = "HETCOMM_GROUP_SIZE"
-GROUP_DELAY_ENV = "HETCOMM_GROUP_DELAY"
+from hetcomm import settings
+
+# The names, for callers that set them in a child environment (declared in hetcomm.settings).
+NODE_ENV = settings.NODE.name
+GROUP_SIZE_ENV = settings.GROUP_SIZE.name
+GROUP_DELAY_ENV = settings.GROUP_DELAY.name
 
 
 def _torchrun_store(timeout_s: float):
@@ -45,11 +49,11 @@ def _torchrun_store(timeout_s: float):
 
 def place(argv: List[str]) -> List[str]:
     """Step 1: the job's cluster YAML; returns ``argv`` with ``--cluster`` pointing at it."""
-    from hetcomm.ops.placement import job_cluster_yaml
+    from hetcomm.ops.job_cluster import job_cluster_yaml
     from hetcomm.topo.cluster import CLUSTER_ENV
 
-    node = os.environ.get(NODE_ENV)
-    full = os.environ.get(CLUSTER_ENV)
+    node = settings.NODE.get()
+    full = settings.CLUSTER.get()
     if not node or not full:
         return argv
     group_rank = int(os.environ["GROUP_RANK"])
@@ -63,7 +67,7 @@ def place(argv: List[str]) -> List[str]:
     store.wait(keys, timedelta(seconds=120))
     order = [store.get(k).decode() for k in keys]
     text = job_cluster_yaml(full, order)
-    out_dir = os.environ.get("HETCOMM_LAUNCH_DIR") or os.path.join("/tmp", f"hetcomm-launch-{os.getuid()}")
+    out_dir = settings.LAUNCH_DIR.get() or os.path.join("/tmp", f"hetcomm-launch-{os.getuid()}")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"cluster-{'_'.join(order)}.yaml")
     tmp = f"{path}.{os.getpid()}"
@@ -105,43 +109,10 @@ def fresh_store() -> None:
 
 def stagger() -> float:
     """Step 2: sleep for this rank's group; returns the seconds slept."""
-    size = int(os.environ.get(GROUP_SIZE_ENV, "0") or 0)
-    delay = float(os.environ.get(GROUP_DELAY_ENV, "0") or 0)
+    size = settings.GROUP_SIZE.get()
+    delay = settings.GROUP_DELAY.get()
     if size <= 0 or delay <= 0:
         return 0.0
     wait = (int(os.environ.get("RANK", "0")) // size) * delay
     time.sleep(wait)
     return wait
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """Run the job; a *finished* job's exit code is recorded, not returned.
-
-    torchrun restarts the workers when one exits non-zero, which is right for a crash (a dead
-    peer, a collective error: they propagate from here with their traceback) but wrong for a
-    job that ran to its end and whose check failed (``hetcomm train``'s loss verdict, exit 1) or
-    whose input is bad (exit 2): a restart would only repeat it. Those codes are written to
-    ``$HETCOMM_LAUNCH_DIR/job-exit`` by rank 0, the worker exits 0, and ``hetcomm launch``
-    returns the recorded code.
-    """
-    from hetcomm.cli.main import EXIT_USAGE, build_parser
-    from hetcomm.errors import ConfigError, TopologyParseError, UsageError
-
-    args = place(list(sys.argv[1:] if argv is None else argv))
-    fresh_store()
-    stagger()
-    ns = build_parser().parse_args(args)
-    try:
-        code = int(ns._run(ns) or 0)
-    except (UsageError, ConfigError, TopologyParseError) as e:
-        print(f"hetcomm {ns.command}: error: {e}", file=sys.stderr)
-        code = EXIT_USAGE
-    out = os.environ.get("HETCOMM_LAUNCH_DIR")
-    if out and os.environ.get("RANK", "0") == "0":
-        with open(os.path.join(out, "job-exit"), "w", encoding="utf-8") as f:
-            f.write(f"{code}\n")
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

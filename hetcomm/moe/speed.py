@@ -15,7 +15,7 @@ balancer) reads one vector, measured:
   (``alpha``): ``rows_ema``, ``seconds_ema``; this rank's speed is ``rows_ema / seconds_ema``
   (rows per second: a fixed per-call overhead stays in, as it does in the step).
 - **Agreed.** Every ``every`` steps each rank contributes ``(rows_ema, seconds_ema)`` to one
-  ``all_gather`` on the group (a ``[W, 2]`` float64 tensor), so every rank holds the identical
+  all-reduce on the group (a ``[W, 2]`` float64 table each rank fills one row of), so every rank holds the identical
   vector afterwards: decisions taken from it (the split) are identical on every rank without
   another message. Before the first agreement the vector is the *prior* (datasheet TFLOPS, or
   equal speeds without a cluster), in arbitrary units; only ratios matter for a split. A rank that
@@ -135,7 +135,7 @@ class SpeedMeter:
         world_size, rank: the group's size and this rank's index in it.
         prior: ``[W]`` speeds before the first measurement (datasheet TFLOPS; any unit).
         group: the process group of the agreement (None: the default group).
-        every: steps between agreements (``all_gather``); 0 = never measure (keep the prior).
+        every: steps between agreements (one all-reduce); 0 = never measure (keep the prior).
         alpha: EMA decay per step.
     """
 
@@ -225,15 +225,17 @@ class SpeedMeter:
         return agree
 
     def agree(self) -> Tuple[float, ...]:
-        """All-gather every rank's ``(rows_ema, seconds_ema)`` and set the vector (collective)."""
+        """Exchange every rank's ``(rows_ema, seconds_ema)`` and set the vector (collective)."""
         mine = torch.tensor([self.rows_ema, self.seconds_ema], dtype=torch.float64, device="cpu")  # host: two scalars
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             dev = self._timer_device if self._timer_device is not None else torch.device("cpu")
             if dist.get_backend(self.group) == "nccl" and dev.type == "cpu":
                 dev = torch.device("cuda", torch.cuda.current_device())
-            gathered = [torch.zeros(2, dtype=torch.float64, device=dev) for _ in range(self.world_size)]
-            dist.all_gather(gathered, mine.to(dev), group=self.group)
-            table = [(float(t[0]), float(t[1])) for t in gathered]
+            # All-reduce of a [W, 2] table each rank fills one row of (exact: zeros elsewhere).
+            buf = torch.zeros(self.world_size, 2, dtype=torch.float64, device=dev)
+            buf[self.rank] = mine.to(dev)
+            dist.all_reduce(buf, group=self.group)
+            table = [(float(r), float(t)) for r, t in buf.tolist()]
         else:
             table = [(self.rows_ema, self.seconds_ema)]
         self.speeds = self.combine(table, self.prior)

@@ -8,8 +8,8 @@ how many of that expert's rows each holder computes, so that every rank's *predi
 equal as the copies allow:
 
 1. **Counts.** Every rank contributes its kept copies per expert (``[E]``, after capacity) and its
-   last step's measured expert seconds to one ``all_gather`` -> ``[W, E + 1]``, identical on every
-   rank, before any row moves.
+   last step's measured expert seconds to one exchange -> ``[W, E + 1]`` (an all-reduce of a table
+   each rank fills one row of), identical on every rank, before any row moves.
 2. **Quotas** (:func:`plan_split`): rows of single-copy experts are fixed load ``base_r``. The rows
    ``N_e`` of each multi-copy expert are spread over its holders minimising the makespan
    ``max_r (base_r + x_r) / speed_r`` -- the restricted-assignment problem. For a candidate time
@@ -266,9 +266,12 @@ class TokenSplitter:
         )
         if W == 1:
             return [mine.tolist()]
-        out = [torch.empty(E + 1, dtype=torch.float64, device=send_counts.device) for _ in range(W)]
-        dist.all_gather(out, mine, group=self.group)
-        return [t.tolist() for t in out]
+        # An all-reduce of a [W, E + 1] table each rank fills one row of (zeros elsewhere, so the
+        # sum is exact): the backends' fast path, where a small all_gather is not everywhere.
+        table = torch.zeros(W, E + 1, dtype=torch.float64, device=send_counts.device)
+        table[self.rank] = mine
+        dist.all_reduce(table, group=self.group)
+        return table.tolist()
 
     def route(
         self,
@@ -280,7 +283,7 @@ class TokenSplitter:
         replicas: Mapping[int, nn.Module],
         speeds: Sequence[float],
     ) -> SplitRoute:
-        """Collective (one ``all_gather``): plan this step's split and rename the copies.
+        """Collective (one all-reduce of the counts): plan this step's split and rename the copies.
 
         Args:
             idx_cm: ``[A]`` int64 choice-major expert of each copy that travels, -1 elsewhere.

@@ -1,12 +1,14 @@
 """Heterogeneity by default in ``hetcomm train``: when the per-step token split is on, and the
 per-rank MoE time the summary reports.
 
-- :func:`token_split_default`: ``TrainConfig.token_split`` None (the default) turns the per-step,
+- :func:`token_split_default`: ``TrainConfig.token_split`` ``auto`` turns the per-step,
   time-proportional split (:mod:`hetcomm.moe.token_split`) on whenever the cluster is mixed --
   more than one device model among the ranks, or datasheet speeds (``hetcomm.topo.compute``)
   more than :data:`SPEED_SPREAD` apart -- and replication is on (the copies it splits among).
-  The split itself reads the *measured* speed vector (:mod:`hetcomm.moe.speed`), so on ranks that
-  only carry mixed labels but compute alike (CPU processes) it splits rows equally.
+  The split itself reads the *measured* speed vector (:mod:`hetcomm.moe.speed`). The default is
+  off (``False``): at the demo's size (8 experts of 64 x 128, ~5 ms of expert time in a ~600 ms
+  step) there is nothing to balance, and the split's per-step count exchange and row moves cost
+  11-16% of tokens/s on the emulated half-speed cluster (docs/MOE.md).
   ``hetcomm train --no-balance`` turns it (and the migration balancer) off.
 - :class:`MoETimeTracker`: each step's forward expert seconds of this rank, summed over layers;
   at the end one ``all_gather`` gives every step's per-rank vector, and the summary row
@@ -38,11 +40,11 @@ def cluster_is_mixed(cluster, world_size: int) -> bool:
     return len(models) > 1 or max(speeds) > (1 + SPEED_SPREAD) * min(speeds)
 
 
-def token_split_default(token_split: Optional[bool], replicate: bool, cluster, world_size: int) -> bool:
-    """The split's setting for a run: explicit when given, else on for a mixed cluster with
-    replication and more than one rank."""
-    if token_split is not None:
-        return bool(token_split) and replicate and world_size > 1
+def token_split_default(token_split: Union[bool, str, None], replicate: bool, cluster, world_size: int) -> bool:
+    """The split's setting for a run: explicit when True/False, else (``auto``, None) on for a
+    mixed cluster with replication and more than one rank."""
+    if isinstance(token_split, bool):
+        return token_split and replicate and world_size > 1
     return replicate and world_size > 1 and cluster is not None and cluster_is_mixed(cluster, world_size)
 
 

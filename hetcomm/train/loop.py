@@ -67,7 +67,8 @@ class TrainConfig:
         page_budget: expert paging (``MoEConfig.page_budget``): the fraction of each rank's
             experts kept on the device, the rest paged in from a host pool as routed (0: off).
         token_split: per-step, time-proportional split of hot experts' rows among their copies
-            by measured speed (:mod:`hetcomm.train.het_defaults`); None: on for a mixed cluster.
+            by measured speed (:mod:`hetcomm.train.het_defaults`): False (default), True, or
+            ``auto`` (on for a mixed cluster).
         chunks: pipelined dispatch chunks (``MoEConfig.num_chunks``), or ``auto``.
     """
 
@@ -97,7 +98,7 @@ class TrainConfig:
     powersgd_rank: int = 0
     warmup_from: Optional[str] = None
     page_budget: float = 0.0
-    token_split: Optional[bool] = None
+    token_split: Union[bool, str] = False
     chunks: Union[int, str] = "auto"
 
     def __post_init__(self) -> None:
@@ -125,6 +126,8 @@ class TrainConfig:
         pb = self.page_budget
         if isinstance(pb, bool) or not isinstance(pb, (int, float)) or not 0.0 <= pb <= 1.0:
             raise ConfigError(f"must be a fraction within [0, 1] (0 = paging off), got {pb!r}", key="train.page_budget")
+        if self.token_split not in (True, False, "auto"):
+            raise ConfigError(f"must be true, false or 'auto', got {self.token_split!r}", key="train.token_split")
         if self.chunks != "auto" and (isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1):
             raise ConfigError(f"must be a positive whole number or 'auto', got {self.chunks!r}", key="train.chunks")
 

@@ -39,6 +39,11 @@ def test_no_balance_and_chunks_reach_the_config():
     cli.add_parser(sub)
     args = p.parse_args(["train", "--no-balance", "--chunks", "2"])
     assert args.no_balance and cli._chunks(args.chunks) == 2
+    assert p.parse_args(["train", "--token-split", "auto"]).token_split == "auto"
+    assert TrainConfig().token_split is False
+    with pytest.raises(ConfigError) as ei:
+        TrainConfig(token_split="sometimes")
+    assert ei.value.key == "train.token_split"
     with pytest.raises(ConfigError) as ei:
         cli._chunks("two")
     assert ei.value.key == "train.chunks"

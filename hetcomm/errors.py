@@ -21,8 +21,11 @@ __all__ = [
     "TruncatedCaptureError",
     "CollectiveError",
     "PeerTimeout",
+    "GroupStoppedWaiting",
     "UsageError",
     "CrossRankMismatch",
+    "UnsafePathError",
+    "CheckpointError",
 ]
 
 
@@ -184,3 +187,43 @@ class CollectiveError(HetcommError, RuntimeError):
 
 class PeerTimeout(CollectiveError):
     """A peer did not answer within the group timeout."""
+
+
+class UnsafePathError(UsageError):
+    """A path hetcomm would write or trust is not safe: a symbolic link, someone else's, or
+    writable by group or others (``hetcomm.ops.safe_fs``; SECURITY.md lists every such path).
+
+    Args:
+        message: what is wrong with the path and how to fix it.
+        path: the path refused.
+        reason: ``symlink``, ``not-a-directory``, ``not-a-file``, ``owner``, ``mode``,
+            ``missing``, ``size``, ``open`` or ``create``.
+    """
+
+    def __init__(self, message: str, *, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        self.detail = message
+        super().__init__(f"{path}: {message}")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be loaded into this job: damaged (bad metadata, a missing,
+    truncated or altered shard), saved by another model or with other optional state, or a
+    checkpoint directory that is not safe to load from. One line naming the file and the fix.
+
+    Args:
+        message: what is wrong and how to fix it.
+        path: the file (or directory) at fault.
+        key: the state key at fault, when one is.
+        reason: ``metadata``, ``shard``, ``checksum``, ``mismatch``, ``missing-state`` or ``unsafe``.
+    """
+
+    def __init__(self, message: str, *, path: str, key: Optional[str] = None, reason: str) -> None:
+        self.reason = reason
+        super().__init__(message, path=path, key=key)
+
+
+class GroupStoppedWaiting(CollectiveError):
+    """This rank came late: a peer (``peer``) timed out waiting for it in an earlier or the same
+    collective and left the group, so this rank's collective failed when it finally arrived."""

@@ -6,18 +6,13 @@ the cluster YAML's per-link ``fp32/fp16/bf16``, the CLI's ``choices=``), each wi
 Now every place reads a value with :func:`parse_wire_dtype`, passing the spellings that are
 meaningful there:
 
-==============  =========================================  ==================================
-spellings       meaning                                     where it is accepted
-==============  =========================================  ==================================
-``exact``       keep the tensor's dtype (torch.distributed  the backend (``HetcommOptions``,
-                bit-exact contract)                         ``HETCOMM_WIRE_DTYPE``)
-``cluster``     follow the cluster YAML's ``wire_dtype``     the backend, the MoE layer,
-/``auto``       per link class (FP16 across vendors by      ``hetcomm train``
-                default, FP32 elsewhere)
-``fp32``,       force one wire dtype for every pair          everywhere; the cluster YAML's
-``fp16``,                                                    ``wire_dtype:`` map holds only
-``bf16``                                                     these (:data:`LINK_SPELLINGS`)
-==============  =========================================  ==================================
+* ``exact``: keep the tensor's dtype (torch.distributed's bit-exact contract); the backend only
+  (``HetcommOptions.wire_dtype``, ``HETCOMM_WIRE_DTYPE``, :data:`BACKEND_SPELLINGS`);
+* ``cluster`` (the backend's spelling) / ``auto`` (the MoE layer's and ``hetcomm train``'s,
+  :data:`LAYER_SPELLINGS`; the backend accepts both): follow the cluster YAML's ``wire_dtype``
+  per link class (FP16 across vendors by default, FP32 elsewhere);
+* ``fp32`` / ``fp16`` / ``bf16``: one wire dtype for every pair; everywhere, and the only values
+  a cluster YAML's ``wire_dtype:`` map may hold (:data:`LINK_SPELLINGS`).
 
 ``auto`` is the MoE layer's spelling of ``cluster`` (kept for source compatibility); both parse
 to :attr:`WireDtype.CLUSTER`. :class:`WireDtype` is a ``str`` enum, so ``WireDtype.FP16 ==

@@ -175,3 +175,34 @@ def test_wire_dtype_errors_name_the_key_and_the_allowed():
         parse_wire_dtype(16)
     with pytest.raises(ConfigError):
         wire_torch_dtype("cluster")
+
+
+# -- explicit beats the environment: a cluster object through pg_options ---------------------
+
+
+def _cluster_of_group(rank: int, world: int):
+    import torch
+    import torch.distributed as dist
+
+    import hetcomm
+
+    comm = hetcomm.communicator()
+    x = torch.arange(4, dtype=torch.float32) + 10 * rank
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x)
+    return {"name": comm.cluster.name, "source": comm.options.source("cluster"), "out": out.tolist()}
+
+
+def test_a_cluster_object_in_pg_options_beats_a_bad_environment_variable():
+    # hetcomm train hands each rank's parsed Cluster to the backend this way; a stray
+    # HETCOMM_CLUSTER naming a missing file must not be read at all.
+    from hetcomm.backends.options import HetcommOptions
+    from hetcomm.topo.cluster import load_cluster
+    from tests.backends.ranks import run_ranks
+
+    cluster = load_cluster(os.path.join(ROOT, "configs", "clusters", "mixed-mini.yaml"))
+    res = run_ranks(_cluster_of_group, world_size=cluster.num_ranks, pg_options=HetcommOptions(cluster=cluster),
+                    env={"HETCOMM_CLUSTER": "/nonexistent/cluster.yaml"}, timeout=180)
+    for r, got in enumerate(res):
+        assert got["name"] == cluster.name and got["source"] == "pg_options"
+        assert got["out"] == [float(10 * s + r) for s in range(4)]

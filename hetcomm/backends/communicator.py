@@ -113,6 +113,8 @@ class Communicator:
 
     _group_ref: Callable[[], Any]
     _initialized: bool = False
+    #: The default group's heartbeat (hetcomm.backends.heartbeat), started with its rails.
+    _heartbeat: Any = None
 
     def __new__(cls, group=None, *, cluster=None, options: Optional[HetcommOptions] = None):
         pg = _resolve_group(group)
@@ -199,10 +201,15 @@ class Communicator:
         from hetcomm.backends.railset import RailSet
         from hetcomm.backends.routed import RoutedCollectives
 
+        from hetcomm.backends.claim import claim_rank
+
+        # Before anything is published: a process that joined another job's store says so now.
+        claim_rank(store, rank, size)
         opts = options_from_env(options)
         placement = build_placement(store, rank, size, global_ranks, opts.cluster, timeout)
         comm = super().__new__(cls)
         comm._setup(group_ref, rank, size, opts, placement, timeout)
+        _GROUP_OWNED[group_ref()] = comm  # the group dies with its construction if that fails below
         # Before any rail: two ring layouts of one shared segment would corrupt each other.
         agree(store, rank, size, settings_of(opts, placement), timeout)
         # Inner waits get 75 % of the group timeout, so that naming the peer at fault (up to
@@ -219,7 +226,10 @@ class Communicator:
             rails.close()
             raise
         comm.routed = RoutedCollectives(rails, executor, faults, opts, placement, rank, size, inner.total_seconds())
-        _GROUP_OWNED[group_ref()] = comm
+        if not global_ranks:  # the default group: watch every peer (hetcomm.backends.heartbeat)
+            from hetcomm.backends import heartbeat
+
+            comm._heartbeat = heartbeat.start_for(store, rank, size, placement)
         return comm
 
     # -- identity ---------------------------------------------------------------------------
@@ -303,6 +313,11 @@ class Communicator:
     def close(self) -> None:
         """Stop the executor and release the rails (a hetcomm group calls it at shutdown)."""
         if self.routed is not None:
+            if self._heartbeat is not None:
+                from hetcomm.backends import heartbeat
+
+                heartbeat.stop(self._heartbeat)
+                self._heartbeat = None
             self.routed.executor.close(self.timeout.total_seconds())
             self.routed.rails.close()
 

@@ -8,14 +8,16 @@ how many transfers each pair posts, and both ends must post the same ones.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields
-from typing import Any, FrozenSet, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, FrozenSet, Mapping, Optional, Sequence, Tuple, Union
 
 from hetcomm import settings
 from hetcomm.errors import ConfigError, UsageError
 from hetcomm.settings import PLAN_NAMES, RAIL_NAMES
 from hetcomm.wire_dtypes import BACKEND_SPELLINGS, parse_wire_dtype, wire_torch_dtype
+
+if TYPE_CHECKING:
+    from hetcomm.topo.cluster import Cluster
 
 __all__ = ["HetcommOptions", "RAIL_NAMES", "PLAN_NAMES", "WIRE_DTYPES", "options_from_env", "wire_torch_dtype"]
 
@@ -59,8 +61,10 @@ class HetcommOptions:
         wire_dtype: dtype floating-point tensors travel in over the ``bridge`` rail
             (env ``HETCOMM_WIRE_DTYPE``); see :data:`WIRE_DTYPES`. Default ``exact`` keeps
             torch.distributed's bit-exact contract; ``cluster`` is what the MoE layer asks for.
-        cluster: path of the cluster YAML (env ``HETCOMM_CLUSTER``); ``None`` = placement by
-            hostname.
+        cluster: path of the cluster YAML, or a loaded :class:`~hetcomm.topo.cluster.Cluster`
+            (``hetcomm train`` parses the file once per rank and passes the object) (env
+            ``HETCOMM_CLUSTER``); ``None`` = placement by hostname (or detection). An explicit
+            ``cluster=None`` keeps a stray ``HETCOMM_CLUSTER`` out.
         nic_ifnames: this rank's network interfaces, one per NIC port in rail order (env
             ``HETCOMM_IFNAMES``, else ``HETCOMM_EMULATE_IFNAMES``, which ``hetcomm emulate``
             sets). With a cluster YAML whose nodes all have ``R >= 2`` ports, the gloo rail then
@@ -84,7 +88,7 @@ class HetcommOptions:
     # that a writer rarely waits for its reader at the copy bandwidth of one core.
     ring_bytes: int = 4 * _MiB
     wire_dtype: str = "exact"
-    cluster: Optional[str] = None
+    cluster: "Optional[Union[str, Cluster]]" = None
     nic_ifnames: Optional[Tuple[str, ...]] = None
 
     # Which fields the caller passed, and where each effective value came from (set by
@@ -100,7 +104,7 @@ class HetcommOptions:
         check_splits: bool = _UNSET,
         ring_bytes: int = _UNSET,
         wire_dtype: str = _UNSET,
-        cluster: Optional[str] = _UNSET,
+        cluster: "Optional[Union[str, Cluster]]" = _UNSET,
         nic_ifnames: Optional[Sequence[str]] = _UNSET,
     ) -> None:
         given = {

@@ -88,9 +88,17 @@ def _chunks(value):
 
 def run(args: argparse.Namespace) -> int:
     from hetcomm.cli._args import check_nprocs
-    from hetcomm.train.loop import TrainConfig, launch, load_train_config
+    from hetcomm.train.loop import launch
 
     check_nprocs(args.nprocs)  # 0 used to mean "the default" (4 ranks) silently
+    return launch(train_config(args), nprocs=args.nprocs)
+
+
+def train_config(args: argparse.Namespace):
+    """The job's ``TrainConfig`` from the parsed flags (also what ``hetcomm launch`` checks before
+    torchrun starts: a bad config or override is exit 2 there, not a worker failure)."""
+    from hetcomm.errors import UsageError
+    from hetcomm.train.loop import TrainConfig, load_train_config
 
     overrides = dict(
         cluster=args.cluster,
@@ -135,4 +143,8 @@ def run(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         cfg = replace(TrainConfig(), **{k: v for k, v in overrides.items() if v is not None})
-    return launch(cfg, nprocs=args.nprocs)
+    given = [flag for flag, v in (("--balance-every", args.balance_every), ("--balance-cooldown", args.balance_cooldown))
+             if v is not None]
+    if given and not cfg.balance:  # they used to be ignored silently
+        raise UsageError(f"{' and '.join(given)} only apply with the balancer; add --balance or drop them")
+    return cfg

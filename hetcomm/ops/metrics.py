@@ -214,17 +214,16 @@ def read_metrics(path: str) -> MetricsLog:
         ConfigError: unreadable file, a line that is not JSON, an unknown ``kind`` or schema, a
             missing or unknown field — naming the file, the line and the key.
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        raise ConfigError(f"cannot read the metrics file: {e.strerror}", path=path) from None
+    from hetcomm.ops.record_input import check_fields, parse_json_line, read_record_text
+
+    # Bounded, regular files only (a FIFO or /dev/zero is refused at once), UTF-8 or UTF-16.
+    lines = read_record_text(path, "metrics file").splitlines()
     log = MetricsLog(path)
     for no, text in enumerate(lines, 1):
         if not text.strip():
             continue
         try:
-            obj = json.loads(text)
+            obj = parse_json_line(text, path, no)
         except json.JSONDecodeError as e:
             if no == len(lines):
                 continue  # a job killed mid-write leaves a torn last line; the rest is good
@@ -245,6 +244,7 @@ def read_metrics(path: str) -> MetricsLog:
         unknown = sorted(set(obj) - names)
         if unknown:
             raise ConfigError(f"unknown field(s) {unknown} in a {kind} line", path=path, line=no, key=unknown[0])
+        check_fields(cls, obj, path, no)  # types and ranges: "file:line, key 'k': what is wrong"
         try:
             entry = cls(**obj)
         except TypeError as e:

@@ -1,8 +1,9 @@
-"""What ``hetcomm launch``'s torchrun workers do before the job: place the rank, stagger.
+"""What ``hetcomm launch`` runs in every torchrun worker: place the rank, stagger, run the job.
 
-The worker's entry point, ``python -m hetcomm.cli.worker [hetcomm subcommand and its arguments]``
-(:mod:`hetcomm.cli.worker`), runs these steps and then the job; it lives in ``cli`` because it
-runs a CLI subcommand (``ops`` does not import the floor above it).
+    python -m hetcomm.cli.worker [hetcomm subcommand and its arguments]
+
+(the entry point is :mod:`hetcomm.cli.worker`, which hands the CLI's parser to :func:`main`:
+``ops`` does not import the floor above it).
 
 torchrun numbers nodes in rendezvous order, not in the cluster YAML's order, and a node left out
 by the health check is simply absent. A cluster YAML places ranks by position, so before the
@@ -17,20 +18,24 @@ process group exists each worker:
 2. gives this attempt a store of its own (:func:`fresh_store`: a restart must not read the
    failed attempt's keys), then waits ``(RANK // HETCOMM_GROUP_SIZE) * HETCOMM_GROUP_DELAY`` seconds (grouped start: the
    ranks of a large job reach the store and the NICs in waves, not all at once);
-3. (:func:`hetcomm.cli.worker.main`) runs ``hetcomm <args>`` in this process (``--cluster``
-   replaced by the job's YAML) and records a finished job's exit code for ``hetcomm launch``.
+3. runs ``hetcomm <args>`` in this process (``--cluster`` replaced by the job's YAML); see
+   :func:`main` for how its exit code reaches ``hetcomm launch``.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from datetime import timedelta
-from typing import List
+from typing import TYPE_CHECKING, Callable, List, Optional
 
-__all__ = ["place", "fresh_store", "stagger", "NODE_ENV", "GROUP_SIZE_ENV", "GROUP_DELAY_ENV"]
+__all__ = ["main", "NODE_ENV", "GROUP_SIZE_ENV", "GROUP_DELAY_ENV"]
 
 from hetcomm import settings
+
+if TYPE_CHECKING:
+    import argparse
 
 # The names, for callers that set them in a child environment (declared in hetcomm.settings).
 NODE_ENV = settings.NODE.name
@@ -67,13 +72,17 @@ def place(argv: List[str]) -> List[str]:
     store.wait(keys, timedelta(seconds=120))
     order = [store.get(k).decode() for k in keys]
     text = job_cluster_yaml(full, order)
-    out_dir = settings.LAUNCH_DIR.get() or os.path.join("/tmp", f"hetcomm-launch-{os.getuid()}")
-    os.makedirs(out_dir, exist_ok=True)
+    from hetcomm.ops.safe_fs import check_private_dir, write_private
+
+    out_dir = settings.LAUNCH_DIR.get()
+    if out_dir:
+        check_private_dir(out_dir, what="$HETCOMM_LAUNCH_DIR")
+    else:  # a worker started by plain torchrun: a fresh private directory of its own
+        import tempfile
+
+        out_dir = tempfile.mkdtemp(prefix=f"hetcomm-cluster-{os.getuid()}-")  # 0700, a name nobody had
     path = os.path.join(out_dir, f"cluster-{'_'.join(order)}.yaml")
-    tmp = f"{path}.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)  # every rank writes the same text: the last rename wins harmlessly
+    write_private(path, text)  # every rank writes the same text: the last rename wins harmlessly
     os.environ[CLUSTER_ENV] = path
     args = list(argv)
     if "--cluster" in args:
@@ -116,3 +125,43 @@ def stagger() -> float:
     wait = (int(os.environ.get("RANK", "0")) // size) * delay
     time.sleep(wait)
     return wait
+
+
+def main(argv: Optional[List[str]] = None, *, build_parser: "Callable[[], argparse.ArgumentParser]", exit_usage: int) -> int:
+    """Run the job; a *finished* job's exit code is recorded, not returned.
+
+    torchrun restarts the workers when one exits non-zero, which is right for a crash (a dead
+    peer, a collective error: they propagate from here with their traceback) but wrong for a
+    job that ran to its end and whose check failed (``hetcomm train``'s loss verdict, exit 1) or
+    whose input is bad (exit 2): a restart would only repeat it. Those codes are written to
+    ``$HETCOMM_LAUNCH_DIR/job-exit`` by rank 0, the worker exits 0, and ``hetcomm launch``
+    returns the recorded code.
+
+    Args:
+        argv: the hetcomm subcommand and its arguments (default ``sys.argv[1:]``).
+        build_parser / exit_usage: the CLI's parser and usage exit code, passed in by the entry
+            point :mod:`hetcomm.cli.worker` (``ops`` does not import the floor above it).
+    """
+    EXIT_USAGE = exit_usage
+    from hetcomm.errors import ConfigError, TopologyParseError, UsageError
+    from hetcomm.ops.rank_marks import marked
+
+    out = settings.LAUNCH_DIR.get()
+    # This rank's end mark (done / failed, naming the peer a hetcomm error blames / stopped) lets
+    # `hetcomm launch` name the rank at fault once torchrun gives up (hetcomm.ops.rank_marks).
+    with marked(out, "job", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ.get("RANK", "0")),
+                os.environ.get(NODE_ENV, "")):
+        args = place(list(sys.argv[1:] if argv is None else argv))
+        fresh_store()
+        stagger()
+        ns = build_parser().parse_args(args)
+        try:
+            code = int(ns._run(ns) or 0)
+        except (UsageError, ConfigError, TopologyParseError) as e:
+            print(f"hetcomm {ns.command}: error: {e}", file=sys.stderr)
+            code = EXIT_USAGE
+    if out and os.environ.get("RANK", "0") == "0":
+        from hetcomm.ops.safe_fs import write_private
+
+        write_private(os.path.join(out, "job-exit"), f"{code}\n")
+    return 0

@@ -31,8 +31,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from hetcomm.errors import CollectiveError
-from hetcomm.moe.placement.balancer import BalancerConfig, ExpertBalancer, ExpertMap, broadcast_map, diff_maps
+from hetcomm.errors import CollectiveError, ConfigError
+from hetcomm.moe.placement.balancer import BalancerConfig, ExpertBalancer, ExpertMap, broadcast_map, diff_maps, fast_signal
 from hetcomm.moe.placement.migration import ExpertMigrator, ExpertSlots
 from hetcomm.moe.powersgd import SlowLinkPowerSGD, node_ids_of
 
@@ -67,6 +67,7 @@ class TrainBalancer:
         self._fast: List[torch.Tensor] = []
         self._requests: List[torch.Tensor] = []
         self._pending: List[Optional[tuple]] = []
+        self._resume: List[Optional[List[int]]] = []  # target maps of migrations in flight at a loaded save
         self.migrations = 0
         self.plans = 0
         self.last: str = "-"
@@ -202,22 +203,74 @@ class TrainBalancer:
         ]
 
     def state_dict(self) -> Dict[str, Any]:
-        return {f"layer{i}": b.state_dict() for i, b in enumerate(self.balancers)}
+        # With the balancers' maps: each layer's placement as it computes now (a migration in
+        # flight has moved the map, not yet the layer) and the map that migration lands on.
+        sd: Dict[str, Any] = {f"layer{i}": b.state_dict() for i, b in enumerate(self.balancers)}
+        for i, layer in enumerate(self.layers):
+            pend = self._pending[i]
+            sd[f"placement{i}"] = torch.tensor(list(layer.placement.owner), dtype=torch.int64)
+            sd[f"pending{i}"] = torch.tensor(pend[0].new_map.owner() if pend is not None else [], dtype=torch.int64)
+        return sd
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Restore the maps and give each layer the placement it had at the save (loaded before
+        the model, so the model's expert keys follow it); :meth:`resume_pending` then restarts a
+        migration that was in flight."""
+        self._resume = []
         for i, b in enumerate(self.balancers):
             b.load_state_dict(sd[f"layer{i}"])
+            owner = [int(r) for r in sd[f"placement{i}"].tolist()]
+            pending = [int(r) for r in sd[f"pending{i}"].tolist()]
+            self._place(i, owner)
+            self._resume.append(pending or None)
+
+    def _place(self, i: int, owner: List[int]) -> None:
+        """Layer ``i`` takes ``owner`` with this rank's pool of modules (own experts + spares);
+        their weights are the model load's to fill."""
+        layer = self.layers[i]
+        pool = list(layer.experts.experts) + self.spares[i]
+        mine = [e for e, r in enumerate(owner) if r == self.rank]
+        if len(mine) > len(pool):
+            raise ConfigError(
+                f"layer {i}: the checkpoint puts {len(mine)} experts on rank {self.rank}, which has {len(pool)} "
+                f"expert slots; resume on the cluster it was saved on", key="balance.placement",
+            )
+        if owner != list(layer.placement.owner):
+            layer.apply_placement(owner, {e: pool[j] for j, e in enumerate(mine)})
+        self.spares[i] = pool[len(mine):]
+
+    def resume_pending(self) -> None:
+        """After a resume: restart the migrations that were in flight at the save, from the
+        loaded weights, as the saving run had started them after that step."""
+        for i, owner in enumerate(self._resume):
+            if owner is None:
+                continue
+            layer = self.layers[i]
+            new_map = ExpertMap.from_lists([[r] for r in owner], self.world_size)
+            old = ExpertMap.from_lists([[r] for r in layer.placement.owner], self.world_size)
+            slots = ExpertSlots(list(layer.experts.experts) + self.spares[i],
+                                list(layer.local_expert_ids) + [None] * len(self.spares[i]))
+            layer.sync_pages()
+            self.migrators[i].start(diff_maps(old, new_map), slots, self.optimizer)
+            self._pending[i] = (_Resumed(new_map), slots)
+        self._resume = []
+
+
+class _Resumed:
+    """A plan restored from a checkpoint: only its target map is needed to land it."""
+
+    def __init__(self, new_map: ExpertMap) -> None:
+        self.new_map = new_map
 
 
 def make_powersgd(cluster, world_size: int, matrix_rank: int, seed: int, steps: int = 100) -> SlowLinkPowerSGD:
     """The dense-gradient averager of ``hetcomm train --powersgd RANK`` (collective).
 
-    Its node and leader groups are gloo groups: torch's PowerSGD hook chains futures whose
-    callbacks launch the next all-reduce, and on the hetcomm backend such a callback runs on the
-    thread that completes collectives, which then waits for itself (seen as a hang at the first
-    compressed step; reported to the backend owners).
+    Its node and leader groups use the job's backend (hetcomm): collectives started from
+    completion callbacks, as torch's PowerSGD hook does, run on hetcomm groups (issue 23.1), so
+    the compressed bytes travel on hetcomm's rails and count in ``hetcomm.stats()``.
     """
     # Compression starts after the first 10% of the run (at least 10 steps), as torch advises
     # for start_powerSGD_iter: the early, fast-changing gradients go uncompressed.
     return SlowLinkPowerSGD(node_ids_of(cluster, world_size), matrix_approximation_rank=matrix_rank, seed=seed,
-                            start_iter=max(10, steps // 10), backend="gloo")
+                            start_iter=max(10, steps // 10))

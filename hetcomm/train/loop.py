@@ -9,6 +9,7 @@ the layer), and receives gradient from every rank's tokens through the all-to-al
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import sys
 import time
@@ -207,11 +208,27 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
         return 1
     if not outcome.ok:
         first = outcome.ranks[outcome.first_failure if outcome.first_failure is not None else outcome.failures[0].rank]
+        if first.error_type in _usage_error_names():
+            # Bad input the ranks found (a damaged checkpoint, nothing to train): one line, exit 2.
+            print(f"hetcomm train: error: {first.error}", file=sys.stderr)
+            return 2
         if first.traceback:
             print(first.traceback, file=sys.stderr, end="")
         print(f"hetcomm train: {first.describe()}; stopped the other ranks", file=sys.stderr)
         return 1
     return 0 if outcome.results[0] == 0 else 1
+
+
+def _usage_error_names() -> set:
+    """Class names of the errors that mean bad input (CLI exit 2), as a rank reports them."""
+    from hetcomm.errors import UsageError
+
+    names, todo = set(), [ConfigError, UsageError]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
 
 
 def _rank_main(cfg: TrainConfig) -> int:
@@ -285,6 +302,8 @@ def _job_cluster(cfg: TrainConfig, cluster=None):
 
 
 def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None) -> int:
+    from hetcomm.moe.layer import MoEConfig
+
     cluster = _job_cluster(cfg, cluster)
     task = MarkovTask(vocab_size=256, seed=1234 + cfg.seed)
     lm_cfg = LMConfig(
@@ -321,6 +340,8 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             page_budget=cfg.page_budget,
             token_split=split_on,
             num_chunks=num_chunks,
+            # The layer's default of 3 hot experts, but never more than the layer has (--experts 2).
+            replicate_top=min(MoEConfig.replicate_top, cfg.experts),
         )
 
     torch.manual_seed(cfg.seed)  # dense weights identical on every rank
@@ -355,6 +376,10 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         psgd = make_powersgd(cluster, world_size, cfg.powersgd_rank, cfg.seed, cfg.steps)
         extras["powersgd"] = psgd
     start_step = hooks.resume(cfg, model, opt, gen, extras or None)
+    if start_step >= cfg.steps:  # nothing left to train: report the recorded verdict, not a fresh one
+        return hooks.nothing_to_train(cfg, rank, start_step)
+    if balancer is not None and start_step:
+        balancer.resume_pending()  # a migration in flight at the save starts again from the loaded weights
     hooks.warmup(cfg, model, start_step)
     hetcomm.reset_stats()
     progress = _Progress(rank == 0, cfg, world_size, cluster, balancer)
@@ -415,6 +440,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
                 ("per-rank MoE time max/mean", MoETimeTracker.summary(moe_time.gather(world_size)))]
     summary = _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step,
                          balancer, psgd, het_rows)
+    hooks.record_verdict(cfg, rank, summary)
     if rank == 0:
         progress.close()
         print(summary["text"])
@@ -547,6 +573,12 @@ def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tok
     # "Well below the unigram baseline": at least half-way from the baseline to the optimum.
     target = unigram - 0.5 * (unigram - optimum)
     ok = last <= target
+    verdict = ("PASS: " if ok else "FAIL: ") + f"last loss {'<=' if ok else '>'} {target:.3f} (half-way to optimum)"
+    bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+    if bad is not None:  # NaN compares false with everything: say what happened, not "last loss > x"
+        ok = False
+        verdict = (f"FAIL: the loss is {losses[bad]} from step {cfg.steps - len(losses) + 1 + bad} on (diverged): "
+                   f"lower --lr, or check the checkpoint it resumed from")
     rails = _rail_bytes()
     layer = model.moe_layers[0]
     st = layer.step_stats()
@@ -558,7 +590,7 @@ def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tok
         ("loss first -> last", f"{first:.3f} -> {last:.3f} (mean of {window} steps)"),
         ("unigram baseline", f"{unigram:.3f}  (best context-free predictor)"),
         ("achievable optimum", f"{optimum:.3f}  (the chain's conditional entropy)"),
-        ("verdict", ("PASS: " if ok else "FAIL: ") + f"last loss {'<=' if ok else '>'} {target:.3f} (half-way to optimum)"),
+        ("verdict", verdict),
         ("replication / calibration", f"{'on' if cfg.replicate else 'off'} / {'on' if cfg.calibrate else 'off'}"),
         ("wire dtype", cfg.wire_dtype),
         *(balancer.summary_rows() if balancer is not None else []),
@@ -586,6 +618,7 @@ def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tok
         ))
     width = max(len(k) for k, _ in rows)
     text = "\n".join(["", "hetcomm train summary", "-" * (width + 40)] + [f"{k.ljust(width)}  {v}" for k, v in rows])
-    return {"ok": ok, "text": text, "first": first, "last": last, "unigram": unigram, "optimum": optimum}
+    return {"ok": ok, "text": text, "first": first, "last": last, "unigram": unigram, "optimum": optimum,
+            "verdict": verdict}
 
 

@@ -85,7 +85,7 @@ def _gen(workload: str, seed: int, step: int, rank: int) -> torch.Generator:
 
 def _hot_weights(E: int, hot: Sequence[int]) -> torch.Tensor:
     """Sampling weights giving ``hot`` HOT_SHARE of the picks (of the first choice's mass)."""
-    w = torch.ones(E, dtype=torch.float64)
+    w = torch.ones(E, dtype=torch.float64, device="cpu")  # host: workloads are generated on the host
     cold = E - len(hot)
     if hot and cold:
         w[list(hot)] = HOT_SHARE / len(hot) * cold / (1 - HOT_SHARE)
@@ -101,14 +101,14 @@ def workload_routing(workload: str, spec: WorkloadSpec, seed: int, step: int, ra
         raise ConfigError(f"k={k} exceeds num_experts={E}", key="workload.k")
     g0 = _gen(workload, seed, -1, -1)  # per-workload constants: the hot set, the hot rank
     nhot = max(1, E // 8)
-    hot_set = torch.randperm(E, generator=g0)[:nhot].tolist()
-    hot_rank = int(torch.randint(W, (1,), generator=g0))
+    hot_set = torch.randperm(E, generator=g0, device="cpu")[:nhot].tolist()
+    hot_rank = int(torch.randint(W, (1,), generator=g0, device="cpu"))
     g = _gen(workload, seed, step, rank)
     n = T
-    weights: Optional[torch.Tensor] = torch.ones(E, dtype=torch.float64)
+    weights: Optional[torch.Tensor] = torch.ones(E, dtype=torch.float64, device="cpu")
     if workload in ("W0_balanced",) or (workload == "W7_burst" and step % 8 != 7):
-        t = torch.arange(T, dtype=torch.int64).unsqueeze(1) + rank * T
-        j = torch.arange(k, dtype=torch.int64).unsqueeze(0) * max(1, E // k)
+        t = torch.arange(T, dtype=torch.int64, device="cpu").unsqueeze(1) + rank * T
+        j = torch.arange(k, dtype=torch.int64, device="cpu").unsqueeze(0) * max(1, E // k)
         return (t + j) % E
     if workload == "W1_hot_set":
         weights = _hot_weights(E, hot_set)
@@ -129,7 +129,7 @@ def workload_routing(workload: str, spec: WorkloadSpec, seed: int, step: int, ra
     elif workload == "W7_burst":
         weights = _hot_weights(E, [hot_set[0]])
     if n == 0:
-        return torch.zeros(0, k, dtype=torch.int64)
+        return torch.zeros(0, k, dtype=torch.int64, device="cpu")
     return torch.multinomial(weights.expand(n, E), k, replacement=False, generator=g)
 
 

@@ -1,8 +1,8 @@
 """What ``hetcomm launch`` runs in every torchrun worker: place the rank, stagger, run the job.
 
-    python -m hetcomm.cli.worker [hetcomm subcommand and its arguments]
+    python -m hetcomm.cli.launch_worker [hetcomm subcommand and its arguments]
 
-(the entry point is :mod:`hetcomm.cli.worker`, which hands the CLI's parser to :func:`main`:
+(the entry point is :mod:`hetcomm.cli.launch_worker`, which hands the CLI's parser to :func:`main`:
 ``ops`` does not import the floor above it).
 
 torchrun numbers nodes in rendezvous order, not in the cluster YAML's order, and a node left out
@@ -140,21 +140,26 @@ def main(argv: Optional[List[str]] = None, *, build_parser: "Callable[[], argpar
     Args:
         argv: the hetcomm subcommand and its arguments (default ``sys.argv[1:]``).
         build_parser / exit_usage: the CLI's parser and usage exit code, passed in by the entry
-            point :mod:`hetcomm.cli.worker` (``ops`` does not import the floor above it).
+            point :mod:`hetcomm.cli.launch_worker` (``ops`` does not import the floor above it).
     """
     EXIT_USAGE = exit_usage
     from hetcomm.errors import ConfigError, TopologyParseError, UsageError
+    from hetcomm.ops.rank_marks import marked
 
-    args = place(list(sys.argv[1:] if argv is None else argv))
-    fresh_store()
-    stagger()
-    ns = build_parser().parse_args(args)
-    try:
-        code = int(ns._run(ns) or 0)
-    except (UsageError, ConfigError, TopologyParseError) as e:
-        print(f"hetcomm {ns.command}: error: {e}", file=sys.stderr)
-        code = EXIT_USAGE
     out = settings.LAUNCH_DIR.get()
+    # This rank's end mark (done / failed, naming the peer a hetcomm error blames / stopped) lets
+    # `hetcomm launch` name the rank at fault once torchrun gives up (hetcomm.ops.rank_marks).
+    with marked(out, "job", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ.get("RANK", "0")),
+                os.environ.get(NODE_ENV, "")):
+        args = place(list(sys.argv[1:] if argv is None else argv))
+        fresh_store()
+        stagger()
+        ns = build_parser().parse_args(args)
+        try:
+            code = int(ns._run(ns) or 0)
+        except (UsageError, ConfigError, TopologyParseError) as e:
+            print(f"hetcomm {ns.command}: error: {e}", file=sys.stderr)
+            code = EXIT_USAGE
     if out and os.environ.get("RANK", "0") == "0":
         from hetcomm.ops.safe_fs import write_private
 

@@ -512,7 +512,7 @@ class MoELayer(PagedExperts, nn.Module):
             slots=list(self.placement.num_local_experts_per_rank),
             initial=ExpertMap.from_lists([[r] for r in self.placement.owner], W),
         )
-        balancer.observe(torch.tensor([float(v) for v in expert_load], dtype=torch.float64))
+        balancer.observe(torch.tensor([float(v) for v in expert_load], dtype=torch.float64))  # host: planning state
         plan = balancer.propose()
         if not plan.adopted:
             return []

@@ -16,6 +16,7 @@ from typing import Optional
 __all__ = [
     "HetcommError",
     "ConfigError",
+    "SettingError",
     "TopologyParseError",
     "TruncatedCaptureError",
     "CollectiveError",
@@ -23,6 +24,8 @@ __all__ = [
     "GroupStoppedWaiting",
     "UsageError",
     "CrossRankMismatch",
+    "UnsafePathError",
+    "CheckpointError",
 ]
 
 
@@ -88,6 +91,28 @@ class ConfigError(HetcommError, ValueError):
             where.append(f"key '{key}'")
         prefix = (", ".join(where) + ": ") if where else ""
         super().__init__(prefix + message)
+
+
+class SettingError(ConfigError):
+    """A ``HETCOMM_*`` environment variable whose value cannot be read (see :mod:`hetcomm.settings`).
+
+    Args:
+        name: the variable, e.g. ``HETCOMM_CHECK``.
+        value: the value as set in the environment.
+        allowed: the values or forms the variable accepts, in words.
+
+    ``key`` (of :class:`ConfigError`) is the variable's name too, so code that already decides
+    by ``ConfigError.key`` keeps working.
+    """
+
+    def __init__(self, name: str, value: str, allowed: str, *, reason: str = "") -> None:
+        self.name = name
+        self.value = value
+        self.allowed = allowed
+        why = f" ({reason})" if reason else ""
+        message = f"{name}={value!r} is not valid{why}; allowed: {allowed}; fix or unset the variable"
+        super().__init__(message, key=name)
+        self.args = (message,)  # the message already names the variable: no "key '...'" prefix
 
 
 class TopologyParseError(HetcommError, ValueError):
@@ -162,6 +187,41 @@ class CollectiveError(HetcommError, RuntimeError):
 
 class PeerTimeout(CollectiveError):
     """A peer did not answer within the group timeout."""
+
+
+class UnsafePathError(UsageError):
+    """A path hetcomm would write or trust is not safe: a symbolic link, someone else's, or
+    writable by group or others (``hetcomm.ops.safe_fs``; SECURITY.md lists every such path).
+
+    Args:
+        message: what is wrong with the path and how to fix it.
+        path: the path refused.
+        reason: ``symlink``, ``not-a-directory``, ``not-a-file``, ``owner``, ``mode``,
+            ``missing``, ``size``, ``open`` or ``create``.
+    """
+
+    def __init__(self, message: str, *, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        self.detail = message
+        super().__init__(f"{path}: {message}")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be loaded into this job: damaged (bad metadata, a missing,
+    truncated or altered shard), saved by another model or with other optional state, or a
+    checkpoint directory that is not safe to load from. One line naming the file and the fix.
+
+    Args:
+        message: what is wrong and how to fix it.
+        path: the file (or directory) at fault.
+        key: the state key at fault, when one is.
+        reason: ``metadata``, ``shard``, ``checksum``, ``mismatch``, ``missing-state`` or ``unsafe``.
+    """
+
+    def __init__(self, message: str, *, path: str, key: Optional[str] = None, reason: str) -> None:
+        self.reason = reason
+        super().__init__(message, path=path, key=key)
 
 
 class GroupStoppedWaiting(CollectiveError):

@@ -88,6 +88,11 @@ LogTarget = Union[str, int]
 
 _POLL_S = 0.05
 _EXEC_CHILD = "from hetcomm.launcher import _exec_main; _exec_main()"
+#: How an exec'd rank's interpreter starts: ``-P`` (safe path, Python >= 3.11) keeps the current
+#: directory off ``sys.path``, so a ``./hetcomm`` or ``./torch`` planted where a root user runs
+#: ``hetcomm train`` (``/tmp``) is never imported; ``PYTHONSAFEPATH=1`` in the rank's environment
+#: does the same for any interpreter the rank starts in turn (SECURITY.md).
+SAFE_PYTHON = (sys.executable, "-P", "-c")
 
 #: Modules the forkserver imports once, so that forked ranks start with them loaded.
 #: torch._dynamo: the first functional collective imports it (~800 modules, 5-10 s per rank).
@@ -372,7 +377,7 @@ def launch(
                 if start == "forkserver":
                     handles.append(_start_forked(target, tuple(args), r, envs[r], run_dir, log))  # type: ignore[arg-type]
                 else:
-                    argv = list(target) if is_command else [sys.executable, "-c", _EXEC_CHILD, spec_path, str(r), run_dir]  # type: ignore[arg-type]
+                    argv = list(target) if is_command else [*SAFE_PYTHON, _EXEC_CHILD, spec_path, str(r), run_dir]  # type: ignore[arg-type]
                     if prefix is not None:
                         argv = [*prefix(r), *argv]
                     handles.append(_start_exec(argv, envs[r], log, die_with_launcher))
@@ -402,7 +407,8 @@ def _rank_environment(
     # torchrun's default: one intra-op thread per rank, or N ranks fight over the cores.
     full.setdefault("OMP_NUM_THREADS", "1")
     full.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        PYTHONSAFEPATH="1",  # interpreters the rank starts keep the current directory off sys.path too
     )
     if store_port is not None:
         full.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port), TORCHELASTIC_USE_AGENT_STORE="True")

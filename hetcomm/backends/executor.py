@@ -32,7 +32,8 @@ import torch
 
 from hetcomm.backends.devices import RailStreams
 from hetcomm.backends.doorbell import Doorbell
-from hetcomm.backends.faults import release_frames
+from hetcomm.backends import heartbeat
+from hetcomm.backends.faults import SeqDiagnosis, release_frames
 from hetcomm.backends.rails.base import CompositeOp, Rail, RailOp, Xfer, as_bytes
 from hetcomm.backends.rails.cma import copy_bytes
 from hetcomm.backends.work import HetcommWork
@@ -90,7 +91,6 @@ def drive(
     op: str,
     rank: int,
     diagnose: Optional[Callable[[List[int]], Tuple[List[int], str]]] = None,
-    on_arrival: Optional[Callable[[Xfer], None]] = None,
     wakeup: Optional[threading.Event] = None,
 ) -> None:
     """Poll ``ops`` (as one :class:`CompositeOp`) until all are done; raise :class:`PeerTimeout`
@@ -100,8 +100,6 @@ def drive(
         diagnose: given the pending peers, returns ``(ranks at fault, extra text)`` for the
             timeout (:meth:`FaultDiagnosis.for_seq <hetcomm.backends.faults.FaultDiagnosis.for_seq>`);
             the error's ``peer`` is the first rank at fault.
-        on_arrival: called with every received transfer once it landed (ops that cannot report
-            single chunks report nothing here).
         wakeup: set by rail threads when a transfer completes; while every pending op is of a
             kind that does not need polling, the loop sleeps on it instead of spinning. A
             :class:`~hetcomm.backends.doorbell.Doorbell` is also rung by same-node peers after
@@ -110,11 +108,18 @@ def drive(
     rung_by_peers = isinstance(wakeup, Doorbell)
     step = CompositeOp(ops)
     idle = 0
+    # A peer the heartbeat declared lost ends the wait at once (hetcomm.backends.heartbeat);
+    # checked only when the heartbeat's loss counter moves.
+    watch = diagnose if isinstance(diagnose, SeqDiagnosis) else None
+    beat = heartbeat.active()
+    losses_seen = 0
     while True:
+        if watch is not None and beat is not None and beat.version != losses_seen:
+            losses_seen = beat.version
+            lost = watch.lost_error(step.pending_peers(), op)
+            if lost is not None:
+                raise lost
         done = step.poll()
-        if on_arrival is not None:
-            for x in step.take_arrivals():
-                on_arrival(x)
         if done:
             return
         if time.monotonic() > deadline:
@@ -172,7 +177,6 @@ def direct_all_to_all(
     seq: int,
     deadline: float,
     diagnose: Optional[Callable[[List[int]], Tuple[List[int], str]]] = None,
-    on_chunk: Optional[Callable[[int, int, int], None]] = None,
     wakeup: Optional[threading.Event] = None,
 ) -> None:
     """Run an ``all_to_all_single`` as one step, every peer over its own rail.
@@ -182,7 +186,6 @@ def direct_all_to_all(
             ``output[sum(output_split_sizes[:j]) : ...]``.
         input: ``[sum(input_split_sizes), *row_shape]``, contiguous, same dtype.
         rail_of: the rail for a peer.
-        on_chunk: ``(peer, row_start, num_rows)`` for every received chunk once it landed.
     """
     n = len(input_split_sizes)
     row_bytes = input.element_size() * _row_numel(input)
@@ -204,20 +207,7 @@ def direct_all_to_all(
     mine = input_split_sizes[rank]
     if mine:
         local_copy(output[out_off[rank] : out_off[rank] + mine], input[in_off[rank] : in_off[rank] + mine])
-        if on_chunk is not None:
-            on_chunk(rank, out_off[rank], mine)
-    reported = set()
-
-    def arrival(x: Xfer) -> None:
-        if x.where is not None and id(x) not in reported:
-            reported.add(id(x))
-            on_chunk(*x.where)
-
-    drive(ops, deadline, op, rank, diagnose, on_arrival=arrival if on_chunk else None, wakeup=wakeup)
-    if on_chunk is not None:  # rails that cannot report single chunks: everything at the end
-        for x in recvs:
-            if id(x) not in reported:
-                on_chunk(*x.where)
+    drive(ops, deadline, op, rank, diagnose, wakeup=wakeup)
 
 
 def local_copy(dst: torch.Tensor, src: torch.Tensor) -> None:

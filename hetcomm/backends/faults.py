@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
 
 from hetcomm.backends import checks
 from hetcomm.backends.placement import Placement
 from hetcomm.errors import CollectiveError, GroupStoppedWaiting, HetcommError, PeerTimeout
 
-__all__ = ["FaultDiagnosis", "release_frames"]
+if TYPE_CHECKING:
+    from hetcomm.backends.heartbeat import PeerLoss
+
+__all__ = ["FaultDiagnosis", "SeqDiagnosis", "release_frames"]
 
 
 def release_frames(exc: BaseException) -> BaseException:
@@ -199,6 +202,47 @@ class FaultDiagnosis:
         out.__cause__ = e.__cause__ if e.__cause__ is not None else e
         return out
 
-    def for_seq(self, seq: int) -> Callable[[List[int]], Tuple[List[int], str]]:
+    def for_seq(self, seq: int) -> "SeqDiagnosis":
         """The ``diagnose`` callback of :func:`hetcomm.backends.executor.drive` for collective ``seq``."""
-        return lambda peers: self.culprits(seq, peers)
+        return SeqDiagnosis(self, seq)
+
+    def lost(self, peers: Sequence[int]) -> List[Tuple[int, "PeerLoss"]]:
+        """``(group rank, loss)`` of the ``peers`` the default group's heartbeat declared lost
+        (:mod:`hetcomm.backends.heartbeat`; its ranks are global, the placement maps them)."""
+        from hetcomm.backends import heartbeat
+
+        hb = heartbeat.active()
+        if hb is None or not hb.lost:
+            return []
+        by_global = {self.placement.ranks[p].global_rank: p for p in peers}
+        return [(by_global[loss.rank], loss) for loss in hb.lost_among(list(by_global))]
+
+
+class SeqDiagnosis:
+    """Diagnosis of one collective (``seq``) for :func:`hetcomm.backends.executor.drive`:
+    called with the pending peers at a timeout; :meth:`lost` says which of them the heartbeat
+    has already declared lost, so the wait can end at once."""
+
+    def __init__(self, faults: FaultDiagnosis, seq: int) -> None:
+        self.faults = faults
+        self.seq = seq
+
+    def __call__(self, peers: List[int]) -> Tuple[List[int], str]:
+        return self.faults.culprits(self.seq, peers)
+
+    def lost_error(self, peers: List[int], op: str) -> Optional[CollectiveError]:
+        """The error naming the first lost peer among ``peers`` (None if none is lost)."""
+        found = self.faults.lost(peers)
+        if not found:
+            return None
+        peer, loss = found[0]
+        names = self.faults.rail_names()
+        rail = names[peer] if peer < len(names) else None
+        pid = self.faults.placement.ranks[peer].pid
+        what = f"exited: rank {peer} (pid {pid})" if loss.cause == "exited" else f"rank {peer}: {loss.detail}"
+        cls = CollectiveError if loss.cause == "exited" else PeerTimeout
+        return cls(
+            f"peer lost during collective #{self.seq}; {what} (named by the heartbeat, {loss.silent_s:.2f} s after "
+            f"its last beat; every survivor names it); restart the job or let `hetcomm launch` do it",
+            op=op, rank=self.faults.rank, peer=peer, rail=rail, diagnosed=True,
+        )

@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from hetcomm import settings
 from hetcomm.errors import UsageError
 from hetcomm.units import format_bytes, parse_size  # noqa: F401  (format_bytes re-exported)
 
@@ -63,7 +64,7 @@ _ITEMSIZE = {
 REDOPS = ("sum", "max", "min")
 
 # Rails the backend issue defines; the backend itself decides which exist on this machine.
-KNOWN_RAILS = ("shm", "gloo", "nccl", "hccl", "bridge")
+KNOWN_RAILS = settings.RAIL_NAMES  # the one vocabulary (hetcomm.settings)
 
 def parse_bytes(text: str, flag: str = "size") -> int:
     """A byte count as nccl-tests reads ``-b/-e``: ``8``, ``1K``, ``1.5M``, ``1G`` (powers of 2).

@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from hetcomm import settings
 from hetcomm.cli._bench_config import _TORCH_DTYPE, BenchConfig, bus_factor, message_sizes
 from hetcomm.units import format_bytes
 from hetcomm.cli._bench_workload import _fill_input, _make_ops, count_wrong
@@ -214,7 +215,7 @@ def _measure(config, rank, world_size, local_rank, progress, torch, dist) -> Dic
             )
 
     mine = {
-        "info": _device_info(rank, local_rank, config.cluster or os.environ.get("HETCOMM_CLUSTER")),
+        "info": _device_info(rank, local_rank, config.cluster or settings.CLUSTER.get()),
         "rows": local_rows,
         "rails": _rail_stats() if config.backend == "hetcomm" else None,
     }
@@ -268,7 +269,7 @@ def _merge(
             }
         rows.append(row)
     ranks = [r["info"] for r in per_rank]
-    from hetcomm import __version__
+    from hetcomm._version import __version__
 
     return {
         "tool": "hetcomm bench",

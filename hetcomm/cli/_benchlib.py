@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from hetcomm import launcher as _launcher
+from hetcomm import settings
 from hetcomm.cli._bench_config import *  # noqa: F401,F403
 from hetcomm.cli._bench_config import (  # noqa: F401  (private names the CLI and tests use)
     _ITEMSIZE, _TORCH_DTYPE, BenchConfig, COLLECTIVES, DATATYPES, KNOWN_RAILS, REDOPS, bus_factor, format_bytes,
@@ -219,7 +220,7 @@ def _bench_child(target: str, payload: str, timeout_s: float) -> Any:
         store = dist.PrefixStore("hetcomm-bench/", store)
         result = func(payload, rank, world_size, store)
     except BaseException:
-        if os.environ.get("HETCOMM_BENCH_TRACEBACK"):
+        if settings.BENCH_TRACEBACK.get():
             import traceback
 
             traceback.print_exc()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from hetcomm.wire_dtypes import LAYER_SPELLINGS
+
 DEFAULT_CONFIG = "configs/train/demo.yaml"
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,7 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-replicate", dest="replicate", action="store_false", help="no hot-expert replication")
     p.add_argument("--calibrate", dest="calibrate", action="store_true", default=None, help="load-aware gate calibration (default on)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false", help="plain top-k gate")
-    p.add_argument("--wire-dtype", choices=("auto", "fp32", "fp16", "bf16"), default=None, help="dtype of routed activations on the wire")
+    p.add_argument("--wire-dtype", choices=LAYER_SPELLINGS, default=None, help="dtype of routed activations on the wire")
     p.add_argument("--backend", choices=("hetcomm", "gloo"), default=None, help="process-group backend")
     p.add_argument("--nprocs", type=int, default=None, help="local ranks to spawn (default: the cluster's rank count)")
     p.add_argument("--seed", type=int, default=None)
@@ -66,9 +68,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from hetcomm.cli._args import check_nprocs
-    from hetcomm.train.loop import TrainConfig, launch, load_train_config
+    from hetcomm.train.loop import launch
 
     check_nprocs(args.nprocs)  # 0 used to mean "the default" (4 ranks) silently
+    return launch(train_config(args), nprocs=args.nprocs)
+
+
+def train_config(args: argparse.Namespace):
+    """The job's ``TrainConfig`` from the parsed flags (also what ``hetcomm launch`` checks before
+    torchrun starts: a bad config or override is exit 2 there, not a worker failure)."""
+    from hetcomm.errors import UsageError
+    from hetcomm.train.loop import TrainConfig, load_train_config
 
     overrides = dict(
         cluster=args.cluster,
@@ -101,4 +111,8 @@ def run(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         cfg = replace(TrainConfig(), **{k: v for k, v in overrides.items() if v is not None})
-    return launch(cfg, nprocs=args.nprocs)
+    given = [flag for flag, v in (("--balance-every", args.balance_every), ("--balance-cooldown", args.balance_cooldown))
+             if v is not None]
+    if given and not cfg.balance:  # they used to be ignored silently
+        raise UsageError(f"{' and '.join(given)} only apply with the balancer; add --balance or drop them")
+    return cfg

@@ -26,9 +26,10 @@ the saved one keeps the saved data streams of the ranks that exist on both sides
 rest fresh. Replicas are not saved (they are copies of owners); the replicated set is restored
 and refreshed from the owners at the next forward.
 
-Every key of a checkpoint directory is committed together: rank 0 writes ``latest`` (the
-step directory's name) only after DCP finished writing on every rank, so a rank killed during a
-save leaves the previous checkpoint as the one to resume from.
+Every key of a checkpoint directory is committed together: the shards go to a staging
+directory, rank 0 commits it (checksums, rename) and moves ``latest`` only after DCP finished
+writing on every rank, so a rank killed during a save leaves the previous checkpoint as the one to
+resume from; a load verifies every file first (:mod:`hetcomm.ops.checkpoint_files`).
 
 Why by hand: DCP stores and reshards tensors by key but cannot know that expert ``3`` is rank
 1's local expert 0 on 4 ranks and rank 0's local expert 3 on 2; this module names them.
@@ -47,11 +48,10 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.stateful import Stateful
 
-from hetcomm.errors import ConfigError
+from hetcomm.errors import CheckpointError
+from hetcomm.ops import checkpoint_files as files
 
 __all__ = ["Stateful", "TrainState", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "job_state_keys"]
-
-_LATEST = "latest"
 
 
 @dataclass
@@ -157,8 +157,9 @@ def _state(
     return state
 
 
-def _step_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"step-{step:08d}")
+def _barrier(process_group) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=process_group)
 
 
 def save_checkpoint(
@@ -172,8 +173,14 @@ def save_checkpoint(
 ) -> str:
     """Save the job's state after ``step`` under ``root/step-<step>`` (collective).
 
+    The shards are written into a fresh staging directory and committed by rank 0 once every
+    rank has finished (:mod:`hetcomm.ops.checkpoint_files`: checksums, ``0600``/``0700``, a
+    rename to a name nothing has, then ``latest``): a kill during the save leaves the previous
+    checkpoint, and the directory ``latest`` names is never written into.
+
     Args:
-        root: checkpoint directory (created if missing; shared by every rank).
+        root: checkpoint directory (created ``0700`` if missing, else it must be private to the
+            caller; shared by every rank).
         step: the step just finished.
         model: the model holding :class:`~hetcomm.moe.MoELayer` s (experts saved by owner).
         optimizer: its optimizer (AdamW-style per-parameter state), or None.
@@ -182,45 +189,82 @@ def save_checkpoint(
             identical on every rank or keyed by owner/rank inside their ``state_dict()``.
         process_group: group DCP coordinates over (default: the default group).
     Returns:
-        The step directory.
+        The committed step directory (``step-<step>``, or ``step-<step>.<n>`` when a directory
+        of that step existed already).
+
+    Raises:
+        UnsafePathError: ``root`` is a link, someone else's, or writable by group or others.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    path = _step_dir(root, step)
-    os.makedirs(path, exist_ok=True)
+    files.prepare_root(root)  # every rank: each refuses an unsafe directory itself, none hangs
+    if rank == 0:
+        files.begin_staging(root, step)
+    _barrier(process_group)
+    staging = files.staging_dir(root, step)
     train = TrainState(step, rng) if rng is not None else TrainState(step, torch.Generator())
     state = _state(model, optimizer, train, extras or {}, rank, create=False)
     if rng is None:
         state.pop(f"train/rng/{rank}")
-    dcp.save(state, checkpoint_id=path, process_group=process_group, no_dist=not dist.is_initialized())
-    if dist.is_initialized():
-        dist.barrier(group=process_group)  # every shard is on disk before ``latest`` moves
+    dcp.save(state, checkpoint_id=staging, process_group=process_group, no_dist=not dist.is_initialized())
+    _barrier(process_group)  # every shard is on disk before rank 0 commits
     if rank == 0:
-        tmp = os.path.join(root, _LATEST + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(os.path.basename(path) + "\n")
-        os.replace(tmp, os.path.join(root, _LATEST))
-    if dist.is_initialized():
-        # ``latest`` names this step on every rank once save returns: a rank that reads it right
-        # away (a resume, or a test) must not see the previous step, or none.
-        dist.barrier(group=process_group)
+        files.commit(root, staging, step)
+    # ``latest`` names this step on every rank once save returns: a rank that reads it right
+    # away (a resume, or a test) must not see the previous step, or none.
+    _barrier(process_group)
+    path = files.latest_checkpoint(root)
+    assert path is not None
     return path
 
 
 def latest_checkpoint(root: str) -> Optional[str]:
-    """The step directory ``root/latest`` names, or None when there is no checkpoint yet."""
+    """The step directory ``root/latest`` names, or None when there is no checkpoint yet.
+
+    Raises:
+        UnsafePathError: the directory, ``latest`` or the step directory is a link, someone
+            else's or writable by group or others (:func:`hetcomm.ops.checkpoint_files.latest_checkpoint`).
+        CheckpointError / ConfigError: ``latest`` names no step directory, or a missing one.
+    """
+    return files.latest_checkpoint(root)
+
+
+def _check_against_metadata(path: str, metadata, state: Mapping[str, object]) -> None:
+    """Refuse, before DCP loads anything, what DCP would fail on with a raw error: a tensor of
+    another shape (another hidden size or expert count), a key or optional state it lacks."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = metadata.state_dict_metadata
+    meta_file = os.path.join(path, ".metadata")
+    for key, value in state.items():
+        if isinstance(value, Stateful):
+            name = key.split("/", 1)[1]
+            if not any(k == key or k.startswith(key + ".") for k in saved):
+                raise CheckpointError(
+                    f"was saved without the {name!r} state this job needs (a resume that adds "
+                    f"--{'powersgd' if name == 'powersgd' else name}): resume with the settings it was saved "
+                    f"with, or start a fresh --checkpoint-dir",
+                    path=meta_file, key=key, reason="missing-state",
+                )
+            continue
+        meta = saved.get(key)
+        if isinstance(meta, TensorStorageMetadata) and isinstance(value, torch.Tensor):
+            if tuple(meta.size) != tuple(value.shape):
+                raise CheckpointError(
+                    f"holds {key!r} of shape {tuple(meta.size)} but this job's is {tuple(value.shape)}: it was "
+                    f"saved by another model (hidden size, experts, layers); resume with the same model settings",
+                    path=meta_file, key=key, reason="mismatch",
+                )
+
+
+def _dcp_load(path: str, state: Dict[str, object], process_group) -> None:
     try:
-        with open(os.path.join(root, _LATEST), encoding="utf-8") as f:
-            name = f.read().strip()
-    except FileNotFoundError:
-        return None
-    path = os.path.join(root, name)
-    if not os.path.isdir(path):
-        raise ConfigError(
-            f"'latest' names {name!r} but that directory is missing; point --checkpoint-dir at the "
-            f"job's directory or delete 'latest' to start fresh",
-            path=os.path.join(root, _LATEST),
-        )
-    return path
+        dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=not dist.is_initialized())
+    except Exception as e:  # noqa: BLE001 - DCP wraps every rank's failure in CheckpointException
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"DCP could not load it ({type(e).__name__}: {first}); resume from an earlier step or start fresh",
+            path=path, reason="shard",
+        ) from None
 
 
 def load_checkpoint(
@@ -235,22 +279,37 @@ def load_checkpoint(
 
     Works on any world size and placement: each rank loads the experts it owns now.
     Replicated sets are restored and their replicas refreshed from the owners at the next
-    forward. ``rng`` is restored when the checkpoint holds this rank's stream.
+    forward. ``rng`` is restored when the checkpoint holds this rank's stream. ``extras`` are
+    loaded first, so that one may change the model's layout before the model's keys are chosen
+    (the balancer restores the layers' expert placement).
+
+    Every file is checked against the checksums recorded at save before DCP reads it (its
+    ``.metadata`` is a pickle), and shapes against the metadata before any tensor is loaded.
 
     Returns:
         The step the checkpoint was taken after (continue with the next one).
 
     Raises:
-        ConfigError: a key this job needs is missing (another model shape, expert count or
-            optimizer), naming the key and the directory.
+        CheckpointError: a damaged checkpoint (missing, truncated or altered file, bad metadata),
+            one saved by another model (a missing key, another shape) or without optional state
+            this job needs — naming the file, the key and the fix.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
+    files.verify_checkpoint(path)
     try:
-        saved = set(FileSystemReader(path).read_metadata().state_dict_metadata)
-    except (OSError, FileNotFoundError) as e:
-        raise ConfigError(f"not a readable checkpoint directory: {e}", path=path) from None
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - an unpickling error of any kind (the checksums passed)
+        raise CheckpointError(
+            f"unreadable DCP metadata ({type(e).__name__}); resume from an earlier step or start fresh",
+            path=os.path.join(path, ".metadata"), reason="metadata",
+        ) from None
+    saved = set(metadata.state_dict_metadata)
+    extra_state = {f"extra/{name}": obj for name, obj in (extras or {}).items()}
+    _check_against_metadata(path, metadata, extra_state)
+    if extra_state:
+        _dcp_load(path, dict(extra_state), process_group)
     train = TrainState(0, rng if rng is not None else torch.Generator())
-    state = _state(model, optimizer, train, extras or {}, rank, create=True)
+    state = _state(model, optimizer, train, {}, rank, create=True)
     rng_key = f"train/rng/{rank}"
     if rng is None or rng_key not in saved:
         state.pop(rng_key)  # a rank the saved job did not have: its stream starts fresh
@@ -265,16 +324,17 @@ def load_checkpoint(
             for p in group["params"]:
                 if by_param.get(id(p)) in unsaved:
                     optimizer.state.pop(p, None)
-    needed = {k for k, v in state.items() if not isinstance(v, Stateful)}
-    missing = sorted(needed - saved)
+    missing = sorted(set(state) - saved)
     if missing:
-        raise ConfigError(
+        raise CheckpointError(
             f"the checkpoint has no {missing[0]!r} ({len(missing)} key(s) missing): it was saved by a "
             f"job with another model, expert count or optimizer; load it with the same model settings",
             path=path,
             key=missing[0],
+            reason="mismatch",
         )
-    dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=not dist.is_initialized())
+    _check_against_metadata(path, metadata, state)
+    _dcp_load(path, state, process_group)
     if rng is not None and rng_key in state:
         rng.set_state(state[rng_key])
     for lname, layer in _moe_layers(model):

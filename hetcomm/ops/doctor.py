@@ -190,11 +190,25 @@ _NTPQ_ROW = re.compile(r"^([*#o+x.\- ])(\S+)\s+\S+\s+\d+\s+\w\s+\S+\s+\d+\s+\d+\
 
 
 def _read_text(path: str) -> str:
+    # Bounded, regular files only: a FIFO with no writer or a link to /dev/zero is refused.
+    from hetcomm.ops.record_input import read_record_text
+
+    return read_record_text(path)
+
+
+def _number(text: str, path: str, line: int, key: str, scale: float = 1.0) -> float:
+    """A clock report's number: finite and within a day, else a ConfigError naming the line."""
+    from hetcomm.ops.record_input import finite_number
+
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except OSError as e:
-        raise ConfigError(f"cannot read: {e.strerror}", path=path) from None
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{text[:40]!r} is not a number", path=path, line=line, key=key) from None
+    value = finite_number(value * scale, key=key, path=path, line=line)
+    if abs(value) > 86400.0:
+        raise ConfigError(f"an offset of {value:g} s (more than a day) is not a clock report's", path=path, line=line,
+                          key=key)
+    return value
 
 
 def _clock_readings(path: str, lines: Sequence[str]) -> List[ClockReading]:
@@ -205,7 +219,7 @@ def _clock_readings(path: str, lines: Sequence[str]) -> List[ClockReading]:
         for i, ln in enumerate(lines, 1):
             m = _CHRONY_SYS.match(ln.strip())
             if m:
-                offset = float(m.group(1)) * (1 if m.group(2) == "fast" else -1)
+                offset = _number(m.group(1), path, i, "System time", 1 if m.group(2) == "fast" else -1)
                 line_no = i
             m = _CHRONY_LEAP.match(ln.strip())
             if m and "not synchronised" in m.group(1).lower():
@@ -216,7 +230,7 @@ def _clock_readings(path: str, lines: Sequence[str]) -> List[ClockReading]:
         for i, ln in enumerate(lines, 1):
             m = _NTPQ_ROW.match(ln)
             if m and m.group(1) == "*":  # the peer ntpd is synchronised to
-                best = ClockReading(path, "ntpq -p", float(m.group(4)) / 1000.0, True, i)
+                best = ClockReading(path, "ntpq -p", _number(m.group(4), path, i, "offset", 1e-3), True, i)
         out.append(best or ClockReading(path, "ntpq -p", None, False, 1))
     for i, ln in enumerate(lines, 1):
         m = _TIMEDATECTL.search(ln)
@@ -246,12 +260,18 @@ def load_record(paths: Sequence[str]) -> JobRecord:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"not JSON: {e.msg}", path=path, line=e.lineno) from None
+            except RecursionError:
+                raise ConfigError("nested too deeply to be an audit report", path=path) from None
+            except ValueError as e:  # a number too long to convert
+                raise ConfigError(f"a number that cannot be read ({str(e)[:80]})", path=path) from None
             if not isinstance(obj, dict) or not isinstance(obj.get("findings"), list):
                 raise ConfigError("a JSON file that is neither a metrics file nor `hetcomm audit --json` output", path=path)
             for i, f in enumerate(obj["findings"]):
                 try:
-                    rec.audit.append(Finding(f["code"], f["severity"], f["subject"], f["message"], f.get("fix", "")))
-                except (KeyError, TypeError, AssertionError):
+                    if not all(isinstance(f[k], str) for k in ("code", "severity", "subject", "message")):
+                        raise TypeError
+                    rec.audit.append(Finding(f["code"], f["severity"], f["subject"], f["message"], str(f.get("fix", ""))))
+                except (KeyError, TypeError, AssertionError, ValueError):
                     raise ConfigError("not an audit finding", path=path, key=f"findings[{i}]") from None
             continue
         lines = tuple(text.splitlines())

@@ -21,7 +21,10 @@ from hetcomm.ops.metrics import MetricsCollector, RunHeader, StepRecord, comm_en
 if TYPE_CHECKING:  # pragma: no cover
     from hetcomm.moe.paging import ExpertPager
 
-__all__ = ["NullCollector", "metrics_collector", "checkpoint_group", "resume", "warmup", "maybe_checkpoint"]
+__all__ = [
+    "NullCollector", "metrics_collector", "checkpoint_group", "resume", "warmup", "maybe_checkpoint",
+    "record_verdict", "nothing_to_train",
+]
 
 _GROUP: list = []
 
@@ -110,6 +113,42 @@ def maybe_checkpoint(
     path = save_checkpoint(cfg.checkpoint_dir, step, model, optimizer, rng, extras, process_group=checkpoint_group())
     mc.event(step, "checkpoint", os.path.basename(path))
     return path
+
+
+def record_verdict(cfg, rank: int, summary: Mapping[str, object]) -> None:
+    """Rank 0 at the end of a run with a checkpoint directory: keep the verdict, so that a
+    resume with nothing left to train reports it (:func:`nothing_to_train`)."""
+    if not cfg.checkpoint_dir or rank != 0:
+        return
+    from hetcomm.ops.checkpoint_files import write_verdict
+
+    write_verdict(cfg.checkpoint_dir, {
+        "step": cfg.steps, "ok": bool(summary["ok"]), "verdict": str(summary["verdict"]),
+        "first": float(summary["first"]), "last": float(summary["last"]),
+    })
+
+
+def nothing_to_train(cfg, rank: int, start_step: int) -> int:
+    """A resume whose checkpoint is at or past ``cfg.steps``: no step runs. Reports the verdict
+    the run recorded when it finished that step (its exit code: 0 pass, 1 fail).
+
+    Raises:
+        UsageError: there is no recorded verdict for that step (``--steps`` lowered below the
+            checkpoint, or a run that stopped before its summary): nothing was trained.
+    """
+    from hetcomm.errors import UsageError
+    from hetcomm.ops.checkpoint_files import read_verdict
+
+    rec = read_verdict(cfg.checkpoint_dir)
+    if start_step != cfg.steps or rec is None or rec.get("step") != start_step or not isinstance(rec.get("ok"), bool):
+        raise UsageError(
+            f"nothing to train: the latest checkpoint in {cfg.checkpoint_dir} is after step {start_step} and "
+            f"--steps is {cfg.steps}; pass --steps larger than {start_step} to train on, or another --checkpoint-dir"
+        )
+    if rank == 0:
+        print(f"hetcomm train: nothing to train: the checkpoint is after step {start_step} of {cfg.steps}; "
+              f"the run's recorded verdict: {rec.get('verdict')}", file=sys.stderr, flush=True)
+    return 0 if rec["ok"] else 1
 
 
 def warmup(cfg, model: nn.Module, start_step: int, pagers: Sequence["ExpertPager"] = ()) -> bool:

@@ -78,7 +78,7 @@ RAILS: Tuple[str, ...] = ("shm", "gloo", "bridge", "nccl", "hccl")
 #: ``bytes_by_link_class`` key of bytes sent on a rail that none of the sender's pairs use.
 OTHER = "OTHER"
 
-#: Counters summed from ``MoELayer.step_stats()`` when a layer reports them (else ``null``).
+#: Counters summed from ``MoELayer.step_stats()`` (a ``StepStats``) when a layer reports them (else ``null``).
 LAYER_COUNTERS: Tuple[str, ...] = ("page_hits", "page_faults", "migrations")
 
 #: Seconds summed from ``MoELayer.step_stats()`` when a layer reports them (else ``null``).
@@ -208,17 +208,16 @@ def read_metrics(path: str) -> MetricsLog:
         ConfigError: unreadable file, a line that is not JSON, an unknown ``kind`` or schema, a
             missing or unknown field — naming the file, the line and the key.
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        raise ConfigError(f"cannot read the metrics file: {e.strerror}", path=path) from None
+    from hetcomm.ops.record_input import check_fields, parse_json_line, read_record_text
+
+    # Bounded, regular files only (a FIFO or /dev/zero is refused at once), UTF-8 or UTF-16.
+    lines = read_record_text(path, "metrics file").splitlines()
     log = MetricsLog(path)
     for no, text in enumerate(lines, 1):
         if not text.strip():
             continue
         try:
-            obj = json.loads(text)
+            obj = parse_json_line(text, path, no)
         except json.JSONDecodeError as e:
             if no == len(lines):
                 continue  # a job killed mid-write leaves a torn last line; the rest is good
@@ -239,6 +238,7 @@ def read_metrics(path: str) -> MetricsLog:
         unknown = sorted(set(obj) - names)
         if unknown:
             raise ConfigError(f"unknown field(s) {unknown} in a {kind} line", path=path, line=no, key=unknown[0])
+        check_fields(cls, obj, path, no)  # types and ranges: "file:line, key 'k': what is wrong"
         try:
             entry = cls(**obj)
         except TypeError as e:
@@ -410,16 +410,13 @@ class MetricsCollector:
             loads.extend((now_picks - prev if prev is not None else now_picks).tolist())
             self._last_picks[li] = now_picks.clone()
         counters = []
-        for key in LAYER_COUNTERS:
-            vals = [st[key] for st in stats if key in st]
-            counters.append(float(sum(vals)) if vals else math.nan)
-        for key in LAYER_SECONDS:
-            vals = [float(st[key]) for st in stats if key in st]
+        for key in LAYER_COUNTERS + LAYER_SECONDS:  # StepStats fields, None where a layer has none
+            vals = [float(st.as_dict()[key]) for st in stats if key in st]
             counters.append(sum(vals) if vals else math.nan)
         vec = torch.tensor(
             [step_s]
             + [self._phase.get(p, 0.0) for p in PHASES]
-            + [sum(float(st.get("comm_exposed_s", 0.0)) for st in stats), sum(float(st.get("expert_s", 0.0)) for st in stats)]
+            + [sum(st.comm_exposed_s for st in stats), sum(st.expert_s for st in stats)]
             + [float(delta.get(r, 0)) for r in RAILS]
             + by_class
             + loads

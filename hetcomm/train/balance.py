@@ -3,17 +3,18 @@ into the training loop.
 
 Per step (every rank, in the same order):
 
-- a forward hook on each MoE layer's gate records this rank's picks per expert (``[E]``) and the
-  confidence-weighted top-20 share of its routing probabilities (``fast_signal`` of
-  ``log probs``, the logits up to a per-token constant);
+- each MoE layer's one load observer (:meth:`~hetcomm.moe.MoELayer.add_load_observer`: the
+  statistics the layer all-reduces anyway, in the same all-reduce) gives the group's picks per
+  expert (``[E]``) and the confidence-weighted top-20 share of its routing probabilities
+  (``fast_signal`` of ``log probs``, the logits up to a per-token constant); the pager's L2
+  migration requests (:meth:`~hetcomm.moe.MoELayer.take_migration_requests`) are collected too;
 - after backward: in-flight migrations finish (the old owners computed this step; their
   gradients travel with the experts) and the layer adopts the new placement
   (:meth:`~hetcomm.moe.layer.MoELayer.apply_placement`, which counts the experts that landed in
   the layer's ``migrations`` step stat);
-- after the optimizer step: one all-reduce of ``[layers, 2E]`` float64, then rank 0's result
-  broadcast (sums of float shares may differ in the last bit between ranks), gives every rank the
-  same global loads and fast shares; each layer's :class:`~hetcomm.moe.balancer.ExpertBalancer` sees
-  them, every rank computes the same plan, rank 0 broadcasts its map in CSR form and the others
+- after the optimizer step: one all-reduce of the requests (``[layers, E]``), then rank 0's
+  loads, fast shares and requests broadcast (every rank decides from bitwise the same numbers),
+  reach each layer's :class:`~hetcomm.moe.placement.balancer.ExpertBalancer`; every rank computes the same plan, rank 0 broadcasts its map in CSR form and the others
   check theirs against it; the moves start (asynchronous copies of parameters + Adam state).
 
 The layer owns one copy per expert (its hot-expert replicator adds replicas on its own), so the
@@ -30,9 +31,9 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from hetcomm.errors import CollectiveError
-from hetcomm.moe.balancer import BalancerConfig, ExpertBalancer, ExpertMap, broadcast_map, diff_maps, fast_signal
-from hetcomm.moe.migration import ExpertMigrator, ExpertSlots
+from hetcomm.errors import CollectiveError, ConfigError
+from hetcomm.moe.placement.balancer import BalancerConfig, ExpertBalancer, ExpertMap, broadcast_map, diff_maps, fast_signal
+from hetcomm.moe.placement.migration import ExpertMigrator, ExpertSlots
 from hetcomm.moe.powersgd import SlowLinkPowerSGD, node_ids_of
 
 __all__ = ["TrainBalancer", "make_powersgd"]
@@ -64,7 +65,9 @@ class TrainBalancer:
         self.balancers: List[ExpertBalancer] = []
         self._picks: List[torch.Tensor] = []
         self._fast: List[torch.Tensor] = []
+        self._requests: List[torch.Tensor] = []
         self._pending: List[Optional[tuple]] = []
+        self._resume: List[Optional[List[int]]] = []  # target maps of migrations in flight at a loaded save
         self.migrations = 0
         self.plans = 0
         self.last: str = "-"
@@ -72,7 +75,7 @@ class TrainBalancer:
         self.spares: List[List[torch.nn.Module]] = []
         for i, layer in enumerate(self.layers):
             E = layer.config.num_experts
-            spare = [layer._make_expert(0) for _ in range(-(-E // self.world_size))]
+            spare = [layer.make_expert(0) for _ in range(-(-E // self.world_size))]
             for m in spare:
                 for p in m.parameters():
                     p.hetcomm_expert = True  # as the layer marks its own experts
@@ -89,19 +92,18 @@ class TrainBalancer:
             ))
             self._picks.append(torch.zeros(E, dtype=torch.float64))
             self._fast.append(torch.zeros(E, dtype=torch.float64))
+            self._requests.append(torch.zeros(E, dtype=torch.float64))
             self._pending.append(None)
             self.migrators.append(ExpertMigrator(self.p2p_group, timeout_s=120.0, tag_base=8 * E * i))
-            layer.gate.register_forward_hook(self._gate_hook(i))
+            layer.add_load_observer(self._observer(i), fast_topk=20)
 
-    def _gate_hook(self, i: int):
-        def hook(_module, _inputs, out) -> None:
-            if not torch.is_grad_enabled():
-                return  # evaluation forwards do not count
-            E = self._picks[i].numel()
-            self._picks[i] += torch.bincount(out.topk_idx.detach().reshape(-1).cpu(), minlength=E).double()
-            self._fast[i] += fast_signal(torch.log(out.probs.detach().clamp_min(1e-30)), 20)
+    def _observer(self, i: int):
+        def observe(picks: torch.Tensor, _probs: torch.Tensor, _num_tokens: float, fast: torch.Tensor) -> None:
+            # The group's numbers already (the layer's statistics all-reduce); training forwards only.
+            self._picks[i] += picks.detach().to("cpu", torch.float64)
+            self._fast[i] += fast.detach().to("cpu", torch.float64)
 
-        return hook
+        return observe
 
     def after_backward(self) -> None:
         """Finish the migrations started after the previous step (collective)."""
@@ -119,20 +121,29 @@ class TrainBalancer:
     def after_step(self, step: int) -> List[str]:
         """Observe this step's loads, plan, start migrations. Returns event lines (for metrics)."""
         E = [b.num_experts for b in self.balancers]
-        vec = torch.cat([torch.cat([p, f]) for p, f in zip(self._picks, self._fast)])
-        dist.all_reduce(vec)
+        for i, layer in enumerate(self.layers):  # the pagers' L2 requests, this rank's
+            for e in layer.take_migration_requests():
+                self._requests[i][e] += 1
+        reqs = torch.cat(self._requests)
+        dist.all_reduce(reqs)
+        vec = torch.cat([torch.cat([p, f]) for p, f in zip(self._picks, self._fast)] + [reqs])
         # Every rank must take the same decisions from bitwise the same numbers; an all-reduce
-        # may sum in a different order on each rank (float shares), so rank 0's result wins.
+        # may sum in a different order on each rank (float shares), so rank 0's numbers win.
         dist.broadcast(vec, src=0)
         events = []
-        off = 0
+        off, roff = 0, 2 * sum(E)
         for i, bal in enumerate(self.balancers):
             n = E[i]
             load, fast = vec[off : off + n], vec[off + n : off + 2 * n] / self.world_size
+            requested = (vec[roff : roff + n] > 0).nonzero().flatten().tolist()
             off += 2 * n
+            roff += n
             self._picks[i].zero_()
             self._fast[i].zero_()
+            self._requests[i].zero_()
             bal.observe(load, fast=fast)
+            if requested:
+                bal.request_migration(requested)
             if self.migrators[i].busy:
                 continue  # one migration per layer at a time
             old = bal.map
@@ -192,11 +203,64 @@ class TrainBalancer:
         ]
 
     def state_dict(self) -> Dict[str, Any]:
-        return {f"layer{i}": b.state_dict() for i, b in enumerate(self.balancers)}
+        # With the balancers' maps: each layer's placement as it computes now (a migration in
+        # flight has moved the map, not yet the layer) and the map that migration lands on.
+        sd: Dict[str, Any] = {f"layer{i}": b.state_dict() for i, b in enumerate(self.balancers)}
+        for i, layer in enumerate(self.layers):
+            pend = self._pending[i]
+            sd[f"placement{i}"] = torch.tensor(list(layer.placement.owner), dtype=torch.int64)
+            sd[f"pending{i}"] = torch.tensor(pend[0].new_map.owner() if pend is not None else [], dtype=torch.int64)
+        return sd
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Restore the maps and give each layer the placement it had at the save (loaded before
+        the model, so the model's expert keys follow it); :meth:`resume_pending` then restarts a
+        migration that was in flight."""
+        self._resume = []
         for i, b in enumerate(self.balancers):
             b.load_state_dict(sd[f"layer{i}"])
+            owner = [int(r) for r in sd[f"placement{i}"].tolist()]
+            pending = [int(r) for r in sd[f"pending{i}"].tolist()]
+            self._place(i, owner)
+            self._resume.append(pending or None)
+
+    def _place(self, i: int, owner: List[int]) -> None:
+        """Layer ``i`` takes ``owner`` with this rank's pool of modules (own experts + spares);
+        their weights are the model load's to fill."""
+        layer = self.layers[i]
+        pool = list(layer.experts.experts) + self.spares[i]
+        mine = [e for e, r in enumerate(owner) if r == self.rank]
+        if len(mine) > len(pool):
+            raise ConfigError(
+                f"layer {i}: the checkpoint puts {len(mine)} experts on rank {self.rank}, which has {len(pool)} "
+                f"expert slots; resume on the cluster it was saved on", key="balance.placement",
+            )
+        if owner != list(layer.placement.owner):
+            layer.apply_placement(owner, {e: pool[j] for j, e in enumerate(mine)})
+        self.spares[i] = pool[len(mine):]
+
+    def resume_pending(self) -> None:
+        """After a resume: restart the migrations that were in flight at the save, from the
+        loaded weights, as the saving run had started them after that step."""
+        for i, owner in enumerate(self._resume):
+            if owner is None:
+                continue
+            layer = self.layers[i]
+            new_map = ExpertMap.from_lists([[r] for r in owner], self.world_size)
+            old = ExpertMap.from_lists([[r] for r in layer.placement.owner], self.world_size)
+            slots = ExpertSlots(list(layer.experts.experts) + self.spares[i],
+                                list(layer.local_expert_ids) + [None] * len(self.spares[i]))
+            layer.sync_pages()
+            self.migrators[i].start(diff_maps(old, new_map), slots, self.optimizer)
+            self._pending[i] = (_Resumed(new_map), slots)
+        self._resume = []
+
+
+class _Resumed:
+    """A plan restored from a checkpoint: only its target map is needed to land it."""
+
+    def __init__(self, new_map: ExpertMap) -> None:
+        self.new_map = new_map
 
 
 def make_powersgd(cluster, world_size: int, matrix_rank: int, seed: int, steps: int = 100) -> SlowLinkPowerSGD:

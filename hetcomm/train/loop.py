@@ -9,6 +9,7 @@ the layer), and receives gradient from every rank's tokens through the all-to-al
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import sys
 import time
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from hetcomm._yaml import load_yaml, reject_unknown_keys
 from hetcomm.errors import ConfigError
 from hetcomm.topo.cluster import CLUSTER_ENV, load_cluster
+from hetcomm.wire_dtypes import LAYER_SPELLINGS, parse_wire_dtype
 from hetcomm.train.data import MarkovTask
 from hetcomm.train.model import LMConfig, MoETransformerLM
 
@@ -108,10 +110,7 @@ class TrainConfig:
                 raise ConfigError(f"must be a positive whole number, got {value!r}", key=f"train.{name}")
         if not self.lr > 0:
             raise ConfigError(f"must be > 0, got {self.lr!r}", key="train.lr")
-        if self.wire_dtype not in ("auto", "fp32", "fp16", "bf16"):
-            raise ConfigError(
-                f"unknown wire dtype {self.wire_dtype!r}; expected auto, fp32, fp16 or bf16", key="train.wire_dtype"
-            )
+        parse_wire_dtype(self.wire_dtype, allowed=LAYER_SPELLINGS, key="train.wire_dtype")
         for name in ("balance_every", "balance_cooldown", "powersgd_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "balance_every" else 0):
@@ -168,10 +167,8 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
     from hetcomm.launcher import launch as launch_ranks
 
     detect = cfg.cluster == DETECT
-    if detect:
-        # No cluster file: the backend probes the hosts when the group is created (hetcomm.topo.
-        # discover); a stray $HETCOMM_CLUSTER would override that in every rank.
-        os.environ.pop(CLUSTER_ENV, None)
+    # The parent reads the file only to size the job; every rank parses it once itself and hands
+    # the object to the backend through pg_options (train_worker), never through the environment.
     cluster = None if detect else load_cluster(cfg.cluster)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return train_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg)
@@ -187,7 +184,7 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
         _rank_main,
         world_size,
         args=(cfg,),
-        env={CLUSTER_ENV: None if detect else os.path.abspath(cfg.cluster)},
+        env={CLUSTER_ENV: None},  # the ranks get the cluster as an object (pg_options), not a variable
         store=True,
         store_timeout_s=cfg.timeout_s,
         timeout_s=limit_s,
@@ -201,11 +198,27 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
         return 1
     if not outcome.ok:
         first = outcome.ranks[outcome.first_failure if outcome.first_failure is not None else outcome.failures[0].rank]
+        if first.error_type in _usage_error_names():
+            # Bad input the ranks found (a damaged checkpoint, nothing to train): one line, exit 2.
+            print(f"hetcomm train: error: {first.error}", file=sys.stderr)
+            return 2
         if first.traceback:
             print(first.traceback, file=sys.stderr, end="")
         print(f"hetcomm train: {first.describe()}; stopped the other ranks", file=sys.stderr)
         return 1
     return 0 if outcome.results[0] == 0 else 1
+
+
+def _usage_error_names() -> set:
+    """Class names of the errors that mean bad input (CLI exit 2), as a rank reports them."""
+    from hetcomm.errors import UsageError
+
+    names, todo = set(), [ConfigError, UsageError]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
 
 
 def _rank_main(cfg: TrainConfig) -> int:
@@ -244,19 +257,29 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> int:
     from hetcomm.moe import MoELayer
 
     torch.set_num_threads(1)  # ranks share the machine's cores; more threads only contend
+    # Parsed once on this rank; the backend gets the object as an explicit option, which beats a
+    # stray $HETCOMM_CLUSTER (cluster: detect passes an explicit None: the backend probes the hosts).
+    cluster = None if cfg.cluster == DETECT else load_cluster(cfg.cluster)
+    pg_options = None
+    if cfg.backend == "hetcomm":
+        from hetcomm.backends.options import HetcommOptions
+
+        pg_options = HetcommOptions(cluster=cluster)
     dist.init_process_group(
-        cfg.backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s)
+        cfg.backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        pg_options=pg_options,
     )
     try:
-        return _train(rank, world_size, cfg, MoELayer)
+        return _train(rank, world_size, cfg, MoELayer, cluster)
     finally:
         dist.destroy_process_group()
 
 
-def _job_cluster(cfg: TrainConfig):
-    """The cluster file's cluster, or (``cluster: detect``) the one the backend detected."""
+def _job_cluster(cfg: TrainConfig, cluster=None):
+    """The cluster file's cluster (``cluster``, parsed once by :func:`train_worker`), or
+    (``cluster: detect``) the one the backend detected."""
     if cfg.cluster != DETECT:
-        return load_cluster(cfg.cluster)
+        return cluster if cluster is not None else load_cluster(cfg.cluster)
     import hetcomm
 
     cluster = hetcomm.communicator().cluster
@@ -268,8 +291,10 @@ def _job_cluster(cfg: TrainConfig):
     return cluster
 
 
-def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
-    cluster = _job_cluster(cfg)
+def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None) -> int:
+    from hetcomm.moe.layer import MoEConfig
+
+    cluster = _job_cluster(cfg, cluster)
     task = MarkovTask(vocab_size=256, seed=1234 + cfg.seed)
     lm_cfg = LMConfig(
         vocab_size=task.vocab_size,
@@ -298,6 +323,8 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
             wire_dtype=cfg.wire_dtype,
             seed=cfg.seed * 1000 + layer_index,
             page_budget=cfg.page_budget,
+            # The layer's default of 3 hot experts, but never more than the layer has (--experts 2).
+            replicate_top=min(MoEConfig.replicate_top, cfg.experts),
         )
 
     torch.manual_seed(cfg.seed)  # dense weights identical on every rank
@@ -320,7 +347,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
     balancer = psgd = None
     extras: Dict[str, Any] = {}
     if cfg.balance:
-        from hetcomm.moe.balancer import BalancerConfig
+        from hetcomm.moe.placement.balancer import BalancerConfig
         from hetcomm.topo.compute import rank_speeds
 
         balancer = TrainBalancer(model, opt, rank_speeds(cluster, range(world_size)),
@@ -332,6 +359,10 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
         psgd = make_powersgd(cluster, world_size, cfg.powersgd_rank, cfg.seed, cfg.steps)
         extras["powersgd"] = psgd
     start_step = hooks.resume(cfg, model, opt, gen, extras or None)
+    if start_step >= cfg.steps:  # nothing left to train: report the recorded verdict, not a fresh one
+        return hooks.nothing_to_train(cfg, rank, start_step)
+    if balancer is not None and start_step:
+        balancer.resume_pending()  # a migration in flight at the save starts again from the loaded weights
     hooks.warmup(cfg, model, start_step)
     hetcomm.reset_stats()
     progress = _Progress(rank == 0, cfg, world_size, cluster, balancer)
@@ -388,6 +419,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
     elapsed = time.perf_counter() - t0
     summary = _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step,
                          balancer, psgd)
+    hooks.record_verdict(cfg, rank, summary)
     if rank == 0:
         progress.close()
         print(summary["text"])
@@ -446,10 +478,9 @@ class _Progress:
         rail_now = _rail_bytes()
         per_rail = {r: (b - self.last_bytes.get(r, 0)) / max(steps, 1) for r, b in rail_now.items()}
         self.last_t, self.last_step, self.last_bytes = now, step, rail_now
-        st = model.moe_layers[0].step_stats()
-        top5 = st.get("global_top5_share", st.get("top5_share"))
-        replicas = st.get("replicas")
-        replicas = list(replicas) if replicas is not None else None
+        st = model.moe_layers[0].step_stats()  # a StepStats
+        top5 = st.global_top5_share if st.global_top5_share is not None else st.top5_share
+        replicas = list(st.replicas)
         frac = step / self.cfg.steps
         bar = "#" * int(frac * 20) + "." * (20 - int(frac * 20))
         rails = " ".join(f"{r}:{_fmt_bytes(b)}" for r, b in sorted(per_rail.items())) or "-"
@@ -521,6 +552,12 @@ def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tok
     # "Well below the unigram baseline": at least half-way from the baseline to the optimum.
     target = unigram - 0.5 * (unigram - optimum)
     ok = last <= target
+    verdict = ("PASS: " if ok else "FAIL: ") + f"last loss {'<=' if ok else '>'} {target:.3f} (half-way to optimum)"
+    bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+    if bad is not None:  # NaN compares false with everything: say what happened, not "last loss > x"
+        ok = False
+        verdict = (f"FAIL: the loss is {losses[bad]} from step {cfg.steps - len(losses) + 1 + bad} on (diverged): "
+                   f"lower --lr, or check the checkpoint it resumed from")
     rails = _rail_bytes()
     layer = model.moe_layers[0]
     st = layer.step_stats()
@@ -532,7 +569,7 @@ def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tok
         ("loss first -> last", f"{first:.3f} -> {last:.3f} (mean of {window} steps)"),
         ("unigram baseline", f"{unigram:.3f}  (best context-free predictor)"),
         ("achievable optimum", f"{optimum:.3f}  (the chain's conditional entropy)"),
-        ("verdict", ("PASS: " if ok else "FAIL: ") + f"last loss {'<=' if ok else '>'} {target:.3f} (half-way to optimum)"),
+        ("verdict", verdict),
         ("replication / calibration", f"{'on' if cfg.replicate else 'off'} / {'on' if cfg.calibrate else 'off'}"),
         ("wire dtype", cfg.wire_dtype),
         *(balancer.summary_rows() if balancer is not None else []),
@@ -559,6 +596,7 @@ def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tok
         ))
     width = max(len(k) for k, _ in rows)
     text = "\n".join(["", "hetcomm train summary", "-" * (width + 40)] + [f"{k.ljust(width)}  {v}" for k, v in rows])
-    return {"ok": ok, "text": text, "first": first, "last": last, "unigram": unigram, "optimum": optimum}
+    return {"ok": ok, "text": text, "first": first, "last": last, "unigram": unigram, "optimum": optimum,
+            "verdict": verdict}
 
 

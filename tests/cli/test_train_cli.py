@@ -54,3 +54,45 @@ def test_short_training_run_over_hetcomm_reports_falling_loss():
     # Per-rail byte counters came from the hetcomm backend, not from a plain gloo group.
     assert "rank0 sent over" in out, out[-2000:]
     assert "labels" in out
+
+
+# -- issue 21 item 18: train CLI edges ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--balance-every", "--balance-cooldown"])
+def test_balance_knobs_without_the_balancer_are_refused(flag, capsys):
+    assert main(["train", "--steps", "1", flag, "5"]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "--balance" in err
+
+
+def _run_train(tmp_path, *args, config=None):
+    cmd = [sys.executable, "-m", "hetcomm", "train", *args]
+    if config is not None:
+        cfg = tmp_path / "train.yaml"
+        cfg.write_text(config)
+        cmd += ["--config", str(cfg)]
+    return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
+
+
+TINY = os.path.join(REPO_ROOT, "tests", "ops", "tiny.yaml")
+
+
+@pytest.mark.timeout(300)
+def test_two_experts_train_with_replication_on(tmp_path):
+    # Before: ConfigError moe.replicate_top=3 (the layer's default), a knob the CLI cannot change.
+    proc = _run_train(tmp_path, "--config", TINY, "--experts", "2", "--steps", "2", "--replicate")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode in (0, 1) and "hetcomm train summary" in out, out[-3000:]
+    assert "replicate_top" not in out
+
+
+@pytest.mark.timeout(300)
+def test_nan_loss_is_named_in_the_verdict(tmp_path):
+    with open(TINY) as f:
+        text = f.read().replace("lr: 0.003", "lr: 1.0e+30")  # diverges to inf/NaN within a few steps
+    proc = _run_train(tmp_path, "--steps", "6", config=text.replace("configs/clusters", os.path.join(REPO_ROOT, "configs/clusters")))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    verdict = next(ln for ln in proc.stdout.splitlines() if ln.startswith("verdict"))
+    assert "nan" in verdict.lower() and "diverged" in verdict, verdict

@@ -125,6 +125,8 @@ def test_azure_nd_static_topology_files():
 
 #: code -> (captures of one host, cluster file or None): a real capture on which the code fires.
 COVERAGE = {
+    "known-bad-version": (["nvsmi_470.82.01_tesla_m60_azure_nv12s_v3_srun_pyxis.txt"], None),
+    "bandwidth-shortfall": (["nccltests_alltoall_rtx2080ti_x2_pix_p2p_ns.txt"], None),
     "pcie-not-sxm": (["nvsmi_a100_pcie_x2_nvlink_inactive.txt"], MINI),
     "nvlink-degraded": (["nvsmi_nvlink_status_v100_sxm2_2_inactive.txt"], None),
     "nic-numa-mismatch": (["nvsmi_topo_l40s_x4_pcie_nic_numa_mismatch.txt"], None),

@@ -1,0 +1,63 @@
+"""Issue 21 item 4: a run stopped after a checkpoint and resumed computes the very losses of the
+run that was never stopped, with ``--balance`` (the layers' placement is restored with the
+balancer's map, so the first migration after the resume finds its experts), ``--page-budget``
+and ``--powersgd`` too.
+
+Real 4-rank jobs (``train_worker`` on the test launcher): the reference runs 16 steps; the
+interrupted one runs 12 (8 with --balance; checkpoint every 4), then resumes to 16 in new
+processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hetcomm.ops.metrics import read_metrics
+from tests.ops.jobs import TINY, train_ranks
+
+STEPS, EVERY = 16, 4
+#: Where the interrupted run stops (a checkpoint); the balanced run stops at 8, before the
+#: migration planned at step 9: the crash of issue 21 (the first migration after a resume).
+STOP = {"balance": 8}
+
+CASES = {
+    # plans every 3 steps, 16 experts of the demo's sizes on one layer: enough load imbalance for
+    # the balancer to move experts (steps 3 and 9) in 16 steps
+    "balance": dict(balance=True, balance_every=3, balance_cooldown=3, experts=16, layers=1, model_dim=64,
+                    hidden_dim=128, batch_size=16, seq_len=32),
+    "page-budget": dict(page_budget=0.5, experts=16),  # >= 2 experts on every rank, half on the device
+    # compression starts at step 10 (max(10, steps // 10)): the save at 12 holds its error feedback
+    "powersgd": dict(powersgd_rank=2),
+}
+
+
+def _losses(path):
+    return {s.step: s.loss for s in read_metrics(path).steps}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_interrupted_and_resumed_run_has_the_uninterrupted_losses(tmp_path, case):
+    from hetcomm.train.loop import load_train_config
+
+    extra = CASES[case]
+    stop = STOP.get(case, 12)
+    ref_m = str(tmp_path / "ref.jsonl")
+    ref = load_train_config(TINY, steps=STEPS, metrics=ref_m, checkpoint_dir=str(tmp_path / "ref-ck"),
+                            checkpoint_every=EVERY, **extra)
+    assert train_ranks(ref)[0] in (0, 1)
+    m, ck = str(tmp_path / "m.jsonl"), str(tmp_path / "ck")
+    first = load_train_config(TINY, steps=stop, metrics=m, checkpoint_dir=ck, checkpoint_every=EVERY, **extra)
+    assert train_ranks(first)[0] in (0, 1)
+    second = load_train_config(TINY, steps=STEPS, metrics=m, checkpoint_dir=ck, checkpoint_every=EVERY, resume=True,
+                               **extra)
+    assert train_ranks(second)[0] in (0, 1)
+    want, got = _losses(ref_m), _losses(m)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    log = read_metrics(m)
+    assert [e.step for e in log.events if e.event == "resume"] == [stop]
+    if case == "balance":
+        moved = [e.step for e in read_metrics(ref_m).events if e.event == "migration"]
+        assert any(s > stop for s in moved), "no migration after the resume: the balanced resume went untested"
+    diff = {s: (want[s], got[s]) for s in range(stop + 1, STEPS + 1) if want[s] != got[s]}
+    assert not diff, f"{case}: losses after the resume differ from the uninterrupted run: {diff}"

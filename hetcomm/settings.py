@@ -265,7 +265,7 @@ CLUSTER = StrSetting(
 DETECT = BoolSetting(
     "HETCOMM_DETECT", True,
     "without a cluster file, detect the cluster by probing every host (0 = place by hostname only)",
-    readers=(f"{_B}.placement",),
+    readers=(f"{_B}.rank_placement",),
 )
 PROBE_DIR = StrSetting(
     "HETCOMM_PROBE_DIR", None,

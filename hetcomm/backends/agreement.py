@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from hetcomm.backends.options import HetcommOptions
-from hetcomm.backends.placement import Placement
+from hetcomm.backends.rank_placement import Placement
 from hetcomm.errors import ConfigError, PeerTimeout
 
 __all__ = ["settings_of", "agree", "AGREED_OPTIONS"]

@@ -64,7 +64,7 @@ import torch
 from hetcomm import settings
 from hetcomm.backends.agreement import _wait_all
 from hetcomm.backends.options import HetcommOptions
-from hetcomm.backends.placement import Placement
+from hetcomm.backends.rank_placement import Placement
 from hetcomm.backends.rails.base import Rail
 from hetcomm.backends.stats import paused
 from hetcomm.errors import CollectiveError, ConfigError

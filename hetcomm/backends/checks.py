@@ -37,7 +37,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from hetcomm.backends.placement import Placement
+from hetcomm.backends.rank_placement import Placement
 from hetcomm.backends.liveness import pid_alive
 from hetcomm.errors import CrossRankMismatch
 

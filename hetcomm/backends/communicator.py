@@ -1,6 +1,6 @@
 """``hetcomm.Communicator``: one object per expert-parallel process group.
 
-A communicator knows who is where (the :class:`~hetcomm.backends.placement.Placement`), the
+A communicator knows who is where (the :class:`~hetcomm.backends.rank_placement.Placement`), the
 effective :class:`~hetcomm.backends.options.HetcommOptions`, the wire-dtype policy and the
 statistics, and offers DeepEP-shaped :meth:`Communicator.dispatch` / :meth:`Communicator.combine`
 (implemented in :mod:`hetcomm.backends.token_dispatch`).
@@ -28,7 +28,7 @@ import torch
 
 from hetcomm.backends.agreement import agree, settings_of
 from hetcomm.backends.options import HetcommOptions, options_from_env
-from hetcomm.backends.placement import Placement, build_placement
+from hetcomm.backends.rank_placement import Placement, build_placement
 from hetcomm.errors import UsageError
 from hetcomm.wire_dtypes import WireDtype, parse_wire_dtype, wire_torch_dtype
 

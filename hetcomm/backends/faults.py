@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
 
 from hetcomm.backends import checks
-from hetcomm.backends.placement import Placement
+from hetcomm.backends.rank_placement import Placement
 from hetcomm.errors import CollectiveError, GroupStoppedWaiting, HetcommError, PeerTimeout
 
 if TYPE_CHECKING:

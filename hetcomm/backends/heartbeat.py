@@ -262,7 +262,7 @@ def start(store, rank: int, world_size: int, **kwargs) -> Heartbeat:
 
 
 def start_for(store, rank: int, world_size: int, placement) -> Heartbeat:
-    """:func:`start` for a default group with this :class:`~hetcomm.backends.placement.Placement`:
+    """:func:`start` for a default group with this :class:`~hetcomm.backends.rank_placement.Placement`:
     same-host peers are watched through ``/proc`` too; the store's host is named if it goes away
     when rank 0 hosts it (``hetcomm launch``'s workers: one store per attempt in rank 0)."""
     import os

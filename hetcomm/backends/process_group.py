@@ -34,7 +34,7 @@ from hetcomm.backends.communicator import Communicator
 from hetcomm.backends.delegated import DelegatedCollectives
 from hetcomm.backends.options import HetcommOptions
 from hetcomm.backends.p2p import HEADER_TAG_BASE, checked_recv, checked_send
-from hetcomm.backends.placement import Placement
+from hetcomm.backends.rank_placement import Placement
 from hetcomm.backends.work import HetcommWork
 from hetcomm.errors import UsageError
 

@@ -32,7 +32,7 @@ from hetcomm.backends import checks
 from hetcomm.backends.board import MetaBoard
 from hetcomm.backends.doorbell import Doorbell
 from hetcomm.backends.options import HetcommOptions
-from hetcomm.backends.placement import Placement
+from hetcomm.backends.rank_placement import Placement
 from hetcomm.backends.rails.base import Rail
 from hetcomm.backends.rails.bridge import BridgeRail
 from hetcomm.backends.rails.gloo import GlooRail

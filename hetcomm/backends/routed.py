@@ -21,7 +21,7 @@ from hetcomm.backends.executor import Executor, chunk_rows, direct_all_to_all, d
 from hetcomm.backends.delegated import GLOO_DTYPES
 from hetcomm.backends.faults import FaultDiagnosis
 from hetcomm.backends.options import HetcommOptions
-from hetcomm.backends.placement import Placement
+from hetcomm.backends.rank_placement import Placement
 from hetcomm.backends.railset import RailSet
 from hetcomm.backends.rails import cma
 from hetcomm.backends.rails.base import Xfer

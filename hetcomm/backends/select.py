@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from hetcomm.backends.placement import Placement
+from hetcomm.backends.rank_placement import Placement
 from hetcomm.topo.model import LinkClass
 
 __all__ = ["choose_rail", "shm_possible"]

@@ -121,7 +121,7 @@ def load_measured_tflops(path: str, kind: str = "expert_ffn") -> Dict[int, float
 
 
 def _measure(args: argparse.Namespace) -> Dict[str, Any]:
-    from hetcomm.backends.placement import local_device_kind
+    from hetcomm.backends.rank_placement import local_device_kind
     from hetcomm.topo.compute import find_device_spec
 
     device = pick_device()

@@ -12,7 +12,7 @@ from hetcomm.moe.routing_metrics import MetricsAccumulator, RoutingMetrics, rout
 from hetcomm.moe.placement import ExpertPlacement, place_experts
 from hetcomm.moe.placement.replicate import HotExpertReplicator
 from hetcomm.moe.step_stats import StepStats
-from hetcomm.moe.traffic import counters, reset_counters
+from hetcomm.moe.row_counters import counters, reset_counters
 
 __all__ = [
     "MoELayer",

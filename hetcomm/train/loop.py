@@ -24,7 +24,7 @@ from hetcomm.errors import ConfigError
 from hetcomm.topo.cluster import CLUSTER_ENV, load_cluster
 from hetcomm.wire_dtypes import LAYER_SPELLINGS, parse_wire_dtype
 from hetcomm.train.data import MarkovTask
-from hetcomm.train.model import LMConfig, MoETransformerLM
+from hetcomm.train.lm import LMConfig, MoETransformerLM
 
 #: ``TrainConfig.cluster`` value (``hetcomm train --cluster detect``): no cluster file, detect it.
 DETECT = "detect"

@@ -12,7 +12,7 @@ import torch
 from hetcomm.backends.checks import check_meta, encode_meta
 from hetcomm.backends.executor import chunk_rows, execute_plan, tag_for
 from hetcomm.backends.options import HetcommOptions, options_from_env
-from hetcomm.backends.placement import Placement, RankPlace
+from hetcomm.backends.rank_placement import Placement, RankPlace
 from hetcomm.backends.rails.shm import pid_alive
 from hetcomm.backends.select import choose_rail
 from hetcomm.errors import ConfigError

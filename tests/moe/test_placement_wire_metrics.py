@@ -40,7 +40,7 @@ def test_placement_errors_name_the_key():
 
 def test_wire_rule_from_mixed_mini_is_fp16_to_and_from_the_910b_only():
     # The one wire rule (Communicator.wire_dtype reads Placement.wire_dtype for "auto").
-    from hetcomm.backends.placement import Placement, RankPlace
+    from hetcomm.backends.rank_placement import Placement, RankPlace
 
     cluster = load_cluster(MIXED_MINI)
     ranks = tuple(

@@ -14,7 +14,7 @@ D, E = 16, 8
 
 def _lm(replicate: bool = True):
     from hetcomm.moe import MoELayer
-    from hetcomm.train.model import LMConfig, MoETransformerLM
+    from hetcomm.train.lm import LMConfig, MoETransformerLM
 
     cfg = LMConfig(vocab_size=32, seq_len=8, model_dim=D, num_layers=2, num_experts=E, hidden_dim=32)
     torch.manual_seed(0)

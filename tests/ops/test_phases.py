@@ -18,7 +18,7 @@ TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces", "demo
 
 def _model(experts: int = 8):
     from hetcomm.moe import MoELayer
-    from hetcomm.train.model import LMConfig, MoETransformerLM
+    from hetcomm.train.lm import LMConfig, MoETransformerLM
 
     cfg = LMConfig(vocab_size=32, seq_len=8, model_dim=16, num_layers=2, num_experts=experts, hidden_dim=32)
     return MoETransformerLM(cfg, lambda i: MoELayer(16, experts, k=2, replicate=True, seed=i))

@@ -286,7 +286,7 @@ def _job_cluster(cfg: TrainConfig):
 
 
 def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
-    from hetcomm.moe.layer import MoEConfig
+    from hetcomm.moe import MoEConfig
 
     cluster = _job_cluster(cfg)
     task = MarkovTask(vocab_size=256, seed=1234 + cfg.seed)
@@ -351,7 +351,9 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
         expert = expert + balancer.spare_parameters()  # a spare may hold an expert later
     if cfg.powersgd_rank:
         psgd = make_powersgd(cluster, world_size, cfg.powersgd_rank, cfg.seed, cfg.steps)
-        extras["powersgd"] = psgd
+        from hetcomm.ops.checkpoint import PerRank
+
+        extras["powersgd"] = PerRank(psgd, rank)  # each leader's own error feedback, not one rank's
     start_step = hooks.resume(cfg, model, opt, gen, extras or None)
     if start_step >= cfg.steps:  # nothing left to train: report the recorded verdict, not a fresh one
         return hooks.nothing_to_train(cfg, rank, start_step)

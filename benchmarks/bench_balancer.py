@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hetcomm.moe.balancer import (  # noqa: E402
+from hetcomm.moe.placement.balancer import (  # noqa: E402
     BalancerConfig,
     ExpertBalancer,
     ExpertMap,

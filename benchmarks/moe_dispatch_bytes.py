@@ -5,7 +5,7 @@ Real rank processes over the hetcomm backend (or gloo). Each rank routes ``T`` t
 ranks) and runs one forward and backward step twice in the same processes:
 
 - **per-copy**: the exchange the MoE layer used before ``token_dispatch``: every (token, expert)
-  copy is a row of the all-to-all (``hetcomm.moe.dispatch.plan_route`` + ``hetcomm.moe.wire.Exchange``),
+  copy is a row of the all-to-all (``hetcomm.moe.routing.plan_route``; its bytes follow from the counts),
   there and back, forward and backward (4 exchanges of ``S`` rows);
 - **dispatch**: ``hetcomm.backends.token_dispatch.dispatch``/``combine`` (4 exchanges of token rows),
   plus their metadata (counts, expert slots and weights, weight gradients) counted separately.
@@ -40,15 +40,12 @@ def _uniform_topk(T: int, E: int, k: int, seed: int) -> torch.Tensor:
 
 def rank_body(rank: int, world_size: int, E: int, ks, T: int, D: int):
     from hetcomm.backends import token_dispatch as td
-    from hetcomm.moe import reset_counters, counters
-    from hetcomm.moe.dispatch import ChunkLayout, plan_route
     from hetcomm.moe.placement import place_experts
-    from hetcomm.moe.wire import Exchange, wire_policy
+    from hetcomm.moe.routing import ChunkLayout, plan_route
 
     placement = place_experts(E, world_size)
     owner = list(placement.owner)
     layout = ChunkLayout.build(placement, 1)
-    policy = wire_policy(world_size, "fp32")
     comm = td.GroupComm.of(None)
     out = {}
     for k in ks:
@@ -63,22 +60,17 @@ def rank_body(rank: int, world_size: int, E: int, ks, T: int, D: int):
         counts = torch.tensor(send_per_rank, dtype=torch.int64)
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts)
-        reset_counters()
-        ex = Exchange(send_per_rank, recv_counts.tolist(), policy, rank, None, tag="per-copy")
-        xs = x.index_select(0, route.send_token)
-        y = ex.run(xs)  # dispatch
-        back = ex.reversed()
-        back.run(y)  # combine
-        back.run(y)  # backward of combine (gradients there)
-        ex.run(xs)  # backward of dispatch (gradients back)
-        per_copy = counters()["a2a_bytes_sent"]
+        # A per-copy exchange sends its S rows out (dispatch, backward of combine) and the
+        # received rows back (combine, backward of dispatch): FP32 rows to other ranks, twice each.
+        remote = lambda rows: sum(n for p, n in enumerate(rows) if p != rank)  # noqa: E731
+        per_copy = 2 * (remote(send_per_rank) + remote(recv_counts.tolist())) * D * 4
         # --- dispatch / combine, forward and backward ----------------------------------------
         td.reset_counters()
         xg = x.clone().requires_grad_(True)
         wg = w.clone().requires_grad_(True)
-        recv_x, rc, h = td.dispatch(comm, xg, idx, wg, expert_to_rank=owner)
-        y = recv_x * 2.0  # stands for the experts
-        o = td.combine(comm, y, h)
+        res = td.dispatch(comm, xg, idx, wg, expert_to_rank=owner)
+        y = res.recv_x * 2.0  # stands for the experts
+        o = td.combine(comm, y, res.handle)
         o.sum().backward()
         c = td.counters()
         out[k] = {"per_copy": per_copy, "dispatch": c["bytes_sent"], "meta": c["meta_bytes_sent"]}

@@ -325,7 +325,7 @@ class _PhaseClock:
 def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
     """Per-phase wall and CPU seconds of one step of ``v`` on this rank (median over ``steps``).
 
-    Phases are timed by wrapping the functions each layer calls (hetcomm: gate, ``plan_route``,
+    Phases are timed by wrapping the functions each layer calls (hetcomm: gate, ``route_tokens``,
     ``token_dispatch.dispatch``/``combine`` (their backwards included),
     ``ExpertBank.forward_pieces``/``forward_blocks``; DeepSpeed: gate,
     ``_route_slots``/``_sparse_encode``, ``_AllToAll``, experts, ``_sparse_decode`` in
@@ -345,7 +345,7 @@ def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
         import hetcomm.moe.layer as L
 
         clock.wrap(m.gate, "forward", "gate")
-        clock.wrap(L, "plan_route", "route")
+        clock.wrap(L, "route_tokens", "route")
         # dispatch = counts + metadata + rows (and the expansion); combine = weighted sums +
         # the return exchange. Their backwards are the reverse exchanges.
         clock.wrap(TD, "dispatch", "dispatch")

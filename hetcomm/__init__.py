@@ -7,7 +7,7 @@ through torch's ``torch.backends`` entry point (:func:`_autoload`).
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from hetcomm._version import __version__
 
 from hetcomm.errors import (  # noqa: E402
     CollectiveError,

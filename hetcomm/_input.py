@@ -51,12 +51,9 @@ def capture_cap() -> int:
     Raises:
         UsageError: the variable is set to something that is not a size.
     """
-    text = os.environ.get(CAPTURE_CAP_ENV)
-    if not text:
-        return MAX_CAPTURE_BYTES
-    from hetcomm.units import parse_size
+    from hetcomm import settings
 
-    return parse_size(text, what=f"${CAPTURE_CAP_ENV}")
+    return settings.MAX_INPUT_BYTES.get()
 
 
 def _too_big(limit: int, what: str, hint: str) -> str:

@@ -16,6 +16,7 @@ from typing import Optional
 __all__ = [
     "HetcommError",
     "ConfigError",
+    "SettingError",
     "TopologyParseError",
     "TruncatedCaptureError",
     "CollectiveError",
@@ -89,6 +90,28 @@ class ConfigError(HetcommError, ValueError):
             where.append(f"key '{key}'")
         prefix = (", ".join(where) + ": ") if where else ""
         super().__init__(prefix + message)
+
+
+class SettingError(ConfigError):
+    """A ``HETCOMM_*`` environment variable whose value cannot be read (see :mod:`hetcomm.settings`).
+
+    Args:
+        name: the variable, e.g. ``HETCOMM_CHECK``.
+        value: the value as set in the environment.
+        allowed: the values or forms the variable accepts, in words.
+
+    ``key`` (of :class:`ConfigError`) is the variable's name too, so code that already decides
+    by ``ConfigError.key`` keeps working.
+    """
+
+    def __init__(self, name: str, value: str, allowed: str, *, reason: str = "") -> None:
+        self.name = name
+        self.value = value
+        self.allowed = allowed
+        why = f" ({reason})" if reason else ""
+        message = f"{name}={value!r} is not valid{why}; allowed: {allowed}; fix or unset the variable"
+        super().__init__(message, key=name)
+        self.args = (message,)  # the message already names the variable: no "key '...'" prefix
 
 
 class TopologyParseError(HetcommError, ValueError):

@@ -61,6 +61,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from hetcomm import settings
 from hetcomm.backends.agreement import _wait_all
 from hetcomm.backends.options import HetcommOptions
 from hetcomm.backends.placement import Placement
@@ -83,7 +84,7 @@ MARGIN = 0.03
 #: Part of the cache key: entries of another layout are not read (v1: one rail, measured at 8 MiB).
 CACHE_VERSION = 2
 #: The ways same-host CPU tensors may travel (``cma``: whole-group units only).
-WAYS = ("shm", "gloo", "cma")
+WAYS = settings.SAME_HOST_WAYS
 
 
 @dataclass(frozen=True)
@@ -144,17 +145,17 @@ class SameHostRails:
 
 def cache_path() -> str:
     """The calibration cache file of this user."""
-    root = os.environ.get("HETCOMM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hetcomm")
+    root = settings.CACHE_DIR.get() or os.path.join(os.path.expanduser("~"), ".cache", "hetcomm")
     return os.path.join(root, "calibration.json")
 
 
 def unit_key(members: int, size: int, options: HetcommOptions) -> str:
     """The cache key of a unit's choice: everything that changes which way is faster."""
-    import hetcomm
+    from hetcomm._version import __version__
 
     return (
         f"v={CACHE_VERSION}|host={socket.gethostname()}|unit={members}|group={size}|ring={options.ring_bytes}|"
-        f"cpus={os.cpu_count()}|torch={torch.__version__}|hetcomm={hetcomm.__version__}"
+        f"cpus={os.cpu_count()}|torch={torch.__version__}|hetcomm={__version__}"
     )
 
 
@@ -235,21 +236,18 @@ def _calibrate_unit(
     whole = len(members) == size and rails.board is not None
     if rank == leader:
         decided: Optional[SameHostRails] = None
-        pinned = os.environ.get("HETCOMM_SAME_HOST_RAIL", "").strip()
+        try:
+            pinned = settings.SAME_HOST_RAIL.get()
+        except ConfigError:
+            # Published before raising, so the unit's other ranks fail on the same setting
+            # instead of waiting for a measurement that never starts.
+            _publish(store, base, SameHostRails.single("gloo"))
+            raise
         if rails.shm is None:
             decided = SameHostRails.single("gloo")  # no shared memory here after all
         elif pinned:
-            if pinned not in WAYS:
-                # Published before raising, so the unit's other ranks fail on the same setting
-                # instead of waiting for a measurement that never starts.
-                _publish(store, base, SameHostRails.single("gloo"))
-                raise ConfigError(
-                    f"HETCOMM_SAME_HOST_RAIL={pinned!r} (rank {rank}) is not a way for same-host "
-                    "pairs; use 'shm', 'gloo' or 'cma', or unset it to let hetcomm measure",
-                    key="HETCOMM_SAME_HOST_RAIL",
-                )
             decided = SameHostRails.single(pinned)
-        elif os.environ.get("HETCOMM_RECALIBRATE", "").strip() not in ("1", "true", "yes"):
+        elif not settings.RECALIBRATE.get():
             decided = _cached_classes(_read_cache().get(key))
         if decided is not None and not whole:
             decided = decided.without_cma()

@@ -38,7 +38,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from hetcomm.backends.placement import Placement
-from hetcomm.backends.rails.shm import pid_alive
+from hetcomm.backends.liveness import pid_alive
 from hetcomm.errors import CrossRankMismatch
 
 __all__ = [

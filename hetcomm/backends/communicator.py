@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from hetcomm.backends.agreement import agree, settings_of
-from hetcomm.backends.options import WIRE_DTYPES, HetcommOptions, options_from_env, wire_torch_dtype
+from hetcomm.backends.options import HetcommOptions, options_from_env
 from hetcomm.backends.placement import Placement, build_placement
-from hetcomm.errors import ConfigError, UsageError
+from hetcomm.errors import UsageError
+from hetcomm.wire_dtypes import WireDtype, parse_wire_dtype, wire_torch_dtype
 
 if TYPE_CHECKING:
     from hetcomm.backends.routed import RoutedCollectives
@@ -36,6 +38,11 @@ if TYPE_CHECKING:
 __all__ = ["Communicator", "communicator"]
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo groups
+
+#: The communicator each hetcomm group built for itself (:meth:`Communicator._for_backend`),
+#: keyed weakly by the group. ``Communicator(group)`` looks a group up here instead of importing
+#: its c10d face (``hetcomm.backends.process_group`` imports this module, not the other way).
+_GROUP_OWNED: "weakref.WeakKeyDictionary[Any, Communicator]" = weakref.WeakKeyDictionary()
 
 
 def _resolve_group(group):
@@ -108,11 +115,9 @@ class Communicator:
     _initialized: bool = False
 
     def __new__(cls, group=None, *, cluster=None, options: Optional[HetcommOptions] = None):
-        from hetcomm.backends.process_group import HetcommProcessGroup
-
         pg = _resolve_group(group)
-        if isinstance(pg, HetcommProcessGroup):
-            comm = pg.communicator
+        comm = _GROUP_OWNED.get(pg)
+        if comm is not None:  # a hetcomm group: it built its communicator when c10d created it
             if options is not None and options_from_env(options) != comm.options:
                 raise UsageError(
                     f"hetcomm.Communicator (rank {comm.rank}): this hetcomm group was created with "
@@ -147,7 +152,10 @@ class Communicator:
         placement = build_placement(
             store, rank, size, _global_ranks(pg), cluster_obj if cluster_obj is not None else opts.cluster, timeout
         )
-        self._setup(lambda: pg, rank, size, opts, placement, timeout)
+        # Weakly: a communicator (cached by communicator(), kept by a layer) must not keep its
+        # group alive past destroy_process_group(), or the group's gloo threads die inside the
+        # interpreter's finalisation ("terminate called without an active exception").
+        self._setup(weakref.ref(pg), rank, size, opts, placement, timeout)
         agree(store, rank, size, settings_of(opts, placement), timeout, what=f"hetcomm.Communicator over {dist.get_backend(pg)} group")
 
     def _setup(self, group_ref: Callable[[], Any], rank: int, size: int, options: HetcommOptions, placement: Placement, timeout: timedelta) -> None:
@@ -185,8 +193,6 @@ class Communicator:
         Raises:
             ConfigError: settings differ between ranks (before any rail is built).
         """
-        import weakref
-
         from hetcomm.backends.calibrate import same_host_rails
         from hetcomm.backends.executor import Executor
         from hetcomm.backends.faults import FaultDiagnosis
@@ -197,6 +203,7 @@ class Communicator:
         placement = build_placement(store, rank, size, global_ranks, opts.cluster, timeout)
         comm = super().__new__(cls)
         comm._setup(group_ref, rank, size, opts, placement, timeout)
+        _GROUP_OWNED[group_ref()] = comm  # the group dies with its construction if that fails below
         # Before any rail: two ring layouts of one shared segment would corrupt each other.
         agree(store, rank, size, settings_of(opts, placement), timeout)
         # Inner waits get 75 % of the group timeout, so that naming the peer at fault (up to
@@ -230,7 +237,7 @@ class Communicator:
     def wire_dtype(self, peer: int, dtype: torch.dtype, policy: Optional[str] = None) -> Optional[torch.dtype]:
         """The dtype a ``dtype`` tensor travels in between this rank and ``peer``; None = as is.
 
-        One vocabulary for the backend and the MoE layer (:data:`hetcomm.backends.options.WIRE_DTYPES`):
+        One vocabulary for the backend and the MoE layer (:mod:`hetcomm.wire_dtypes`):
         ``exact`` keeps every dtype; ``cluster`` (alias ``auto``) follows the cluster YAML's
         ``wire_dtype`` per link class (FP16 across vendors, FP32 elsewhere, by default);
         ``fp32``/``fp16``/``bf16`` force one. Only floating-point tensors are cast, and a wire
@@ -242,12 +249,10 @@ class Communicator:
             dtype: the tensor's dtype.
             policy: override of ``options.wire_dtype`` (e.g. the MoE layer's ``wire_dtype``).
         """
-        name = policy if policy is not None else self.options.wire_dtype
-        if name not in WIRE_DTYPES:
-            raise ConfigError(f"unknown wire dtype {name!r}; choose from {', '.join(WIRE_DTYPES)}", key="wire_dtype")
-        if peer == self.rank or not dtype.is_floating_point or name == "exact":
+        name = parse_wire_dtype(policy if policy is not None else self.options.wire_dtype)
+        if peer == self.rank or not dtype.is_floating_point or name is WireDtype.EXACT:
             return None
-        if name in ("cluster", "auto"):
+        if name is WireDtype.CLUSTER:
             name = self.placement.wire_dtype(self.rank, peer)
         wire = wire_torch_dtype(name)
         if wire == dtype or wire.itemsize > dtype.itemsize:
@@ -311,6 +316,9 @@ class Communicator:
         expert_to_rank,
         capacity: Optional[int] = None,
         async_op: bool = False,
+        num_chunks: int = 1,
+        split_by_expert: bool = False,
+        wire_dtype: Optional[str] = None,
     ):
         """Send each token's row to the ranks of its top-k experts (once per destination rank).
 
@@ -319,17 +327,23 @@ class Communicator:
             topk_idx: ``[T, k]`` int64 expert ids (``-1`` = no expert).
             topk_weights: ``[T, k]`` float gate weights.
             expert_to_rank: group rank of every expert (``[E]``).
-            capacity: rows per local expert kept at most (None = dropless).
-            async_op: return a Work as well (see :func:`hetcomm.backends.token_dispatch.dispatch`).
+            capacity: copies per expert kept at most, an integer >= 0 (None = dropless).
+            async_op: return before the rows arrive (``result.work``).
+            num_chunks: chunks of the pipelined exchange.
+            split_by_expert: ``recv_x`` as one piece per local expert.
+            wire_dtype: wire-dtype policy of these rows (None: ``options.wire_dtype``), see
+                :meth:`wire_dtype`.
 
         Returns:
-            ``(recv_x [R, D], recv_counts per local expert, handle)`` — see
+            A :class:`~hetcomm.backends.token_dispatch.DispatchResult` (``recv_x [R, D]``,
+            ``recv_counts`` per local expert, ``handle``, ``work``) — see
             :func:`hetcomm.backends.token_dispatch.dispatch`.
         """
         from hetcomm.backends import token_dispatch
 
         return token_dispatch.dispatch(
-            self, x, topk_idx, topk_weights, expert_to_rank=expert_to_rank, capacity=capacity, async_op=async_op
+            self, x, topk_idx, topk_weights, expert_to_rank=expert_to_rank, capacity=capacity, async_op=async_op,
+            num_chunks=num_chunks, split_by_expert=split_by_expert, wire_dtype=wire_dtype,
         )
 
     def combine(self, y: torch.Tensor, handle, *, async_op: bool = False):
@@ -377,6 +391,8 @@ class _CommStore:
 
 
 _cache_lock = threading.Lock()
+# (id, name) of the group -> (weak reference to the group, its communicator). Weak: the cache must
+# not keep a destroyed group alive until the interpreter's finalisation (#21 item 12).
 _cache: Dict[Tuple[int, str], Tuple[Any, "Communicator"]] = {}
 
 
@@ -392,12 +408,12 @@ def communicator(group=None) -> Communicator:
     live = dist.distributed_c10d._world.pg_map
     key = (id(pg), str(pg.group_name))
     with _cache_lock:
-        for k in [k for k, (g, _) in _cache.items() if g not in live]:
+        for k in [k for k, (g, _) in _cache.items() if g() is None or g() not in live]:
             del _cache[k]  # destroyed groups
         hit = _cache.get(key)
-    if hit is not None:
+    if hit is not None and hit[0]() is pg:
         return hit[1]
     comm = Communicator(pg)
     with _cache_lock:
-        _cache[key] = (pg, comm)
+        _cache[key] = (weakref.ref(pg), comm)
     return comm

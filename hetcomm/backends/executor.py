@@ -90,7 +90,6 @@ def drive(
     op: str,
     rank: int,
     diagnose: Optional[Callable[[List[int]], Tuple[List[int], str]]] = None,
-    on_arrival: Optional[Callable[[Xfer], None]] = None,
     wakeup: Optional[threading.Event] = None,
 ) -> None:
     """Poll ``ops`` (as one :class:`CompositeOp`) until all are done; raise :class:`PeerTimeout`
@@ -100,8 +99,6 @@ def drive(
         diagnose: given the pending peers, returns ``(ranks at fault, extra text)`` for the
             timeout (:meth:`FaultDiagnosis.for_seq <hetcomm.backends.faults.FaultDiagnosis.for_seq>`);
             the error's ``peer`` is the first rank at fault.
-        on_arrival: called with every received transfer once it landed (ops that cannot report
-            single chunks report nothing here).
         wakeup: set by rail threads when a transfer completes; while every pending op is of a
             kind that does not need polling, the loop sleeps on it instead of spinning. A
             :class:`~hetcomm.backends.doorbell.Doorbell` is also rung by same-node peers after
@@ -112,9 +109,6 @@ def drive(
     idle = 0
     while True:
         done = step.poll()
-        if on_arrival is not None:
-            for x in step.take_arrivals():
-                on_arrival(x)
         if done:
             return
         if time.monotonic() > deadline:
@@ -172,7 +166,6 @@ def direct_all_to_all(
     seq: int,
     deadline: float,
     diagnose: Optional[Callable[[List[int]], Tuple[List[int], str]]] = None,
-    on_chunk: Optional[Callable[[int, int, int], None]] = None,
     wakeup: Optional[threading.Event] = None,
 ) -> None:
     """Run an ``all_to_all_single`` as one step, every peer over its own rail.
@@ -182,7 +175,6 @@ def direct_all_to_all(
             ``output[sum(output_split_sizes[:j]) : ...]``.
         input: ``[sum(input_split_sizes), *row_shape]``, contiguous, same dtype.
         rail_of: the rail for a peer.
-        on_chunk: ``(peer, row_start, num_rows)`` for every received chunk once it landed.
     """
     n = len(input_split_sizes)
     row_bytes = input.element_size() * _row_numel(input)
@@ -204,20 +196,7 @@ def direct_all_to_all(
     mine = input_split_sizes[rank]
     if mine:
         local_copy(output[out_off[rank] : out_off[rank] + mine], input[in_off[rank] : in_off[rank] + mine])
-        if on_chunk is not None:
-            on_chunk(rank, out_off[rank], mine)
-    reported = set()
-
-    def arrival(x: Xfer) -> None:
-        if x.where is not None and id(x) not in reported:
-            reported.add(id(x))
-            on_chunk(*x.where)
-
-    drive(ops, deadline, op, rank, diagnose, on_arrival=arrival if on_chunk else None, wakeup=wakeup)
-    if on_chunk is not None:  # rails that cannot report single chunks: everything at the end
-        for x in recvs:
-            if id(x) not in reported:
-                on_chunk(*x.where)
+    drive(ops, deadline, op, rank, diagnose, wakeup=wakeup)
 
 
 def local_copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -8,27 +8,22 @@ how many transfers each pair posts, and both ends must post the same ones.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields
-from typing import Any, FrozenSet, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, FrozenSet, Mapping, Optional, Sequence, Tuple, Union
 
+from hetcomm import settings
 from hetcomm.errors import ConfigError, UsageError
+from hetcomm.settings import PLAN_NAMES, RAIL_NAMES
+from hetcomm.wire_dtypes import BACKEND_SPELLINGS, parse_wire_dtype, wire_torch_dtype
+
+if TYPE_CHECKING:
+    from hetcomm.topo.cluster import Cluster
 
 __all__ = ["HetcommOptions", "RAIL_NAMES", "PLAN_NAMES", "WIRE_DTYPES", "options_from_env", "wire_torch_dtype"]
 
-RAIL_NAMES = ("shm", "gloo", "nccl", "hccl", "bridge")
-PLAN_NAMES = ("direct", "auto", "flat", "hier", "multirail")
-#: The one wire-dtype vocabulary of the backend and the MoE layer: ``exact`` keeps the tensor
-#: dtype; ``cluster`` (alias ``auto``, the MoE layer's spelling) follows the cluster YAML's
-#: ``wire_dtype`` policy (fp16 across vendors by default); the others force one wire dtype.
-WIRE_DTYPES = ("exact", "cluster", "auto", "fp32", "fp16", "bf16")
-
-
-def wire_torch_dtype(name: str) -> "torch.dtype":
-    """The torch dtype of wire name ``fp32``/``fp16``/``bf16``."""
-    import torch
-
-    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+#: The vocabularies live on the lowest floor (:mod:`hetcomm.settings`, :mod:`hetcomm.wire_dtypes`),
+#: where the environment variables are parsed; re-exported here for source compatibility.
+WIRE_DTYPES = BACKEND_SPELLINGS
 
 _MiB = 1 << 20
 
@@ -66,8 +61,10 @@ class HetcommOptions:
         wire_dtype: dtype floating-point tensors travel in over the ``bridge`` rail
             (env ``HETCOMM_WIRE_DTYPE``); see :data:`WIRE_DTYPES`. Default ``exact`` keeps
             torch.distributed's bit-exact contract; ``cluster`` is what the MoE layer asks for.
-        cluster: path of the cluster YAML (env ``HETCOMM_CLUSTER``); ``None`` = placement by
-            hostname.
+        cluster: path of the cluster YAML, or a loaded :class:`~hetcomm.topo.cluster.Cluster`
+            (``hetcomm train`` parses the file once per rank and passes the object) (env
+            ``HETCOMM_CLUSTER``); ``None`` = placement by hostname (or detection). An explicit
+            ``cluster=None`` keeps a stray ``HETCOMM_CLUSTER`` out.
         nic_ifnames: this rank's network interfaces, one per NIC port in rail order (env
             ``HETCOMM_IFNAMES``, else ``HETCOMM_EMULATE_IFNAMES``, which ``hetcomm emulate``
             sets). With a cluster YAML whose nodes all have ``R >= 2`` ports, the gloo rail then
@@ -91,7 +88,7 @@ class HetcommOptions:
     # that a writer rarely waits for its reader at the copy bandwidth of one core.
     ring_bytes: int = 4 * _MiB
     wire_dtype: str = "exact"
-    cluster: Optional[str] = None
+    cluster: "Optional[Union[str, Cluster]]" = None
     nic_ifnames: Optional[Tuple[str, ...]] = None
 
     # Which fields the caller passed, and where each effective value came from (set by
@@ -107,7 +104,7 @@ class HetcommOptions:
         check_splits: bool = _UNSET,
         ring_bytes: int = _UNSET,
         wire_dtype: str = _UNSET,
-        cluster: Optional[str] = _UNSET,
+        cluster: "Optional[Union[str, Cluster]]" = _UNSET,
         nic_ifnames: Optional[Sequence[str]] = _UNSET,
     ) -> None:
         given = {
@@ -161,18 +158,7 @@ class HetcommOptions:
             raise ConfigError(f"unknown plan {self.plan!r}; choose from {', '.join(PLAN_NAMES)}", key="plan")
         if isinstance(self.ring_bytes, bool) or not isinstance(self.ring_bytes, int) or self.ring_bytes < 4096:
             raise ConfigError(f"ring_bytes must be an int >= 4096, got {self.ring_bytes!r}", key="ring_bytes")
-        if self.wire_dtype not in WIRE_DTYPES:
-            raise ConfigError(
-                f"unknown wire_dtype {self.wire_dtype!r}; choose from {', '.join(WIRE_DTYPES)}",
-                key="wire_dtype",
-            )
-
-
-def _parse_size(text: str, key: str) -> int:
-    """A size from an environment variable (hetcomm's one size parser, :func:`hetcomm.units.parse_size`)."""
-    from hetcomm.units import parse_size
-
-    return parse_size(text, what=key, error=lambda message: ConfigError(message, key=key))
+        parse_wire_dtype(self.wire_dtype, allowed=BACKEND_SPELLINGS, key="wire_dtype")
 
 
 def options_from_env(
@@ -187,7 +173,7 @@ def options_from_env(
     Raises:
         ConfigError: naming the variable whose value is invalid.
     """
-    env = os.environ if environ is None else environ
+    env = environ  # None: os.environ (hetcomm.settings reads it)
     base = base if base is not None else HetcommOptions()
     values = {f.name: getattr(base, f.name) for f in fields(base) if f.init}
     sources = {n: "pg_options" for n in base.explicit}
@@ -200,24 +186,14 @@ def options_from_env(
         sources[name] = var
 
     try:
-        if unset("rails") and env.get("HETCOMM_RAILS"):
-            take("rails", "HETCOMM_RAILS", tuple(r.strip() for r in env["HETCOMM_RAILS"].split(",") if r.strip()))
-        if unset("chunk_bytes") and env.get("HETCOMM_CHUNK_BYTES"):
-            take("chunk_bytes", "HETCOMM_CHUNK_BYTES", _parse_size(env["HETCOMM_CHUNK_BYTES"], "HETCOMM_CHUNK_BYTES"))
-        if unset("plan") and env.get("HETCOMM_PLAN"):
-            take("plan", "HETCOMM_PLAN", env["HETCOMM_PLAN"].strip())
-        if unset("check_splits") and env.get("HETCOMM_CHECK"):
-            take("check_splits", "HETCOMM_CHECK", env["HETCOMM_CHECK"].strip().lower() not in ("0", "false", "no", "off"))
-        if unset("ring_bytes") and env.get("HETCOMM_SHM_RING_BYTES"):
-            take("ring_bytes", "HETCOMM_SHM_RING_BYTES", _parse_size(env["HETCOMM_SHM_RING_BYTES"], "HETCOMM_SHM_RING_BYTES"))
-        if unset("wire_dtype") and env.get("HETCOMM_WIRE_DTYPE"):
-            take("wire_dtype", "HETCOMM_WIRE_DTYPE", env["HETCOMM_WIRE_DTYPE"].strip())
-        if unset("cluster") and env.get("HETCOMM_CLUSTER"):
-            take("cluster", "HETCOMM_CLUSTER", env["HETCOMM_CLUSTER"])
-        var = "HETCOMM_IFNAMES" if env.get("HETCOMM_IFNAMES") else "HETCOMM_EMULATE_IFNAMES"
-        ifnames = env.get(var)
-        if unset("nic_ifnames") and ifnames:
-            take("nic_ifnames", var, tuple(i.strip() for i in ifnames.split(",") if i.strip()))
+        # Each variable is parsed by its declaration (hetcomm.settings): a bad value raises a
+        # SettingError naming the variable, the value and what is allowed.
+        for name, setting in _SETTING_OF.items():
+            if unset(name) and setting.is_set(env):
+                take(name, setting.name, setting.get(env))
+        ifnames = settings.IFNAMES if settings.IFNAMES.is_set(env) else settings.EMULATE_IFNAMES
+        if unset("nic_ifnames") and ifnames.is_set(env):
+            take("nic_ifnames", ifnames.name, ifnames.get(env))
         out = HetcommOptions(**{n: values[n] for n in sources})
     except ConfigError as e:
         if e.key and not e.key.startswith("HETCOMM_"):
@@ -229,6 +205,17 @@ def options_from_env(
     object.__setattr__(out, "_sources", tuple(sorted(sources.items())))
     return out
 
+
+#: The declared variable of each field (nic_ifnames: HETCOMM_IFNAMES, else HETCOMM_EMULATE_IFNAMES).
+_SETTING_OF = {
+    "rails": settings.RAILS,
+    "chunk_bytes": settings.CHUNK_BYTES,
+    "plan": settings.PLAN,
+    "check_splits": settings.CHECK,
+    "ring_bytes": settings.SHM_RING_BYTES,
+    "wire_dtype": settings.WIRE_DTYPE,
+    "cluster": settings.CLUSTER,
+}
 
 #: The environment variable of each field.
 _ENV_OF = {

@@ -25,6 +25,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from hetcomm import settings
 from hetcomm.errors import ConfigError
 from hetcomm.topo.cluster import Cluster, load_cluster
 from hetcomm.topo.model import LinkClass
@@ -208,4 +209,4 @@ def build_placement(
 
 def detection_enabled() -> bool:
     """False when ``$HETCOMM_DETECT`` is ``0``/``false``/``no``/``off`` (default: on)."""
-    return os.environ.get("HETCOMM_DETECT", "1").strip().lower() not in ("0", "false", "no", "off")
+    return settings.DETECT.get()

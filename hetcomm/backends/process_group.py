@@ -22,7 +22,6 @@ executor, after the contiguous copies they make, which is why it happens there a
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from datetime import timedelta
 from typing import List, Optional, Sequence
@@ -30,6 +29,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from hetcomm import settings
 from hetcomm.backends.communicator import Communicator
 from hetcomm.backends.delegated import DelegatedCollectives
 from hetcomm.backends.executor import TAG_BASE
@@ -44,7 +44,7 @@ log = logging.getLogger("hetcomm.backends")
 
 
 def _configure_logging() -> None:
-    level = os.environ.get("HETCOMM_LOG", "").strip().upper()
+    level = (settings.LOG.get() or "").upper()
     if level and not log.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))

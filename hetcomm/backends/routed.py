@@ -26,7 +26,7 @@ from hetcomm.backends.railset import RailSet
 from hetcomm.backends.rails import cma
 from hetcomm.backends.rails.base import Xfer
 from hetcomm.backends.stats import record as _record
-from hetcomm.backends.work import ChunkArrival, HetcommWork
+from hetcomm.backends.work import HetcommWork
 from hetcomm.errors import CollectiveError, UsageError
 
 __all__ = ["RoutedCollectives"]
@@ -179,24 +179,19 @@ class RoutedCollectives:
                 traffic = [[x * row_bytes for x in m.sends(r)] for r in range(n)]
                 plan = self._make_plan(use_plan, traffic)
                 self._run_plan(plan, dst_bytes, src, op, seq, deadline)
-                _all_arrived(w, out_splits)
             elif way == "cma":
                 self._cma_all_to_all(dst_bytes, src, m, row_bytes, op, seq, deadline)
-                _all_arrived(w, out_splits)
             elif way == "gloo" or (
                 way is None and input.device.type == "cpu" and self.rails.every_pair_on_gloo() and self.rails.striped is None
             ):
                 self._gloo_all_to_all(dst_bytes, src, out_splits, in_splits, row_bytes, op)
-                _all_arrived(w, out_splits)
             else:
                 direct_all_to_all(
                     dst_bytes, src, out_splits, in_splits, me, rail_of, self.options.chunk_bytes, op, seq,
                     deadline, self.faults.for_seq(seq), wakeup=self.rails.wakeup,
-                    on_chunk=(lambda p, s, c: w._arrived(ChunkArrival(p, s, c))) if dst is output else None,
                 )
             if dst is not output:
                 output.copy_(dst)
-                _all_arrived(w, out_splits)
 
         return self.executor.submit(job, work, async_op)
 
@@ -336,13 +331,8 @@ class RoutedCollectives:
         return strategy
 
     def _make_plan(self, strategy: str, traffic: List[List[int]]):
-        try:
-            from hetcomm.sched.planner import plan_all_to_all
-        except ImportError as e:
-            raise UsageError(
-                f"hetcomm: plan '{strategy}' asked for (HETCOMM_PLAN / HetcommOptions.plan) but "
-                f"hetcomm.sched.planner is not available ({e}); use plan='direct'"
-            ) from e
+        from hetcomm.sched.planner import plan_all_to_all  # part of hetcomm: a missing module is a broken install
+
         return plan_all_to_all(self.placement.cluster, traffic, strategy=strategy)
 
     def _run_plan(self, plan, output: torch.Tensor, input: torch.Tensor, op: str, seq: int, deadline: float) -> None:
@@ -365,13 +355,6 @@ class RoutedCollectives:
             self._run_plan(plan, output, input, f"plan '{plan.strategy}'", seq, self._deadline())
 
         return self.executor.submit(job, HetcommWork([output], seq, order=devices.capture((input, output), seq)))
-
-
-def _all_arrived(w: HetcommWork, out_splits: Sequence[int]) -> None:
-    start = 0
-    for j, c in enumerate(out_splits):
-        w._arrived(ChunkArrival(j, start, c))
-        start += c
 
 
 def _row_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Recycled row buffers for the token data path (dispatch/combine and the MoE layer).
 
 Lives in ``hetcomm.backends`` because :mod:`hetcomm.backends.token_dispatch` uses it and
-dependencies flow topo -> sched -> backends -> moe; ``hetcomm.moe.buffers`` re-exports it.
+dependencies flow topo -> sched -> backends -> moe; the MoE layer imports it from here.
 
 Every step the layer moves its ``[S, D]`` / ``[R, D]`` rows through a handful of full-size
 temporaries (send and receive buffers of four all-to-alls, the expert-major copy, the combine's

@@ -19,17 +19,16 @@ device work has finished; ``get_future()`` of CUDA work is a device-aware torch 
 
 from __future__ import annotations
 
-import queue
 import threading
 from datetime import timedelta
-from typing import Any, Iterator, List, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from hetcomm.backends import devices
 
-__all__ = ["HetcommWork", "FutureWork", "ChunkArrival"]
+__all__ = ["HetcommWork", "FutureWork"]
 
 
 class _Failure:
@@ -64,20 +63,6 @@ def _fresh(exc: BaseException) -> BaseException:
     return new
 
 
-class ChunkArrival(tuple):
-    """``(peer, row_start, num_rows)``: rows ``[row_start, row_start+num_rows)`` of the output
-    came from ``peer`` and may be read now."""
-
-    __slots__ = ()
-
-    def __new__(cls, peer: int, row_start: int, num_rows: int):
-        return super().__new__(cls, (peer, row_start, num_rows))
-
-    peer = property(lambda self: self[0])
-    row_start = property(lambda self: self[1])
-    num_rows = property(lambda self: self[2])
-
-
 class HetcommWork(dist.Work):
     """A collective run by the executor thread.
 
@@ -101,18 +86,13 @@ class HetcommWork(dist.Work):
         self._lock = threading.Lock()
         self._base: Optional[torch.futures.Future] = None
         self._future: Optional[torch.futures.Future] = None
-        self._arrivals: "queue.Queue[Optional[ChunkArrival]]" = queue.Queue()
 
     # -- executor side ---------------------------------------------------------------------
-    def _arrived(self, arrival: ChunkArrival) -> None:
-        self._arrivals.put(arrival)
-
     def _complete(self, exc: Optional[BaseException] = None) -> None:
         with self._lock:
             self._exc = exc
             self._done.set()
             base = self._base
-        self._arrivals.put(None)
         if base is not None:
             # On the rail stream, just after the job's done event: a device-aware future records
             # its own event on the current stream here (see get_future).
@@ -179,27 +159,6 @@ class HetcommWork(dist.Work):
     def result(self) -> List[torch.Tensor]:
         self.wait()
         return self._result
-
-    def arrivals(self, timeout: Optional[float] = None) -> Iterator[ChunkArrival]:
-        """Yield output chunks of an ``all_to_all_single`` as they land, until all have.
-
-        The rows of a yielded :class:`ChunkArrival` are final and may be consumed while later
-        chunks are still in flight (only for the direct route; a planned or non-contiguous-output
-        call yields everything at the end). Raises the collective's error, like :meth:`wait`.
-
-        Device work yields everything after :meth:`wait` (which orders this thread's current
-        stream after it): a chunk that reached the host side may still be in a copy queued on
-        the rail's stream, so an early chunk would not be final for the caller's stream.
-        """
-        if self.order is not None and self.order.ready is not None:
-            self.wait()
-        while True:
-            item = self._arrivals.get(timeout=timeout)
-            if item is None:
-                self._arrivals.put(None)  # let a second iteration end too
-                self.wait()
-                return
-            yield item
 
 
 class FutureWork(dist.Work):

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hetcomm import launcher as _launcher
+from hetcomm import settings
 from hetcomm.errors import UsageError
 from hetcomm.units import format_bytes, parse_size
 
@@ -104,7 +105,7 @@ _ITEMSIZE = {
 REDOPS = ("sum", "max", "min")
 
 # Rails the backend issue defines; the backend itself decides which exist on this machine.
-KNOWN_RAILS = ("shm", "gloo", "nccl", "hccl", "bridge")
+KNOWN_RAILS = settings.RAIL_NAMES  # the one vocabulary (hetcomm.settings)
 
 def parse_bytes(text: str, flag: str = "size") -> int:
     """A byte count as nccl-tests reads ``-b/-e``: ``8``, ``1K``, ``1.5M``, ``1G`` (powers of 2).
@@ -546,7 +547,7 @@ def _measure(config, rank, world_size, local_rank, progress, torch, dist) -> Dic
             )
 
     mine = {
-        "info": _device_info(rank, local_rank, config.cluster or os.environ.get("HETCOMM_CLUSTER")),
+        "info": _device_info(rank, local_rank, config.cluster or settings.CLUSTER.get()),
         "rows": local_rows,
         "rails": _rail_stats() if config.backend == "hetcomm" else None,
     }
@@ -600,7 +601,7 @@ def _merge(
             }
         rows.append(row)
     ranks = [r["info"] for r in per_rank]
-    from hetcomm import __version__
+    from hetcomm._version import __version__
 
     return {
         "tool": "hetcomm bench",
@@ -929,7 +930,7 @@ def _bench_child(target: str, payload: str, timeout_s: float) -> Any:
         store = dist.PrefixStore("hetcomm-bench/", store)
         result = func(payload, rank, world_size, store)
     except BaseException:
-        if os.environ.get("HETCOMM_BENCH_TRACEBACK"):
+        if settings.BENCH_TRACEBACK.get():
             import traceback
 
             traceback.print_exc()

@@ -86,6 +86,17 @@ def run(args: argparse.Namespace) -> int:
             m.source = "hetcomm bench (measured here)"
         topo.measurements.extend(measured.measurements)
     report = run_audit(topo, cluster, size_bytes=size_bytes)  # type: ignore[arg-type]
+    if cluster is not None and args.cluster and report.alltoall.time_us is not None:
+        # One prediction for one cluster and size: the scheduler's cost model, as `hetcomm
+        # simulate` prints it (the alpha-beta table stays beside it).
+        from hetcomm.cli.simulate import predict_alltoall_us
+        from hetcomm.topo.estimate import with_predicted_time
+
+        report.alltoall = with_predicted_time(
+            report.alltoall,
+            predict_alltoall_us(args.cluster, size_bytes),
+            "expected time: hetcomm simulate's cost model, flat plan (same cluster, same size)",
+        )
     if args.plot:
         plot_heatmap(topo, args.plot)
         print(f"hetcomm audit: wrote link-class heat map to {args.plot}", file=sys.stderr)

@@ -22,6 +22,7 @@ import os
 import sys
 from typing import IO, Any, Dict, Optional, Tuple
 
+from hetcomm import settings
 from hetcomm.cli import _benchlib as lib
 from hetcomm.cli._args import RANK_BASELINE_BYTES, check_nprocs
 from hetcomm.errors import UsageError
@@ -164,12 +165,7 @@ def _under_torchrun() -> bool:
 
 
 def _rail_and_plan_names() -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
-    try:
-        from hetcomm.backends.options import PLAN_NAMES, RAIL_NAMES
-
-        return tuple(RAIL_NAMES), tuple(PLAN_NAMES)
-    except ImportError:  # an older backend without options: fall back to the names
-        return lib.KNOWN_RAILS, ("direct",)
+    return settings.RAIL_NAMES, settings.PLAN_NAMES
 
 
 def _resolve_nprocs(args: argparse.Namespace, cluster) -> Tuple[int, bool]:
@@ -275,7 +271,7 @@ def config_from_args(args: argparse.Namespace) -> Tuple[lib.BenchConfig, int, bo
         if args.collective != "alltoall":
             raise UsageError("--plan: plans apply to alltoall only")
 
-    cluster_path = args.cluster or os.environ.get("HETCOMM_CLUSTER") or None
+    cluster_path = args.cluster or settings.CLUSTER.get()
     cluster = None
     if cluster_path:
         if not os.path.isfile(cluster_path):

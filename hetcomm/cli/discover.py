@@ -54,11 +54,12 @@ def _store_and_rank(timeout: timedelta):
 def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from hetcomm.topo.cluster import CLUSTER_ENV, load_cluster
+    from hetcomm import settings
+    from hetcomm.topo.cluster import load_cluster
     from hetcomm.topo.discover import compare_with_cluster, discover_cluster
 
     timeout = timedelta(seconds=args.timeout)
-    cluster_path = args.cluster or os.environ.get(CLUSTER_ENV) or None
+    cluster_path = args.cluster or settings.CLUSTER.get()
     declared = load_cluster(cluster_path) if cluster_path else None  # bad YAML: exit 2 before any exchange
     store, rank, world, joined = _store_and_rank(timeout)
     try:

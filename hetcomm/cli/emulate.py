@@ -376,7 +376,7 @@ def _print_state(state, live: Optional[set]) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from hetcomm.emulate.fabric import bring_up, tear_down
-    from hetcomm.emulate.launch import run_ranks, tail
+    from hetcomm.emulate.ranks import run_ranks, tail
     from hetcomm.emulate.state import load_state, state_path
 
     cmd: List[str] = list(args.cmd)

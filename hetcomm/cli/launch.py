@@ -18,7 +18,7 @@ Run it once per node (like torchrun). Without ``--node`` it is a one-machine job
    calibrator history and replicates (pages in) its hottest experts before the first step
    (passed to ``hetcomm train --warmup-from``).
 3. **Grouped start**: ranks start in waves of ``--group-size`` every ``--group-delay`` seconds
-   (``hetcomm.ops.worker``), so a large job does not hit the store and the NICs all at once.
+   (``hetcomm.cli.worker``), so a large job does not hit the store and the NICs all at once.
 
 The job runs under torchrun with ``--max-restarts``: a rank that dies makes the survivors raise
 (naming it), torchrun restarts every worker, and ``hetcomm train --resume`` continues from the
@@ -35,6 +35,7 @@ import sys
 import uuid
 from typing import List, Optional, Tuple
 
+from hetcomm import settings
 from hetcomm.errors import UsageError
 
 __all__ = ["add_parser", "run", "torchrun_command"]
@@ -135,7 +136,7 @@ def _run(args: argparse.Namespace, made: List[str]) -> int:
     from hetcomm.topo.cluster import CLUSTER_ENV, load_cluster
     from hetcomm.units import parse_size
 
-    cluster_path = os.path.abspath(repo_path(args.cluster or os.environ.get(CLUSTER_ENV) or "configs/clusters/mixed-mini.yaml"))
+    cluster_path = os.path.abspath(repo_path(args.cluster or settings.CLUSTER.get() or "configs/clusters/mixed-mini.yaml"))
     cluster = load_cluster(cluster_path)
     job = list(args.job)
     if job and job[0] == "--":
@@ -210,7 +211,7 @@ def _run(args: argparse.Namespace, made: List[str]) -> int:
         env["HETCOMM_GROUP_SIZE"] = str(args.group_size)
         env["HETCOMM_GROUP_DELAY"] = str(args.group_delay)
     cmd = torchrun_command(
-        ["hetcomm.ops.worker"] + job, nproc=nproc, nnodes=(lo, hi), rdzv_endpoint=args.rdzv_endpoint,
+        ["hetcomm.cli.worker"] + job, nproc=nproc, nnodes=(lo, hi), rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=rdzv_id, max_restarts=args.max_restarts, local_addr=args.local_addr,
     )
     print(f"hetcomm launch: starting the job on {where}: {' '.join(job)}", file=sys.stderr, flush=True)

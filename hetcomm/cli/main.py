@@ -1,4 +1,4 @@
-"""The ``hetcomm`` command: ``hetcomm topo | audit | bench | simulate | train | emulate | report | doctor | launch``.
+"""The ``hetcomm`` command: ``hetcomm topo | audit | bench | simulate | train | emulate | discover | report | doctor | launch | settings``.
 
 Each subcommand lives in its own module ``hetcomm.cli.<name>`` exposing::
 
@@ -25,7 +25,7 @@ EXIT_FINDINGS = 1
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 3
 
-SUBCOMMANDS = ("topo", "audit", "bench", "simulate", "train", "emulate", "discover", "report", "doctor", "launch")
+SUBCOMMANDS = ("topo", "audit", "bench", "simulate", "train", "emulate", "discover", "report", "doctor", "launch", "settings")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hetcomm",
         description="Communication middleware for MoE training on mixed NVIDIA/Ascend clusters.",
     )
-    from hetcomm import __version__
+    from hetcomm._version import __version__
 
     parser.add_argument("--version", action="version", version=f"hetcomm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hetcomm.errors import UsageError
 
-__all__ = ["add_parser", "run", "SCHEMA"]
+__all__ = ["add_parser", "run", "SCHEMA", "predict_alltoall_us"]
 
 SCHEMA = "hetcomm.simulate/1"
 
@@ -208,6 +208,14 @@ def simulate_report(
     return doc
 
 
+def predict_alltoall_us(cluster_path: str, size_bytes: int, params: Any = None) -> float:
+    """The flat plan's predicted time in microseconds for a uniform all-to-all of ``size_bytes``
+    per rank: what ``hetcomm simulate --plans flat`` prints, and ``hetcomm audit --cluster``'s
+    expected time (one model for both)."""
+    doc = simulate_report(cluster_path, size_bytes, plans=("flat",), params=params)
+    return float(doc["plans"][0]["time_s"]) * 1e6
+
+
 def _term(t) -> Optional[Dict[str, Any]]:
     if t is None:
         return None
@@ -295,7 +303,7 @@ def _plot(doc: Dict[str, Any], path: str) -> None:
 
 
 def _run_placement(args: argparse.Namespace) -> int:
-    from hetcomm.cli._placement import PLACEMENTS, placement_report, placement_text
+    from hetcomm.cli._placement_report import PLACEMENTS, placement_report, placement_text
     from hetcomm.sched.step import MoEWorkload
     from hetcomm.topo.cluster import load_cluster
 

@@ -125,6 +125,9 @@ def load_topology(args: argparse.Namespace) -> Tuple[Topology, object]:
         for k, path in enumerate(inputs, start=1):
             _progress(f"parsing {path} ({k}/{len(inputs)})")
             topo.merge(_parse_one(path, args.format))
+        from hetcomm.topo.parse import join_ascend_chips
+
+        join_ascend_chips(topo)  # A3: -t topo's NPU<phy> named after the info table's chips
     else:
         from hetcomm.topo.probe import probe_local
 

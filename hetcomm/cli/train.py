@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from hetcomm.wire_dtypes import LAYER_SPELLINGS
+
 DEFAULT_CONFIG = "configs/train/demo.yaml"
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,7 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-replicate", dest="replicate", action="store_false", help="no hot-expert replication")
     p.add_argument("--calibrate", dest="calibrate", action="store_true", default=None, help="load-aware gate calibration (default on)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false", help="plain top-k gate")
-    p.add_argument("--wire-dtype", choices=("auto", "fp32", "fp16", "bf16"), default=None, help="dtype of routed activations on the wire")
+    p.add_argument("--wire-dtype", choices=LAYER_SPELLINGS, default=None, help="dtype of routed activations on the wire")
     p.add_argument("--backend", choices=("hetcomm", "gloo"), default=None, help="process-group backend")
     p.add_argument("--nprocs", type=int, default=None, help="local ranks to spawn (default: the cluster's rank count)")
     p.add_argument("--seed", type=int, default=None)

@@ -7,7 +7,7 @@ Modules, one job each:
 - :mod:`hetcomm.emulate.kernel`  ``ip``/``tc`` invocations and prerequisite checks.
 - :mod:`hetcomm.emulate.state`   the state file written before anything is created.
 - :mod:`hetcomm.emulate.fabric`  bring a plan up, tear a state down (also after a crash).
-- :mod:`hetcomm.emulate.launch`  one process per rank inside its node's namespace.
+- :mod:`hetcomm.emulate.ranks`  one process per rank inside its node's namespace.
 
 The command line is ``hetcomm emulate up|down|run|status`` (``hetcomm.cli.emulate``); see
 ``docs/EMULATE.md``.

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Callable, List, Optional
 
+from hetcomm import settings
 from hetcomm.emulate.cgroup import (
     cgroup_dir_for,
     create_cgroup,
@@ -420,7 +421,7 @@ def _is_our_rank(pid: int, run_id: str) -> bool:
         if os.stat(f"/proc/{pid}").st_uid != os.geteuid() or os.getpgid(pid) != pid:
             return False
         with open(f"/proc/{pid}/environ", "rb") as f:
-            return f"HETCOMM_EMULATE=hc{run_id}".encode() in f.read().split(b"\0")
+            return f"{settings.EMULATE.name}=hc{run_id}".encode() in f.read().split(b"\0")
     except OSError:
         return False
 

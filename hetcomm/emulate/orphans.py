@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
+from hetcomm import settings
 from hetcomm.emulate.cgroup import cgroup_pids, find_cpu_hierarchy, list_run_cgroups, remove_cgroup
 from hetcomm.emulate.kernel import KernelError, list_netns, netns_pids, run_tool
 from hetcomm.emulate.state import (
@@ -145,7 +146,7 @@ def find_unrecorded(
     for n in list_run_cgroups(h):
         assert h is not None
         add("cg", n, os.path.join(h.root, n))
-    env_pids = _pids_with_env(b"HETCOMM_EMULATE=") if by_id else {}
+    env_pids = _pids_with_env(f"{settings.EMULATE.name}=".encode()) if by_id else {}
     out = []
     for rid in sorted(by_id):
         objs = by_id[rid]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hetcomm.errors import ConfigError
-from hetcomm.moe import buffers
+from hetcomm.backends import rowpool as buffers
 
 __all__ = ["FFNExpert", "ExpertSpec", "build_expert", "ExpertBank", "split_rows", "cat_rows"]
 

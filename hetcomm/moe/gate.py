@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetcomm.moe import buffers
-from hetcomm.moe.calibrate import LoadCalibrator
+from hetcomm.backends import rowpool as buffers
+from hetcomm.moe.gate_calibration import LoadCalibrator
 
 __all__ = ["GateOutput", "TopKGate", "expert_capacity"]
 
@@ -29,7 +29,7 @@ class _RouterLinear(torch.autograd.Function):
     """``x @ weight.T`` whose input gradient lands in a recycled buffer.
 
     The input gradient is a full ``[T, D]`` tensor every step (16 MiB at T=4096, D=1024); a fresh
-    one is page-faulted in anew each time (see :mod:`hetcomm.moe.buffers`).
+    one is page-faulted in anew each time (see :mod:`hetcomm.backends.rowpool`).
     """
 
     @staticmethod

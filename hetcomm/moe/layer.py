@@ -1,6 +1,6 @@
 """``MoELayer``: a Mixture-of-Experts layer whose expert-parallel traffic goes through hetcomm.
 
-Shapes (DeepEP-style notation, see ``hetcomm.moe.dispatch``):
+Shapes (DeepEP-style notation, see ``hetcomm.moe.routing``):
     x        ``[..., D]`` input, any float dtype; flattened to ``[T, D]`` inside
     output   same shape and dtype as ``x``
     l_aux    scalar float32 auxiliary (load-balancing) loss, with grad, on ``layer.l_aux``
@@ -25,7 +25,8 @@ no collectives. Experts per rank may differ (strong devices hold more, see
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields, replace
+import weakref
+from dataclasses import fields
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -34,108 +35,20 @@ from torch import nn
 
 from hetcomm.backends import token_dispatch
 from hetcomm.errors import ConfigError
-from hetcomm.moe.calibrate import LoadCalibrator
-from hetcomm.moe.dispatch import ChunkLayout, gather_rows, plan_route, weighted_combine
-from hetcomm.moe.experts import ExpertBank, ExpertSpec, build_expert, cat_rows, split_rows
+from hetcomm.moe.gate_calibration import LoadCalibrator
+from hetcomm.moe.routing import ChunkLayout, gather_rows, route_tokens, weighted_combine
+from hetcomm.moe.experts import ExpertBank, ExpertSpec, build_expert
 from hetcomm.moe.gate import TopKGate
-from hetcomm.moe.metrics import MetricsAccumulator, routing_metrics
+from hetcomm.moe.routing_metrics import MetricsAccumulator, routing_metrics
 from hetcomm.moe.overlap import PipelineTimes
-from hetcomm.moe.paging import ExpertPager, Grant, PagingConfig
+from hetcomm.moe.layer_config import MoEConfig
+from hetcomm.moe.layer_paging import PagedExperts
+from hetcomm.moe.paging import ExpertPager
 from hetcomm.moe.placement import ExpertPlacement, place_experts
-from hetcomm.moe.replicate import HotExpertReplicator
-from hetcomm.moe.wire import WIRE_DTYPES, WirePolicy, wire_policy
+from hetcomm.moe.placement.replicate import HotExpertReplicator
+from hetcomm.moe.step_stats import StepStats
 
 __all__ = ["MoEConfig", "MoELayer"]
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """Configuration of one :class:`MoELayer` (validated on construction).
-
-    Attributes:
-        model_dim: ``D``.
-        num_experts: ``E`` global experts.
-        k: experts per token.
-        capacity_factor: capacity slack over an even split (ignored when ``dropless``).
-        dropless: never drop a token copy.
-        normalize_topk: rescale a token's ``k`` weights to sum to 1.
-        calibrate: load-aware gate calibration on (switchable at run time through
-            ``layer.gate.calibrator.enabled``).
-        calibration_strength: initial per-expert calibration weight. 1.5: on a gate whose top-5
-            experts take 91% of picks it settles at ~58% top-5 share (1.0 gives ~67%).
-        wire_dtype: ``auto`` (the cluster's per-link policy; FP32 without a cluster) or
-            ``fp32``/``fp16``/``bf16`` for every pair.
-        num_chunks: chunks of the pipelined dispatch/combine (1 = no pipelining).
-        replicate: hot-expert replication on strong ranks.
-        replicate_top: ``N`` hot experts replicated.
-        replicate_every: ``M`` steps between hot-set refreshes.
-        replicate_alpha: EMA decay of per-expert token counts.
-        replicate_policy: ``always`` replicates the top ``N``; ``profitable`` only those whose
-            saved all-to-all bytes exceed their weight and gradient sync bytes
-            (:mod:`hetcomm.moe.replicate`).
-        strong_expert_weight: a strong rank holds this many times the experts of a weak one
-            (``rank_weights="strong"``).
-        rank_weights: how experts are spread over ranks: ``strong`` (strong ranks hold
-            ``strong_expert_weight`` x the experts of weak ones) or ``throughput`` (experts in
-            proportion to each rank's device TFLOPS from ``hetcomm.topo.compute``, replicas only
-            on the fastest strong ranks) — speed-aware placement for compute-heterogeneous clusters.
-        seed: initial weights depend only on this and the expert id (never on the placement).
-        page_budget: expert paging (:mod:`hetcomm.moe.paging`): the fraction of this rank's
-            local experts whose weights (and optimizer state) stay on the device; the rest wait
-            in a host pool and are paged in when the gate routes tokens to them. 0 (default):
-            off, every expert stays where the module put it.
-        paging: the pager's other knobs (:class:`~hetcomm.moe.paging.PagingConfig`; its
-            ``budget_fraction`` is replaced by ``page_budget``), or None for the defaults.
-    """
-
-    model_dim: int
-    num_experts: int
-    k: int = 2
-    capacity_factor: float = 1.25
-    dropless: bool = False
-    normalize_topk: bool = True
-    calibrate: bool = True
-    calibration_strength: float = 1.5
-    wire_dtype: str = "auto"
-    num_chunks: int = 1
-    replicate: bool = False
-    replicate_top: int = 3
-    replicate_every: int = 10
-    replicate_alpha: float = 0.99
-    replicate_policy: str = "always"
-    strong_expert_weight: float = 2.0
-    rank_weights: str = "strong"
-    seed: int = 0
-    page_budget: float = 0.0
-    paging: Optional[PagingConfig] = None
-
-    def __post_init__(self) -> None:
-        def bad(key: str, msg: str) -> ConfigError:
-            return ConfigError(msg, key=f"moe.{key}")
-
-        if not isinstance(self.model_dim, int) or self.model_dim < 1:
-            raise bad("model_dim", f"must be a positive integer, got {self.model_dim!r}")
-        if not isinstance(self.num_experts, int) or self.num_experts < 1:
-            raise bad("num_experts", f"must be a positive integer, got {self.num_experts!r}")
-        if not isinstance(self.k, int) or not 1 <= self.k <= self.num_experts:
-            raise bad("k", f"must be in 1..num_experts={self.num_experts}, got {self.k!r}")
-        if not self.capacity_factor > 0:
-            raise bad("capacity_factor", f"must be > 0, got {self.capacity_factor!r} (use dropless=True for no limit)")
-        if self.wire_dtype != "auto" and self.wire_dtype not in WIRE_DTYPES:
-            raise bad("wire_dtype", f"unknown wire dtype {self.wire_dtype!r}; expected auto, fp32, fp16 or bf16")
-        if not isinstance(self.num_chunks, int) or self.num_chunks < 1:
-            raise bad("num_chunks", f"must be a positive integer, got {self.num_chunks!r}")
-        if self.rank_weights not in ("strong", "throughput"):
-            raise bad("rank_weights", f"expected 'strong' or 'throughput', got {self.rank_weights!r}")
-        if not self.strong_expert_weight > 0:
-            raise bad("strong_expert_weight", f"must be > 0, got {self.strong_expert_weight!r}")
-        if self.calibration_strength < 0:
-            raise bad("calibration_strength", f"must be >= 0, got {self.calibration_strength!r}")
-        pb = self.page_budget
-        if isinstance(pb, bool) or not isinstance(pb, (int, float)) or not 0.0 <= pb <= 1.0:
-            raise bad("page_budget", f"must be a fraction within [0, 1] (0 = paging off), got {pb!r}")
-        if self.paging is not None and not isinstance(self.paging, PagingConfig):
-            raise bad("paging", f"must be a hetcomm.moe.paging.PagingConfig or None, got {type(self.paging).__name__}")
 
 
 class _EndOfBackward(torch.autograd.Function):
@@ -152,57 +65,6 @@ class _EndOfBackward(torch.autograd.Function):
         return grad, None
 
 
-class _StreamedExpert(torch.autograd.Function):
-    """One paged expert in a step whose experts do not all fit the budget (a *wave* step).
-
-    Forward runs the expert without keeping its weights (its slot may go to the next expert);
-    backward acquires it again from the pager (a reload when it was evicted meanwhile),
-    recomputes its output with autograd on and returns the gradients of the rows and of its
-    parameters, so they land on the paged copy. Backward runs in reverse order, so the experts
-    computed last, still resident, go first. Experts must be deterministic (no dropout): the
-    recomputation must give the forward's output.
-
-    ``rows``: ``[N, D]``; returns ``[N, D]``, same dtype.
-    """
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, pager: ExpertPager, e: int, module: nn.Module, *params):  # type: ignore[override]
-        ctx.pager, ctx.e, ctx.module = pager, e, module
-        ctx.save_for_backward(rows)
-        return module(rows)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        (rows,) = ctx.saved_tensors
-        ctx.pager.acquire(ctx.e)
-        try:
-            params = [p for p in ctx.module.parameters() if p.requires_grad]
-            with torch.enable_grad():
-                x = rows.detach().requires_grad_(ctx.needs_input_grad[0])
-                y = ctx.module(x)
-                inputs = ([x] if ctx.needs_input_grad[0] else []) + params
-                grads = torch.autograd.grad(y, inputs, grad, allow_unused=True)
-        finally:
-            ctx.pager.release(ctx.e)
-        gx = grads[0] if ctx.needs_input_grad[0] else None
-        return (gx, None, None, None) + tuple(grads[1 if ctx.needs_input_grad[0] else 0 :])
-
-
-class _WireComm:
-    """The layer's face for :mod:`hetcomm.backends.token_dispatch` (a ``DispatchComm``): its
-    group, and the wire dtype of each pair from the layer's own :class:`WirePolicy` (the
-    ``wire_dtype`` option can differ from the backend's options, so it is not the
-    Communicator's policy)."""
-
-    def __init__(self, group: Optional[dist.ProcessGroup], rank: int, world_size: int, policy: WirePolicy):
-        self.group, self.rank, self.world_size, self.policy = group, rank, world_size, policy
-
-    def wire_dtype(self, peer: int, dtype: torch.dtype) -> Optional[torch.dtype]:
-        if peer == self.rank:
-            return None
-        return WIRE_DTYPES[self.policy.names[self.rank][peer]]
-
-
 def _group_info(group: Optional[dist.ProcessGroup]):
     """(world_size, rank, global ranks) of ``group``; (1, 0, [0]) without torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -216,7 +78,55 @@ def _group_info(group: Optional[dist.ProcessGroup]):
     return W, rank, ranks
 
 
-class MoELayer(nn.Module):
+def _layer_communicator(group, cluster, world_size: int, rank: int) -> token_dispatch.DispatchComm:
+    """The communicator a layer's tokens travel through: the group's :class:`Communicator`
+    (a ``hetcomm`` group's own), one over ``cluster`` when the layer names another cluster
+    than the group's (a gloo group), or a local one when the group has one rank.
+
+    Raises:
+        ConfigError: the layer names another cluster than its ``hetcomm`` group uses (one
+            wire rule per group: give the backend the same file).
+    """
+    if world_size == 1:
+        return token_dispatch.GroupComm(None, 0, 1)
+    from hetcomm.backends.communicator import Communicator, communicator
+
+    comm = communicator(group)
+    if cluster is None or _same_cluster(cluster, comm.cluster):
+        return comm
+    if comm.routed is not None:
+        raise ConfigError(
+            f"MoELayer (rank {rank}) was given cluster '{cluster.name}' but its hetcomm group uses "
+            f"{comm.cluster.name if comm.cluster is not None else 'none'!r}; pass the same cluster to "
+            f"the backend (HetcommOptions.cluster / pg_options, or HETCOMM_CLUSTER) or drop cluster=",
+            key="moe.cluster",
+            path=cluster.path,
+        )
+    key = (id(comm.group), cluster.path or cluster.name)
+    hit = _CLUSTER_COMMS.get(key)
+    if hit is None or hit[0]() is not comm.group:
+        hit = _CLUSTER_COMMS[key] = (weakref.ref(comm.group), Communicator(comm.group, cluster=cluster))
+    return hit[1]
+
+
+#: Communicators over non-hetcomm groups for layers that name their own cluster, by (group,
+#: file); the group held weakly (a destroyed group must not live on until the interpreter exits).
+_CLUSTER_COMMS: Dict[Any, Any] = {}
+
+
+def _same_cluster(a, b) -> bool:
+    if a is b:
+        return True
+    if a is None or b is None:
+        return False
+    import os
+
+    if a.path and b.path:
+        return os.path.realpath(a.path) == os.path.realpath(b.path)
+    return a == b
+
+
+class MoELayer(PagedExperts, nn.Module):
     """Mixture-of-Experts layer (Tutel/DeepSpeed shape) over any process group.
 
     Args:
@@ -301,11 +211,14 @@ class MoELayer(nn.Module):
         else:
             self.strong_ranks = list(range(W))
 
+        if cfg.rank_weights == "throughput":
+            weights = list(self.rank_tflops)  # experts in proportion to compute speed
+        else:
+            weights = [cfg.strong_expert_weight if r in self.strong_ranks else 1.0 for r in range(W)]
+        #: ``[W]`` relative speed of each rank: the initial assignment's weights and the
+        #: placement policy's speeds (:meth:`rebalance`).
+        self.rank_weights: List[float] = weights
         if placement is None:
-            if cfg.rank_weights == "throughput":
-                weights = list(self.rank_tflops)  # experts in proportion to compute speed
-            else:
-                weights = [cfg.strong_expert_weight if r in self.strong_ranks else 1.0 for r in range(W)]
             placement = place_experts(num_experts, W, rank_weights=weights)
         elif placement.world_size != W or placement.num_experts != num_experts:
             raise ConfigError(
@@ -314,8 +227,9 @@ class MoELayer(nn.Module):
                 key="moe.placement",
             )
         self.placement = placement
-        self.wire: WirePolicy = wire_policy(W, cfg.wire_dtype, cluster, self.global_ranks)
-        self._comm = _WireComm(group if W > 1 else None, self.rank, W, self.wire)
+        # The group's Communicator, resolved at the first forward (a collective over a group
+        # that has none yet; construction of the layer stays local).
+        self._comm: Optional[token_dispatch.DispatchComm] = None
         # Registered (not persistent: derived from the placement) so that layer.to(device)
         # moves it with the parameters.
         self.register_buffer("_key_of_expert", torch.zeros(num_experts, dtype=torch.int64, device="cpu"), persistent=False)
@@ -352,8 +266,12 @@ class MoELayer(nn.Module):
                 policy=cfg.replicate_policy,
             )
         self.l_aux: torch.Tensor = torch.zeros((), device="cpu")  # replaced by the first forward
-        self.last_stats: Dict[str, Any] = {}
+        self.last_stats: Optional[StepStats] = None  # set by every forward
         self.metrics = MetricsAccumulator()
+        # The one load observer's subscribers (add_load_observer): each training forward's
+        # global statistics, all-reduced once, go to the calibrator, the replicator and these.
+        self._load_observers: List[Any] = []
+        self._fast_topk: Optional[int] = None
 
         # Expert paging (config.page_budget > 0): the pager is built at the first forward, on
         # the input's device, over this rank's experts in dispatch order (ascending id).
@@ -371,12 +289,57 @@ class MoELayer(nn.Module):
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def comm(self) -> token_dispatch.DispatchComm:
+        """The :class:`hetcomm.Communicator` of the layer's group (its ``dispatch``/``combine``
+        move the tokens, its ``wire_dtype`` decides each pair's wire dtype), built on first use
+        (collective when the group has none yet); a local one with a group of one."""
+        if self._comm is None:
+            self._comm = _layer_communicator(self.group, self.cluster, self.world_size, self.rank)
+        return self._comm
+
+    def add_load_observer(self, observer, fast_topk: Optional[int] = None) -> None:
+        """Subscribe ``observer(global_picks, global_probs, num_tokens, global_fast)`` to the
+        layer's one load observer: called after every training forward with the statistics the
+        layer all-reduces anyway, in the same all-reduce (``global_picks`` ``[E]`` float64 picks
+        per expert summed over the group, dropped ones included; ``global_probs`` ``[E]``
+        float64 summed router probabilities; ``num_tokens`` the group's tokens;
+        ``global_fast`` ``[E]`` float64 the summed ``fast_signal`` of the router's log
+        probabilities over their top ``fast_topk``, or None when no observer asked for it).
+        The calibrator and the replicator read the same numbers; the balancer
+        (:mod:`hetcomm.train.balance`) subscribes here."""
+        if fast_topk is not None:
+            if self._fast_topk and self._fast_topk != fast_topk:
+                raise ConfigError(
+                    f"the layer's load observer already computes the fast signal over the top {self._fast_topk}; "
+                    f"got another observer asking for {fast_topk}",
+                    key="moe.load_observer",
+                )
+            self._fast_topk = int(fast_topk)
+        self._load_observers.append(observer)
+
+    def take_migration_requests(self) -> List[int]:
+        """Global ids of the experts the pager asked to move since the last call (its L2 level:
+        an expert that keeps faulting when pinning it would exceed the pin budget,
+        :mod:`hetcomm.moe.degrade`); the balancer reads them. Empty without paging."""
+        if self.pager is None or not self.pager.migration_requests:
+            return []
+        ids = self._sorted_local_ids()
+        out = [ids[l] for l in self.pager.migration_requests]
+        self.pager.migration_requests.clear()
+        return out
+
+    def wire_dtype(self, peer: int, dtype: torch.dtype = torch.float32) -> torch.dtype:
+        """The dtype ``dtype`` rows of this layer travel in to/from group rank ``peer`` (the
+        Communicator's rule under the layer's ``wire_dtype`` option)."""
+        return self.comm.wire_dtype(peer, dtype, self.config.wire_dtype) or dtype
+
     def extra_repr(self) -> str:
         c = self.config
         return (
             f"model_dim={c.model_dim}, num_experts={c.num_experts}, k={c.k}, capacity_factor="
             f"{c.capacity_factor}, dropless={c.dropless}, world_size={self.world_size}, rank={self.rank}, "
-            f"local_experts={list(self.local_expert_ids)}, wire={self.wire.uniform or 'mixed'}, "
+            f"local_experts={list(self.local_expert_ids)}, wire_dtype={c.wire_dtype}, "
             f"num_chunks={c.num_chunks}, replicate={c.replicate}"
         )
 
@@ -404,8 +367,12 @@ class MoELayer(nn.Module):
         ids = self.placement.experts_of(self.rank)
         return [self.experts.experts[i] for i in sorted(range(len(ids)), key=lambda i: ids[i])]
 
-    def _make_expert(self, expert_id: int) -> nn.Module:
+    def make_expert(self, expert_id: int) -> nn.Module:
+        """A fresh module of expert ``expert_id`` as this layer builds it (its initial weights
+        depend only on the seed and the id): spare slots for migrations, references."""
         return build_expert(self._expert_spec, self.config.model_dim, expert_id, self.config.seed)
+
+    _make_expert = make_expert
 
     def _set_placement(self, placement: ExpertPlacement, modules: Sequence[nn.Module]) -> None:
         """Adopt ``placement`` with ``modules`` as this rank's experts, in local order."""
@@ -485,195 +452,15 @@ class MoELayer(nn.Module):
         self._migrations = (self._migrations or 0) + len(arrived)
         return arrived
 
-    # -- paging ------------------------------------------------------------------------------
-    def _check_page_budget(self) -> None:
-        """A budget that holds no expert of this rank is a configuration error (now, not at
-        the first forward)."""
-        L = len(self.local_expert_ids)
-        budget = self.config.page_budget
-        if budget > 0 and L and int(budget * L + 1e-9) < 1:
-            raise ConfigError(
-                f"page_budget {budget} of rank {self.rank}'s {L} local experts holds no expert on the device; "
-                f"raise it to at least {1 / L:.3f}",
-                key="moe.page_budget",
-            )
-
-    def _ensure_pager(self, device: torch.device) -> Optional[ExpertPager]:
-        if self.pager is None and self.config.page_budget > 0 and len(self.experts):
-            # At least one slot: checked at construction, and kept when a migration leaves this
-            # rank fewer experts than the budget holds one of (a running job must not stop there).
-            budget = min(1.0, max(self.config.page_budget, 1.0 / len(self.experts)))
-            pcfg = replace(self.config.paging or PagingConfig(), budget_fraction=budget)
-            self.pager = ExpertPager(self._modules_by_id(), pcfg, device=device, optimizer=self._page_optimizer)
-            self._page_mark = self._page_counters()
-        return self.pager
-
-    def _page_counters(self) -> Dict[str, float]:
-        """The current pager's cumulative counters: transfers and hits, and L1/L2/L3."""
-        assert self.pager is not None
-        return {**self.pager.stats_total, **self.pager.counters.as_dict()}
-
-    def _drop_pager(self) -> None:
-        if self.pager is not None:
-            if self._page_open:
-                self.end_page_step()
-            self.pager.close()  # waits for write-backs: the modules' weights stay valid views
-            for k, v in self._page_counters().items():
-                self._page_retired[k] = self._page_retired.get(k, 0) + v
-            self.pager = None
-
-    def page_stats(self) -> Dict[str, float]:
-        """This rank's pager counters since the layer was built (the pager's ``stats_total``
-        keys: ``hits``, ``waits``, ``stall_s``, ``loads``, ``evictions``, ``prefetches``,
-        ``reacquires``, ...), summed over the pagers a placement change replaced, plus
-        ``slots`` and ``experts`` of the current one. Empty without paging."""
-        if self.config.page_budget <= 0:
-            return {}
-        out = dict(self._page_retired)
-        if self.pager is not None:
-            for k, v in self._page_counters().items():
-                out[k] = out.get(k, 0) + v
-        out["slots"] = self.pager.num_slots if self.pager is not None else 0
-        out["experts"] = len(self.local_expert_ids)
-        return out
-
-    def attach_optimizer(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
-        """Page ``optimizer``'s per-element state of the experts with their weights (Adam's
-        moments move with each expert). Call it once the optimizer exists, before its first
-        step; without it, a paged layer's optimizer state stays where the optimizer made it,
-        which is only correct when host and device are the same memory (CPU)."""
-        self._page_optimizer = optimizer
-        if self.pager is not None:
-            self.pager.optimizer = optimizer
-
-    def end_page_step(self) -> None:
-        """Close the paging step (after ``optimizer.step()``): the pager updates its
-        predictor, evicts down to its watermark and starts soft prefetches. The next forward
-        calls it when the loop did not; a training loop with more than one forward per
-        optimizer step (gradient accumulation) must call it after each ``optimizer.step()``."""
-        if self.pager is not None and self._page_open:
-            self.pager.end_step()
-        self._page_open = False
-
-    def sync_pages(self) -> None:
-        """Wait for every page transfer in flight (before reading expert weights outside a
-        step: a checkpoint, a replica refresh, a comparison). No-op without paging."""
-        if self.pager is not None:
-            self.pager.sync()
-
-    def warm_pages(self, expert_share: torch.Tensor) -> List[int]:
-        """Seed the pager from a known routing (``hetcomm launch --warmup-from``: a previous
-        run's per-expert load): hint the predictor and page in this rank's hottest experts, as
-        many as the free slots take. Builds the pager on the experts' device if the first
-        forward has not. No-op without paging.
-
-        Args:
-            expert_share: ``[E]`` float, any device: each global expert's share of the load.
-        Returns:
-            Global ids of the experts resident afterwards because of it, hottest first.
-        Raises:
-            ConfigError: ``expert_share`` is not ``[E]`` (``key='moe.page_budget'``).
-        """
-        E = self.config.num_experts
-        if tuple(expert_share.shape) != (E,):
-            raise ConfigError(
-                f"expert_share has shape {tuple(expert_share.shape)}; expected ({E},), one share per global expert",
-                key="moe.page_budget",
-            )
-        if self.config.page_budget <= 0 or not len(self.experts):
-            return []
-        pager = self._ensure_pager(next(self.experts.parameters()).device)
-        assert pager is not None
-        ids = self._sorted_local_ids()
-        local = expert_share.detach().to("cpu", torch.float64)[ids]
-        pager.hint(local / local.max().clamp_min(1e-12))  # hottest = certain to be used
-        warmed = []
-        for l in torch.argsort(local, descending=True, stable=True).tolist():
-            if local[l] <= 0 or (not pager.resident(l) and not pager.prefetch(l)):
-                break  # unused from here on, or no free slot and nothing colder to evict
-            warmed.append(ids[l])
-        pager.sync()
-        return warmed
-
-    def _paged_experts(self, recv_x: torch.Tensor, counts: Sequence[int], handle, work, times: PipelineTimes) -> torch.Tensor:
-        """The local experts over the pager: resident experts first, page faults as their
-        loads land (loads started when the counts arrived, overlapping the token rows' transfer).
-
-        ``recv_x``: ``[R, D]`` rows grouped by local expert (``counts``); returns ``[R, D]``.
-        A training step whose experts do not all fit the budget runs in waves
-        (:class:`_StreamedExpert`): the experts stream through the slots and backward pages
-        each in again.
-        """
-        pager = self.pager
-        assert pager is not None
-        grad = torch.is_grad_enabled()
-        used = sum(1 for n in counts if n)
-        waves = grad and used > pager.num_slots
-        counts_t = torch.tensor(list(counts), dtype=torch.int64, device="cpu")  # host: the pager plans on the host
-        order = pager.begin_step(counts_t, hold=grad and not waves)
-        self._page_open = True
-        self._page_last = {"page_waves": waves, "page_experts_used": used}
-        if not sum(counts):
-            return recv_x * 0  # keep the rows in the graph (every rank's backward matches)
-        pieces = split_rows(recv_x, counts)
-        outs: List[torch.Tensor] = list(pieces)
-        for c in range(len(handle.chunk_rows)):
-            work.wait_chunk(c)
-            lo, hi = handle.chunk_experts[c]
-            te = time.perf_counter()
-            for g in pager.grants([e for e in order if lo <= e < hi]):
-                outs[g.requested] = self._run_grant(g, pieces[g.requested], waves)
-                pager.release(g.requested)
-            times.expert_s += time.perf_counter() - te
-        return cat_rows(outs)
-
-    def _run_grant(self, g: Grant, rows: torch.Tensor, waves: bool) -> torch.Tensor:
-        pager = self.pager
-        assert pager is not None
-        if g.kind == "stale":  # L1 opt-in: the expert's previous output, no compute
-            return pager.stale_output(g.requested, rows.size(0), like=rows)
-        module = pager.experts[g.expert]  # g.expert != g.requested: the L3 stand-in
-        if waves:
-            y = _StreamedExpert.apply(rows, pager, g.expert, module, *[p for p in module.parameters() if p.requires_grad])
-        else:
-            y = module(rows)
-        pager.record_output(g.requested, y.detach())
-        return y
-
-    def _page_step_stats(self) -> Dict[str, Any]:
-        """This rank's paging counters since the previous forward (see :meth:`step_stats`)."""
-        pager = self.pager
-        if pager is None:
-            if self.config.page_budget > 0:
-                return {"page_hits": 0, "page_faults": 0, "page_stall_s": 0.0}  # a rank without experts
-            return {}
-        now = self._page_counters()
-        d = {k: now[k] - self._page_mark.get(k, 0) for k in now}
-        self._page_mark = now
-        return {
-            "page_hits": int(d["hits"]),
-            "page_faults": int(d["waits"]),
-            "page_stall_s": float(d["stall_s"] + d["reacquire_stall_s"]),
-            "page_loads": int(d["loads"]),
-            "page_evictions": int(d["evictions"]),
-            "page_prefetches": int(d["prefetches"]),
-            "page_reacquires": int(d["reacquires"]),
-            "page_resident": len(pager.resident_experts()),
-            "page_slots": pager.num_slots,
-            # Degradation levels (hetcomm.moe.degrade), this step's share of each.
-            "page_l1_waits": int(d["l1_waits"]),
-            "page_l1_stale": int(d["l1_stale"]),
-            "page_l2_pins": int(d["l2_pins"]),
-            "page_l2_migration_requests": int(d["l2_migration_requests"]),
-            "page_l3_substitutions": int(d["l3_substitutions"]),
-            **self._page_last,
-        }
-
     def rebalance(self, expert_load: Optional[Sequence[float]] = None, optimizer=None) -> List[int]:
-        """Re-place experts by load: hottest spread over strong ranks, coldest on weak ranks.
+        """Re-place experts by load, now (collective), with the one placement policy.
 
-        Collective. Every rank keeps its number of experts; moved experts carry their optimizer
-        state along (see :mod:`hetcomm.moe.migrate`), so training continues unchanged.
+        The map comes from :class:`~hetcomm.moe.placement.balancer.ExpertBalancer` (the policy
+        of ``hetcomm train --balance``: capacity-aware packing by rank speed, refined, moves
+        only where they shorten the slowest rank's step), fed this one load; every rank keeps
+        its number of experts; the moves are carried out by
+        :func:`~hetcomm.moe.placement.migration.migrate_now` (parameters, optimizer state and
+        gradients travel with each expert), so training continues unchanged.
 
         Args:
             expert_load: ``[E]`` load per expert, identical on every rank (default: the
@@ -685,9 +472,9 @@ class MoELayer(nn.Module):
         Raises:
             ConfigError: no load given and replication off.
         """
-        from hetcomm.moe.migrate import migrate_experts
+        from hetcomm.moe.placement.balancer import BalancerConfig, ExpertBalancer, ExpertMap
+        from hetcomm.moe.placement.migration import migrate_now
 
-        self.sync_pages()  # the migration reads the experts' weights
         if expert_load is None:
             if self.replicator is None:
                 raise ConfigError(
@@ -696,14 +483,19 @@ class MoELayer(nn.Module):
                     key="moe.rebalance",
                 )
             expert_load = self.replicator.ema.tolist()
-        new = place_experts(
-            self.config.num_experts,
-            self.world_size,
-            strong_ranks=self.strong_ranks,
-            expert_load=list(expert_load),
-            num_local_experts=self.placement.num_local_experts_per_rank,
+        E, W = self.config.num_experts, self.world_size
+        balancer = ExpertBalancer(
+            E,
+            self.rank_weights,
+            BalancerConfig(window=1, every=1, cooldown=1),
+            slots=list(self.placement.num_local_experts_per_rank),
+            initial=ExpertMap.from_lists([[r] for r in self.placement.owner], W),
         )
-        return migrate_experts(self, new, optimizer)
+        balancer.observe(torch.tensor([float(v) for v in expert_load], dtype=torch.float64))
+        plan = balancer.propose()
+        if not plan.adopted:
+            return []
+        return migrate_now(self, plan.new_map.owner(), optimizer)
 
     def sync_replicas(self, force: bool = False) -> bool:
         """Refresh replicas from their owners now (collective). Returns True if weights moved."""
@@ -749,26 +541,26 @@ class MoELayer(nn.Module):
         g = self.gate(x2)
         self.l_aux = g.l_aux
         replica_here = rep.replica_here() if rep is not None and rep.replicas else None
-        route = plan_route(g.topk_idx, self._key_of_expert, g.capacity, replica_here)
+        # The only routing step: capacity, then the copies for local replicas set aside; the
+        # dispatch plans the exchange of what is left.
+        route = route_tokens(g.topk_idx, self._key_of_expert, g.capacity, replica_here)
 
         # Global statistics for calibration and replication, summed over ranks: one all-reduce
         # of [probs (E), picks (E), tokens (1)], launched now and awaited after the experts.
-        update = self.training and (self.gate.calibrator is not None or rep is not None)
+        update = self.training and (self.gate.calibrator is not None or rep is not None or bool(self._load_observers))
         stat_vec = stat_work = None
         if update:
-            stat_vec = torch.cat(
-                [g.probs.detach().sum(0).double(), route.picks.double(), torch.tensor([float(T)], dtype=torch.float64, device=x2.device)]
-            )
+            parts = [g.probs.detach().sum(0).double(), route.picks.double(), torch.tensor([float(T)], dtype=torch.float64, device=x2.device)]
+            if self._fast_topk:  # the balancer's fast timescale (add_load_observer(fast_topk=...))
+                from hetcomm.moe.placement.balancer import fast_signal
+
+                parts.append(fast_signal(torch.log(g.probs.detach().clamp_min(1e-30)), self._fast_topk).to(torch.float64))
+            stat_vec = torch.cat(parts)
             if self.distributed:
                 stat_work = dist.all_reduce(stat_vec, group=self.group, async_op=True)
 
         weights_flat = g.topk_weights.t().reshape(-1)  # [A], choice-major like assignments
-        # The copies that travel (kept, not computed on a local replica), as the dispatch's
-        # topk_idx: -1 in every other slot.
-        A = route.num_assign
-        idx_cm = torch.full((A,), -1, dtype=torch.int64, device=x2.device)
-        idx_cm[route.send_assign] = g.topk_idx.t().reshape(-1)[route.send_assign]
-        idx_send = idx_cm.view(cfg.k, T).t()
+        idx_send = route.send_idx
 
         times = PipelineTimes()
         local_out: List = []
@@ -804,8 +596,7 @@ class MoELayer(nn.Module):
         # combine as they come: no [R, D] concatenation of rows or gradients. A rank without
         # experts takes the whole (empty) block, which keeps x in its backward's graph.
         mods = self._modules_by_id() if pager is None else []
-        recv_x, counts, handle, work = token_dispatch.dispatch(
-            self._comm,
+        res = self.comm.dispatch(
             x2,
             idx_send,
             g.topk_weights,
@@ -813,7 +604,9 @@ class MoELayer(nn.Module):
             async_op=True,
             num_chunks=cfg.num_chunks,
             split_by_expert=bool(mods),
+            wire_dtype=cfg.wire_dtype,
         )
+        recv_x, counts, handle, work = res.recv_x, res.recv_counts, res.handle, res.work
         compute_local()
         if pager is not None:
             y_recv = self._paged_experts(recv_x, counts, handle, work, times)
@@ -828,14 +621,14 @@ class MoELayer(nn.Module):
             work.wait()
             y_recv = recv_x * 0
         tw = time.perf_counter()
-        out = token_dispatch.combine(self._comm, y_recv, handle)
+        out = self.comm.combine(y_recv, handle)
         times.comm_exposed_s = work.exposed_s + time.perf_counter() - tw
         times.num_chunks = cfg.num_chunks
         times.rows_per_expert = list(counts)
         # Combine sends back exactly what dispatch received, in the same wire dtypes.
         times.bytes_sent = times.bytes_recv = handle.bytes_sent + handle.bytes_recv
         times.total_s = time.perf_counter() - t_start
-        saved = self._replica_saved_bytes(g.topk_idx, route, idx_cm, D, x2.element_size())
+        saved = self._replica_saved_bytes(g.topk_idx, route, x2.dtype)
 
         if local_out:
             w_loc = weights_flat.index_select(0, route.local_assign)
@@ -860,16 +653,20 @@ class MoELayer(nn.Module):
                 self.gate.calibrator.update(gp, gT)
             if rep is not None:
                 rep.observe(gpicks, row_bytes=D * x2.element_size())
+            gfast = stat_vec[2 * E + 1 :] if self._fast_topk else None
+            for observer in self._load_observers:
+                observer(gpicks, gp, gT, gfast)
         self._record(route, times, t_start, saved, global_picks=stat_vec[E : 2 * E] if update else None)
         return out.to(x.dtype).reshape(shape)
 
-    def _replica_saved_bytes(self, topk_idx, route, idx_cm, D: int, elem: int) -> int:
+    def _replica_saved_bytes(self, topk_idx, route, dtype: torch.dtype) -> int:
         """Forward bytes (dispatch + combine) the copies computed on local replicas would have
         cost: the token rows with them minus the token rows without them, per destination."""
         if route.local_assign.numel() == 0:
             return 0
         cfg = self.config
         T = topk_idx.size(0)
+        idx_cm = route.send_idx.t().reshape(-1)
         with_rep = idx_cm.clone()
         with_rep[route.local_assign] = topk_idx.t().reshape(-1)[route.local_assign]
         rows = [
@@ -880,10 +677,10 @@ class MoELayer(nn.Module):
         saved = 0
         for d, n in enumerate(extra):
             if d != self.rank and n:
-                wd = WIRE_DTYPES[self.wire.names[self.rank][d]]
+                wd = self.comm.wire_dtype(d, dtype, cfg.wire_dtype) or dtype
                 # Sent once by dispatch, once more by combine (summed over ranks, what comes back
                 # to one rank is what another sends).
-                saved += 2 * n * D * min(wd.itemsize, elem)
+                saved += 2 * n * cfg.model_dim * wd.itemsize
         return saved
 
     # -- stats -------------------------------------------------------------------------------
@@ -894,64 +691,46 @@ class MoELayer(nn.Module):
         num_local = num_self + int(route.local_assign.numel())
         self.metrics.add(route.picks, route.num_dropped, num_local, kept)
         m = routing_metrics(route.picks, route.num_dropped, num_local, kept)
-        D = self.config.model_dim
-        stats: Dict[str, Any] = {
-            "rank": self.rank,
-            "tokens": route.num_assign // max(1, self.config.k),
-            "copies": route.num_assign,
-            "dropped": route.num_dropped,
-            "overflow_rate": m.overflow_rate,
-            "top5_share": m.top5_share,
-            "min_expert_rate": m.min_expert_rate,
-            "local_fraction": m.local_fraction,
-            "a2a_bytes_sent": times.bytes_sent,
-            "a2a_bytes_recv": times.bytes_recv,
-            "a2a_bytes_sent_without_replication": times.bytes_sent + saved,
-            "comm_exposed_s": times.comm_exposed_s,
-            "expert_s": times.expert_s,
-            "forward_s": time.perf_counter() - t_start,
-            "num_chunks": times.num_chunks,
-            "rows_per_expert": list(times.rows_per_expert),
-            "replicas": tuple(self.replicator.replicas) if self.replicator else (),
-            "hot_experts": self.replicator.hot if self.replicator else (),
-            "replica_extra_bytes": self.replicator.extra_bytes if self.replicator else 0,
-            "l_aux": float(self.l_aux.detach()),
-        }
-        if global_picks is not None:
-            gm = routing_metrics(global_picks, 0, 0)
-            stats["global_top5_share"] = gm.top5_share
-            stats["global_min_expert_rate"] = gm.min_expert_rate
-        if self.gate.calibrator is not None:
-            stats["calibration_lag"] = self.gate.calibrator.lag_factor()
-        stats.update(self._page_step_stats())
-        if self._migrations is not None:
-            stats["migrations"] = self._migrations
-            self._migrations = 0
-        self.last_stats = stats
+        gm = routing_metrics(global_picks, 0, 0) if global_picks is not None else None
+        rep = self.replicator
+        migrations, self._migrations = self._migrations, (0 if self._migrations is not None else None)
+        self.last_stats = StepStats(
+            rank=self.rank,
+            tokens=route.num_assign // max(1, self.config.k),
+            copies=route.num_assign,
+            dropped=route.num_dropped,
+            overflow_rate=m.overflow_rate,
+            top5_share=m.top5_share,
+            min_expert_rate=m.min_expert_rate,
+            local_fraction=m.local_fraction,
+            a2a_bytes_sent=times.bytes_sent,
+            a2a_bytes_recv=times.bytes_recv,
+            a2a_bytes_sent_without_replication=times.bytes_sent + saved,
+            comm_exposed_s=times.comm_exposed_s,
+            expert_s=times.expert_s,
+            forward_s=time.perf_counter() - t_start,
+            num_chunks=times.num_chunks,
+            rows_per_expert=tuple(times.rows_per_expert),
+            replicas=tuple(rep.replicas) if rep else (),
+            hot_experts=tuple(rep.hot) if rep else (),
+            replica_extra_bytes=rep.extra_bytes if rep else 0,
+            l_aux=float(self.l_aux.detach()),
+            global_top5_share=gm.top5_share if gm is not None else None,
+            global_min_expert_rate=gm.min_expert_rate if gm is not None else None,
+            calibration_lag=self.gate.calibrator.lag_factor() if self.gate.calibrator is not None else None,
+            migrations=migrations,
+            **self._page_step_stats(),
+        )
 
-    def step_stats(self) -> Dict[str, Any]:
-        """The per-step stats dict of the last forward (a copy). Keys:
+    def step_stats(self) -> StepStats:
+        """What the last forward did on this rank: a :class:`~hetcomm.moe.step_stats.StepStats`
+        (frozen; its fields are documented there). It also reads like the dict of earlier
+        releases (``st["dropped"]``, ``"page_hits" in st``, ``dict(st)``).
 
-        ``tokens``, ``copies``, ``dropped``, ``overflow_rate``, ``top5_share``,
-        ``min_expert_rate``, ``local_fraction`` (this rank's routing); ``global_top5_share`` and
-        ``global_min_expert_rate`` (all ranks, training steps only); ``a2a_bytes_sent`` /
-        ``a2a_bytes_recv`` (forward activation bytes to/from other ranks, wire dtypes applied);
-        ``a2a_bytes_sent_without_replication`` (what replication saved, added back);
-        ``comm_exposed_s``, ``expert_s``, ``forward_s``, ``num_chunks``, ``rows_per_expert`` (rows
-        each local expert computed); ``hot_experts``,
-        ``replicas`` (held here), ``replica_extra_bytes``; ``l_aux``; ``calibration_lag``.
-
-        With paging (``page_budget > 0``), this rank's pager since the previous forward (so a
+        Paging counters (``page_*``) cover this rank's pager since the previous forward, so a
         step's end-of-step evictions and prefetches, and a wave step's backward reloads, show in
-        the next forward's stats): ``page_hits`` (expert computations that started without
-        waiting), ``page_faults`` (that waited, or took the L1/L3 answer), ``page_stall_s``
-        (seconds computations waited for loads, backward reloads included), ``page_loads``,
-        ``page_evictions``, ``page_prefetches``, ``page_reacquires`` (backward reloads of a wave
-        step), ``page_resident`` / ``page_slots`` (experts on the device / room),
-        ``page_waves`` (this step's experts did not fit and streamed), ``page_experts_used``;
-        the degradation levels: ``page_l1_waits``, ``page_l1_stale``, ``page_l2_pins``,
-        ``page_l2_migration_requests``, ``page_l3_substitutions``.
-        ``migrations``: experts that landed on this rank through :meth:`apply_placement` since
-        the previous forward (present once a placement has been applied).
+        the next forward's stats; ``migrations`` counts the experts that landed on this rank
+        through :meth:`apply_placement` since the previous forward.
         """
-        return dict(self.last_stats)
+        return self.last_stats if self.last_stats is not None else StepStats.empty(self.rank)
+

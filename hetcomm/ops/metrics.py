@@ -78,7 +78,7 @@ RAILS: Tuple[str, ...] = ("shm", "gloo", "bridge", "nccl", "hccl")
 #: ``bytes_by_link_class`` key of bytes sent on a rail that none of the sender's pairs use.
 OTHER = "OTHER"
 
-#: Counters summed from ``MoELayer.step_stats()`` when a layer reports them (else ``null``).
+#: Counters summed from ``MoELayer.step_stats()`` (a ``StepStats``) when a layer reports them (else ``null``).
 LAYER_COUNTERS: Tuple[str, ...] = ("page_hits", "page_faults", "migrations")
 
 #: Seconds summed from ``MoELayer.step_stats()`` when a layer reports them (else ``null``).
@@ -410,16 +410,13 @@ class MetricsCollector:
             loads.extend((now_picks - prev if prev is not None else now_picks).tolist())
             self._last_picks[li] = now_picks.clone()
         counters = []
-        for key in LAYER_COUNTERS:
-            vals = [st[key] for st in stats if key in st]
-            counters.append(float(sum(vals)) if vals else math.nan)
-        for key in LAYER_SECONDS:
-            vals = [float(st[key]) for st in stats if key in st]
+        for key in LAYER_COUNTERS + LAYER_SECONDS:  # StepStats fields, None where a layer has none
+            vals = [float(st.as_dict()[key]) for st in stats if key in st]
             counters.append(sum(vals) if vals else math.nan)
         vec = torch.tensor(
             [step_s]
             + [self._phase.get(p, 0.0) for p in PHASES]
-            + [sum(float(st.get("comm_exposed_s", 0.0)) for st in stats), sum(float(st.get("expert_s", 0.0)) for st in stats)]
+            + [sum(st.comm_exposed_s for st in stats), sum(st.expert_s for st in stats)]
             + [float(delta.get(r, 0)) for r in RAILS]
             + by_class
             + loads

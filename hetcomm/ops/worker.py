@@ -1,6 +1,9 @@
 """What ``hetcomm launch`` runs in every torchrun worker: place the rank, stagger, run the job.
 
-    python -m hetcomm.ops.worker [hetcomm subcommand and its arguments]
+    python -m hetcomm.cli.worker [hetcomm subcommand and its arguments]
+
+(the entry point is :mod:`hetcomm.cli.worker`, which hands the CLI's parser to :func:`main`:
+``ops`` does not import the floor above it).
 
 torchrun numbers nodes in rendezvous order, not in the cluster YAML's order, and a node left out
 by the health check is simply absent. A cluster YAML places ranks by position, so before the
@@ -9,7 +12,7 @@ process group exists each worker:
 1. publishes its node's name (``HETCOMM_NODE``, set by that node's ``hetcomm launch --node``)
    under its torchrun node rank (``GROUP_RANK``) in torchrun's own store, reads every node's,
    and writes the cluster YAML *of this job*: the nodes that joined, in torchrun's order
-   (:func:`hetcomm.ops.placement.job_cluster_yaml`); ``HETCOMM_CLUSTER`` then points at it;
+   (:func:`hetcomm.ops.job_cluster.job_cluster_yaml`); ``HETCOMM_CLUSTER`` then points at it;
    without ``HETCOMM_NODE`` (one torchrun for the whole cluster, e.g. on one machine) the YAML
    is used as it is;
 2. gives this attempt a store of its own (:func:`fresh_store`: a restart must not read the
@@ -25,13 +28,19 @@ import os
 import sys
 import time
 from datetime import timedelta
-from typing import List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 __all__ = ["main", "NODE_ENV", "GROUP_SIZE_ENV", "GROUP_DELAY_ENV"]
 
-NODE_ENV = "HETCOMM_NODE"
-GROUP_SIZE_ENV = "HETCOMM_GROUP_SIZE"
-GROUP_DELAY_ENV = "HETCOMM_GROUP_DELAY"
+from hetcomm import settings
+
+if TYPE_CHECKING:
+    import argparse
+
+# The names, for callers that set them in a child environment (declared in hetcomm.settings).
+NODE_ENV = settings.NODE.name
+GROUP_SIZE_ENV = settings.GROUP_SIZE.name
+GROUP_DELAY_ENV = settings.GROUP_DELAY.name
 
 
 def _torchrun_store(timeout_s: float):
@@ -45,11 +54,11 @@ def _torchrun_store(timeout_s: float):
 
 def place(argv: List[str]) -> List[str]:
     """Step 1: the job's cluster YAML; returns ``argv`` with ``--cluster`` pointing at it."""
-    from hetcomm.ops.placement import job_cluster_yaml
+    from hetcomm.ops.job_cluster import job_cluster_yaml
     from hetcomm.topo.cluster import CLUSTER_ENV
 
-    node = os.environ.get(NODE_ENV)
-    full = os.environ.get(CLUSTER_ENV)
+    node = settings.NODE.get()
+    full = settings.CLUSTER.get()
     if not node or not full:
         return argv
     group_rank = int(os.environ["GROUP_RANK"])
@@ -65,7 +74,7 @@ def place(argv: List[str]) -> List[str]:
     text = job_cluster_yaml(full, order)
     from hetcomm.ops.safe_fs import check_private_dir, write_private
 
-    out_dir = os.environ.get("HETCOMM_LAUNCH_DIR")
+    out_dir = settings.LAUNCH_DIR.get()
     if out_dir:
         check_private_dir(out_dir, what="$HETCOMM_LAUNCH_DIR")
     else:  # a worker started by plain torchrun: a fresh private directory of its own
@@ -109,8 +118,8 @@ def fresh_store() -> None:
 
 def stagger() -> float:
     """Step 2: sleep for this rank's group; returns the seconds slept."""
-    size = int(os.environ.get(GROUP_SIZE_ENV, "0") or 0)
-    delay = float(os.environ.get(GROUP_DELAY_ENV, "0") or 0)
+    size = settings.GROUP_SIZE.get()
+    delay = settings.GROUP_DELAY.get()
     if size <= 0 or delay <= 0:
         return 0.0
     wait = (int(os.environ.get("RANK", "0")) // size) * delay
@@ -118,7 +127,7 @@ def stagger() -> float:
     return wait
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, *, build_parser: "Callable[[], argparse.ArgumentParser]", exit_usage: int) -> int:
     """Run the job; a *finished* job's exit code is recorded, not returned.
 
     torchrun restarts the workers when one exits non-zero, which is right for a crash (a dead
@@ -127,8 +136,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     whose input is bad (exit 2): a restart would only repeat it. Those codes are written to
     ``$HETCOMM_LAUNCH_DIR/job-exit`` by rank 0, the worker exits 0, and ``hetcomm launch``
     returns the recorded code.
+
+    Args:
+        argv: the hetcomm subcommand and its arguments (default ``sys.argv[1:]``).
+        build_parser / exit_usage: the CLI's parser and usage exit code, passed in by the entry
+            point :mod:`hetcomm.cli.worker` (``ops`` does not import the floor above it).
     """
-    from hetcomm.cli.main import EXIT_USAGE, build_parser
+    EXIT_USAGE = exit_usage
     from hetcomm.errors import ConfigError, TopologyParseError, UsageError
 
     args = place(list(sys.argv[1:] if argv is None else argv))
@@ -140,13 +154,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (UsageError, ConfigError, TopologyParseError) as e:
         print(f"hetcomm {ns.command}: error: {e}", file=sys.stderr)
         code = EXIT_USAGE
-    out = os.environ.get("HETCOMM_LAUNCH_DIR")
+    out = settings.LAUNCH_DIR.get()
     if out and os.environ.get("RANK", "0") == "0":
         from hetcomm.ops.safe_fs import write_private
 
         write_private(os.path.join(out, "job-exit"), f"{code}\n")
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

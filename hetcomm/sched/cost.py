@@ -46,6 +46,7 @@ import numpy as np
 from hetcomm.errors import ConfigError
 from hetcomm.topo.bandwidth import PCIE_GBPS, SYS_GBPS, canonical_model, nominal_gbps
 from hetcomm.topo.cluster import Cluster
+from hetcomm.topo.linkcost import LATENCY_US, OVERHEAD_US, UNKNOWN_LATENCY_US, UNKNOWN_OVERHEAD_US
 from hetcomm.topo.model import LinkClass
 
 __all__ = [
@@ -58,52 +59,16 @@ __all__ = [
     "DEFAULT_OVERHEAD_US",
 ]
 
-# Latency (alpha) per message by link class, microseconds. Order-of-magnitude figures for a
-# large-message protocol (one-way time to first byte, including software launch): device
-# fabrics a few us, RDMA with GPUDirect under 10 us, host-bounced paths more, TCP tens of us.
-# They are assumptions, not measurements: calibrate with `hetcomm bench` output. HOST_BRIDGE
-# takes the cluster's own `interconnect.cross_vendor.latency_us`.
+# Latency (alpha) and per-message overhead by link class, microseconds: the one table that
+# `hetcomm audit` reads too (hetcomm.topo.linkcost), keyed here by class name as CostParams
+# overrides are. HOST_BRIDGE latency takes the cluster's own `interconnect.cross_vendor.latency_us`.
 DEFAULT_LATENCY_US: Dict[str, float] = {
-    "NVLINK": 3.0,
-    "HCCS": 4.0,
-    "PCIE_PIX": 5.0,
-    "PCIE_PXB": 5.0,
-    "PCIE_PHB": 6.0,
-    "PCIE_NODE": 6.0,
-    "PCIE_SYS": 8.0,
-    "P2P": 5.0,
-    "SHM": 8.0,
-    "NET_IB_GDR": 6.0,
-    "NET_IB": 9.0,
-    "NET_ROCE_GDR": 8.0,
-    "NET_ROCE": 11.0,
-    "NET_EFA": 15.0,
-    "NET_SOCKET": 50.0,
-    "UNKNOWN": 50.0,
+    **{c.name: v for c, v in LATENCY_US.items() if c != LinkClass.HOST_BRIDGE},
+    "UNKNOWN": UNKNOWN_LATENCY_US,
 }
-
-# Per-message occupancy (LogGP "gap") on every resource a message crosses, microseconds:
-# posting a work request / launching a copy. Host-staged paths (SHM, non-GDR NICs, the
-# cross-vendor bridge) need a device<->host copy per message driven by a host proxy, hence more.
-# Assumptions like the latencies above; calibratable.
 DEFAULT_OVERHEAD_US: Dict[str, float] = {
-    "NVLINK": 1.0,
-    "HCCS": 1.0,
-    "PCIE_PIX": 2.0,
-    "PCIE_PXB": 2.0,
-    "PCIE_PHB": 2.0,
-    "PCIE_NODE": 2.0,
-    "PCIE_SYS": 2.0,
-    "P2P": 2.0,
-    "SHM": 4.0,
-    "NET_IB_GDR": 2.0,
-    "NET_IB": 4.0,
-    "NET_ROCE_GDR": 2.0,
-    "NET_ROCE": 4.0,
-    "NET_EFA": 4.0,
-    "NET_SOCKET": 10.0,
-    "HOST_BRIDGE": 10.0,
-    "UNKNOWN": 10.0,
+    **{c.name: v for c, v in OVERHEAD_US.items()},
+    "UNKNOWN": UNKNOWN_OVERHEAD_US,
 }
 
 # Device memory bandwidth, GB/s, by model family (datasheets: A100 80GB SXM4 2,039; H100/H800
@@ -264,49 +229,34 @@ def _rows_from_json(doc: Any) -> List[Dict[str, Any]]:
 
 
 def _parse_nccl_tests(text: str, path: str) -> List[Dict[str, float]]:
-    """Rows of an nccl-tests ``*_perf`` table: size, out-of-place time and busbw."""
-    header: Optional[List[str]] = None
-    rows: List[Dict[str, float]] = []
-    tables: List[int] = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        s = line.strip()
-        if s.startswith("#"):
-            tokens = s.lstrip("#").split()
-            if "size" in tokens and "time" in tokens and "busbw" in tokens:
-                header = tokens
-                tables.append(lineno)
-            continue
-        if header is None or not s:
-            continue
-        tokens = s.split()
-        if not tokens[0].isdigit() or len(tokens) < header.index("busbw") + 1:
-            continue
-        try:
-            rows.append(
-                {
-                    "size_bytes": float(tokens[header.index("size")]),
-                    "time_us": float(tokens[header.index("time")]),
-                    "busbw_gbps": float(tokens[header.index("busbw")]),
-                }
-            )
-        except ValueError:
-            continue
-    if header is None:
+    """Rows of one nccl-tests run (size, out-of-place time and busbw), read by the one nccl-tests
+    parser (:mod:`hetcomm.topo.parse.nccl_tests`), launcher prefixes stripped like every input."""
+    from hetcomm.errors import TopologyParseError
+    from hetcomm.topo.parse import parse_text
+
+    try:
+        topo = parse_text(text, path=path, fmt="nccl-tests")
+    except TopologyParseError as e:
         raise ConfigError(
             "not a cost file: expected JSON (cost parameters or bench rows with size_bytes and "
-            "time_us) or nccl-tests output with a '# size ... time algbw busbw' header",
+            f"time_us) or nccl-tests output with a '# size ... time algbw busbw' header ({e})",
             path=path,
-        )
-    if len(tables) > 1:
+        ) from None
+    rows = [m for m in topo.measurements if not m.in_place]
+    runs = sorted({(m.op, m.num_ranks) for m in rows}, key=str)
+    if len(runs) > 1:
         # Two runs (say one node and two nodes) measure different links; fitting one line
         # through both would describe neither.
         raise ConfigError(
-            f"holds {len(tables)} nccl-tests result tables (headers at lines "
-            f"{', '.join(map(str, tables))}); calibrate from a file with one run of one link class",
+            f"holds {len(runs)} nccl-tests result tables ("
+            + ", ".join(f"{op} on {n} ranks" for op, n in runs)
+            + "); calibrate from a file with one run of one link class",
             path=path,
-            line=tables[1],
         )
-    return rows
+    return [
+        {"size_bytes": float(m.size_bytes), "time_us": float(m.time_us), "busbw_gbps": float(m.busbw_gbps)}
+        for m in rows
+    ]
 
 
 def load_cost_params(path: str, link_class: Optional[str] = None) -> CostParams:

@@ -89,7 +89,7 @@ def canonical_model(model: Optional[str]) -> Optional[str]:
     if not model:
         return None
     m = model.upper().replace("NVIDIA", "").replace("ASCEND", "").strip()
-    if re.search(r"910_?93", m):  # Ascend 910_93 (A3 generation) is marketed as 910C
+    if re.search(r"910_?93|910C", m):  # Ascend 910_93 (A3 generation) is marketed as 910C
         return "910C"
     match = re.search(r"910([A-C])?", m)
     if match:  # a bare "910" is the first generation, sold as 910A

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -56,6 +55,7 @@ from hetcomm._yaml import SourcedYaml, load_yaml, load_yaml_text, reject_unknown
 from hetcomm.errors import ConfigError
 from hetcomm.topo.bandwidth import canonical_model, nominal_gbps, vendor_of_model
 from hetcomm.topo.model import Device, Link, LinkClass, Nic, Topology
+from hetcomm.wire_dtypes import LINK_SPELLINGS, parse_wire_dtype
 
 __all__ = [
     "NicSpec",
@@ -69,8 +69,7 @@ __all__ = [
     "CLUSTER_ENV",
 ]
 
-CLUSTER_ENV = "HETCOMM_CLUSTER"
-_WIRE_DTYPES = ("fp32", "fp16", "bf16")
+CLUSTER_ENV = "HETCOMM_CLUSTER"  # declared in hetcomm.settings (CLUSTER); the name, for child environments
 _DEFAULT_FABRIC = {"nvidia": LinkClass.NVLINK, "ascend": LinkClass.HCCS, "cpu": LinkClass.SHM}
 
 
@@ -439,7 +438,9 @@ def load_cluster_text(text: str, path: str = "<text>") -> Cluster:
 
 def cluster_from_env() -> Optional[Cluster]:
     """The cluster named by ``$HETCOMM_CLUSTER``, or None when the variable is unset."""
-    path = os.environ.get(CLUSTER_ENV)
+    from hetcomm import settings
+
+    path = settings.CLUSTER.get()
     if not path:
         return None
     return load_cluster(path)
@@ -648,8 +649,7 @@ def _build(src: SourcedYaml) -> Cluster:
             key = f"wire_dtype.{cls_name}"
             if cls_name != "default":
                 _link_class(src, cls_name, key)
-            if not isinstance(dtype, str) or dtype not in _WIRE_DTYPES:
-                raise src.error(key, f"unknown wire dtype {_shown(dtype)}; expected one of {', '.join(_WIRE_DTYPES)}")
+            parse_wire_dtype(dtype, allowed=LINK_SPELLINGS, key=key, error=lambda msg, key=key: src.error(key, msg))
             wire.append((LinkClass.parse(cls_name).name if cls_name != "default" else "default", dtype))
 
     emulation: Tuple[Tuple[str, Any], ...] = ()

@@ -47,6 +47,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
+from hetcomm import settings
 from hetcomm.errors import ConfigError, PeerTimeout
 from hetcomm.topo.bandwidth import canonical_model, is_sxm_model, vendor_of_model
 from hetcomm.topo.cluster import Cluster, Interconnect, NicSpec, NodeGroup
@@ -86,7 +87,7 @@ def resolve_probe_dir(rank: int, probe_dir: Optional[str] = None) -> Optional[st
     The template lets one environment (torchrun gives every rank the same) hand each rank a
     different captured host: ``HETCOMM_PROBE_DIR=/captures/rank{rank}``.
     """
-    value = probe_dir if probe_dir is not None else (os.environ.get(PROBE_DIR_ENV) or None)
+    value = probe_dir if probe_dir is not None else settings.PROBE_DIR.get()
     if value and "{rank}" in value:
         value = value.replace("{rank}", str(rank))
     return value

@@ -387,6 +387,10 @@ def render_answers(report: AuditReport) -> str:
                 f"  expected: {a.time_us:,.1f} us (bounded by {a.bottleneck.name}); "  # type: ignore[union-attr]
                 f"algbw {a.algbw_gbs:,.2f} GB/s, busbw {a.busbw_gbs:,.2f} GB/s; "
                 f"no-overlap bound {a.serial_time_us:,.1f} us"
+                if a.model == "alpha-beta"
+                else f"  expected: {a.time_us:,.1f} us (the cost model of `hetcomm simulate`, flat "
+                f"plan); algbw {a.algbw_gbs:,.2f} GB/s, busbw {a.busbw_gbs:,.2f} GB/s; the alpha-beta "
+                f"table above gives {a.alpha_beta_time_us or 0:,.1f} us"
             )
         out.append(
             "  (peers, bytes sent, bandwidth: of the rank that takes longest over the class)"

@@ -3,17 +3,18 @@ into the training loop.
 
 Per step (every rank, in the same order):
 
-- a forward hook on each MoE layer's gate records this rank's picks per expert (``[E]``) and the
-  confidence-weighted top-20 share of its routing probabilities (``fast_signal`` of
-  ``log probs``, the logits up to a per-token constant);
+- each MoE layer's one load observer (:meth:`~hetcomm.moe.MoELayer.add_load_observer`: the
+  statistics the layer all-reduces anyway, in the same all-reduce) gives the group's picks per
+  expert (``[E]``) and the confidence-weighted top-20 share of its routing probabilities
+  (``fast_signal`` of ``log probs``, the logits up to a per-token constant); the pager's L2
+  migration requests (:meth:`~hetcomm.moe.MoELayer.take_migration_requests`) are collected too;
 - after backward: in-flight migrations finish (the old owners computed this step; their
   gradients travel with the experts) and the layer adopts the new placement
   (:meth:`~hetcomm.moe.layer.MoELayer.apply_placement`, which counts the experts that landed in
   the layer's ``migrations`` step stat);
-- after the optimizer step: one all-reduce of ``[layers, 2E]`` float64, then rank 0's result
-  broadcast (sums of float shares may differ in the last bit between ranks), gives every rank the
-  same global loads and fast shares; each layer's :class:`~hetcomm.moe.balancer.ExpertBalancer` sees
-  them, every rank computes the same plan, rank 0 broadcasts its map in CSR form and the others
+- after the optimizer step: one all-reduce of the requests (``[layers, E]``), then rank 0's
+  loads, fast shares and requests broadcast (every rank decides from bitwise the same numbers),
+  reach each layer's :class:`~hetcomm.moe.placement.balancer.ExpertBalancer`; every rank computes the same plan, rank 0 broadcasts its map in CSR form and the others
   check theirs against it; the moves start (asynchronous copies of parameters + Adam state).
 
 The layer owns one copy per expert (its hot-expert replicator adds replicas on its own), so the
@@ -31,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from hetcomm.errors import CollectiveError, ConfigError
-from hetcomm.moe.balancer import BalancerConfig, ExpertBalancer, ExpertMap, broadcast_map, diff_maps, fast_signal
-from hetcomm.moe.migration import ExpertMigrator, ExpertSlots
+from hetcomm.moe.placement.balancer import BalancerConfig, ExpertBalancer, ExpertMap, broadcast_map, diff_maps, fast_signal
+from hetcomm.moe.placement.migration import ExpertMigrator, ExpertSlots
 from hetcomm.moe.powersgd import SlowLinkPowerSGD, node_ids_of
 
 __all__ = ["TrainBalancer", "make_powersgd"]
@@ -64,6 +65,7 @@ class TrainBalancer:
         self.balancers: List[ExpertBalancer] = []
         self._picks: List[torch.Tensor] = []
         self._fast: List[torch.Tensor] = []
+        self._requests: List[torch.Tensor] = []
         self._pending: List[Optional[tuple]] = []
         self._resume: List[Optional[List[int]]] = []  # target maps of migrations in flight at a loaded save
         self.migrations = 0
@@ -73,7 +75,7 @@ class TrainBalancer:
         self.spares: List[List[torch.nn.Module]] = []
         for i, layer in enumerate(self.layers):
             E = layer.config.num_experts
-            spare = [layer._make_expert(0) for _ in range(-(-E // self.world_size))]
+            spare = [layer.make_expert(0) for _ in range(-(-E // self.world_size))]
             for m in spare:
                 for p in m.parameters():
                     p.hetcomm_expert = True  # as the layer marks its own experts
@@ -90,19 +92,18 @@ class TrainBalancer:
             ))
             self._picks.append(torch.zeros(E, dtype=torch.float64))
             self._fast.append(torch.zeros(E, dtype=torch.float64))
+            self._requests.append(torch.zeros(E, dtype=torch.float64))
             self._pending.append(None)
             self.migrators.append(ExpertMigrator(self.p2p_group, timeout_s=120.0, tag_base=8 * E * i))
-            layer.gate.register_forward_hook(self._gate_hook(i))
+            layer.add_load_observer(self._observer(i), fast_topk=20)
 
-    def _gate_hook(self, i: int):
-        def hook(_module, _inputs, out) -> None:
-            if not torch.is_grad_enabled():
-                return  # evaluation forwards do not count
-            E = self._picks[i].numel()
-            self._picks[i] += torch.bincount(out.topk_idx.detach().reshape(-1).cpu(), minlength=E).double()
-            self._fast[i] += fast_signal(torch.log(out.probs.detach().clamp_min(1e-30)), 20)
+    def _observer(self, i: int):
+        def observe(picks: torch.Tensor, _probs: torch.Tensor, _num_tokens: float, fast: torch.Tensor) -> None:
+            # The group's numbers already (the layer's statistics all-reduce); training forwards only.
+            self._picks[i] += picks.detach().to("cpu", torch.float64)
+            self._fast[i] += fast.detach().to("cpu", torch.float64)
 
-        return hook
+        return observe
 
     def after_backward(self) -> None:
         """Finish the migrations started after the previous step (collective)."""
@@ -120,20 +121,29 @@ class TrainBalancer:
     def after_step(self, step: int) -> List[str]:
         """Observe this step's loads, plan, start migrations. Returns event lines (for metrics)."""
         E = [b.num_experts for b in self.balancers]
-        vec = torch.cat([torch.cat([p, f]) for p, f in zip(self._picks, self._fast)])
-        dist.all_reduce(vec)
+        for i, layer in enumerate(self.layers):  # the pagers' L2 requests, this rank's
+            for e in layer.take_migration_requests():
+                self._requests[i][e] += 1
+        reqs = torch.cat(self._requests)
+        dist.all_reduce(reqs)
+        vec = torch.cat([torch.cat([p, f]) for p, f in zip(self._picks, self._fast)] + [reqs])
         # Every rank must take the same decisions from bitwise the same numbers; an all-reduce
-        # may sum in a different order on each rank (float shares), so rank 0's result wins.
+        # may sum in a different order on each rank (float shares), so rank 0's numbers win.
         dist.broadcast(vec, src=0)
         events = []
-        off = 0
+        off, roff = 0, 2 * sum(E)
         for i, bal in enumerate(self.balancers):
             n = E[i]
             load, fast = vec[off : off + n], vec[off + n : off + 2 * n] / self.world_size
+            requested = (vec[roff : roff + n] > 0).nonzero().flatten().tolist()
             off += 2 * n
+            roff += n
             self._picks[i].zero_()
             self._fast[i].zero_()
+            self._requests[i].zero_()
             bal.observe(load, fast=fast)
+            if requested:
+                bal.request_migration(requested)
             if self.migrators[i].busy:
                 continue  # one migration per layer at a time
             old = bal.map

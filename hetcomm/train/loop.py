@@ -22,6 +22,7 @@ import torch.distributed as dist
 from hetcomm._yaml import load_yaml, reject_unknown_keys
 from hetcomm.errors import ConfigError
 from hetcomm.topo.cluster import CLUSTER_ENV, load_cluster
+from hetcomm.wire_dtypes import LAYER_SPELLINGS, parse_wire_dtype
 from hetcomm.train.data import MarkovTask
 from hetcomm.train.model import LMConfig, MoETransformerLM
 
@@ -109,10 +110,7 @@ class TrainConfig:
                 raise ConfigError(f"must be a positive whole number, got {value!r}", key=f"train.{name}")
         if not self.lr > 0:
             raise ConfigError(f"must be > 0, got {self.lr!r}", key="train.lr")
-        if self.wire_dtype not in ("auto", "fp32", "fp16", "bf16"):
-            raise ConfigError(
-                f"unknown wire dtype {self.wire_dtype!r}; expected auto, fp32, fp16 or bf16", key="train.wire_dtype"
-            )
+        parse_wire_dtype(self.wire_dtype, allowed=LAYER_SPELLINGS, key="train.wire_dtype")
         for name in ("balance_every", "balance_cooldown", "powersgd_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "balance_every" else 0):
@@ -169,10 +167,8 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
     from hetcomm.launcher import launch as launch_ranks
 
     detect = cfg.cluster == DETECT
-    if detect:
-        # No cluster file: the backend probes the hosts when the group is created (hetcomm.topo.
-        # discover); a stray $HETCOMM_CLUSTER would override that in every rank.
-        os.environ.pop(CLUSTER_ENV, None)
+    # The parent reads the file only to size the job; every rank parses it once itself and hands
+    # the object to the backend through pg_options (train_worker), never through the environment.
     cluster = None if detect else load_cluster(cfg.cluster)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return train_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg)
@@ -188,7 +184,7 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
         _rank_main,
         world_size,
         args=(cfg,),
-        env={CLUSTER_ENV: None if detect else os.path.abspath(cfg.cluster)},
+        env={CLUSTER_ENV: None},  # the ranks get the cluster as an object (pg_options), not a variable
         store=True,
         store_timeout_s=cfg.timeout_s,
         timeout_s=limit_s,
@@ -261,19 +257,29 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> int:
     from hetcomm.moe import MoELayer
 
     torch.set_num_threads(1)  # ranks share the machine's cores; more threads only contend
+    # Parsed once on this rank; the backend gets the object as an explicit option, which beats a
+    # stray $HETCOMM_CLUSTER (cluster: detect passes an explicit None: the backend probes the hosts).
+    cluster = None if cfg.cluster == DETECT else load_cluster(cfg.cluster)
+    pg_options = None
+    if cfg.backend == "hetcomm":
+        from hetcomm.backends.options import HetcommOptions
+
+        pg_options = HetcommOptions(cluster=cluster)
     dist.init_process_group(
-        cfg.backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s)
+        cfg.backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        pg_options=pg_options,
     )
     try:
-        return _train(rank, world_size, cfg, MoELayer)
+        return _train(rank, world_size, cfg, MoELayer, cluster)
     finally:
         dist.destroy_process_group()
 
 
-def _job_cluster(cfg: TrainConfig):
-    """The cluster file's cluster, or (``cluster: detect``) the one the backend detected."""
+def _job_cluster(cfg: TrainConfig, cluster=None):
+    """The cluster file's cluster (``cluster``, parsed once by :func:`train_worker`), or
+    (``cluster: detect``) the one the backend detected."""
     if cfg.cluster != DETECT:
-        return load_cluster(cfg.cluster)
+        return cluster if cluster is not None else load_cluster(cfg.cluster)
     import hetcomm
 
     cluster = hetcomm.communicator().cluster
@@ -285,10 +291,10 @@ def _job_cluster(cfg: TrainConfig):
     return cluster
 
 
-def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
+def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None) -> int:
     from hetcomm.moe import MoEConfig
 
-    cluster = _job_cluster(cfg)
+    cluster = _job_cluster(cfg, cluster)
     task = MarkovTask(vocab_size=256, seed=1234 + cfg.seed)
     lm_cfg = LMConfig(
         vocab_size=task.vocab_size,
@@ -341,7 +347,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer) -> int:
     balancer = psgd = None
     extras: Dict[str, Any] = {}
     if cfg.balance:
-        from hetcomm.moe.balancer import BalancerConfig
+        from hetcomm.moe.placement.balancer import BalancerConfig
         from hetcomm.topo.compute import rank_speeds
 
         balancer = TrainBalancer(model, opt, rank_speeds(cluster, range(world_size)),
@@ -474,10 +480,9 @@ class _Progress:
         rail_now = _rail_bytes()
         per_rail = {r: (b - self.last_bytes.get(r, 0)) / max(steps, 1) for r, b in rail_now.items()}
         self.last_t, self.last_step, self.last_bytes = now, step, rail_now
-        st = model.moe_layers[0].step_stats()
-        top5 = st.get("global_top5_share", st.get("top5_share"))
-        replicas = st.get("replicas")
-        replicas = list(replicas) if replicas is not None else None
+        st = model.moe_layers[0].step_stats()  # a StepStats
+        top5 = st.global_top5_share if st.global_top5_share is not None else st.top5_share
+        replicas = list(st.replicas)
         frac = step / self.cfg.steps
         bar = "#" * int(frac * 20) + "." * (20 - int(frac * 20))
         rails = " ".join(f"{r}:{_fmt_bytes(b)}" for r, b in sorted(per_rail.items())) or "-"

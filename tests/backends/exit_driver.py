@@ -93,7 +93,27 @@ def _scenario_mismatch(rank: int, n: int, victim: int) -> str:
     return got if torch.equal(t, torch.full((3,), float(n))) else "wrong all_reduce"
 
 
-SCENARIOS = {"kill": _scenario_kill, "mismatch": _scenario_mismatch}
+def _scenario_dispatch(rank: int, n: int, victim: int) -> str:
+    """Clean use of ``Communicator.dispatch``/``combine`` (sync, async, chunked, forward and
+    backward), then a clean exit: every rank must exit 0 (#21 item 12)."""
+    comm = hetcomm.communicator()
+    E, D, T = 4 * n, 16, 64
+    owner = [e * n // E for e in range(E)]
+    g = torch.Generator().manual_seed(rank)
+    total = 0.0
+    for step in range(6):
+        x = torch.randn(T, D, generator=g, requires_grad=True)
+        idx = torch.randint(0, E, (T, 2), generator=g)
+        w = torch.rand(T, 2, generator=g, requires_grad=True)
+        res = comm.dispatch(x, idx, w, expert_to_rank=owner, async_op=step % 2 == 1, num_chunks=1 + step % 3)
+        res.work.wait()
+        out = comm.combine(res.recv_x * 2.0, res.handle)
+        out.sum().backward()
+        total += float(out.detach().sum())
+    return "ok" if total == total else "nan"
+
+
+SCENARIOS = {"kill": _scenario_kill, "mismatch": _scenario_mismatch, "dispatch": _scenario_dispatch}
 
 
 class _Linger:

@@ -67,18 +67,6 @@ def routing(rank: int, n: int) -> dict:
     out["stats"] = hetcomm.stats()
     hetcomm.reset_stats()
     out["stats_after_reset"] = hetcomm.stats()
-    # early consumption: chunks of an async all_to_all_single are final when yielded
-    g = dist.new_group(backend="hetcomm", pg_options=HetcommOptions(rails=ALL_RAILS, chunk_bytes=40))
-    y = torch.full((sum(out_s), 5), -1.0)
-    work = dist.all_to_all_single(y, x, out_s, in_s, group=g, async_op=True)
-    expect = torch.cat([_rows(j, rank, out_s[j]) for j in range(n)])
-    seen = torch.zeros(sum(out_s), dtype=torch.int64)
-    good = True
-    for peer, start, num in work.arrivals(timeout=30):
-        good &= torch.equal(y[start : start + num], expect[start : start + num])
-        seen[start : start + num] += 1
-    work.wait()
-    out["arrivals_ok"] = bool(good) and bool((seen == 1).all())
     # a subgroup of global ranks 1..3, with its own log line
     records = []
     handler = logging.Handler()
@@ -129,7 +117,6 @@ def test_rails_stats_logging_subgroups_and_plans():
             s = o["stats"].get(rail, {"bytes_sent": 0, "bytes_received": 0})
             assert (s["bytes_sent"], s["bytes_received"]) == (sent, recv), (rank, rail, o["stats"])
         assert o["stats_after_reset"] == {}
-        assert o["arrivals_ok"], rank
         for strategy in ("hier", "multirail", "flat"):
             assert o[f"plan_{strategy}_equal"], (rank, strategy)
         assert o["relay_plan_equal"], rank

@@ -113,3 +113,79 @@ def _readme_example(rank, world_size):
 def test_readme_example_runs_on_two_ranks():
     for r in run_ranks(_readme_example, world_size=2, backend="hetcomm", timeout=80):
         assert r == {"shape": (128, 64), "finite": True, "x_grad": True}, r
+
+
+def test_capacity_must_be_a_count():
+    comm = td.GroupComm(None, 0, 1)
+    x, w = torch.randn(4, 8), torch.rand(4, 2)
+    idx = torch.zeros(4, 2, dtype=torch.int64)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(UsageError, match=r"capacity must be None .* or an integer >= 0") as e:
+            td.dispatch(comm, x, idx, w, expert_to_rank=[0, 0], capacity=bad)
+        assert repr(bad) in str(e.value)
+    res = td.dispatch(comm, x, idx, w, expert_to_rank=[0, 0], capacity=0)  # 0 is a capacity: all dropped
+    assert res.handle.num_dropped == 8 and res.recv_counts == [0, 0]
+
+
+def test_dispatch_result_is_one_type_and_unpacks_the_old_way_with_a_warning():
+    comm = td.GroupComm(None, 0, 1)
+    x, w = torch.randn(4, 8), torch.rand(4, 1)
+    idx = torch.zeros(4, 1, dtype=torch.int64)
+    sync = td.dispatch(comm, x, idx, w, expert_to_rank=[0])
+    asyn = td.dispatch(comm, x, idx, w, expert_to_rank=[0], async_op=True)
+    assert type(sync) is type(asyn) is td.DispatchResult
+    assert sync.work.is_completed()
+    asyn.work.wait()
+    assert torch.equal(sync.recv_x, asyn.recv_x) and sync.recv_counts == [4]
+    with pytest.warns(DeprecationWarning, match="res.recv_x"):
+        a, b, c = sync
+    with pytest.warns(DeprecationWarning):
+        a, b, c, d = asyn
+    assert d is asyn.work and c is asyn.handle
+
+
+def _mismatched(rank, world_size, what):
+    """Rank 1 dispatches with one argument different; every rank reports what it raised."""
+    from hetcomm.backends.token_dispatch import GroupComm, dispatch
+    from hetcomm.errors import CrossRankMismatch
+
+    comm = GroupComm.of(None)
+    D, k, owner, dtype = 8, 2, [0, 0, 1, 1], torch.float32
+    if rank == 1:
+        if what == "hidden":
+            D = 16
+        elif what == "dtype":
+            dtype = torch.float64
+        elif what == "k":
+            k = 1
+        elif what == "owner":
+            owner = [1, 0, 0, 1]  # the same experts per rank, another map
+    x = torch.randn(6, D, dtype=dtype)
+    idx = torch.arange(6 * k).remainder(4).view(6, k)
+    w = torch.rand(6, k)
+    out = {}
+    try:
+        dispatch(comm, x, idx, w, expert_to_rank=owner)
+        out["raised"] = None
+    except CrossRankMismatch as e:
+        out.update(raised=str(e), ranks=e.ranks, field=e.field, rank=e.rank)
+    # The group stays usable: a correct dispatch right after works on every rank.
+    x = torch.randn(6, 8)
+    res = dispatch(comm, x, torch.arange(12).remainder(4).view(6, 2), torch.rand(6, 2), expert_to_rank=[0, 0, 1, 1])
+    out["after"] = sum(res.recv_counts)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what,needle", [
+    ("hidden", "hidden size (x.size(1)): ranks [0]: 8; ranks [1]: 16"),
+    ("dtype", "dtype (x.dtype): ranks [0]: float32; ranks [1]: float64"),
+    ("k", "k (topk_idx.size(1)): ranks [0]: 2; ranks [1]: 1"),
+    ("owner", "expert_to_rank (the owner of each expert)"),
+])
+def test_arguments_that_differ_across_ranks_raise_on_every_rank(what, needle):
+    res = run_ranks(_mismatched, world_size=2, backend="gloo", timeout=100, args=(what,))
+    for r, out in enumerate(res):
+        assert out["raised"] is not None and needle in out["raised"], (r, out)
+        assert out["rank"] == r and 1 in out["ranks"] or out["ranks"] == [0, 1], out
+        assert out["after"] == 12, out

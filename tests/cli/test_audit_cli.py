@@ -63,7 +63,7 @@ def test_audit_h800_names_nvlink_peers_and_pix_rails(capsys, fixture_path):
     assert {parts[0]: parts[1] for parts in rail_lines} == rails
     assert "Findings\n  none" in out
     # Answer (a) at the default 64 MiB: 7 NVLink peers at 200 GB/s each side.
-    assert re.search(r"NVLINK\s+28\s+7\s+56 MiB\s+1600 Gb/s \(200 GB/s\)\s+2 us\s+295\.6 us", out)
+    assert re.search(r"NVLINK\s+28\s+7\s+56 MiB\s+1600 Gb/s \(200 GB/s\)\s+3 us\s+296\.6 us", out)
     assert "bounded by NVLINK" in out
 
 
@@ -190,7 +190,7 @@ _ENTRY_POINT = shutil.which("hetcomm") or os.path.join(os.path.dirname(sys.execu
 @pytest.mark.skipif(not os.path.exists(_ENTRY_POINT), reason="the hetcomm entry point is not installed (pip install -e .)")
 def test_installed_entry_point_runs_the_demo_audit():
     exe = _ENTRY_POINT
-    done = subprocess.run([exe, "audit"], capture_output=True, text=True, timeout=50)
+    done = subprocess.run([exe, "audit"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "Findings" in done.stdout and "(b) Cross-vendor path" in done.stdout
     assert done.stderr == ""

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from hetcomm.emulate.fabric import _tc_lines
-from hetcomm.emulate.launch import rank_env
+from hetcomm.emulate.ranks import rank_env
 from hetcomm.emulate.spec import plan_network, settings_from_cluster
 from hetcomm.emulate.state import EmulationState
 from hetcomm.errors import ConfigError

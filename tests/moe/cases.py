@@ -237,12 +237,14 @@ def one_rank_missing(rank: int, world_size: int) -> str:
 
 
 def wire_exchange(rank: int, world_size: int) -> Dict[str, Any]:
-    """Exchange rows under the cluster's mixed policy: per source peer, what arrived vs what was
-    sent. FP32 pairs must be bit-exact, FP16 pairs exactly the FP16 rounding."""
-    from hetcomm.moe.wire import Exchange, wire_policy
-    from hetcomm.topo.cluster import cluster_from_env
+    """Exchange rows under the cluster's mixed policy (the Communicator's wire rule): per source
+    peer, what arrived vs what was sent. FP32 pairs must be bit-exact, FP16 pairs exactly the
+    FP16 rounding."""
+    import hetcomm
+    from hetcomm.backends.token_exchange import _Rows, _wires
 
-    pol = wire_policy(world_size, "auto", cluster_from_env())
+    comm = hetcomm.communicator()
+    wire = _wires(comm, torch.float32, "auto")
     D = 5  # odd row width: segment sizes are not multiples of 8 bytes, padding is exercised
 
     def rows(src: int, dst: int) -> torch.Tensor:
@@ -253,8 +255,11 @@ def wire_exchange(rank: int, world_size: int) -> Dict[str, Any]:
     send = torch.cat([rows(rank, d) for d in range(world_size)])
     send_rows = [rows(rank, d).size(0) for d in range(world_size)]
     recv_rows = [rows(s, rank).size(0) for s in range(world_size)]
-    ex = Exchange(send_rows, recv_rows, pol, rank, None)
-    out = ex.run(send)
+    out = torch.empty(sum(recv_rows), D)
+    ex = _Rows(comm, send_rows, recv_rows, wire, torch.float32, D, "wire-test")
+    ex.start(send, None, out)
+    ex.wait()
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
     res = {}
     row = 0
     for s in range(world_size):
@@ -262,7 +267,7 @@ def wire_exchange(rank: int, world_size: int) -> Dict[str, Any]:
         expect = rows(s, rank)
         got = out[row : row + n]
         res[s] = {
-            "wire": pol.names[rank][s] if s != rank else "self",
+            "wire": names[wire[s]] if s != rank else "self",
             "exact": bool(torch.equal(got, expect)),
             "fp16_rounded": bool(torch.equal(got, expect.half().float())),
         }
@@ -329,6 +334,7 @@ def subgroups(rank: int, world_size: int) -> Dict[str, Any]:
     sub_rank = dist.get_rank(mine)
     res = equivalence(sub_rank, 2, [{"name": "sub", "kwargs": {"group": mine, "wire_dtype": "fp32"}}])["sub"]
     layer = MoELayer(D_MODEL, 8, group=mine)  # wire from the cluster, by *global* rank pairs
-    res["auto_wire"] = layer.wire.names[0][1]
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    res["auto_wire"] = names[layer.wire_dtype(1 - sub_rank)]
     res["strong"] = layer.strong_ranks
     return res

@@ -9,7 +9,7 @@ from torch import nn
 import pytest
 
 from hetcomm.errors import ConfigError
-from hetcomm.moe.balancer import (
+from hetcomm.moe.placement.balancer import (
     BalancerConfig,
     ExpertBalancer,
     ExpertMap,
@@ -140,7 +140,7 @@ def _batch(step, e):
 def _rank_migration(rank, world_size):
     import torch.distributed as dist
 
-    from hetcomm.moe.migration import ExpertMigrator, ExpertSlots
+    from hetcomm.moe.placement.migration import ExpertMigrator, ExpertSlots
 
     E = 8
     torch.manual_seed(0)
@@ -187,3 +187,22 @@ def _rank_migration(rank, world_size):
 def test_migration_between_real_ranks_is_exact():
     out = run_ranks(_rank_migration, world_size=4, backend="gloo", timeout=120)
     assert len(out) == 4
+
+
+def test_a_pagers_migration_request_makes_the_balancer_plan_at_once():
+    E = 8
+    bal = ExpertBalancer(E, [1.0] * 4, BalancerConfig(window=10, every=50, cooldown=0), slots=[4] * 4)
+    load = torch.zeros(E, dtype=torch.float64)
+    load[0] = 100.0  # expert 0 (on rank 0) carries the step
+    load[1] = 100.0  # and so does expert 1, on rank 0 too
+    for _ in range(3):
+        bal.observe(load)
+        assert bal.maybe_rebalance() is None  # step 3 of 50: no plan is evaluated
+    assert bal.plans == []
+    bal.request_migration([1])
+    bal.observe(load)
+    plan = bal.maybe_rebalance()
+    assert len(bal.plans) == 1 and bal.num_requests == 1  # evaluated at once
+    assert plan is not None and any(mv.expert in (0, 1) for mv in plan.moves), bal.plans
+    bal.observe(load)
+    assert bal.maybe_rebalance() is None and len(bal.plans) == 1  # the request was used up

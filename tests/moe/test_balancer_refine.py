@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hetcomm.errors import ConfigError
-from hetcomm.moe.balancer import (
+from hetcomm.moe.placement.balancer import (
     BalancerConfig,
     ExpertBalancer,
     ExpertMap,

@@ -174,11 +174,16 @@ def test_a_missing_rank_gives_an_error_not_a_hang():
 
 
 @pytest.mark.timeout(120)
-def test_rebalance_moves_cold_experts_to_the_weak_rank_without_changing_training():
+def test_rebalance_evens_the_ranks_by_the_balancer_policy_without_changing_training():
     res = run_ranks(cases.rebalance, world_size=4, backend=_backend(), cluster=MIXED_MINI, timeout=100)
     # 16 experts by strength 2/2/2/1: 5/5/4/2; the weak rank (910B) first held 14 and 15.
     assert res[3]["before"] == [14, 15]
-    assert res[3]["after"] == [0, 1], res[3]  # the two coldest under the given load
+    # The one placement policy (ExpertBalancer, speeds 2/2/2/1 from the strong flags) evens the
+    # ranks' finish times under the given load (expert e carries load e).
+    def slowest(key):
+        return max(sum(r[key]) / s for r, s in zip(res, (2, 2, 2, 1)))
+
+    assert slowest("after") < 0.75 * slowest("before"), [(r["before"], r["after"]) for r in res]
     assert [len(r["after"]) for r in res] == [len(r["before"]) for r in res]
     assert res[0]["moved"] and all(r["moved"] == res[0]["moved"] for r in res)
     for r in res:

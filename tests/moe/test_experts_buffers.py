@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hetcomm.moe import buffers
-from hetcomm.moe.buffers import BufferPool
-from hetcomm.moe.dispatch import gather_rows, weighted_combine
+from hetcomm.backends import rowpool as buffers
+from hetcomm.backends.rowpool import BufferPool
+from hetcomm.moe.routing import gather_rows, weighted_combine
 from hetcomm.moe.experts import ExpertBank, cat_rows, split_rows
 
 

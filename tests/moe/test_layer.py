@@ -94,3 +94,37 @@ def test_bad_input_is_reported_before_anything_moves():
         MoELayer(8, 4, wire_dtype="fp8")
     with pytest.raises(ConfigError, match="nn.Module"):
         MoELayer(8, 4, expert=lambda d: 42)
+
+
+def test_one_load_observer_feeds_subscribers_and_the_record_is_typed():
+    from hetcomm.moe import StepStats
+
+    layer = MoELayer(8, 4, k=2, calibrate=False)
+    seen = []
+    layer.add_load_observer(lambda picks, probs, n, fast: seen.append((picks.clone(), float(n), fast.clone())), fast_topk=3)
+    x = torch.randn(32, 8)
+    layer(x)
+    g = layer.gate(x)
+    assert len(seen) == 1
+    picks, n, fast = seen[0]
+    assert torch.equal(picks, torch.bincount(g.topk_idx.reshape(-1), minlength=4).double()) and n == 32.0
+    assert fast.shape == (4,) and float(fast.sum()) > 0
+    st = layer.step_stats()
+    assert isinstance(st, StepStats) and st.copies == 64 and st["copies"] == 64
+    assert st.page_hits is None and "page_hits" not in st and dict(st)["tokens"] == 32
+    layer.eval()
+    layer(x)
+    assert len(seen) == 1  # evaluation forwards do not count
+    assert layer.take_migration_requests() == []  # no pager
+
+
+def test_the_pagers_l2_requests_come_out_as_global_expert_ids():
+    from hetcomm.moe import ExpertPlacement
+
+    # One rank owning all 8 experts; its pager indexes them in ascending global id.
+    layer = MoELayer(8, 8, k=2, calibrate=False, page_budget=0.5, placement=ExpertPlacement(tuple([0] * 8), 1))
+    layer(torch.randn(16, 8))
+    assert layer.pager is not None
+    layer.pager.migration_requests.extend([0, 3])  # what the pager's L2 level records (local indices)
+    assert layer.take_migration_requests() == [0, 3]
+    assert layer.take_migration_requests() == []  # handed over once

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hetcomm.errors import ConfigError
-from hetcomm.moe import ExpertPlacement, place_experts, routing_metrics, wire_policy
-from hetcomm.moe.dispatch import ChunkLayout, plan_route
+from hetcomm.moe import ExpertPlacement, place_experts, routing_metrics
+from hetcomm.moe.routing import ChunkLayout, plan_route
 from hetcomm.moe.placement import split_by_weight
 from hetcomm.topo.cluster import load_cluster
 from tests.backends.ranks import MIXED_MINI
@@ -38,19 +38,19 @@ def test_placement_errors_name_the_key():
         place_experts(4, 2, rank_weights=[1.0])
 
 
-def test_wire_policy_from_mixed_mini_is_fp16_to_and_from_the_910b_only():
+def test_wire_rule_from_mixed_mini_is_fp16_to_and_from_the_910b_only():
+    # The one wire rule (Communicator.wire_dtype reads Placement.wire_dtype for "auto").
+    from hetcomm.backends.placement import Placement, RankPlace
+
     cluster = load_cluster(MIXED_MINI)
-    pol = wire_policy(4, "auto", cluster)
-    assert pol.describe() == {
-        "0-1": "fp32", "0-2": "fp32", "0-3": "fp16", "1-2": "fp32", "1-3": "fp16", "2-3": "fp16",
-    }
-    assert pol.uniform is None
-    assert pol.peer_dtypes(3, torch.float32) == [torch.float16, torch.float16, torch.float16, torch.float32]
-    # A wire never widens: FP16 activations over an FP32 link stay FP16.
-    assert pol.peer_dtypes(0, torch.float16)[1] == torch.float16
-    assert wire_policy(4, "bf16", cluster).uniform == "bf16"
-    with pytest.raises(ConfigError, match="8 ranks|describes 4 ranks"):
-        wire_policy(8, "auto", cluster)
+    ranks = tuple(
+        RankPlace(r, r, cluster.rank(r).node.name, "host", 100 + r, cluster.rank(r).vendor, cluster.rank(r).model, True)
+        for r in range(4)
+    )
+    placement = Placement(ranks, cluster)
+    got = {f"{a}-{b}": placement.wire_dtype(a, b) for a in range(4) for b in range(a + 1, 4)}
+    assert got == {"0-1": "fp32", "0-2": "fp32", "0-3": "fp16", "1-2": "fp32", "1-3": "fp16", "2-3": "fp16"}
+    assert all(placement.wire_dtype(a, b) == placement.wire_dtype(b, a) for a in range(4) for b in range(4) if a != b)
 
 
 def test_route_is_one_sort_with_capacity_by_choice_then_token():

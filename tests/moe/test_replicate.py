@@ -8,7 +8,7 @@ from torch import nn
 
 from hetcomm.errors import ConfigError
 from hetcomm.moe.placement import ExpertPlacement
-from hetcomm.moe.replicate import HotExpertReplicator
+from hetcomm.moe.placement.replicate import HotExpertReplicator
 
 D, F = 8, 16
 P = 2 * D * F + F + D  # parameters of Linear(D,F) + Linear(F,D)

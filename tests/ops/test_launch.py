@@ -12,7 +12,7 @@ import pytest
 
 from hetcomm.ops.health import judge
 from hetcomm.ops.metrics import read_metrics
-from hetcomm.ops.placement import job_cluster_yaml
+from hetcomm.ops.job_cluster import job_cluster_yaml
 from hetcomm.topo.cluster import load_cluster_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))

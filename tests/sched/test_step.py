@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetcomm.cli._placement import placement_owner, placement_report
+from hetcomm.cli._placement_report import placement_owner, placement_report
 from hetcomm.errors import UsageError
 from hetcomm.sched.step import MoEWorkload, expert_flops, routing_traffic, simulate_moe_step, zipf_load
 from hetcomm.topo.cluster import load_cluster

@@ -63,6 +63,14 @@ EXPECTED = {
     "nvsmi_topo_mp_dgx1_v100_pcie_only.txt": ("nvsmi", {"nvsmi"}, set()),
     "nvsmi_topo_pcie8_pix_pxb_sys_numa_na.txt": ("nvsmi", {"nvsmi"}, set()),
     "sys_class_infiniband_h100_ndr_ib_plus_roce_bond.txt": ("rdma", {"rdma"}, {"ib-sysfs"}),
+    # issue #22's captures
+    "npusmi_info_a3_910c_8card_16chip_cann_8.2rc1.txt": ("npusmi", {"npusmi"}, {"npu-smi-info"}),
+    "nccltests_alltoall_rtx2080ti_x2_pix_p2p_ns.txt": ("nccl_tests", {"nccl_tests", "nvsmi"}, set()),
+    "nccltests_allreduce_h100_1node_and_2node_srun_l.txt": ("nccl_tests", {"nccl_tests"}, set()),
+    "nccltests_allreduce_h100_2node_srun_l_only.txt": ("nccl_tests", {"nccl_tests"}, set()),
+    "nccl_log_ofi_efa_disabling_gdr_proto_simple.txt": ("nccl_log", {"nccl_log"}, {"nccl-log"}),
+    "nccl_log_h100_ibext_sharp_collnet_4nic.txt": ("nccl_log", {"nccl_log"}, {"nccl-log"}),
+    "nccl_log_ompi_tag_horovod_efa_aws_libfabric.txt": ("nccl_log", {"nccl_log"}, {"nccl-log"}),
 }
 OURS = ("npusmi", "rdma", "lsmod", "nccl_log", "hccn")
 #: Real captures a parser claims but must refuse with an error (nothing in them to model).
@@ -128,11 +136,14 @@ def test_all_format_modules_load():
     assert set(P.format_tools()) == set(names)
 
 
-def test_missing_module_does_not_break_the_others(monkeypatch):
+def test_a_missing_module_of_our_own_is_an_error_not_silence(monkeypatch):
+    # issue #18: the guard that turned a missing parser module into "format unknown" is gone.
     monkeypatch.setattr(P, "MODULES", ("not_written_yet",) + P.MODULES)
     monkeypatch.setattr(P, "_registry", None)
-    monkeypatch.setattr(P, "_load_errors", {})
-    assert P.load_errors() == {"not_written_yet": "module not found"}
+    with pytest.raises(ModuleNotFoundError, match="not_written_yet"):
+        P.detect_format(read("npusmi_topo_910b3_x8_hccs.txt"))
+    monkeypatch.setattr(P, "MODULES", P.MODULES[1:])
+    monkeypatch.setattr(P, "_registry", None)
     assert P.detect_format(read("npusmi_topo_910b3_x8_hccs.txt")) == "npu-smi-topo"
 
 

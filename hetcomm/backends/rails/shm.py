@@ -39,6 +39,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from hetcomm.backends.liveness import pid_alive
 from hetcomm.backends.rails.base import Rail, RailOp, Xfer, as_bytes
 from hetcomm.backends.rails.cma import copy_bytes
 from hetcomm.backends.stats import record as _record
@@ -145,18 +146,6 @@ def open_peer_path(path: str, kind: str, flags: int, *, rank: int, peer: int, nu
 def shm_supported() -> bool:
     """True where the ring protocol is sound: Linux with /dev/shm on x86-64 (see module doc)."""
     return os.path.isdir(SHM_DIR) and platform.machine().lower() in ("x86_64", "amd64")
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` on this host still runs (a zombie counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):  # gone, or being reaped right now
-        return False
-    except (OSError, IndexError):  # no /proc: cannot tell, assume alive and rely on the timeout
-        return True
-    return state not in ("Z", "X")
 
 
 class _StreamError(Exception):

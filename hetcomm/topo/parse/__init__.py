@@ -19,9 +19,14 @@ error is raised. A :class:`~hetcomm.errors.TruncatedCaptureError` (a capture tha
 record: a matrix without its last rows, an ``nvlink -s`` block or ``lspci`` line cut short) is
 always raised, whatever else parsed.
 
-Format modules are imported lazily and defensively: a module that is missing does not break
-the others (:func:`load_errors` says what did not load). Every module follows the parser
-contract: ``FORMATS = [(name, sniff_fn, parse_fn), ...]``, most specific first.
+Format modules are imported lazily, on first use; one that fails to import raises (they are
+all ours: a missing one is a bug, never a format silently unknown). Every module follows the
+parser contract: ``FORMATS = [(name, sniff_fn, parse_fn), ...]``, most specific first.
+
+**Prefixes.** Launcher and log prefixes (``srun -l``'s ``N: ``, OpenMPI's ``[r,c]<stdout>:``,
+torchrun's ``[rank0]:``, RFC 3339 / Kubernetes timestamps, pdsh host tags) are stripped before
+any format is recognised (:mod:`hetcomm.topo.parse.prefixes`); ``facts["line_prefixes"]`` names
+the families removed.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from hetcomm._input import CAPTURE_CAP_ENV, capture_cap, decode_text, read_bound
 from hetcomm.errors import TopologyParseError, TruncatedCaptureError, UsageError
 from hetcomm.topo.model import Topology
 from hetcomm.topo.parse._text import numbered_lines, strip_source_header
+from hetcomm.topo.parse.prefixes import strip_prefixes
 
 __all__ = [
     "FORMAT_NAMES",
@@ -106,24 +112,9 @@ def _formats() -> List[Format]:
     seen: Dict[str, str] = {}
     for module_name in MODULES:
         full = f"{__name__}.{module_name}"
-        try:
-            module = importlib.import_module(full)
-        except ModuleNotFoundError as e:
-            if e.name == full:  # not written (yet): its formats are simply unknown
-                _load_errors[module_name] = "module not found"
-                continue
-            _load_errors[module_name] = f"{type(e).__name__}: {e}"
-            warnings.warn(
-                f"hetcomm.topo.parse: cannot load {full}: {e}", RuntimeWarning, stacklevel=2
-            )
-            continue
-        except Exception as e:  # a sibling being edited must not take every format down
-            _load_errors[module_name] = f"{type(e).__name__}: {e}"
-            warnings.warn(
-                f"hetcomm.topo.parse: cannot load {full}: {e}", RuntimeWarning, stacklevel=2
-            )
-            continue
-        for entry in getattr(module, "FORMATS", []):
+        # Our own modules: one that fails to import is a bug to see, never a silent gap.
+        module = importlib.import_module(full)
+        for entry in module.FORMATS:
             name, sniff, parse = entry
             if name in seen:
                 warnings.warn(
@@ -140,7 +131,7 @@ def _formats() -> List[Format]:
 
 
 def load_errors() -> Dict[str, str]:
-    """Format modules that could not be loaded: module name -> reason (empty when all loaded)."""
+    """Always empty: a format module that cannot be imported now raises (kept for callers)."""
     _formats()
     return dict(_load_errors)
 
@@ -185,8 +176,9 @@ def detect_formats(text: str, path: str = "<text>") -> List[str]:
         raise TopologyParseError(
             "file is empty: expected the captured output of a topology tool", path=path, line=1
         )
-    # Sniffers see tool output only: a provenance header may quote another tool's command.
-    content = strip_source_header(text)
+    # Sniffers see tool output only: a provenance header may quote another tool's command, and
+    # launcher prefixes are not part of any tool's output.
+    content = strip_source_header(strip_prefixes(text)[0])
     found = []
     for name, sniff, _ in _formats():
         try:
@@ -244,6 +236,9 @@ def parse_text(
             message names the file and line.
         UsageError: ``fmt`` names an unknown format.
     """
+    # Launcher and log prefixes (srun -l, mpirun --tag-output, torchrun, kubectl timestamps)
+    # go before any format is recognised, so that every format reads prefixed captures.
+    text, prefixes = strip_prefixes(text)
     if fmt is None or fmt == "auto":
         names = detect_formats(text, path)
     else:
@@ -291,8 +286,20 @@ def parse_text(
     # (the topo -m parser also reads a -p2p matrix in the same file) after them.
     merged.facts["formats"] = list(dict.fromkeys(parsed + merged.facts.get("formats", [])))
     merged.facts["sources"] = list(dict.fromkeys(merged.facts.get("sources", []) + [path]))
+    if prefixes:
+        merged.facts["line_prefixes"] = list(
+            dict.fromkeys(merged.facts.get("line_prefixes", []) + prefixes)
+        )
     _join_ascend_pci(merged)
+    join_ascend_chips(merged)
     return merged
+
+
+def join_ascend_chips(topo: Topology) -> None:
+    """See :func:`hetcomm.topo.parse.npusmi.join_ascend_chips` (imported on use)."""
+    from hetcomm.topo.parse.npusmi import join_ascend_chips as join
+
+    join(topo)
 
 
 def _join_ascend_pci(topo: Topology) -> None:
@@ -387,4 +394,5 @@ def parse_files(paths: Iterable[str], fmt: Union[None, str, Sequence[str]] = Non
     merged = Topology()
     for path in paths:
         merged.merge(parse_file(path, fmt=fmt))
+    join_ascend_chips(merged)
     return merged

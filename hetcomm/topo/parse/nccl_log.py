@@ -68,6 +68,14 @@ _IB_DEV = re.compile(r"\[(\d+)\]([\w.-]+):(\d+)/(RoCE|IB)\b")
 _SOCK_USING = re.compile(r"^NET/Socket\s*:\s*Using\s+(.*)$")
 _SOCK_DEV = re.compile(r"\[(\d+)\]([\w.-]+):([0-9a-fA-F.:%\w]+)<")
 _VERSION = re.compile(r"^NCCL version\s+(\S+)")
+# Network plugins (aws-ofi-nccl / libfabric, the HPC-X IBext/SHARP plugin): their NICs and GDR
+# state are in lines of their own.
+_OFI_PROVIDER = re.compile(r"^NET/OFI Selected [Pp]rovider is (\S+?),?(?:\s+fabric is \S+)?\s*\(found (\d+) nics?\)")
+_OFI_NIC = re.compile(r"^NET/OFI NIC group (\d+) device #(\d+) ([0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.\d)")
+_GDR_OFF = re.compile(r"disabling GDR|GDR not supported|GDR (?:is )?disabled|GDR unsupported", re.IGNORECASE)
+_PXN_GDR = re.compile(r"\bPXN\s+\d+\s+GDR\s+(\d)")
+_PLUGIN = re.compile(r"^(?:NET/Plugin\s*:\s*Loaded (net|collnet) plugin (.+?)\s*(?:\(v\d+\))?$|P2P plugin (\S+))")
+_DRIVER = re.compile(r"^cudaDriverVersion\s+(\d+)")
 
 _VERBS = "verbs"  # IB or RoCE, with or without GDR: decided per HCA
 
@@ -208,6 +216,10 @@ def parse_nccl_log(text: str, path: str = "<text>") -> Topology:
     ranks: Dict[int, Tuple[Optional[str], int, str, str, int, int]] = {}
     channels: List[Tuple[int, Optional[str], int, int, int, int, str]] = []
     num_records = 0
+    ofi_provider: Dict[Optional[str], Tuple[str, int]] = {}
+    ofi_nics: Dict[Tuple[Optional[str], int, int], str] = {}
+    gdr_off: List[str] = []
+    plugins: Dict[str, str] = {}
 
     for line_no, host, _dev, level, msg in _records(text):
         num_records += 1
@@ -254,9 +266,32 @@ def parse_nccl_log(text: str, path: str = "<text>") -> Topology:
         if m:
             networks[m.group(1)] += 1
             continue
-        m = _GDR.search(msg)
+        m = _GDR.search(msg) or _PXN_GDR.search(msg)
         if m:
             gdr_values.add(int(m.group(1)))
+            continue
+        m = _OFI_PROVIDER.match(msg)
+        if m:
+            ofi_provider[host] = (m.group(1), int(m.group(2)))
+            if _GDR_OFF.search(msg):
+                gdr_off.append(msg)
+            continue
+        m = _OFI_NIC.match(msg)
+        if m:
+            ofi_nics[(host, int(m.group(1)), int(m.group(2)))] = m.group(3).lower()
+            continue
+        if _GDR_OFF.search(msg):
+            if msg not in gdr_off and len(gdr_off) < 20:
+                gdr_off.append(msg)
+            continue
+        m = _PLUGIN.match(msg)
+        if m:
+            kind = "collnet" if m.group(1) == "collnet" else "net"
+            plugins.setdefault(kind, m.group(2) or m.group(3))
+            continue
+        m = _DRIVER.match(msg)
+        if m:
+            topo.facts.setdefault("cuda_driver_version", m.group(1))
             continue
         m = _GDR_HCA.search(msg)
         if m:
@@ -297,6 +332,8 @@ def parse_nccl_log(text: str, path: str = "<text>") -> Topology:
 
     def qualified(name: str, host: Optional[str]) -> str:
         return f"{name}@{host}" if multi_host and host else name
+
+    _add_plugin_facts(topo, ofi_provider, ofi_nics, gdr_off, plugins, qualified)
 
     for (host, _idx), (name, port, layer) in ib_devs.items():
         nic_name = name if port == 1 else f"{name}:{port}"
@@ -421,6 +458,48 @@ def _net_class(
     if roce:
         return LinkClass.NET_ROCE_GDR if gdr else LinkClass.NET_ROCE
     return LinkClass.NET_IB_GDR if gdr else LinkClass.NET_IB
+
+
+def _add_plugin_facts(topo, ofi_provider, ofi_nics, gdr_off, plugins, qualified) -> None:
+    """NICs and GDR state reported by a network plugin (aws-ofi-nccl, HPC-X IBext/SHARP).
+
+    aws-ofi-nccl lists its devices as ``NIC group G device #D <bus>`` (``ofiG.D``); without those
+    lines only the count of ``Selected provider is efa ... (found N nics)`` is known
+    (``ofi0 .. ofiN-1``). Their GDR state: ``False`` when the plugin said ``disabling GDR`` /
+    ``GDR not supported`` (facts ``nccl_gdr_off``), else unknown.
+    """
+    off = bool(gdr_off)
+    if gdr_off:
+        topo.facts["nccl_gdr_off"] = list(gdr_off)
+    if plugins:
+        topo.facts["nccl_plugins"] = dict(plugins)
+    if ofi_provider:
+        topo.facts["nccl_ofi_provider"] = sorted({p for p, _ in ofi_provider.values()})
+    seen_hosts = set()
+    for (host, group, dev), bus in sorted(ofi_nics.items(), key=lambda kv: (str(kv[0][0]), kv[0][1], kv[0][2])):
+        seen_hosts.add(host)
+        provider = ofi_provider.get(host, ("ofi", 0))[0]
+        topo.add_nic(
+            Nic(
+                name=qualified(f"ofi{group}.{dev}", host),
+                link_layer=provider.upper() if provider == "efa" else provider,
+                pci_bus_id=bus,
+                gdr=False if off else None,
+                host=host,
+            )
+        )
+    for host, (provider, count) in ofi_provider.items():
+        if host in seen_hosts:
+            continue
+        for k in range(count):
+            topo.add_nic(
+                Nic(
+                    name=qualified(f"ofi{k}", host),
+                    link_layer=provider.upper() if provider == "efa" else provider,
+                    gdr=False if off else None,
+                    host=host,
+                )
+            )
 
 
 FORMATS = [("nccl-log", sniff_nccl_log, parse_nccl_log)]

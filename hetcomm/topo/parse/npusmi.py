@@ -17,6 +17,7 @@ topology-notes §2.3; Ascend ids are not in pci.ids.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Dict, List, Optional, Tuple
 
@@ -99,12 +100,43 @@ def _warn(topo: Topology, path: str, line: Optional[int], message: str) -> None:
     topo.facts.setdefault("parse_warnings", []).append(f"{where}: {message}")
 
 
-def _model_from_name(name: str) -> Optional[str]:
-    """``Ascend 910A`` / ``910B3`` / ``Ascend910`` -> ``910A`` / ``910B3`` / ``910``."""
+def _model_from_name(name: str, num_chips: int = 1) -> Optional[str]:
+    """The model of an npu-smi name: ``Ascend 910A`` / ``910B3`` -> ``910A`` / ``910B3``.
+
+    A bare ``Ascend910`` is kept whole: shortened to ``910`` it would read as the first
+    generation. It *is* the first generation (910A) on a one-chip card, but the A3 generation
+    (910_93, sold as 910C) on a card with two chips, where npu-smi repeats the NPU row per chip;
+    that one is written ``Ascend910 (910C)`` so that
+    :func:`~hetcomm.topo.bandwidth.canonical_model` tells 910, 910B and 910C apart.
+    """
     name = name.strip()
     if not name or name.upper() in ("NA", "N/A", "MCU"):
         return None
-    return re.sub(r"^Ascend\s*", "", name, flags=re.IGNORECASE) or None
+    short = re.sub(r"^Ascend\s*", "", name, flags=re.IGNORECASE)
+    if short == "910":
+        return f"{name} (910C)" if num_chips >= 2 else name
+    return short or None
+
+
+_CANN_CFG = re.compile(r"^\s*(?:runtime|toolkit)_running_version=\[[^:\]]*:([^\]]+)\]")
+_CANN_INFO = re.compile(r"^\s*version=(\d+\.\d+\.\w+)\s*$")
+
+
+def _cann_version(lines: List[Tuple[int, str]]) -> Optional[str]:
+    """The CANN release a capture shows: ``version.cfg``'s ``runtime_running_version=[7.5.0.1.129:
+    8.0.RC3]`` or ``ascend_toolkit_install.info``'s ``version=8.2.RC1`` after
+    ``package_name=Ascend-cann-toolkit`` (what ``collect_env`` and env-check scripts paste)."""
+    toolkit = False
+    for _, line in lines:
+        m = _CANN_CFG.match(line)
+        if m:
+            return m.group(1).strip()
+        if "package_name=Ascend-cann-toolkit" in line:
+            toolkit = True
+        m = _CANN_INFO.match(line)
+        if m and toolkit:
+            return m.group(1)
+    return None
 
 
 # -- npu-smi info -t topo ------------------------------------------------------------------------
@@ -297,6 +329,8 @@ def parse_npusmi_info(text: str, path: str = "<text>") -> Topology:
     hbm_in_chip_row = True
     current: Optional[Tuple[int, str, str, int]] = None  # (npu id, name, health, line)
     chips: List[Tuple[str, str, str, int]] = []  # (chip id, bus id, usage cell, line)
+    chip_health: List[str] = []  # health cell of each chip's NPU row
+    phy_ids: Dict[str, int] = {}
     found = 0
 
     def flush() -> None:
@@ -306,24 +340,26 @@ def parse_npusmi_info(text: str, path: str = "<text>") -> Topology:
         npu_id, model, state, line_no = current
         if not chips:
             _warn(topo, path, line_no, f"NPU {npu_id} has no chip row (Bus-Id); output truncated?")
-            chips = [("0", "", "", line_no)]
-        for chip_id, bus, usage, _ in chips:
+            chips = [("0", "", "", line_no, None)]
+        for k, (chip_id, bus, usage, _, phy) in enumerate(chips):
             name = f"NPU{npu_id}" if len(chips) == 1 else f"NPU{npu_id}-{chip_id}"
             topo.add_device(
                 Device(
                     name=name,
                     vendor=Vendor.ASCEND.value,
-                    model=_model_from_name(model),
+                    model=_model_from_name(model, len(chips)),
                     index=npu_id,
                     pci_bus_id=_normal_bus_id(bus) if bus else None,
                 )
             )
-            health[name] = state
+            health[name] = chip_health[k] if k < len(chip_health) else state
+            if phy is not None:
+                phy_ids[name] = phy
             pairs = re.findall(r"(\d+)\s*/\s*(\d+)", usage)
             if pairs and hbm_in_chip_row:
                 hbm[name] = int(pairs[-1][1])
             found += 1
-        current, chips = None, []
+        current, chips, chip_health[:] = None, [], []
 
     for line_no, line in lines:
         m = _NPU_SMI_BANNER.match(line)
@@ -347,11 +383,19 @@ def parse_npusmi_info(text: str, path: str = "<text>") -> Topology:
             and re.match(r"^[A-Za-z][A-Za-z_ ]*$", cells[1])
             and cells[1] != "Health"
         ):
+            if current is not None and int(first[0]) == current[0] and chips:
+                # A3 / 910C: a card with two chips repeats its NPU row before each chip row.
+                chip_health.append(cells[1])
+                continue
             flush()
             current = (int(first[0]), " ".join(first[1:]), cells[1], line_no)
+            chip_health = [cells[1]]
             continue
         if current is not None and first and first[0].isdigit() and _BUS_ID.match(cells[1]):
-            chips.append((first[0], cells[1], cells[2] if len(cells) > 2 else "", line_no))
+            # `| <chip> [<phy-id or device>] | <bus> | ...`: the second number is the Phy-ID
+            # (A3) or the device id (310P), the id ASCEND_RT_VISIBLE_DEVICES and -t topo use.
+            phy = int(first[1]) if len(first) >= 2 and first[1].isdigit() else None
+            chips.append((first[0], cells[1], cells[2] if len(cells) > 2 else "", line_no, phy))
             continue
         if current is not None and cells[0].startswith("NPU") and "Process" in line:
             flush()  # the process table follows the device table
@@ -365,6 +409,11 @@ def parse_npusmi_info(text: str, path: str = "<text>") -> Topology:
             line=first,
         )
     topo.facts["npu_health"] = health
+    cann = _cann_version(lines)
+    if cann:
+        topo.facts["cann_version"] = cann
+    if any("-" in name for name in phy_ids):
+        topo.facts["npu_phy_ids"] = phy_ids
     if hbm:
         topo.facts["npu_hbm_mb"] = hbm
     return topo
@@ -542,3 +591,40 @@ FORMATS = [
     ("npu-smi-board", sniff_npusmi_board, parse_npusmi_board),
     ("lspci-ascend", sniff_lspci_ascend, parse_lspci_ascend),
 ]
+
+
+def join_ascend_chips(topo: Topology) -> None:
+    """Name ``npu-smi info -t topo`` NPUs after their chip (``NPU<card>-<chip>``) on A3 cards.
+
+    ``-t topo`` names an NPU by its Phy-ID (``NPU0`` .. ``NPU15`` on an 8-card A3 box), the
+    ``npu-smi info`` table by card and chip. With both captured (same file or several inputs),
+    ``facts["npu_phy_ids"]`` joins them: the matrix device ``NPU<phy>`` becomes the chip device
+    (its NUMA and CPU affinity move over) and its links are renamed. Without the table, the
+    matrix keeps npu-smi's own names. No-op on one-chip cards.
+    """
+    phy_ids = topo.facts.get("npu_phy_ids") or {}
+    if not phy_ids:
+        return
+    rename = {f"NPU{phy}": chip for chip, phy in phy_ids.items()}
+    if not any(topo.device(old) is not None for old in rename if old not in phy_ids):
+        return
+    kept = []
+    for d in topo.devices:
+        new = rename.get(d.name)
+        if new is None or d.name in phy_ids or d.vendor != Vendor.ASCEND.value:
+            kept.append(d)
+            continue
+        chip = topo.device(new)
+        if chip is None:
+            d.name = new
+            kept.append(d)
+            continue
+        chip.numa = chip.numa if chip.numa is not None else d.numa
+        chip.cpu_affinity = chip.cpu_affinity or d.cpu_affinity
+    topo.devices[:] = kept
+
+    def _n(name: str) -> str:
+        new = rename.get(name)
+        return new if new is not None and name not in phy_ids else name
+
+    topo.links = [dataclasses.replace(ln, a=_n(ln.a), b=_n(ln.b)) for ln in topo.links]

@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from hetcomm.errors import ConfigError, PeerTimeout
-from hetcomm.moe.balancer import Move
+from hetcomm.moe.placement.balancer import Move
 
-__all__ = ["ExpertSlots", "ExpertMigrator", "state_layout"]
+__all__ = ["ExpertSlots", "ExpertMigrator", "migrate_now", "state_layout"]
 
 
 def state_layout(optimizer: Optional[torch.optim.Optimizer]) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
@@ -263,3 +263,50 @@ def _td(seconds: float):
     import datetime
 
     return datetime.timedelta(seconds=seconds)
+
+
+def migrate_now(layer, expert_to_rank: Sequence[int], optimizer=None, *, timeout_s: float = 120.0) -> List[int]:
+    """Make ``layer`` follow ``expert_to_rank`` at once (collective): the asynchronous engine's
+    :meth:`ExpertMigrator.start` and :meth:`ExpertMigrator.finish` back to back, then the
+    layer's public :meth:`~hetcomm.moe.MoELayer.apply_placement`.
+
+    Parameters, optimizer state (Adam/AdamW moments and step, SGD momentum) and gradients move
+    with each expert, so training continues as if nothing had moved. Call it between steps
+    (after ``optimizer.step()``). Every rank keeps its expert modules (the optimizer holds
+    them): a rank may not end up with more experts than it holds now.
+
+    Args:
+        layer: a :class:`~hetcomm.moe.MoELayer`.
+        expert_to_rank: ``[E]`` new owner of each expert, identical on every rank.
+        optimizer: the optimizer over the layer's parameters (None: parameters only).
+        timeout_s: longest wait for one transfer.
+    Returns:
+        Global ids of the experts that changed owner.
+    Raises:
+        ConfigError: a map of the wrong size, a rank given more experts than it holds, or an
+            optimizer whose state the engine does not know.
+        PeerTimeout: a transfer did not complete within ``timeout_s``.
+    """
+    old = list(layer.placement.owner)
+    new = [int(r) for r in expert_to_rank]
+    E, W, rank = len(old), layer.world_size, layer.rank
+    if len(new) != E:
+        raise ConfigError(f"the map names {len(new)} experts but the layer has {E} (rank {rank})", key="moe.placement")
+    have = [old.count(r) for r in range(W)]
+    want = [new.count(r) for r in range(W)]
+    over = [r for r in range(W) if want[r] > have[r]]
+    if over:
+        raise ConfigError(
+            f"a migration keeps every rank's expert modules: rank {over[0]} holds {have[over[0]]} experts but "
+            f"the new map gives it {want[over[0]]} (experts per rank now {have}, asked {want})",
+            key="moe.placement",
+        )
+    moves = [Move(e, old[e], new[e], old[e]) for e in range(E) if old[e] != new[e]]
+    slots = ExpertSlots(list(layer.experts.experts), list(layer.local_expert_ids))
+    if moves and W > 1:
+        layer.sync_pages()  # start() copies the experts out: no page write-back half done
+        mig = ExpertMigrator(layer.group, timeout_s=timeout_s)
+        mig.start(moves, slots, optimizer)
+        mig.finish(slots, optimizer)
+    layer.apply_placement(new, {e: slots.module(e) for e in range(E) if new[e] == rank})
+    return [mv.expert for mv in moves]

@@ -182,7 +182,7 @@ class HotExpertReplicator:
                 self.replicas[e] = m
 
     def adopt_placement(self, placement, owned: Dict[int, nn.Module]) -> None:
-        """Experts changed owners (:mod:`hetcomm.moe.migrate`): drop every replica and rebuild
+        """Experts changed owners (:mod:`hetcomm.moe.placement.migration`): drop every replica and rebuild
         the current hot set's replicas, with a forced weight sync, at the next forward."""
         self.placement = placement
         self.owned = owned

@@ -53,7 +53,7 @@ migration budget.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -598,6 +598,8 @@ class ExpertBalancer:
         self.last_change = [-(10**9)] * E
         self.migrations: List[Tuple[int, Move]] = []  # (step, move), every change ever adopted
         self.plans: List[BalancePlan] = []
+        self._requested: set = set()  # experts a pager asked to move (request_migration)
+        self.num_requests = 0
 
     # -- inputs -------------------------------------------------------------------------------
 
@@ -633,6 +635,15 @@ class ExpertBalancer:
                     self._window[(self.step - 1) % self.cfg.window] = cur
                     self._filled = 1
                     self._drifted = True
+
+    def request_migration(self, experts: Sequence[int]) -> None:
+        """Experts a pager could not keep resident (its L2 level,
+        ``MoELayer.take_migration_requests``): the next :meth:`maybe_rebalance` evaluates a
+        plan at once, as after a drift, instead of waiting for its ``every`` steps. The same
+        requests must reach every rank's balancer (``hetcomm train --balance`` sums them)."""
+        new = {int(e) for e in experts if 0 <= int(e) < self.num_experts}
+        self.num_requests += len(new)
+        self._requested |= new
 
     def predicted_load(self) -> List[float]:
         """``[E]`` predicted tokens per step (window mean blended with the fast signal)."""
@@ -700,10 +711,13 @@ class ExpertBalancer:
 
     def maybe_rebalance(self) -> Optional[BalancePlan]:
         """Every ``every`` steps (once the window holds ``every`` steps): propose, and adopt
-        when worth it. Returns the adopted plan (its moves are what the migrator must carry
+        when worth it (at once after a drift or a pager's migration request). Returns the adopted plan (its moves are what the migrator must carry
         out), else None."""
-        if not self._drifted and (self.step % self.cfg.every or self._filled < min(self.cfg.every, self.cfg.window)):
+        if not self._drifted and not self._requested and (
+            self.step % self.cfg.every or self._filled < min(self.cfg.every, self.cfg.window)
+        ):
             return None
+        self._requested.clear()
         plan = self.propose()
         self.plans.append(plan)
         del self.plans[:-20]

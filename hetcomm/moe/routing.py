@@ -1,4 +1,4 @@
-"""The layer's routing step and its local row helpers.
+"""The layer's routing step (capacity, replica copies set aside) and its local row helpers.
 
 Notation (see also ``hetcomm.moe.placement``):
     T        tokens on this rank;  k experts per token;  A = T * k token copies ("assignments")
@@ -7,11 +7,14 @@ Notation (see also ``hetcomm.moe.placement``):
     C        chunks (:class:`ChunkLayout`); chunk ``c`` holds, for every rank, the copies bound
              for that rank's ``c``-th group of local experts
 
-No dense one-hot ``[T, E, capacity]`` tensor is ever built: one stable sort of the ``A``
-assignments by a per-expert key puts every copy in order, and the capacity check is a
-position-within-expert comparison on that sorted order. The copies then travel through
-:mod:`hetcomm.backends.token_dispatch` (a token crosses to a rank once); :func:`gather_rows` and
-:func:`weighted_combine` serve the copies computed on local replicas.
+No dense one-hot ``[T, E, capacity]`` tensor is ever built. The layer routes once
+(:func:`route_tokens`): the capacity check is one stable sort of the copies by expert
+(:func:`hetcomm.backends.token_dispatch.drop_over_capacity`, GShard's order), the copies for
+experts this rank holds a replica of are set aside, and what is left goes to
+``Communicator.dispatch`` as its ``topk_idx`` (``-1`` in every dropped or replica slot), which
+plans the exchange itself (a token crosses to a rank once). :func:`gather_rows` and
+:func:`weighted_combine` serve the copies computed on local replicas. :func:`plan_route` (the
+older per-copy send order) stays for the benchmarks and tests that compare against it.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ from typing import Optional, Tuple
 
 import torch
 
-from hetcomm.moe import buffers
+from hetcomm.backends import rowpool as buffers
+from hetcomm.backends.token_dispatch import drop_over_capacity
 
 __all__ = [
+    "Routing",
+    "route_tokens",
     "RoutePlan",
     "ChunkLayout",
     "plan_route",
@@ -71,6 +77,83 @@ class ChunkLayout:
             experts_in=tuple(tuple(x) for x in experts_in),
             local_range=tuple(tuple(x) for x in local_range),
         )
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where the token copies of one forward go (the layer's only routing step).
+
+    Attributes:
+        send_idx: ``[T, k]`` int64, the dispatch's ``topk_idx``: the expert of every copy that
+            travels, ``-1`` where the copy was dropped or is computed on a local replica.
+        send_counts: ``[E]`` int64 copies in ``send_idx`` per expert (global id).
+        local_assign: ``[Q]`` int64 assignment ids (``a = j * T + t``) computed on a local
+            replica, sorted by the experts' send-order key (one dense call per replica).
+        local_expert: ``[Q]`` int64 global expert of each of those.
+        picks: ``[E]`` int64 every pick per expert, dropped ones included (the demand).
+        num_dropped: copies dropped by the capacity limit.
+        num_assign: ``A = T * k``.
+    """
+
+    send_idx: torch.Tensor
+    send_counts: torch.Tensor
+    local_assign: torch.Tensor
+    local_expert: torch.Tensor
+    picks: torch.Tensor
+    num_dropped: int
+    num_assign: int
+
+
+def route_tokens(
+    topk_idx: torch.Tensor,
+    key_of_expert: torch.Tensor,
+    capacity: Optional[int],
+    replica_here: Optional[torch.Tensor] = None,
+) -> Routing:
+    """Apply the capacity limit and set aside the copies for local replicas.
+
+    Args:
+        topk_idx: ``[T, k]`` int64 chosen experts (every slot valid).
+        key_of_expert: ``[E]`` int64 send-order key (:class:`ChunkLayout`): orders the replica
+            copies expert by expert.
+        capacity: copies per expert kept on this rank, or None (dropless).
+        replica_here: ``[E]`` bool, True where this rank computes the expert on a local replica
+            (it holds one and is not the owner). Capacity applies before this choice, so the
+            same copies are dropped with and without replication.
+    Returns:
+        The :class:`Routing`.
+    """
+    T, k = topk_idx.shape
+    E = key_of_expert.numel()
+    A = T * k
+    picks = torch.bincount(topk_idx.reshape(-1), minlength=E)
+    num_dropped = 0
+    kept = topk_idx
+    if capacity is not None and A > 0:
+        kept, num_dropped = drop_over_capacity(topk_idx, E, capacity)
+    kept_cm = kept.t().reshape(-1)  # [A] choice-major
+    if replica_here is not None and bool(replica_here.any()):
+        here = (kept_cm >= 0) & replica_here[kept_cm.clamp_min(0)]
+        local_assign = here.nonzero().flatten()
+        local_expert = kept_cm[local_assign]
+        order = torch.argsort(key_of_expert[local_expert], stable=True)
+        local_assign, local_expert = local_assign[order], local_expert[order]
+        send_cm = torch.where(here, torch.full_like(kept_cm, -1), kept_cm)
+        send_idx = send_cm.view(k, T).t()
+    else:
+        local_assign = kept_cm[:0]
+        local_expert = kept_cm[:0]
+        send_cm, send_idx = kept_cm, kept
+    valid = send_cm[send_cm >= 0]
+    return Routing(
+        send_idx=send_idx,
+        send_counts=torch.bincount(valid, minlength=E),
+        local_assign=local_assign,
+        local_expert=local_expert,
+        picks=picks,
+        num_dropped=num_dropped,
+        num_assign=A,
+    )
 
 
 @dataclass

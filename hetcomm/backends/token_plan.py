@@ -1,0 +1,398 @@
+"""Planning of one token dispatch: capacity, the token rows of every destination, the count and
+metadata exchanges (steps 1-3 of :mod:`hetcomm.backends.token_dispatch`'s notation).
+
+Everything here is decided once per dispatch; :class:`_Plan` holds the result, which the
+exchanges of the dispatch, its combine and both backwards read without planning again.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from hetcomm.backends.token_exchange import DispatchComm, _exchange_ints, _wires
+from hetcomm.errors import CrossRankMismatch, UsageError
+
+__all__ = ["drop_over_capacity", "count_token_rows"]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Per-chunk layout of one dispatch, on both sides (see the module notation).
+
+    For chunk ``c``, this rank's *token rows* are, as a sender, the remote rows in send order
+    (destination-major, then token) followed by the rows for its own experts; as a receiver,
+    the rows received from every other rank (source-major) followed by those same own rows.
+    """
+
+    num_tokens: int
+    num_topk: int
+    rank: int
+    world_size: int
+    send_splits: Tuple[Tuple[int, ...], ...]  # [C][W] token rows sent to each rank (0 to self)
+    recv_splits: Tuple[Tuple[int, ...], ...]  # [C][W] token rows from each rank (0 from self)
+    send_token: Tuple[torch.Tensor, ...]  # [C] of [U_c] int64: remote rows, then own rows
+    num_own: Tuple[int, ...]  # [C] own rows (the tail of send_token[c] and of the received rows)
+    expand_index: Tuple[torch.Tensor, ...]  # [C] of [R_c] int64 into the received token rows
+    slot_index: Tuple[torch.Tensor, ...]  # [C] of [R_c] int64: row * k + slot of each copy
+    # [C] of [R_c] int64 token ids when nothing came from other ranks (one gather from x), or None
+    own_expand: Tuple[Optional[torch.Tensor], ...]
+    # Inside each local expert's run the rows from other ranks come first, then the own rows.
+    # The own rows are read from (and written to) the tokens directly, never staged:
+    # runs[c] = ((start, n_remote, n_own) per expert), remote_src[c] = [sum n_remote] rows of
+    # the received block (None: nothing received), own_src[c] = [sum n_own] tokens.
+    runs: Tuple[Tuple[Tuple[int, int, int], ...], ...]
+    remote_src: Tuple[Optional[torch.Tensor], ...]
+    own_src: Tuple[Optional[torch.Tensor], ...]
+    chunk_rows: Tuple[int, ...]  # [C] R_c
+    wire: Tuple[torch.dtype, ...]  # [W] wire dtype per peer (the row dtype for self)
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning (pure, no communication)
+
+
+def drop_over_capacity(topk_idx: torch.Tensor, num_experts: int, capacity: int) -> Tuple[torch.Tensor, int]:
+    """Drop the copies beyond ``capacity`` per expert, in GShard's order.
+
+    First choices claim capacity before second choices, earlier tokens before later ones: the
+    copy's position in a stable sort of the choice-major copies by expert.
+
+    Args:
+        topk_idx: ``[T, k]`` int64 expert ids, ``-1`` = none.
+        num_experts: ``E``.
+        capacity: copies kept per expert.
+    Returns:
+        ``[T, k]`` int64 with dropped copies set to ``-1``, and how many were dropped (a host
+        synchronisation).
+    """
+    T, k = topk_idx.shape
+    dev = topk_idx.device
+    e = topk_idx.t().reshape(-1)  # choice-major: a = j * T + t
+    key = torch.where(e >= 0, e, torch.full_like(e, num_experts))
+    order = torch.argsort(key, stable=True)
+    sk = key[order]
+    counts = torch.bincount(key, minlength=num_experts + 1)
+    start = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(e.numel(), device=dev) - start[sk]
+    drop_sorted = (pos >= capacity) & (sk < num_experts)
+    drop = torch.empty_like(drop_sorted)
+    drop[order] = drop_sorted
+    kept = torch.where(drop, torch.full_like(e, -1), e)
+    return kept.view(k, T).t().contiguous(), int(drop.sum())
+
+
+def _expert_tables(expert_to_rank: Union[Sequence[int], torch.Tensor], world_size: int, device: torch.device):
+    """``(owner [E], local index [E], experts per rank, owners as host ints)``; local order =
+    ascending id. Built from host integers (pass a list: a device tensor costs a sync)."""
+    own = [int(r) for r in (expert_to_rank.tolist() if torch.is_tensor(expert_to_rank) else expert_to_rank)]
+    if not own:
+        raise UsageError("expert_to_rank must be a non-empty [E] sequence of ranks")
+    bad = [e for e, r in enumerate(own) if not 0 <= r < world_size]
+    if bad:
+        raise UsageError(
+            f"expert_to_rank maps expert {bad[0]} to rank {own[bad[0]]}, outside the group "
+            f"of {world_size} ranks; every expert needs an owner in 0..{world_size - 1}"
+        )
+    per_rank = [0] * world_size
+    local = []
+    for r in own:
+        local.append(per_rank[r])
+        per_rank[r] += 1
+    owner = torch.tensor(own, dtype=torch.int64, device=device)
+    return owner, torch.tensor(local, dtype=torch.int64, device=device), per_rank, own
+
+
+def _chunk_bounds(num_local: int, num_chunks: int) -> List[Tuple[int, int]]:
+    return [((c * num_local) // num_chunks, ((c + 1) * num_local) // num_chunks) for c in range(num_chunks)]
+
+
+def _chunk_of_local(per_rank: List[int], num_chunks: int, owners: List[int], device) -> torch.Tensor:
+    """``[E]`` chunk of every expert: which of :func:`_chunk_bounds` of its owner holds it."""
+    chunk, seen = [], [0] * len(per_rank)
+    bounds = [_chunk_bounds(L, num_chunks) for L in per_rank]
+    for r in owners:  # local index = order of appearance (ascending id)
+        l = seen[r]
+        seen[r] += 1
+        chunk.append(next(c for c, (lo, hi) in enumerate(bounds[r]) if lo <= l < hi))
+    return torch.tensor(chunk, dtype=torch.int64, device=device)
+
+
+def count_token_rows(
+    topk_idx: torch.Tensor,
+    expert_to_rank: Union[Sequence[int], torch.Tensor],
+    world_size: int,
+    num_chunks: int = 1,
+) -> torch.Tensor:
+    """Token rows a dispatch of ``topk_idx`` sends to each rank (no communication).
+
+    Args:
+        topk_idx: ``[T, k]`` int64, ``-1`` = none.
+        expert_to_rank: ``[E]`` owner of each expert.
+        world_size: ``W``.
+        num_chunks: ``C``.
+    Returns:
+        ``[W]`` int64 rows per destination (this rank's own entry included).
+    """
+    T, _ = topk_idx.shape
+    owner, local, per_rank, own = _expert_tables(expert_to_rank, world_size, topk_idx.device)
+    chunk_of = _chunk_of_local(per_rank, num_chunks, own, topk_idx.device)
+    e = topk_idx.reshape(-1)
+    valid = e >= 0
+    e = e[valid]
+    tok = torch.arange(T, device=topk_idx.device).repeat_interleave(topk_idx.size(1))[valid]
+    key = torch.unique((owner[e] * num_chunks + chunk_of[e]) * max(T, 1) + tok)
+    return torch.bincount(key // (max(T, 1) * num_chunks), minlength=world_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# Agreement of the arguments that must match on every rank (a digest in the count exchange)
+
+#: Row dtypes by code (the digest carries the code; the message names the dtype).
+_DTYPES: Tuple[torch.dtype, ...] = tuple(
+    getattr(torch, n)
+    for n in (
+        "float32", "float16", "bfloat16", "float64",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    )
+    if hasattr(torch, n)
+)
+_WIRE_BITS = 4  # bits per peer of the packed wire-dtype row (code + 1, 0 = unknown)
+_PEERS_PER_WORD = 60 // _WIRE_BITS
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code]).replace("torch.", "") if 0 <= code < len(_DTYPES) else f"dtype #{code}"
+
+
+def _call_digest(hidden: int, dtype: torch.dtype, k: int, num_chunks: int, owners: List[int], wire) -> List[int]:
+    """``[H]`` host ints describing one dispatch's arguments (the same for every destination):
+    hidden size, row dtype, ``k``, ``num_chunks``, ``num_experts``, a CRC of ``expert_to_rank``
+    and this rank's wire dtype towards every peer (4 bits per peer, 15 peers per word)."""
+    crc = zlib.crc32(b",".join(str(r).encode() for r in owners))
+    words = [0] * ((len(wire) + _PEERS_PER_WORD - 1) // _PEERS_PER_WORD)
+    for p, w in enumerate(wire):
+        words[p // _PEERS_PER_WORD] |= (_dtype_code(w) + 1) << (_WIRE_BITS * (p % _PEERS_PER_WORD))
+    return [int(hidden), _dtype_code(dtype), int(k), int(num_chunks), len(owners), crc] + words
+
+
+def _wire_of(digest: Sequence[int], peer: int) -> int:
+    word = digest[6 + peer // _PEERS_PER_WORD]
+    return ((word >> (_WIRE_BITS * (peer % _PEERS_PER_WORD))) & ((1 << _WIRE_BITS) - 1)) - 1
+
+
+def _check_digests(comm: DispatchComm, digests: List[List[int]]) -> None:
+    """Raise :class:`CrossRankMismatch` when the ranks' dispatch arguments differ.
+
+    ``digests[s]`` is rank ``s``'s :func:`_call_digest`, as the count exchange delivered it.
+    Every rank holds every rank's digest, so every rank decides the same and raises the same
+    message, before any row moves; the group stays usable (no exchange is left half done).
+    """
+    W = comm.world_size
+    fields = (
+        ("hidden size", "x.size(1)", 0, str),
+        ("dtype", "x.dtype", 1, _dtype_name),
+        ("k", "topk_idx.size(1)", 2, str),
+        ("num_chunks", "num_chunks", 3, str),
+        ("num_experts", "len(expert_to_rank)", 4, str),
+    )
+    # CrossRankMismatch.field's vocabulary for each label.
+    kind = {"hidden size": "shape", "dtype": "dtype", "k": "shape", "wire dtype": "dtype"}
+    problems: List[str] = []
+    odd: set = set()
+    first_field = None
+
+    def differ(label: str, values: List[str], what: str) -> None:
+        nonlocal first_field
+        groups: dict = {}
+        for r, v in enumerate(values):
+            groups.setdefault(v, []).append(r)
+        if len(groups) < 2:
+            return
+        majority = max(groups.values(), key=len)
+        odd.update(r for g in groups.values() if g is not majority for r in g)
+        problems.append(f"{label} ({what}): " + "; ".join(f"ranks {g}: {v}" for v, g in groups.items()))
+        first_field = first_field or label
+
+    for label, what, i, show in fields:
+        differ(label, [show(d[i]) for d in digests], what)
+    if not problems:  # the same number of experts: compare the maps themselves
+        differ("expert_to_rank", [f"crc32 {d[5]:08x}" for d in digests], "the owner of each expert")
+    if not problems:
+        for a in range(W):
+            for b in range(a + 1, W):
+                wa, wb = _wire_of(digests[a], b), _wire_of(digests[b], a)
+                if wa != wb:
+                    odd.update((a, b))
+                    problems.append(
+                        f"wire dtype of pair {a}-{b}: rank {a} sends {_dtype_name(wa)}, rank {b} sends {_dtype_name(wb)}"
+                    )
+                    first_field = first_field or "wire dtype"
+    if problems:
+        raise CrossRankMismatch(
+            f"dispatch: the ranks called with different arguments (rank {comm.rank} of {W}): "
+            + " | ".join(problems)
+            + "; every rank must dispatch the same layer with the same hidden size, dtype, k, "
+            "num_chunks and expert_to_rank (and a wire-dtype policy that both ends of a pair share)",
+            op="dispatch",
+            rank=comm.rank,
+            ranks=sorted(odd),
+            field=kind.get(first_field or "", "arguments"),
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning with communication: counts and metadata (steps 1-3 of the module notation)
+
+
+def _plan(comm: DispatchComm, topk_idx, topk_weights, expert_to_rank, num_chunks: int, dtype: torch.dtype, hidden: int, wire_policy: Optional[str] = None):
+    """Returns ``(plan, recv_weights [R] float32, recv_counts [L], chunk bounds, metadata bytes sent)``."""
+    W, rank = comm.world_size, comm.rank
+    T, k = topk_idx.shape
+    C = num_chunks
+    dev = topk_idx.device
+    owner, local, per_rank, own = _expert_tables(expert_to_rank, W, dev)
+    chunk_of = _chunk_of_local(per_rank, C, own, dev)
+    E = owner.numel()
+    L = per_rank[rank]
+
+    # 1. Token rows: unique (dest, chunk, token) over the valid copies, in that order.
+    flat = topk_idx.reshape(-1)  # token-major: i = t * k + j
+    valid_pos = (flat >= 0).nonzero().flatten()
+    e = flat[valid_pos]
+    Tm = max(T, 1)
+    cell = owner[e] * C + chunk_of[e]
+    key, row_of_copy = torch.unique(cell * Tm + valid_pos // k, sorted=True, return_inverse=True)
+    row_cell = key // Tm
+    row_tok = key % Tm
+    rows_wc = torch.bincount(row_cell, minlength=W * C).view(W, C)
+    first_slot = [sum(per_rank[:r]) for r in range(W)]
+    slot = torch.tensor(first_slot, dtype=torch.int64, device=dev)[owner[e]] + local[e]
+    copies_per_slot = torch.bincount(slot, minlength=E)  # rank-major expert order
+
+    # Metadata per token row, [U, k, 2] int32: (float32 bits of the weight, local expert or -1).
+    U = key.numel()
+    meta = torch.full((U, k, 2), -1, dtype=torch.int32, device=dev)
+    if U:
+        w32 = topk_weights.detach().reshape(-1)[valid_pos].to(torch.float32).contiguous()
+        meta[row_of_copy, valid_pos % k, 0] = w32.view(torch.int32)
+        meta[row_of_copy, valid_pos % k, 1] = local[e].to(torch.int32)
+
+    # 2. Counts, per destination: [the call's digest (H), its C token-row counts, its L_d copy
+    # counts]. The digest rides in the count exchange (no extra collective): every rank sees
+    # every other rank's arguments before any row moves, and all raise the same error.
+    wire = _wires(comm, dtype, wire_policy)
+    digest = _call_digest(hidden, dtype, k, C, own, wire)
+    H = len(digest)
+    head = torch.tensor(digest, dtype=torch.int64, device=dev)
+    send_counts = torch.cat(
+        [torch.cat([head, rows_wc[d], copies_per_slot[first_slot[d] : first_slot[d] + per_rank[d]]]) for d in range(W)]
+    )
+    meta_bytes = 0
+    if W > 1:
+        got = torch.empty(W * (H + C + L), dtype=torch.int64, device=dev)
+        send_split = [H + C + per_rank[d] for d in range(W)]
+        # Not inside splits_agreed(): this exchange is the one the backend checks, and every
+        # split after it follows from it.
+        dist.all_to_all_single(got, send_counts, [H + C + L] * W, send_split, group=comm.group)
+        meta_bytes += sum(send_split[d] for d in range(W) if d != rank) * 8
+        rows_from = got.view(W, H + C + L).tolist()  # host synchronisation (the splits below)
+        _check_digests(comm, [r[:H] for r in rows_from])
+        counts_from = [r[H:] for r in rows_from]
+        rows_to = rows_wc.tolist()
+    else:
+        counts_from = [send_counts[H:].tolist()]
+        rows_to = [counts_from[0][:C]]
+    recv_rows = [[counts_from[s][c] if s != rank else 0 for s in range(W)] for c in range(C)]
+    send_rows = [[rows_to[d][c] if d != rank else 0 for d in range(W)] for c in range(C)]
+    num_own = [rows_to[rank][c] for c in range(C)]
+    recv_counts = [sum(counts_from[s][C + l] for s in range(W)) for l in range(L)]
+    bounds = _chunk_bounds(L, C)
+
+    # 3. Metadata of the remote rows (destination-major, then chunk, then token): one exchange.
+    remote = (row_cell // C) != rank
+    if W > 1:
+        send_split = [sum(rows_to[d]) if d != rank else 0 for d in range(W)]
+        recv_split = [sum(counts_from[s][:C]) if s != rank else 0 for s in range(W)]
+        rmeta = _exchange_ints(comm, meta[remote].reshape(-1, 2 * k), send_split, recv_split, 2 * k, "metadata")
+        rmeta = rmeta.view(-1, k, 2)
+        meta_bytes += sum(send_split) * 2 * k * 4
+    else:
+        recv_split = [0]
+        rmeta = meta[:0]
+    src_off = [sum(recv_split[:s]) for s in range(W)]
+
+    row_chunk = row_cell % C
+    send_token, expand_index, slot_index, own_expand, chunk_rows, recv_w = [], [], [], [], [], []
+    runs, remote_src, own_src = [], [], []
+    for c in range(C):
+        in_c = row_chunk == c
+        own_tok = row_tok[in_c & ~remote]
+        send_token.append(torch.cat([row_tok[in_c & remote], own_tok]))
+        # The receiver's token rows of chunk c: each source's chunk-c block, then the own rows.
+        parts = [
+            rmeta[src_off[s] + sum(counts_from[s][:c]) :][: recv_rows[c][s]]
+            for s in range(W)
+            if s != rank and recv_rows[c][s]
+        ]
+        parts.append(meta[in_c & ~remote])
+        m = torch.cat(parts) if len(parts) > 1 else parts[0]  # [U_c, k, 2]
+        loc = m[:, :, 1].reshape(-1).to(torch.int64)  # index row * k + slot
+        wts = m[:, :, 0].reshape(-1).contiguous().view(torch.float32)
+        sel = (loc >= 0).nonzero().flatten()
+        sidx = sel[torch.argsort(loc[sel], stable=True)]  # expert-major; inside: other sources in order, own rows last
+        expand_index.append(sidx // k)
+        slot_index.append(sidx)
+        recv_w.append(wts[sidx])
+        chunk_rows.append(sum(recv_counts[bounds[c][0] : bounds[c][1]]))
+        # Nothing received from other ranks: expand straight from x (no gather of own rows).
+        Ur = sum(recv_rows[c])
+        own_expand.append(own_tok[sidx // k] if Ur == 0 else None)
+        rc, a = [], 0
+        for l in range(bounds[c][0], bounds[c][1]):
+            n_own = counts_from[rank][C + l]
+            n_rem = sum(counts_from[s][C + l] for s in range(W)) - n_own
+            rc.append((a, n_rem, n_own))
+            a += n_rem + n_own
+        runs.append(tuple(rc))
+        if Ur:
+            rows = sidx // k
+            # Stable: the remote positions first, in order (expert by expert), then the own ones.
+            order = torch.argsort((rows >= Ur).to(torch.int8), stable=True)
+            n_rem_all = sum(r[1] for r in rc)
+            remote_src.append(rows[order[:n_rem_all]])
+            own_src.append(own_tok[rows[order[n_rem_all:]] - Ur])
+        else:
+            remote_src.append(None)
+            own_src.append(own_expand[-1])  # every run is own rows: the same tokens, expert by expert
+    plan = _Plan(
+        num_tokens=T,
+        num_topk=k,
+        rank=rank,
+        world_size=W,
+        send_splits=tuple(tuple(r) for r in send_rows),
+        recv_splits=tuple(tuple(r) for r in recv_rows),
+        send_token=tuple(send_token),
+        num_own=tuple(num_own),
+        expand_index=tuple(expand_index),
+        slot_index=tuple(slot_index),
+        own_expand=tuple(own_expand),
+        runs=tuple(runs),
+        remote_src=tuple(remote_src),
+        own_src=tuple(own_src),
+        chunk_rows=tuple(chunk_rows),
+        wire=wire,
+    )
+    per_source = tuple(tuple(counts_from[s][C:]) for s in range(W))
+    return plan, torch.cat(recv_w), recv_counts, bounds, meta_bytes, per_source
+
+

@@ -1,0 +1,106 @@
+"""``MoEConfig``: the options of one :class:`hetcomm.moe.MoELayer`, validated on construction
+(a bad value raises ``ConfigError`` naming the ``moe.<key>``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from hetcomm.errors import ConfigError
+from hetcomm.moe.paging import PagingConfig
+from hetcomm.wire_dtypes import LAYER_SPELLINGS, parse_wire_dtype
+
+__all__ = ["MoEConfig"]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Configuration of one :class:`MoELayer` (validated on construction).
+
+    Attributes:
+        model_dim: ``D``.
+        num_experts: ``E`` global experts.
+        k: experts per token.
+        capacity_factor: capacity slack over an even split (ignored when ``dropless``).
+        dropless: never drop a token copy.
+        normalize_topk: rescale a token's ``k`` weights to sum to 1.
+        calibrate: load-aware gate calibration on (switchable at run time through
+            ``layer.gate.calibrator.enabled``).
+        calibration_strength: initial per-expert calibration weight. 1.5: on a gate whose top-5
+            experts take 91% of picks it settles at ~58% top-5 share (1.0 gives ~67%).
+        wire_dtype: the policy of the Communicator's one wire rule for the layer's rows
+            (:meth:`hetcomm.Communicator.wire_dtype`, :mod:`hetcomm.wire_dtypes`): ``auto``
+            (the cluster's per-link policy; FP32 without a cluster, FP16 between vendors) or
+            ``fp32``/``fp16``/``bf16`` for every pair.
+        num_chunks: chunks of the pipelined dispatch/combine (1 = no pipelining).
+        replicate: hot-expert replication on strong ranks.
+        replicate_top: ``N`` hot experts replicated.
+        replicate_every: ``M`` steps between hot-set refreshes.
+        replicate_alpha: EMA decay of per-expert token counts.
+        replicate_policy: ``always`` replicates the top ``N``; ``profitable`` only those whose
+            saved all-to-all bytes exceed their weight and gradient sync bytes
+            (:mod:`hetcomm.moe.replicate`).
+        strong_expert_weight: a strong rank holds this many times the experts of a weak one
+            (``rank_weights="strong"``).
+        rank_weights: how experts are spread over ranks: ``strong`` (strong ranks hold
+            ``strong_expert_weight`` x the experts of weak ones) or ``throughput`` (experts in
+            proportion to each rank's device TFLOPS from ``hetcomm.topo.compute``, replicas only
+            on the fastest strong ranks) — speed-aware placement for compute-heterogeneous clusters.
+        seed: initial weights depend only on this and the expert id (never on the placement).
+        page_budget: expert paging (:mod:`hetcomm.moe.paging`): the fraction of this rank's
+            local experts whose weights (and optimizer state) stay on the device; the rest wait
+            in a host pool and are paged in when the gate routes tokens to them. 0 (default):
+            off, every expert stays where the module put it.
+        paging: the pager's other knobs (:class:`~hetcomm.moe.paging.PagingConfig`; its
+            ``budget_fraction`` is replaced by ``page_budget``), or None for the defaults.
+    """
+
+    model_dim: int
+    num_experts: int
+    k: int = 2
+    capacity_factor: float = 1.25
+    dropless: bool = False
+    normalize_topk: bool = True
+    calibrate: bool = True
+    calibration_strength: float = 1.5
+    wire_dtype: str = "auto"
+    num_chunks: int = 1
+    replicate: bool = False
+    replicate_top: int = 3
+    replicate_every: int = 10
+    replicate_alpha: float = 0.99
+    replicate_policy: str = "always"
+    strong_expert_weight: float = 2.0
+    rank_weights: str = "strong"
+    seed: int = 0
+    page_budget: float = 0.0
+    paging: Optional[PagingConfig] = None
+
+    def __post_init__(self) -> None:
+        def bad(key: str, msg: str) -> ConfigError:
+            return ConfigError(msg, key=f"moe.{key}")
+
+        if not isinstance(self.model_dim, int) or self.model_dim < 1:
+            raise bad("model_dim", f"must be a positive integer, got {self.model_dim!r}")
+        if not isinstance(self.num_experts, int) or self.num_experts < 1:
+            raise bad("num_experts", f"must be a positive integer, got {self.num_experts!r}")
+        if not isinstance(self.k, int) or not 1 <= self.k <= self.num_experts:
+            raise bad("k", f"must be in 1..num_experts={self.num_experts}, got {self.k!r}")
+        if not self.capacity_factor > 0:
+            raise bad("capacity_factor", f"must be > 0, got {self.capacity_factor!r} (use dropless=True for no limit)")
+        parse_wire_dtype(self.wire_dtype, allowed=LAYER_SPELLINGS, key="moe.wire_dtype")
+        if not isinstance(self.num_chunks, int) or self.num_chunks < 1:
+            raise bad("num_chunks", f"must be a positive integer, got {self.num_chunks!r}")
+        if self.rank_weights not in ("strong", "throughput"):
+            raise bad("rank_weights", f"expected 'strong' or 'throughput', got {self.rank_weights!r}")
+        if not self.strong_expert_weight > 0:
+            raise bad("strong_expert_weight", f"must be > 0, got {self.strong_expert_weight!r}")
+        if self.calibration_strength < 0:
+            raise bad("calibration_strength", f"must be >= 0, got {self.calibration_strength!r}")
+        pb = self.page_budget
+        if isinstance(pb, bool) or not isinstance(pb, (int, float)) or not 0.0 <= pb <= 1.0:
+            raise bad("page_budget", f"must be a fraction within [0, 1] (0 = paging off), got {pb!r}")
+        if self.paging is not None and not isinstance(self.paging, PagingConfig):
+            raise bad("paging", f"must be a hetcomm.moe.paging.PagingConfig or None, got {type(self.paging).__name__}")
+
+

@@ -21,6 +21,7 @@ __all__ = [
     "TruncatedCaptureError",
     "CollectiveError",
     "PeerTimeout",
+    "GroupStoppedWaiting",
     "UsageError",
     "CrossRankMismatch",
     "UnsafePathError",
@@ -221,3 +222,8 @@ class CheckpointError(ConfigError):
     def __init__(self, message: str, *, path: str, key: Optional[str] = None, reason: str) -> None:
         self.reason = reason
         super().__init__(message, path=path, key=key)
+
+
+class GroupStoppedWaiting(CollectiveError):
+    """This rank came late: a peer (``peer``) timed out waiting for it in an earlier or the same
+    collective and left the group, so this rank's collective failed when it finally arrived."""

@@ -150,7 +150,7 @@ def _wait_all(store, keys: List[str], rank: int, timeout: timedelta, what: str) 
             return
         if time.monotonic() > deadline:
             raise PeerTimeout(
-                f"{what}: {_ranks(missing)} did not publish their settings within "
+                f"{what}: timed out: {_ranks(missing)} did not publish their settings within "
                 f"{timeout.total_seconds():.0f} s (not started, hung, or not creating this group)",
                 op="init", rank=rank, peer=missing[0],
             )

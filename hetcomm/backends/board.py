@@ -123,7 +123,7 @@ class MetaBoard:
                         )
             if time.monotonic() > deadline:
                 raise PeerTimeout(
-                    f"no cross-rank check metadata from rank(s) {pending} within the group timeout",
+                    f"timed out: no cross-rank check metadata from rank(s) {pending} within the group timeout",
                     op=op, rank=self.rank, peer=pending[0], rail="shm",
                 )
             self._bell.wait(_BLOCK_S)

@@ -113,6 +113,8 @@ class Communicator:
 
     _group_ref: Callable[[], Any]
     _initialized: bool = False
+    #: The default group's heartbeat (hetcomm.backends.heartbeat), started with its rails.
+    _heartbeat: Any = None
 
     def __new__(cls, group=None, *, cluster=None, options: Optional[HetcommOptions] = None):
         pg = _resolve_group(group)
@@ -199,6 +201,10 @@ class Communicator:
         from hetcomm.backends.railset import RailSet
         from hetcomm.backends.routed import RoutedCollectives
 
+        from hetcomm.backends.claim import claim_rank
+
+        # Before anything is published: a process that joined another job's store says so now.
+        claim_rank(store, rank, size)
         opts = options_from_env(options)
         placement = build_placement(store, rank, size, global_ranks, opts.cluster, timeout)
         comm = super().__new__(cls)
@@ -220,6 +226,10 @@ class Communicator:
             rails.close()
             raise
         comm.routed = RoutedCollectives(rails, executor, faults, opts, placement, rank, size, inner.total_seconds())
+        if not global_ranks:  # the default group: watch every peer (hetcomm.backends.heartbeat)
+            from hetcomm.backends import heartbeat
+
+            comm._heartbeat = heartbeat.start_for(store, rank, size, placement)
         return comm
 
     # -- identity ---------------------------------------------------------------------------
@@ -303,6 +313,11 @@ class Communicator:
     def close(self) -> None:
         """Stop the executor and release the rails (a hetcomm group calls it at shutdown)."""
         if self.routed is not None:
+            if self._heartbeat is not None:
+                from hetcomm.backends import heartbeat
+
+                heartbeat.stop(self._heartbeat)
+                self._heartbeat = None
             self.routed.executor.close(self.timeout.total_seconds())
             self.routed.rails.close()
 

@@ -41,7 +41,6 @@ reduce_scatter) reach ``gloo0`` directly and are not checked either.
 
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -101,6 +100,13 @@ def _is_async(opts) -> bool:
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _sparse_nbytes(t: torch.Tensor) -> int:
+    """Bytes of a sparse COO tensor's indices and values on this rank."""
+    if t.layout != torch.sparse_coo:
+        return 0
+    return t._indices().numel() * t._indices().element_size() + t._values().numel() * t._values().element_size()
 
 
 def bus_bytes(op: str, payload: int, n: int) -> int:
@@ -197,8 +203,11 @@ class _Completion:
     the group, and the last reference dropping there would join gloo's threads from one of them.
     """
 
-    def __init__(self, work: HetcommWork, op: str, rank: int, seq: int, faults_ref, staging, after, nbytes: int):
+    def __init__(self, work: HetcommWork, op: str, rank: int, seq: int, faults_ref, staging, after, nbytes: int, complete):
         self.work = work
+        #: ``Executor.complete``: at once on a gloo thread, deferred until the job released the
+        #: executor when called inside one (its callbacks may start and wait for collectives).
+        self._complete_ref = weakref.WeakMethod(complete)
         self.op = op
         self.rank = rank
         self.seq = seq
@@ -208,15 +217,12 @@ class _Completion:
         self.nbytes = nbytes
         self.t0 = time.perf_counter()
 
-    def callback_off(self, fut: "torch.futures.Future", executor) -> None:
-        """:meth:`callback`, but never on the executor thread: a gloo op that finished before its
-        callback was attached runs it inline, there, and a user callback that starts and waits
-        for another collective (PowerSGD's hook) would then wait for the executor's next job on
-        the executor itself. Such a completion moves to a short-lived thread."""
-        if executor.on_thread():
-            threading.Thread(target=self.callback, args=(fut,), name="hetcomm-complete", daemon=True).start()
-        else:
-            self.callback(fut)
+    def complete(self, work: HetcommWork, exc: Optional[BaseException]) -> None:
+        executor_complete = self._complete_ref()
+        if executor_complete is not None:
+            executor_complete(work, exc)
+        else:  # the group is gone: nothing is queued any more
+            work._complete(exc)
 
     def callback(self, fut: "torch.futures.Future") -> None:
         try:
@@ -229,13 +235,18 @@ class _Completion:
     def finish(self, error: Optional[BaseException]) -> None:
         if error is not None:
             faults = self.faults_ref()
+            if faults is not None:
+                late = faults.late_error(CollectiveError(f"failed: {error}", op=self.op, rank=self.rank, rail="gloo"), self.seq)
+                if late is not None:
+                    self.complete(self.work, release_frames(late))
+                    return
             ranks, text = faults.culprits(self.seq) if faults is not None else ([], "")
             err = CollectiveError(
                 f"failed{text}: {error}", op=self.op, rank=self.rank, peer=ranks[0] if ranks else None, rail="gloo",
                 diagnosed=True,
             )
             err.__cause__ = error
-            self.work._complete(release_frames(err))
+            self.complete(self.work, release_frames(err))
             return
         try:
             if self.after is not None:
@@ -243,10 +254,10 @@ class _Completion:
             if self.staging is not None:
                 self.staging.finish()
         except BaseException as e:  # e.g. a copy back that fails: the caller must hear of it
-            self.work._complete(release_frames(e))
+            self.complete(self.work, release_frames(e))
             return
         _record("gloo", bytes_sent=self.nbytes, bytes_received=self.nbytes, seconds_busy=time.perf_counter() - self.t0, ops=1)
-        self.work._complete(None)
+        self.complete(self.work, None)
 
 
 @dataclass
@@ -290,6 +301,7 @@ class DelegatedCollectives:
         staging: Optional[_Staging],
         async_op: bool,
         after: Optional[Callable[[], None]] = None,
+        bus_op: Optional[str] = None,
     ) -> HetcommWork:
         """Check ``call`` across ranks (when the check is on), then ``launch()`` the gloo op; when
         it completes, run ``after`` (AVG's division), copy staged outputs back, count it and
@@ -297,9 +309,12 @@ class DelegatedCollectives:
 
         The check and the launch run in the executor's order (so ``gloo0`` sees collectives in
         call order on every rank). A blocking call then waits for gloo right there; an async one
-        completes from gloo's future, on a gloo thread, as before the check existed: a completion
-        callback that starts and waits for another collective (PowerSGD's hook does) must not
-        run on the executor thread it would wait for.
+        completes from gloo's future, on a gloo thread, as before the check existed. Completions
+        made inside the job (a blocking call, a refusal, a gloo op that finished before its
+        callback was attached) go through ``Executor.complete``, which defers them until the job
+        released the executor and hands the queue to a new thread before running callbacks on
+        the executor's own thread: a callback that starts and waits for another collective
+        (PowerSGD's hook does) never waits for itself.
 
         Raises (from the Work): CrossRankMismatch on every rank when the ranks' calls do not fit;
         CollectiveError naming the rank at fault when gloo fails.
@@ -319,12 +334,13 @@ class DelegatedCollectives:
                 local_problem=local_error is not None,
             )
         user = HetcommWork(result, seq)
+        executor = routed.executor
         done = _Completion(
-            user, call.kind, self.rank, seq, weakref.ref(self.faults), staging, after, bus_bytes(call.kind, call.payload, self.size)
+            user, call.kind, self.rank, seq, weakref.ref(self.faults), staging, after,
+            bus_bytes(bus_op or call.kind, call.payload, self.size), executor.complete,
         )
         faults = self.faults
         kind = call.kind
-        executor = routed.executor
 
         def job(w: HetcommWork) -> None:
             try:
@@ -332,10 +348,10 @@ class DelegatedCollectives:
                     routed.exchange_meta(kind, seq, meta, "elements", local_error=local_error)
                 gwork = launch()
             except CollectiveError as e:
-                user._complete(release_frames(faults.blame(e, seq)))
+                executor.complete(user, release_frames(faults.blame(e, seq)))
                 return
             except BaseException as e:  # CrossRankMismatch, or gloo refusing at once
-                user._complete(release_frames(e))
+                executor.complete(user, release_frames(e))
                 return
             fut = None
             if async_op:
@@ -351,7 +367,7 @@ class DelegatedCollectives:
                 else:
                     done.finish(None)
             else:
-                fut.then(lambda f: done.callback_off(f, executor))
+                fut.then(done.callback)
 
         routed.executor.submit(job, HetcommWork([], seq), async_op)
         return user
@@ -372,6 +388,8 @@ class DelegatedCollectives:
         opts = opts if opts is not None else dist.AllreduceOptions()
         o, name = self._reduce_opts(opts, dist.AllreduceOptions)
         t = tensors[0]
+        if t.layout != torch.strided:
+            return self._sparse_allreduce(tensors, o, name, opts)
         call = _Call("all_reduce", t.dtype, t.numel(), tuple(t.shape), name, payload=_nbytes(tensors))
         if len(tensors) != 1:
             call.local_error = f"all_reduce takes one tensor per process, got {len(tensors)}"
@@ -380,6 +398,27 @@ class DelegatedCollectives:
         n = self.size
         after = (lambda: _divide(staged, n)) if name == "AVG" else None
         return self._run(call, lambda: self.gloo.allreduce(staged, o), list(tensors), st, _is_async(opts), after)
+
+    def _sparse_allreduce(self, tensors, o, name: str, opts):
+        """``all_reduce`` of a sparse COO tensor (issue 23.2): gloo's own sparse all-reduce (it
+        gathers every rank's indices and values and sums them; the result, coalesced, replaces
+        the caller's tensor), after the same cross-rank check on the dense shape. No staging: a
+        sparse tensor has no strided layout to copy into. SUM, and AVG as SUM then divide; gloo
+        refuses other ops and other sparse layouts, which are refused here on every rank."""
+        t = tensors[0]
+        call = _Call("all_reduce", t.dtype, t.numel(), tuple(t.shape), name, payload=_sparse_nbytes(t) * self.size)
+        if len(tensors) != 1:
+            call.local_error = f"all_reduce takes one tensor per process, got {len(tensors)}"
+        elif t.layout != torch.sparse_coo:
+            call.local_error = f"all_reduce of a {t.layout} tensor is not supported (gloo reduces sparse COO only): call .to_sparse_coo() first"
+        elif name not in ("SUM", "AVG"):
+            call.local_error = f"{name} of sparse tensors is not supported (gloo sums sparse tensors only): use SUM or AVG, or .to_dense() first"
+        elif t.dtype not in GLOO_DTYPES:
+            call.local_error = f"gloo cannot reduce sparse {t.dtype} tensors: cast the values to a float or int dtype first"
+        n = self.size
+        after = (lambda: _divide(list(tensors), n)) if name == "AVG" else None
+        # bus bytes as an all_gather of every rank's indices and values (what gloo moves)
+        return self._run(call, lambda: self.gloo.allreduce(list(tensors), o), list(tensors), None, _is_async(opts), after, bus_op="all_gather")
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()

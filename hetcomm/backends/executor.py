@@ -32,7 +32,8 @@ import torch
 
 from hetcomm.backends.devices import RailStreams
 from hetcomm.backends.doorbell import Doorbell
-from hetcomm.backends.faults import release_frames
+from hetcomm.backends import heartbeat
+from hetcomm.backends.faults import SeqDiagnosis, release_frames
 from hetcomm.backends.rails.base import CompositeOp, Rail, RailOp, Xfer, as_bytes
 from hetcomm.backends.rails.cma import copy_bytes
 from hetcomm.backends.work import HetcommWork
@@ -107,7 +108,17 @@ def drive(
     rung_by_peers = isinstance(wakeup, Doorbell)
     step = CompositeOp(ops)
     idle = 0
+    # A peer the heartbeat declared lost ends the wait at once (hetcomm.backends.heartbeat);
+    # checked only when the heartbeat's loss counter moves.
+    watch = diagnose if isinstance(diagnose, SeqDiagnosis) else None
+    beat = heartbeat.active()
+    losses_seen = 0
     while True:
+        if watch is not None and beat is not None and beat.version != losses_seen:
+            losses_seen = beat.version
+            lost = watch.lost_error(step.pending_peers(), op)
+            if lost is not None:
+                raise lost
         done = step.poll()
         if done:
             return
@@ -117,8 +128,8 @@ def drive(
             # The rank at fault: among the peers still pending, those provably silent or dead.
             blamed, extra = diagnose(peers) if diagnose else (peers, "")
             raise PeerTimeout(
-                f"no answer from peer(s) {peers} over rail(s) {', '.join(rails)} within the group "
-                f"timeout{extra}; check that every rank calls the same collectives in the same order",
+                f"timed out: no answer from peer(s) {peers} over rail(s) {', '.join(rails)} within the "
+                f"group timeout{extra}; check that every rank calls the same collectives in the same order",
                 op=op,
                 rank=rank,
                 peer=blamed[0] if blamed else (peers[0] if peers else None),
@@ -315,6 +326,16 @@ class Executor:
     so that every pair's transfers stay in step on every rank. A blocking call with nothing
     queued runs inline on the caller's thread instead (saves two thread hand-offs).
 
+    Completion callbacks (issue 23.1): a Work's torch-future callbacks run where the Work is
+    completed, and torch's communication hooks (``powerSGD_hook``) start further collectives
+    there and wait for them. So a job's Works are completed only after the job has released the
+    executor (:meth:`complete` defers completions made inside a job), and when a completed Work
+    has a future whose callbacks would run on the executor's thread, that thread first *hands the
+    queue over* to a fresh executor thread and then runs the callbacks, leaving the loop
+    afterwards: later jobs (those the callbacks start included) run in submission order on the
+    new thread while the callbacks wait for them. A thread is started only for a Work that has a
+    future at completion time (``get_future()`` before it finished), never on the plain path.
+
     Args:
         name: thread name suffix (the group id).
         rank: this rank (for errors).
@@ -325,43 +346,81 @@ class Executor:
     def __init__(self, name: str, rank: int, blame: Callable[[CollectiveError, int], CollectiveError]):
         self.rank = rank
         self.blame = blame
+        self._name = name
         self._jobs: "queue.Queue[Optional[Tuple[Callable, HetcommWork]]]" = queue.Queue()
         self._exec_lock = threading.Lock()
         self._pending_lock = threading.Lock()
         self._pending = 0
         self._closed = False
+        # Per thread: the completions made while this thread runs a job (None outside jobs).
+        self._local = threading.local()
         #: Device jobs run on these streams, ordered after the caller's (hetcomm.backends.devices).
         self.streams = RailStreams()
-        self._thread = threading.Thread(target=self._run, name=f"hetcomm-exec-{name}", daemon=True)
-        self._thread.start()
+        self._thread = self._start_thread()
+
+    def _start_thread(self) -> threading.Thread:
+        t = threading.Thread(target=self._run, name=f"hetcomm-exec-{self._name}", daemon=True)
+        self._thread = t
+        t.start()
+        return t
+
+    def complete(self, work: HetcommWork, exc: Optional[BaseException]) -> None:
+        """Complete ``work`` with ``exc`` (None: success) — at once, or, when called from inside
+        a job on this thread, once the job has released the executor (see the class docstring)."""
+        deferred = getattr(self._local, "deferred", None)
+        if deferred is not None:
+            deferred.append((work, exc))
+        else:
+            self._finish(work, exc)
+
+    def _finish(self, work: HetcommWork, exc: Optional[BaseException]) -> None:
+        work._complete(exc, before_callbacks=self._hand_over if self.on_thread() else None)
+
+    def _hand_over(self) -> None:
+        """Called on the executor thread just before it runs a future's callbacks: a new thread
+        takes the queue; this one leaves the loop once the callbacks returned."""
+        if self.on_thread() and not self._closed:
+            self._start_thread()
 
     def _execute(self, fn: Callable[[HetcommWork], None], work: HetcommWork) -> None:
-        with self._exec_lock:
-            try:
-                # Data movement is never part of an autograd graph (grad mode is per thread, and
-                # the caller's no_grad of e.g. an autograd.Function forward does not reach here).
-                # Device work runs on the rail stream, after the event the call recorded on the
-                # caller's stream; the scope records the done event before the work completes.
-                with torch.no_grad(), self.streams.scope(work.order):
-                    fn(work)
-            # release_frames: a stored error must not keep this frame (and so the work, the job and
-            # the group's rails) alive in a reference cycle (faults.release_frames, issue 14.5).
-            except CollectiveError as e:
-                work._complete(release_frames(self.blame(e, work.seq)))
-            except BaseException as e:  # delivered to the caller through the Work
-                work._complete(release_frames(e))
-            else:
-                work._complete(None)
-            finally:
-                with self._pending_lock:
-                    self._pending -= 1
+        outer = getattr(self._local, "deferred", None)
+        self._local.deferred = deferred = []
+        try:
+            with self._exec_lock:
+                try:
+                    # Data movement is never part of an autograd graph (grad mode is per thread,
+                    # and the caller's no_grad of e.g. an autograd.Function forward does not
+                    # reach here). Device work runs on the rail stream, after the event the call
+                    # recorded on the caller's stream; the scope records the done event before
+                    # the work completes.
+                    with torch.no_grad(), self.streams.scope(work.order):
+                        fn(work)
+                # release_frames: a stored error must not keep this frame (and so the work, the
+                # job and the group's rails) alive in a reference cycle (faults.release_frames).
+                except CollectiveError as e:
+                    deferred.append((work, release_frames(self.blame(e, work.seq))))
+                except BaseException as e:  # delivered to the caller through the Work
+                    deferred.append((work, release_frames(e)))
+                else:
+                    deferred.append((work, None))
+                finally:
+                    with self._pending_lock:
+                        self._pending -= 1
+        finally:
+            self._local.deferred = outer
+        # Outside the lock: callbacks may submit (and wait for) further jobs.
+        for w, e in deferred:
+            self._finish(w, e)
 
     def _run(self) -> None:
+        me = threading.current_thread()
         while True:
             job = self._jobs.get()
             if job is None:
                 return
             self._execute(*job)
+            if self._thread is not me:  # handed the queue over while completing: leave
+                return
 
     def on_thread(self) -> bool:
         """True on the executor's own thread (where nothing may wait for a later job)."""
@@ -372,7 +431,7 @@ class Executor:
         if self._closed:
             raise CollectiveError("the process group was destroyed", rank=self.rank)
         with self._pending_lock:
-            inline = not async_op and self._pending == 0
+            inline = not async_op and self._pending == 0 and getattr(self._local, "deferred", None) is None
             self._pending += 1
         if inline:
             self._execute(fn, work)
@@ -386,5 +445,6 @@ class Executor:
             return
         self._closed = True
         self._jobs.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=timeout_s)
+        thread = self._thread
+        if thread is not threading.current_thread():
+            thread.join(timeout=timeout_s)

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
 
 from hetcomm.backends import checks
 from hetcomm.backends.placement import Placement
-from hetcomm.errors import CollectiveError, HetcommError, PeerTimeout
+from hetcomm.errors import CollectiveError, GroupStoppedWaiting, HetcommError, PeerTimeout
 
-__all__ = ["FaultDiagnosis", "release_frames"]
+if TYPE_CHECKING:
+    from hetcomm.backends.heartbeat import PeerLoss
+
+__all__ = ["FaultDiagnosis", "SeqDiagnosis", "release_frames"]
 
 
 def release_frames(exc: BaseException) -> BaseException:
@@ -132,14 +135,59 @@ class FaultDiagnosis:
         if missing is None:
             return [], "; the store is unreachable too (did rank 0 or the launcher die?)"
         if silent:
+            if store_ok:
+                # Say whom this rank stopped waiting for: a late rank that arrives after this one
+                # left is told so (stopped_waiting_for_me), not "connection closed by peer".
+                try:
+                    self.store.set(f"hetcomm/diag/gave-up/{self.rank}", f"{seq}:" + ",".join(map(str, silent)))
+                except Exception:
+                    pass
             who = ", ".join(f"rank {r}" for r in silent)
             return silent, f"; {who} did not report this failure: dead, hung, or never called collective #{seq}"
         return [], ""
+
+    def stopped_waiting_for_me(self, seq: int) -> Optional[Tuple[int, int]]:
+        """``(rank, its collective)`` of a peer that timed out waiting for *this* rank and left,
+        or None (issue 21.17). Read from the peers' ``hetcomm/diag/gave-up/<rank>`` marks
+        (``"<seq>:<ranks it stopped waiting for>"``), left by :meth:`culprits`."""
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            key = f"hetcomm/diag/gave-up/{r}"
+            try:
+                if not self.store.check([key]):
+                    continue
+                their_seq, _, ranks = self.store.get(key).decode().partition(":")
+            except Exception:  # no store: nothing to tell
+                return None
+            if str(self.rank) in ranks.split(",") and int(their_seq) <= seq:
+                return r, int(their_seq)
+        return None
+
+    def late_error(self, e: CollectiveError, seq: int) -> Optional[GroupStoppedWaiting]:
+        """The error for this rank when a peer stopped waiting for it (see
+        :meth:`stopped_waiting_for_me`), else None."""
+        gave_up = self.stopped_waiting_for_me(seq)
+        if gave_up is None:
+            return None
+        peer, their_seq = gave_up
+        out = GroupStoppedWaiting(
+            f"the group stopped waiting for this rank: rank {peer} timed out in collective #{their_seq} "
+            f"waiting for rank {self.rank} (this rank reached it more than the group timeout of "
+            f"{self.timeout.total_seconds():.0f} s late) and left; make every rank reach each collective "
+            f"within the group timeout, or raise init_process_group(timeout=...)",
+            op=e.op, rank=e.rank, peer=peer, rail=e.rail, diagnosed=True,
+        )
+        out.__cause__ = e  # what this rank saw (a closed connection, a peer that exited)
+        return out
 
     def blame(self, e: CollectiveError, seq: int) -> CollectiveError:
         """Re-aim a rail error at the rank really at fault (same type; ``diagnosed`` set)."""
         if e.diagnosed:
             return e
+        late = self.late_error(e, seq)
+        if late is not None:
+            return late
         # A timeout says whom this rank waited for; a broken connection may be a survivor's exit.
         ranks, text = self.culprits(seq, [e.peer] if isinstance(e, PeerTimeout) and e.peer is not None else None)
         if not ranks or e.peer in ranks:
@@ -154,6 +202,47 @@ class FaultDiagnosis:
         out.__cause__ = e.__cause__ if e.__cause__ is not None else e
         return out
 
-    def for_seq(self, seq: int) -> Callable[[List[int]], Tuple[List[int], str]]:
+    def for_seq(self, seq: int) -> "SeqDiagnosis":
         """The ``diagnose`` callback of :func:`hetcomm.backends.executor.drive` for collective ``seq``."""
-        return lambda peers: self.culprits(seq, peers)
+        return SeqDiagnosis(self, seq)
+
+    def lost(self, peers: Sequence[int]) -> List[Tuple[int, "PeerLoss"]]:
+        """``(group rank, loss)`` of the ``peers`` the default group's heartbeat declared lost
+        (:mod:`hetcomm.backends.heartbeat`; its ranks are global, the placement maps them)."""
+        from hetcomm.backends import heartbeat
+
+        hb = heartbeat.active()
+        if hb is None or not hb.lost:
+            return []
+        by_global = {self.placement.ranks[p].global_rank: p for p in peers}
+        return [(by_global[loss.rank], loss) for loss in hb.lost_among(list(by_global))]
+
+
+class SeqDiagnosis:
+    """Diagnosis of one collective (``seq``) for :func:`hetcomm.backends.executor.drive`:
+    called with the pending peers at a timeout; :meth:`lost` says which of them the heartbeat
+    has already declared lost, so the wait can end at once."""
+
+    def __init__(self, faults: FaultDiagnosis, seq: int) -> None:
+        self.faults = faults
+        self.seq = seq
+
+    def __call__(self, peers: List[int]) -> Tuple[List[int], str]:
+        return self.faults.culprits(self.seq, peers)
+
+    def lost_error(self, peers: List[int], op: str) -> Optional[CollectiveError]:
+        """The error naming the first lost peer among ``peers`` (None if none is lost)."""
+        found = self.faults.lost(peers)
+        if not found:
+            return None
+        peer, loss = found[0]
+        names = self.faults.rail_names()
+        rail = names[peer] if peer < len(names) else None
+        pid = self.faults.placement.ranks[peer].pid
+        what = f"exited: rank {peer} (pid {pid})" if loss.cause == "exited" else f"rank {peer}: {loss.detail}"
+        cls = CollectiveError if loss.cause == "exited" else PeerTimeout
+        return cls(
+            f"peer lost during collective #{self.seq}; {what} (named by the heartbeat, {loss.silent_s:.2f} s after "
+            f"its last beat; every survivor names it); restart the job or let `hetcomm launch` do it",
+            op=op, rank=self.faults.rank, peer=peer, rail=rail, diagnosed=True,
+        )

@@ -32,8 +32,8 @@ import torch.distributed as dist
 from hetcomm import settings
 from hetcomm.backends.communicator import Communicator
 from hetcomm.backends.delegated import DelegatedCollectives
-from hetcomm.backends.executor import TAG_BASE
 from hetcomm.backends.options import HetcommOptions
+from hetcomm.backends.p2p import HEADER_TAG_BASE, checked_recv, checked_send
 from hetcomm.backends.placement import Placement
 from hetcomm.backends.work import HetcommWork
 from hetcomm.errors import UsageError
@@ -228,17 +228,19 @@ class HetcommProcessGroup(dist.ProcessGroup):
     def barrier(self, opts=None):
         return self._delegated.barrier(opts)
 
+    # p2p: a size header first, checked by the receiver (gloo aborts the process on a size
+    # mismatch; hetcomm/backends/p2p.py)
     def send(self, tensors, dstRank, tag=0):
         _check_user_tag(tag, self.rank())
-        return self._routed.rails.gloo.send(tensors, dstRank, tag)
+        return checked_send(self._routed.rails.gloo, tensors, dstRank, tag, self.rank())
 
     def recv(self, tensors, srcRank, tag=0):
         _check_user_tag(tag, self.rank())
-        return self._routed.rails.gloo.recv(tensors, srcRank, tag)
+        return checked_recv(self._routed.rails.gloo, tensors, srcRank, tag, self.rank())
 
     def recv_anysource(self, tensors, tag=0):
         _check_user_tag(tag, self.rank())
-        return self._routed.rails.gloo.recv_anysource(tensors, tag)
+        return checked_recv(self._routed.rails.gloo, tensors, None, tag, self.rank())
 
     # -- lifetime ---------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -265,6 +267,9 @@ def _is_async(opts) -> bool:
 
 
 def _check_user_tag(tag: int, rank: int) -> None:
-    if tag >= TAG_BASE:
-        raise UsageError(f"hetcomm send/recv (rank {rank}): tag {tag} is reserved (tags >= {TAG_BASE} are hetcomm's)")
+    if tag < 0 or tag >= HEADER_TAG_BASE:
+        raise UsageError(
+            f"hetcomm send/recv (rank {rank}): tag {tag} is out of range: user tags are 0 <= tag < "
+            f"{HEADER_TAG_BASE} (larger ones carry hetcomm's size headers and internal transfers)"
+        )
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -88,12 +88,21 @@ class HetcommWork(dist.Work):
         self._future: Optional[torch.futures.Future] = None
 
     # -- executor side ---------------------------------------------------------------------
-    def _complete(self, exc: Optional[BaseException] = None) -> None:
+    def _complete(self, exc: Optional[BaseException] = None, before_callbacks: Optional[Callable[[], None]] = None) -> None:
+        """Record the outcome; set the future's result (running its callbacks on this thread).
+
+        ``before_callbacks`` runs first when there is a future (decided under the lock, so a
+        ``get_future()`` racing with this call either sees the outcome or has its future set
+        here): the executor hands its queue to a new thread there (:class:`~hetcomm.backends.
+        executor.Executor`), so callbacks that start collectives do not wait for themselves.
+        """
         with self._lock:
             self._exc = exc
             self._done.set()
             base = self._base
         if base is not None:
+            if before_callbacks is not None:
+                before_callbacks()
             # On the rail stream, just after the job's done event: a device-aware future records
             # its own event on the current stream here (see get_future).
             with devices.on_rail_stream(self.order):

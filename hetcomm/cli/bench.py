@@ -51,9 +51,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "collective",
-        choices=lib.COLLECTIVES + ("compute",),
+        choices=lib.COLLECTIVES + ("compute", "dispatch"),
         help="the collective to measure, or 'compute': a GEMM and the expert FFN on this process's "
-        "device (hetcomm.cli.bench_compute; -n/-w/-J/--json apply)",
+        "device (hetcomm.cli.bench_compute; -n/-w/-J/--json apply), or 'dispatch': dispatch/combine "
+        "forward and backward over the communicator, per-rank percentiles and logical bandwidth "
+        "(hetcomm.cli.bench_dispatch)",
     )
     g = p.add_argument_group("nccl-tests flags")
     g.add_argument(
@@ -157,6 +159,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     from hetcomm.cli.bench_compute import add_compute_args
 
     add_compute_args(p)
+    from hetcomm.cli.bench_dispatch import add_dispatch_args
+
+    add_dispatch_args(p)
     return p
 
 
@@ -397,6 +402,13 @@ def run(args: argparse.Namespace) -> int:
         from hetcomm.cli.bench_compute import run_compute
 
         return run_compute(args)
+    if args.collective == "dispatch":
+        from hetcomm.cli.bench_dispatch import run_dispatch
+
+        if _under_torchrun():
+            raise UsageError("bench dispatch starts its own ranks: run it outside torchrun, with --nprocs N")
+        num_ranks, _ = _resolve_nprocs(args, None)
+        return run_dispatch(args, num_ranks)
     config, num_ranks, spawn = config_from_args(args)
     if not spawn:
         return _run_under_torchrun(config, num_ranks, args)

@@ -2,7 +2,7 @@
 
     hetcomm launch [--cluster YAML] [--node NAME --nnodes MIN:MAX --rdzv-endpoint HOST:PORT]
                    [--nproc-per-node N] [--max-restarts R]
-                   [--no-health] [--threshold 3] [--eject] [--probe-size 64K] [--probe-iters 10]
+                   [--no-health] [--threshold 3] [--eject] [--probe-size 64K] [--probe-iters 10] [--probe-compute S]
                    [--warmup-from METRICS.jsonl] [--group-size N --group-delay S]
                    [-- train ARGS...]
 
@@ -11,18 +11,25 @@ Run it once per node (like torchrun). Without ``--node`` it is a one-machine job
 
 1. **Health check** (``hetcomm.ops.health`` under torchrun, rendezvous id ``<id>-health``):
    all-reduce, all-to-all and pairwise probes, P50/P99 per rank and link class printed; ranks and
-   nodes whose best-peer time exceeds ``--threshold`` x the median are reported. With
-   ``--eject`` a slow node's launch stops here (exit 0, saying so) and the others start the job
-   with ``--nnodes <remaining>:<all>``, so torchrun's rendezvous completes without it.
+   nodes whose best-peer time exceeds ``--threshold`` x the median are reported, and with
+   ``--probe-compute S`` each rank's GEMM time against its device class
+   (:mod:`hetcomm.ops.health_class`). With ``--eject`` a slow node's launch stops here (exit 0,
+   saying so) and the others start the job with ``--nnodes <remaining>:<all>``, so torchrun's
+   rendezvous completes without it; the node hosting the rendezvous store is never ejected.
 2. **Warm-up**: ``--warmup-from`` a previous run's metrics file seeds every MoE layer's
    calibrator history and replicates (pages in) its hottest experts before the first step
    (passed to ``hetcomm train --warmup-from``).
 3. **Grouped start**: ranks start in waves of ``--group-size`` every ``--group-delay`` seconds
    (``hetcomm.cli.worker``), so a large job does not hit the store and the NICs all at once.
 
-The job runs under torchrun with ``--max-restarts``: a rank that dies makes the survivors raise
-(naming it), torchrun restarts every worker, and ``hetcomm train --resume`` continues from the
-last checkpoint. Exit code: torchrun's (0 ok, 1 a worker failed for good), 2 bad usage.
+Before torchrun starts, every option and the job after ``--`` are checked
+(:mod:`hetcomm.cli._launch_checks`: exit 2, one line). Each phase runs supervised
+(:mod:`hetcomm.ops.supervise`: SIGTERM/SIGINT forwarded, SIGKILL after a grace, nothing
+orphaned), and each worker leaves an end mark (:mod:`hetcomm.ops.rank_marks`) so that a failed
+phase names the rank at fault. The job runs under torchrun with ``--max-restarts``: a rank that
+dies makes the survivors raise (naming it), torchrun restarts every worker, and ``hetcomm train
+--resume`` continues from the last checkpoint. Exit code: the job's (0 ok, 1 a worker failed
+for good, with a summary line), 2 bad usage, 128 + signal after SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -30,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import uuid
 from typing import List, Optional, Tuple
@@ -38,7 +44,7 @@ from typing import List, Optional, Tuple
 from hetcomm import settings
 from hetcomm.errors import UsageError
 
-__all__ = ["add_parser", "run", "torchrun_command"]
+__all__ = ["add_parser", "run", "torchrun_command", "eject_plan"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -61,6 +67,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--eject", action="store_true", help="leave slow nodes out of the job")
     p.add_argument("--probe-size", default="1M", help="bytes per probe message (default 1M: bandwidth, not latency)")
     p.add_argument("--probe-iters", type=int, default=10, help="timed repetitions per probe (default 10)")
+    p.add_argument("--probe-compute", metavar="S", type=float, default=0.0,
+                   help="seconds of GEMMs per rank for the per-device-class compute check (default 0: off; on a CPU "
+                   "machine whose devices are labels every rank computes alike, so the check needs real devices or "
+                   "`hetcomm emulate --compute`)")
     p.add_argument("--health-only", action="store_true", help="stop after phase 1 (exit 1 if anything is slow)")
     p.add_argument("--warmup-from", metavar="METRICS.jsonl", default=None, help="seed calibrators and hot experts from a previous run")
     p.add_argument("--group-size", type=int, default=0, help="ranks per start wave (0: all at once)")
@@ -82,15 +92,9 @@ def _nnodes(spec: str) -> Tuple[int, int]:
 
 
 def _is_local(host: str) -> bool:
-    """Whether ``host`` is an address of this machine (or network namespace): it can be bound."""
-    import socket
+    from hetcomm.ops.health import is_local_address
 
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((socket.gethostbyname(host), 0))
-        return True
-    except OSError:
-        return False
+    return is_local_address(host)
 
 
 def torchrun_command(
@@ -118,6 +122,54 @@ def torchrun_command(
     return cmd + ["-m"] + module_args
 
 
+def eject_plan(report: dict, verdict) -> Tuple[List[str], List[str]]:
+    """``(ejected, kept)``: the slow nodes ``--eject`` leaves out, and those it must keep because
+    they host the rendezvous store (ejecting that node leaves the others with no store:
+    torchrun's RendezvousConnectionError after ~100 s and no step, issue 21 item 14). Decided from
+    the health report, which is the same on every node, so every node's launch agrees."""
+    hosts = {r["node"] for r in report["ranks"] if r.get("hosts_rendezvous")}
+    kept = [n for n in verdict.slow_nodes if n in hosts]
+    return [n for n in verdict.slow_nodes if n not in hosts], kept
+
+
+def _judge_by_class(report: dict, cluster, work: str):
+    """Print and record (``health-records.jsonl``) the per-device-class verdict (hetcomm.ops.health_class)."""
+    from hetcomm.ops.health_class import judge_by_class, records
+    from hetcomm.topo.compute import rank_speeds
+
+    world = report["world_size"]
+    names = [r["node"] for r in report["ranks"]]
+    # Ranks follow the job's node order; the declared speed is that of each rank's own node.
+    by_node = {n.name: n.first_rank for n in cluster.nodes}
+    speeds = [rank_speeds(cluster, [by_node[names[r]]])[0] if names[r] in by_node else 1.0 for r in range(world)]
+    verdict = judge_by_class(report, speeds)
+    for s in verdict.slow:
+        print(f"slow in its class: {s.line()}", flush=True)
+    if not verdict.slow and verdict.compute_factor:
+        print(f"per device class: no rank slower than its class (compute factors "
+              f"{', '.join(f'{r}:{f:.2f}' for r, f in sorted(verdict.compute_factor.items()))})", flush=True)
+    from hetcomm.ops.safe_fs import write_private
+
+    write_private(os.path.join(work, "health-records.jsonl"), "".join(json.dumps(rec) + "\n" for rec in records(verdict)))
+    return verdict
+
+
+def _phase(cmd: List[str], env: dict, what: str) -> int:
+    """Run one torchrun phase supervised; a signal to the launcher stops it and ends the launch."""
+    from hetcomm.ops.supervise import run_supervised
+
+    done = run_supervised(cmd, env)
+    if done.signum is not None:
+        import signal
+
+        name = signal.Signals(done.signum).name
+        extra = f"; SIGKILLed after the grace: pids {', '.join(map(str, done.killed))}" if done.killed else ""
+        print(f"hetcomm launch: {name} received during the {what}; stopped torchrun and every worker{extra}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(done.exit_code)
+    return done.returncode
+
+
 def run(args: argparse.Namespace) -> int:
     from hetcomm.ops.safe_fs import remove_tree
 
@@ -130,31 +182,54 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, made: List[str]) -> int:
-    from hetcomm.cli.train import repo_path
-    from hetcomm.ops.safe_fs import launch_work_dir, read_nofollow, write_private
+    from hetcomm.cli._launch_checks import check_job, check_options, check_rdzv_endpoint, job_cluster
     from hetcomm.ops.health import judge, render_report
+    from hetcomm.ops.safe_fs import launch_work_dir, read_nofollow, write_private
+    from hetcomm.ops.rank_marks import clear_marks, describe, last_attempt, read_marks
     from hetcomm.topo.cluster import CLUSTER_ENV, load_cluster
-    from hetcomm.units import parse_size
 
-    cluster_path = os.path.abspath(repo_path(args.cluster or settings.CLUSTER.get() or "configs/clusters/mixed-mini.yaml"))
-    cluster = load_cluster(cluster_path)
+    # Everything is checked here, before torchrun starts: a bad value is exit 2 in a second,
+    # not a worker failure restarted --max-restarts times (issue 21, items 10, 11, 16).
+    probe_bytes = check_options(args)
     job = list(args.job)
     if job and job[0] == "--":
         job = job[1:]
     job = job or ["train"]
+    cluster_path = job_cluster(args.cluster or settings.CLUSTER.get(), job, "configs/clusters/mixed-mini.yaml")
+    cluster = load_cluster(cluster_path)
+    if args.warmup_from:
+        if job[0] != "train":
+            raise UsageError("--warmup-from applies to `train` jobs")
+        if "--warmup-from" in job:
+            raise UsageError("--warmup-from given to launch and to the job: give it once")
+        job += ["--warmup-from", os.path.abspath(args.warmup_from)]
+    job = check_job(job, cluster_path)
     names = [n.name for n in cluster.nodes]
+    if args.rdzv_endpoint is not None:
+        check_rdzv_endpoint(args.rdzv_endpoint)
     if args.node is not None:
         if args.node not in names:
             raise UsageError(f"--node {args.node!r} is not a node of cluster '{cluster.name}' (nodes: {', '.join(names)})")
         if args.rdzv_endpoint is None:
             raise UsageError("--node needs --rdzv-endpoint HOST:PORT (the c10d rendezvous every node's launch uses)")
-        nproc = args.nproc_per_node or next(n for n in cluster.nodes if n.name == args.node).num_devices
+        expected = next(n for n in cluster.nodes if n.name == args.node).num_devices
+        what = f"node {args.node} of cluster '{cluster.name}' has {expected} devices"
         lo, hi = _nnodes(args.nnodes or str(len(names)))
+        if hi > len(names):
+            raise UsageError(f"--nnodes {args.nnodes}: cluster '{cluster.name}' has {len(names)} nodes")
     else:
         if args.rdzv_endpoint is not None:
             raise UsageError("--rdzv-endpoint without --node: give every node's launch its --node name")
-        nproc = args.nproc_per_node or cluster.num_ranks
+        if args.nnodes is not None and _nnodes(args.nnodes) != (1, 1):
+            raise UsageError(f"--nnodes {args.nnodes} without --node: a one-machine job is one node; "
+                             "run one launch per node with --node and --rdzv-endpoint")
+        expected = cluster.num_ranks
+        what = f"cluster '{cluster.name}' has {expected} ranks"
         lo, hi = 1, 1
+    if args.nproc_per_node is not None and args.nproc_per_node != expected:
+        raise UsageError(f"--nproc-per-node {args.nproc_per_node}: {what}; the ranks follow the cluster YAML "
+                         f"(omit the flag, or give a cluster with {args.nproc_per_node})")
+    nproc = expected
     rdzv_id = args.rdzv_id or uuid.uuid4().hex[:8]
     work = launch_work_dir(args.work_dir, rdzv_id)  # private, never reused from someone else
     if args.work_dir is None:
@@ -171,42 +246,51 @@ def _run(args: argparse.Namespace, made: List[str]) -> int:
     # -- phase 1: health check ------------------------------------------------------------
     if args.health:
         out = os.path.join(work, f"health-{args.node or 'local'}.json")
+        probe = ["hetcomm.ops.health", "--out", out, "--size", str(probe_bytes), "--iters", str(args.probe_iters),
+                 "--marks", work, "--compute-s", str(args.probe_compute)]
+        if args.rdzv_endpoint is not None:
+            probe += ["--rdzv-host", args.rdzv_endpoint.rsplit(":", 1)[0]]
         cmd = torchrun_command(
-            ["hetcomm.ops.health", "--out", out, "--size", str(parse_size(args.probe_size)), "--iters", str(args.probe_iters)],
-            nproc=nproc, nnodes=(hi, hi), rdzv_endpoint=args.rdzv_endpoint, rdzv_id=f"{rdzv_id}-health", max_restarts=0,
+            probe, nproc=nproc, nnodes=(hi, hi), rdzv_endpoint=args.rdzv_endpoint, rdzv_id=f"{rdzv_id}-health", max_restarts=0,
             local_addr=args.local_addr,
         )
         print(f"hetcomm launch: phase 1, health check on {where}", file=sys.stderr, flush=True)
-        code = subprocess.call(cmd, env=env)
+        clear_marks(work, "health")
+        code = _phase(cmd, env, "health check")
         if code != 0:
-            print(f"hetcomm launch: the health check failed (torchrun exit {code}); not starting the job", file=sys.stderr)
+            world = nproc if args.node is None else None  # multi-node: only this node's marks are here
+            why = describe(read_marks(work, "health", 0, cluster.num_ranks), world)
+            print(f"hetcomm launch: the health check failed (torchrun exit {code}): {why}; not starting the job",
+                  file=sys.stderr)
             return 1
         report = json.loads(read_nofollow(out, limit=64 << 20, what="health report"))
         verdict = judge(report, args.threshold)
         print(render_report(report, verdict), flush=True)
+        by_class = _judge_by_class(report, cluster, work)
         write_private(os.path.join(work, "verdict.json"),
-                      json.dumps({"slow_nodes": verdict.slow_nodes, "slow_ranks": verdict.slow_ranks}))
+                      json.dumps({"slow_nodes": verdict.slow_nodes, "slow_ranks": verdict.slow_ranks,
+                                  "slow_in_class": [s.rank for s in by_class.slow]}))
         if args.health_only:
-            return 1 if (verdict.slow_nodes or verdict.slow_ranks) else 0
+            return 1 if (verdict.slow_nodes or verdict.slow_ranks or by_class.slow) else 0
         if args.eject and verdict.slow_nodes:
-            if args.node in verdict.slow_nodes:
-                print(f"hetcomm launch: node {args.node} is slow and ejected (--eject); the job starts without it",
-                      flush=True)
-                return 0
+            ejected, kept = eject_plan(report, verdict)
+            if kept:
+                print(f"hetcomm launch: node {', '.join(kept)} is slow but hosts the rendezvous store "
+                      f"(--rdzv-endpoint {args.rdzv_endpoint}): not ejected; put the endpoint on a fast node "
+                      "to eject it", file=sys.stderr, flush=True)
             if args.node is None:
                 print("hetcomm launch: --eject needs one launch per node (--node); one-machine jobs only report",
                       file=sys.stderr)
-            else:
-                hi_left = hi - len(verdict.slow_nodes)
-                lo = hi_left  # start as soon as every remaining node is in; MAX stays (torchrun's elasticity)
-                print(f"hetcomm launch: ejected {', '.join(verdict.slow_nodes)}; starting on {hi_left} node(s)",
+            elif args.node in ejected:
+                print(f"hetcomm launch: node {args.node} is slow and ejected (--eject); the job starts without it",
                       flush=True)
+                return 0
+            elif ejected:
+                hi_left = hi - len(ejected)
+                lo = hi_left  # start as soon as every remaining node is in; MAX stays (torchrun's elasticity)
+                print(f"hetcomm launch: ejected {', '.join(ejected)}; starting on {hi_left} node(s)", flush=True)
 
-    # -- phase 2: warm-up; phase 3: grouped start -----------------------------------------
-    if args.warmup_from:
-        if job[0] != "train":
-            raise UsageError("--warmup-from applies to `train` jobs")
-        job += ["--warmup-from", os.path.abspath(args.warmup_from)]
+    # -- phase 2: warm-up (in the job's arguments); phase 3: grouped start ------------------
     if args.group_size:
         env["HETCOMM_GROUP_SIZE"] = str(args.group_size)
         env["HETCOMM_GROUP_DELAY"] = str(args.group_delay)
@@ -218,9 +302,15 @@ def _run(args: argparse.Namespace, made: List[str]) -> int:
     exit_file = os.path.join(work, "job-exit")
     if os.path.exists(exit_file):
         os.unlink(exit_file)
-    code = subprocess.call(cmd, env=env)
+    clear_marks(work, "job")
+    code = _phase(cmd, env, "job")
     if code != 0:
-        return 1  # torchrun gave up: a worker kept failing after --max-restarts restarts
+        # torchrun gave up: a worker kept failing after --max-restarts restarts.
+        world = nproc if args.node is None else None
+        why = describe(read_marks(work, "job", last_attempt(work, "job"), cluster.num_ranks), world)
+        print(f"hetcomm launch: the job failed for good after {args.max_restarts} restart(s) (--max-restarts "
+              f"{args.max_restarts} spent; torchrun exit {code}); last attempt: {why}", file=sys.stderr, flush=True)
+        return 1
     try:
         return int(read_nofollow(exit_file, limit=64, what="job exit file").strip() or 0)
     except FileNotFoundError:

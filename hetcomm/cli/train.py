@@ -68,10 +68,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from hetcomm.cli._args import check_nprocs
-    from hetcomm.errors import UsageError
-    from hetcomm.train.loop import TrainConfig, launch, load_train_config
+    from hetcomm.train.loop import launch
 
     check_nprocs(args.nprocs)  # 0 used to mean "the default" (4 ranks) silently
+    return launch(train_config(args), nprocs=args.nprocs)
+
+
+def train_config(args: argparse.Namespace):
+    """The job's ``TrainConfig`` from the parsed flags (also what ``hetcomm launch`` checks before
+    torchrun starts: a bad config or override is exit 2 there, not a worker failure)."""
+    from hetcomm.errors import UsageError
+    from hetcomm.train.loop import TrainConfig, load_train_config
 
     overrides = dict(
         cluster=args.cluster,
@@ -108,4 +115,4 @@ def run(args: argparse.Namespace) -> int:
              if v is not None]
     if given and not cfg.balance:  # they used to be ignored silently
         raise UsageError(f"{' and '.join(given)} only apply with the balancer; add --balance or drop them")
-    return launch(cfg, nprocs=args.nprocs)
+    return cfg

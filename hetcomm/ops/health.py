@@ -33,7 +33,19 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Verdict", "judge", "render_report", "run_probes", "main"]
+__all__ = ["Verdict", "judge", "render_report", "run_probes", "main", "is_local_address"]
+
+
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` is an address of this machine (or network namespace): it can be bound."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((socket.gethostbyname(host), 0))
+        return True
+    except OSError:
+        return False
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -53,12 +65,41 @@ def _rounds(world: int) -> List[List[Tuple[int, int]]]:
     return out
 
 
-def run_probes(size_bytes: int, iters: int, cluster, node_of_rank: Sequence[str]) -> Dict[str, Any]:
-    """Run the probes on this rank (collective); returns the report (same on every rank)."""
+#: Side of the square float32 GEMM the compute probe times (~14 MFLOP: milliseconds on a core).
+COMPUTE_GEMM = 192
+
+
+def compute_probe(seconds: float) -> float:
+    """Seconds per ``COMPUTE_GEMM``-sized float32 matmul on this rank, averaged over ``seconds``
+    of back-to-back GEMMs (long enough to span many CFS periods of a cgroup quota: what a
+    throttled or emulated-slow device shows)."""
+    import torch
+
+    a = torch.randn(COMPUTE_GEMM, COMPUTE_GEMM, dtype=torch.float32)
+    b = torch.randn(COMPUTE_GEMM, COMPUTE_GEMM, dtype=torch.float32)
+    torch.mm(a, b)  # warm-up
+    n, t0 = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b)
+        n += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return elapsed / n
+
+
+def run_probes(size_bytes: int, iters: int, cluster, node_of_rank: Sequence[str],
+               compute_s: float = 0.0) -> Dict[str, Any]:
+    """Run the probes on this rank (collective); returns the report (same on every rank).
+
+    ``compute_s`` > 0 adds the compute probe (:func:`compute_probe`, every rank at once)."""
     import torch
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    gemm_s = float("nan")
+    if compute_s > 0:
+        dist.barrier()
+        gemm_s = compute_probe(compute_s)
     n = max(1, size_bytes // 4)
     x = torch.ones(n, dtype=torch.float32)
 
@@ -100,8 +141,8 @@ def run_probes(size_bytes: int, iters: int, cluster, node_of_rank: Sequence[str]
     med = torch.full((world,), float("nan"), dtype=torch.float64)
     for p, s in pair_samples.items():
         med[p] = statistics.median(s)
-    mine = torch.tensor([_pct(ar, 50), _pct(ar, 99), _pct(a2a, 50), _pct(a2a, 99)], dtype=torch.float64)
-    gathered = [torch.empty(world + 4, dtype=torch.float64) for _ in range(world)]
+    mine = torch.tensor([_pct(ar, 50), _pct(ar, 99), _pct(a2a, 50), _pct(a2a, 99), gemm_s], dtype=torch.float64)
+    gathered = [torch.empty(world + 5, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(gathered, torch.cat([mine, med]))
 
     classes: Dict[str, List[float]] = {}
@@ -119,11 +160,13 @@ def run_probes(size_bytes: int, iters: int, cluster, node_of_rank: Sequence[str]
         ranks.append({
             "rank": r,
             "node": node_of_rank[r],
+            "model": cluster.rank(r).model if cluster is not None else "unknown",
             "allreduce": {"p50": v[0], "p99": v[1]},
             "alltoall": {"p50": v[2], "p99": v[3]},
+            "gemm_s": None if v[4] != v[4] else v[4],
             "classes": cls_list[r],
         })
-    matrix = [[None if x != x else x for x in gathered[r].tolist()[4:]] for r in range(world)]
+    matrix = [[None if x != x else x for x in gathered[r].tolist()[5:]] for r in range(world)]
     return {"world_size": world, "size_bytes": size_bytes, "iters": iters, "ranks": ranks, "pair_p50": matrix}
 
 
@@ -203,7 +246,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--size", type=int, default=65536)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--marks", default=None, help="launch directory: leave this rank's end mark there (hetcomm.ops.rank_marks)")
+    p.add_argument("--compute-s", type=float, default=0.0, help="seconds of the compute probe per rank (0: none)")
+    p.add_argument("--rdzv-host", default=None, help="host of the rendezvous endpoint: each rank reports whether it is local")
     args = p.parse_args(argv)
+    from hetcomm.ops.rank_marks import marked
+
+    rank = int(os.environ.get("RANK", "0"))
+    with marked(args.marks, "health", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), rank):
+        return _probe_main(args)
+
+
+def _probe_main(args: argparse.Namespace) -> int:
 
     import torch
     import torch.distributed as dist
@@ -220,7 +274,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         cluster = cluster_from_env()
         world = dist.get_world_size()
         nodes = [cluster.node_of(r).name if cluster is not None else "local" for r in range(world)]
-        report = run_probes(args.size, args.iters, cluster, nodes)
+        report = run_probes(args.size, args.iters, cluster, nodes, compute_s=args.compute_s)
+        if args.rdzv_host is not None:
+            hosts = [None] * world
+            dist.all_gather_object(hosts, is_local_address(args.rdzv_host))
+            for r, entry in enumerate(report["ranks"]):
+                entry["hosts_rendezvous"] = bool(hosts[r])
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             from hetcomm.ops.safe_fs import write_private
 

@@ -144,17 +144,22 @@ def main(argv: Optional[List[str]] = None, *, build_parser: "Callable[[], argpar
     """
     EXIT_USAGE = exit_usage
     from hetcomm.errors import ConfigError, TopologyParseError, UsageError
+    from hetcomm.ops.rank_marks import marked
 
-    args = place(list(sys.argv[1:] if argv is None else argv))
-    fresh_store()
-    stagger()
-    ns = build_parser().parse_args(args)
-    try:
-        code = int(ns._run(ns) or 0)
-    except (UsageError, ConfigError, TopologyParseError) as e:
-        print(f"hetcomm {ns.command}: error: {e}", file=sys.stderr)
-        code = EXIT_USAGE
     out = settings.LAUNCH_DIR.get()
+    # This rank's end mark (done / failed, naming the peer a hetcomm error blames / stopped) lets
+    # `hetcomm launch` name the rank at fault once torchrun gives up (hetcomm.ops.rank_marks).
+    with marked(out, "job", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ.get("RANK", "0")),
+                os.environ.get(NODE_ENV, "")):
+        args = place(list(sys.argv[1:] if argv is None else argv))
+        fresh_store()
+        stagger()
+        ns = build_parser().parse_args(args)
+        try:
+            code = int(ns._run(ns) or 0)
+        except (UsageError, ConfigError, TopologyParseError) as e:
+            print(f"hetcomm {ns.command}: error: {e}", file=sys.stderr)
+            code = EXIT_USAGE
     if out and os.environ.get("RANK", "0") == "0":
         from hetcomm.ops.safe_fs import write_private
 

@@ -268,12 +268,11 @@ class _Resumed:
 def make_powersgd(cluster, world_size: int, matrix_rank: int, seed: int, steps: int = 100) -> SlowLinkPowerSGD:
     """The dense-gradient averager of ``hetcomm train --powersgd RANK`` (collective).
 
-    Its node and leader groups are gloo groups: torch's PowerSGD hook chains futures whose
-    callbacks launch the next all-reduce, and on the hetcomm backend such a callback runs on the
-    thread that completes collectives, which then waits for itself (seen as a hang at the first
-    compressed step; reported to the backend owners).
+    Its node and leader groups use the job's backend (hetcomm): collectives started from
+    completion callbacks, as torch's PowerSGD hook does, run on hetcomm groups (issue 23.1), so
+    the compressed bytes travel on hetcomm's rails and count in ``hetcomm.stats()``.
     """
     # Compression starts after the first 10% of the run (at least 10 steps), as torch advises
     # for start_powerSGD_iter: the early, fast-changing gradients go uncompressed.
     return SlowLinkPowerSGD(node_ids_of(cluster, world_size), matrix_approximation_rank=matrix_rank, seed=seed,
-                            start_iter=max(10, steps // 10), backend="gloo")
+                            start_iter=max(10, steps // 10))

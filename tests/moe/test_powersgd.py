@@ -67,3 +67,48 @@ def _rank_one_node(rank, world_size):
 
 def test_one_node_is_exact():
     assert max(run_ranks(_rank_one_node, world_size=2, backend="gloo", timeout=60)) < 1e-5
+
+
+def _rank_powersgd_bytes(rank, world_size, node_ids):
+    """SlowLinkPowerSGD over the default group's backend (hetcomm here: no side gloo groups), with
+    this rank's hetcomm.stats() bytes per averaging before and after compression starts."""
+    import torch.distributed as dist
+
+    import hetcomm
+    from hetcomm.backends import hetcomm_group
+    from hetcomm.moe.powersgd import SlowLinkPowerSGD
+
+    comp = SlowLinkPowerSGD(node_ids, matrix_approximation_rank=4, start_iter=3)
+    groups = [g for g in (comp.node_group, comp.leader_group) if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER]
+    backends = sorted({dist.get_backend(g) for g in groups})
+    if dist.get_backend() == "hetcomm":
+        for g in groups:
+            hetcomm_group(g)  # raises unless the group is a hetcomm group
+    per_step = []
+    outs = []
+    for step in range(6):
+        gs = _grads(rank, step)
+        hetcomm.reset_stats()
+        comp.all_reduce_mean(gs)
+        s = hetcomm.stats()
+        per_step.append(sum(int(v.get("bytes_sent", 0)) for v in s.values() if isinstance(v, dict)))
+        outs.append(torch.cat([g.reshape(-1) for g in gs]))
+    return {"backends": backends, "bytes": per_step, "out": outs[-1], "stats": comp.stats()}
+
+
+def test_powersgd_over_hetcomm_groups_counts_its_compressed_bytes_on_the_rails():
+    from tests.backends.ranks import MIXED_MINI
+
+    node_ids = [0, 0, 1, 2]
+    ref = run_ranks(_rank_powersgd_bytes, world_size=4, backend="gloo", timeout=180, args=(node_ids,))
+    got = run_ranks(_rank_powersgd_bytes, world_size=4, cluster=MIXED_MINI, timeout=240, args=(node_ids,))
+    for o in got:
+        assert o["backends"] == ["hetcomm"], o["backends"]  # no side gloo group
+    for r in range(4):  # the same compressed averages as over gloo, bit for bit
+        assert torch.equal(got[r]["out"], ref[r]["out"]), r
+    for r in (2, 3):  # alone on their node: every byte they send is the leader group's
+        plain, compressed = got[r]["bytes"][0], got[r]["bytes"][-1]
+        assert plain > 0 and compressed > 0
+        assert plain / compressed >= 4.0, got[r]["bytes"]
+        assert got[r]["stats"]["reduction"] >= 8.0
+    assert ref[0]["stats"]["reduction"] == got[0]["stats"]["reduction"]

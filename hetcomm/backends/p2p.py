@@ -1,0 +1,148 @@
+"""Point-to-point ``send``/``recv`` with a size check (issue 21.21).
+
+gloo matches a send and a receive by peer and tag only, and when their sizes differ the
+receiving process dies with SIGABRT inside gloo (an enforce on the message length). Here every
+``send`` is preceded by a 4-word header on a tag of its own — ``[dtype code, elements, bytes,
+sending rank]`` — and the receiver posts its data receive only once that header has arrived and
+matches its buffer; on a mismatch it drains the message into a scratch buffer (so the pair stays
+in step and the sender completes) and raises :class:`~hetcomm.errors.CrossRankMismatch` naming
+both sides. The sender is not told (its bytes did leave); the receiver's error says what each
+side passed.
+
+The header of user tag ``t`` travels on tag ``t + 2**29`` (:data:`HEADER_TAG_BASE`): user tags
+are ``< 2**29`` (checked), hetcomm's internal tags are ``[2**30, 2**31)`` and gloo refuses
+negative ones. A
+receive waits for its header on a short-lived thread so that the returned Work is asynchronous
+(``irecv``, ``batch_isend_irecv``): posting the data receive late would be fine for gloo, but
+the sender's data send completes only once it is posted, so a caller waiting on its own send
+before its receive (a ring) must not depend on this rank calling ``wait()``.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from hetcomm.backends import checks
+from hetcomm.errors import CrossRankMismatch, UsageError
+
+__all__ = ["checked_send", "checked_recv", "header_tag", "HEADER_TAG_BASE"]
+
+#: Size headers of user tag ``t`` travel on ``HEADER_TAG_BASE + t``; user tags stay below it.
+HEADER_TAG_BASE = 1 << 29
+
+_WORDS = 4
+
+
+def header_tag(tag: int) -> int:
+    """The tag of user tag ``tag``'s size header (see the module docstring)."""
+    return HEADER_TAG_BASE + tag
+
+
+def _header(t: torch.Tensor, rank: int) -> torch.Tensor:
+    return torch.tensor([checks.dtype_code(t.dtype), t.numel(), t.numel() * t.element_size(), rank], dtype=torch.int64)
+
+
+def _one(tensors: List[torch.Tensor], op: str, rank: int) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise UsageError(f"hetcomm {op} (rank {rank}): takes one tensor, got {len(tensors)}")
+    return tensors[0]
+
+
+class _SendWork(dist.Work):
+    def __init__(self, works: List["dist.Work"]):
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
+def checked_send(gloo, tensors: List[torch.Tensor], dst: int, tag: int, rank: int) -> dist.Work:
+    """``gloo.send`` of ``tensors`` (one tensor) to ``dst``, after its size header."""
+    t = _one(tensors, "send", rank)
+    header = _header(t, rank)
+    h = gloo.send([header], dst, header_tag(tag))
+    d = gloo.send(tensors, dst, tag)
+    return _SendWork([h, d])
+
+
+class _RecvWork(dist.Work):
+    """A receive whose data part is posted once the header matched (on a helper thread)."""
+
+    def __init__(self, gloo, tensor: torch.Tensor, src: Optional[int], tag: int, rank: int):
+        super().__init__()
+        self._done = threading.Event()
+        self._exc: Optional[BaseException] = None
+        self._source = src if src is not None else -1
+        self._thread = threading.Thread(
+            target=self._run, args=(gloo, tensor, src, tag, rank), name="hetcomm-recv", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, gloo, tensor: torch.Tensor, src: Optional[int], tag: int, rank: int) -> None:
+        try:
+            header = torch.zeros(_WORDS, dtype=torch.int64)
+            if src is None:
+                hw = gloo.recv_anysource([header], header_tag(tag))
+                hw.wait()
+                src = int(header[3])
+                self._source = src
+            else:
+                gloo.recv([header], src, header_tag(tag)).wait()
+            code, numel, nbytes, _ = (int(x) for x in header)
+            mine = (checks.dtype_code(tensor.dtype), tensor.numel(), tensor.numel() * tensor.element_size())
+            if (code, numel, nbytes) == mine:
+                gloo.recv([tensor], src, tag).wait()
+                return
+            scratch = torch.empty(nbytes, dtype=torch.uint8, device=tensor.device)
+            gloo.recv([scratch], src, tag).wait()  # drain: the pair stays in step
+            theirs = checks.dtype_from_code(code)
+            field = "count" if nbytes != mine[2] else "dtype"
+            raise CrossRankMismatch(
+                f"hetcomm recv (rank {rank}): rank {src} sent {numel} elements of {theirs} ({nbytes} bytes) "
+                f"with tag {tag}, but this rank's buffer holds {tensor.numel()} elements of {tensor.dtype} "
+                f"({mine[2]} bytes); pass a receive buffer of the sender's size and dtype (the message was "
+                f"discarded; the group stays usable)",
+                op="recv", rank=rank, ranks=[src], field=field,
+            )
+        except BaseException as e:
+            self._exc = e
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        seconds = timeout.total_seconds() if timeout else 0.0
+        if not self._done.wait(seconds if seconds > 0 else None):
+            from hetcomm.errors import PeerTimeout
+
+            raise PeerTimeout(f"recv timed out after {seconds:.1f} s", op="recv")
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._exc is None
+
+    def _source_rank(self) -> int:
+        return self._source
+
+    def source_rank(self) -> int:
+        return self._source
+
+
+def checked_recv(gloo, tensors: List[torch.Tensor], src: Optional[int], tag: int, rank: int) -> dist.Work:
+    """Receive into ``tensors`` (one tensor) from ``src`` (None: any source) after a size check."""
+    return _RecvWork(gloo, _one(tensors, "recv", rank), src, tag, rank)

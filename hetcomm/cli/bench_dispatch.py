@@ -1,0 +1,325 @@
+"""``hetcomm bench dispatch``: dispatch and combine, forward and backward, over the communicator.
+
+What DeepEP's tests and Mooncake's EP benchmark measure for an MoE communication library, on
+real ranks (``--nprocs N`` local processes, like ``hetcomm bench alltoall``):
+
+* every rank routes ``--tokens`` rows of ``--hidden`` features to ``--topk`` of ``--experts``
+  experts (experts dealt to ranks in contiguous blocks), drawn by ``--routing``:
+  ``uniform``; ``hot:N:P`` (the N first experts take a fraction P of the picks); ``zipf:S``
+  (expert i picked with weight ``1/(i+1)**S``) — k distinct experts per token, a seeded draw;
+* four timed phases per iteration, each a call of ``hetcomm.Communicator``'s public API:
+  ``dispatch`` (forward), ``combine`` (forward), combine's backward (a dispatch of the output
+  gradients) and dispatch's backward (a combine of the input gradients), with a barrier before
+  every iteration; host timers on CPU, device events (``torch.cuda.Event``) on CUDA tensors;
+* per rank and phase: p50/p90/p99/p999 (nearest rank over the iterations) and the **logical
+  bandwidth** as DeepEP defines it: the token-row bytes a rank receives (dispatch-shaped phases)
+  or sends (combine-shaped phases) to or from *other* ranks, in their wire dtype, divided by the
+  phase's median time; rows for this rank's own experts are counted apart (``local``), never in
+  the bandwidth.
+
+The bytes are computed from the routing, independently of the backend; the test
+(``tests/cli/test_bench_dispatch.py``) checks them against ``hetcomm.stats()`` of the same run:
+the rails' bytes over the timed iterations equal these row bytes plus the metadata bytes the
+dispatch counters report. ``docs/BENCH.md`` has the table and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from hetcomm.errors import UsageError
+
+__all__ = ["DispatchBenchConfig", "add_dispatch_args", "routing_weights", "run_dispatch", "dispatch_rank_entry", "format_dispatch_table"]
+
+PHASES = ("dispatch", "combine", "combine-backward", "dispatch-backward")
+#: Phases shaped like a dispatch (rows travel to the experts' ranks): DeepEP counts the bytes a
+#: rank receives; the combine-shaped ones count what it sends.
+_RECEIVING = ("dispatch", "combine-backward")
+_DTYPES = {"float": "float32", "float32": "float32", "fp32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "half": "float16", "fp16": "float16", "float16": "float16"}
+
+
+@dataclass(frozen=True)
+class DispatchBenchConfig:
+    """One ``hetcomm bench dispatch`` run; identical on every rank."""
+
+    tokens: int
+    hidden: int
+    topk: int
+    experts: int
+    routing: str
+    wire_dtype: str
+    dtype: str
+    iters: int
+    warmup_iters: int
+    timeout_s: float
+    cluster: Optional[str] = None
+    seed: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "DispatchBenchConfig":
+        return cls(**json.loads(text))
+
+
+def add_dispatch_args(p: argparse.ArgumentParser) -> None:
+    """The flags of ``hetcomm bench dispatch`` (``--tokens``, ``-n``, ``-w``, ``--json``,
+    ``--nprocs``, ``--cluster`` are shared with the other benchmarks)."""
+    g = p.add_argument_group("dispatch (hetcomm bench dispatch)")
+    g.add_argument("--hidden", type=int, default=1024, help="features per token row (default %(default)s)")
+    g.add_argument("--topk", type=int, default=2, help="experts per token (default %(default)s)")
+    g.add_argument("--experts", type=int, default=None, help="experts in all, dealt to ranks in blocks (default 2 per rank)")
+    g.add_argument("--routing", default="uniform", help="uniform | hot:N:P (N experts take fraction P) | zipf:S (default uniform)")
+    g.add_argument("--wire-dtype", default="exact", help="hetcomm wire dtype between vendors: exact, cluster, fp32, fp16, bf16 (default exact)")
+
+
+def routing_weights(spec: str, num_experts: int) -> List[float]:
+    """Relative pick weight of every expert for ``--routing spec``.
+
+    Raises:
+        UsageError: an unknown or malformed spec (names the flag and the forms).
+    """
+    forms = "uniform, hot:N:P (0 < N < experts, 0 < P < 1) or zipf:S (S >= 0)"
+    parts = spec.split(":")
+    try:
+        if parts == ["uniform"]:
+            return [1.0] * num_experts
+        if parts[0] == "hot" and len(parts) == 3:
+            n, frac = int(parts[1]), float(parts[2])
+            if not (0 < n < num_experts and 0.0 < frac < 1.0):
+                raise ValueError
+            return [frac / n] * n + [(1.0 - frac) / (num_experts - n)] * (num_experts - n)
+        if parts[0] == "zipf" and len(parts) == 2:
+            s = float(parts[1])
+            if not s >= 0.0:
+                raise ValueError
+            return [1.0 / (i + 1) ** s for i in range(num_experts)]
+    except ValueError:
+        pass
+    raise UsageError(f"--routing {spec!r}: expected {forms} with {num_experts} experts")
+
+
+def config_from_args(args: argparse.Namespace, num_ranks: int) -> DispatchBenchConfig:
+    """Validate the flags before any process starts (UsageError names the flag)."""
+    experts = args.experts if args.experts is not None else 2 * num_ranks
+    for flag, value, low in (("--tokens", args.tokens, 1), ("--hidden", args.hidden, 1), ("--topk", args.topk, 1),
+                             ("--experts", experts, 1), ("-n/--iters", args.iters, 1), ("-w/--warmup_iters", args.warmup_iters, 0)):
+        if value < low:
+            raise UsageError(f"{flag} {value}: must be >= {low}")
+    if not args.timeout > 0:
+        raise UsageError(f"-T/--timeout {args.timeout}: must be > 0 seconds")
+    if experts % num_ranks:
+        raise UsageError(f"--experts {experts}: must be a multiple of the {num_ranks} ranks (experts are dealt in blocks)")
+    if args.topk > experts:
+        raise UsageError(f"--topk {args.topk}: more than the {experts} experts")
+    if args.tokens * args.hidden > (1 << 28):
+        raise UsageError(f"--tokens x --hidden = {args.tokens * args.hidden} elements per rank: at most 2**28 here")
+    routing_weights(args.routing, experts)
+    from hetcomm.backends.options import WIRE_DTYPES
+
+    if args.wire_dtype not in WIRE_DTYPES:
+        raise UsageError(f"--wire-dtype {args.wire_dtype!r}: choose from {', '.join(WIRE_DTYPES)}")
+    dtype = _DTYPES.get(args.datatype)
+    if dtype is None:
+        raise UsageError(f"-d/--datatype {args.datatype!r}: dispatch moves float rows: float, bf16 or half")
+    return DispatchBenchConfig(
+        tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=experts, routing=args.routing,
+        wire_dtype=args.wire_dtype, dtype=dtype, iters=args.iters, warmup_iters=args.warmup_iters,
+        timeout_s=float(args.timeout), cluster=args.cluster,
+    )
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values."""
+    import math
+
+    i = min(len(sorted_values) - 1, max(0, math.ceil(q / 100.0 * len(sorted_values)) - 1))
+    return sorted_values[i]
+
+
+def _route(config: DispatchBenchConfig, rank: int, device):
+    import torch
+
+    g = torch.Generator().manual_seed(config.seed * 1000003 + rank)
+    w = torch.tensor(routing_weights(config.routing, config.experts), dtype=torch.float64)
+    idx = torch.multinomial(w.expand(config.tokens, -1), config.topk, replacement=False, generator=g)
+    gate = torch.softmax(torch.randn(config.tokens, config.topk, generator=g), dim=1)
+    x = torch.randn(config.tokens, config.hidden, generator=g).to(getattr(torch, config.dtype))
+    return x.to(device), idx.to(device), gate.to(device)
+
+
+def _logical_bytes(comm, config: DispatchBenchConfig, idx, expert_to_rank) -> Dict[str, Dict[str, int]]:
+    """Token-row bytes this rank sends and receives per phase (other ranks) and locally, from
+    the routing alone (a row goes once to each rank holding one of its experts)."""
+    import torch
+    import torch.distributed as dist
+
+    n, me = comm.world_size, comm.rank
+    dtype = getattr(torch, config.dtype)
+    dest = expert_to_rank[idx]  # [T, k]
+    rows_to = [int((dest == r).any(dim=1).sum()) for r in range(n)]
+    rows_from = torch.empty(n, dtype=torch.int64)
+    dist.all_to_all_single(rows_from, torch.tensor(rows_to, dtype=torch.int64))
+    rows_from_l = rows_from.tolist()
+    row = lambda peer: config.hidden * ((comm.wire_dtype(peer, dtype) or dtype).itemsize)
+    sent = sum(rows_to[p] * row(p) for p in range(n) if p != me)
+    recv = sum(rows_from_l[p] * row(p) for p in range(n) if p != me)
+    local = rows_to[me] * config.hidden * dtype.itemsize
+    out = {}
+    for phase in PHASES:
+        forward_shaped = phase in _RECEIVING
+        out[phase] = {"send_bytes": sent if forward_shaped else recv, "recv_bytes": recv if forward_shaped else sent, "local_bytes": local}
+    return out
+
+
+def dispatch_rank_entry(payload: str, rank: int, world_size: int, store) -> Optional[Dict[str, Any]]:
+    """:func:`hetcomm.cli._benchlib.launch_ranks` target: one rank of the benchmark."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import hetcomm
+    from hetcomm.backends import token_dispatch
+    from hetcomm.backends.options import HetcommOptions
+
+    config = DispatchBenchConfig.from_json(payload)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "hetcomm", store=store, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=config.timeout_s), pg_options=HetcommOptions(wire_dtype=config.wire_dtype),
+    )
+    try:
+        comm = hetcomm.communicator()
+        device = torch.device("cpu")
+        x, idx, gate = _route(config, rank, device)
+        per_rank = config.experts // world_size
+        expert_to_rank = torch.arange(config.experts, device=device) // per_rank
+        logical = _logical_bytes(comm, config, idx, expert_to_rank)
+        timer = _Timer(device)
+        times: Dict[str, List[float]] = {p: [] for p in PHASES}
+        for it in range(config.warmup_iters + config.iters):
+            timed = it >= config.warmup_iters
+            dist.barrier()
+            if it == config.warmup_iters:  # the counters cover the timed iterations only
+                hetcomm.reset_stats()
+                token_dispatch.reset_counters()
+            xg = x.detach().requires_grad_(True)
+            t = timer.start()
+            recv_x, _counts, handle = comm.dispatch(xg, idx, gate, expert_to_rank=expert_to_rank)
+            d_dispatch = timer.stop(t)
+            y = recv_x.detach().requires_grad_(True)  # the experts: identity, so the rows are known
+            t = timer.start()
+            out = comm.combine(y, handle)
+            d_combine = timer.stop(t)
+            t = timer.start()
+            (gy,) = torch.autograd.grad(out, y, torch.ones_like(out))
+            d_cbwd = timer.stop(t)
+            t = timer.start()
+            (gx,) = torch.autograd.grad(recv_x, xg, gy)
+            d_dbwd = timer.stop(t)
+            if timed:
+                for phase, d in zip(PHASES, (d_dispatch, d_combine, d_cbwd, d_dbwd)):
+                    times[phase].append(d)
+        dist.barrier()
+        stats = hetcomm.stats()
+        rail_sent = sum(int(v.get("bytes_sent", 0)) for v in stats.values() if isinstance(v, dict))
+        rail_recv = sum(int(v.get("bytes_received", 0)) for v in stats.values() if isinstance(v, dict))
+        counters = token_dispatch.counters()
+        mine = {"rank": rank, "phases": {}, "rail_bytes_sent": rail_sent, "rail_bytes_received": rail_recv,
+                "dispatch_counters": counters}
+        for phase in PHASES:
+            s = sorted(times[phase])
+            p50 = _percentile(s, 50)
+            moved = logical[phase]["recv_bytes" if phase in _RECEIVING else "send_bytes"]
+            mine["phases"][phase] = dict(
+                logical[phase], p50_us=p50 * 1e6, p90_us=_percentile(s, 90) * 1e6, p99_us=_percentile(s, 99) * 1e6,
+                p999_us=_percentile(s, 99.9) * 1e6, logical_GBps=(moved / p50 / 1e9) if p50 > 0 else 0.0,
+            )
+        gathered: List[Any] = [None] * world_size
+        dist.all_gather_object(gathered, mine)
+        if rank != 0:
+            return None
+        from hetcomm.cli._bench_measure import machine_description
+
+        return {"benchmark": "dispatch", "config": asdict(config), "num_ranks": world_size,
+                "timing": timer.kind, "machine": machine_description(), "ranks": gathered}
+    finally:
+        dist.destroy_process_group()
+
+
+class _Timer:
+    """Host wall time on CPU; device events on CUDA (``elapsed_time`` after a synchronize of
+    the event, so the host waits only at the end of each phase)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.kind = "cuda-events" if device.type == "cuda" else "host"
+
+    def start(self):
+        if self.device.type == "cuda":
+            import torch
+
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def stop(self, started) -> float:
+        if self.device.type == "cuda":
+            import torch
+
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            e.synchronize()
+            return started.elapsed_time(e) / 1e3
+        return time.perf_counter() - started
+
+
+def format_dispatch_table(result: Dict[str, Any]) -> str:
+    c = result["config"]
+    lines = [
+        f"# hetcomm bench dispatch: {result['num_ranks']} ranks, tokens {c['tokens']} x hidden {c['hidden']} "
+        f"{c['dtype']}, top-{c['topk']} of {c['experts']} experts, routing {c['routing']}, wire {c['wire_dtype']}, "
+        f"{c['iters']} iterations ({result['timing']} timing)",
+        "# bytes per rank per call: to/from other ranks (wire dtype), local rows apart; GB/s = DeepEP's logical",
+        "# bandwidth (received bytes for dispatch-shaped phases, sent bytes for combine-shaped ones) / p50",
+        "#  rank  phase               send(MB)  recv(MB) local(MB)    p50(us)    p90(us)    p99(us)   p999(us)    GB/s",
+    ]
+    for r in result["ranks"]:
+        for phase in PHASES:
+            p = r["phases"][phase]
+            lines.append(
+                f"  {r['rank']:>5}  {phase:<18} {p['send_bytes'] / 1e6:>9.3f} {p['recv_bytes'] / 1e6:>9.3f} "
+                f"{p['local_bytes'] / 1e6:>9.3f} {p['p50_us']:>10.1f} {p['p90_us']:>10.1f} {p['p99_us']:>10.1f} "
+                f"{p['p999_us']:>10.1f} {p['logical_GBps']:>7.4f}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def run_dispatch(args: argparse.Namespace, num_ranks: int) -> int:
+    """``hetcomm bench dispatch``: validate, start the ranks, print the table or JSON."""
+    from hetcomm.cli import _benchlib as lib
+    from hetcomm.cli.main import EXIT_FINDINGS, EXIT_OK, EXIT_TIMEOUT
+
+    config = config_from_args(args, num_ranks)
+    env = {"HETCOMM_CLUSTER": config.cluster} if config.cluster else {}
+    print(f"hetcomm bench: starting {num_ranks} local ranks for dispatch/combine", file=sys.stderr, flush=True)
+    outcome = lib.launch_ranks("hetcomm.cli.bench_dispatch:dispatch_rank_entry", config.to_json(), num_ranks, timeout_s=config.timeout_s, env=env)
+    if not outcome.ok:
+        for failure in outcome.failures:
+            kind = f"{failure.error_type}: " if failure.error_type else ""
+            print(f"hetcomm bench: error: rank {failure.rank} failed: {kind}{failure.message}", file=sys.stderr)
+        return EXIT_TIMEOUT if outcome.failures[0].is_timeout else EXIT_FINDINGS
+    text = json.dumps(outcome.result, indent=1) + "\n" if args.json else format_dispatch_table(outcome.result)
+    sys.stdout.write(text)
+    if args.output_file:
+        with open(args.output_file, "w", encoding="utf-8") as f:
+            json.dump(outcome.result, f, indent=1)
+    return EXIT_OK

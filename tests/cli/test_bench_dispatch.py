@@ -1,0 +1,89 @@
+"""``hetcomm bench dispatch`` (issue 23.5): runs on real ranks, and its bytes are hetcomm.stats()'s.
+
+The benchmark computes each rank's logical bytes from the routing alone; the rails' counters of
+the same run (``hetcomm.stats()`` over the timed iterations) must equal those row bytes plus the
+metadata bytes the dispatch counters report, exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hetcomm.cli.bench_dispatch import PHASES, routing_weights
+from hetcomm.cli.main import main
+from hetcomm.errors import UsageError
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(args, timeout=240):
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    env.pop("RANK", None)
+    env.pop("HETCOMM_CLUSTER", None)
+    return subprocess.run(
+        [sys.executable, "-m", "hetcomm", "bench", "dispatch", *args], cwd=REPO_ROOT, env=env,
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.mark.timeout(300)
+def test_bench_dispatch_nprocs_4_bytes_equal_hetcomm_stats():
+    proc = _run(["--nprocs", "4", "--tokens", "96", "--hidden", "24", "--topk", "2", "--routing", "zipf:1.2", "-n", "3", "-w", "1", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["num_ranks"] == 4 and len(doc["ranks"]) == 4
+    iters = doc["config"]["iters"]
+    for r in doc["ranks"]:
+        phases = r["phases"]
+        assert set(phases) == set(PHASES)
+        rows_sent = sum(p["send_bytes"] for p in phases.values()) * iters
+        rows_recv = sum(p["recv_bytes"] for p in phases.values()) * iters
+        counters = r["dispatch_counters"]
+        assert counters["bytes_sent"] == rows_sent and counters["bytes_recv"] == rows_recv, r
+        assert r["rail_bytes_sent"] == rows_sent + counters["meta_bytes_sent"], r
+        for p in phases.values():
+            assert p["p50_us"] <= p["p90_us"] <= p["p99_us"] <= p["p999_us"]
+            assert p["local_bytes"] >= 0 and p["send_bytes"] > 0
+        # dispatch-shaped phases receive what the combine-shaped ones send
+        assert phases["dispatch"]["recv_bytes"] == phases["combine"]["send_bytes"]
+
+
+@pytest.mark.timeout(300)
+def test_bench_dispatch_table_on_2_ranks_with_hot_experts():
+    proc = _run(["--nprocs", "2", "--tokens", "64", "--hidden", "16", "--routing", "hot:1:0.9", "-n", "2", "-w", "0"])
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if not line.startswith("#")]
+    assert len(rows) == 2 * len(PHASES)
+    assert "p999(us)" in proc.stdout and "routing hot:1:0.9" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--routing", "hot:9:0.5"], "--routing 'hot:9:0.5'"),
+        (["--routing", "zipf:x"], "--routing 'zipf:x'"),
+        (["--routing", "pareto"], "expected uniform"),
+        (["--experts", "6"], "--experts 6: must be a multiple of the 4 ranks"),
+        (["--topk", "9"], "--topk 9"),
+        (["--wire-dtype", "fp8"], "--wire-dtype 'fp8'"),
+        (["--tokens", "0"], "--tokens 0"),
+        (["-d", "int8"], "-d/--datatype 'int8'"),
+    ],
+)
+def test_bad_dispatch_flags_exit_2(argv, needle, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["bench", "dispatch", "--nprocs", "4", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_routing_weights():
+    assert routing_weights("uniform", 4) == [1.0] * 4
+    assert routing_weights("hot:1:0.7", 4)[0] == pytest.approx(0.7)
+    assert routing_weights("zipf:1", 3) == pytest.approx([1.0, 0.5, 1 / 3])
+    with pytest.raises(UsageError):
+        routing_weights("hot:0:0.5", 4)

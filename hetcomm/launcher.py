@@ -75,16 +75,15 @@ import tempfile
 import threading
 import time
 import traceback as traceback_mod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from hetcomm.errors import UsageError
+from hetcomm.launch_options import LaunchOptions, LogTarget
 
-__all__ = ["launch", "LaunchOutcome", "RankOutcome", "is_timeout", "forkserver_context", "PRELOAD"]
+__all__ = ["launch", "LaunchOptions", "LaunchOutcome", "RankOutcome", "is_timeout", "forkserver_context", "PRELOAD"]
 
 Target = Union[Callable[..., Any], Sequence[str]]
-#: What ``logs[rank]`` may be: a file path (created; stdout and stderr both) or an open fd.
-LogTarget = Union[str, int]
 
 _POLL_S = 0.05
 _EXEC_CHILD = "from hetcomm.launcher import _exec_main; _exec_main()"
@@ -282,22 +281,8 @@ def forkserver_context(preload: Sequence[str] = PRELOAD) -> Any:
 def launch(
     target: Target,
     world_size: int,
-    *,
-    args: Sequence[Any] = (),
-    start: str = "exec",
-    env: Optional[Mapping[str, Optional[str]]] = None,
-    rank_env: Optional[Callable[[int], Mapping[str, Optional[str]]]] = None,
-    prefix: Optional[Callable[[int], Sequence[str]]] = None,
-    logs: Optional[Mapping[int, LogTarget]] = None,
-    store: bool = False,
-    store_timeout_s: float = 300.0,
-    timeout_s: Optional[float] = None,
-    grace_s: Optional[float] = 0.0,
-    kill_grace_s: float = 3.0,
-    clean_shm: bool = False,
-    die_with_launcher: bool = True,
-    name: str = "ranks",
-    on_start: Optional[Callable[[int, int], None]] = None,
+    options: Optional[LaunchOptions] = None,
+    **overrides: Any,
 ) -> LaunchOutcome:
     """Run ``target`` as ``world_size`` rank processes and wait for them (see the module doc).
 
@@ -305,39 +290,33 @@ def launch(
         target: a module-level callable, run as ``target(*args)`` in every rank (it reads its
             rank from ``RANK``), or a command line (a sequence of strings).
         world_size: number of ranks (>= 1).
-        args: arguments of a callable target (pickled; the same for every rank).
-        start: ``"exec"`` (a fresh interpreter per rank) or ``"forkserver"`` (callables only).
-        env: variables for every rank (None unsets); ``rank_env(rank)``: per rank, applied last.
-        prefix: ``prefix(rank)`` is put in front of the rank's command line (exec only).
-        logs: per rank, a path or fd that receives its stdout and stderr; others inherit ours.
-        store: host a ``TCPStore`` for the ranks (``MASTER_ADDR``/``MASTER_PORT``).
-        store_timeout_s: that store's timeout.
-        timeout_s: wall-clock limit of the whole run (None: none).
-        grace_s: after the first failure, seconds the others may run on before they are stopped
-            (None: they are never stopped early).
-        kill_grace_s: seconds between SIGTERM and SIGKILL when stopping a rank.
-        clean_shm: remove ``/dev/shm`` segments and doorbells that ranks left behind.
-        die_with_launcher: exec'd ranks get ``PR_SET_PDEATHSIG`` (False: they outlive a killed
-            launcher; emulate keeps them for ``hetcomm emulate down``, which reads their pids).
-        name: names the scratch directory (``hetcomm-<name>-*`` under ``$TMPDIR``).
-        on_start: called as ``on_start(rank, pid)`` after each rank started (emulate records
-            the pids in its state file).
+        options: how to run them (:class:`~hetcomm.launch_options.LaunchOptions`; default: its
+            defaults).
+        **overrides: fields of ``options`` changed for this call: ``launch(fn, 4, store=True,
+            timeout_s=600)`` reads as it always did (every keyword is a ``LaunchOptions`` field).
 
     Returns:
         The :class:`LaunchOutcome`.
 
     Raises:
-        UsageError: bad arguments (no ranks, an empty command, forkserver with a command).
+        UsageError: bad arguments (no ranks, an empty command, forkserver with a command, an
+            unknown ``start``, a negative time).
+        TypeError: a keyword that is not a ``LaunchOptions`` field.
         SystemExit: SIGTERM arrived while the ranks ran (after they were stopped).
         KeyboardInterrupt: SIGINT arrived likewise.
     """
+    opts = options if options is not None else LaunchOptions()
+    if overrides:
+        opts = replace(opts, **overrides)
+    args, start, env, rank_env, prefix, logs = opts.args, opts.start, opts.env, opts.rank_env, opts.prefix, opts.logs
+    store, store_timeout_s, timeout_s, grace_s = opts.store, opts.store_timeout_s, opts.timeout_s, opts.grace_s
+    kill_grace_s, clean_shm, die_with_launcher = opts.kill_grace_s, opts.clean_shm, opts.die_with_launcher
+    name, on_start = opts.name, opts.on_start
     is_command = not callable(target)
     if world_size < 1:
         raise UsageError(f"launch: world_size must be >= 1, not {world_size}")
     if is_command and (isinstance(target, str) or not list(target)):
         raise UsageError(f"launch: the command must be a non-empty list of strings, not {target!r}")
-    if start not in ("exec", "forkserver"):
-        raise UsageError(f"launch: start must be 'exec' or 'forkserver', not {start!r}")
     if start == "forkserver" and (is_command or prefix is not None):
         raise UsageError("launch: start='forkserver' runs Python callables only, without a prefix")
     tcp_store = None

@@ -257,7 +257,7 @@ _B = "hetcomm.backends"
 CLUSTER = StrSetting(
     "HETCOMM_CLUSTER", None,
     "cluster YAML every rank places itself by (a --cluster flag, a config key or HetcommOptions.cluster wins)",
-    readers=("hetcomm.topo.cluster", f"{_B}.options", "hetcomm.cli.bench", "hetcomm.cli._benchlib",
+    readers=("hetcomm.topo.cluster", f"{_B}.options", "hetcomm.cli.bench", "hetcomm.cli._bench_measure",
              "hetcomm.cli.discover", "hetcomm.cli.launch", "hetcomm.ops.worker"),
     set_by=("hetcomm.ops.worker", "hetcomm.emulate.ranks"),
     form="path",

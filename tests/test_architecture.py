@@ -41,7 +41,7 @@ FLOORS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("backends", ("backends",)),
     ("face", ("",)),
     ("moe", ("moe",)),
-    ("ops", ("ops", "emulate", "launcher")),
+    ("ops", ("ops", "emulate", "launcher", "launch_options")),
     ("train", ("train",)),
     ("cli", ("cli",)),
     ("entry", ("__main__",)),

@@ -208,3 +208,23 @@ def test_is_timeout_goes_by_type():
     assert is_timeout(PeerTimeout("x", op="o", rank=0, rail=None))
     assert is_timeout(TimeoutError())
     assert not is_timeout(RuntimeError("connection closed by peer"))
+
+
+@pytest.mark.timeout(120)
+def test_launch_options_are_one_record_and_keywords_still_work():
+    from hetcomm.launcher import LaunchOptions
+
+    opts = LaunchOptions(args=("opt",), start="forkserver", env={"LAUNCH_TEST": "record"}, store=True, timeout_s=90)
+    out = launch(report_env, 2, opts)
+    assert out.ok and [r["tag"] for r in out.results] == ["opt", "opt"]
+    assert [r["LAUNCH_TEST"] for r in out.results] == ["record", "record"]
+    # A keyword changes one field of the record for this call (the record itself is frozen).
+    out = launch(report_env, 2, opts, args=("kw",))
+    assert out.ok and [r["tag"] for r in out.results] == ["kw", "kw"] and opts.args == ("opt",)
+    # Bad values are refused before any rank starts; an unknown keyword is a TypeError, as before.
+    with pytest.raises(UsageError, match="start must be"):
+        launch(report_env, 2, start="spawn")
+    with pytest.raises(UsageError, match="kill_grace_s must be >= 0"):
+        LaunchOptions(kill_grace_s=-1)
+    with pytest.raises(TypeError):
+        launch(report_env, 2, timeout=5)

@@ -20,7 +20,7 @@ Run it once per node (like torchrun). Without ``--node`` it is a one-machine job
    calibrator history and replicates (pages in) its hottest experts before the first step
    (passed to ``hetcomm train --warmup-from``).
 3. **Grouped start**: ranks start in waves of ``--group-size`` every ``--group-delay`` seconds
-   (``hetcomm.cli.worker``), so a large job does not hit the store and the NICs all at once.
+   (``hetcomm.cli.launch_worker``), so a large job does not hit the store and the NICs all at once.
 
 Before torchrun starts, every option and the job after ``--`` are checked
 (:mod:`hetcomm.cli._launch_checks`: exit 2, one line). Each phase runs supervised
@@ -295,7 +295,7 @@ def _run(args: argparse.Namespace, made: List[str]) -> int:
         env["HETCOMM_GROUP_SIZE"] = str(args.group_size)
         env["HETCOMM_GROUP_DELAY"] = str(args.group_delay)
     cmd = torchrun_command(
-        ["hetcomm.cli.worker"] + job, nproc=nproc, nnodes=(lo, hi), rdzv_endpoint=args.rdzv_endpoint,
+        ["hetcomm.cli.launch_worker"] + job, nproc=nproc, nnodes=(lo, hi), rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=rdzv_id, max_restarts=args.max_restarts, local_addr=args.local_addr,
     )
     print(f"hetcomm launch: starting the job on {where}: {' '.join(job)}", file=sys.stderr, flush=True)

@@ -1,8 +1,8 @@
 """What ``hetcomm launch`` runs in every torchrun worker: place the rank, stagger, run the job.
 
-    python -m hetcomm.cli.worker [hetcomm subcommand and its arguments]
+    python -m hetcomm.cli.launch_worker [hetcomm subcommand and its arguments]
 
-(the entry point is :mod:`hetcomm.cli.worker`, which hands the CLI's parser to :func:`main`:
+(the entry point is :mod:`hetcomm.cli.launch_worker`, which hands the CLI's parser to :func:`main`:
 ``ops`` does not import the floor above it).
 
 torchrun numbers nodes in rendezvous order, not in the cluster YAML's order, and a node left out
@@ -140,7 +140,7 @@ def main(argv: Optional[List[str]] = None, *, build_parser: "Callable[[], argpar
     Args:
         argv: the hetcomm subcommand and its arguments (default ``sys.argv[1:]``).
         build_parser / exit_usage: the CLI's parser and usage exit code, passed in by the entry
-            point :mod:`hetcomm.cli.worker` (``ops`` does not import the floor above it).
+            point :mod:`hetcomm.cli.launch_worker` (``ops`` does not import the floor above it).
     """
     EXIT_USAGE = exit_usage
     from hetcomm.errors import ConfigError, TopologyParseError, UsageError

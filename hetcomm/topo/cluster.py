@@ -70,6 +70,10 @@ __all__ = [
 ]
 
 CLUSTER_ENV = "HETCOMM_CLUSTER"  # declared in hetcomm.settings (CLUSTER); the name, for child environments
+#: The default wire dtype across vendors, and the CANN release it protects against (BF16
+#: ``dsd_copy`` precision bug of CANN 7.0.RC1, fixed in 7.0.RC2; see ``wire_dtype_for``).
+CROSS_VENDOR_WIRE_DTYPE = "fp16"
+CROSS_VENDOR_WIRE_PROTECTS_AGAINST = "CANN 7.0.RC1 (BF16 dsd_copy precision bug, fixed in 7.0.RC2)"
 _DEFAULT_FABRIC = {"nvidia": LinkClass.NVLINK, "ascend": LinkClass.HCCS, "cpu": LinkClass.SHM}
 
 
@@ -335,12 +339,19 @@ class Cluster:
         return nominal if nominal is not None else 80.0
 
     def wire_dtype_for(self, link_class: LinkClass) -> str:
-        """The dtype activations travel in over ``link_class`` (default fp16 across vendors)."""
+        """The dtype activations travel in over ``link_class`` (default fp16 across vendors).
+
+        Across vendors (``HOST_BRIDGE``) the default is FP16, not BF16: CANN 7.0.RC1's BF16
+        ``dsd_copy`` precision bug (fixed in 7.0.RC2; ``KNOWN_BAD_VERSIONS`` in
+        :mod:`hetcomm.topo.rules_measured`, where ``hetcomm audit`` flags that release) corrupts
+        BF16 tensors copied between chips, and FP16 is exact on both vendors' wire for
+        activations in range. A cluster file's ``wire_dtype`` entry overrides it.
+        """
         policy = dict(self.wire_dtype)
         if link_class.name in policy:
             return policy[link_class.name]
         if link_class == LinkClass.HOST_BRIDGE:
-            return "fp16"
+            return CROSS_VENDOR_WIRE_DTYPE
         return policy.get("default", "fp32")
 
     def emulation_settings(self) -> Dict[str, Any]:

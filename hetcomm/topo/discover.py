@@ -48,6 +48,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import yaml
 
 from hetcomm import settings
+from hetcomm._input import read_bounded
 from hetcomm.errors import ConfigError, PeerTimeout
 from hetcomm.topo.bandwidth import canonical_model, is_sxm_model, vendor_of_model
 from hetcomm.topo.cluster import Cluster, Interconnect, NicSpec, NodeGroup
@@ -93,13 +94,18 @@ def resolve_probe_dir(rank: int, probe_dir: Optional[str] = None) -> Optional[st
     return value
 
 
+_HOSTNAME_MAX_BYTES = 4096
+
+
 def probe_host_name(probe_dir: Optional[str] = None) -> str:
     """The host's name: ``<dir>/hostname`` or the directory's name with captures, else this host's."""
     if probe_dir:
         path = os.path.join(probe_dir, "hostname")
         if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                lines = f.read().strip().splitlines()
+            # A host name is one short line: read at most a page, never a whole stray file.
+            data = read_bounded(path, limit=_HOSTNAME_MAX_BYTES, error=ConfigError, what="hostname file",
+                                hint=f"; it should hold one line, the host's name (key {PROBE_DIR_ENV})")
+            lines = data.decode("utf-8", errors="replace").strip().splitlines()
             if lines and lines[0].strip():
                 return lines[0].strip()
         return os.path.basename(os.path.normpath(probe_dir))
@@ -132,12 +138,56 @@ def probe_host(probe_dir: Optional[str] = None) -> Topology:
         raise ConfigError(
             f"{probe_dir!r} holds no capture; put the host's tool outputs in it", key=PROBE_DIR_ENV
         )
-    from hetcomm.topo.parse import parse_files
+    from hetcomm.topo.parse import join_ascend_chips, parse_file
 
-    topo = parse_files(files)
+    parts = [(path, parse_file(path)) for path in files]
+    _check_captures_agree(parts, probe_dir)
+    topo = Topology()
+    for _, part in parts:
+        topo.merge(part)
+    join_ascend_chips(topo)
     if not topo.devices:  # NIC-only captures: the host's ranks are CPU ranks
         topo.add_device(Device(name="cpu0", vendor="cpu", model="cpu", index=0))
     return topo
+
+
+def _check_captures_agree(parts: Sequence[Tuple[str, Topology]], probe_dir: str) -> None:
+    """Refuse captures of one host that contradict each other (merged, they would describe a
+    machine that does not exist: devices of two models, or the same NICs counted twice).
+
+    Raises:
+        ConfigError: two captures name different accelerator counts or models, or list the same
+            number of NICs under disjoint names (one host's ports seen twice).
+    """
+    seen: List[Tuple[str, Dict[str, Optional[str]], List[str]]] = []
+    for path, topo in parts:
+        accel = {
+            d.name: canonical_model(d.model)
+            for d in topo.devices
+            if d.vendor in ("nvidia", "ascend") and not d.name.startswith("rank")
+        }
+        nics = sorted(n.name for n in topo.nics)
+        for other, other_accel, other_nics in seen:
+            where = f"{os.path.basename(other)} and {os.path.basename(path)} in {probe_dir!r}"
+            if accel and other_accel:
+                models = {m for m in list(accel.values()) + list(other_accel.values()) if m}
+                if len(accel) != len(other_accel) or len(models) > 1:
+                    raise ConfigError(
+                        f"captures {where} contradict: {len(other_accel)} accelerator(s) "
+                        f"{sorted(m for m in set(other_accel.values()) if m)} vs {len(accel)} "
+                        f"{sorted(m for m in set(accel.values()) if m)}; a probe directory holds one "
+                        f"host's captures: move the other host's files to a directory of its own",
+                        key=PROBE_DIR_ENV,
+                    )
+            if nics and other_nics and len(nics) == len(other_nics) and not set(nics) & set(other_nics):
+                raise ConfigError(
+                    f"captures {where} list {len(nics)} NICs each under different names "
+                    f"({', '.join(other_nics[:3])}... vs {', '.join(nics[:3])}...): merged they would "
+                    f"count the host's ports twice; keep one of them (or nvidia-smi topo -m with its "
+                    f"NIC Legend, which names both)",
+                    key=PROBE_DIR_ENV,
+                )
+        seen.append((path, accel, nics))
 
 
 _FACT_KEYS = ("peermem", "nvswitch_count", "nvlink_active", "pcie_view", "nccl_gdr", "host", "probe_notes", "sources", "formats")
@@ -330,9 +380,14 @@ def assemble_cluster(
         if len(models) > 1:
             notes.append(f"{h}: mixed device models {sorted(str(m) for m in models)}; the node uses {model}")
         if model is None:
-            # nvidia-smi topo -m names no model: an SXM part is what NVLink implies.
-            model = {"nvidia": "NVIDIA GPU", "ascend": "910B"}.get(vendor, "cpu")
-            notes.append(f"{h}: device model not in the captures; add nvidia-smi / npu-smi info output (assumed {model})")
+            # nvidia-smi topo -m names no model. Writing a guess would give a cluster file that
+            # load_cluster rejects (or, worse, a wrong one): refuse, before anything is written.
+            tool = {"nvidia": "nvidia-smi (or nvidia-smi -L)", "ascend": "npu-smi info"}.get(vendor, "the device tool")
+            raise ConfigError(
+                f"host {h}: the captures show {len(devices)} {vendor} device(s) but not their model, "
+                f"so no cluster file can be written; add the output of {tool} to the host's captures",
+                key="discover",
+            )
         if vendor != "cpu" and find_device_spec(model) is None:
             notes.append(f"{h}: no compute figures for {model!r}; set node_groups[].device.tflops in a cluster file")
         rank_models.extend([model] * len(ranks))

@@ -193,7 +193,7 @@ def test_the_job_runs_on_the_launch_cluster_and_a_job_that_fails_for_good_says_s
         assert log.run.cluster == "slow-node" and log.run.world_size == 3
         assert [r["node"] for r in log.run.ranks] == ["fast-0", "fast-1", "slow-0"]
         assert all(os.path.exists(os.path.join(work, f"job-0-rank{r}.started")) for r in range(3))
-        os.kill(_rank_pid(work, 1, "hetcomm.ops.worker"), signal.SIGKILL)
+        os.kill(_rank_pid(work, 1, "hetcomm.cli.launch_worker"), signal.SIGKILL)
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

@@ -125,6 +125,7 @@ def test_azure_nd_static_topology_files():
 
 #: code -> (captures of one host, cluster file or None): a real capture on which the code fires.
 COVERAGE = {
+    "known-bad-version": (["nvsmi_470.82.01_tesla_m60_azure_nv12s_v3_srun_pyxis.txt"], None),
     "bandwidth-shortfall": (["nccltests_alltoall_rtx2080ti_x2_pix_p2p_ns.txt"], None),
     "pcie-not-sxm": (["nvsmi_a100_pcie_x2_nvlink_inactive.txt"], MINI),
     "nvlink-degraded": (["nvsmi_nvlink_status_v100_sxm2_2_inactive.txt"], None),
@@ -138,9 +139,7 @@ COVERAGE = {
     "fabric-manager-missing": (["lspci_nn_a100_nvswitch_vm.txt"], None),
 }
 #: Codes no public capture shows yet (only synthetic tests in test_audit.py exercise them).
-# known-bad-version: no public capture of driver 470.82.01 or CANN 7.0.RC1 with a citable source
-# was found (docs/INPUT_FORMATS.md); tests/topo/test_issue22_rules.py edits a real capture.
-NOT_YET_SEEN = {"hccs-missing", "known-bad-version"}
+NOT_YET_SEEN = {"hccs-missing"}
 
 
 @pytest.mark.parametrize("code", sorted(COVERAGE))

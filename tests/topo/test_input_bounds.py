@@ -13,6 +13,8 @@ import tracemalloc
 
 import pytest
 
+from hetcomm.errors import SettingError
+
 from hetcomm._input import CAPTURE_CAP_ENV, MAX_CAPTURE_BYTES, read_bounded
 from hetcomm.cli.main import main
 from hetcomm.errors import TopologyParseError, UsageError
@@ -57,7 +59,8 @@ def test_the_cap_is_exact_and_configurable(tmp_path, monkeypatch):
     with pytest.raises(TopologyParseError, match="larger than"):
         parse_file(str(path))
     monkeypatch.setenv(CAPTURE_CAP_ENV, "lots")
-    with pytest.raises(UsageError, match=CAPTURE_CAP_ENV):
+    # read through the settings registry: a bad value is its SettingError, naming the variable
+    with pytest.raises(SettingError, match=CAPTURE_CAP_ENV):
         parse_file(str(path))
     monkeypatch.delenv(CAPTURE_CAP_ENV)
     assert MAX_CAPTURE_BYTES == 16 << 20

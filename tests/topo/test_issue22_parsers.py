@@ -134,3 +134,12 @@ def test_openmpi_tagged_nccl_log_reads_its_channels():
     assert topo.facts["line_prefixes"] == ["openmpi-tag"]
     # (NCCL 2.4's "Ring 00 : a[d] -> b[d] via ..." lines are not channel records the parser models)
     assert topo.facts["nccl_warnings"] == ["NET/OFI Couldn't open AV. RC: -22, ERROR: Invalid argument"]
+
+
+def test_host_tagged_ibext_log_and_roce_vf_log():
+    tagged = parse_file(os.path.join(FIXTURES, "nccl_log_hosttag_rdma_train_worker_ibext_sharp.txt"))
+    assert tagged.facts["line_prefixes"] == ["host-tag"]
+    assert [n.name for n in tagged.nics] == ["mlx5_9"] and tagged.facts["nccl_network"] == "IBext"
+    vf = parse_file(os.path.join(FIXTURES, "nccl_log_k8s_pytorchjob_ibext_roce_vf.txt"))
+    assert "line_prefixes" not in vf.facts  # pod names are NCCL's own host field, not a tag
+    assert [(n.name, n.link_layer) for n in vf.nics] == [("rocep204s0f0v6", "Ethernet")]

@@ -36,12 +36,17 @@ def test_known_bad_cann_and_driver_versions():
     real = os.path.join(FIXTURES, "npusmi_info_a3_910c_8card_16chip_cann_8.2rc1.txt")
     text = open(real, encoding="utf-8").read()
     assert "known-bad-version" not in {f.code for f in audit(parse_text(text))}  # 8.2.RC1 is fine
-    # hand-made: the same capture with the release the notes name (no public capture found)
+    # hand-made: the same capture with the release the notes name (no public capture of
+    # CANN 7.0.RC1 was found: docs/INPUT_FORMATS.md)
     bad = parse_text(text.replace("version=8.2.RC1", "version=7.0.RC1"))
     f = {x.code: x for x in audit(bad)}["known-bad-version"]
     assert "7.0.RC1" in f.subject and "7.0.RC2" in f.fix and "dsd_copy" in f.message
     topo = parse_file(os.path.join(FIXTURES, "nvsmi_a100_pcie_x2_nvlink_inactive.txt"))
     assert topo.facts["nvidia_driver_version"] == "555.42.02"
+    assert "known-bad-version" not in {f.code for f in audit(topo)}
+    # a real capture of the driver the notes name (Azure NV12s_v3, through srun + pyxis)
+    m60 = _codes("nvsmi_470.82.01_tesla_m60_azure_nv12s_v3_srun_pyxis.txt")["known-bad-version"]
+    assert m60.subject == "nvidia-driver 470.82.01" and "470.129.06" in m60.fix
 
 
 @pytest.mark.parametrize("name", sorted(os.path.basename(p) for p in glob.glob(os.path.join(FIXTURES, "*"))))
@@ -57,3 +62,13 @@ def test_audit_cli_on_every_fixture_never_tracebacks(name, capsys):
     out = capsys.readouterr()
     assert "Traceback" not in out.out + out.err
     assert rc in (0, 1, 2), out.err  # findings (1) and refused input (2) are answers
+
+
+def test_cross_vendor_wire_rule_names_the_cann_release_it_protects_against():
+    from hetcomm.topo import cluster as C
+    from hetcomm.topo.rules_measured import KNOWN_BAD_VERSIONS
+
+    assert C.CROSS_VENDOR_WIRE_DTYPE == "fp16"
+    cann = next(k for k in KNOWN_BAD_VERSIONS if k.component == "cann")
+    assert cann.version in C.CROSS_VENDOR_WIRE_PROTECTS_AGAINST and cann.fixed_in in C.CROSS_VENDOR_WIRE_PROTECTS_AGAINST
+    assert "7.0.RC1" in C.Cluster.wire_dtype_for.__doc__

@@ -71,6 +71,9 @@ EXPECTED = {
     "nccl_log_ofi_efa_disabling_gdr_proto_simple.txt": ("nccl_log", {"nccl_log"}, {"nccl-log"}),
     "nccl_log_h100_ibext_sharp_collnet_4nic.txt": ("nccl_log", {"nccl_log"}, {"nccl-log"}),
     "nccl_log_ompi_tag_horovod_efa_aws_libfabric.txt": ("nccl_log", {"nccl_log"}, {"nccl-log"}),
+    "nccl_log_hosttag_rdma_train_worker_ibext_sharp.txt": ("nccl_log", {"nccl_log"}, {"nccl-log"}),
+    "nccl_log_k8s_pytorchjob_ibext_roce_vf.txt": ("nccl_log", {"nccl_log"}, {"nccl-log"}),
+    "nvsmi_470.82.01_tesla_m60_azure_nv12s_v3_srun_pyxis.txt": ("nvsmi", {"nvsmi"}, set()),
 }
 OURS = ("npusmi", "rdma", "lsmod", "nccl_log", "hccn")
 #: Real captures a parser claims but must refuse with an error (nothing in them to model).

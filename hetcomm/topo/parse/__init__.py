@@ -380,7 +380,8 @@ def parse_file(path: str, fmt: Union[None, str, Sequence[str]] = None) -> Topolo
         TopologyParseError: the file cannot be read, is not a regular file or FIFO, is larger
             than the cap, is binary or not UTF-8/UTF-16 text, or does not parse (see
             :func:`parse_text`).
-        UsageError: ``fmt`` names an unknown format, or the cap variable is not a size.
+        UsageError: ``fmt`` names an unknown format.
+        SettingError: ``$HETCOMM_MAX_INPUT_BYTES`` is not a size (read through hetcomm.settings).
     """
     limit = capture_cap()
     data = read_bounded(path, limit=limit, error=TopologyParseError, what="capture", hint=_CAP_HINT)

@@ -333,6 +333,13 @@ def parse_nccl_log(text: str, path: str = "<text>") -> Topology:
     def qualified(name: str, host: Optional[str]) -> str:
         return f"{name}@{host}" if multi_host and host else name
 
+    # The OFI plugin's NICs count only when NCCL moves data through it: a log may load it (and
+    # have it find 58 verbs devices) and then use its own NET/IB transport.
+    ofi_used = any(k.lower().replace(" ", "") in ("libfabric", "awslibfabric", "ofi") for k in networks) or (
+        not networks and any(p == "efa" for p, _ in ofi_provider.values())
+    )
+    if not ofi_used:
+        ofi_provider, ofi_nics = {}, {}
     _add_plugin_facts(topo, ofi_provider, ofi_nics, gdr_off, plugins, qualified)
 
     for (host, _idx), (name, port, layer) in ib_devs.items():

@@ -1,6 +1,6 @@
 """The entry point of every torchrun worker ``hetcomm launch`` starts.
 
-    python -m hetcomm.cli.worker [hetcomm subcommand and its arguments]
+    python -m hetcomm.cli.launch_worker [hetcomm subcommand and its arguments]
 
 Runs :func:`hetcomm.ops.worker.main` (place the rank in the job's cluster YAML, a fresh store per
 attempt, grouped start, then the subcommand in this process, a finished job's exit code recorded

@@ -198,9 +198,11 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
         return 1
     if not outcome.ok:
         first = outcome.ranks[outcome.first_failure if outcome.first_failure is not None else outcome.failures[0].rank]
-        if first.error_type in _usage_error_names():
+        usage = [r for r in outcome.ranks if r.error_type in _usage_error_names()]
+        if usage:
             # Bad input the ranks found (a damaged checkpoint, nothing to train): one line, exit 2.
-            print(f"hetcomm train: error: {first.error}", file=sys.stderr)
+            # It is the cause even when a peer's report of the raising rank's exit came first.
+            print(f"hetcomm train: error: {usage[0].error}", file=sys.stderr)
             return 2
         if first.traceback:
             print(first.traceback, file=sys.stderr, end="")

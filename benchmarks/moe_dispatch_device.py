@@ -74,8 +74,8 @@ def rank_body(rank, world_size, device, T, D, E, k, iters, warmup):
             dist.barrier()
             _sync(dev)
             t2 = time.perf_counter()
-            recv_x, counts, h = td.dispatch(comm, x, idx, w, expert_to_rank=owner)
-            y = td.combine(comm, recv_x, h)
+            res = td.dispatch(comm, x, idx, w, expert_to_rank=owner)
+            y = td.combine(comm, res.recv_x, res.handle)
             _sync(dev)
             t3 = time.perf_counter()
             if it >= warmup:
@@ -83,7 +83,7 @@ def rank_body(rank, world_size, device, T, D, E, k, iters, warmup):
                 times["dispatch+combine"].append(t3 - t2)
     # The combine of the identity is sum_j w_j x: a check that the timed path is right.
     ok = bool(torch.allclose(y, x * w.sum(1, keepdim=True), atol=1e-4))
-    return {"times": times, "ok": ok, "device": str(x.device), "bytes_dispatch": h.bytes_sent}
+    return {"times": times, "ok": ok, "device": str(x.device), "bytes_dispatch": res.handle.bytes_sent}
 
 
 def main() -> int:

@@ -321,6 +321,12 @@ def execute_plan(
         drive(ops, deadline, f"{op} (plan '{plan.strategy}', stage {s})", rank, diagnose, wakeup=wakeup)
 
 
+class _JobLocal(threading.local):
+    """Per thread: the completions made while this thread runs a job (None outside jobs)."""
+
+    deferred: Optional[List[Tuple[HetcommWork, Optional[BaseException]]]] = None
+
+
 class Executor:
     """The one thread per group that runs routed collectives, one after another, in call order,
     so that every pair's transfers stay in step on every rank. A blocking call with nothing
@@ -352,8 +358,7 @@ class Executor:
         self._pending_lock = threading.Lock()
         self._pending = 0
         self._closed = False
-        # Per thread: the completions made while this thread runs a job (None outside jobs).
-        self._local = threading.local()
+        self._local = _JobLocal()
         #: Device jobs run on these streams, ordered after the caller's (hetcomm.backends.devices).
         self.streams = RailStreams()
         self._thread = self._start_thread()
@@ -367,7 +372,7 @@ class Executor:
     def complete(self, work: HetcommWork, exc: Optional[BaseException]) -> None:
         """Complete ``work`` with ``exc`` (None: success) — at once, or, when called from inside
         a job on this thread, once the job has released the executor (see the class docstring)."""
-        deferred = getattr(self._local, "deferred", None)
+        deferred = self._local.deferred
         if deferred is not None:
             deferred.append((work, exc))
         else:
@@ -383,7 +388,7 @@ class Executor:
             self._start_thread()
 
     def _execute(self, fn: Callable[[HetcommWork], None], work: HetcommWork) -> None:
-        outer = getattr(self._local, "deferred", None)
+        outer = self._local.deferred
         self._local.deferred = deferred = []
         try:
             with self._exec_lock:
@@ -431,7 +436,7 @@ class Executor:
         if self._closed:
             raise CollectiveError("the process group was destroyed", rank=self.rank)
         with self._pending_lock:
-            inline = not async_op and self._pending == 0 and getattr(self._local, "deferred", None) is None
+            inline = not async_op and self._pending == 0 and self._local.deferred is None
             self._pending += 1
         if inline:
             self._execute(fn, work)

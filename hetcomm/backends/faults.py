@@ -231,10 +231,12 @@ class SeqDiagnosis:
         return self.faults.culprits(self.seq, peers)
 
     def lost_error(self, peers: List[int], op: str) -> Optional[CollectiveError]:
-        """The error naming the first lost peer among ``peers`` (None if none is lost)."""
-        found = self.faults.lost(peers)
+        """The error naming the first peer among ``peers`` the heartbeat saw exit or stop (None if none)."""
+        from hetcomm.backends.heartbeat import DEFINITIVE
+
+        found = [(p, loss) for p, loss in self.faults.lost(peers) if loss.cause in DEFINITIVE]
         if not found:
-            return None
+            return None  # silence alone never fails a collective (see hetcomm.backends.heartbeat)
         peer, loss = found[0]
         names = self.faults.rail_names()
         rail = names[peer] if peer < len(names) else None

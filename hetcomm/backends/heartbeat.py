@@ -19,11 +19,15 @@ process's sockets close: fast) or when the group timeout expires (a hung peer: m
 * the store itself unreachable for ``miss_s``: its host (rank 0, whose process hosts the
   attempt's store) is named.
 
-A loss is final for this group: it is recorded once (:attr:`Heartbeat.lost`, with the cause and
-the seconds since that peer's last beat), logged on stderr, and :meth:`Heartbeat.lost_among`
-lets the executor's wait loop (:func:`hetcomm.backends.executor.drive`) turn a routed collective
-waiting on that peer into a :class:`~hetcomm.errors.CollectiveError` naming the rank and the
-collective, instead of waiting for the group timeout. Every survivor watches every peer, so every
+A loss is recorded once (:attr:`Heartbeat.lost`, with the cause and the seconds since that
+peer's last beat) and logged on stderr. Only the causes seen through ``/proc`` are certain
+(:data:`DEFINITIVE`: ``exited``, ``stopped``): for those, :meth:`Heartbeat.lost_among` lets the
+executor's wait loop (:func:`hetcomm.backends.executor.drive`) turn a routed collective waiting
+on that peer into a :class:`~hetcomm.errors.CollectiveError` naming the rank and the collective,
+instead of waiting for the group timeout. Silence (``silent``, ``store``) is a judgement: on an
+overloaded machine a healthy rank can fall quiet for seconds, so it is named (within a second on
+a quiet machine) but never fails a collective by itself (the group timeout and
+:mod:`.faults` still do), and a silent peer that beats again is taken off the list. Every survivor watches every peer, so every
 survivor names the same rank. Delegated collectives (gloo's all_reduce and friends) block inside
 gloo and still end at the group timeout (or at once when the peer's sockets close).
 
@@ -44,7 +48,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Sequence
 
-__all__ = ["PeerLoss", "Heartbeat", "active", "start", "start_for", "stop", "DEFAULT_INTERVAL_S", "DEFAULT_MISS_S"]
+__all__ = ["PeerLoss", "Heartbeat", "active", "start", "start_for", "stop", "DEFINITIVE", "DEFAULT_INTERVAL_S", "DEFAULT_MISS_S"]
 
 #: Seconds between beats.
 DEFAULT_INTERVAL_S = 0.1
@@ -60,6 +64,8 @@ MIN_GAPS = 8
 GAP_FACTOR = 4.0
 #: ... over this many gaps.
 GAP_WINDOW = 32
+#: Causes certain enough to fail a collective at once (seen through ``/proc`` on this host).
+DEFINITIVE = ("exited", "stopped")
 #: The value a rank leaves at a clean shutdown.
 _BYE = "bye"
 
@@ -118,7 +124,7 @@ class Heartbeat:
         self.interval_s = interval_s
         self.miss_s = miss_s
         self.store_host = store_host
-        #: Peers declared lost, by rank (final: a lost peer is never un-lost in this group).
+        #: Peers declared lost, by rank (a ``silent`` one that beats again is taken off).
         self.lost: Dict[int, PeerLoss] = {}
         #: Bumped on every new loss: waiters compare it instead of locking.
         self.version = 0
@@ -194,6 +200,8 @@ class Heartbeat:
                         gaps[r].append(now - last_change[r])
                     last_value[r] = v
                     last_change[r] = now
+                    if r in self.lost and self.lost[r].cause not in DEFINITIVE:
+                        self._revoke(r)
             for r, pid in self.local_pids.items():
                 if r in self.lost or r in departed:
                     continue
@@ -209,12 +217,20 @@ class Heartbeat:
             for r in peers:
                 if r in self.lost or r in departed:
                     continue
-                if r in last_change:
+                if r in last_change:  # (a stopped peer's store key stays as it was: judged by /proc above)
                     quiet = now - last_change[r]
                     if quiet > self.silence_threshold(gaps[r]) and not self._said_bye(r):
                         self._declare(r, "silent", quiet, f"no heartbeat for {quiet:.2f} s (hung, stopped or unreachable)")
                 elif now - started > START_GRACE_S:
                     self._declare(r, "silent", now - started, f"never sent a heartbeat in {now - started:.0f} s")
+
+    def _revoke(self, rank: int) -> None:
+        with self._lock:
+            loss = self.lost.pop(rank, None)
+            self.version += 1
+        if loss is not None:
+            print(f"hetcomm heartbeat: rank {self.rank}: peer rank {rank} beats again (was {loss.cause})",
+                  file=sys.stderr, flush=True)
 
     def silence_threshold(self, gaps: Sequence[float]) -> float:
         """Seconds without a beat after which a peer with these recent gaps is silent."""

@@ -44,7 +44,8 @@ def header_tag(tag: int) -> int:
 
 
 def _header(t: torch.Tensor, rank: int) -> torch.Tensor:
-    return torch.tensor([checks.dtype_code(t.dtype), t.numel(), t.numel() * t.element_size(), rank], dtype=torch.int64)
+    words = [checks.dtype_code(t.dtype), t.numel(), t.numel() * t.element_size(), rank]
+    return torch.tensor(words, dtype=torch.int64, device="cpu")  # host: gloo sends the header
 
 
 def _one(tensors: List[torch.Tensor], op: str, rank: int) -> torch.Tensor:
@@ -91,7 +92,7 @@ class _RecvWork(dist.Work):
 
     def _run(self, gloo, tensor: torch.Tensor, src: Optional[int], tag: int, rank: int) -> None:
         try:
-            header = torch.zeros(_WORDS, dtype=torch.int64)
+            header = torch.zeros(_WORDS, dtype=torch.int64, device="cpu")  # host: gloo header
             if src is None:
                 hw = gloo.recv_anysource([header], header_tag(tag))
                 hw.wait()

@@ -51,11 +51,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "collective",
-        choices=lib.COLLECTIVES + ("compute", "dispatch"),
+        choices=lib.COLLECTIVES + ("compute", "dispatch", "moe"),
         help="the collective to measure, or 'compute': a GEMM and the expert FFN on this process's "
         "device (hetcomm.cli.bench_compute; -n/-w/-J/--json apply), or 'dispatch': dispatch/combine "
         "forward and backward over the communicator, per-rank percentiles and logical bandwidth "
-        "(hetcomm.cli.bench_dispatch)",
+        "(hetcomm.cli.bench_dispatch), or 'moe': the skew workloads W0-W7 under the per-rank time "
+        "model (hetcomm.cli.bench_moe, --workload)",
     )
     g = p.add_argument_group("nccl-tests flags")
     g.add_argument(
@@ -162,6 +163,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     from hetcomm.cli.bench_dispatch import add_dispatch_args
 
     add_dispatch_args(p)
+    from hetcomm.cli.bench_moe import add_moe_args
+
+    add_moe_args(p)
     return p
 
 
@@ -409,6 +413,10 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("bench dispatch starts its own ranks: run it outside torchrun, with --nprocs N")
         num_ranks, _ = _resolve_nprocs(args, None)
         return run_dispatch(args, num_ranks)
+    if args.collective == "moe":
+        from hetcomm.cli.bench_moe import run_moe
+
+        return run_moe(args)
     config, num_ranks, spawn = config_from_args(args)
     if not spawn:
         return _run_under_torchrun(config, num_ranks, args)

@@ -142,6 +142,7 @@ def _judge_by_class(report: dict, cluster, work: str):
     # Ranks follow the job's node order; the declared speed is that of each rank's own node.
     by_node = {n.name: n.first_rank for n in cluster.nodes}
     speeds = [rank_speeds(cluster, [by_node[names[r]]])[0] if names[r] in by_node else 1.0 for r in range(world)]
+    # Network: the best-peer verdict above (judge) already scores every rank by its own best link.
     verdict = judge_by_class(report, speeds)
     for s in verdict.slow:
         print(f"slow in its class: {s.line()}", flush=True)
@@ -238,7 +239,7 @@ def _run(args: argparse.Namespace, made: List[str]) -> int:
     env[CLUSTER_ENV] = cluster_path
     env["HETCOMM_LAUNCH_DIR"] = work
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONSAFEPATH"] = "1"  # torchrun's `python -m hetcomm.ops.worker` must not import ./hetcomm
+    env["PYTHONSAFEPATH"] = "1"  # torchrun's `python -m hetcomm.cli.launch_worker` must not import ./hetcomm
     if args.node:
         env["HETCOMM_NODE"] = args.node
     where = f"node {args.node}" if args.node else "this machine"

@@ -55,6 +55,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--warmup-from", metavar="METRICS.jsonl", default=None, help="seed calibrators and hot experts from a previous run's metrics")
     p.add_argument("--balance", action="store_true", default=None,
                    help="run the expert balancer: capacity-aware migrations between ranks (docs/MOE.md)")
+    p.add_argument("--no-balance", dest="no_balance", action="store_true", default=False,
+                   help="no balancing at all: neither the per-step token split nor migrations")
+    p.add_argument("--token-split", choices=("on", "off", "auto"), default=None,
+                   help="per-step, time-proportional split of hot experts' rows among their copies by measured "
+                   "speed (default off: at the demo's size it cost 11-16%% of tokens/s; auto: on for a mixed "
+                   "cluster; docs/MOE.md)")
+    p.add_argument("--chunks", metavar="N|auto", default=None,
+                   help="pipelined dispatch chunks per MoE layer (default auto: 1 on CPU ranks; docs/MOE.md)")
     p.add_argument("--balance-every", metavar="N", type=int, default=None, help="steps between balancer plans (default 50)")
     p.add_argument("--balance-cooldown", metavar="N", type=int, default=None,
                    help="steps before a moved expert may move again (default 1000)")
@@ -64,6 +72,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="expert paging: keep this fraction of each rank's experts on the device, page the rest in "
                    "from a host pool as the gate routes (e.g. 0.4; 0/absent: off; docs/MOE.md)")
     return p
+
+
+def _chunks(value):
+    """``--chunks``: a positive integer or ``auto`` (None: the config's)."""
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        from hetcomm.errors import ConfigError
+
+        raise ConfigError(f"--chunks takes a positive integer or 'auto', got {value!r}", key="train.chunks") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,7 +119,19 @@ def train_config(args: argparse.Namespace):
         balance_cooldown=args.balance_cooldown,
         powersgd_rank=args.powersgd,
         page_budget=args.page_budget,
+        chunks=_chunks(args.chunks),
+        token_split={"on": True, "off": False, "auto": "auto", None: None}[args.token_split],
     )
+    if args.no_balance:
+        if args.balance:
+            from hetcomm.errors import ConfigError
+
+            raise ConfigError("--balance and --no-balance contradict each other; pass one", key="train.balance")
+        if args.token_split in ("on", "auto"):
+            from hetcomm.errors import ConfigError
+
+            raise ConfigError("--token-split and --no-balance contradict each other; pass one", key="train.token_split")
+        overrides.update(balance=False, token_split=False)
     if args.cluster:
         overrides["cluster"] = args.cluster if args.cluster == "detect" else repo_path(args.cluster)
     config_path = repo_path(args.config) if args.config else None

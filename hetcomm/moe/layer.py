@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -46,7 +46,9 @@ from hetcomm.moe.layer_paging import PagedExperts
 from hetcomm.moe.paging import ExpertPager
 from hetcomm.moe.placement import ExpertPlacement, place_experts
 from hetcomm.moe.placement.replicate import HotExpertReplicator
+from hetcomm.moe.speed import SpeedMeter
 from hetcomm.moe.step_stats import StepStats
+from hetcomm.moe.token_split import TokenSplitter
 
 __all__ = ["MoEConfig", "MoELayer"]
 
@@ -256,6 +258,9 @@ class MoELayer(PagedExperts, nn.Module):
             self.replicator = HotExpertReplicator(
                 placement,
                 self.rank,
+                # Copies on the strong ranks only, with or without the per-step split: their
+                # weight and gradient reductions then run over the holders' group and never
+                # cross a weak rank's (often cross-vendor) link; the split balances among them.
                 self.strong_ranks,
                 lambda e: build_expert(self._expert_spec, model_dim, e, cfg.seed),
                 owned,
@@ -282,7 +287,23 @@ class MoELayer(PagedExperts, nn.Module):
         self._page_retired: Dict[str, float] = {}  # counters of pagers replaced by a placement change
         self._page_last: Dict[str, Any] = {}
         self._migrations: Optional[int] = None  # experts landed here by apply_placement, since the last forward
+        # page_budget="auto" (hetcomm.moe.paging_rule): page only when the experts do not fit the
+        # device they were built on; decided here, the config then holds the fraction.
+        self.page_budget_auto = cfg.page_budget == "auto"
+        if self.page_budget_auto:
+            from hetcomm.moe import paging_rule
+
+            dev = next(self.experts.parameters()).device if len(self.experts) else torch.device("cpu")
+            nbytes = sum(p.numel() * p.element_size() for p in self.experts.parameters())
+            budget = paging_rule.auto_page_budget(nbytes, len(self.experts), paging_rule.free_device_bytes(dev))
+            self.config = cfg = replace(cfg, page_budget=budget)
+        self._h2d_bytes_per_s: Optional[float] = None  # measured when a pager is built on a device
         self._check_page_budget()
+        # Measured speed (hetcomm.moe.speed): the datasheet TFLOPS are the prior.
+        self.speed = SpeedMeter(W, self.rank, self.rank_tflops, group, every=cfg.speed_every, alpha=cfg.speed_alpha)
+        self.splitter: Optional[TokenSplitter] = (
+            TokenSplitter(W, self.rank, group, num_experts) if cfg.token_split and W > 1 else None
+        )
 
     # -- helpers -----------------------------------------------------------------------------
     @property
@@ -491,7 +512,7 @@ class MoELayer(PagedExperts, nn.Module):
             slots=list(self.placement.num_local_experts_per_rank),
             initial=ExpertMap.from_lists([[r] for r in self.placement.owner], W),
         )
-        balancer.observe(torch.tensor([float(v) for v in expert_load], dtype=torch.float64))
+        balancer.observe(torch.tensor([float(v) for v in expert_load], dtype=torch.float64))  # host: planning state
         plan = balancer.propose()
         if not plan.adopted:
             return []
@@ -541,6 +562,11 @@ class MoELayer(PagedExperts, nn.Module):
         g = self.gate(x2)
         self.l_aux = g.l_aux
         replica_here = rep.replica_here() if rep is not None and rep.replicas else None
+        # Per-step split among copies (hetcomm.moe.token_split): every kept copy travels (a
+        # holder's own rows stay local inside the dispatch), none is set aside for a replica.
+        splitter = self.splitter if self.splitter is not None and rep is not None and rep.hot and pager is None else None
+        if splitter is not None:
+            replica_here = None
         # The only routing step: capacity, then the copies for local replicas set aside; the
         # dispatch plans the exchange of what is left.
         route = route_tokens(g.topk_idx, self._key_of_expert, g.capacity, replica_here)
@@ -561,6 +587,12 @@ class MoELayer(PagedExperts, nn.Module):
 
         weights_flat = g.topk_weights.t().reshape(-1)  # [A], choice-major like assignments
         idx_send = route.send_idx
+        owner_map: Sequence[int] = self.placement.owner
+        split_mods: List[nn.Module] = []
+        if splitter is not None:
+            sr = splitter.route(route.send_idx.t().reshape(-1), route.send_counts, cfg.k, owner_map,
+                                rep.holders_of_hot(), rep.replicas, self.speed.speeds)
+            idx_send, owner_map, split_mods = sr.topk_idx, sr.expert_to_rank, sr.modules
 
         times = PipelineTimes()
         local_out: List = []
@@ -570,12 +602,14 @@ class MoELayer(PagedExperts, nn.Module):
             if route.local_assign.numel() == 0:
                 return
             te = time.perf_counter()
+            mark = self.speed.begin(x2.device)
             xs = gather_rows(x2, route.local_assign % T)
             counts = torch.bincount(route.local_expert, minlength=E)
             order = sorted(set(route.local_expert.tolist()), key=lambda e: int(self.layout.key_of_expert[e]))
             mods = rep.local_modules(order)
             y = self.experts.forward_sorted(xs, [int(counts[e]) for e in order], modules=mods)
             local_out.append(y)
+            self.speed.end(mark, xs.size(0))
             times.expert_s += time.perf_counter() - te
 
         if pager is not None:
@@ -595,12 +629,12 @@ class MoELayer(PagedExperts, nn.Module):
         # Unpaged, the rows arrive as one piece per local expert and the outputs go to the
         # combine as they come: no [R, D] concatenation of rows or gradients. A rank without
         # experts takes the whole (empty) block, which keeps x in its backward's graph.
-        mods = self._modules_by_id() if pager is None else []
+        mods = self._modules_by_id() + split_mods if pager is None else []
         res = self.comm.dispatch(
             x2,
             idx_send,
             g.topk_weights,
-            expert_to_rank=self.placement.owner,
+            expert_to_rank=owner_map,
             async_op=True,
             num_chunks=cfg.num_chunks,
             split_by_expert=bool(mods),
@@ -615,7 +649,9 @@ class MoELayer(PagedExperts, nn.Module):
             for c, (lo, hi) in enumerate(handle.chunk_experts):
                 work.wait_chunk(c)
                 te = time.perf_counter()
+                mark = self.speed.begin(x2.device)
                 y_recv += self.experts.forward_pieces(recv_x[lo:hi], modules=mods[lo:hi])
+                self.speed.end(mark, sum(counts[lo:hi]))
                 times.expert_s += time.perf_counter() - te
         else:
             work.wait()
@@ -656,7 +692,11 @@ class MoELayer(PagedExperts, nn.Module):
             gfast = stat_vec[2 * E + 1 :] if self._fast_topk else None
             for observer in self._load_observers:
                 observer(gpicks, gp, gT, gfast)
-        self._record(route, times, t_start, saved, global_picks=stat_vec[E : 2 * E] if update else None)
+        self.speed.finish_step()  # collective every speed_every forwards (the agreement)
+        if self.splitter is not None:
+            self.splitter.last_expert_s = times.expert_s
+        self._record(route, times, t_start, saved, global_picks=stat_vec[E : 2 * E] if update else None,
+                     splitter=splitter)
         return out.to(x.dtype).reshape(shape)
 
     def _replica_saved_bytes(self, topk_idx, route, dtype: torch.dtype) -> int:
@@ -684,7 +724,7 @@ class MoELayer(PagedExperts, nn.Module):
         return saved
 
     # -- stats -------------------------------------------------------------------------------
-    def _record(self, route, times: PipelineTimes, t_start: float, saved: int, global_picks=None) -> None:
+    def _record(self, route, times: PipelineTimes, t_start: float, saved: int, global_picks=None, splitter=None) -> None:
         kept = route.num_assign - route.num_dropped
         own = [e for e in self.local_expert_ids]
         num_self = int(route.send_counts[list(own)].sum()) if own else 0
@@ -720,6 +760,9 @@ class MoELayer(PagedExperts, nn.Module):
             calibration_lag=self.gate.calibrator.lag_factor() if self.gate.calibrator is not None else None,
             migrations=migrations,
             **self._page_step_stats(),
+            **self._page_hide_stats(times.rows_per_expert),
+            **self.speed.record(),
+            **(splitter.record() if splitter is not None else {}),
         )
 
     def step_stats(self) -> StepStats:

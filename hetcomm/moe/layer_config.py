@@ -53,6 +53,13 @@ class MoEConfig:
             off, every expert stays where the module put it.
         paging: the pager's other knobs (:class:`~hetcomm.moe.paging.PagingConfig`; its
             ``budget_fraction`` is replaced by ``page_budget``), or None for the defaults.
+            ``page_budget="auto"``: page only when the experts do not fit the device they are
+            built on (:mod:`hetcomm.moe.paging_rule`; never on CPU ranks).
+        token_split: per-step, time-proportional split of a replicated expert's rows among its
+            copies (:mod:`hetcomm.moe.token_split`; needs ``replicate``; off with paging).
+        speed_every: steps between agreements of the measured per-rank speed vector
+            (:mod:`hetcomm.moe.speed`; 0 = keep the datasheet prior).
+        speed_alpha: EMA decay of the measured rows and seconds.
     """
 
     model_dim: int
@@ -75,6 +82,9 @@ class MoEConfig:
     seed: int = 0
     page_budget: float = 0.0
     paging: Optional[PagingConfig] = None
+    token_split: bool = False
+    speed_every: int = 10
+    speed_alpha: float = 0.8
 
     def __post_init__(self) -> None:
         def bad(key: str, msg: str) -> ConfigError:
@@ -93,13 +103,15 @@ class MoEConfig:
             raise bad("num_chunks", f"must be a positive integer, got {self.num_chunks!r}")
         if self.rank_weights not in ("strong", "throughput"):
             raise bad("rank_weights", f"expected 'strong' or 'throughput', got {self.rank_weights!r}")
+        if self.token_split and not self.replicate:
+            raise bad("token_split", "splits a replicated expert's rows among its copies: set replicate=True too")
         if not self.strong_expert_weight > 0:
             raise bad("strong_expert_weight", f"must be > 0, got {self.strong_expert_weight!r}")
         if self.calibration_strength < 0:
             raise bad("calibration_strength", f"must be >= 0, got {self.calibration_strength!r}")
         pb = self.page_budget
-        if isinstance(pb, bool) or not isinstance(pb, (int, float)) or not 0.0 <= pb <= 1.0:
-            raise bad("page_budget", f"must be a fraction within [0, 1] (0 = paging off), got {pb!r}")
+        if pb != "auto" and (isinstance(pb, bool) or not isinstance(pb, (int, float)) or not 0.0 <= pb <= 1.0):
+            raise bad("page_budget", f"must be a fraction within [0, 1] (0 = paging off) or 'auto', got {pb!r}")
         if self.paging is not None and not isinstance(self.paging, PagingConfig):
             raise bad("paging", f"must be a hetcomm.moe.paging.PagingConfig or None, got {type(self.paging).__name__}")
 

@@ -84,7 +84,27 @@ class PagedExperts:
             pcfg = replace(self.config.paging or PagingConfig(), budget_fraction=budget)
             self.pager = ExpertPager(self._modules_by_id(), pcfg, device=device, optimizer=self._page_optimizer)
             self._page_mark = self._page_counters()
+            if self._h2d_bytes_per_s is None:
+                from hetcomm.moe.paging_rule import measure_h2d_bytes_per_s
+
+                self._h2d_bytes_per_s = measure_h2d_bytes_per_s(device)
         return self.pager
+
+    def _page_hide_stats(self, rows_per_expert: Sequence[int]) -> Dict[str, Any]:
+        """Can paging's copies hide behind this step's compute (:mod:`hetcomm.moe.paging_rule`)?
+        Tokens per used local expert against peak FLOPS / measured host-to-device bandwidth."""
+        if self.pager is None:
+            return {}
+        from hetcomm.moe.paging_rule import copies_can_hide, hide_threshold_tokens
+
+        used = [n for n in rows_per_expert if n]
+        tokens = sum(used) / len(used) if used else 0.0
+        flops = self.rank_tflops[self.rank] * 1e12
+        bw = self._h2d_bytes_per_s
+        return {
+            "page_can_hide": copies_can_hide(tokens, flops, bw),
+            "page_hide_threshold_tokens": hide_threshold_tokens(flops, bw) if bw else None,
+        }
 
     def _page_counters(self) -> Dict[str, float]:
         """The current pager's cumulative counters: transfers and hits, and L1/L2/L3."""
@@ -199,9 +219,11 @@ class PagedExperts:
             work.wait_chunk(c)
             lo, hi = handle.chunk_experts[c]
             te = time.perf_counter()
+            mark = self.speed.begin(recv_x.device)
             for g in pager.grants([e for e in order if lo <= e < hi]):
                 outs[g.requested] = self._run_grant(g, pieces[g.requested], waves)
                 pager.release(g.requested)
+            self.speed.end(mark, sum(counts[lo:hi]))
             times.expert_s += time.perf_counter() - te
         return cat_rows(outs)
 

@@ -60,6 +60,14 @@ class StepStats(Mapping):
         page_experts_used: local experts this step routed to.
         page_l1_waits / page_l1_stale / page_l2_pins / page_l2_migration_requests /
             page_l3_substitutions: the degradation levels (:mod:`hetcomm.moe.degrade`).
+        speed_rows_per_s: the group's agreed per-rank expert speed (:mod:`hetcomm.moe.speed`),
+            rows/s once measured (``speed_measured``), the datasheet prior before;
+            ``speed_agreements``, ``speed_local_rows_per_s`` (this rank's EMA),
+            ``speed_max_over_min``.
+        split_experts / moe_rows / moe_time_predicted / moe_time_measured_s: the per-step split
+            (:mod:`hetcomm.moe.token_split`): experts split among copies, rows per rank, predicted
+            expert time per rank (rows / speed) and each rank's measured forward expert seconds
+            of the previous step, with their ``*_max_over_mean``. None when no split ran.
     """
 
     rank: int
@@ -102,6 +110,23 @@ class StepStats(Mapping):
     page_l2_pins: Optional[int] = None
     page_l2_migration_requests: Optional[int] = None
     page_l3_substitutions: Optional[int] = None
+    # Paging rule (hetcomm.moe.paging_rule): do the copies hide? None on CPU ranks.
+    page_can_hide: Optional[bool] = None
+    page_hide_threshold_tokens: Optional[float] = None
+    # Measured speed (hetcomm.moe.speed): the agreed per-rank vector, rows/s (prior units before
+    # the first agreement).
+    speed_rows_per_s: Optional[Tuple[float, ...]] = None
+    speed_measured: Optional[bool] = None
+    speed_agreements: Optional[int] = None
+    speed_local_rows_per_s: Optional[float] = None
+    speed_max_over_min: Optional[float] = None
+    # Per-step split (hetcomm.moe.token_split; None when no split ran this forward).
+    split_experts: Optional[Tuple[int, ...]] = None
+    moe_rows: Optional[Tuple[int, ...]] = None
+    moe_time_predicted: Optional[Tuple[float, ...]] = None
+    moe_time_predicted_max_over_mean: Optional[float] = None
+    moe_time_measured_s: Optional[Tuple[float, ...]] = None
+    moe_time_measured_max_over_mean: Optional[float] = None
 
     @staticmethod
     def empty(rank: int = 0) -> "StepStats":

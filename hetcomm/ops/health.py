@@ -250,6 +250,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--compute-s", type=float, default=0.0, help="seconds of the compute probe per rank (0: none)")
     p.add_argument("--rdzv-host", default=None, help="host of the rendezvous endpoint: each rank reports whether it is local")
     args = p.parse_args(argv)
+    from hetcomm.ops.supervise import die_with_parent
+
+    die_with_parent()  # a SIGKILLed agent must not leave this worker probing on
     from hetcomm.ops.rank_marks import marked
 
     rank = int(os.environ.get("RANK", "0"))

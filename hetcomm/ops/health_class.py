@@ -12,8 +12,9 @@ mean) would flag every 910B of a mixed cluster. Here each rank is compared with 
   ranks (every class's expected time, scaled by the device table). Slow: ``norm(r) >
   compute_threshold x baseline``. A healthy half-speed device takes twice as long and declares
   half the speed: ``norm`` = baseline. An H800 throttled to half speed is at 2x.
-* **network** (the best-pair medians of the report): the class is the link class of the rank's
-  best pair; baseline = median best-pair time of the ranks whose best pair has that class.
+* **network** (the best-pair medians of the report, when a ``link_class`` function is given):
+  the class is the link class of the rank's best pair; baseline = median best-pair time of the
+  ranks whose best pair has that class (>= ``MIN_CLASS`` of them, else of all ranks).
 
 Each finding names the rank, node, model, class, its measurement and the class baseline
 (:class:`SlowRank`); :func:`records` gives them as JSON lines (``kind: health``) that
@@ -94,7 +95,9 @@ def judge_by_class(report: Dict[str, Any], speeds: Sequence[float], *, link_clas
         report: :func:`hetcomm.ops.health.run_probes`' report (``gemm_s`` per rank when the
             compute probe ran).
         speeds: each rank's declared TFLOPS (:func:`hetcomm.topo.compute.rank_speeds`).
-        link_class: ``(a, b) -> name`` of a pair's link class (None: every pair one class).
+        link_class: ``(a, b) -> name`` of the link class between two of the report's ranks;
+            None: no network judgement here (the launch's best-peer verdict,
+            :func:`hetcomm.ops.health.judge`, covers the network then).
     """
     ranks = report["ranks"]
     slow: List[SlowRank] = []
@@ -123,9 +126,9 @@ def judge_by_class(report: Dict[str, Any], speeds: Sequence[float], *, link_clas
                 slow.append(SlowRank(i, r["node"], r.get("model", "unknown"), "compute", r.get("model", "unknown"),
                                      r["gemm_s"], base * scale, factor, how))
     network_factor: Dict[int, float] = {}
-    best = _best_pairs(report)
+    best = _best_pairs(report) if link_class is not None else {}
     if len(best) >= 3:
-        cls_of = {r: (link_class(r, p) if link_class is not None else "ANY") for r, (_, p) in best.items()}
+        cls_of = {r: link_class(r, p) for r, (_, p) in best.items()}
         for r, (v, _) in best.items():
             peers = [q for q in best if cls_of[q] == cls_of[r]]
             pool = peers if len(peers) >= MIN_CLASS else list(best)

@@ -135,6 +135,10 @@ class StepRecord:
         page_stall_s: seconds expert computations waited for page loads, summed over layers
             and ranks (:data:`LAYER_SECONDS`), or None without paging.
         max_rss_bytes: largest resident set size among the ranks so far.
+        expert_s_by_rank: ``[world_size]`` each rank's MoE expert seconds (forward, all layers):
+            ``hetcomm report``'s per-rank MoE time max/mean.
+        speed_rows_per_s: layer 0's agreed per-rank expert speed (:mod:`hetcomm.moe.speed`;
+            rows/s once measured, the datasheet prior before).
     """
 
     step: int
@@ -154,6 +158,8 @@ class StepRecord:
     migrations: Optional[int] = None
     max_rss_bytes: Optional[int] = None
     page_stall_s: Optional[float] = None
+    expert_s_by_rank: Optional[List[float]] = None
+    speed_rows_per_s: Optional[List[float]] = None
 
 
 @dataclass(frozen=True)
@@ -357,6 +363,7 @@ class MetricsCollector:
         self._last_rail_bytes: Dict[str, int] = {}
         self._class_names: List[str] = []
         self._last_picks: Dict[int, torch.Tensor] = {}
+        self._speed: Optional[List[float]] = None  # layer 0's agreed speed vector (rank 0's view)
 
     def _write(self, entry: Entry) -> None:
         assert self._file is not None
@@ -401,6 +408,8 @@ class MetricsCollector:
         class_bytes = _bytes_by_class(delta, self._rail_classes)
         by_class = [class_bytes.get(c, 0.0) for c in self._class_names]
         stats = [m.step_stats() for m in self.layers]
+        speed = stats[0].speed_rows_per_s if stats else None
+        self._speed = [float(v) for v in speed] if speed is not None else None
         loads: List[float] = []
         for li, (m, E) in enumerate(zip(self.layers, self.num_experts)):
             # The layer's accumulator sums picks over forwards; this step's are the difference.
@@ -479,6 +488,8 @@ class MetricsCollector:
             expert_load=load,
             dropped=dropped,
             max_rss_bytes=rss,
+            expert_s_by_rank=allv[:, 1 + P + 1].tolist(),
+            speed_rows_per_s=self._speed,
             **counters,
         )
         self._write(rec)

@@ -74,6 +74,12 @@ def summarize(log: MetricsLog) -> str:
     first = sum(s.loss for s in steps[:window]) / window
     last = sum(s.loss for s in steps[-window:]) / window
     rows.append(("loss first -> last", f"{first:.3f} -> {last:.3f} (mean of {window} steps)"))
+    by_rank = [s.expert_s_by_rank for s in steps if s.expert_s_by_rank and sum(s.expert_s_by_rank) > 0]
+    if by_rank:
+        mm = [max(v) / (sum(v) / len(v)) for v in by_rank]
+        rows.append(("per-rank MoE time max/mean", f"median {statistics.median(mm):.2f} over {len(mm)} steps (forward expert seconds)"))
+    if steps[-1].speed_rows_per_s:
+        rows.append(("rank speeds (agreed)", ", ".join(f"{v:,.0f}" for v in steps[-1].speed_rows_per_s) + " rows/s"))
     for key in ("page_hits", "page_faults", "migrations"):
         vals = [getattr(s, key) for s in steps if getattr(s, key) is not None]
         text = f"{sum(vals):,}" if vals else "not reported by the layer"

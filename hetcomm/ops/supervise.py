@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-__all__ = ["SupervisedExit", "run_supervised", "descendants"]
+__all__ = ["SupervisedExit", "run_supervised", "descendants", "die_with_parent"]
 
 _POLL_S = 0.05
 _PR_SET_PDEATHSIG = 1
@@ -66,6 +66,20 @@ def _prctl() -> Optional[Callable[..., int]]:
         return ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
         return None
+
+
+def die_with_parent() -> None:
+    """Make this process (a torchrun worker) die by SIGKILL when its parent (torchrun's agent)
+    dies, whatever kills the agent: torchrun sets no parent-death signal on its workers, so a
+    SIGKILLed agent (or node launcher) left its workers training on, orphaned. Called first
+    thing in the worker; if the agent is already gone, exits at once."""
+    prctl = _prctl()
+    if prctl is None:
+        return
+    parent = os.getppid()
+    prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:  # the agent died before the call: nobody would signal us
+        os._exit(128 + int(signal.SIGKILL))
 
 
 def _stat(pid: int) -> Optional[Tuple[int, int]]:

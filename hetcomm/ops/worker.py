@@ -146,11 +146,14 @@ def main(argv: Optional[List[str]] = None, *, build_parser: "Callable[[], argpar
     from hetcomm.errors import ConfigError, TopologyParseError, UsageError
     from hetcomm.ops.rank_marks import marked
 
+    from hetcomm.ops.supervise import die_with_parent
+
+    die_with_parent()  # a SIGKILLed agent must not leave this worker training on
     out = settings.LAUNCH_DIR.get()
     # This rank's end mark (done / failed, naming the peer a hetcomm error blames / stopped) lets
     # `hetcomm launch` name the rank at fault once torchrun gives up (hetcomm.ops.rank_marks).
     with marked(out, "job", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ.get("RANK", "0")),
-                os.environ.get(NODE_ENV, "")):
+                settings.NODE.get() or ""):
         args = place(list(sys.argv[1:] if argv is None else argv))
         fresh_store()
         stagger()

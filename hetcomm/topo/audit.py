@@ -12,27 +12,9 @@ topology rules :mod:`hetcomm.topo.rules`, the measurement and version rules
 :mod:`hetcomm.topo.rules_measured`, the three answers :mod:`hetcomm.topo.estimate`; their public
 names are re-exported here.
 
-Three questions are answered beside the findings:
-
-(a) :func:`estimate_alltoall`: the time an all-to-all of ``S`` bytes per rank should take on this
-    topology, per link class, from nominal bandwidths (an α–β model, formula below);
-(b) :func:`cross_vendor_path`: whether NVIDIA <-> Ascend traffic moves by GPUDirect RDMA or is
-    staged through host memory;
-(c) :func:`measurement_rows`: the parsed (or benchmarked) nccl-tests results as a table.
-
-All-to-all model (a). ``n`` ranks each send ``S`` bytes, ``S/n`` to every rank (nccl-tests'
-``size``; the self chunk stays local). For a link class ``c`` let ``k_i,c`` be the number of
-peers rank ``i`` reaches over ``c`` and ``B_i,c`` the slowest nominal bandwidth among those links
-(with a cluster file: at most the rank's share of per-node resources, the bridge and the NICs).
-A rank's traffic over one class shares that bandwidth (right for NVSwitch, NIC rails and host
-bridges; pessimistic for direct point-to-point NVLink meshes), and classes run concurrently::
-
-    t_c = α_c + max_i  k_i,c · (S / n) / B_i,c
-    t   = max_c t_c             (expected; the slowest class bounds the collective)
-    t_serial = Σ_c t_c          (upper bound if classes did not overlap)
-
-``α_c`` are order-of-magnitude start-up latencies (:data:`ALPHA_US`); at MiB sizes the β term
-dominates.
+Three questions are answered beside the findings (:mod:`hetcomm.topo.estimate` has the model):
+(a) the expected all-to-all time per link class, (b) whether NVIDIA <-> Ascend traffic moves by
+GPUDirect RDMA or is staged through host memory, (c) the measured nccl-tests table.
 """
 
 from __future__ import annotations

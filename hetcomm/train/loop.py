@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, fields, replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,10 @@ class TrainConfig:
             first step (``hetcomm launch`` phase 2), or None.
         page_budget: expert paging (``MoEConfig.page_budget``): the fraction of each rank's
             experts kept on the device, the rest paged in from a host pool as routed (0: off).
+        token_split: per-step, time-proportional split of hot experts' rows among their copies
+            by measured speed (:mod:`hetcomm.train.het_defaults`): False (default), True, or
+            ``auto`` (on for a mixed cluster).
+        chunks: pipelined dispatch chunks (``MoEConfig.num_chunks``), or ``auto``.
     """
 
     cluster: str = "configs/clusters/mixed-mini.yaml"
@@ -95,6 +99,8 @@ class TrainConfig:
     powersgd_rank: int = 0
     warmup_from: Optional[str] = None
     page_budget: float = 0.0
+    token_split: Union[bool, str] = False
+    chunks: Union[int, str] = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
@@ -121,6 +127,10 @@ class TrainConfig:
         pb = self.page_budget
         if isinstance(pb, bool) or not isinstance(pb, (int, float)) or not 0.0 <= pb <= 1.0:
             raise ConfigError(f"must be a fraction within [0, 1] (0 = paging off), got {pb!r}", key="train.page_budget")
+        if self.token_split not in (True, False, "auto"):
+            raise ConfigError(f"must be true, false or 'auto', got {self.token_split!r}", key="train.token_split")
+        if self.chunks != "auto" and (isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1):
+            raise ConfigError(f"must be a positive whole number or 'auto', got {self.chunks!r}", key="train.chunks")
 
 
 def load_train_config(path: str, **overrides: Any) -> TrainConfig:
@@ -312,6 +322,11 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             torch.nn.Linear(dim, cfg.hidden_dim), torch.nn.GELU(), torch.nn.Linear(cfg.hidden_dim, dim)
         )
 
+    from hetcomm.train.het_defaults import MoETimeTracker, resolve_chunks, token_split_default
+
+    split_on = token_split_default(cfg.token_split, cfg.replicate, cluster, world_size) and cfg.page_budget == 0
+    num_chunks, _ = resolve_chunks(cfg.chunks, torch.device("cpu"))  # the demo LM runs on CPU ranks
+
     def make_moe(layer_index: int):
         return MoELayer(
             cfg.model_dim,
@@ -325,6 +340,8 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             wire_dtype=cfg.wire_dtype,
             seed=cfg.seed * 1000 + layer_index,
             page_budget=cfg.page_budget,
+            token_split=split_on,
+            num_chunks=num_chunks,
             # The layer's default of 3 hot experts, but never more than the layer has (--experts 2).
             replicate_top=min(MoEConfig.replicate_top, cfg.experts),
         )
@@ -374,12 +391,14 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     t0 = time.perf_counter()
     tokens_per_step = cfg.batch_size * cfg.seq_len
     losses: List[float] = []
+    moe_time = MoETimeTracker()
     for step in range(start_step + 1, cfg.steps + 1):
         mc.start_step()
         batch = task.sample(cfg.batch_size, cfg.seq_len, gen)
         mc.mark("data")
         _, loss = model(batch[:, :-1], batch[:, 1:])
         aux = sum(m.l_aux for m in model.moe_layers)
+        moe_time.observe(model.moe_layers)
         mc.mark("forward")
         opt.zero_grad(set_to_none=True)
         (loss + 0.01 * aux).backward()
@@ -421,8 +440,10 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         balancer.finish_pending()
 
     elapsed = time.perf_counter() - t0
+    het_rows = [("token split (per step, by measured speed)", "on" if split_on else "off"),
+                ("per-rank MoE time max/mean", MoETimeTracker.summary(moe_time.gather(world_size)))]
     summary = _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step,
-                         balancer, psgd)
+                         balancer, psgd, het_rows)
     hooks.record_verdict(cfg, rank, summary)
     if rank == 0:
         progress.close()
@@ -547,7 +568,7 @@ def _psgd_row(psgd) -> str:
 
 
 def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step,
-               balancer=None, psgd=None) -> Dict[str, Any]:
+               balancer=None, psgd=None, het_rows=()) -> Dict[str, Any]:
     unigram = task.unigram_entropy()
     optimum = task.conditional_entropy()
     window = max(1, min(20, len(losses) // 5))
@@ -577,6 +598,7 @@ def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tok
         ("replication / calibration", f"{'on' if cfg.replicate else 'off'} / {'on' if cfg.calibrate else 'off'}"),
         ("wire dtype", cfg.wire_dtype),
         *(balancer.summary_rows() if balancer is not None else []),
+        *het_rows,
         *([("PowerSGD (cross-node pairs)", _psgd_row(psgd))] if psgd is not None else []),
         *([("paging (rank0)", _page_row(cfg, model))] if cfg.page_budget else []),
     ]

@@ -2,7 +2,7 @@
 
 ``foreign_store_job.py RANK WORLD PORT HOLD_S``: joins the TCPStore at 127.0.0.1:PORT as a
 client, creates the hetcomm group (10 s timeout), all_reduces, holds HOLD_S seconds, all_reduces
-again, prints ``READY`` after the first, then ``OK <sum> <sum>`` or ``ERROR <type> <key> <message>`` and exits 0 / 3.
+again, prints ``READY`` after the first, then ``OK <sum> <sum>`` or ``ERROR <type> <key> <seconds since init_process_group> <message>`` and exits 0 / 3.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import hetcomm  # noqa: F401
 def main() -> int:
     rank, world, port, hold = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
     store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=20))
+    t0 = time.monotonic()
     try:
         dist.init_process_group("hetcomm", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=10))
         t = torch.ones(2)
@@ -32,7 +33,7 @@ def main() -> int:
         dist.destroy_process_group()
         return 0
     except Exception as e:
-        print(f"ERROR {type(e).__name__} {getattr(e, 'key', None)} {e}", flush=True)
+        print(f"ERROR {type(e).__name__} {getattr(e, 'key', None)} {time.monotonic() - t0:.1f} {e}", flush=True)
         return 3
 
 

@@ -64,6 +64,7 @@ def chains(rank: int, n: int) -> dict:
         sub = dist.new_group(ranks)  # the default group's backend: hetcomm (or gloo, the reference)
         if rank in ranks:
             out[tuple(ranks)] = _chain_of_three(sub, ranks.index(rank), len(ranks))
+    dist.barrier()  # nobody leaves while a peer still uses a subgroup
     return out
 
 
@@ -88,9 +89,10 @@ def ddp_hooks(rank: int, n: int, ranks: list) -> dict:
     orthogonalize = powersgd._orthogonalize
     powersgd._orthogonalize = lambda m, epsilon=0: orthogonalize(m.unsqueeze(0) if m.dim() == 2 else m, epsilon)
     group = dist.new_group(ranks) if len(ranks) < n else None
-    if rank not in ranks:
-        return {}
     results = {}
+    if rank not in ranks:
+        dist.barrier()  # stay until the members are done: an early exit breaks their gloo pairs
+        return results
     for name, hook in (("powerSGD_hook", powersgd.powerSGD_hook), ("batched_powerSGD_hook", powersgd.batched_powerSGD_hook)):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -105,6 +107,7 @@ def ddp_hooks(rank: int, n: int, ranks: list) -> dict:
             loss.backward()
             opt.step()
         results[name] = [p.detach().clone() for p in model.parameters()]
+    dist.barrier()
     return results
 
 

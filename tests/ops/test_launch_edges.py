@@ -236,3 +236,27 @@ def test_per_class_judge_scales_by_declared_speed_and_names_the_baseline():
     assert s.measured_s == 0.021 and abs(s.baseline_s - 0.0105) < 1e-9 and "speed-scaled median of 4" in s.baseline_of
     assert "rank 2 (H800 on n2) slow in compute" in s.line()
     assert v.compute_factor[3] < 1.4
+
+
+def test_end_marks_name_the_rank_that_died_not_the_survivors(tmp_path):
+    # Real files in a launch directory, as the workers leave them.
+    from hetcomm.ops.rank_marks import clear_marks, culprits, describe, last_attempt, read_marks, write_mark
+
+    work = str(tmp_path)
+    for r in range(4):
+        write_mark(work, "job", 1, r, "started")
+    write_mark(work, "job", 1, 0, "failed", error="CollectiveError: ... peer 2 ...", peer=2)
+    write_mark(work, "job", 1, 0, "stopped")  # the first mark wins: rank 0 stays failed
+    write_mark(work, "job", 1, 1, "stopped")
+    write_mark(work, "job", 1, 3, "failed", error="PeerTimeout: ... peer 2 ...", peer=2)
+    marks = read_marks(work, "job", 1, 4)
+    assert marks[0].status == "failed" and marks[2].status == "started"
+    assert culprits(marks, 4) == [2] and last_attempt(work, "job") == 1
+    assert "rank 2 exited without a word" in describe(marks, 4) and "rank 0 saw: CollectiveError" in describe(marks, 4)
+    write_mark(work, "job", 1, 2, "failed", error="RuntimeError: boom")  # now it said something
+    marks = read_marks(work, "job", 1, 4)
+    assert culprits(marks, 4) == [2]  # still the one the others blamed
+    os.symlink("/etc/passwd", os.path.join(work, "health-0-rank0.json"))
+    assert read_marks(work, "health", 0, 1) == {}  # a planted link is not read
+    clear_marks(work, "job")
+    assert read_marks(work, "job", 1, 4) == {}

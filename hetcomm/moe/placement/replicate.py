@@ -198,6 +198,11 @@ class HotExpertReplicator:
             mask[e] = True
         return mask
 
+    def holders_of_hot(self) -> Dict[int, Tuple[int, ...]]:
+        """Hot expert -> every rank with a copy of it (its owner and the replica holders),
+        ascending; identical on every rank (the per-step split, :mod:`hetcomm.moe.token_split`)."""
+        return {e: tuple(sorted({self.placement.owner[e], *self.holders})) for e in self.hot}
+
     @property
     def extra_bytes(self) -> int:
         """Bytes of replica parameters held on this rank (plus as much again for their grads)."""

@@ -1,0 +1,98 @@
+"""Rank bodies for the per-step token split tests (``tests/moe/test_token_split.py``)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from tests.moe.cases import zipf_gate_input, zipf_gate_weight
+
+
+def split_vs_static(
+    rank: int,
+    world_size: int,
+    speeds: Sequence[float],
+    hot: Sequence[int],
+    owner: Optional[Sequence[int]] = None,
+    num_experts: int = 12,
+    steps: int = 3,
+) -> Dict[str, Any]:
+    """A layer whose hot experts are split per step among copies on every rank vs the same
+    layer without copies: outputs, input and parameter gradients, parameters after SGD steps."""
+    from hetcomm.moe import MoELayer
+    from hetcomm.moe.placement import ExpertPlacement
+
+    E, D, T = num_experts, 24, 96
+    w = zipf_gate_weight(E, D, 1.2)
+    placement = ExpertPlacement(tuple(owner), world_size) if owner is not None else None
+
+    def make(split: bool):
+        layer = MoELayer(
+            D, E, k=2, dropless=True, calibrate=False, wire_dtype="fp32", placement=placement,
+            replicate=split, token_split=split, replicate_top=len(hot), replicate_every=10**6, speed_every=0,
+            expert=lambda d: torch.nn.Sequential(torch.nn.Linear(d, 16), torch.nn.GELU(), torch.nn.Linear(16, d)),
+        )
+        with torch.no_grad():
+            layer.gate.wg.weight.copy_(w)
+        return layer
+
+    a, b = make(True), make(False)
+    a.replicator.set_hot(hot)
+    a.speed.set_prior(speeds)
+    params_a = [p for p in a.parameters() if p.requires_grad]
+    params_b = [p for p in b.parameters() if p.requires_grad]
+    opt_a = torch.optim.SGD(params_a, lr=0.05, momentum=0.9)
+    opt_b = torch.optim.SGD(params_b, lr=0.05, momentum=0.9)
+    out = {"out": 0.0, "x_grad": 0.0, "grad": 0.0, "param": 0.0, "rows": [], "received": [], "predicted_mm": [], "split_experts": []}
+    for step in range(steps):
+        x = zipf_gate_input(T, E, D, 1.2, seed=300 + 10 * step + rank)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ya, yb = a(xa), b(xb)
+        out["out"] = max(out["out"], float((ya - yb).detach().abs().max()))
+        ya.square().mean().backward()
+        yb.square().mean().backward()
+        out["x_grad"] = max(out["x_grad"], float((xa.grad - xb.grad).abs().max()))
+        for pa, pb in zip(params_a, params_b):
+            ga = pa.grad if pa.grad is not None else torch.zeros_like(pa)
+            gb = pb.grad if pb.grad is not None else torch.zeros_like(pb)
+            out["grad"] = max(out["grad"], float((ga - gb).abs().max()))
+        st = a.step_stats()
+        out["rows"].append(st.get("moe_rows"))
+        out["received"].append(sum(st["rows_per_expert"]))
+        out["predicted_mm"].append(st.get("moe_time_predicted_max_over_mean"))
+        out["split_experts"].append(st.get("split_experts"))
+        opt_a.step(); opt_b.step(); opt_a.zero_grad(); opt_b.zero_grad()
+    for pa, pb in zip(params_a, params_b):
+        out["param"] = max(out["param"], float((pa - pb).detach().abs().max()))
+    out["num_replicas"] = len(a.replicator.replicas)
+    return out
+
+
+def speed_agreement(rank: int, world_size: int) -> Dict[str, Any]:
+    """Layers measure their expert compute and agree one vector every 2 steps; rank 1's experts
+    are made slower (a sleep inside the expert), which the agreed vector must show."""
+    import time
+
+    from hetcomm.moe import MoELayer
+
+    class Slow(torch.nn.Module):
+        def __init__(self, d: int, delay: float):
+            super().__init__()
+            self.lin = torch.nn.Linear(d, d)
+            self.delay = delay
+
+        def forward(self, x):
+            if x.size(0):
+                time.sleep(self.delay)
+            return self.lin(x)
+
+    delay = 0.1 if rank == 1 else 0.0
+    layer = MoELayer(16, 4, k=2, dropless=True, calibrate=False, speed_every=2, expert=lambda d: Slow(d, delay))
+    seen: List[Any] = []
+    for step in range(4):
+        x = torch.randn(64, 16, generator=torch.Generator().manual_seed(rank * 10 + step))
+        layer(x).sum().backward()
+        st = layer.step_stats()
+        seen.append((st["speed_agreements"], st["speed_measured"], st["speed_rows_per_s"]))
+    return {"seen": seen, "local": layer.speed.local_speed()}

@@ -1,0 +1,161 @@
+"""Per-step, time-proportional token split (hetcomm.moe.token_split) and measured speed
+(hetcomm.moe.speed): the planner against an independent LP, and the layer against the same layer
+without copies on 1, 2 and 4 real rank processes."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from hetcomm.errors import ConfigError
+from hetcomm.moe import MoELayer
+from hetcomm.moe.speed import HostTimer, SpeedMeter, timer_for
+from hetcomm.moe.token_split import assign_rows, max_over_mean, plan_split
+from tests.backends.ranks import run_ranks
+from tests.moe import split_cases
+
+TOL = 1e-5
+
+
+def _brute_makespan(counts, owner, holders, speeds):
+    """Best integer makespan by enumerating every split of small experts (the test's oracle)."""
+    W, E = len(speeds), len(owner)
+    total = [sum(c[e] for c in counts) for e in range(E)]
+    base = [0] * W
+    multi = [e for e in sorted(holders) if len(holders[e]) > 1]
+    for e in range(E):
+        if e not in multi:
+            base[owner[e]] += total[e]
+    best = float("inf")
+
+    def splits(n, hs):
+        if len(hs) == 1:
+            yield {hs[0]: n}
+            return
+        for i in range(n + 1):
+            for rest in splits(n - i, hs[1:]):
+                yield {hs[0]: i, **rest}
+
+    for combo in itertools.product(*[list(splits(total[e], list(holders[e]))) for e in multi]):
+        rows = list(base)
+        for q in combo:
+            for h, n in q.items():
+                rows[h] += n
+        best = min(best, max(rows[r] / speeds[r] for r in range(W)))
+    return best
+
+
+def test_plan_split_is_optimal_on_random_small_cases():
+    rng = random.Random(7)
+    for _ in range(40):
+        W = rng.choice([2, 3, 4])
+        E = rng.randint(2, 5)
+        owner = [rng.randrange(W) for _ in range(E)]
+        counts = [[rng.randint(0, 5) for _ in range(E)] for _ in range(W)]
+        hot = rng.sample(range(E), rng.randint(1, 2))
+        holders = {e: tuple(sorted({owner[e], *rng.sample(range(W), rng.randint(1, W))})) for e in hot}
+        speeds = [rng.choice([0.5, 1.0, 2.0, 3.0]) for _ in range(W)]
+        plan = plan_split(counts, owner, holders, speeds)
+        assert plan.makespan == pytest.approx(_brute_makespan(counts, owner, holders, speeds), rel=1e-9)
+        for e, q in plan.quota.items():
+            assert sum(q.values()) == sum(c[e] for c in counts)
+            assert set(q) <= set(holders[e])
+        assert sum(plan.rows) == sum(map(sum, counts))
+
+
+def test_time_proportional_not_row_equal():
+    # One expert with 300 rows, copies on both ranks; rank 0 twice as fast: 200 / 100 rows.
+    plan = plan_split([[150], [150]], [0], {0: (0, 1)}, [2.0, 1.0])
+    assert plan.quota[0] == {0: 200, 1: 100}
+    assert max_over_mean(plan.predicted) == pytest.approx(1.0)
+
+
+def test_a_rank_too_slow_to_help_gets_nothing_and_sends_its_rows_away():
+    plan = plan_split([[10, 0], [10, 0]], [0, 0], {0: (0, 1)}, [1.0, 1e-9])
+    assert plan.quota[0] == {0: 20}
+    segs = assign_rows([10, 10], plan.quota[0])
+    assert segs == [[(0, 10)], [(0, 10)]]
+
+
+def test_assign_rows_keeps_own_rows_local_first():
+    segs = assign_rows([4, 6, 2], {0: 3, 2: 9})
+    assert segs[0] == [(0, 3), (2, 1)]
+    assert segs[1] == [(2, 6)]
+    assert segs[2] == [(2, 2)]
+    for s, c in enumerate([4, 6, 2]):
+        assert sum(n for _, n in segs[s]) == c
+
+
+def test_speed_meter_combines_measured_and_prior():
+    # Rank 2 measured nothing: prior x the median measured/prior ratio (here 100).
+    v = SpeedMeter.combine([(100.0, 1.0), (50.0, 1.0), (0.0, 0.0)], [1.0, 1.0, 2.0])
+    assert v == (100.0, 50.0, 150.0)
+    assert SpeedMeter.combine([(0.0, 0.0)] * 2, [3.0, 1.0]) == (3.0, 1.0)
+    assert isinstance(timer_for(torch.device("cpu")), HostTimer)
+
+
+def test_speed_knobs_and_token_split_need_replication():
+    with pytest.raises(ConfigError) as ei:
+        MoELayer(8, 4, token_split=True)
+    assert ei.value.key == "moe.token_split"
+    with pytest.raises(ConfigError) as ei:
+        MoELayer(8, 4, speed_every=-1)
+    assert ei.value.key == "moe.speed_every"
+
+
+def test_one_rank_split_layer_equals_static_and_measures():
+    res = split_cases.split_vs_static(0, 1, [1.0], hot=[0, 1])
+    assert res["out"] < TOL and res["x_grad"] < TOL and res["grad"] < TOL and res["param"] < TOL, res
+    layer = MoELayer(8, 4, speed_every=1, calibrate=False)
+    layer(torch.randn(16, 8)).sum().backward()
+    st = layer.step_stats()
+    assert st["speed_measured"] and st["speed_agreements"] == 1 and st["speed_local_rows_per_s"] > 0
+
+
+def _check(res):
+    for rank, r in enumerate(res):
+        for key in ("out", "x_grad", "grad", "param"):
+            assert r[key] < TOL, (rank, key, r)
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_split_equals_static_every_rank_holds_every_hot_expert():
+    # No cluster: both ranks are replica holders, so each hot expert has a copy on every rank.
+    res = run_ranks(split_cases.split_vs_static, world_size=2, backend="gloo", cluster=None, timeout=200,
+                    args=([3.0, 1.0], [0, 1, 2]))
+    _check(res)
+    assert all(tuple(r["split_experts"][0]) == (0, 1, 2) for r in res)
+    # Time-proportional: rank 0 (3x faster) computes more rows than rank 1.
+    rows = res[0]["rows"][0]
+    assert rows == res[1]["rows"][0] and rows[0] > rows[1]
+
+
+@pytest.mark.timeout(300)
+def test_four_ranks_split_equals_static_with_a_rank_that_receives_nothing():
+    # Rank 3 owns no expert and is far too slow to be given any of the hot experts' rows: it
+    # receives no rows at all, and still sends its own tokens and takes part in every reduction.
+    owner = [0, 0, 0, 1, 1, 1, 2, 2, 2, 0, 1, 2]
+    res = run_ranks(split_cases.split_vs_static, world_size=4, backend="gloo", cluster=None, timeout=260,
+                    args=([1.0, 1.0, 2.0, 1e-9], [0, 3, 6], owner))
+    _check(res)
+    assert all(n == 0 for n in res[3]["received"]), res[3]["received"]
+    assert res[3]["num_replicas"] == 3
+    assert all(r["rows"][0][3] == 0 for r in res)
+    # Every rank holds a copy of every hot expert; the predicted times of the helping ranks are
+    # as equal as the copies allow.
+    assert all(r["num_replicas"] == 2 for r in res[:3])
+
+
+@pytest.mark.timeout(180)
+def test_ranks_agree_one_measured_speed_vector():
+    res = run_ranks(split_cases.speed_agreement, world_size=2, backend="gloo", cluster=None, timeout=150, args=())
+    for r in res:
+        agreements, measured, speeds = r["seen"][-1]
+        assert agreements == 2 and measured
+        assert speeds == res[0]["seen"][-1][2]  # the identical vector on every rank
+        assert r["seen"][0][1] is False  # before the first agreement: the prior
+    speeds = res[0]["seen"][-1][2]
+    assert speeds[1] < speeds[0]  # rank 1's experts sleep 0.1 s per call

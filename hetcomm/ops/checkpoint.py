@@ -37,6 +37,7 @@ Why by hand: DCP stores and reshards tensors by key but cannot know that expert 
 
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Tuple
@@ -51,7 +52,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from hetcomm.errors import CheckpointError
 from hetcomm.ops import checkpoint_files as files
 
-__all__ = ["Stateful", "TrainState", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "job_state_keys"]
+__all__ = ["Stateful", "PerRank", "TrainState", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "job_state_keys"]
 
 
 @dataclass
@@ -60,6 +61,37 @@ class TrainState:
 
     step: int
     rng: torch.Generator
+
+
+class PerRank:
+    """A :class:`Stateful` whose state differs between ranks and whose entries a fresh object
+    does not have yet (PowerSGD's per-bucket error feedback and warm-start factors, empty until
+    the first compressed step), saved as one blob under ``rank<r>``.
+
+    DCP loads a nested state only into the entries the loading object already has, and keeps
+    one copy of equal keys; a blob per rank restores every rank's own state whole.
+
+    Args:
+        obj: the object (``state_dict()`` / ``load_state_dict()``).
+        rank: this process's rank.
+    """
+
+    def __init__(self, obj: Stateful, rank: int) -> None:
+        self.obj = obj
+        self.rank = rank
+
+    def state_dict(self) -> Dict[str, object]:
+        buf = io.BytesIO()
+        torch.save(self.obj.state_dict(), buf)
+        buf.seek(0)
+        return {f"rank{self.rank}": buf}
+
+    def load_state_dict(self, state_dict: Dict[str, object]) -> None:
+        buf = state_dict[f"rank{self.rank}"]
+        buf.seek(0)
+        # weights_only=False: numpy's RandomState inside; the checkpoint passed its checksums and
+        # sits in a directory only this user can write (its .metadata is a pickle anyway).
+        self.obj.load_state_dict(torch.load(buf, weights_only=False))
 
 
 def _moe_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:

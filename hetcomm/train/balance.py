@@ -209,7 +209,9 @@ class TrainBalancer:
         for i, layer in enumerate(self.layers):
             pend = self._pending[i]
             sd[f"placement{i}"] = torch.tensor(list(layer.placement.owner), dtype=torch.int64)
-            sd[f"pending{i}"] = torch.tensor(pend[0].new_map.owner() if pend is not None else [], dtype=torch.int64)
+            # [E] owners the in-flight migration lands on, or -1s (a fixed shape: DCP loads in place)
+            target = pend[0].new_map.owner() if pend is not None else [-1] * layer.config.num_experts
+            sd[f"pending{i}"] = torch.tensor(target, dtype=torch.int64)
         return sd
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -222,7 +224,7 @@ class TrainBalancer:
             owner = [int(r) for r in sd[f"placement{i}"].tolist()]
             pending = [int(r) for r in sd[f"pending{i}"].tolist()]
             self._place(i, owner)
-            self._resume.append(pending or None)
+            self._resume.append(pending if min(pending, default=-1) >= 0 else None)
 
     def _place(self, i: int, owner: List[int]) -> None:
         """Layer ``i`` takes ``owner`` with this rank's pool of modules (own experts + spares);

@@ -208,9 +208,11 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
         return 1
     if not outcome.ok:
         first = outcome.ranks[outcome.first_failure if outcome.first_failure is not None else outcome.failures[0].rank]
-        if first.error_type in _usage_error_names():
+        usage = [r for r in outcome.ranks if r.error_type in _usage_error_names()]
+        if usage:
             # Bad input the ranks found (a damaged checkpoint, nothing to train): one line, exit 2.
-            print(f"hetcomm train: error: {first.error}", file=sys.stderr)
+            # It is the cause even when a peer's report of the raising rank's exit came first.
+            print(f"hetcomm train: error: {usage[0].error}", file=sys.stderr)
             return 2
         if first.traceback:
             print(first.traceback, file=sys.stderr, end="")
@@ -302,7 +304,7 @@ def _job_cluster(cfg: TrainConfig, cluster=None):
 
 
 def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None) -> int:
-    from hetcomm.moe.layer import MoEConfig
+    from hetcomm.moe import MoEConfig
 
     cluster = _job_cluster(cfg, cluster)
     task = MarkovTask(vocab_size=256, seed=1234 + cfg.seed)
@@ -374,7 +376,9 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         expert = expert + balancer.spare_parameters()  # a spare may hold an expert later
     if cfg.powersgd_rank:
         psgd = make_powersgd(cluster, world_size, cfg.powersgd_rank, cfg.seed, cfg.steps)
-        extras["powersgd"] = psgd
+        from hetcomm.ops.checkpoint import PerRank
+
+        extras["powersgd"] = PerRank(psgd, rank)  # each leader's own error feedback, not one rank's
     start_step = hooks.resume(cfg, model, opt, gen, extras or None)
     if start_step >= cfg.steps:  # nothing left to train: report the recorded verdict, not a fresh one
         return hooks.nothing_to_train(cfg, rank, start_step)

@@ -169,8 +169,9 @@ def test_train_ranks_never_import_a_package_planted_in_the_current_directory(tmp
         capture_output=True, text=True, timeout=300,
     )
     assert not marker.exists(), marker.read_text()
-    assert proc.returncode in (0, 1), (proc.stdout + proc.stderr)[-4000:]  # 1: a 1-step loss verdict
-    assert "hetcomm train summary" in proc.stdout
+    # The ranks imported the real hetcomm and torch and built the job (the banner comes after the
+    # process group and the model); how the 1-step run ends is not this test's business.
+    assert "hetcomm train: 4 ranks on cluster" in proc.stderr, (proc.stdout + proc.stderr)[-4000:]
 
 
 @pytest.mark.slow

@@ -96,8 +96,13 @@ def _stat(pid: int) -> Optional[Tuple[int, int]]:
     return int(fields[1]), int(fields[19])
 
 
-def descendants(root: int) -> Dict[int, int]:
-    """Every live descendant of ``root``: ``{pid: start time}`` (from one scan of ``/proc``)."""
+def descendants(root: int, skip: Optional[Mapping[int, int]] = None) -> Dict[int, int]:
+    """Every live descendant of ``root``: ``{pid: start time}`` (from one scan of ``/proc``).
+
+    ``skip``: processes (``{pid: start time}``) left out with everything below them: the
+    children the caller had before it started torchrun (a test runner's fork server, another
+    job's ranks) are not torchrun's to stop.
+    """
     children: Dict[int, List[int]] = {}
     start: Dict[int, int] = {}
     for name in os.listdir("/proc"):
@@ -112,7 +117,7 @@ def descendants(root: int) -> Dict[int, int]:
     todo = [root]
     while todo:
         for c in children.get(todo.pop(), ()):
-            if c not in out:
+            if c not in out and not (skip and skip.get(c) == start[c]):
                 out[c] = start[c]
                 todo.append(c)
     return out
@@ -130,7 +135,8 @@ def _reap_orphans(known: Set[int]) -> None:
             os.waitpid(pid, os.WNOHANG)
 
 
-def _stop_tree(seen: Dict[int, int], first: Optional[int], kill_grace_s: float) -> Tuple[int, ...]:
+def _stop_tree(seen: Dict[int, int], first: Optional[int], kill_grace_s: float,
+               skip: Optional[Mapping[int, int]] = None) -> Tuple[int, ...]:
     """Send ``first`` (None: nothing, they were already told) to every recorded process, wait up
     to ``kill_grace_s`` for all of them (and any they start meanwhile) to exit, SIGKILL the rest."""
     me = os.getpid()
@@ -141,7 +147,7 @@ def _stop_tree(seen: Dict[int, int], first: Optional[int], kill_grace_s: float) 
                     os.kill(pid, first)
     deadline = time.monotonic() + kill_grace_s
     while time.monotonic() < deadline:
-        seen.update(descendants(me))
+        seen.update(descendants(me, skip))
         _reap_orphans(set(seen))
         if not any(_alive(p, s) for p, s in seen.items()):
             return ()
@@ -184,6 +190,9 @@ def run_supervised(cmd: List[str], env: Mapping[str, str], *, kill_grace_s: floa
         for s in (signal.SIGTERM, signal.SIGINT):
             if signal.getsignal(s) is not signal.SIG_IGN:
                 previous[s] = signal.signal(s, lambda signum, frame: received.append(signum))
+    # Children this process already had are not part of the job (in-process callers: a test
+    # runner's multiprocessing fork server); they and their subtrees are never stopped or reaped.
+    before = descendants(os.getpid())
     try:
         proc = subprocess.Popen(cmd, env=dict(env), start_new_session=True, preexec_fn=in_child)
         seen: Dict[int, int] = {}
@@ -191,17 +200,17 @@ def run_supervised(cmd: List[str], env: Mapping[str, str], *, kill_grace_s: floa
             code = proc.poll()
             if received:
                 sig = received[0]
-                seen.update(descendants(os.getpid()))
+                seen.update(descendants(os.getpid(), before))
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, sig)  # torchrun's agent stops its workers on either signal
-                killed = _stop_tree(seen, None, kill_grace_s)
+                killed = _stop_tree(seen, None, kill_grace_s, before)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=5.0)
                 return SupervisedExit(proc.returncode if proc.returncode is not None else -signal.SIGKILL, sig, killed)
             if code is not None:
                 # torchrun is done; a worker it left behind (an agent that died) is stopped here.
-                seen.update(descendants(os.getpid()))
-                killed = _stop_tree(seen, signal.SIGTERM, kill_grace_s) if seen else ()
+                seen.update(descendants(os.getpid(), before))
+                killed = _stop_tree(seen, signal.SIGTERM, kill_grace_s, before) if seen else ()
                 return SupervisedExit(code, None, killed)
             time.sleep(0.1)  # no /proc scans meanwhile: as subreaper, nothing can escape the tree
     finally:

@@ -160,6 +160,20 @@ def test_sigint_is_forwarded_and_a_process_that_ignores_it_is_killed_after_the_g
     assert not _alive(child)
 
 
+def test_the_callers_own_children_are_not_the_jobs_to_stop():
+    # `hetcomm launch` run in-process (a test runner, a notebook) has children of its own, e.g.
+    # multiprocessing's fork server: when torchrun ends, the supervisor stops what torchrun left,
+    # never those (it once SIGTERMed pytest's fork server: "No child processes" in later tests).
+    mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        done = run_supervised([sys.executable, "-c", "pass"], dict(os.environ), kill_grace_s=1.0)
+        assert done.exit_code == 0 and mine.pid not in done.killed
+        assert mine.poll() is None, "the supervisor stopped a process the caller had started"
+    finally:
+        mine.kill()
+        mine.wait()
+
+
 @pytest.mark.slow
 def test_a_failed_health_check_names_the_rank_that_died(tmp_path):
     work = str(tmp_path / "work")

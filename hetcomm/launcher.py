@@ -447,6 +447,17 @@ class _Proc:
             self._process.join(timeout)
 
 
+def libc_prctl() -> Optional[Callable[..., int]]:
+    """libc's ``prctl`` (Linux), or None where there is none; loaded in the parent, so that a
+    child between fork and exec only makes the call."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
 def _parent_death_signal() -> Optional[Callable[[], None]]:
     """A function that makes the calling process die with its parent (Linux), or None.
 
@@ -454,11 +465,8 @@ def _parent_death_signal() -> Optional[Callable[[], None]]:
     is left holding shared memory or ports. libc is loaded here, in the parent: between fork and
     exec the child only makes the one call (no imports, no locks).
     """
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
+    prctl = libc_prctl()
+    if prctl is None:
         return None
     sigkill = int(signal.SIGKILL)
 

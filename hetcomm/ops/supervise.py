@@ -30,7 +30,9 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Dict, List, Mapping, Optional, Set, Tuple
+
+from hetcomm.launcher import libc_prctl
 
 __all__ = ["SupervisedExit", "run_supervised", "descendants", "die_with_parent"]
 
@@ -59,21 +61,12 @@ class SupervisedExit:
         return 128 + self.signum if self.signum is not None else self.returncode
 
 
-def _prctl() -> Optional[Callable[..., int]]:
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
 def die_with_parent() -> None:
     """Make this process (a torchrun worker) die by SIGKILL when its parent (torchrun's agent)
     dies, whatever kills the agent: torchrun sets no parent-death signal on its workers, so a
     SIGKILLed agent (or node launcher) left its workers training on, orphaned. Called first
     thing in the worker; if the agent is already gone, exits at once."""
-    prctl = _prctl()
+    prctl = libc_prctl()
     if prctl is None:
         return
     parent = os.getppid()
@@ -175,7 +168,7 @@ def run_supervised(cmd: List[str], env: Mapping[str, str], *, kill_grace_s: floa
         kill_grace_s: seconds between the forwarded signal and SIGKILL of what is left
             (torchrun's agent gives its workers 30 s by default; ours is the bound).
     """
-    prctl = _prctl()
+    prctl = libc_prctl()
     main_thread = threading.current_thread() is threading.main_thread()
     if prctl is not None:
         prctl(_PR_SET_CHILD_SUBREAPER, 1)

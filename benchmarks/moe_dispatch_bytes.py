@@ -5,7 +5,7 @@ Real rank processes over the hetcomm backend (or gloo). Each rank routes ``T`` t
 ranks) and runs one forward and backward step twice in the same processes:
 
 - **per-copy**: the exchange the MoE layer used before ``token_dispatch``: every (token, expert)
-  copy is a row of the all-to-all (``hetcomm.moe.routing.plan_route``; its bytes follow from the counts),
+  copy is a row of the all-to-all (``hetcomm.moe.routing.route_tokens``; its bytes follow from the counts),
   there and back, forward and backward (4 exchanges of ``S`` rows);
 - **dispatch**: ``hetcomm.backends.token_dispatch.dispatch``/``combine`` (4 exchanges of token rows),
   plus their metadata (counts, expert slots and weights, weight gradients) counted separately.
@@ -41,7 +41,7 @@ def _uniform_topk(T: int, E: int, k: int, seed: int) -> torch.Tensor:
 def rank_body(rank: int, world_size: int, E: int, ks, T: int, D: int):
     from hetcomm.backends import token_dispatch as td
     from hetcomm.moe.placement import place_experts
-    from hetcomm.moe.routing import ChunkLayout, plan_route
+    from hetcomm.moe.routing import ChunkLayout, route_tokens
 
     placement = place_experts(E, world_size)
     owner = list(placement.owner)
@@ -53,7 +53,7 @@ def rank_body(rank: int, world_size: int, E: int, ks, T: int, D: int):
         w = torch.rand(T, k) + 0.1
         x = torch.randn(T, D)
         # --- per-copy: S rows there and back, forward and backward --------------------------
-        route = plan_route(idx, layout.key_of_expert, None)
+        route = route_tokens(idx, layout.key_of_expert, None)
         send_per_rank = [0] * world_size
         for e, n in enumerate(route.send_counts.tolist()):
             send_per_rank[owner[e]] += n

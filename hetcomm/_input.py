@@ -6,7 +6,8 @@ files, from ``fstat``) or as soon as the cap is passed (pipes and standard input
 ``hetcomm topo -i /dev/zero`` ends at once with a clear error instead of reading until the kernel's
 OOM killer stops it. Files that can never end (character and block devices such as
 ``/dev/zero``, sockets) are refused outright; FIFOs (``-i <(nvidia-smi topo -m)``) and standard
-input are read up to the cap. :func:`decode_text` turns the bytes into text: UTF-8 (with or
+input are read up to the cap, unless the caller refuses FIFOs too (a job's record files, which
+are always regular files: ``refuse_fifo=True``). :func:`decode_text` turns the bytes into text: UTF-8 (with or
 without BOM) or UTF-16 with a BOM; anything else is an error naming the line of the first bad
 byte. Python's ``open(...).read()`` offers neither bound nor file-type check, hence this module.
 
@@ -70,6 +71,7 @@ def read_bounded(
     what: str = "file",
     hint: str = "",
     stdin: Optional[BinaryIO] = None,
+    refuse_fifo: bool = False,
 ) -> bytes:
     """The bytes of ``path`` (``-`` = standard input), at most ``limit`` of them.
 
@@ -81,10 +83,12 @@ def read_bounded(
         what: what the file is, for messages ("cluster file", "capture").
         hint: appended to the too-large message (how to get under the cap).
         stdin: the stream ``-`` reads (tests).
+        refuse_fifo: a FIFO is an error at once instead of being waited on for a writer
+            (files that are only ever written as regular files: metrics, logs).
 
     Raises:
         whatever ``error`` builds: the file is missing, unreadable, a directory, a device or
-        socket (which may never end), or larger than ``limit``.
+        socket (which may never end), a FIFO when ``refuse_fifo``, or larger than ``limit``.
     """
     if path == "-":
         stream = stdin if stdin is not None else sys.stdin.buffer
@@ -108,6 +112,9 @@ def read_bounded(
                 f"first (or pipe it through '-')",
                 path=path,
             )
+        if refuse_fifo and stat.S_ISFIFO(mode):
+            raise error(f"is a FIFO, not a regular file; give the {what} itself (save it to a file first)",
+                        path=path)
         if stat.S_ISREG(mode) and st.st_size > limit:
             raise error(_too_big(limit, f"{what} ({st.st_size} bytes)", hint), path=path)
         if stat.S_ISFIFO(mode):

@@ -13,8 +13,7 @@ No dense one-hot ``[T, E, capacity]`` tensor is ever built. The layer routes onc
 experts this rank holds a replica of are set aside, and what is left goes to
 ``Communicator.dispatch`` as its ``topk_idx`` (``-1`` in every dropped or replica slot), which
 plans the exchange itself (a token crosses to a rank once). :func:`gather_rows` and
-:func:`weighted_combine` serve the copies computed on local replicas. :func:`plan_route` (the
-older per-copy send order) stays for the benchmarks and tests that compare against it.
+:func:`weighted_combine` serve the copies computed on local replicas.
 """
 
 from __future__ import annotations
@@ -30,9 +29,7 @@ from hetcomm.backends.token_dispatch import drop_over_capacity
 __all__ = [
     "Routing",
     "route_tokens",
-    "RoutePlan",
     "ChunkLayout",
-    "plan_route",
     "gather_rows",
     "weighted_combine",
 ]
@@ -150,100 +147,6 @@ def route_tokens(
         send_counts=torch.bincount(valid, minlength=E),
         local_assign=local_assign,
         local_expert=local_expert,
-        picks=picks,
-        num_dropped=num_dropped,
-        num_assign=A,
-    )
-
-
-@dataclass
-class RoutePlan:
-    """Where every token copy of one forward goes.
-
-    Attributes:
-        send_assign: ``[S]`` int64 assignment ids sent over the all-to-all, in send order
-            (chunk-major, then destination rank, then the destination's local expert).
-        send_token: ``[S]`` int64 token of each sent copy.
-        send_counts: ``[E]`` int64 copies sent to each expert (indexed by global expert id).
-        local_assign: ``[Q]`` int64 assignment ids computed on a local replica (sorted by expert).
-        local_expert: ``[Q]`` int64 global expert of each of those.
-        local_counts: ``[E]`` int64 copies per expert computed on local replicas.
-        picks: ``[E]`` int64 every pick per expert, dropped ones included (the demand).
-        num_dropped: copies dropped by the capacity limit.
-        num_assign: ``A``.
-    """
-
-    send_assign: torch.Tensor
-    send_token: torch.Tensor
-    send_counts: torch.Tensor
-    local_assign: torch.Tensor
-    local_expert: torch.Tensor
-    local_counts: torch.Tensor
-    picks: torch.Tensor
-    num_dropped: int
-    num_assign: int
-
-
-def plan_route(
-    topk_idx: torch.Tensor,
-    key_of_expert: torch.Tensor,
-    capacity: Optional[int],
-    replica_here: Optional[torch.Tensor] = None,
-) -> RoutePlan:
-    """Sort the token copies by where they go and apply the capacity limit.
-
-    Args:
-        topk_idx: ``[T, k]`` int64 chosen experts.
-        key_of_expert: ``[E]`` int64 send-order key (:class:`ChunkLayout`).
-        capacity: copies per expert kept on this rank, or None (dropless).
-        replica_here: ``[E]`` bool, True where this rank computes the expert on a local replica
-            (it holds one and is not the owner). Capacity applies before this choice, so the
-            same copies are dropped with and without replication.
-    Returns:
-        The :class:`RoutePlan`.
-    """
-    T, k = topk_idx.shape
-    E = key_of_expert.numel()
-    e_flat = topk_idx.t().reshape(-1)  # [A], choice-major
-    A = e_flat.numel()
-    key = key_of_expert[e_flat]
-    # Stable: inside one expert, first choices stay before second choices, tokens in order.
-    order = torch.argsort(key, stable=True)
-    e_sorted = e_flat[order]
-    picks = torch.bincount(e_flat, minlength=E)
-    num_dropped = 0
-    if capacity is not None and A > 0:
-        # Position of each sorted copy inside its expert's run.
-        start_of_key = torch.zeros(E, dtype=torch.int64, device=topk_idx.device)
-        # Runs appear in key order; the start of expert e's run = copies of experts with smaller key.
-        expert_by_key = torch.argsort(key_of_expert)
-        counts_by_key = picks[expert_by_key]
-        start_of_key[expert_by_key] = torch.cumsum(counts_by_key, 0) - counts_by_key
-        pos = torch.arange(A, device=topk_idx.device) - start_of_key[e_sorted]
-        keep = pos < capacity
-        num_dropped = int(A - int(keep.sum()))
-        if num_dropped:
-            order = order[keep]
-            e_sorted = e_sorted[keep]
-    if replica_here is not None and bool(replica_here.any()):
-        here = replica_here[e_sorted]
-        local_assign = order[here]
-        local_expert = e_sorted[here]
-        order = order[~here]
-        e_sorted = e_sorted[~here]
-        local_counts = torch.bincount(local_expert, minlength=E)
-    else:
-        local_assign = order[:0]
-        local_expert = e_sorted[:0]
-        local_counts = torch.zeros(E, dtype=torch.int64, device=topk_idx.device)
-    send_counts = torch.bincount(e_sorted, minlength=E)
-    return RoutePlan(
-        send_assign=order,
-        send_token=order % T if T > 0 else order,
-        send_counts=send_counts,
-        local_assign=local_assign,
-        local_expert=local_expert,
-        local_counts=local_counts,
         picks=picks,
         num_dropped=num_dropped,
         num_assign=A,

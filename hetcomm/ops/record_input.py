@@ -1,8 +1,8 @@
 """Reading a job's record files (``hetcomm report``, ``hetcomm doctor``): bounded, typed.
 
-Every file is opened without blocking and must be a regular file (a FIFO with no writer, a link
-to ``/dev/zero`` or another device is refused at once), at most :data:`MAX_RECORD_BYTES`, and
-text (UTF-8, or UTF-16 with a byte-order mark; :func:`hetcomm._input.decode_text`). A metrics
+Every file is read through :func:`hetcomm._input.read_bounded` and must be a regular file (a FIFO
+with no writer, a link to ``/dev/zero`` or another device is refused at once), at most
+:data:`MAX_RECORD_BYTES`, and text (UTF-8, or UTF-16 with a byte-order mark; :func:`hetcomm._input.decode_text`). A metrics
 line is parsed with JSON's own limits turned into errors (a nesting too deep, a number of
 100,000 digits) and checked against its dataclass (:func:`check_fields`: every field's type from
 its annotation, times and byte counts finite and not negative), so a bad value is one line
@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import stat
 import typing
 from typing import Any, Dict
 
-from hetcomm._input import decode_text
+from hetcomm._input import decode_text, read_bounded
 from hetcomm.errors import ConfigError
 
 __all__ = ["MAX_RECORD_BYTES", "read_record_text", "parse_json_line", "check_fields", "finite_number"]
@@ -42,22 +40,7 @@ def read_record_text(path: str, what: str = "file") -> str:
     Raises:
         ConfigError: missing, unreadable, not a regular file, too large, binary or not UTF-8/16.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise ConfigError(f"cannot read the {what}: {e.strerror}", path=path) from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode) or
-                    stat.S_ISBLK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file")
-            raise ConfigError(f"is {kind}, not a regular file; give the {what} itself (save it to a file first)",
-                              path=path)
-        if st.st_size > MAX_RECORD_BYTES:
-            raise ConfigError(f"is {st.st_size} bytes, more than the {MAX_RECORD_BYTES >> 20} MiB read", path=path)
-        data = f.read(MAX_RECORD_BYTES + 1)
-    if len(data) > MAX_RECORD_BYTES:
-        raise ConfigError(f"is more than the {MAX_RECORD_BYTES >> 20} MiB read", path=path)
+    data = read_bounded(path, limit=MAX_RECORD_BYTES, error=ConfigError, what=what, refuse_fifo=True)
     return decode_text(data, path, _error)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from hetcomm.errors import ConfigError
 from hetcomm.moe import ExpertPlacement, place_experts, routing_metrics
-from hetcomm.moe.routing import ChunkLayout, plan_route
+from hetcomm.moe.routing import ChunkLayout, route_tokens
 from hetcomm.moe.placement import split_by_weight
 from hetcomm.topo.cluster import load_cluster
 from tests.backends.ranks import MIXED_MINI
@@ -53,19 +53,21 @@ def test_wire_rule_from_mixed_mini_is_fp16_to_and_from_the_910b_only():
     assert all(placement.wire_dtype(a, b) == placement.wire_dtype(b, a) for a in range(4) for b in range(4) if a != b)
 
 
-def test_route_is_one_sort_with_capacity_by_choice_then_token():
+def test_route_keeps_capacity_by_choice_then_token_and_sets_replica_copies_aside():
     # 4 tokens, k=2, 3 experts; expert 0 is everyone's first choice.
     topk = torch.tensor([[0, 1], [0, 2], [0, 1], [0, 2]])
     key = torch.tensor([0, 1, 2])
-    r = plan_route(topk, key, capacity=2)
-    # First choices of tokens 0 and 1 are kept, of tokens 2 and 3 dropped.
-    assert r.num_dropped == 2
-    assert r.send_assign.tolist() == [0, 1, 4, 6, 5, 7]
-    assert r.send_token.tolist() == [0, 1, 0, 2, 1, 3]
+    r = route_tokens(topk, key, capacity=2)
+    # First choices of tokens 0 and 1 are kept, of tokens 2 and 3 dropped (GShard's order).
+    assert r.num_dropped == 2 and r.num_assign == 8
+    assert r.send_idx.tolist() == [[0, 1], [0, 2], [-1, 1], [-1, 2]]
     assert r.send_counts.tolist() == [2, 2, 2]
     assert r.picks.tolist() == [4, 2, 2]
-    rep = plan_route(topk, key, capacity=None, replica_here=torch.tensor([False, True, False]))
-    assert rep.local_expert.tolist() == [1, 1]
+    assert r.local_assign.numel() == 0
+    # Expert 1 on a local replica: its copies (assignments j*T+t = 4 and 6) stay here.
+    rep = route_tokens(topk, key, capacity=None, replica_here=torch.tensor([False, True, False]))
+    assert rep.local_expert.tolist() == [1, 1] and rep.local_assign.tolist() == [4, 6]
+    assert rep.send_idx.tolist() == [[0, -1], [0, 2], [0, -1], [0, 2]]
     assert rep.send_counts.tolist() == [4, 0, 2]
 
 

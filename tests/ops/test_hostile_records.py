@@ -80,7 +80,7 @@ def test_utf16_metrics_file_with_a_bom_is_read(tmp_path):
 def test_links_to_devices_and_fifos_without_writer_are_refused_at_once(tmp_path, cmd):
     (tmp_path / "zero.jsonl").symlink_to("/dev/zero")
     os.mkfifo(tmp_path / "fifo.jsonl")
-    for name, why in (("zero.jsonl", "a device"), ("fifo.jsonl", "a FIFO")):
+    for name, why in (("zero.jsonl", "a character device"), ("fifo.jsonl", "a FIFO")):
         code, out = _run(cmd, [str(tmp_path / name)], timeout=30)  # before: read forever / blocked forever
         assert code == 2 and why in out and "Traceback" not in out, out[-2000:]
 

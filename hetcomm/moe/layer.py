@@ -411,6 +411,8 @@ class MoELayer(PagedExperts, nn.Module):
         self,
         expert_to_rank: Union[ExpertPlacement, Sequence[int]],
         modules: Mapping[int, nn.Module],
+        *,
+        migrated: bool = True,
     ) -> List[int]:
         """Adopt a new expert -> rank map whose parameters have already moved (a balancer's
         migration, :mod:`hetcomm.train.balance`). Local, not collective: every rank of the group
@@ -421,6 +423,8 @@ class MoELayer(PagedExperts, nn.Module):
                 :class:`ExpertPlacement`), identical on every rank.
             modules: global expert id -> module, for exactly the experts this rank owns under
                 the new map, each with the same parameter shapes as this layer's experts.
+            migrated: count the arrivals in the ``migrations`` step stat; False when the map is
+                a checkpoint's placement being restored (nothing moved between ranks).
         Returns:
             Global ids of the experts that arrived on this rank.
 
@@ -470,7 +474,8 @@ class MoELayer(PagedExperts, nn.Module):
         placement = ExpertPlacement(tuple(owner), W)
         self._set_placement(placement, [modules[e] for e in placement.experts_of(self.rank)])
         arrived = [e for e in mine if e not in before]
-        self._migrations = (self._migrations or 0) + len(arrived)
+        # A restored map is still a placement change (the stat reads 0, not None, from here on).
+        self._migrations = (self._migrations or 0) + (len(arrived) if migrated else 0)
         return arrived
 
     def rebalance(self, expert_load: Optional[Sequence[float]] = None, optimizer=None) -> List[int]:

@@ -238,7 +238,7 @@ class TrainBalancer:
                 f"expert slots; resume on the cluster it was saved on", key="balance.placement",
             )
         if owner != list(layer.placement.owner):
-            layer.apply_placement(owner, {e: pool[j] for j, e in enumerate(mine)})
+            layer.apply_placement(owner, {e: pool[j] for j, e in enumerate(mine)}, migrated=False)
         self.spares[i] = pool[len(mine):]
 
     def resume_pending(self) -> None:

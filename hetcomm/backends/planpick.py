@@ -57,7 +57,7 @@ __all__ = ["PlanChooser", "group_cluster", "scaled_cluster", "plan_model", "MIN_
 #: (``t_plan <= (1 - MIN_GAIN) * t_direct``).
 MIN_GAIN = 0.10
 #: Per-pair bytes of the uniform matrices that decide whether a group is eligible at all.
-GATE_PAIR_BYTES: Tuple[int, ...] = (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 26)
+GATE_PAIR_BYTES: Tuple[int, ...] = (1 << 8, 1 << 12, 1 << 16, 1 << 20, 1 << 24)
 _STAGED = ("hier", "multirail")
 _PLANS_KEPT = 8
 _CLASSES_KEPT = 4096

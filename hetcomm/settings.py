@@ -310,6 +310,12 @@ PLAN = ChoiceSetting(
     readers=(f"{_B}.options",),
     choices=PLAN_NAMES,
 )
+PLAN_STAGE_US = FloatSetting(
+    "HETCOMM_PLAN_STAGE_US", 500.0,
+    "adaptive plans: fixed cost charged per extra stage of a staged plan (the executor's stage "
+    "barrier, not in the cost model), microseconds; agreed across ranks",
+    readers=(f"{_B}.planpick",),
+)
 WIRE_DTYPE = ChoiceSetting(
     "HETCOMM_WIRE_DTYPE", "exact",
     "dtype floating-point tensors cross the bridge rail in (HetcommOptions.wire_dtype; hetcomm.wire_dtypes)",

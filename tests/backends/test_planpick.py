@@ -98,7 +98,9 @@ def _body(rank: int, world: int):
 
 
 def test_default_path_plans_where_the_model_says_so_on_groups_and_subgroups():
-    res = run_ranks(_body, world_size=5, cluster=PLAN5, timeout=150.0)
+    # HETCOMM_PLAN_STAGE_US=0: the simulator's model alone decides (the default charges each
+    # extra stage 500 us, under which this small cluster never plans: test_conservative_default)
+    res = run_ranks(_body, world_size=5, cluster=PLAN5, timeout=150.0, env={"HETCOMM_PLAN_STAGE_US": "0"})
     for r, o in enumerate(res):
         assert o["equal"], r
         # small: 2 planned calls; large: then a direct one (counts are cumulative)
@@ -126,7 +128,8 @@ def _placement(cluster, ranks):
     return Placement(tuple(RankPlace(i, g, "n", "h", 0, "nvidia", "A100", True) for i, g in enumerate(ranks)), cluster)
 
 
-def test_shape_classes_decide_once_and_alike_in_any_order():
+def test_shape_classes_decide_once_and_alike_in_any_order(monkeypatch):
+    monkeypatch.setenv("HETCOMM_PLAN_STAGE_US", "0")
     cluster = load_cluster(PLAN5)
     n = 5
     rng = np.random.default_rng(0)
@@ -148,7 +151,8 @@ def test_shape_classes_decide_once_and_alike_in_any_order():
     assert [list(r) for r in plan.traffic] == m2.tolist()
 
 
-def test_group_clusters_and_pins():
+def test_group_clusters_and_pins(monkeypatch):
+    monkeypatch.setenv("HETCOMM_PLAN_STAGE_US", "0")
     cluster = load_cluster(PLAN5)
     assert group_cluster(_placement(cluster, range(5))) is cluster
     sub = group_cluster(_placement(cluster, [1, 2, 3]))
@@ -170,3 +174,21 @@ def test_group_clusters_and_pins():
     ch = PlanChooser(_placement(emu, range(8)), "adaptive")
     ch.cluster = scaled_cluster(emu, 1e-3)
     assert ch.choose(np.full((8, 8), 256)) == "hier" and ch.choose(np.full((8, 8), 4096)) is None
+
+
+def test_conservative_default():
+    """With the default per-stage cost (500 us) the small clusters never plan (the emulated
+    measurement: a staged plan lost to direct where the bare simulator predicted a gain), while
+    the 80-rank preset still plans its small and mid-sized all-to-alls."""
+    from hetcomm import settings
+    from hetcomm.backends.planpick import plan_model
+
+    assert settings.PLAN_STAGE_US.get({}) == 500.0
+    assert plan_model().endswith(";stage_us=500.0") or os.environ.get("HETCOMM_PLAN_STAGE_US")
+    small = load_cluster(PLAN5)
+    assert not PlanChooser(_placement(small, range(5)), "adaptive").eligible
+    big = load_cluster(os.path.join(REPO_ROOT, "configs", "clusters", "mixed-a100-h800-910b.yaml"))
+    ch = PlanChooser(_placement(big, range(big.num_ranks)), "adaptive")
+    n = big.num_ranks
+    assert ch.choose(np.full((n, n), 1 << 20)) in ("hier", "multirail")
+    assert ch.choose(np.full((n, n), 1 << 24)) is None

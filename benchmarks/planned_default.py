@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--scale", type=float, default=1e-3)
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="of adaptive,direct,hier (direct is required)")
     ap.add_argument("--out", default="/tmp/planned_default.json")
     args = ap.parse_args(argv)
 
@@ -99,6 +100,7 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     sizes = [be._bytes(s) for s in args.sizes.split(",")]
+    variants = tuple(v for v in args.variants.split(",") if v)
     work = tempfile.mkdtemp(prefix="planned-default-")
     state_dir = os.path.join(work, "state")
     meta = {"machine": f"{platform.node()}, {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -112,7 +114,8 @@ def main(argv=None) -> int:
         runs: Dict[str, List[Dict[int, Any]]] = {v: [] for v in VARIANTS}
         try:
             for rep in range(args.repeats):
-                order = VARIANTS[rep % 3:] + VARIANTS[:rep % 3]
+                k = rep % len(variants)
+                order = variants[k:] + variants[:k]
                 for v in order:
                     # bench's sizes: min..max by x4 (-f 4); the x16 series is a subset
                     got = be.measure(run_id, state_dir, v, "hetcomm", sizes, args.iters, args.timeout, work)

@@ -51,8 +51,9 @@ T = TypeVar("T")
 
 #: The rails a group may use (``HETCOMM_RAILS``, ``HetcommOptions.rails``).
 RAIL_NAMES: Tuple[str, ...] = ("shm", "gloo", "nccl", "hccl", "bridge")
-#: ``direct`` or a planner strategy (``HETCOMM_PLAN``, ``HetcommOptions.plan``).
-PLAN_NAMES: Tuple[str, ...] = ("direct", "auto", "flat", "hier", "multirail")
+#: ``adaptive`` (the planner decides per shape class), ``direct`` or a pinned planner strategy
+#: (``HETCOMM_PLAN``, ``HetcommOptions.plan``).
+PLAN_NAMES: Tuple[str, ...] = ("adaptive", "direct", "auto", "flat", "hier", "multirail")
 #: The ways same-host pairs can move bytes (``HETCOMM_SAME_HOST_RAIL``; rail calibration).
 SAME_HOST_WAYS: Tuple[str, ...] = ("shm", "gloo", "cma")
 
@@ -303,10 +304,17 @@ CHECK = BoolSetting(
     readers=(f"{_B}.options",),
 )
 PLAN = ChoiceSetting(
-    "HETCOMM_PLAN", "direct",
-    "all-to-all strategy: direct or a planner strategy (HetcommOptions.plan); agreed across ranks",
+    "HETCOMM_PLAN", "adaptive",
+    "all-to-all path: adaptive (a staged plan where the cost model predicts >= 10 % gain, else direct), "
+    "direct, or a pinned planner strategy (HetcommOptions.plan); agreed across ranks",
     readers=(f"{_B}.options",),
     choices=PLAN_NAMES,
+)
+PLAN_STAGE_US = FloatSetting(
+    "HETCOMM_PLAN_STAGE_US", 500.0,
+    "adaptive plans: fixed cost charged per extra stage of a staged plan (the executor's stage "
+    "barrier, not in the cost model), microseconds; agreed across ranks",
+    readers=(f"{_B}.planpick",),
 )
 WIRE_DTYPE = ChoiceSetting(
     "HETCOMM_WIRE_DTYPE", "exact",
@@ -385,8 +393,8 @@ EMULATE = StrSetting(
 )
 EMULATE_SCALE = FloatSetting(
     "HETCOMM_EMULATE_SCALE", None,
-    "rate scale of the emulated links (rates on the wire are gbps * scale)",
-    readers=("benchmarks", "tests"),
+    "rate scale of the emulated links (rates on the wire are gbps * scale; the plan cost model scales by it)",
+    readers=(f"{_B}.planpick", "benchmarks", "tests"),
     set_by=("hetcomm.emulate.ranks",),
 )
 EMULATE_NODE = StrSetting(

@@ -198,6 +198,7 @@ class Communicator:
         from hetcomm.backends.calibrate import same_host_rails
         from hetcomm.backends.executor import Executor
         from hetcomm.backends.faults import FaultDiagnosis
+        from hetcomm.backends.planpick import plan_model
         from hetcomm.backends.railset import RailSet
         from hetcomm.backends.routed import RoutedCollectives
 
@@ -211,7 +212,8 @@ class Communicator:
         comm._setup(group_ref, rank, size, opts, placement, timeout)
         _GROUP_OWNED[group_ref()] = comm  # the group dies with its construction if that fails below
         # Before any rail: two ring layouts of one shared segment would corrupt each other.
-        agree(store, rank, size, settings_of(opts, placement), timeout)
+        # plan_model: the cost model's rate scale, an input of every adaptive plan decision.
+        agree(store, rank, size, settings_of(opts, placement, {"plan_model": plan_model()}), timeout)
         # Inner waits get 75 % of the group timeout, so that naming the peer at fault (up to
         # 10 % more, see faults.py) still ends within the timeout the user gave.
         inner = timedelta(seconds=timeout.total_seconds() * 0.75)
@@ -275,6 +277,24 @@ class Communicator:
         from hetcomm.backends.stats import stats
 
         return stats()
+
+    @property
+    def plan_paths(self) -> Dict[str, Any]:
+        """How this rank's ``all_to_all_single`` calls went (``hetcomm.backends.planpick``):
+        ``taken`` (calls per path: ``direct``, ``hier``, ...), ``eligible`` (whether ``adaptive``
+        may plan on this group at all), ``decisions`` (per shape class cached so far: the path
+        and the predicted seconds of the direct path and of the choice), ``cluster`` (the
+        cluster the planner sees, None = direct only). Empty over a non-hetcomm group."""
+        if self.routed is None:
+            return {}
+        ch = self.routed.chooser
+        return {
+            "strategy": ch.strategy,
+            "taken": dict(ch.taken),
+            "eligible": ch.needs_traffic,
+            "decisions": [(d[0] or "direct", d[1], d[2]) for d in ch.decisions.values()],
+            "cluster": None if ch.cluster is None else ch.cluster.name,
+        }
 
     # -- data movement ---------------------------------------------------------------------
     def all_to_all_single(

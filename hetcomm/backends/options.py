@@ -49,9 +49,11 @@ class HetcommOptions:
         chunk_bytes: an ``all_to_all_single`` segment larger than this is cut into chunks of at
             most this many bytes (whole rows), so rails run concurrently and arrivals can be
             consumed early (env ``HETCOMM_CHUNK_BYTES``). Must agree on every rank.
-        plan: ``direct`` (one step, every peer over its own rail) or a planner strategy
-            (``auto``/``flat``/``hier``/``multirail``) executed by ``hetcomm.backends.executor``
-            (env ``HETCOMM_PLAN``).
+        plan: ``adaptive`` (default: the planner decides per shape class of the split matrix
+            and a ``hier``/``multirail`` plan runs where the cost model predicts >= 10 % over
+            the direct path, ``hetcomm.backends.planpick``), ``direct`` (one step, every peer
+            over its own rail) or a pinned planner strategy (``auto``/``flat``/``hier``/
+            ``multirail``) executed by ``hetcomm.backends.executor`` (env ``HETCOMM_PLAN``).
         check_splits: exchange split sizes, dtypes and row shapes across ranks before any byte
             moves, and raise ``ValueError`` everywhere on a mismatch (env ``HETCOMM_CHECK``,
             ``0`` turns it off). Off saves one round of tiny messages per all-to-all, at the price
@@ -82,7 +84,7 @@ class HetcommOptions:
     # 8 MiB: large enough that gloo's per-message cost (~50 us) stays < 5 % at loopback speed,
     # small enough that a 64 MiB segment still overlaps on several rails.
     chunk_bytes: int = 8 * _MiB
-    plan: str = "direct"
+    plan: str = "adaptive"
     check_splits: bool = True
     # 4 MiB per ring: 12 rings for 4 ranks on one node = 48 MiB of /dev/shm, and large enough
     # that a writer rarely waits for its reader at the copy bandwidth of one core.

@@ -219,16 +219,22 @@ class RailSet:
             return self.shm
         return self.rail("gloo")
 
-    def plan_rail_for(self, peer: int, hint: Optional[str]) -> Rail:
-        """The rail of a plan's transfer to ``peer`` whose plan names rail ``hint``."""
-        names = self.rail_names("cpu")
-        if hint in ("shm", "gloo") and (hint != "shm" or (self.shm is not None and peer in self.shm.peers)):
+    def plan_rail_for(self, peer: int, hint: Optional[str], device_type: str = "cpu") -> Rail:
+        """The rail of a plan's transfer to ``peer`` whose plan names rail ``hint``, for a
+        ``device_type`` tensor: the pair's own rail for that device (a device tensor between
+        real devices of one vendor takes nccl/hccl, any other the bridge), with a host hint
+        (``shm``/``gloo``) honoured for host tensors and a port hint (``nicK``) wherever the
+        pair's rail is gloo over several ports."""
+        names = self.rail_names(device_type)
+        if device_type == "cpu" and hint in ("shm", "gloo") and (hint != "shm" or (self.shm is not None and peer in self.shm.peers)):
             if self.options.rails is None or hint in self.options.rails:
                 return self.rail(hint)
         name = names[peer]
         if hint and hint.startswith("nic") and hint[3:].isdigit() and self.striped is not None and name == "gloo":
             return self.striped.rails[int(hint[3:]) % len(self.striped.rails)]  # the port the plan chose
-        return self.rail("gloo" if name in ("nccl", "hccl") else name)
+        if device_type == "cpu" and name in ("nccl", "hccl"):
+            name = "gloo"
+        return self.rail(name)
 
     def every_pair_on_gloo(self) -> bool:
         """True when every pair of the group (not just this rank's) uses the gloo rail for CPU

@@ -21,6 +21,7 @@ from hetcomm.backends.executor import Executor, chunk_rows, direct_all_to_all, d
 from hetcomm.backends.delegated import GLOO_DTYPES
 from hetcomm.backends.faults import FaultDiagnosis
 from hetcomm.backends.options import HetcommOptions
+from hetcomm.backends.planpick import PlanChooser
 from hetcomm.backends.rank_placement import Placement
 from hetcomm.backends.railset import RailSet
 from hetcomm.backends.rails import cma
@@ -65,6 +66,8 @@ class RoutedCollectives:
         self.size = size
         self.inner_timeout_s = inner_timeout_s
         self._seq = 0
+        #: the group's plan decisions (hetcomm.backends.planpick)
+        self.chooser = PlanChooser(placement, options.plan)
 
     def _deadline(self) -> float:
         return time.monotonic() + self.inner_timeout_s
@@ -147,12 +150,13 @@ class RoutedCollectives:
         seq = self.next_seq()
         row_shape = tuple(input.shape[1:])
         row_bytes = input.element_size() * _prod(row_shape)
-        use_plan = self._plan_strategy(input)
+        planned = self._may_plan(input)
+        pinned = planned and self.options.plan != "adaptive"
         # The whole group on one host, with a way that depends on the call (calibrate.py): the
         # board exchange always runs (it carries the split matrix that decides the size class,
         # and the input addresses of the single-copy path), and the check on it comes for free.
-        sized = self.rails.size_routes if input.device.type == "cpu" and use_plan is None and self.rails.striped is None else None
-        need_meta = (self.options.check_splits and not checks.splits_are_agreed()) or use_plan is not None or sized is not None
+        sized = self.rails.size_routes if input.device.type == "cpu" and not pinned and self.rails.striped is None else None
+        need_meta = (self.options.check_splits and not checks.splits_are_agreed()) or planned or sized is not None
         src = input if input.is_contiguous() else input.contiguous()
         dst = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
         if input.dtype not in GLOO_DTYPES:
@@ -172,13 +176,18 @@ class RoutedCollectives:
             deadline = self._deadline()
             if need_meta:
                 m = self.exchange_meta(op, seq, meta, "rows")
-            way = None
-            if sized is not None:
-                way = sized.rail_for(sum(sum(m.sends(r)) for r in range(n)) * row_bytes // n)
-            if use_plan is not None:
+            strategy = None
+            if planned:
+                # From the exchanged matrix: the same n vectors on every rank, so every rank
+                # takes the same path (planpick.py).
                 traffic = [[x * row_bytes for x in m.sends(r)] for r in range(n)]
-                plan = self._make_plan(use_plan, traffic)
-                self._run_plan(plan, dst_bytes, src, op, seq, deadline)
+                strategy = self.chooser.choose(traffic)
+            self.chooser.note(strategy or "direct")
+            way = None
+            if sized is not None and strategy is None:
+                way = sized.rail_for(sum(sum(m.sends(r)) for r in range(n)) * row_bytes // n)
+            if strategy is not None:
+                self._run_plan(self.chooser.plan(strategy, traffic), dst_bytes, src, op, seq, deadline)
             elif way == "cma":
                 self._cma_all_to_all(dst_bytes, src, m, row_bytes, op, seq, deadline)
             elif way == "gloo" or (
@@ -321,24 +330,21 @@ class RoutedCollectives:
         return self.executor.submit(job, work, async_op)
 
     # -- plans --------------------------------------------------------------------------------
-    def _plan_strategy(self, input: torch.Tensor) -> Optional[str]:
-        strategy = self.options.plan
-        if strategy == "direct" or input.device.type != "cpu":
-            return None
-        cluster = self.placement.cluster
-        if cluster is None or cluster.num_ranks != self.size:
-            return None  # plans are over the whole cluster; subgroups use the direct route
-        return strategy
-
-    def _make_plan(self, strategy: str, traffic: List[List[int]]):
-        from hetcomm.sched.planner import plan_all_to_all  # part of hetcomm: a missing module is a broken install
-
-        return plan_all_to_all(self.placement.cluster, traffic, strategy=strategy)
+    def _may_plan(self, input: torch.Tensor) -> bool:
+        """Whether this call may run a plan (then it exchanges the split matrix): a pinned
+        strategy on a group with a planner, or ``adaptive`` on an eligible group
+        (:class:`~hetcomm.backends.planpick.PlanChooser`). ``adaptive`` leaves calls whose
+        floating-point rows the group's ``wire_dtype`` may cast to the direct route (plans move
+        exact bytes). Every input is agreed across ranks (options, placement, dtype)."""
+        if self.options.plan == "adaptive" and self.options.wire_dtype != "exact" and input.dtype.is_floating_point:
+            return False
+        return self.chooser.needs_traffic
 
     def _run_plan(self, plan, output: torch.Tensor, input: torch.Tensor, op: str, seq: int, deadline: float) -> None:
+        device_type = input.device.type
         execute_plan(
-            plan, output, input, self.rank, self.rails.plan_rail_for, op=op, seq=seq, deadline=deadline,
-            diagnose=self.faults.for_seq(seq), wakeup=self.rails.wakeup,
+            plan, output, input, self.rank, lambda peer, hint: self.rails.plan_rail_for(peer, hint, device_type),
+            op=op, seq=seq, deadline=deadline, diagnose=self.faults.for_seq(seq), wakeup=self.rails.wakeup,
         )
 
     def run_plan(self, plan, output: torch.Tensor, input: torch.Tensor) -> HetcommWork:
@@ -346,8 +352,8 @@ class RoutedCollectives:
 
         Args:
             plan: ``plan.traffic[i][j]`` bytes from rank i to rank j.
-            output / input: contiguous CPU tensors laid out as in ``all_to_all_single``, in
-                bytes (see :func:`hetcomm.backends.executor.execute_plan`).
+            output / input: contiguous tensors (host or device, one device) laid out as in
+                ``all_to_all_single``, in bytes (see :func:`hetcomm.backends.executor.execute_plan`).
         """
         seq = self.next_seq()
 

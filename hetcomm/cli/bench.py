@@ -152,7 +152,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="cluster YAML the ranks stand for (sets HETCOMM_CLUSTER)",
     )
     h.add_argument(
-        "--plan", default=None, help="hetcomm all-to-all plan (direct, auto, flat, hier, multirail)"
+        "--plan", default=None, help="hetcomm all-to-all plan (adaptive = the default, direct, auto, flat, hier, multirail)"
     )
     h.add_argument(
         "--json", action="store_true", help="print one JSON document instead of the table"

@@ -476,16 +476,17 @@ def last_summary() -> Optional[Dict[str, Any]]:
     """The summary of the last run this process trained (every rank keeps its own), for callers
     that run :func:`train_worker` in-process (tests, benchmarks): ``ok``, ``text``, ``first``,
     ``last``, ``losses`` (per step, the mean over ranks), ``process_groups`` (this rank's groups'
-    backends) and, with ``--powersgd`` / ``--powersgd-experts``, ``powersgd_ranks`` /
-    ``powersgd_experts_ranks`` (one dict per rank, :func:`_compression_per_rank`)."""
+    backends), ``powersgd_ranks`` with ``--powersgd`` and ``replica_grad_ranks`` with replication
+    (one dict per rank, :func:`_compression_per_rank`)."""
     return _LAST_SUMMARY[0] if _LAST_SUMMARY else None
 
 
 def _compression_per_rank(psgd, model, cfg, rank: int, world_size: int) -> Dict[str, Any]:
-    """Every rank's PowerSGD counters, gathered (collective when compression is on): for the
-    dense averager, compressed calls, PowerSGD's uncompressed/compressed bytes on the rank's
-    leader links and the rail bytes it sent in those calls; for the replica gradients the same
-    summed over layers, plus every reduction's count and rail bytes."""
+    """Every rank's PowerSGD counters, gathered (collective with ``--powersgd`` or replication):
+    for the dense averager, compressed calls, PowerSGD's uncompressed/compressed bytes on the
+    rank's leader links and the rail bytes it sent in those calls; for the replica-gradient sums
+    (exact or compressed) every reduction's count and rail bytes, and the same PowerSGD
+    counters summed over layers."""
     from hetcomm.train.balance import ReplicaPowerSGD
 
     parts: Dict[str, List[float]] = {}
@@ -493,9 +494,9 @@ def _compression_per_rank(psgd, model, cfg, rank: int, world_size: int) -> Dict[
         st = psgd.stats()
         parts["powersgd_ranks"] = [st["compressed_calls"], st["uncompressed_bytes"], st["compressed_bytes"],
                                    float(sum(psgd.rail_bytes.values()))]
-    if cfg.powersgd_experts:
+    if cfg.replicate:  # the exact sums count their reductions and rail bytes too
         t = ReplicaPowerSGD(model).totals()
-        parts["powersgd_experts_ranks"] = [t[k] for k in _REPLICA_KEYS]
+        parts["replica_grad_ranks"] = [t[k] for k in _REPLICA_KEYS]
     if not parts:
         return {}
     n = sum(len(v) for v in parts.values())

@@ -164,7 +164,7 @@ def _rank_train(rank, world_size, cfg, port):
     code = _train_rank(rank, world_size, cfg, port)
     s = last_summary()
     return {"code": code, "groups": s["process_groups"], "dense": s["powersgd_ranks"][rank],
-            "experts": s["powersgd_experts_ranks"][rank], "text": s["text"] if rank == 0 else ""}
+            "experts": s["replica_grad_ranks"][rank], "text": s["text"] if rank == 0 else ""}
 
 
 def test_train_powersgd_sends_every_byte_on_hetcomm_groups():

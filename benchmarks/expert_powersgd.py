@@ -10,7 +10,8 @@ rank's ``train_worker`` runs in-process and hands back its summary
 - **bytes per reduction on the compressed pairs**: what ranks 2 and 3 (each alone on its node,
   so every byte they send crosses a node) sent on hetcomm's rails during the replica-gradient
   reductions, from ``hetcomm.stats()`` around each reduction: all reductions of the exact run,
-  the compressed ones of the PowerSGD run (its first ``max(10, steps // 10)`` are exact);
+  the compressed ones of the PowerSGD run (its first ``max(10, steps // 10)`` are exact); ranks
+  0 and 1 apart (their bytes mix the exact intra-node stages with rank 0's cross-node ones);
 - **PowerSGD's count** on rank 0's leader links (elements before / after compression);
 - **loss**: mean of the last 20 steps (the mean over ranks), as the dense-PowerSGD table.
 
@@ -69,7 +70,7 @@ def run(seed: int, steps: int, rank: int) -> Dict[str, Any]:
             "load": os.getloadavg()[0],
             "last20": sum(losses[-20:]) / len(losses[-20:]),
             "final": losses[-1],
-            "bytes_per_reduction": {r: _replica_bytes(res[r], pr > 0) for r in (2, 3)},
+            "bytes_per_reduction": {r: _replica_bytes(res[r], pr > 0) for r in range(4)},
             "reductions": {r: res[r]["experts"].get("calls", 0) for r in range(4)},
             "compressed_reductions": {r: res[r]["experts"].get("compressed_calls", 0) for r in range(4)},
             "leader_count": {k: res[0]["experts"].get(k, 0) for k in ("uncompressed_bytes", "compressed_bytes")},
@@ -116,6 +117,13 @@ def main() -> int:
               f"({ratio(lc['uncompressed_bytes'], lc['compressed_bytes'])}) | "
               f"{ps['compressed_reductions'][0]} / {ps['reductions'][0]} | "
               f"{ex['wall_s']:.0f} s / {ps['wall_s']:.0f} s ({ex['load']:.0f} / {ps['load']:.0f}) |")
+    print()
+    print("Ranks 0 and 1 share a node: their bytes mix the exact intra-node stages with rank 0's cross-node ones.")
+    print("| seed | rank 0 bytes/reduction exact -> PowerSGD | rank 1 bytes/reduction exact -> PowerSGD |")
+    print("|---|---|---|")
+    for r in rows:
+        ex, ps = r["exact"]["bytes_per_reduction"], r["powersgd"]["bytes_per_reduction"]
+        print(f"| {r['seed']} | {_fmt(ex[0])} -> {_fmt(ps[0])} | {_fmt(ex[1])} -> {_fmt(ps[1])} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"started": started, "uptime": uptime, "rows": rows}, f, indent=1)

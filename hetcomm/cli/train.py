@@ -68,6 +68,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="steps before a moved expert may move again (default 1000)")
     p.add_argument("--powersgd", metavar="RANK", type=int, default=None,
                    help="PowerSGD of this rank for the dense gradients on cross-node pairs (0/absent: off)")
+    p.add_argument("--powersgd-experts", metavar="RANK", type=int, default=None,
+                   help="PowerSGD of this rank for the hot-expert replicas' gradient sums on cross-node pairs, "
+                   "exact inside a node (0/absent: off; needs replication; docs/MOE.md)")
     p.add_argument("--page-budget", metavar="FRACTION", type=float, default=None,
                    help="expert paging: keep this fraction of each rank's experts on the device, page the rest in "
                    "from a host pool as the gate routes (e.g. 0.4; 0/absent: off; docs/MOE.md)")
@@ -118,6 +121,7 @@ def train_config(args: argparse.Namespace):
         balance_every=args.balance_every,
         balance_cooldown=args.balance_cooldown,
         powersgd_rank=args.powersgd,
+        powersgd_experts=args.powersgd_experts,
         page_budget=args.page_budget,
         chunks=_chunks(args.chunks),
         token_split={"on": True, "off": False, "auto": "auto", None: None}[args.token_split],

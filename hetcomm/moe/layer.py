@@ -46,6 +46,7 @@ from hetcomm.moe.layer_paging import PagedExperts
 from hetcomm.moe.paging import ExpertPager
 from hetcomm.moe.placement import ExpertPlacement, place_experts
 from hetcomm.moe.placement.replicate import HotExpertReplicator
+from hetcomm.moe.powersgd import node_ids_of
 from hetcomm.moe.speed import SpeedMeter
 from hetcomm.moe.step_stats import StepStats
 from hetcomm.moe.token_split import TokenSplitter
@@ -269,6 +270,9 @@ class MoELayer(PagedExperts, nn.Module):
                 every=cfg.replicate_every,
                 alpha=cfg.replicate_alpha,
                 policy=cfg.replicate_policy,
+                powersgd_rank=cfg.replicate_powersgd,
+                powersgd_start=cfg.replicate_powersgd_start,
+                node_ids=node_ids_of(cluster, cluster.num_ranks) if cluster is not None and cfg.replicate_powersgd else None,
             )
         self.l_aux: torch.Tensor = torch.zeros((), device="cpu")  # replaced by the first forward
         self.last_stats: Optional[StepStats] = None  # set by every forward

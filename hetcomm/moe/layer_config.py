@@ -60,6 +60,12 @@ class MoEConfig:
         speed_every: steps between agreements of the measured per-rank speed vector
             (:mod:`hetcomm.moe.speed`; 0 = keep the datasheet prior).
         speed_alpha: EMA decay of the measured rows and seconds.
+        replicate_powersgd: PowerSGD rank of the replicas' gradient sums on cross-node pairs
+            (:mod:`hetcomm.moe.placement.replicate`, torch's error feedback and warm start;
+            exact inside a node). 0 (default): every sum exact. Needs ``replicate``, a cluster
+            (its nodes) and the layer's group to be the whole job.
+        replicate_powersgd_start: exact sums for the first this many replica-gradient
+            reductions (backward passes with a hot set; PowerSGD's ``start_powerSGD_iter``; >= 2).
     """
 
     model_dim: int
@@ -85,6 +91,8 @@ class MoEConfig:
     token_split: bool = False
     speed_every: int = 10
     speed_alpha: float = 0.8
+    replicate_powersgd: int = 0
+    replicate_powersgd_start: int = 10
 
     def __post_init__(self) -> None:
         def bad(key: str, msg: str) -> ConfigError:
@@ -114,5 +122,11 @@ class MoEConfig:
             raise bad("page_budget", f"must be a fraction within [0, 1] (0 = paging off) or 'auto', got {pb!r}")
         if self.paging is not None and not isinstance(self.paging, PagingConfig):
             raise bad("paging", f"must be a hetcomm.moe.paging.PagingConfig or None, got {type(self.paging).__name__}")
-
-
+        rp = self.replicate_powersgd
+        if isinstance(rp, bool) or not isinstance(rp, int) or rp < 0:
+            raise bad("replicate_powersgd", f"must be a whole number >= 0 (0 = exact sums), got {rp!r}")
+        if rp and not self.replicate:
+            raise bad("replicate_powersgd", "compresses the replicas' gradient sums: set replicate=True too")
+        rs = self.replicate_powersgd_start
+        if isinstance(rs, bool) or not isinstance(rs, int) or rs < 2:
+            raise bad("replicate_powersgd_start", f"must be a whole number >= 2 (torch's error feedback needs it), got {rs!r}")

@@ -23,6 +23,13 @@ Bytes: ``PowerSGDState`` counts elements before and after compression
 the compressed (leader) pairs. A ``64 x 64`` matrix at ``r = 4`` sends ``(64 + 64) * 4`` values
 instead of 4,096 (8x); vectors (biases, norms) and matrices that would compress less than
 ``min_compression_rate`` (1.5 here, 2 in torch) go uncompressed, as in torch.
+:attr:`SlowLinkPowerSGD.rail_bytes` counts what the rails actually carried: this process's
+``hetcomm.stats()`` bytes sent per rail during its compressed averagings (empty off hetcomm).
+
+Two users: ``hetcomm train --powersgd`` (the dense gradients, mean over all ranks) and the
+hot-expert replicas' gradient sums (``MoEConfig.replicate_powersgd``,
+:mod:`hetcomm.moe.placement.replicate`): a SUM over a subset of the ranks (``members``, the
+replica holders and owners), whose bucket layout follows the hot set (:meth:`remap_rows`).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 
 from hetcomm.errors import ConfigError
 
-__all__ = ["FlatBucket", "SlowLinkPowerSGD", "node_ids_of"]
+__all__ = ["FlatBucket", "SlowLinkPowerSGD", "node_ids_of", "rail_bytes_sent"]
 
 
 class FlatBucket:
@@ -82,13 +89,21 @@ def node_ids_of(cluster, world_size: int) -> List[int]:
     return out
 
 
-class SlowLinkPowerSGD:
-    """Average gradients over all ranks, PowerSGD-compressed on cross-node pairs only.
+def rail_bytes_sent() -> Dict[str, int]:
+    """This process's ``hetcomm.stats()`` bytes sent per rail (empty when nothing ran on hetcomm)."""
+    from hetcomm.backends.stats import stats
 
-    Collective constructor (creates the node and leader groups on every rank).
+    return {rail: int(c.get("bytes_sent", 0)) for rail, c in stats().items()}
+
+
+class SlowLinkPowerSGD:
+    """Average (or sum) gradients over ranks, PowerSGD-compressed on cross-node pairs only.
+
+    Collective constructor: every rank of the job creates the node and leader groups (in the
+    same order), members or not.
 
     Args:
-        node_ids: ``[W]`` node index of every rank (:func:`node_ids_of`).
+        node_ids: ``[W]`` node index of every rank of the job (:func:`node_ids_of`).
         matrix_approximation_rank: PowerSGD ``r`` (4).
         start_iter: plain averaging for the first iterations (torch requires >= 2 with error
             feedback or warm start; 10 lets the error buffers start from real gradients).
@@ -98,6 +113,8 @@ class SlowLinkPowerSGD:
             rank 4 with 1.5 and 7.7x with 2).
         seed: PowerSGD's random seed for the initial ``Q``.
         backend: backend of the subgroups (None = the default group's).
+        members: global ranks taking part in the reductions (None: all ``W``); the others only
+            help create the groups.
     """
 
     def __init__(
@@ -108,27 +125,35 @@ class SlowLinkPowerSGD:
         min_compression_rate: float = 1.5,
         seed: int = 0,
         backend: Optional[str] = None,
+        members: Optional[Sequence[int]] = None,
     ) -> None:
         if matrix_approximation_rank < 1:
             raise ConfigError(f"must be >= 1, got {matrix_approximation_rank}", key="powersgd.rank")
         if start_iter < 2:
             raise ConfigError(f"must be >= 2 (torch's error feedback needs it), got {start_iter}", key="powersgd.start_iter")
-        self.world_size = W = dist.get_world_size()
+        W = dist.get_world_size()
         self.rank = dist.get_rank()
         if len(node_ids) != W:
             raise ConfigError(f"{len(node_ids)} node ids for {W} ranks", key="powersgd.node_ids")
+        ranks = sorted(set(range(W) if members is None else (int(r) for r in members)))
+        if not ranks or ranks[0] < 0 or ranks[-1] >= W:
+            raise ConfigError(f"members {list(ranks)} must be ranks of the {W}-rank job", key="powersgd.members")
+        #: Ranks the reductions run over (the mean divides by their number).
+        self.members = ranks
+        self.world_size = len(ranks)
+        self.is_member = self.rank in ranks
         self.node_ids = list(node_ids)
-        nodes = sorted(set(node_ids))
+        nodes = sorted({node_ids[r] for r in ranks})
         self.num_nodes = len(nodes)
-        members = {n: [r for r in range(W) if node_ids[r] == n] for n in nodes}
-        self.leaders = [members[n][0] for n in nodes]
-        self.node_members = members[node_ids[self.rank]]
-        self.is_leader = self.rank == self.node_members[0]
+        by_node = {n: [r for r in ranks if node_ids[r] == n] for n in nodes}
+        self.leaders = [by_node[n][0] for n in nodes]
+        self.node_members = by_node.get(node_ids[self.rank], [])
+        self.is_leader = self.is_member and self.rank == self.node_members[0]
         # new_group is collective over the whole world, in the same order on every rank.
         self.node_group = None
         for n in nodes:
-            g = dist.new_group(members[n], backend=backend) if len(members[n]) > 1 else None
-            if n == node_ids[self.rank]:
+            g = dist.new_group(by_node[n], backend=backend) if len(by_node[n]) > 1 else None
+            if self.is_member and n == node_ids[self.rank]:
                 self.node_group = g
         self.leader_group = dist.new_group(self.leaders, backend=backend) if self.num_nodes > 1 else None
         self.state: Optional[PowerSGDState] = None
@@ -143,30 +168,53 @@ class SlowLinkPowerSGD:
                 random_seed=seed,
                 compression_stats_logging_frequency=10**9,
             )
+        self.matrix_approximation_rank = matrix_approximation_rank
+        self.start_iter = start_iter
         self.calls = 0
         self.compressed_calls = 0
         self._bytes_uncompressed = 0
         self._bytes_compressed = 0
+        #: This process's rail bytes sent (``hetcomm.stats()``) during its compressed calls, per
+        #: rail: what the node and leader links carried once compression ran.
+        self.rail_bytes: Dict[str, int] = {}
+
+    @property
+    def compresses(self) -> bool:
+        """True when some pair of members crosses nodes (else every reduction is exact)."""
+        return self.leader_group is not None
 
     def all_reduce_mean(self, grads: List[torch.Tensor]) -> None:
-        """Replace each of ``grads`` (same shapes on every rank) by its mean over all ranks."""
+        """Replace each of ``grads`` (same shapes on every member) by its mean over the members."""
+        self.all_reduce(grads, average=True)
+
+    def all_reduce(self, grads: List[torch.Tensor], average: bool = True) -> None:
+        """Replace each of ``grads`` (same shapes on every member) by its sum (``average=False``)
+        or mean over the members. Collective over the members; non-members must not call it.
+
+        Args:
+            grads: float32/float16/bfloat16 tensors of any shapes (matrices, and tensors viewed
+                as ``[shape[0], -1]``, are the compressed ones); one PowerSGD bucket (index 0).
+        """
         if not grads:
             return
+        if not self.is_member:
+            raise ConfigError(f"rank {self.rank} is not one of the members {self.members}", key="powersgd.members")
         flat = torch.cat([g.reshape(-1) for g in grads])
+        compressing = self.calls >= self.start_iter and self.leader_group is not None
+        rails0 = rail_bytes_sent() if compressing else None
         if self.node_group is not None:
             dist.all_reduce(flat, group=self.node_group)
         if self.state is not None:
             before = (self.state.total_numel_before_compression, self.state.total_numel_after_compression)
-            compressing = self.state.iter >= self.state.start_powerSGD_iter
             fut = powerSGD_hook(self.state, FlatBucket(0, flat, [g.shape for g in grads]))
             flat = fut.wait()
-            flat.mul_(self.num_nodes / self.world_size)
+            # The hook averages over the leaders: back to the sum of node sums, then the mean.
+            flat.mul_(self.num_nodes / self.world_size if average else float(self.num_nodes))
             if compressing:
-                self.compressed_calls += 1
                 el = flat.element_size()
                 self._bytes_uncompressed += (self.state.total_numel_before_compression - before[0]) * el
                 self._bytes_compressed += (self.state.total_numel_after_compression - before[1]) * el
-        elif self.leader_group is None:
+        elif self.leader_group is None and average:
             flat.div_(self.world_size)  # one node: nothing crosses a slow link
         if self.node_group is not None:
             dist.broadcast(flat, src=self.node_members[0], group=self.node_group)
@@ -175,11 +223,33 @@ class SlowLinkPowerSGD:
             n = g.numel()
             g.copy_(flat[off : off + n].view_as(g))
             off += n
+        if rails0 is not None:
+            self.compressed_calls += 1
+            for rail, b in rail_bytes_sent().items():
+                self.rail_bytes[rail] = self.rail_bytes.get(rail, 0) + b - rails0.get(rail, 0)
         self.calls += 1
 
+    def remap_rows(self, keep: Sequence[Optional[int]], row_numel: int) -> None:
+        """The bucket's layout changed to rows of ``row_numel`` elements (one per hot expert):
+        new row ``j`` takes the error feedback of old row ``keep[j]`` (None: zeros); the
+        warm-start factors restart from random ``Q`` (the same on every leader: their
+        ``PowerSGDState`` RNGs advance together). Call it on every member at the same point."""
+        if self.state is None:
+            return
+        err = self.state.error_dict.get(0)
+        if err is not None:
+            new = torch.zeros(len(keep) * row_numel, dtype=err.dtype, device=err.device)
+            for j, i in enumerate(keep):
+                if i is not None and (i + 1) * row_numel <= err.numel():
+                    new[j * row_numel : (j + 1) * row_numel] = err[i * row_numel : (i + 1) * row_numel]
+            self.state.error_dict[0] = new
+        self.state.p_memory_dict.pop(0, None)
+        self.state.q_memory_dict.pop(0, None)
+
     def stats(self) -> Dict[str, float]:
-        """On a leader: bytes per compressed averaging on the leader pairs, without and with
-        compression, and their ratio (zeros elsewhere and before ``start_iter``)."""
+        """On a leader: bytes of the compressed averagings on the leader pairs, without and with
+        compression (PowerSGD's element counts), and their ratio (zeros elsewhere and before
+        ``start_iter``)."""
         return {
             "compressed_calls": float(self.compressed_calls),
             "uncompressed_bytes": float(self._bytes_uncompressed),

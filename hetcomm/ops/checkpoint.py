@@ -273,7 +273,7 @@ def _check_against_metadata(path: str, metadata, state: Mapping[str, object]) ->
             if not any(k == key or k.startswith(key + ".") for k in saved):
                 raise CheckpointError(
                     f"was saved without the {name!r} state this job needs (a resume that adds "
-                    f"--{'powersgd' if name == 'powersgd' else name}): resume with the settings it was saved "
+                    f"--{name.replace('_', '-')}): resume with the settings it was saved "
                     f"with, or start a fresh --checkpoint-dir",
                     path=meta_file, key=key, reason="missing-state",
                 )

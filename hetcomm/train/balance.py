@@ -1,5 +1,5 @@
-"""``hetcomm train --balance`` and ``--powersgd``: the balancer and the slow-link compression wired
-into the training loop.
+"""``hetcomm train --balance``, ``--powersgd`` and ``--powersgd-experts``: the balancer and the
+slow-link compression wired into the training loop.
 
 Per step (every rank, in the same order):
 
@@ -36,7 +36,7 @@ from hetcomm.moe.placement.balancer import BalancerConfig, ExpertBalancer, Exper
 from hetcomm.moe.placement.migration import ExpertMigrator, ExpertSlots
 from hetcomm.moe.powersgd import SlowLinkPowerSGD, node_ids_of
 
-__all__ = ["TrainBalancer", "make_powersgd"]
+__all__ = ["ReplicaPowerSGD", "TrainBalancer", "make_powersgd"]
 
 
 class TrainBalancer:
@@ -276,3 +276,48 @@ def make_powersgd(cluster, world_size: int, matrix_rank: int, seed: int, steps: 
     # for start_powerSGD_iter: the early, fast-changing gradients go uncompressed.
     return SlowLinkPowerSGD(node_ids_of(cluster, world_size), matrix_approximation_rank=matrix_rank, seed=seed,
                             start_iter=max(10, steps // 10))
+
+
+class ReplicaPowerSGD:
+    """The compressed replica-gradient sums of ``hetcomm train --powersgd-experts`` (built by
+    each layer's :class:`~hetcomm.moe.placement.replicate.HotExpertReplicator`): their
+    checkpointed state (error feedback and warm-start factors of every layer, this rank's) and
+    the summary row."""
+
+    def __init__(self, model) -> None:
+        self.replicators = [m.replicator for m in model.moe_layers if m.replicator is not None]
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {f"layer{i}": r.powersgd_state() for i, r in enumerate(self.replicators)}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        for i, r in enumerate(self.replicators):
+            if f"layer{i}" in sd:
+                r.load_powersgd_state(sd[f"layer{i}"])
+
+    def totals(self) -> Dict[str, float]:
+        """This rank's sums over layers: PowerSGD's bytes on the leader pairs of its compressed
+        reductions (before/after), its compressed calls, and every reduction's rail bytes."""
+        out = {"calls": 0.0, "compressed_calls": 0.0, "uncompressed_bytes": 0.0, "compressed_bytes": 0.0,
+               "rail_bytes": 0.0, "compressed_rail_bytes": 0.0}
+        for r in self.replicators:
+            out["calls"] += r.grad_reductions
+            out["rail_bytes"] += sum(r.grad_rail_bytes.values())
+            for c in r.powersgd.values():
+                st = c.stats()
+                out["compressed_calls"] += st["compressed_calls"]
+                out["uncompressed_bytes"] += st["uncompressed_bytes"]
+                out["compressed_bytes"] += st["compressed_bytes"]
+                out["compressed_rail_bytes"] += sum(c.rail_bytes.values())
+        return out
+
+    def summary(self) -> str:
+        from hetcomm.units import format_bytes
+
+        t = self.totals()
+        if not t["compressed_bytes"]:
+            return f"{int(t['calls'])} reductions, none compressed on this rank (a single node, or before the start)"
+        return (f"{int(t['compressed_calls'])} of {int(t['calls'])} reductions compressed: "
+                f"{format_bytes(t['compressed_bytes'])} instead of {format_bytes(t['uncompressed_bytes'])} on the "
+                f"leader links ({t['uncompressed_bytes'] / t['compressed_bytes']:.1f}x fewer); hetcomm rails sent "
+                f"{format_bytes(t['compressed_rail_bytes'])} in them")

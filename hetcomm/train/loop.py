@@ -63,6 +63,8 @@ class TrainConfig:
         balance_every / balance_cooldown: steps between plan evaluations / before an expert
             that moved may move again.
         powersgd_rank: PowerSGD rank for the dense gradients on cross-node pairs (0: off).
+        powersgd_experts: PowerSGD rank for the hot-expert replicas' gradient sums on cross-node
+            pairs (``MoEConfig.replicate_powersgd``; needs ``replicate``; 0: exact).
         warmup_from: a previous run's metrics file: seeds calibrators and hot experts before the
             first step (``hetcomm launch`` phase 2), or None.
         page_budget: expert paging (``MoEConfig.page_budget``): the fraction of each rank's
@@ -97,6 +99,7 @@ class TrainConfig:
     balance_every: int = 50
     balance_cooldown: int = 1000
     powersgd_rank: int = 0
+    powersgd_experts: int = 0
     warmup_from: Optional[str] = None
     page_budget: float = 0.0
     token_split: Union[bool, str] = False
@@ -117,11 +120,14 @@ class TrainConfig:
         if not self.lr > 0:
             raise ConfigError(f"must be > 0, got {self.lr!r}", key="train.lr")
         parse_wire_dtype(self.wire_dtype, allowed=LAYER_SPELLINGS, key="train.wire_dtype")
-        for name in ("balance_every", "balance_cooldown", "powersgd_rank"):
+        for name in ("balance_every", "balance_cooldown", "powersgd_rank", "powersgd_experts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "balance_every" else 0):
                 raise ConfigError(f"must be a whole number >= {1 if name == 'balance_every' else 0}, got {value!r}",
                                   key=f"train.{name}")
+        if self.powersgd_experts and not self.replicate:
+            raise ConfigError("compresses the replicas' gradient sums, and replication is off; set replicate: true "
+                              "or powersgd_experts: 0", key="train.powersgd_experts")
         if self.experts < 2:
             raise ConfigError("an MoE layer needs at least 2 experts", key="train.experts")
         pb = self.page_budget
@@ -344,6 +350,9 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             num_chunks=num_chunks,
             # The layer's default of 3 hot experts, but never more than the layer has (--experts 2).
             replicate_top=min(MoEConfig.replicate_top, cfg.experts),
+            # --powersgd-experts: compression starts where the dense one does (make_powersgd).
+            replicate_powersgd=cfg.powersgd_experts,
+            replicate_powersgd_start=max(10, cfg.steps // 10),
         )
 
     torch.manual_seed(cfg.seed)  # dense weights identical on every rank
@@ -361,7 +370,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     from hetcomm.ops import hooks
 
     # --balance / --powersgd (hetcomm.train.balance): their state is checkpointed with the model.
-    from hetcomm.train.balance import TrainBalancer, make_powersgd
+    from hetcomm.train.balance import ReplicaPowerSGD, TrainBalancer, make_powersgd
 
     balancer = psgd = None
     extras: Dict[str, Any] = {}
@@ -379,6 +388,10 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         from hetcomm.ops.checkpoint import PerRank
 
         extras["powersgd"] = PerRank(psgd, rank)  # each leader's own error feedback, not one rank's
+    if cfg.powersgd_experts:
+        from hetcomm.ops.checkpoint import PerRank
+
+        extras["powersgd_experts"] = PerRank(ReplicaPowerSGD(model), rank)
     start_step = hooks.resume(cfg, model, opt, gen, extras or None)
     if start_step >= cfg.steps:  # nothing left to train: report the recorded verdict, not a fresh one
         return hooks.nothing_to_train(cfg, rank, start_step)
@@ -442,8 +455,11 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     elapsed = time.perf_counter() - t0
     het_rows = [("token split (per step, by measured speed)", "on" if split_on else "off"),
                 ("per-rank MoE time max/mean", MoETimeTracker.summary(moe_time.gather(world_size)))]
+    compression = _compression_per_rank(psgd, model, cfg, rank, world_size)  # collective
     summary = _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step,
                          balancer, psgd, het_rows)
+    summary.update(compression, losses=list(losses), process_groups=_group_backends())
+    _LAST_SUMMARY[:] = [summary]
     hooks.record_verdict(cfg, rank, summary)
     if rank == 0:
         progress.close()
@@ -452,6 +468,57 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
 
 
 # -- reporting ------------------------------------------------------------------------------
+
+_LAST_SUMMARY: List[Dict[str, Any]] = []
+
+
+def last_summary() -> Optional[Dict[str, Any]]:
+    """The summary of the last run this process trained (every rank keeps its own), for callers
+    that run :func:`train_worker` in-process (tests, benchmarks): ``ok``, ``text``, ``first``,
+    ``last``, ``losses`` (per step, the mean over ranks), ``process_groups`` (this rank's groups'
+    backends), ``powersgd_ranks`` with ``--powersgd`` and ``replica_grad_ranks`` with replication
+    (one dict per rank, :func:`_compression_per_rank`)."""
+    return _LAST_SUMMARY[0] if _LAST_SUMMARY else None
+
+
+def _compression_per_rank(psgd, model, cfg, rank: int, world_size: int) -> Dict[str, Any]:
+    """Every rank's PowerSGD counters, gathered (collective with ``--powersgd`` or replication):
+    for the dense averager, compressed calls, PowerSGD's uncompressed/compressed bytes on the
+    rank's leader links and the rail bytes it sent in those calls; for the replica-gradient sums
+    (exact or compressed) every reduction's count and rail bytes, and the same PowerSGD
+    counters summed over layers."""
+    from hetcomm.train.balance import ReplicaPowerSGD
+
+    parts: Dict[str, List[float]] = {}
+    if psgd is not None:
+        st = psgd.stats()
+        parts["powersgd_ranks"] = [st["compressed_calls"], st["uncompressed_bytes"], st["compressed_bytes"],
+                                   float(sum(psgd.rail_bytes.values()))]
+    if cfg.replicate:  # the exact sums count their reductions and rail bytes too
+        t = ReplicaPowerSGD(model).totals()
+        parts["replica_grad_ranks"] = [t[k] for k in _REPLICA_KEYS]
+    if not parts:
+        return {}
+    n = sum(len(v) for v in parts.values())
+    table = torch.zeros(world_size, n, dtype=torch.float64)  # host: a few counters, once per run
+    table[rank] = torch.tensor([x for v in parts.values() for x in v], dtype=torch.float64)
+    dist.all_reduce(table)
+    out, off = {}, 0
+    for name, v in parts.items():
+        keys = _DENSE_KEYS if name == "powersgd_ranks" else _REPLICA_KEYS
+        out[name] = [dict(zip(keys, row[off : off + len(v)].tolist())) for row in table]
+        off += len(v)
+    return out
+
+
+_DENSE_KEYS = ("compressed_calls", "uncompressed_bytes", "compressed_bytes", "rail_bytes")
+_REPLICA_KEYS = ("calls", "compressed_calls", "uncompressed_bytes", "compressed_bytes", "rail_bytes",
+                 "compressed_rail_bytes")
+
+
+def _group_backends() -> List[str]:
+    """The backend of each process group this rank belongs to (torch's group registry)."""
+    return [str(dist.get_backend(pg)) for pg in list(dist.distributed_c10d._world.pg_map)]
 
 
 def _rail_bytes() -> Dict[str, int]:
@@ -562,9 +629,26 @@ def _psgd_row(psgd) -> str:
     if not st["compressed_bytes"]:
         return f"rank {psgd.state.matrix_approximation_rank if psgd.state else '-'}; no compressed step on rank 0"
     n = max(1, st["compressed_calls"])
+    rails = ", ".join(f"{r} {_fmt_bytes(b / n)}" for r, b in sorted(psgd.rail_bytes.items()) if b) or "none"
     return (f"rank {psgd.state.matrix_approximation_rank}: {_fmt_bytes(st['compressed_bytes'] / n)} per step "
             f"instead of {_fmt_bytes(st['uncompressed_bytes'] / n)} on rank 0's leader links "
-            f"({st['reduction']:.1f}x fewer)")
+            f"({st['reduction']:.1f}x fewer); hetcomm rails sent per step: {rails}")
+
+
+def _replica_row(model) -> str:
+    from hetcomm.train.balance import ReplicaPowerSGD
+
+    return ReplicaPowerSGD(model).summary()
+
+
+def _groups_row() -> str:
+    """This rank's process groups by backend: with ``--backend hetcomm`` all hetcomm unless a
+    side group was made (``--balance``'s migrations and checkpointing's DCP coordination use gloo)."""
+    backends = _group_backends()
+    counts = {b: backends.count(b) for b in sorted(set(backends))}
+    if len(counts) == 1:
+        return f"{len(backends)}, all {next(iter(counts))}"
+    return f"{len(backends)}: " + ", ".join(f"{n} {b}" for b, n in counts.items())
 
 
 def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step,
@@ -600,6 +684,8 @@ def _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tok
         *(balancer.summary_rows() if balancer is not None else []),
         *het_rows,
         *([("PowerSGD (cross-node pairs)", _psgd_row(psgd))] if psgd is not None else []),
+        *([("PowerSGD replica grads (rank0)", _replica_row(model))] if cfg.powersgd_experts else []),
+        ("process groups", _groups_row()),
         *([("paging (rank0)", _page_row(cfg, model))] if cfg.page_budget else []),
     ]
     for rail, c in sorted(rails.items()):

@@ -25,6 +25,14 @@ YAML) lets those ranks compute their own tokens for them locally.
   the layer: the optimizer sees each expert once (through its owner), gradient clipping counts
   it once, and the next refresh brings every copy back to the owner's exact values, whatever the
   optimizer is (Adam state lives only with the owner).
+- **Compressed gradients (``powersgd_rank > 0``, ``MoEConfig.replicate_powersgd``).** That
+  gradient sum runs through :class:`~hetcomm.moe.powersgd.SlowLinkPowerSGD` instead: exact inside
+  each node, torch's ``powerSGD_hook`` (error feedback, warm start) between the node leaders of
+  the reduction's members, so only cross-node pairs carry compressed bytes. One bucket per
+  layer, one row of ``P`` per hot expert; when the hot set changes, each expert that stays hot
+  keeps its error-feedback row (:meth:`~hetcomm.moe.powersgd.SlowLinkPowerSGD.remap_rows`).
+  Members on a single node, or a one-rank group, reduce exactly as without the option. The
+  weight refresh stays exact (replicas must equal their owner bit for bit).
 
 Metrics: fraction of copies computed on this rank (``local_fraction``), all-to-all bytes with
 and without replication, and the replicas' extra memory (``extra_bytes``).
@@ -39,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetcomm.errors import ConfigError
+from hetcomm.moe.powersgd import SlowLinkPowerSGD, rail_bytes_sent
 
 __all__ = ["HotExpertReplicator"]
 
@@ -57,6 +66,10 @@ class HotExpertReplicator:
         num_hot: ``N``, experts replicated (default 3).
         every: ``M``, steps between hot-set refreshes.
         alpha: EMA decay of the per-expert token counts.
+        powersgd_rank: PowerSGD rank of the replica-gradient sums on cross-node pairs (0: exact).
+        powersgd_start: exact sums for the first reductions (PowerSGD's ``start_iter``, >= 2).
+        node_ids: ``[world]`` node index of every rank of the job
+            (:func:`~hetcomm.moe.powersgd.node_ids_of`); needed when ``powersgd_rank > 0``.
     """
 
     def __init__(
@@ -72,6 +85,9 @@ class HotExpertReplicator:
         every: int = 10,
         alpha: float = 0.99,
         policy: str = "always",
+        powersgd_rank: int = 0,
+        powersgd_start: int = 10,
+        node_ids: Optional[Sequence[int]] = None,
     ) -> None:
         if num_hot < 0 or num_hot > placement.num_experts:
             raise ConfigError(
@@ -127,6 +143,37 @@ class HotExpertReplicator:
                 r if group is None else dist.get_global_rank(group, r) for r in self.holders
             ]
             self.holders_group = dist.new_group(global_holders)
+        #: Rail bytes (``hetcomm.stats()``) this process sent during its gradient reductions.
+        self.grad_rail_bytes: Dict[str, int] = {}
+        self.grad_reductions = 0
+        # Compressors of the gradient sums, one per group _reduction_group may pick.
+        self.powersgd: Dict[str, SlowLinkPowerSGD] = {}
+        self._powersgd_hot: Dict[str, Tuple[int, ...]] = {}
+        if powersgd_rank:
+            self._make_compressors(powersgd_rank, powersgd_start, node_ids, world)
+
+    def _make_compressors(self, rank: int, start: int, node_ids: Optional[Sequence[int]], world: int) -> None:
+        """The SlowLinkPowerSGD of each candidate reduction group (collective, like new_group)."""
+        if not dist.is_initialized() or world == 1:
+            return  # one rank: nothing to reduce
+        if dist.get_world_size() != world:
+            raise ConfigError(
+                "compressed replica gradients need the layer's group to be the whole job (their node and "
+                f"leader groups are made with new_group); the group has {world} of {dist.get_world_size()} "
+                "ranks; set replicate_powersgd=0",
+                key="moe.replicate_powersgd",
+            )
+        if node_ids is None:
+            raise ConfigError("compressing only cross-node pairs needs the cluster's nodes; pass a cluster "
+                              "to the layer or set replicate_powersgd=0", key="moe.replicate_powersgd")
+        to_global = (lambda r: r) if self.group is None else (lambda r: dist.get_global_rank(self.group, r))
+        candidates = {"all": [to_global(r) for r in range(world)]}
+        if self.holders_group is not None:
+            candidates["holders"] = [to_global(r) for r in self.holders]
+        for key, members in candidates.items():  # the same order on every rank
+            comp = SlowLinkPowerSGD(node_ids, matrix_approximation_rank=rank, start_iter=start, members=members)
+            if comp.compresses:
+                self.powersgd[key] = comp
 
     # -- heat --------------------------------------------------------------------------------
     def observe(self, global_picks: torch.Tensor, row_bytes: int = 0) -> None:
@@ -319,8 +366,17 @@ class HotExpertReplicator:
                         p.grad = None
                     off += n
         if dist.is_initialized() and self.placement.world_size > 1:
-            dist.all_reduce(buf, group=group)
+            rails0 = rail_bytes_sent()
+            comp_key = "holders" if group is not None and group is self.holders_group else "all"
+            comp = self.powersgd.get(comp_key)
+            if comp is None:
+                dist.all_reduce(buf, group=group)
+            else:
+                self._compressed_sum(comp_key, comp, hot, buf)
             self.grad_bytes += buf.numel() * buf.element_size()
+            self.grad_reductions += 1
+            for rail, b in rail_bytes_sent().items():
+                self.grad_rail_bytes[rail] = self.grad_rail_bytes.get(rail, 0) + b - rails0.get(rail, 0)
         for i, e in enumerate(hot):
             if e in self.owned:
                 off = 0
@@ -332,6 +388,35 @@ class HotExpertReplicator:
                     else:
                         p.grad.add_(g)
                     off += n
+
+    def _compressed_sum(self, key: str, comp: SlowLinkPowerSGD, hot: Tuple[int, ...], buf: torch.Tensor) -> None:
+        """``buf`` (``[len(hot), P]`` float32) summed over ``comp``'s members in place, each
+        expert's parameters as the matrices PowerSGD compresses."""
+        P = buf.shape[1]
+        old = self._powersgd_hot.get(key)
+        if old is not None and old != hot:  # the bucket's rows follow the hot set
+            comp.remap_rows([old.index(e) if e in old else None for e in hot], P)
+        self._powersgd_hot[key] = hot
+        views = []
+        for i in range(len(hot)):
+            off = 0
+            for shape in self._shapes:
+                n = int(torch.Size(shape).numel())
+                views.append(buf[i, off : off + n].view(shape))
+                off += n
+        comp.all_reduce(views, average=False)
+
+    def powersgd_state(self) -> Dict[str, object]:
+        """The compressors' error feedback and warm-start factors (this rank's), for checkpoints."""
+        return {key: {"comp": c.state_dict(), "hot": list(self._powersgd_hot.get(key, ()))}
+                for key, c in self.powersgd.items()}
+
+    def load_powersgd_state(self, sd: Dict[str, object]) -> None:
+        for key, c in self.powersgd.items():
+            if key in sd:
+                c.load_state_dict(sd[key]["comp"])
+                if sd[key]["hot"]:
+                    self._powersgd_hot[key] = tuple(int(e) for e in sd[key]["hot"])
 
     def local_modules(self, experts: Sequence[int]) -> List[nn.Module]:
         """The replica modules of ``experts`` (all must be replicated here)."""

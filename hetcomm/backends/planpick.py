@@ -32,7 +32,8 @@ itself is built from the call's real bytes (it must cover them), cached for the 
 **Conservative.** The simulator models links, not the executor: every stage of a plan ends
 with a wait for all of its transfers, a fixed software cost per stage that a one-step direct
 call does not pay. Measured on the emulated 8-rank cluster here, a pinned ``hier`` (4 stages)
-was 1.6x slower than direct at 256 B per pair where the simulator predicted 0.8x. So the
+was 2.3x slower than direct at 256 B per pair where the simulator predicted 0.8x
+(``benchmarks/README.md``, ``planned_default.py``). So the
 decision charges every stage after the first ``HETCOMM_PLAN_STAGE_US`` (default 500 us); the
 simulator's own predictions (``hetcomm simulate``) do not include it.
 

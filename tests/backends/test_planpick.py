@@ -88,7 +88,7 @@ def _body(rank: int, world: int):
 def test_default_path_plans_where_the_model_says_so_on_groups_and_subgroups():
     # HETCOMM_PLAN_STAGE_US=0: the simulator's model alone decides (the default charges each
     # extra stage 500 us, under which this small cluster never plans: test_conservative_default)
-    res = run_ranks(_body, world_size=5, cluster=PLAN5, timeout=150.0, env={"HETCOMM_PLAN_STAGE_US": "0"})
+    res = run_ranks(_body, world_size=5, cluster=PLAN5, timeout=240.0, env={"HETCOMM_PLAN_STAGE_US": "0"})
     for r, o in enumerate(res):
         assert o["equal"], r
         # small: 2 planned calls; large: then a direct one (counts are cumulative)

@@ -369,6 +369,13 @@ def load_checkpoint(
     _dcp_load(path, state, process_group)
     if rng is not None and rng_key in state:
         rng.set_state(state[rng_key])
+    finish_replicators(model, state)
+    return int(state["train/step"])
+
+
+def finish_replicators(model: nn.Module, state: Mapping[str, object]) -> None:
+    """After the tensors of :func:`_state` were loaded in place: give each replicator its step
+    count and hot set, and refresh the replicas from the loaded owners (collective)."""
     for lname, layer in _moe_layers(model):
         rep = layer.replicator
         if rep is None:
@@ -377,4 +384,3 @@ def load_checkpoint(
         rep.steps = int(state[f"replicator/{lname}/steps"])
         rep.set_hot(hot)
         rep.sync(force=True)  # collective: replicas take the loaded owners' weights now
-    return int(state["train/step"])

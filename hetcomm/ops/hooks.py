@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "NullCollector", "metrics_collector", "checkpoint_group", "resume", "warmup", "maybe_checkpoint",
-    "record_verdict", "nothing_to_train", "snapshotter", "restore", "maybe_snapshot", "close_snapshots",
+    "record_verdict", "nothing_to_train", "finish_checkpoints", "snapshotter", "restore", "maybe_snapshot", "close_snapshots",
 ]
 
 _GROUP: list = []
@@ -112,8 +112,32 @@ def maybe_checkpoint(
     """Save after ``step`` when it is a multiple of ``cfg.checkpoint_every`` (collective)."""
     if not (cfg.checkpoint_dir and cfg.checkpoint_every) or step % cfg.checkpoint_every:
         return None
+    if getattr(cfg, "checkpoint_async", False):  # written in the background, committed at the next one
+        from hetcomm.ops.checkpoint import save_checkpoint_async
+
+        done = finish_checkpoints(mc)
+        _PENDING.append(save_checkpoint_async(cfg.checkpoint_dir, step, model, optimizer, rng, extras,
+                                              process_group=checkpoint_group()))
+        return done
     path = save_checkpoint(cfg.checkpoint_dir, step, model, optimizer, rng, extras, process_group=checkpoint_group())
     mc.event(step, "checkpoint", os.path.basename(path))
+    return path
+
+
+_PENDING: list = []  # the background checkpoint in flight (at most one)
+
+
+def finish_checkpoints(mc=None) -> Optional[str]:
+    """Wait for the background checkpoint in flight and commit it (rank 0); a no-op without one.
+    Called before the next one and at the end of the run (``--checkpoint-async``)."""
+    from hetcomm.ops.checkpoint import finish_save
+
+    path = None
+    while _PENDING:
+        pending = _PENDING.pop()
+        path = finish_save(pending)
+        if mc is not None and path is not None:
+            mc.event(pending.step, "checkpoint", os.path.basename(path) + " (written in the background)")
     return path
 
 

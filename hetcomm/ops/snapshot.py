@@ -179,14 +179,14 @@ class Snapshotter:
     def _path(self, kind: str, owner: int, step: int) -> str:
         return os.path.join(self.dir, f"{kind}{owner}-w{self.world_size}-s{step}.snap")
 
-    def _scan(self) -> Dict[Tuple[int, int], str]:
-        """``{(rank whose state, step): path}`` of the complete snapshots of this world size in
-        this node's directory (own files first)."""
-        out: Dict[Tuple[int, int], str] = {}
+    def _scan(self) -> Dict[Tuple[int, int], Tuple[str, str]]:
+        """``{(rank whose state, step): (kind, path)}`` of the complete snapshots of this world
+        size in this node's directory; kind ``r`` (the rank's own) before ``p`` (a peer copy)."""
+        out: Dict[Tuple[int, int], Tuple[str, str]] = {}
         for name in sorted(os.listdir(self.dir), key=lambda n: n.startswith("p")):
             m = _NAME.match(name)
             if m and int(m.group(3)) == self.world_size:
-                out.setdefault((int(m.group(2)), int(m.group(4))), os.path.join(self.dir, name))
+                out.setdefault((int(m.group(2)), int(m.group(4))), (m.group(1), os.path.join(self.dir, name)))
         return out
 
     def _finished(self) -> int:
@@ -277,6 +277,9 @@ class Snapshotter:
                 self._prune("p", src, int(head[1]))
             for w in works:
                 w.wait()
+            # Every rank's copies of this step are written before any rank's next step ends:
+            # a rank that finished step n+1 implies every peer copy of step n exists (lost <= 1).
+            dist.barrier(group=self.group)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread at the next step
             self._error = e
         self.background_s += time.perf_counter() - t0
@@ -310,24 +313,27 @@ class Snapshotter:
         """
         seen = self._scan()
         gathered: List[object] = [None] * self.world_size
-        dist.all_gather_object(gathered, (sorted(seen), self._finished()), group=self.group)
-        held: Dict[Tuple[int, int], List[int]] = {}
+        mine = sorted((owner, step, kind) for (owner, step), (kind, _) in seen.items())
+        dist.all_gather_object(gathered, (mine, self._finished()), group=self.group)
+        held: Dict[Tuple[int, int], Dict[int, str]] = {}  # (owner, step) -> {rank holding it: kind}
         finished = 0
         for r, (keys, done) in enumerate(gathered):  # type: ignore[misc]
             finished = max(finished, int(done))
-            for key in keys:
-                held.setdefault(tuple(key), []).append(r)
+            for owner, st, kind in keys:
+                held.setdefault((int(owner), int(st)), {})[r] = kind
         steps = sorted({s for (_, s) in held if below is None or s < below}, reverse=True)
         step = next((s for s in steps if all((r, s) in held for r in range(self.world_size))), None)
         if step is None or step <= not_before:
             return None
+        # Each rank reads what its node holds, else the lowest rank holding a copy sends it.
         holder = [r if r in held[(r, step)] else min(held[(r, step)]) for r in range(self.world_size)]
+        peers = tuple(r for r in range(self.world_size) if held[(r, step)][holder[r]] == "p")
         blob: Optional[bytes] = None
-        for r, h in enumerate(holder):  # the few ranks whose node lost them: copies from buddies
+        for r, h in enumerate(holder):  # the ranks whose node lost them: copies from their buddies
             if h == r:
                 continue
             if self.rank == h:
-                data = torch.frombuffer(bytearray(_read(seen[(r, step)])), dtype=torch.uint8)  # host: bytes
+                data = torch.frombuffer(bytearray(_read(seen[(r, step)][1])), dtype=torch.uint8)  # host: bytes
                 dist.send(torch.tensor([data.numel()], dtype=torch.int64), r, group=self.group)  # host: header
                 dist.send(data, r, group=self.group)
             elif self.rank == r:
@@ -336,9 +342,9 @@ class Snapshotter:
                 got = torch.empty(int(head[0]), dtype=torch.uint8)  # host: bytes
                 dist.recv(got, h, group=self.group)
                 blob = got.numpy().tobytes()
-        path = seen.get((self.rank, step), f"<copy from rank {holder[self.rank]}>")
+        path = seen[(self.rank, step)][1] if blob is None else f"<rank {holder[self.rank]}'s copy of step {step}>"
         if blob is None:
-            blob = _read(seen[(self.rank, step)])
+            blob = _read(path)
         # weights_only=False: numpy state of the data stream inside; the file is this job's own,
         # in a 0700 directory of this user.
         payload = torch.load(io.BytesIO(blob), weights_only=False)
@@ -347,7 +353,6 @@ class Snapshotter:
         lost = max(0, finished - step)
         self.lost = int(meta.get("lost", 0)) + lost
         self.restores = int(meta.get("restores", 0)) + 1
-        peers = tuple(r for r, h in enumerate(holder) if h != r)
         self.restored = Restored(step, "memory+peer" if peers else "memory", lost, peers)
         return self.restored
 

@@ -466,6 +466,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         hooks.maybe_checkpoint(cfg, step, model, opt, gen, mc, extras or None)
         hooks.maybe_snapshot(cfg, snap, step, model, opt, gen, extras or None)
         progress.update(step, losses[-1], tokens_per_step * world_size, model)
+    hooks.finish_checkpoints(mc)  # --checkpoint-async: the last one is committed before the summary
     snap_rows = hooks.close_snapshots(snap, mc, cfg.steps, len(losses), time.perf_counter() - t0)
     mc.close()
     if balancer is not None:

@@ -30,6 +30,25 @@ from tests.ops.test_resume import REPO, _last_step, _worker_pid
 NODES = ["a100", "a100", "h800", "ascend"]  # mixed-mini's ranks
 
 
+def test_snapshot_knobs_are_checked():
+    import pytest
+
+    from hetcomm.cli.main import build_parser
+    from hetcomm.cli.train import train_config
+    from hetcomm.errors import ConfigError
+    from hetcomm.train.loop import TrainConfig
+
+    assert TrainConfig().snapshot_every == "auto" and TrainConfig().snapshot_peer
+    for bad in (-1, "sometimes", True, 1.5):
+        with pytest.raises(ConfigError, match="snapshot_every"):
+            TrainConfig(snapshot_every=bad)
+    cfg = train_config(build_parser().parse_args(["train", "--snapshot-every", "3", "--no-snapshot-peer",
+                                                  "--checkpoint-async"]))
+    assert (cfg.snapshot_every, cfg.snapshot_peer, cfg.checkpoint_async) == (3, False, True)
+    with pytest.raises(ConfigError, match="snapshot-every"):
+        train_config(build_parser().parse_args(["train", "--snapshot-every", "often"]))
+
+
 def test_buddy_is_a_rank_on_another_node():
     assert buddies(NODES) == [2, 2, 3, 0]
     assert buddies(["n"] * 3) == [None, None, None]

@@ -193,3 +193,18 @@ def test_async_checkpoint_holds_the_state_at_the_save_and_commits(tmp_path):
     opt2 = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     assert load_checkpoint(path, fresh, opt2) == 5
     assert all(torch.equal(a, b) for a, b in zip(want, fresh.parameters()))
+
+
+def test_pack_round_trip_keeps_dtype_shape_and_bytes():
+    import torch
+
+    from hetcomm.ops.snapshot import pack, unpack
+
+    t = {"w": torch.randn(3, 5), "step": torch.tensor(7.0), "ids": torch.arange(7), "mask": torch.tensor([True, False]),
+         "none": torch.empty(0, 4), "tr": torch.randn(4, 3).t(), "bf": torch.randn(5).to(torch.bfloat16),
+         "rng": torch.Generator().manual_seed(3).get_state()}
+    out = unpack(bytes(pack(t, {"meta": {"step": 3}, "extras": {"x": {"y": torch.ones(2)}}})))
+    assert out["meta"] == {"step": 3} and torch.equal(out["extras"]["x"]["y"], torch.ones(2))
+    for k, v in t.items():
+        got = out["tensors"][k]
+        assert got.dtype == v.dtype and got.shape == v.shape and torch.equal(got, v), k

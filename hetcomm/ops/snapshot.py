@@ -19,7 +19,9 @@ two newest steps are kept.
 their own, to a *buddy*: the next rank (cyclically) that sits on another node of the cluster
 YAML, which keeps them as ``p<rank>-w<world>-s<step>.snap`` in its node's shared memory. A lost
 node's ranks are then restored from their buddies' copies. A one-node job has no buddy (its
-shared memory is the same either way).
+shared memory is the same either way). The ranks meet at a barrier (in that thread) after each
+exchange, and a step's snapshot first waits for the previous exchange: a rank that finished
+step n+1 implies every peer copy of step n exists.
 
 **Restore** (collective, at the start of ``train``, before the disk checkpoint is looked at):
 every rank reports the snapshots its node's shared memory holds; the newest step for which
@@ -31,7 +33,8 @@ second: a disk checkpoint newer than the newest snapshot wins.
 **Steps lost.** Each rank also records the last step it finished (``done-r<rank>``, a few bytes
 per step). At a restore, *lost* = the newest step any rank finished minus the step restored:
 the work redone. The own-memory write is synchronous (inside the step's end), so a rank that
-finished step ``n`` holds snapshot ``n`` and a restore loses at most one step; the count is
+finished step ``n`` holds snapshot ``n`` and a restore loses at most one step (from peer
+copies too, by the barrier above); the count is
 carried in the snapshots across restarts and reported in the summary and metrics.
 
 **Disk.** Disk checkpoints (``--checkpoint-every``) stay DCP's, resharding across world sizes;

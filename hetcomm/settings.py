@@ -366,6 +366,18 @@ NODE = StrSetting(
     readers=("hetcomm.ops.worker",),
     set_by=("hetcomm.cli.launch",),
 )
+JOB_ID = StrSetting(
+    "HETCOMM_JOB_ID", None,
+    "the job's id: names its in-memory snapshot segments (hetcomm launch: the rendezvous id; unset: torchrun's run id)",
+    readers=("hetcomm.ops.snapshot",),
+    set_by=("hetcomm.cli.launch", "hetcomm.train.loop"),
+)
+SNAPSHOT_ROOT = StrSetting(
+    "HETCOMM_SNAPSHOT_ROOT", "/dev/shm",
+    "node-local shared memory where training snapshots live (<root>/hetcomm-<uid>-<job id>/)",
+    readers=("hetcomm.ops.snapshot",),
+    form="path",
+)
 GROUP_SIZE = IntSetting(
     "HETCOMM_GROUP_SIZE", 0,
     "grouped start: ranks per start group (0 = all at once)",

@@ -175,14 +175,19 @@ def run(args: argparse.Namespace) -> int:
     from hetcomm.ops.safe_fs import remove_tree
 
     made: List[str] = []  # the default work directory: removed when the launch ends (--work-dir is kept)
+    jobs: List[str] = []  # the job's in-memory snapshots on this node: removed whatever the outcome
     try:
-        return _run(args, made)
+        return _run(args, made, jobs)
     finally:
+        from hetcomm.ops.snapshot import remove_job
+
+        for job in jobs:
+            remove_job(job)
         for path in made:
             remove_tree(path)
 
 
-def _run(args: argparse.Namespace, made: List[str]) -> int:
+def _run(args: argparse.Namespace, made: List[str], jobs: List[str]) -> int:
     from hetcomm.cli._launch_checks import check_job, check_options, check_rdzv_endpoint, job_cluster
     from hetcomm.ops.health import judge, render_report
     from hetcomm.ops.safe_fs import launch_work_dir, read_nofollow, write_private
@@ -238,6 +243,8 @@ def _run(args: argparse.Namespace, made: List[str]) -> int:
     env = dict(os.environ)
     env[CLUSTER_ENV] = cluster_path
     env["HETCOMM_LAUNCH_DIR"] = work
+    env[settings.JOB_ID.name] = rdzv_id  # names the job's snapshot segments in /dev/shm (hetcomm.ops.snapshot)
+    jobs.append(rdzv_id)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONSAFEPATH"] = "1"  # torchrun's `python -m hetcomm.cli.launch_worker` must not import ./hetcomm
     if args.node:

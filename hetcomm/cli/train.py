@@ -52,6 +52,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="sharded checkpoints (torch.distributed.checkpoint) here")
     p.add_argument("--checkpoint-every", metavar="N", type=int, default=None, help="save a checkpoint every N steps")
     p.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--snapshot-every", metavar="N|auto", default=None,
+                   help="in-memory snapshot (node-local shared memory + a peer node) every N steps; 0: none; "
+                   "auto (default): every step under torchrun / hetcomm launch, none otherwise (docs/OPERATIONS.md)")
+    p.add_argument("--no-snapshot-peer", dest="snapshot_peer", action="store_false", default=None,
+                   help="keep snapshots in this node's shared memory only (no copy on a peer node)")
+    p.add_argument("--checkpoint-async", action="store_true", default=None,
+                   help="write the --checkpoint-every checkpoints in the background (DCP async_save)")
     p.add_argument("--warmup-from", metavar="METRICS.jsonl", default=None, help="seed calibrators and hot experts from a previous run's metrics")
     p.add_argument("--balance", action="store_true", default=None,
                    help="run the expert balancer: capacity-aware migrations between ranks (docs/MOE.md)")
@@ -89,6 +96,19 @@ def _chunks(value):
         raise ConfigError(f"--chunks takes a positive integer or 'auto', got {value!r}", key="train.chunks") from None
 
 
+def _snapshot_every(value):
+    """``--snapshot-every``: a whole number >= 0 or ``auto`` (None: the config's)."""
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        from hetcomm.errors import ConfigError
+
+        raise ConfigError(f"--snapshot-every takes a whole number >= 0 or 'auto', got {value!r}",
+                          key="train.snapshot_every") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from hetcomm.cli._args import check_nprocs
     from hetcomm.train.loop import launch
@@ -124,6 +144,9 @@ def train_config(args: argparse.Namespace):
         powersgd_experts=args.powersgd_experts,
         page_budget=args.page_budget,
         chunks=_chunks(args.chunks),
+        snapshot_every=_snapshot_every(args.snapshot_every),
+        snapshot_peer=args.snapshot_peer,
+        checkpoint_async=args.checkpoint_async,
         token_split={"on": True, "off": False, "auto": "auto", None: None}[args.token_split],
     )
     if args.no_balance:

@@ -52,7 +52,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from hetcomm.errors import CheckpointError
 from hetcomm.ops import checkpoint_files as files
 
-__all__ = ["Stateful", "PerRank", "TrainState", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "job_state_keys"]
+__all__ = ["Stateful", "PerRank", "TrainState", "save_checkpoint", "save_checkpoint_async", "finish_save", "PendingSave",
+           "load_checkpoint", "latest_checkpoint", "job_state_keys", "finish_replicators"]
 
 
 @dataclass
@@ -249,6 +250,65 @@ def save_checkpoint(
     return path
 
 
+@dataclass
+class PendingSave:
+    """A checkpoint :func:`save_checkpoint_async` is writing in the background."""
+
+    root: str
+    step: int
+    staging: str
+    future: object  # concurrent.futures.Future of DCP's write
+    rank: int
+
+
+def save_checkpoint_async(
+    root: str,
+    step: int,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    rng: Optional[torch.Generator] = None,
+    extras: Optional[Mapping[str, Stateful]] = None,
+    process_group: Optional[dist.ProcessGroup] = None,
+) -> PendingSave:
+    """:func:`save_checkpoint` whose files are written in the background (collective).
+
+    ``torch.distributed.checkpoint.async_save`` copies the state into host memory before it
+    returns (the step may change the model right after) and writes the shards in a thread, over
+    ``process_group`` (a gloo group that nothing else uses meanwhile). :func:`finish_save`
+    commits it; call it (on every rank) before the next save and at the end: until then
+    ``latest`` names the previous checkpoint, and a kill leaves the staging directory, removed
+    by the next save, as with a synchronous save.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    files.prepare_root(root)
+    if rank == 0:
+        files.begin_staging(root, step)
+    _barrier(process_group)
+    staging = files.staging_dir(root, step)
+    state = _state(model, optimizer, TrainState(step, rng if rng is not None else torch.Generator()),
+                   extras or {}, rank, create=False)
+    if rng is None:
+        state.pop(f"train/rng/{rank}")
+    future = dcp.async_save(state, checkpoint_id=staging, process_group=process_group,
+                            no_dist=not dist.is_initialized())
+    return PendingSave(root, step, staging, future, rank)
+
+
+def finish_save(pending: PendingSave) -> Optional[str]:
+    """Wait for a background save; rank 0 then commits it (checksums, rename, ``latest``).
+
+    No collective: DCP's coordinator (rank 0) finishes only after every rank's shards are
+    written (it gathers their write results before it writes ``.metadata``).
+
+    Returns:
+        The committed step directory on rank 0, None elsewhere.
+    """
+    pending.future.result()  # type: ignore[attr-defined]
+    if pending.rank == 0:
+        return files.commit(pending.root, pending.staging, pending.step)
+    return None
+
+
 def latest_checkpoint(root: str) -> Optional[str]:
     """The step directory ``root/latest`` names, or None when there is no checkpoint yet.
 
@@ -369,6 +429,13 @@ def load_checkpoint(
     _dcp_load(path, state, process_group)
     if rng is not None and rng_key in state:
         rng.set_state(state[rng_key])
+    finish_replicators(model, state)
+    return int(state["train/step"])
+
+
+def finish_replicators(model: nn.Module, state: Mapping[str, object]) -> None:
+    """After the tensors of :func:`_state` were loaded in place: give each replicator its step
+    count and hot set, and refresh the replicas from the loaded owners (collective)."""
     for lname, layer in _moe_layers(model):
         rep = layer.replicator
         if rep is None:
@@ -377,4 +444,3 @@ def load_checkpoint(
         rep.steps = int(state[f"replicator/{lname}/steps"])
         rep.set_hot(hot)
         rep.sync(force=True)  # collective: replicas take the loaded owners' weights now
-    return int(state["train/step"])

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "NullCollector", "metrics_collector", "checkpoint_group", "resume", "warmup", "maybe_checkpoint",
-    "record_verdict", "nothing_to_train",
+    "record_verdict", "nothing_to_train", "finish_checkpoints", "snapshotter", "restore", "maybe_snapshot", "close_snapshots",
 ]
 
 _GROUP: list = []
@@ -64,8 +64,10 @@ class NullCollector:
         pass
 
 
-def metrics_collector(cfg, rank: int, world_size: int, cluster, model: nn.Module, start_step: int):
-    """A :class:`MetricsCollector` writing ``cfg.metrics``, or a :class:`NullCollector`."""
+def metrics_collector(cfg, rank: int, world_size: int, cluster, model: nn.Module, start_step: int,
+                      resumed_from: Optional[str] = None):
+    """A :class:`MetricsCollector` writing ``cfg.metrics``, or a :class:`NullCollector`.
+    ``resumed_from``: what :func:`restore` restored (the ``resume`` event's detail)."""
     if not cfg.metrics:
         return NullCollector()
     ranks = [
@@ -77,7 +79,7 @@ def metrics_collector(cfg, rank: int, world_size: int, cluster, model: nn.Module
     )
     mc = MetricsCollector(cfg.metrics, rank, world_size, cluster, model.moe_layers, header, backend=cfg.backend)
     if start_step:
-        mc.event(start_step, "resume", f"from {latest_checkpoint(cfg.checkpoint_dir)}")
+        mc.event(start_step, "resume", resumed_from or f"from {latest_checkpoint(cfg.checkpoint_dir)}")
     return mc
 
 
@@ -110,8 +112,32 @@ def maybe_checkpoint(
     """Save after ``step`` when it is a multiple of ``cfg.checkpoint_every`` (collective)."""
     if not (cfg.checkpoint_dir and cfg.checkpoint_every) or step % cfg.checkpoint_every:
         return None
+    if getattr(cfg, "checkpoint_async", False):  # written in the background, committed at the next one
+        from hetcomm.ops.checkpoint import save_checkpoint_async
+
+        done = finish_checkpoints(mc)
+        _PENDING.append(save_checkpoint_async(cfg.checkpoint_dir, step, model, optimizer, rng, extras,
+                                              process_group=checkpoint_group()))
+        return done
     path = save_checkpoint(cfg.checkpoint_dir, step, model, optimizer, rng, extras, process_group=checkpoint_group())
     mc.event(step, "checkpoint", os.path.basename(path))
+    return path
+
+
+_PENDING: list = []  # the background checkpoint in flight (at most one)
+
+
+def finish_checkpoints(mc=None) -> Optional[str]:
+    """Wait for the background checkpoint in flight and commit it (rank 0); a no-op without one.
+    Called before the next one and at the end of the run (``--checkpoint-async``)."""
+    from hetcomm.ops.checkpoint import finish_save
+
+    path = None
+    while _PENDING:
+        pending = _PENDING.pop()
+        path = finish_save(pending)
+        if mc is not None and path is not None:
+            mc.event(pending.step, "checkpoint", os.path.basename(path) + " (written in the background)")
     return path
 
 
@@ -213,3 +239,83 @@ def warmup(cfg, model: nn.Module, start_step: int, pagers: Sequence["ExpertPager
                     break  # no free slot and nothing colder to evict: the working set is full
             pager.sync()
     return True
+
+
+# -- in-memory snapshots (hetcomm.ops.snapshot) ---------------------------------------------------
+
+
+def snapshotter(cfg, rank: int, world_size: int, cluster):
+    """The rank's :class:`~hetcomm.ops.snapshot.Snapshotter`, or None when snapshots are off
+    (``snapshot_every`` 0, or ``auto`` outside torchrun/``hetcomm launch``). Collective when on."""
+    import torch.distributed as dist
+
+    from hetcomm.ops.snapshot import Snapshotter, job_id
+
+    every = cfg.snapshot_every
+    if every == "auto":
+        every = 1 if job_id() else 0  # a restart can only happen under torchrun
+    if not every or not dist.is_initialized():
+        return None
+    nodes = [cluster.rank(r).node.name for r in range(world_size)]
+    return Snapshotter(rank, world_size, nodes, every=int(every), peer=cfg.snapshot_peer, timeout_s=cfg.timeout_s)
+
+
+def _disk_step(path: Optional[str]) -> int:
+    import re
+
+    m = re.match(r"step-(\d+)", os.path.basename(path or ""))
+    return int(m.group(1)) if m else 0
+
+
+def restore(cfg, model: nn.Module, optimizer: torch.optim.Optimizer, rng: torch.Generator,
+            extras: Optional[Mapping[str, Stateful]], snap) -> "tuple[int, Optional[str]]":
+    """Memory first, disk second: the newest complete in-memory snapshot of this job (unless a
+    disk checkpoint is newer), else :func:`resume`. Returns ``(step done, what was restored)``
+    (``(0, None)``: a fresh start). Collective."""
+    import torch.distributed as dist
+
+    path = None
+    if cfg.checkpoint_dir:
+        checkpoint_group()  # made here, at the same point on every rank
+        if cfg.resume:
+            path = latest_checkpoint(cfg.checkpoint_dir)
+    if snap is not None:
+        got = snap.restore(model, optimizer, rng, extras, not_before=_disk_step(path), below=cfg.steps)
+        if got is not None:
+            what = (f"from memory after step {got.step} ({got.source}"
+                    f"{', ranks ' + ','.join(map(str, got.from_peer)) + ' from peer copies' if got.from_peer else ''}); "
+                    f"lost {got.lost} step(s)")
+            if dist.get_rank() == 0:
+                print(f"hetcomm train: restored {what}", file=sys.stderr, flush=True)
+            return got.step, what
+    step = resume(cfg, model, optimizer, rng, extras)
+    if not step:
+        return 0, None
+    lost = snap.count_lost(step) if snap is not None else None
+    return step, f"from {path}" + (f"; lost {lost} step(s)" if lost is not None else "")
+
+
+def maybe_snapshot(cfg, snap, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, rng: torch.Generator,
+                   extras: Optional[Mapping[str, Stateful]] = None) -> None:
+    """At the end of ``step``: record it as finished and, when due, snapshot (no-op when off)."""
+    if snap is None:
+        return
+    if not snap.due(step):
+        snap.mark_done(step)
+        return
+    if cfg.page_budget:
+        for m in model.moe_layers:
+            m.sync_pages()  # the snapshot reads the experts: no write-back half done
+    snap.take(step, model, optimizer, rng, extras)
+
+
+def close_snapshots(snap, mc, step: int, steps_run: int, elapsed_s: float) -> list:
+    """A normal end: the summary's snapshot rows (also a ``snapshots`` metrics event), then every
+    rank removes its snapshot files (collective). Returns the rows ([] when off)."""
+    if snap is None:
+        return []
+    snap.close(remove=False)  # the last peer transfer is in: its time counts
+    rows = snap.summary_rows(steps_run, elapsed_s)
+    mc.event(step, "snapshots", "; ".join(f"{k}: {v}" for k, v in rows))
+    snap.close(remove=True)
+    return rows

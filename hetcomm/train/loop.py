@@ -73,6 +73,10 @@ class TrainConfig:
             by measured speed (:mod:`hetcomm.train.het_defaults`): False (default), True, or
             ``auto`` (on for a mixed cluster).
         chunks: pipelined dispatch chunks (``MoEConfig.num_chunks``), or ``auto``.
+        snapshot_every: steps between in-memory snapshots (:mod:`hetcomm.ops.snapshot`; 0: none),
+            or ``auto``: every step under torchrun (``hetcomm launch``), none otherwise.
+        snapshot_peer: also keep each snapshot on a rank of another node.
+        checkpoint_async: write the periodic disk checkpoints in the background (DCP ``async_save``).
     """
 
     cluster: str = "configs/clusters/mixed-mini.yaml"
@@ -104,6 +108,9 @@ class TrainConfig:
     page_budget: float = 0.0
     token_split: Union[bool, str] = False
     chunks: Union[int, str] = "auto"
+    snapshot_every: Union[int, str] = "auto"
+    snapshot_peer: bool = True
+    checkpoint_async: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
@@ -135,6 +142,9 @@ class TrainConfig:
             raise ConfigError(f"must be a fraction within [0, 1] (0 = paging off), got {pb!r}", key="train.page_budget")
         if self.token_split not in (True, False, "auto"):
             raise ConfigError(f"must be true, false or 'auto', got {self.token_split!r}", key="train.token_split")
+        se = self.snapshot_every
+        if se != "auto" and (isinstance(se, bool) or not isinstance(se, int) or se < 0):
+            raise ConfigError(f"must be a whole number >= 0 or 'auto', got {se!r}", key="train.snapshot_every")
         if self.chunks != "auto" and (isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1):
             raise ConfigError(f"must be a positive whole number or 'auto', got {self.chunks!r}", key="train.chunks")
 
@@ -196,18 +206,22 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
             path=cluster.path,
         )
     limit_s = cfg.timeout_s + cfg.steps * 10.0
-    outcome = launch_ranks(
-        _rank_main,
-        world_size,
-        args=(cfg,),
-        env={CLUSTER_ENV: None},  # the ranks get the cluster as an object (pg_options), not a variable
-        store=True,
-        store_timeout_s=cfg.timeout_s,
-        timeout_s=limit_s,
-        grace_s=0.0,  # one rank failed: the others would wait for it until their timeout
-        clean_shm=True,
-        name="train",
-    )
+    env: Dict[str, Optional[str]] = {CLUSTER_ENV: None}  # the ranks get the cluster as an object (pg_options)
+    snapshot_job = None
+    if isinstance(cfg.snapshot_every, int) and cfg.snapshot_every > 0:
+        import uuid
+
+        from hetcomm import settings
+
+        snapshot_job = f"train-{uuid.uuid4().hex[:12]}"
+        env[settings.JOB_ID.name] = snapshot_job  # names the ranks' snapshot segments; removed below
+    try:
+        outcome = _launch_ranks(launch_ranks, world_size, cfg, env, limit_s)
+    finally:
+        if snapshot_job is not None:
+            from hetcomm.ops.snapshot import remove_job
+
+            remove_job(snapshot_job)  # whatever the outcome: nothing left in shared memory
     if outcome.timed_out:
         print(f"hetcomm train: the run exceeded its time limit ({limit_s:g} s); ranks {list(outcome.timed_out)} "
               "had not finished; stopped all ranks", file=sys.stderr)
@@ -225,6 +239,21 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
         print(f"hetcomm train: {first.describe()}; stopped the other ranks", file=sys.stderr)
         return 1
     return 0 if outcome.results[0] == 0 else 1
+
+
+def _launch_ranks(launch_ranks, world_size: int, cfg: TrainConfig, env, limit_s: float):
+    return launch_ranks(
+        _rank_main,
+        world_size,
+        args=(cfg,),
+        env=env,
+        store=True,
+        store_timeout_s=cfg.timeout_s,
+        timeout_s=limit_s,
+        grace_s=0.0,  # one rank failed: the others would wait for it until their timeout
+        clean_shm=True,
+        name="train",
+    )
 
 
 def _usage_error_names() -> set:
@@ -392,7 +421,8 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         from hetcomm.ops.checkpoint import PerRank
 
         extras["powersgd_experts"] = PerRank(ReplicaPowerSGD(model), rank)
-    start_step = hooks.resume(cfg, model, opt, gen, extras or None)
+    snap = hooks.snapshotter(cfg, rank, world_size, cluster)  # in-memory snapshots (hetcomm.ops.snapshot)
+    start_step, resumed_from = hooks.restore(cfg, model, opt, gen, extras or None, snap)  # memory, else disk
     if start_step >= cfg.steps:  # nothing left to train: report the recorded verdict, not a fresh one
         return hooks.nothing_to_train(cfg, rank, start_step)
     if balancer is not None and start_step:
@@ -400,7 +430,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     hooks.warmup(cfg, model, start_step)
     hetcomm.reset_stats()
     progress = _Progress(rank == 0, cfg, world_size, cluster, balancer)
-    mc = hooks.metrics_collector(cfg, rank, world_size, cluster, model, start_step)
+    mc = hooks.metrics_collector(cfg, rank, world_size, cluster, model, start_step, resumed_from)
     t0 = time.perf_counter()
     tokens_per_step = cfg.batch_size * cfg.seq_len
     losses: List[float] = []
@@ -447,14 +477,17 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             for m in model.moe_layers:
                 m.sync_pages()  # the checkpoint reads the experts: no write-back half done
         hooks.maybe_checkpoint(cfg, step, model, opt, gen, mc, extras or None)
+        hooks.maybe_snapshot(cfg, snap, step, model, opt, gen, extras or None)
         progress.update(step, losses[-1], tokens_per_step * world_size, model)
+    hooks.finish_checkpoints(mc)  # --checkpoint-async: the last one is committed before the summary
+    snap_rows = hooks.close_snapshots(snap, mc, cfg.steps, len(losses), time.perf_counter() - t0)
     mc.close()
     if balancer is not None:
         balancer.finish_pending()
 
     elapsed = time.perf_counter() - t0
     het_rows = [("token split (per step, by measured speed)", "on" if split_on else "off"),
-                ("per-rank MoE time max/mean", MoETimeTracker.summary(moe_time.gather(world_size)))]
+                ("per-rank MoE time max/mean", MoETimeTracker.summary(moe_time.gather(world_size))), *snap_rows]
     compression = _compression_per_rank(psgd, model, cfg, rank, world_size)  # collective
     summary = _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step,
                          balancer, psgd, het_rows)

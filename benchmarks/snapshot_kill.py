@@ -1,0 +1,126 @@
+"""Issue 20's first "Done when", full size: kill -9 one rank of a 200-step `hetcomm launch -- train`.
+
+    python benchmarks/snapshot_kill.py [--steps 200] [--seed S] [--rank 2] [--out DIR] [--reference M.jsonl]
+
+4 ranks of mixed-mini (the demo's defaults; in-memory snapshots every step, their default under
+`hetcomm launch`), one rank SIGKILLed at a random step in [30, 170] (seeded), and an uninterrupted
+run of the same job for reference (or `--reference` a metrics file of one). Prints one JSON line:
+exit code, kill step, the step restored, steps lost (the summary's count and the metrics'),
+recovery time (the kill to the first step completed after the restore), the largest relative loss
+difference to the reference at the same step after the restore, and what is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from hetcomm.ops.metrics import read_metrics  # noqa: E402
+
+
+def _worker_pid(work: str, rank: int):
+    want = {f"HETCOMM_LAUNCH_DIR={work}".encode(), f"RANK={rank}".encode()}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if want <= set(f.read().split(b"\0")):
+                        return int(pid)
+            except OSError:
+                continue
+    return None
+
+
+def _steps(path: str):
+    try:
+        return read_metrics(path).all_steps
+    except Exception:  # being written
+        return []
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=int(time.time()))
+    ap.add_argument("--rank", type=int, default=2)
+    ap.add_argument("--out", default="/tmp/hetcomm-snapshot-kill")
+    ap.add_argument("--reference", default=None, help="metrics of an uninterrupted run of the same job")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    kill_at = random.Random(args.seed).randint(30, min(170, args.steps - 10))
+    hetcomm = [sys.executable, "-m", "hetcomm.cli.main"]
+    ref = args.reference
+    if ref is None:
+        ref = os.path.join(args.out, "ref.jsonl")
+        t = time.time()
+        subprocess.run(hetcomm + ["train", "--steps", str(args.steps), "--metrics", ref], cwd=REPO,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print(f"reference run: {time.time() - t:.0f} s", file=sys.stderr, flush=True)
+    ref_loss = {s.step: s.loss for s in read_metrics(ref).steps}
+    work, metrics = os.path.join(args.out, f"work-{uuid.uuid4().hex[:6]}"), os.path.join(args.out, "m.jsonl")
+    if os.path.exists(metrics):
+        os.unlink(metrics)
+    job = f"snapkill{uuid.uuid4().hex[:8]}"
+    shm = f"/dev/shm/hetcomm-{os.getuid()}-{job}"
+    cmd = hetcomm + ["launch", "--no-health", "--max-restarts", "2", "--work-dir", work, "--rdzv-id", job, "--",
+                     "train", "--steps", str(args.steps), "--metrics", metrics]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t_kill = killed_step = n_at_resume = None
+    recovered_s = None
+    while proc.poll() is None:
+        steps = _steps(metrics)
+        last = steps[-1].step if steps else 0
+        if t_kill is None and last >= kill_at:
+            pid = _worker_pid(work, args.rank)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                t_kill, killed_step = time.time(), last
+        elif t_kill is not None and recovered_s is None:
+            try:
+                log = read_metrics(metrics)
+            except Exception:
+                log = None
+            if log is not None and n_at_resume is None and any(e.event == "resume" for e in log.events):
+                n_at_resume = len(log.all_steps)  # the new group's header and resume line are in
+            elif log is not None and n_at_resume is not None and len(log.all_steps) > n_at_resume:
+                recovered_s = time.time() - t_kill  # the first step the restored group completed
+        time.sleep(0.05)
+    out = proc.stdout.read()
+    log = read_metrics(metrics)
+    resumes = [e for e in log.events if e.event == "resume"]
+    at = resumes[-1].step if resumes else None
+    seq = [s.step for s in log.all_steps]
+    cut = next((i for i in range(1, len(seq)) if seq[i] <= seq[i - 1]), None)
+    lost = (seq[cut - 1] - at if cut is not None else 0) if at is not None else None
+    summary = next((line for line in out.splitlines() if line.startswith("restores / steps lost")), "")
+    after = [s for s in log.steps if at is not None and s.step > at]
+    worst = max((abs(s.loss - ref_loss[s.step]) / abs(ref_loss[s.step]) for s in after), default=None)
+    rec = {
+        "exit": proc.returncode, "steps": args.steps, "seed": args.seed, "kill_at_step": killed_step,
+        "restored_after_step": at, "resume": resumes[-1].detail if resumes else None, "lost_metrics": lost,
+        "summary_row": summary.strip(), "recovery_s": None if recovered_s is None else round(recovered_s, 1),
+        "max_rel_loss_diff_after_restore": worst, "final_loss": log.steps[-1].loss if log.steps else None,
+        "ref_final_loss": ref_loss.get(args.steps), "wall_s": round(time.time() - t0, 1),
+        "shm_left": sorted(glob.glob(f"/dev/shm/hetcomm-{os.getuid()}-*")) if os.path.exists(shm) else [],
+        "load": os.getloadavg()[0],
+    }
+    print(json.dumps(rec))
+    if proc.returncode != 0:
+        print(out[-3000:], file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

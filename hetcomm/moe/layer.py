@@ -507,7 +507,7 @@ class MoELayer(PagedExperts, nn.Module):
         E, W = self.config.num_experts, self.world_size
         balancer = ExpertBalancer(
             E,
-            self.rank_weights,
+            self.speed.speeds if self.speed.measured else self.rank_weights,  # measured once agreed
             BalancerConfig(window=1, every=1, cooldown=1),
             slots=list(self.placement.num_local_experts_per_rank),
             initial=ExpertMap.from_lists([[r] for r in self.placement.owner], W),

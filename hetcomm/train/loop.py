@@ -59,7 +59,14 @@ class TrainConfig:
         checkpoint_dir: directory of sharded checkpoints (:mod:`hetcomm.ops.checkpoint`), or None.
         checkpoint_every: steps between checkpoints (0: none).
         resume: continue from ``checkpoint_dir``'s latest checkpoint when there is one.
-        balance: run the expert balancer (:mod:`hetcomm.train.balance`): migrations between ranks.
+        balance: heterogeneity balancing (:mod:`hetcomm.train.het_defaults`): the expert
+            balancer's migrations by measured speed (:mod:`hetcomm.train.balance`) and the
+            per-rank batch split by measured dense speed. ``auto`` (default): on for a mixed
+            cluster, or once measured speeds differ by more than 10%; True / False: always / never.
+        speed: where rank speeds come from: ``measured`` (default; the layers' expert rows/s and the
+            batch split's dense speed, timed on each rank) or ``datasheet`` (``hetcomm.topo.compute``
+            only: every decision then depends on the data alone, so a run repeats bit for bit,
+            e.g. a resumed one its uninterrupted twin).
         balance_every / balance_cooldown: steps between plan evaluations / before an expert
             that moved may move again.
         powersgd_rank: PowerSGD rank for the dense gradients on cross-node pairs (0: off).
@@ -93,7 +100,8 @@ class TrainConfig:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     resume: bool = False
-    balance: bool = False
+    balance: Union[bool, str] = "auto"
+    speed: str = "measured"
     balance_every: int = 50
     balance_cooldown: int = 1000
     powersgd_rank: int = 0
@@ -127,6 +135,10 @@ class TrainConfig:
         pb = self.page_budget
         if isinstance(pb, bool) or not isinstance(pb, (int, float)) or not 0.0 <= pb <= 1.0:
             raise ConfigError(f"must be a fraction within [0, 1] (0 = paging off), got {pb!r}", key="train.page_budget")
+        if self.balance not in (True, False, "auto"):
+            raise ConfigError(f"must be true, false or 'auto', got {self.balance!r}", key="train.balance")
+        if self.speed not in ("measured", "datasheet"):
+            raise ConfigError(f"must be 'measured' or 'datasheet', got {self.speed!r}", key="train.speed")
         if self.token_split not in (True, False, "auto"):
             raise ConfigError(f"must be true, false or 'auto', got {self.token_split!r}", key="train.token_split")
         if self.chunks != "auto" and (isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1):
@@ -322,7 +334,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             torch.nn.Linear(dim, cfg.hidden_dim), torch.nn.GELU(), torch.nn.Linear(cfg.hidden_dim, dim)
         )
 
-    from hetcomm.train.het_defaults import MoETimeTracker, resolve_chunks, token_split_default
+    from hetcomm.train.het_defaults import BatchSplit, MoETimeTracker, balance_default, resolve_chunks, speeds_differ, token_split_default
 
     split_on = token_split_default(cfg.token_split, cfg.replicate, cluster, world_size) and cfg.page_budget == 0
     num_chunks, _ = resolve_chunks(cfg.chunks, torch.device("cpu"))  # the demo LM runs on CPU ranks
@@ -342,6 +354,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             page_budget=cfg.page_budget,
             token_split=split_on,
             num_chunks=num_chunks,
+            speed_every=MoEConfig.speed_every if cfg.speed == "measured" else 0,  # 0: the datasheet prior stays
             # The layer's default of 3 hot experts, but never more than the layer has (--experts 2).
             replicate_top=min(MoEConfig.replicate_top, cfg.experts),
         )
@@ -365,13 +378,28 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
 
     balancer = psgd = None
     extras: Dict[str, Any] = {}
-    if cfg.balance:
+
+    def make_balancer() -> "TrainBalancer":
         from hetcomm.moe.placement.balancer import BalancerConfig
         from hetcomm.topo.compute import rank_speeds
 
-        balancer = TrainBalancer(model, opt, rank_speeds(cluster, range(world_size)),
-                                 BalancerConfig(every=cfg.balance_every, cooldown=cfg.balance_cooldown),
-                                 flops_per_token=6 * 2 * cfg.model_dim * cfg.hidden_dim)
+        # The datasheet is the prior; each plan packs by the layers' measured vector once agreed.
+        return TrainBalancer(model, opt, rank_speeds(cluster, range(world_size)),
+                             BalancerConfig(every=cfg.balance_every, cooldown=cfg.balance_cooldown),
+                             flops_per_token=6 * 2 * cfg.model_dim * cfg.hidden_dim)
+
+    balance_on = balance_default(cfg.balance, cluster, world_size)
+    # auto on a cluster that is not mixed: the balancer starts once measured speeds differ (not
+    # with checkpoints: its state must be in the checkpoint from the first save).
+    balance_later = cfg.balance == "auto" and not balance_on and world_size > 1 and not cfg.checkpoint_dir
+    from hetcomm.topo.compute import rank_speeds
+
+    batch_split = BatchSplit(cfg.batch_size, world_size, rank, enabled=cfg.balance is not False,
+                             fixed_speeds=rank_speeds(cluster, range(world_size)) if cfg.speed == "datasheet" else None)
+    if batch_split.enabled:
+        extras["batch_split"] = batch_split
+    if balance_on:
+        balancer = make_balancer()
         extras["balancer"] = balancer
         expert = expert + balancer.spare_parameters()  # a spare may hold an expert later
     if cfg.powersgd_rank:
@@ -394,9 +422,15 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     moe_time = MoETimeTracker()
     for step in range(start_step + 1, cfg.steps + 1):
         mc.start_step()
-        batch = task.sample(cfg.batch_size, cfg.seq_len, gen)
+        t_step = time.perf_counter()
+        batch = task.sample(batch_split.mine, cfg.seq_len, gen)
         mc.mark("data")
+        t_fwd = time.perf_counter()
         _, loss = model(batch[:, :-1], batch[:, 1:])
+        t_fwd = time.perf_counter() - t_fwd
+        # Forward outside the MoE layers: local compute only (the batch split's speed).
+        batch_split.observe(t_fwd - sum(float(m.last_stats.get("forward_s", 0.0)) for m in model.moe_layers))
+        loss = loss * batch_split.loss_scale()  # the mean over all ranks' sequences after the 1/W average
         aux = sum(m.l_aux for m in model.moe_layers)
         moe_time.observe(model.moe_layers)
         mc.mark("forward")
@@ -428,6 +462,10 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         losses.append(float(global_loss) / world_size)
+        batch_split.maybe_agree(time.perf_counter() - t_step)  # collective every 10 steps: re-deal by measured speed
+        if balance_later and balancer is None and _speeds_differ_now(model, batch_split, speeds_differ):
+            balancer = make_balancer()  # every rank decides this from the same agreed vectors
+            expert = expert + balancer.spare_parameters()
         mc.mark("loss_sync")
         mc.end_step(step, losses[-1], tokens_per_step * world_size)
         if paged and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
@@ -440,7 +478,9 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         balancer.finish_pending()
 
     elapsed = time.perf_counter() - t0
-    het_rows = [("token split (per step, by measured speed)", "on" if split_on else "off"),
+    het_rows = [("batch split (by measured dense speed)", batch_split.summary()),
+                *([] if balancer is not None else [("balancer", "off" + (" (--no-balance)" if cfg.balance is False else ""))]),
+                ("token split (per step, by measured speed)", "on" if split_on else "off"),
                 ("per-rank MoE time max/mean", MoETimeTracker.summary(moe_time.gather(world_size)))]
     summary = _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step,
                          balancer, psgd, het_rows)
@@ -449,6 +489,15 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         progress.close()
         print(summary["text"])
     return 0 if summary["ok"] else 1
+
+
+def _speeds_differ_now(model, batch_split, speeds_differ) -> bool:
+    """Any agreed measured vector (a layer's expert speed, the batch split's dense speed) more
+    than 10% apart; identical on every rank (each is the result of one all-reduce)."""
+    vectors = [m.speed.speeds for m in model.moe_layers if m.speed.measured]
+    if batch_split.speeds is not None:
+        vectors.append(batch_split.speeds)
+    return any(speeds_differ(v) for v in vectors)
 
 
 # -- reporting ------------------------------------------------------------------------------

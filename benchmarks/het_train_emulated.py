@@ -1,0 +1,109 @@
+"""``hetcomm train`` (no flags: balancing by default) against ``hetcomm train --no-balance``,
+side by side in one emulation (issue 19, "Done when" 2).
+
+Brings up one ``hetcomm emulate up --compute`` of the cluster (or joins ``--id``), then runs the
+variants alternately, ``--pairs`` times each, and prints per variant: median tokens/s, the summary's
+``per-rank MoE time max/mean``, the batch split and balancer rows of the last run, and the ratio of
+medians against ``--no-balance``. ``--no-compute`` runs the same on an emulation without cpu
+cgroups (every rank at full speed): the bound any compute balancing can reach is the ratio of
+those step times. Needs root (network namespaces, cgroups). The load average is printed before and
+after: the machine is shared, compare only numbers of one run.
+
+    sudo .venv/bin/python benchmarks/het_train_emulated.py --pairs 3 --steps 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HETCOMM = os.path.join(REPO, ".venv", "bin", "hetcomm")
+ROWS = ("tokens/s (all ranks)", "per-rank MoE time max/mean", "batch split (by measured dense speed)",
+        "balancer speeds", "balancer  ", "verdict")
+
+
+def _load() -> str:
+    return open("/proc/loadavg").read().split()[:3].__str__()
+
+
+def _up(cluster: str, compute: bool, subnet: str, state: str) -> str:
+    out = subprocess.run([HETCOMM, "emulate", "up", "--compute" if compute else "--no-compute", "--cluster", cluster,
+                          "--subnet", subnet, "--state-dir", state], capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1].strip()
+
+
+def _run(run_id: str, state: str, cluster: str, steps: int, flags: list) -> dict:
+    cmd = [HETCOMM, "emulate", "run", "--id", run_id, "--state-dir", state, "--timeout", "900", "--",
+           HETCOMM, "train", "--cluster", cluster, "--steps", str(steps), *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    text = out.stdout + out.stderr
+    rows = {}
+    for line in text.splitlines():
+        for key in ROWS:
+            if line.startswith(key):
+                rows[key.strip()] = line[len(key):].strip()
+    m = re.match(r"([\d,]+)", rows.get("tokens/s (all ranks)", ""))
+    rows["tok_s"] = float(m.group(1).replace(",", "")) if m else float("nan")
+    m = re.match(r"([\d.]+)", rows.get("per-rank MoE time max/mean", ""))
+    rows["moe_mm"] = float(m.group(1)) if m else float("nan")
+    rows["rc"] = out.returncode
+    if out.returncode not in (0, 1):
+        print(text[-3000:], file=sys.stderr)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cluster", default="configs/clusters/mixed-mini-halfspeed.yaml")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--no-compute", action="store_true", help="also run --no-balance on an emulation without cgroups")
+    ap.add_argument("--subnet", default="10.219.0.0/16")
+    ap.add_argument("--state-dir", default="/run/hetcomm/emulate-het-train")
+    args = ap.parse_args()
+    variants = {"default (no flags)": [], "--no-balance": ["--no-balance"]}
+    t0 = time.time()
+    print(f"start {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {_load()}", flush=True)
+    run_id = _up(args.cluster, True, args.subnet, args.state_dir)
+    results = {k: [] for k in variants}
+    try:
+        for i in range(args.pairs):
+            order = list(variants) if i % 2 == 0 else list(reversed(variants))
+            for name in order:
+                r = _run(run_id, args.state_dir, args.cluster, args.steps, variants[name])
+                results[name].append(r)
+                print(f"  pair {i + 1} {name}: {r['tok_s']:,.0f} tok/s, MoE max/mean {r['moe_mm']:.2f}, load {_load()}", flush=True)
+    finally:
+        subprocess.run([HETCOMM, "emulate", "down", "--id", run_id, "--state-dir", args.state_dir], capture_output=True)
+    bound = None
+    if args.no_compute:
+        nid = _up(args.cluster, False, args.subnet, args.state_dir)
+        try:
+            r = [_run(nid, args.state_dir, args.cluster, args.steps, ["--no-balance"]) for _ in range(args.pairs)]
+        finally:
+            subprocess.run([HETCOMM, "emulate", "down", "--id", nid, "--state-dir", args.state_dir], capture_output=True)
+        bound = statistics.median(x["tok_s"] for x in r)
+    base = statistics.median(x["tok_s"] for x in results["--no-balance"])
+    print(f"\n{args.cluster} under hetcomm emulate --compute, {args.steps} steps, {args.pairs} runs each "
+          f"(alternating); end load {_load()}, {time.time() - t0:.0f} s")
+    print("| variant | tokens/s (median; runs) | x --no-balance | per-rank MoE time max/mean (median) | batch split (last run) | balancer (last run) |")
+    print("|---|---|---|---|---|---|")
+    for name, rs in results.items():
+        med = statistics.median(x["tok_s"] for x in rs)
+        runs = " / ".join(f"{x['tok_s']:,.0f}" for x in rs)
+        mm = statistics.median(x["moe_mm"] for x in rs)
+        print(f"| {name} | {med:,.0f} ({runs}) | {med / base:.2f} | {mm:.2f} | {rs[-1].get('batch split (by measured dense speed)', '-')} "
+              f"| {rs[-1].get('balancer', '-')}; {rs[-1].get('balancer speeds', '')} |")
+    if bound is not None:
+        print(f"| --no-balance, no cpu cgroups (every rank at full speed) | {bound:,.0f} | {bound / base:.2f} (the bound) | | | |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,8 @@ without cpu cgroups (every rank at full speed), interleaved with the others: no 
 compute can beat that. Needs root (network namespaces, cgroups). The load average is printed before and
 after: the machine is shared, compare only numbers of one run.
 
-    sudo .venv/bin/python benchmarks/het_train_emulated.py --pairs 3 --steps 60
+    sudo .venv/bin/python benchmarks/het_train_emulated.py --pairs 3 --steps 60 --no-compute
+    .venv/bin/python benchmarks/het_train_emulated.py --plain --cluster configs/clusters/mixed-mini.yaml --steps 200
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HETCOMM = os.path.join(REPO, ".venv", "bin", "hetcomm")
@@ -61,9 +63,10 @@ def _rank_cpu(tag: str) -> dict:
     return out
 
 
-def _run(run_id: str, state: str, cluster: str, steps: int, flags: list) -> dict:
-    cmd = [HETCOMM, "emulate", "run", "--id", run_id, "--state-dir", state, "--timeout", "900", "--",
-           HETCOMM, "train", "--cluster", cluster, "--steps", str(steps), *flags]
+def _run(run_id: Optional[str], state: str, cluster: str, steps: int, flags: list) -> dict:
+    cmd = [HETCOMM, "train", "--cluster", cluster, "--steps", str(steps), *flags]
+    if run_id is not None:  # inside the emulation; None: plain ranks on this machine (make demo)
+        cmd = [HETCOMM, "emulate", "run", "--id", run_id, "--state-dir", state, "--timeout", "900", "--", *cmd]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     # CPU seconds per wall second of each rank over the middle of the run (after imports and the
     # group's setup, before the end): a rank near its cgroup quota is the bottleneck.
@@ -103,11 +106,13 @@ def main() -> int:
     ap.add_argument("--subnet", default="10.219.0.0/16")
     ap.add_argument("--subnet-full", default="10.220.0.0/16", help="subnet of the --no-compute emulation")
     ap.add_argument("--state-dir", default="/run/hetcomm/emulate-het-train")
+    ap.add_argument("--plain", action="store_true",
+                    help="no emulation: the plain demo (make demo's job) with and without --no-balance")
     args = ap.parse_args()
     variants = {"default (no flags)": [], "--no-balance": ["--no-balance"]}
     t0 = time.time()
     print(f"start {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {_load()}", flush=True)
-    ids = {"compute": _up(args.cluster, True, args.subnet, args.state_dir)}
+    ids = {"compute": None if args.plain else _up(args.cluster, True, args.subnet, args.state_dir)}
     if args.no_compute:  # a second emulation, same links, no cgroups; its runs interleave with the others
         ids["full speed"] = _up(args.cluster, False, args.subnet_full, args.state_dir)
         variants["--no-balance, no cpu cgroups"] = ["--no-balance"]
@@ -122,10 +127,11 @@ def main() -> int:
                 print(f"  pair {i + 1} {name}: {r['tok_s']:,.0f} tok/s, MoE max/mean {r['moe_mm']:.2f}, "
                       f"CPU s per s by rank {r.get('cpu_rate')}, load {_load()}", flush=True)
     finally:
-        for rid in ids.values():
+        for rid in (r for r in ids.values() if r is not None):
             subprocess.run([HETCOMM, "emulate", "down", "--id", rid, "--state-dir", args.state_dir], capture_output=True)
     base = statistics.median(x["tok_s"] for x in results["--no-balance"])
-    print(f"\n{args.cluster} under hetcomm emulate --compute, {args.steps} steps, {args.pairs} runs each "
+    where = "plain, no emulation" if args.plain else "under hetcomm emulate --compute"
+    print(f"\n{args.cluster} {where}, {args.steps} steps, {args.pairs} runs each "
           f"(alternating); end load {_load()}, {time.time() - t0:.0f} s")
     print("| variant | tokens/s (median; runs) | x --no-balance | per-rank MoE time max/mean (median) | "
           "CPU s per wall s by rank (last run) | batch split (last run) | balancer (last run) |")

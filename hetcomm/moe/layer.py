@@ -379,6 +379,12 @@ class MoELayer(PagedExperts, nn.Module):
         with torch.no_grad():
             self._key_of_expert.copy_(self.layout.key_of_expert)
 
+    def set_num_chunks(self, num_chunks: int) -> None:
+        """Pipeline the dispatch in ``num_chunks`` chunks from the next forward on (local; every
+        rank of the group must set the same number, as for ``MoEConfig.num_chunks``)."""
+        self.config = replace(self.config, num_chunks=num_chunks)  # validated by MoEConfig
+        self._adopt_layout(self.placement)
+
     def _sorted_local_ids(self) -> List[int]:
         """This rank's experts' global ids in ascending order (the dispatch's local order)."""
         return sorted(self.local_expert_ids)

@@ -13,20 +13,23 @@ per-rank MoE time the summary reports.
 - :class:`MoETimeTracker`: each step's forward expert seconds of this rank, summed over layers;
   at the end one ``all_gather`` gives every step's per-rank vector, and the summary row
   ``per-rank MoE time max/mean`` is the median over steps of ``max / mean``.
-- :func:`resolve_chunks`: ``--chunks auto`` is 1 on CPU ranks (``docs/MOE.md``, Overlap: chunking
-  lost 18-23% there); on CUDA/NPU no measurement decides yet, so auto stays 1 and says so.
+- :func:`resolve_chunks` / :func:`measure_chunks`: ``--chunks auto`` is 1 on CPU ranks
+  (``docs/MOE.md``, Overlap: chunking lost 18-23% there, so nothing is measured); on CUDA/NPU a
+  short measurement at the start (1, 2, 4 chunks, 3 timed forward + backward steps each, the
+  group's slowest rank decides) picks the count.
 """
 
 from __future__ import annotations
 
 import statistics
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["SPEED_SPREAD", "cluster_is_mixed", "token_split_default", "balance_default", "speeds_differ",
-           "BatchSplit", "BATCH_MIN_GAIN", "MoETimeTracker", "resolve_chunks"]
+           "BatchSplit", "BATCH_MIN_GAIN", "MoETimeTracker", "resolve_chunks", "measure_chunks", "CHUNK_CANDIDATES"]
 
 #: Datasheet speeds further apart than this (max / min - 1) make a cluster "mixed".
 SPEED_SPREAD = 0.10
@@ -182,13 +185,51 @@ class BatchSplit:
         self._steps = int(steps)
 
 
-def resolve_chunks(chunks: Union[int, str], device: torch.device) -> Tuple[int, str]:
-    """``(num_chunks, why)`` for ``--chunks N|auto``."""
+def resolve_chunks(chunks: Union[int, str], device: torch.device) -> Tuple[Optional[int], str]:
+    """``(num_chunks, why)`` for ``--chunks N|auto``; ``(None, why)``: measure (:func:`measure_chunks`)."""
     if chunks != "auto":
         return int(chunks), "given"
     if device.type == "cpu":
         return 1, "auto: CPU ranks (chunking measured 18-23% slower, docs/MOE.md)"
-    return 1, f"auto: no measurement on {device.type} yet, unpipelined"
+    return None, f"auto: measured on {device.type} at the start"
+
+
+#: Chunk counts ``--chunks auto`` tries on a device.
+CHUNK_CANDIDATES = (1, 2, 4)
+
+
+def measure_chunks(layers: Sequence[torch.nn.Module], run_step: Callable[[], None],
+                   candidates: Sequence[int] = CHUNK_CANDIDATES, repeats: int = 3,
+                   group: Optional[dist.ProcessGroup] = None) -> Tuple[int, Dict[int, float]]:
+    """Pick the chunk count of ``layers`` from a short measurement (collective when distributed).
+
+    For each candidate every layer is set to it (``MoELayer.set_num_chunks``), ``run_step()`` (one
+    forward + backward of a sample batch, no optimizer step) runs once to warm up and ``repeats``
+    times timed; a candidate's time is the median, and the group's time the maximum over ranks
+    (one all-reduce of ``[len(candidates)]``), so every rank picks the same, fastest, count
+    (ties: the fewest chunks). The layers are left at that count.
+
+    Returns:
+        ``(num_chunks, {candidate: seconds per step})``.
+    """
+    times = []
+    for c in candidates:
+        for m in layers:
+            m.set_num_chunks(int(c))
+        run_step()
+        ts = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            run_step()
+            ts.append(time.perf_counter() - t)
+        times.append(statistics.median(ts))
+    vec = torch.tensor(times, dtype=torch.float64)  # host: a few scalars
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    best = min(range(len(candidates)), key=lambda i: (float(vec[i]), candidates[i]))
+    for m in layers:
+        m.set_num_chunks(int(candidates[best]))
+    return int(candidates[best]), {int(c): float(v) for c, v in zip(candidates, vec.tolist())}
 
 
 class MoETimeTracker:

@@ -337,7 +337,8 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     from hetcomm.train.het_defaults import BatchSplit, MoETimeTracker, balance_default, resolve_chunks, speeds_differ, token_split_default
 
     split_on = token_split_default(cfg.token_split, cfg.replicate, cluster, world_size) and cfg.page_budget == 0
-    num_chunks, _ = resolve_chunks(cfg.chunks, torch.device("cpu"))  # the demo LM runs on CPU ranks
+    device = torch.device("cpu")  # the demo LM runs on CPU ranks
+    num_chunks, _ = resolve_chunks(cfg.chunks, device)  # None: measured once the model exists
 
     def make_moe(layer_index: int):
         return MoELayer(
@@ -353,7 +354,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             seed=cfg.seed * 1000 + layer_index,
             page_budget=cfg.page_budget,
             token_split=split_on,
-            num_chunks=num_chunks,
+            num_chunks=num_chunks or 1,
             speed_every=MoEConfig.speed_every if cfg.speed == "measured" else 0,  # 0: the datasheet prior stays
             # The layer's default of 3 hot experts, but never more than the layer has (--experts 2).
             replicate_top=min(MoEConfig.replicate_top, cfg.experts),
@@ -362,6 +363,16 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     torch.manual_seed(cfg.seed)  # dense weights identical on every rank
     model = MoETransformerLM(lm_cfg, make_moe)
     dense, expert = _split_parameters(model)
+    if num_chunks is None:  # --chunks auto on a device: a short measurement decides (het_defaults)
+        from hetcomm.train.het_defaults import measure_chunks
+
+        probe = task.sample(cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(cfg.seed))
+
+        def probe_step() -> None:
+            model(probe[:, :-1], probe[:, 1:])[1].backward()
+            model.zero_grad(set_to_none=True)
+
+        num_chunks, _ = measure_chunks(model.moe_layers, probe_step)
     opt = torch.optim.AdamW(dense + expert, lr=cfg.lr, weight_decay=0.0)
     paged = cfg.page_budget > 0
     if paged:

@@ -112,3 +112,21 @@ def test_batch_split_loss_scale_gives_the_global_mean_gradient():
         ((xs[lo:lo + b] @ w).pow(2).mean() * bs.loss_scale() / 4).backward()
         lo += b
     assert torch.allclose(w.grad, want, atol=1e-6)
+
+
+def test_measure_chunks_picks_a_candidate_and_leaves_the_layers_there():
+    from hetcomm.moe import MoELayer
+
+    torch.manual_seed(0)
+    layer = MoELayer(16, 4, k=2, calibrate=False)
+    x = torch.randn(32, 16)
+    ref = layer(x).detach()
+    from hetcomm.train.het_defaults import measure_chunks
+
+    def step():
+        layer(x).sum().backward()
+
+    n, times = measure_chunks([layer], step, candidates=(1, 2), repeats=1)
+    assert n in (1, 2) and set(times) == {1, 2} and layer.config.num_chunks == n
+    assert torch.allclose(layer(x), ref, atol=1e-6)  # chunking never changes the result
+    assert resolve_chunks("auto", torch.device("cuda"))[0] is None  # a device measures

@@ -125,7 +125,8 @@ def main() -> int:
                 r = _run(rid, args.state_dir, args.cluster, args.steps, variants[name])
                 results[name].append(r)
                 print(f"  pair {i + 1} {name}: {r['tok_s']:,.0f} tok/s, MoE max/mean {r['moe_mm']:.2f}, "
-                      f"CPU s per s by rank {r.get('cpu_rate')}, load {_load()}", flush=True)
+                      f"CPU s per s by rank {r.get('cpu_rate')}, {r.get('verdict', 'no verdict')[:5]}, load {_load()}",
+                      flush=True)
     finally:
         for rid in (r for r in ids.values() if r is not None):
             subprocess.run([HETCOMM, "emulate", "down", "--id", rid, "--state-dir", args.state_dir], capture_output=True)

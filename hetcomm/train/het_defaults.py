@@ -85,7 +85,9 @@ class BatchSplit:
     ``W * batch_size`` sequences of a step are dealt in proportion to them (largest remainder, at
     least one each); otherwise every rank gets ``batch_size``; a new deal is taken only when it
     shortens the slowest rank's dense time by more than :data:`BATCH_MIN_GAIN` of the step
-    (:meth:`plan`). The total, and so tokens per step, never changes.
+    (:meth:`plan`), and when two agreements in a row propose it (within one sequence per rank:
+    noise between equal ranks proposes a different deal each time). The total, and so tokens per
+    step, never changes.
 
     Exact in expectation: rank ``r``'s mean loss is scaled by ``W * b_r / sum(b)``
     (:meth:`loss_scale`), so after the usual ``1 / W`` gradient average the gradients are those
@@ -103,6 +105,7 @@ class BatchSplit:
         self._seq = self._sec = self._step_s = 0.0
         self._steps = 0
         self.last_gain_s = 0.0
+        self._last_proposal: Optional[List[int]] = None
         # Datasheet speeds (TrainConfig.speed="datasheet"): dealt once, nothing measured.
         self.fixed = fixed_speeds is not None and self.enabled
         if self.fixed:
@@ -145,11 +148,19 @@ class BatchSplit:
             return False
         self.speeds = [q / t for q, t, _ in rows]
         step_s = sum(r[2] for r in rows) / self.world_size
-        sizes, self.last_gain_s = self.plan(self.total, self.sizes, self.speeds, step_s)
-        changed = sizes != self.sizes
-        self.sizes = sizes
-        self.changes += int(changed)
-        return changed
+        proposal, self.last_gain_s = self.plan(self.total, self.sizes, self.speeds, step_s)
+        return self.adopt(proposal)
+
+    def adopt(self, proposal: List[int]) -> bool:
+        """Take ``proposal`` when the previous agreement proposed it too (within one sequence per
+        rank): a real speed difference proposes the same deal again, noise between equal ranks
+        does not. Returns True when the deal changed."""
+        last, self._last_proposal = self._last_proposal, list(proposal)
+        if proposal == self.sizes or last is None or max(abs(a - b) for a, b in zip(proposal, last)) > 1:
+            return False
+        self.sizes = list(proposal)
+        self.changes += 1
+        return True
 
     @staticmethod
     def plan(total: int, sizes: Sequence[int], speeds: Sequence[float], step_s: float) -> Tuple[List[int], float]:

@@ -407,12 +407,12 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
 
     batch_split = BatchSplit(cfg.batch_size, world_size, rank, enabled=cfg.balance is not False,
                              fixed_speeds=rank_speeds(cluster, range(world_size)) if cfg.speed == "datasheet" else None)
-    if batch_split.enabled:
-        extras["batch_split"] = batch_split
     if balance_on:
         balancer = make_balancer()
         extras["balancer"] = balancer
         expert = expert + balancer.spare_parameters()  # a spare may hold an expert later
+    if batch_split.enabled:
+        extras["batch_split"] = batch_split
     if cfg.powersgd_rank:
         psgd = make_powersgd(cluster, world_size, cfg.powersgd_rank, cfg.seed, cfg.steps)
         from hetcomm.ops.checkpoint import PerRank

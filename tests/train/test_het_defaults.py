@@ -92,6 +92,9 @@ def test_batch_split_deals_by_speed_only_when_it_pays():
     assert BatchSplit.plan(64, [16] * 4, [1e6, 1e6, 1e6, 5e5], step_s=10.0)[0] == [16] * 4
     # back to equal once the speeds agree again
     assert BatchSplit.plan(64, [18, 18, 18, 10], [100.0] * 4, step_s=0.1)[0] == [16] * 4
+    live = BatchSplit(16, 4, 0)  # a deal is taken when two agreements in a row propose it
+    assert not live.adopt([13, 20, 15, 16]) and not live.adopt([17, 14, 16, 17]) and live.sizes == [16] * 4
+    assert not live.adopt(sizes) and live.adopt([s + d for s, d in zip(sizes, (1, -1, 0, 0))]) and live.changes == 1
     fixed = BatchSplit(16, 4, 3, fixed_speeds=half)  # --speed datasheet: dealt once, nothing measured
     assert fixed.mine == sizes[3] and not fixed.maybe_agree(1.0)
     off = BatchSplit(16, 4, 3, enabled=False, fixed_speeds=half)

@@ -54,8 +54,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--warmup-from", metavar="METRICS.jsonl", default=None, help="seed calibrators and hot experts from a previous run's metrics")
     p.add_argument("--balance", action="store_true", default=None,
-                   help="balance always, even on equal ranks: expert migrations by measured speed and the per-rank "
-                   "batch split (default: on for a mixed cluster or once measured speeds differ by >10%%; docs/MOE.md)")
+                   help="also run the expert balancer: migrations by measured speed (default: only the per-rank "
+                   "batch split by measured dense speed; docs/MOE.md)")
     p.add_argument("--no-balance", dest="no_balance", action="store_true", default=False,
                    help="no balancing at all: no migrations, no batch split, no per-step token split")
     p.add_argument("--speed", choices=("measured", "datasheet"), default=None,
@@ -150,7 +150,6 @@ def train_config(args: argparse.Namespace):
         cfg = replace(TrainConfig(), **{k: v for k, v in overrides.items() if v is not None})
     given = [flag for flag, v in (("--balance-every", args.balance_every), ("--balance-cooldown", args.balance_cooldown))
              if v is not None]
-    if given and cfg.balance is False:  # they used to be ignored silently
-        raise UsageError(f"{' and '.join(given)} only apply with the balancer, which --no-balance (balance: false) "
-                         f"turns off; drop them, or use --balance")
+    if given and cfg.balance is not True:  # they used to be ignored silently
+        raise UsageError(f"{' and '.join(given)} only apply with the balancer; add --balance or drop them")
     return cfg

@@ -59,13 +59,13 @@ class TrainConfig:
         checkpoint_dir: directory of sharded checkpoints (:mod:`hetcomm.ops.checkpoint`), or None.
         checkpoint_every: steps between checkpoints (0: none).
         resume: continue from ``checkpoint_dir``'s latest checkpoint when there is one.
-        balance: heterogeneity balancing (:mod:`hetcomm.train.het_defaults`): the expert
-            balancer's migrations by measured speed (:mod:`hetcomm.train.balance`) and the
-            per-rank batch split by measured dense speed. ``auto`` (default): on for a mixed
-            cluster, or once measured speeds differ by more than 10%; True / False: always / never.
+        balance: heterogeneity balancing (:mod:`hetcomm.train.het_defaults`). ``auto`` (default):
+            the per-rank batch split by measured dense speed (it re-deals only when speeds differ
+            by >10% and that pays); True (``--balance``): that and the expert balancer's
+            migrations by measured speed (:mod:`hetcomm.train.balance`); False: neither.
         speed: where rank speeds come from: ``measured`` (default; the layers' expert rows/s and the
             batch split's dense speed, timed on each rank) or ``datasheet`` (``hetcomm.topo.compute``
-            only: every decision then depends on the data alone, so a run repeats bit for bit,
+            only, no batch split: every decision then depends on the data alone, so a run repeats bit for bit,
             e.g. a resumed one its uninterrupted twin).
         balance_every / balance_cooldown: steps between plan evaluations / before an expert
             that moved may move again.
@@ -334,7 +334,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             torch.nn.Linear(dim, cfg.hidden_dim), torch.nn.GELU(), torch.nn.Linear(cfg.hidden_dim, dim)
         )
 
-    from hetcomm.train.het_defaults import BatchSplit, MoETimeTracker, balance_default, resolve_chunks, speeds_differ, token_split_default
+    from hetcomm.train.het_defaults import BatchSplit, MoETimeTracker, resolve_chunks, token_split_default
 
     split_on = token_split_default(cfg.token_split, cfg.replicate, cluster, world_size) and cfg.page_budget == 0
     device = torch.device("cpu")  # the demo LM runs on CPU ranks
@@ -399,14 +399,14 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
                              BalancerConfig(every=cfg.balance_every, cooldown=cfg.balance_cooldown),
                              flops_per_token=6 * 2 * cfg.model_dim * cfg.hidden_dim)
 
-    balance_on = balance_default(cfg.balance, cluster, world_size)
-    # auto on a cluster that is not mixed: the balancer starts once measured speeds differ (not
-    # with checkpoints: its state must be in the checkpoint from the first save).
-    balance_later = cfg.balance == "auto" and not balance_on and world_size > 1 and not cfg.checkpoint_dir
-    from hetcomm.topo.compute import rank_speeds
-
-    batch_split = BatchSplit(cfg.batch_size, world_size, rank, enabled=cfg.balance is not False,
-                             fixed_speeds=rank_speeds(cluster, range(world_size)) if cfg.speed == "datasheet" else None)
+    # The migration balancer runs with --balance only: on by default (auto, mixed cluster) it cost
+    # 0.68x of --no-balance on the plain demo (benchmarks/README.md, het_train_emulated.py): noisy
+    # measured speeds of equal CPU ranks drove 13 migrations in 200 steps. The batch split (its
+    # own gates: >10% apart, >3% gain, two agreements in a row) is on unless --no-balance.
+    balance_on = cfg.balance is True and world_size > 1
+    # --speed datasheet: no batch split (it has nothing to measure; the demo's CPU ranks are not
+    # what the datasheet says), every decision from the data alone.
+    batch_split = BatchSplit(cfg.batch_size, world_size, rank, enabled=cfg.balance is not False and cfg.speed == "measured")
     if balance_on:
         balancer = make_balancer()
         extras["balancer"] = balancer
@@ -474,9 +474,6 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         dist.all_reduce(global_loss)
         losses.append(float(global_loss) / world_size)
         batch_split.maybe_agree(time.perf_counter() - t_step)  # collective every 10 steps: re-deal by measured speed
-        if balance_later and balancer is None and _speeds_differ_now(model, batch_split, speeds_differ):
-            balancer = make_balancer()  # every rank decides this from the same agreed vectors
-            expert = expert + balancer.spare_parameters()
         mc.mark("loss_sync")
         mc.end_step(step, losses[-1], tokens_per_step * world_size)
         if paged and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
@@ -500,15 +497,6 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         progress.close()
         print(summary["text"])
     return 0 if summary["ok"] else 1
-
-
-def _speeds_differ_now(model, batch_split, speeds_differ) -> bool:
-    """Any agreed measured vector (a layer's expert speed, the batch split's dense speed) more
-    than 10% apart; identical on every rank (each is the result of one all-reduce)."""
-    vectors = [m.speed.speeds for m in model.moe_layers if m.speed.measured]
-    if batch_split.speeds is not None:
-        vectors.append(batch_split.speeds)
-    return any(speeds_differ(v) for v in vectors)
 
 
 # -- reporting ------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ def test_short_training_run_over_hetcomm_reports_falling_loss():
 
 @pytest.mark.parametrize("flag", ["--balance-every", "--balance-cooldown"])
 def test_balance_knobs_without_the_balancer_are_refused(flag, capsys):
-    assert main(["train", "--steps", "1", "--no-balance", flag, "5"]) == 2
+    assert main(["train", "--steps", "1", flag, "5"]) == 2
     err = capsys.readouterr().err
     assert flag in err and "--balance" in err
 

@@ -61,9 +61,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="write the --checkpoint-every checkpoints in the background (DCP async_save)")
     p.add_argument("--warmup-from", metavar="METRICS.jsonl", default=None, help="seed calibrators and hot experts from a previous run's metrics")
     p.add_argument("--balance", action="store_true", default=None,
-                   help="run the expert balancer: capacity-aware migrations between ranks (docs/MOE.md)")
+                   help="also run the expert balancer: migrations by measured speed (default: only the per-rank "
+                   "batch split by measured dense speed; docs/MOE.md)")
     p.add_argument("--no-balance", dest="no_balance", action="store_true", default=False,
-                   help="no balancing at all: neither the per-step token split nor migrations")
+                   help="no balancing at all: no migrations, no batch split, no per-step token split")
+    p.add_argument("--speed", choices=("measured", "datasheet"), default=None,
+                   help="rank speeds for balancing: measured on the ranks (default) or the datasheet's "
+                   "(decisions then depend on the data only: runs repeat bit for bit)")
     p.add_argument("--token-split", choices=("on", "off", "auto"), default=None,
                    help="per-step, time-proportional split of hot experts' rows among their copies by measured "
                    "speed (default off: at the demo's size it cost 11-16%% of tokens/s; auto: on for a mixed "
@@ -138,6 +142,7 @@ def train_config(args: argparse.Namespace):
         resume=args.resume,
         warmup_from=args.warmup_from,
         balance=args.balance,
+        speed=args.speed,
         balance_every=args.balance_every,
         balance_cooldown=args.balance_cooldown,
         powersgd_rank=args.powersgd,
@@ -172,6 +177,6 @@ def train_config(args: argparse.Namespace):
         cfg = replace(TrainConfig(), **{k: v for k, v in overrides.items() if v is not None})
     given = [flag for flag, v in (("--balance-every", args.balance_every), ("--balance-cooldown", args.balance_cooldown))
              if v is not None]
-    if given and not cfg.balance:  # they used to be ignored silently
+    if given and cfg.balance is not True:  # they used to be ignored silently
         raise UsageError(f"{' and '.join(given)} only apply with the balancer; add --balance or drop them")
     return cfg

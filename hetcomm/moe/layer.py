@@ -383,6 +383,12 @@ class MoELayer(PagedExperts, nn.Module):
         with torch.no_grad():
             self._key_of_expert.copy_(self.layout.key_of_expert)
 
+    def set_num_chunks(self, num_chunks: int) -> None:
+        """Pipeline the dispatch in ``num_chunks`` chunks from the next forward on (local; every
+        rank of the group must set the same number, as for ``MoEConfig.num_chunks``)."""
+        self.config = replace(self.config, num_chunks=num_chunks)  # validated by MoEConfig
+        self._adopt_layout(self.placement)
+
     def _sorted_local_ids(self) -> List[int]:
         """This rank's experts' global ids in ascending order (the dispatch's local order)."""
         return sorted(self.local_expert_ids)
@@ -516,7 +522,7 @@ class MoELayer(PagedExperts, nn.Module):
         E, W = self.config.num_experts, self.world_size
         balancer = ExpertBalancer(
             E,
-            self.rank_weights,
+            self.speed.speeds if self.speed.measured else self.rank_weights,  # measured once agreed
             BalancerConfig(window=1, every=1, cooldown=1),
             slots=list(self.placement.num_local_experts_per_rank),
             initial=ExpertMap.from_lists([[r] for r in self.placement.owner], W),
@@ -583,16 +589,24 @@ class MoELayer(PagedExperts, nn.Module):
         # Global statistics for calibration and replication, summed over ranks: one all-reduce
         # of [probs (E), picks (E), tokens (1)], launched now and awaited after the experts.
         update = self.training and (self.gate.calibrator is not None or rep is not None or bool(self._load_observers))
-        stat_vec = stat_work = None
+        stat_vec = stat_work = split_table = None
         if update:
             parts = [g.probs.detach().sum(0).double(), route.picks.double(), torch.tensor([float(T)], dtype=torch.float64, device=x2.device)]
             if self._fast_topk:  # the balancer's fast timescale (add_load_observer(fast_topk=...))
                 from hetcomm.moe.placement.balancer import fast_signal
 
                 parts.append(fast_signal(torch.log(g.probs.detach().clamp_min(1e-30)), self._fast_topk).to(torch.float64))
+            n_stat = sum(int(p.numel()) for p in parts)
+            if splitter is not None:  # the split's [W, E + 1] count table rides in the same all-reduce
+                parts.append(splitter.table_row(route.send_counts).reshape(-1))
             stat_vec = torch.cat(parts)
             if self.distributed:
-                stat_work = dist.all_reduce(stat_vec, group=self.group, async_op=True)
+                # Blocking when the split needs its table before the dispatch (one small collective
+                # instead of two: a checked hetcomm all-reduce costs ~3x gloo's at this size).
+                stat_work = dist.all_reduce(stat_vec, group=self.group, async_op=splitter is None)
+            if splitter is not None:
+                split_table = stat_vec[n_stat:].view(self.world_size, E + 1).tolist()
+                stat_vec = stat_vec[:n_stat]
 
         weights_flat = g.topk_weights.t().reshape(-1)  # [A], choice-major like assignments
         idx_send = route.send_idx
@@ -600,7 +614,7 @@ class MoELayer(PagedExperts, nn.Module):
         split_mods: List[nn.Module] = []
         if splitter is not None:
             sr = splitter.route(route.send_idx.t().reshape(-1), route.send_counts, cfg.k, owner_map,
-                                rep.holders_of_hot(), rep.replicas, self.speed.speeds)
+                                rep.holders_of_hot(), rep.replicas, self.speed.speeds, table=split_table)
             idx_send, owner_map, split_mods = sr.topk_idx, sr.expert_to_rank, sr.modules
 
         times = PipelineTimes()

@@ -9,7 +9,10 @@ equal as the copies allow:
 
 1. **Counts.** Every rank contributes its kept copies per expert (``[E]``, after capacity) and its
    last step's measured expert seconds to one exchange -> ``[W, E + 1]`` (an all-reduce of a table
-   each rank fills one row of), identical on every rank, before any row moves.
+   each rank fills one row of), identical on every rank, before any row moves. In a training
+   forward the table rides in the layer's statistics all-reduce (made blocking then), so the
+   split adds no collective: a small checked all-reduce on the hetcomm backend (cross-rank check
+   + gloo) measured ~15-20 ms against gloo's ~6-7 ms at load 32 (``benchmarks/split_profile.py``).
 2. **Quotas** (:func:`plan_split`): rows of single-copy experts are fixed load ``base_r``. The rows
    ``N_e`` of each multi-copy expert are spread over its holders minimising the makespan
    ``max_r (base_r + x_r) / speed_r`` -- the restricted-assignment problem. For a candidate time
@@ -259,18 +262,22 @@ class TokenSplitter:
         self.last_expert_s = 0.0
         self.last: Optional[SplitRoute] = None
 
-    def _gather(self, send_counts: torch.Tensor) -> List[List[float]]:
+    def table_row(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """``[W, E + 1]`` float64: this rank's row (kept copies per expert, last expert seconds),
+        zeros elsewhere; summed over the group it is the step's table, exactly. The layer puts it
+        into its statistics all-reduce (one collective per step, not two)."""
         E, W = self.num_experts, self.world_size
-        mine = torch.cat(
-            [send_counts.to(torch.float64), torch.tensor([self.last_expert_s], dtype=torch.float64, device=send_counts.device)]
-        )
-        if W == 1:
-            return [mine.tolist()]
-        # An all-reduce of a [W, E + 1] table each rank fills one row of (zeros elsewhere, so the
-        # sum is exact): the backends' fast path, where a small all_gather is not everywhere.
         table = torch.zeros(W, E + 1, dtype=torch.float64, device=send_counts.device)
-        table[self.rank] = mine
-        dist.all_reduce(table, group=self.group)
+        table[self.rank, :E] = send_counts.to(torch.float64)
+        table[self.rank, E] = self.last_expert_s
+        return table
+
+    def _gather(self, send_counts: torch.Tensor) -> List[List[float]]:
+        table = self.table_row(send_counts)
+        if self.world_size > 1:
+            # An all-reduce of a [W, E + 1] table each rank fills one row of (zeros elsewhere, so the
+            # sum is exact): the backends' fast path, where a small all_gather is not everywhere.
+            dist.all_reduce(table, group=self.group)
         return table.tolist()
 
     def route(
@@ -282,8 +289,11 @@ class TokenSplitter:
         holders: Mapping[int, Sequence[int]],
         replicas: Mapping[int, nn.Module],
         speeds: Sequence[float],
+        table: Optional[List[List[float]]] = None,
     ) -> SplitRoute:
-        """Collective (one all-reduce of the counts): plan this step's split and rename the copies.
+        """Collective (one all-reduce of the counts, unless ``table`` is given: the summed
+        :meth:`table_row` s, e.g. from the layer's statistics all-reduce): plan this step's split
+        and rename the copies.
 
         Args:
             idx_cm: ``[A]`` int64 choice-major expert of each copy that travels, -1 elsewhere.
@@ -295,7 +305,7 @@ class TokenSplitter:
             speeds: ``[W]`` agreed speeds.
         """
         E, W, me = self.num_experts, self.world_size, self.rank
-        table = self._gather(send_counts)
+        table = self._gather(send_counts) if table is None else table
         counts = [[int(row[e]) for e in range(E)] for row in table]
         measured = tuple(float(row[E]) for row in table)
         plan = plan_split(counts, owner, holders, speeds)

@@ -95,6 +95,13 @@ class PerRank:
         self.obj.load_state_dict(torch.load(buf, weights_only=False))
 
 
+#: The flag that adds an extra's state to a job (for the missing-state error).
+_ADDED_BY = {
+    "balancer": "--balance, or the default balancing on a mixed cluster: --no-balance resumes without it",
+    "batch_split": "--balance, or the default balancing on a mixed cluster: --no-balance resumes without it",
+}
+
+
 def _moe_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     from hetcomm.moe import MoELayer
 
@@ -333,7 +340,7 @@ def _check_against_metadata(path: str, metadata, state: Mapping[str, object]) ->
             if not any(k == key or k.startswith(key + ".") for k in saved):
                 raise CheckpointError(
                     f"was saved without the {name!r} state this job needs (a resume that adds "
-                    f"--{name.replace('_', '-')}): resume with the settings it was saved "
+                    f"{_ADDED_BY.get(name, '--' + name.replace('_', '-'))}): resume with the settings it was saved "
                     f"with, or start a fresh --checkpoint-dir",
                     path=meta_file, key=key, reason="missing-state",
                 )

@@ -17,6 +17,13 @@ Per step (every rank, in the same order):
   reach each layer's :class:`~hetcomm.moe.placement.balancer.ExpertBalancer`; every rank computes the same plan, rank 0 broadcasts its map in CSR form and the others
   check theirs against it; the moves start (asynchronous copies of parameters + Adam state).
 
+Rank capacities are the datasheet's (``rank_speeds``) until the layers' measured speed vector
+(:mod:`hetcomm.moe.speed`: forward expert rows/s, agreed identically on every rank every
+``speed_every`` steps) exists; from then on each plan packs by the measured vector, so expert
+shares follow what the ranks do, and the coldest experts (by the group's load) end up where the
+slowest ranks' time is short: LPT places copies hottest first, each on the rank that finishes it
+soonest, and the refinement moves load off the slowest rank.
+
 The layer owns one copy per expert (its hot-expert replicator adds replicas on its own), so the
 balancer here makes no redundant copies. Each rank gets ``ceil(E / W)`` spare expert modules
 (registered with the optimizer up front, so its parameter list never changes): a fast rank can
@@ -36,7 +43,11 @@ from hetcomm.moe.placement.balancer import BalancerConfig, ExpertBalancer, Exper
 from hetcomm.moe.placement.migration import ExpertMigrator, ExpertSlots
 from hetcomm.moe.powersgd import SlowLinkPowerSGD, node_ids_of
 
-__all__ = ["ReplicaPowerSGD", "TrainBalancer", "make_powersgd"]
+__all__ = ["ReplicaPowerSGD", "TrainBalancer", "make_powersgd", "MEASURED_SECONDS_PER_UNIT"]
+
+#: Training-step seconds per measured forward expert second (backward ~2x forward): the unit
+#: of ``L / c`` once ``c`` is the layers' measured rows/s.
+MEASURED_SECONDS_PER_UNIT = 3.0
 
 
 class TrainBalancer:
@@ -57,11 +68,13 @@ class TrainBalancer:
         self.layers = list(model.moe_layers)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.migrators: List[ExpertMigrator] = []
         # Migration traffic on a gloo group of its own: its sends and receives stay pending
         # across a whole step, which the job's backend must not have to order against the
         # step's collectives (on the hetcomm backend a pending receive held up the all-to-alls).
-        self.p2p_group = dist.new_group(backend="gloo")
+        # Made at the first adopted plan (every rank adopts the same plan at the same step, so
+        # creating it there is collective-safe): a run that never migrates never pays for it.
+        self.p2p_group = None
+        self._migrators: List[Optional[ExpertMigrator]] = []
         self.balancers: List[ExpertBalancer] = []
         self._picks: List[torch.Tensor] = []
         self._fast: List[torch.Tensor] = []
@@ -70,6 +83,8 @@ class TrainBalancer:
         self._resume: List[Optional[List[int]]] = []  # target maps of migrations in flight at a loaded save
         self.migrations = 0
         self.plans = 0
+        self.speed_source = "datasheet"  # until the layers' first agreed measurement
+        self.paged = any(layer.config.page_budget > 0 for layer in self.layers)
         self.last: str = "-"
         tflops_unit = 1e12 * 0.5  # speeds are TFLOPS; 50% model-flops utilisation
         self.spares: List[List[torch.nn.Module]] = []
@@ -94,8 +109,17 @@ class TrainBalancer:
             self._fast.append(torch.zeros(E, dtype=torch.float64))
             self._requests.append(torch.zeros(E, dtype=torch.float64))
             self._pending.append(None)
-            self.migrators.append(ExpertMigrator(self.p2p_group, timeout_s=120.0, tag_base=8 * E * i))
+            self._migrators.append(None)
             layer.add_load_observer(self._observer(i), fast_topk=20)
+
+    def migrator(self, i: int) -> ExpertMigrator:
+        """Layer ``i``'s migrator (collective the first time any is asked for: the gloo group)."""
+        if self.p2p_group is None:
+            self.p2p_group = dist.new_group(backend="gloo")
+        if self._migrators[i] is None:
+            E = self.layers[i].config.num_experts
+            self._migrators[i] = ExpertMigrator(self.p2p_group, timeout_s=120.0, tag_base=8 * E * i)
+        return self._migrators[i]
 
     def _observer(self, i: int):
         def observe(picks: torch.Tensor, _probs: torch.Tensor, _num_tokens: float, fast: torch.Tensor) -> None:
@@ -111,7 +135,7 @@ class TrainBalancer:
             if pend is None:
                 continue
             plan, slots = pend
-            self.migrators[i].finish(slots, self.optimizer)
+            self.migrator(i).finish(slots, self.optimizer)
             layer = self.layers[i]
             owner = plan.new_map.owner()
             layer.apply_placement(owner, {e: slots.module(e) for e, r in enumerate(owner) if r == self.rank})
@@ -125,7 +149,8 @@ class TrainBalancer:
             for e in layer.take_migration_requests():
                 self._requests[i][e] += 1
         reqs = torch.cat(self._requests)
-        dist.all_reduce(reqs)
+        if self.paged:  # without a pager there are no requests anywhere: no all-reduce for them
+            dist.all_reduce(reqs)
         vec = torch.cat([torch.cat([p, f]) for p, f in zip(self._picks, self._fast)] + [reqs])
         # Every rank must take the same decisions from bitwise the same numbers; an all-reduce
         # may sum in a different order on each rank (float shares), so rank 0's numbers win.
@@ -141,10 +166,14 @@ class TrainBalancer:
             self._picks[i].zero_()
             self._fast[i].zero_()
             self._requests[i].zero_()
+            layer = self.layers[i]
+            if layer.speed.measured:  # the agreed vector (identical on every rank) replaces the prior
+                bal.set_speeds(layer.speed.speeds, seconds_per_unit=MEASURED_SECONDS_PER_UNIT)
+                self.speed_source = "measured"
             bal.observe(load, fast=fast)
             if requested:
                 bal.request_migration(requested)
-            if self.migrators[i].busy:
+            if self._migrators[i] is not None and self._migrators[i].busy:
                 continue  # one migration per layer at a time
             old = bal.map
             plan = bal.maybe_rebalance()
@@ -158,12 +187,11 @@ class TrainBalancer:
                     f"the load all-reduce should make them equal",
                     op="balance", rank=self.rank, peer=0,
                 )
-            layer = self.layers[i]
             slots = ExpertSlots(list(layer.experts.experts) + self.spares[i],
                                 list(layer.local_expert_ids) + [None] * len(self.spares[i]))
             moves = diff_maps(old, plan.new_map)
             layer.sync_pages()  # start() copies the experts out: no page write-back half done
-            self.migrators[i].start(moves, slots, self.optimizer)
+            self.migrator(i).start(moves, slots, self.optimizer)
             self._pending[i] = (plan, slots)
             self.migrations += len(moves)
             self.plans += 1
@@ -198,6 +226,7 @@ class TrainBalancer:
             ("balancer plans", f"{evaluated} evaluated (last 20 kept per layer); last: {last_eval}"),
             ("balancer", f"{self.migrations} expert moves in {self.plans} plans (cooldown {bal.cfg.cooldown} steps, "
                          f"{viol} violations); last: {self.last}"),
+            ("balancer speeds", f"{self.speed_source}: {[round(c, 1) for c in bal.speeds]}"),
             ("balancer map (CSR)", f"{bal.map.nbytes()} bytes per layer broadcast; layer0 experts per rank "
                                    f"{[len(bal.map.experts_on(r)) for r in range(self.world_size)]}"),
         ]
@@ -253,7 +282,7 @@ class TrainBalancer:
             slots = ExpertSlots(list(layer.experts.experts) + self.spares[i],
                                 list(layer.local_expert_ids) + [None] * len(self.spares[i]))
             layer.sync_pages()
-            self.migrators[i].start(diff_maps(old, new_map), slots, self.optimizer)
+            self.migrator(i).start(diff_maps(old, new_map), slots, self.optimizer)
             self._pending[i] = (_Resumed(new_map), slots)
         self._resume = []
 

@@ -59,7 +59,14 @@ class TrainConfig:
         checkpoint_dir: directory of sharded checkpoints (:mod:`hetcomm.ops.checkpoint`), or None.
         checkpoint_every: steps between checkpoints (0: none).
         resume: continue from ``checkpoint_dir``'s latest checkpoint when there is one.
-        balance: run the expert balancer (:mod:`hetcomm.train.balance`): migrations between ranks.
+        balance: heterogeneity balancing (:mod:`hetcomm.train.het_defaults`). ``auto`` (default):
+            the per-rank batch split by measured dense speed (it re-deals only when speeds differ
+            by >10% and that pays); True (``--balance``): that and the expert balancer's
+            migrations by measured speed (:mod:`hetcomm.train.balance`); False: neither.
+        speed: where rank speeds come from: ``measured`` (default; the layers' expert rows/s and the
+            batch split's dense speed, timed on each rank) or ``datasheet`` (``hetcomm.topo.compute``
+            only, no batch split: every decision then depends on the data alone, so a run repeats bit for bit,
+            e.g. a resumed one its uninterrupted twin).
         balance_every / balance_cooldown: steps between plan evaluations / before an expert
             that moved may move again.
         powersgd_rank: PowerSGD rank for the dense gradients on cross-node pairs (0: off).
@@ -99,7 +106,8 @@ class TrainConfig:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     resume: bool = False
-    balance: bool = False
+    balance: Union[bool, str] = "auto"
+    speed: str = "measured"
     balance_every: int = 50
     balance_cooldown: int = 1000
     powersgd_rank: int = 0
@@ -140,6 +148,10 @@ class TrainConfig:
         pb = self.page_budget
         if isinstance(pb, bool) or not isinstance(pb, (int, float)) or not 0.0 <= pb <= 1.0:
             raise ConfigError(f"must be a fraction within [0, 1] (0 = paging off), got {pb!r}", key="train.page_budget")
+        if self.balance not in (True, False, "auto"):
+            raise ConfigError(f"must be true, false or 'auto', got {self.balance!r}", key="train.balance")
+        if self.speed not in ("measured", "datasheet"):
+            raise ConfigError(f"must be 'measured' or 'datasheet', got {self.speed!r}", key="train.speed")
         if self.token_split not in (True, False, "auto"):
             raise ConfigError(f"must be true, false or 'auto', got {self.token_split!r}", key="train.token_split")
         se = self.snapshot_every
@@ -357,10 +369,11 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             torch.nn.Linear(dim, cfg.hidden_dim), torch.nn.GELU(), torch.nn.Linear(cfg.hidden_dim, dim)
         )
 
-    from hetcomm.train.het_defaults import MoETimeTracker, resolve_chunks, token_split_default
+    from hetcomm.train.het_defaults import BatchSplit, MoETimeTracker, resolve_chunks, token_split_default
 
     split_on = token_split_default(cfg.token_split, cfg.replicate, cluster, world_size) and cfg.page_budget == 0
-    num_chunks, _ = resolve_chunks(cfg.chunks, torch.device("cpu"))  # the demo LM runs on CPU ranks
+    device = torch.device("cpu")  # the demo LM runs on CPU ranks
+    num_chunks, _ = resolve_chunks(cfg.chunks, device)  # None: measured once the model exists
 
     def make_moe(layer_index: int):
         return MoELayer(
@@ -376,7 +389,8 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             seed=cfg.seed * 1000 + layer_index,
             page_budget=cfg.page_budget,
             token_split=split_on,
-            num_chunks=num_chunks,
+            num_chunks=num_chunks or 1,
+            speed_every=MoEConfig.speed_every if cfg.speed == "measured" else 0,  # 0: the datasheet prior stays
             # The layer's default of 3 hot experts, but never more than the layer has (--experts 2).
             replicate_top=min(MoEConfig.replicate_top, cfg.experts),
             # --powersgd-experts: compression starts where the dense one does (make_powersgd).
@@ -387,6 +401,16 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     torch.manual_seed(cfg.seed)  # dense weights identical on every rank
     model = MoETransformerLM(lm_cfg, make_moe)
     dense, expert = _split_parameters(model)
+    if num_chunks is None:  # --chunks auto on a device: a short measurement decides (het_defaults)
+        from hetcomm.train.het_defaults import measure_chunks
+
+        probe = task.sample(cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(cfg.seed))
+
+        def probe_step() -> None:
+            model(probe[:, :-1], probe[:, 1:])[1].backward()
+            model.zero_grad(set_to_none=True)
+
+        num_chunks, _ = measure_chunks(model.moe_layers, probe_step)
     opt = torch.optim.AdamW(dense + expert, lr=cfg.lr, weight_decay=0.0)
     paged = cfg.page_budget > 0
     if paged:
@@ -403,15 +427,30 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
 
     balancer = psgd = None
     extras: Dict[str, Any] = {}
-    if cfg.balance:
+
+    def make_balancer() -> "TrainBalancer":
         from hetcomm.moe.placement.balancer import BalancerConfig
         from hetcomm.topo.compute import rank_speeds
 
-        balancer = TrainBalancer(model, opt, rank_speeds(cluster, range(world_size)),
-                                 BalancerConfig(every=cfg.balance_every, cooldown=cfg.balance_cooldown),
-                                 flops_per_token=6 * 2 * cfg.model_dim * cfg.hidden_dim)
+        # The datasheet is the prior; each plan packs by the layers' measured vector once agreed.
+        return TrainBalancer(model, opt, rank_speeds(cluster, range(world_size)),
+                             BalancerConfig(every=cfg.balance_every, cooldown=cfg.balance_cooldown),
+                             flops_per_token=6 * 2 * cfg.model_dim * cfg.hidden_dim)
+
+    # The migration balancer runs with --balance only: on by default (auto, mixed cluster) it cost
+    # 0.68x of --no-balance on the plain demo (benchmarks/README.md, het_train_emulated.py): noisy
+    # measured speeds of equal CPU ranks drove 13 migrations in 200 steps. The batch split (its
+    # own gates: >10% apart, >3% gain, two agreements in a row) is on unless --no-balance.
+    balance_on = cfg.balance is True and world_size > 1
+    # --speed datasheet: no batch split (it has nothing to measure; the demo's CPU ranks are not
+    # what the datasheet says), every decision from the data alone.
+    batch_split = BatchSplit(cfg.batch_size, world_size, rank, enabled=cfg.balance is not False and cfg.speed == "measured")
+    if balance_on:
+        balancer = make_balancer()
         extras["balancer"] = balancer
         expert = expert + balancer.spare_parameters()  # a spare may hold an expert later
+    if batch_split.enabled:
+        extras["batch_split"] = batch_split
     if cfg.powersgd_rank:
         psgd = make_powersgd(cluster, world_size, cfg.powersgd_rank, cfg.seed, cfg.steps)
         from hetcomm.ops.checkpoint import PerRank
@@ -437,9 +476,15 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     moe_time = MoETimeTracker()
     for step in range(start_step + 1, cfg.steps + 1):
         mc.start_step()
-        batch = task.sample(cfg.batch_size, cfg.seq_len, gen)
+        t_step = time.perf_counter()
+        batch = task.sample(batch_split.mine, cfg.seq_len, gen)
         mc.mark("data")
+        t_fwd = time.perf_counter()
         _, loss = model(batch[:, :-1], batch[:, 1:])
+        t_fwd = time.perf_counter() - t_fwd
+        # Forward outside the MoE layers: local compute only (the batch split's speed).
+        batch_split.observe(t_fwd - sum(float(m.last_stats.get("forward_s", 0.0)) for m in model.moe_layers))
+        loss = loss * batch_split.loss_scale()  # the mean over all ranks' sequences after the 1/W average
         aux = sum(m.l_aux for m in model.moe_layers)
         moe_time.observe(model.moe_layers)
         mc.mark("forward")
@@ -471,6 +516,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         losses.append(float(global_loss) / world_size)
+        batch_split.maybe_agree(time.perf_counter() - t_step)  # collective every 10 steps: re-deal by measured speed
         mc.mark("loss_sync")
         mc.end_step(step, losses[-1], tokens_per_step * world_size)
         if paged and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
@@ -486,7 +532,9 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         balancer.finish_pending()
 
     elapsed = time.perf_counter() - t0
-    het_rows = [("token split (per step, by measured speed)", "on" if split_on else "off"),
+    het_rows = [("batch split (by measured dense speed)", batch_split.summary()),
+                *([] if balancer is not None else [("balancer", "off" + (" (--no-balance)" if cfg.balance is False else ""))]),
+                ("token split (per step, by measured speed)", "on" if split_on else "off"),
                 ("per-rank MoE time max/mean", MoETimeTracker.summary(moe_time.gather(world_size))), *snap_rows]
     compression = _compression_per_rank(psgd, model, cfg, rank, world_size)  # collective
     summary = _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step,

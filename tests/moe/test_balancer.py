@@ -206,3 +206,20 @@ def test_a_pagers_migration_request_makes_the_balancer_plan_at_once():
     assert plan is not None and any(mv.expert in (0, 1) for mv in plan.moves), bal.plans
     bal.observe(load)
     assert bal.maybe_rebalance() is None and len(bal.plans) == 1  # the request was used up
+
+
+def test_measured_speeds_replace_the_prior_and_cold_experts_go_to_the_slow_rank():
+    # Prior: equal ranks (a datasheet that is wrong); measured: rank 3 at half speed.
+    load = [20.0, 50.0, 16.7, 33.3, 100.0, 25.0, 12.5, 14.3]  # coldest: experts 6 and 7, by load not by id
+    init = ExpertMap.from_lists([[e * 4 // 8] for e in range(8)], 4)
+    bal = ExpertBalancer(8, [1.0] * 4, BalancerConfig(every=1, window=1, cooldown=1, min_gain=0.0),
+                         slots=[4] * 4, initial=init)
+    bal.set_speeds([2.0, 2.0, 2.0, 1.0], seconds_per_unit=3.0)
+    assert bal.speeds == [2.0, 2.0, 2.0, 1.0] and bal.cfg.seconds_per_unit == 3.0
+    bal.observe(torch.tensor(load, dtype=torch.float64))
+    plan = bal.propose()
+    assert plan.adopted and plan.imbalance_after < plan.imbalance_before
+    on_slow = plan.new_map.experts_on(3)
+    assert on_slow and set(on_slow) <= {6, 7, 2}  # only the coldest experts stay on the slowest rank
+    with pytest.raises(ConfigError):
+        bal.set_speeds([1.0, 0.0, 1.0, 1.0])

@@ -237,7 +237,7 @@ def test_train_with_paging_and_balance_follows_the_unpaged_run(tmp_path):
     for budget in (0.0, 0.5):
         path = str(tmp_path / f"m{budget}.jsonl")
         cfg = load_train_config(TINY, steps=8, experts=16, layers=1, model_dim=64, hidden_dim=128, batch_size=16,
-                                seq_len=32, balance=True, balance_every=3,
+                                seq_len=32, balance=True, speed="datasheet", balance_every=3,
                                 balance_cooldown=3, page_budget=budget, metrics=path)
         assert all(code in (0, 1) for code in train_ranks(cfg))  # 8 steps: no loss verdict
         logs[budget] = read_metrics(path).steps

@@ -226,6 +226,7 @@ def test_kill_during_a_save_of_the_same_step_leaves_the_previous_checkpoint_inta
 
 
 def _train(ck, *extra, timeout=300):
+    # demo_run trained with balance=False: resumes that are not about --balance say --no-balance
     cmd = [sys.executable, "-m", "hetcomm.cli.main", "train", "--config", TINY, "--checkpoint-dir", ck, "--resume",
            *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
@@ -242,7 +243,7 @@ def test_train_resume_from_damaged_or_mismatched_checkpoint_is_exit_2(tmp_path, 
     # Overwritten shard bytes: found before loading (before issue 21: loaded, then NaN losses).
     path = latest_checkpoint(ck)
     _damage("overwritten-shard", path)
-    code, out, err = _train(ck, "--steps", str(STEPS + 4))
+    code, out, err = _train(ck, "--steps", str(STEPS + 4), "--no-balance")
     assert code == 2 and "Traceback" not in err and "SHA-256" in err and _shard(path) in err, err[-3000:]
     assert [ln for ln in err.splitlines() if "error" in ln] == [ln for ln in err.splitlines() if "SHA-256" in ln]
 
@@ -252,10 +253,10 @@ def test_resume_with_nothing_left_to_train_reports_the_recorded_verdict(tmp_path
     ck = str(tmp_path / "ck")
     shutil.copytree(demo_run[2], ck)
     # demo_run's job ran to STEPS and recorded its verdict; a resume at STEPS trains nothing.
-    code, out, err = _train(ck, "--steps", str(STEPS))
+    code, out, err = _train(ck, "--steps", str(STEPS), "--no-balance")
     assert "nothing to train" in err and "recorded verdict" in err, err[-3000:]
     assert "hetcomm train summary" not in out and "0.000 -> 0.000" not in out
     assert code in (0, 1)  # the recorded verdict's code
     # --steps below the checkpoint: nothing was trained and no verdict exists for it.
-    code, out, err = _train(ck, "--steps", str(STEPS - 4))
+    code, out, err = _train(ck, "--steps", str(STEPS - 4), "--no-balance")
     assert code == 2 and "nothing to train" in err and "Traceback" not in err, err[-3000:]

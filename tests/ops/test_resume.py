@@ -54,7 +54,7 @@ def test_kill_one_rank_resume_from_checkpoint_same_losses(tmp_path, demo_run):
     cmd = [
         sys.executable, "-m", "hetcomm.cli.main", "launch", "--no-health", "--max-restarts", "2", "--work-dir", work,
         "--", "train", "--config", TINY, "--steps", str(STEPS), "--checkpoint-dir", ck, "--checkpoint-every", "4",
-        "--resume", "--metrics", metrics,
+        "--resume", "--metrics", metrics, "--no-balance",  # as demo_run: no decision from measured timings
         "--snapshot-every", "0",  # the disk path; in-memory snapshots: tests/ops/test_snapshot.py
     ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

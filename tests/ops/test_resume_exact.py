@@ -23,11 +23,13 @@ STOP = {"balance": 8}
 CASES = {
     # plans every 3 steps, 16 experts of the demo's sizes on one layer: enough load imbalance for
     # the balancer to move experts (steps 3 and 9) in 16 steps
-    "balance": dict(balance=True, balance_every=3, balance_cooldown=3, experts=16, layers=1, model_dim=64,
-                    hidden_dim=128, batch_size=16, seq_len=32),
-    "page-budget": dict(page_budget=0.5, experts=16),  # >= 2 experts on every rank, half on the device
+    # (datasheet speeds: measured ones would make the plans depend on each run's timings)
+    "balance": dict(balance=True, speed="datasheet", balance_every=3, balance_cooldown=3, experts=16, layers=1,
+                    model_dim=64, hidden_dim=128, batch_size=16, seq_len=32),
+    # balance=False: the default balancing decides from measured timings, which differ run to run
+    "page-budget": dict(page_budget=0.5, experts=16, balance=False),  # >= 2 experts on every rank, half on the device
     # compression starts at step 10 (max(10, steps // 10)): the save at 12 holds its error feedback
-    "powersgd": dict(powersgd_rank=2),
+    "powersgd": dict(powersgd_rank=2, balance=False),
 }
 
 

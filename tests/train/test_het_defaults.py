@@ -11,7 +11,10 @@ import torch
 
 from hetcomm.errors import ConfigError
 from hetcomm.topo.cluster import load_cluster
-from hetcomm.train.het_defaults import MoETimeTracker, cluster_is_mixed, resolve_chunks, token_split_default
+from hetcomm.train.het_defaults import (
+    BATCH_MIN_GAIN, BatchSplit, MoETimeTracker, balance_default, cluster_is_mixed, resolve_chunks, speeds_differ,
+    token_split_default,
+)
 from hetcomm.train.loop import TrainConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,3 +59,77 @@ def test_no_balance_and_chunks_reach_the_config():
 def test_moe_time_row_is_the_median_max_over_mean():
     table = [[9.0, 1.0]] + [[1.0, 1.0]] * 5 + [[3.0, 1.0]] * 6  # the first step is skipped as warm-up
     assert MoETimeTracker.summary(table).startswith("1.50 ")
+
+
+def test_balancing_is_on_by_default_for_mixed_clusters_and_off_with_no_balance():
+    mixed, equal = _cluster("mixed-mini.yaml"), _cluster("mixed-mini-equal.yaml")
+    assert TrainConfig().balance == "auto" and TrainConfig().speed == "measured"
+    assert balance_default("auto", mixed, 4) and not balance_default("auto", mixed, 1)
+    assert balance_default("auto", equal, 4) == cluster_is_mixed(equal, 4)
+    assert not balance_default(False, mixed, 4) and balance_default(True, equal, 4)
+    assert speeds_differ([1.0, 1.0, 1.0, 0.5]) and not speeds_differ([1.0, 1.05, 0.98, 1.0])
+    for key, value in (("balance", "sometimes"), ("speed", "guessed")):
+        with pytest.raises(ConfigError) as ei:
+            TrainConfig(**{key: value})
+        assert ei.value.key == f"train.{key}"
+    from hetcomm.cli import train as cli
+
+    p = argparse.ArgumentParser()
+    cli.add_parser(p.add_subparsers())
+    cfg = cli.train_config(p.parse_args(["train", "--no-balance"]))
+    assert cfg.balance is False and cfg.token_split is False
+    assert cli.train_config(p.parse_args(["train", "--speed", "datasheet"])).speed == "datasheet"
+
+
+def test_batch_split_deals_by_speed_only_when_it_pays():
+    half = [100.0, 100.0, 100.0, 50.0]
+    sizes, gain = BatchSplit.plan(64, [16] * 4, half, step_s=0.5)
+    assert sizes == [18, 18, 18, 10] or sum(sizes) == 64 and sizes[3] < min(sizes[:3])
+    assert gain > BATCH_MIN_GAIN * 0.5
+    # speeds within 10% (noise between equal ranks): the deal stays
+    assert BatchSplit.plan(64, [16] * 4, [100.0, 105.0, 98.0, 101.0], step_s=0.5)[0] == [16] * 4
+    # a gain below 3% of the step: the deal stays
+    assert BatchSplit.plan(64, [16] * 4, [1e6, 1e6, 1e6, 5e5], step_s=10.0)[0] == [16] * 4
+    # back to equal once the speeds agree again
+    assert BatchSplit.plan(64, [18, 18, 18, 10], [100.0] * 4, step_s=0.1)[0] == [16] * 4
+    live = BatchSplit(16, 4, 0)  # a deal is taken when two agreements in a row propose it
+    assert not live.adopt([13, 20, 15, 16]) and not live.adopt([17, 14, 16, 17]) and live.sizes == [16] * 4
+    assert not live.adopt(sizes) and live.adopt([s + d for s, d in zip(sizes, (1, -1, 0, 0))]) and live.changes == 1
+    fixed = BatchSplit(16, 4, 3, fixed_speeds=half)  # --speed datasheet: dealt once, nothing measured
+    assert fixed.mine == sizes[3] and not fixed.maybe_agree(1.0)
+    off = BatchSplit(16, 4, 3, enabled=False, fixed_speeds=half)
+    assert off.mine == 16 and off.loss_scale() == 1.0
+
+
+def test_batch_split_loss_scale_gives_the_global_mean_gradient():
+    torch.manual_seed(0)
+    w = torch.randn(5, requires_grad=True)
+    xs = torch.randn(64, 5)
+    (xs @ w).pow(2).mean().backward()
+    want, w.grad = w.grad.clone(), None
+    split = [18, 18, 18, 10]
+    lo = 0
+    for r, b in enumerate(split):  # each rank's scaled mean loss, then the 1/W gradient average
+        bs = BatchSplit(16, 4, r)
+        bs.sizes = split
+        ((xs[lo:lo + b] @ w).pow(2).mean() * bs.loss_scale() / 4).backward()
+        lo += b
+    assert torch.allclose(w.grad, want, atol=1e-6)
+
+
+def test_measure_chunks_picks_a_candidate_and_leaves_the_layers_there():
+    from hetcomm.moe import MoELayer
+
+    torch.manual_seed(0)
+    layer = MoELayer(16, 4, k=2, calibrate=False)
+    x = torch.randn(32, 16)
+    ref = layer(x).detach()
+    from hetcomm.train.het_defaults import measure_chunks
+
+    def step():
+        layer(x).sum().backward()
+
+    n, times = measure_chunks([layer], step, candidates=(1, 2), repeats=1)
+    assert n in (1, 2) and set(times) == {1, 2} and layer.config.num_chunks == n
+    assert torch.allclose(layer(x), ref, atol=1e-6)  # chunking never changes the result
+    assert resolve_chunks("auto", torch.device("cuda"))[0] is None  # a device measures

@@ -53,7 +53,7 @@ migration budget.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -62,17 +62,8 @@ import torch.distributed as dist
 from hetcomm.errors import ConfigError
 
 __all__ = [
-    "BalancerConfig",
-    "ExpertMap",
-    "Move",
-    "BalancePlan",
-    "ExpertBalancer",
-    "fast_signal",
-    "pack_capacity_aware",
-    "refine_placement",
-    "replica_counts",
-    "broadcast_map",
-    "rank_loads",
+    "BalancerConfig", "ExpertMap", "Move", "BalancePlan", "ExpertBalancer", "fast_signal",
+    "pack_capacity_aware", "refine_placement", "replica_counts", "broadcast_map", "rank_loads",
 ]
 
 
@@ -600,6 +591,16 @@ class ExpertBalancer:
         self.plans: List[BalancePlan] = []
         self._requested: set = set()  # experts a pager asked to move (request_migration)
         self.num_requests = 0
+
+    def set_speeds(self, speeds: Sequence[float], seconds_per_unit: Optional[float] = None) -> None:
+        """New ``c_r`` (e.g. the layer's measured vector, identical on every rank) and, optionally,
+        ``seconds_per_unit``; used from the next :meth:`propose`."""
+        sp = [float(s) for s in speeds]
+        if len(sp) != self.world_size or any(not s > 0 for s in sp) or not (seconds_per_unit or 1) > 0:
+            raise ConfigError(f"need {self.world_size} speeds > 0 (got {sp}), seconds_per_unit > 0", key="balance.speeds")
+        self.speeds = sp
+        if seconds_per_unit is not None:
+            self.cfg = replace(self.cfg, seconds_per_unit=float(seconds_per_unit))
 
     # -- inputs -------------------------------------------------------------------------------
 

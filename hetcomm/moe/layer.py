@@ -44,7 +44,7 @@ from hetcomm.moe.overlap import PipelineTimes
 from hetcomm.moe.layer_config import MoEConfig
 from hetcomm.moe.layer_paging import PagedExperts
 from hetcomm.moe.paging import ExpertPager
-from hetcomm.moe.placement import ExpertPlacement, place_experts
+from hetcomm.moe.placement.assign import ExpertPlacement, check_adopted_map, place_experts
 from hetcomm.moe.placement.replicate import HotExpertReplicator
 from hetcomm.moe.powersgd import node_ids_of
 from hetcomm.moe.speed import SpeedMeter
@@ -445,41 +445,8 @@ class MoELayer(PagedExperts, nn.Module):
         """
         E, W = self.config.num_experts, self.world_size
         owner = list(expert_to_rank.owner) if isinstance(expert_to_rank, ExpertPlacement) else [int(r) for r in expert_to_rank]
-        if len(owner) != E:
-            raise ConfigError(
-                f"the map names {len(owner)} experts but the layer has {E} (rank {self.rank})", key="moe.placement"
-            )
-        for e, r in enumerate(owner):
-            if not 0 <= r < W:
-                raise ConfigError(
-                    f"expert {e} is mapped to rank {r}, outside the group of {W} ranks (rank {self.rank})",
-                    key="moe.placement",
-                )
-        mine = [e for e in range(E) if owner[e] == self.rank]
-        for e in mine:
-            if e not in modules:
-                raise ConfigError(
-                    f"expert {e} is mapped to rank {self.rank} but no module for it was given; pass "
-                    f"modules[{e}] (the migrated expert)",
-                    key="moe.placement",
-                )
-        extra = sorted(set(modules) - set(mine))
-        if extra:
-            raise ConfigError(
-                f"expert {extra[0]} has a module on rank {self.rank} but the map puts it on rank "
-                f"{owner[extra[0]] if 0 <= extra[0] < E else '(no such expert)'}",
-                key="moe.placement",
-            )
         ref = self.experts.experts[0] if len(self.experts) else self._make_expert(0)
-        want = [tuple(p.shape) for p in ref.parameters()]
-        for e in mine:
-            m = modules[e]
-            got = [tuple(p.shape) for p in m.parameters()] if isinstance(m, nn.Module) else None
-            if got != want:
-                raise ConfigError(
-                    f"expert {e}'s module has parameters {got} but this layer's experts have {want} (rank {self.rank})",
-                    key="moe.placement",
-                )
+        mine = check_adopted_map(owner, modules, num_experts=E, world_size=W, rank=self.rank, reference=ref)
         before = set(self.local_expert_ids)
         placement = ExpertPlacement(tuple(owner), W)
         self._set_placement(placement, [modules[e] for e in placement.experts_of(self.rank)])

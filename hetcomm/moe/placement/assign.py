@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
+
+from torch import nn
 
 from hetcomm.errors import ConfigError
 
-__all__ = ["ExpertPlacement", "place_experts", "split_by_weight"]
+__all__ = ["ExpertPlacement", "place_experts", "split_by_weight", "check_adopted_map"]
 
 
 @dataclass(frozen=True)
@@ -212,3 +214,53 @@ def place_experts(
         for _ in range(sizes[r]):
             owner_list[next(it)] = r
     return ExpertPlacement(tuple(owner_list), world_size)
+
+
+def check_adopted_map(
+    owner: Sequence[int],
+    modules: Mapping[int, nn.Module],
+    *,
+    num_experts: int,
+    world_size: int,
+    rank: int,
+    reference: nn.Module,
+) -> List[int]:
+    """Check a map a layer is about to adopt (``MoELayer.apply_placement``) before anything changes.
+
+    Args:
+        owner: ``[E]`` owner rank of each global expert.
+        modules: global expert id -> module, for exactly the experts ``rank`` owns under ``owner``.
+        num_experts, world_size, rank: the layer's ``E``, group size and own rank.
+        reference: one of the layer's experts: every module must have its parameter shapes.
+    Returns:
+        The global ids ``rank`` owns under ``owner``, ascending.
+
+    Raises:
+        ConfigError: (``key='moe.placement'``) a map of the wrong length or with an owner outside
+            the group, a module missing or extra for an expert, or one whose parameters do not
+            match, naming the expert.
+    """
+    E, W = num_experts, world_size
+    if len(owner) != E:
+        raise ConfigError(f"the map names {len(owner)} experts but the layer has {E} (rank {rank})", key="moe.placement")
+    for e, r in enumerate(owner):
+        if not 0 <= r < W:
+            raise ConfigError(f"expert {e} is mapped to rank {r}, outside the group of {W} ranks (rank {rank})",
+                              key="moe.placement")
+    mine = [e for e in range(E) if owner[e] == rank]
+    for e in mine:
+        if e not in modules:
+            raise ConfigError(f"expert {e} is mapped to rank {rank} but no module for it was given; pass "
+                              f"modules[{e}] (the migrated expert)", key="moe.placement")
+    extra = sorted(set(modules) - set(mine))
+    if extra:
+        raise ConfigError(f"expert {extra[0]} has a module on rank {rank} but the map puts it on rank "
+                          f"{owner[extra[0]] if 0 <= extra[0] < E else '(no such expert)'}", key="moe.placement")
+    want = [tuple(p.shape) for p in reference.parameters()]
+    for e in mine:
+        m = modules[e]
+        got = [tuple(p.shape) for p in m.parameters()] if isinstance(m, nn.Module) else None
+        if got != want:
+            raise ConfigError(f"expert {e}'s module has parameters {got} but this layer's experts have {want} "
+                              f"(rank {rank})", key="moe.placement")
+    return mine

@@ -68,6 +68,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="steps before a moved expert may move again (default 1000)")
     p.add_argument("--powersgd", metavar="RANK", type=int, default=None,
                    help="PowerSGD of this rank for the dense gradients on cross-node pairs (0/absent: off)")
+    p.add_argument("--probe-every", metavar="N", type=int, default=None,
+                   help="in-training health probe every N steps: each rank's expert compute and links against its "
+                   "device/link class, in the health records beside --metrics (default 50; 0: off; docs/OPERATIONS.md)")
     p.add_argument("--page-budget", metavar="FRACTION", type=float, default=None,
                    help="expert paging: keep this fraction of each rank's experts on the device, page the rest in "
                    "from a host pool as the gate routes (e.g. 0.4; 0/absent: off; docs/MOE.md)")
@@ -119,6 +122,7 @@ def train_config(args: argparse.Namespace):
         balance_cooldown=args.balance_cooldown,
         powersgd_rank=args.powersgd,
         page_budget=args.page_budget,
+        probe_every=args.probe_every,
         chunks=_chunks(args.chunks),
         token_split={"on": True, "off": False, "auto": "auto", None: None}[args.token_split],
     )

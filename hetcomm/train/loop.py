@@ -71,6 +71,9 @@ class TrainConfig:
             by measured speed (:mod:`hetcomm.train.het_defaults`): False (default), True, or
             ``auto`` (on for a mixed cluster).
         chunks: pipelined dispatch chunks (``MoEConfig.num_chunks``), or ``auto``.
+        probe_every: steps per window of the in-training health probe (:mod:`hetcomm.ops.probe`:
+            each rank's expert compute and links judged against its device/link class, written
+            to the health records beside ``metrics`` / in the launch directory; 0: off).
     """
 
     cluster: str = "configs/clusters/mixed-mini.yaml"
@@ -101,6 +104,7 @@ class TrainConfig:
     page_budget: float = 0.0
     token_split: Union[bool, str] = False
     chunks: Union[int, str] = "auto"
+    probe_every: int = 50
 
     def __post_init__(self) -> None:
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
@@ -117,7 +121,7 @@ class TrainConfig:
         if not self.lr > 0:
             raise ConfigError(f"must be > 0, got {self.lr!r}", key="train.lr")
         parse_wire_dtype(self.wire_dtype, allowed=LAYER_SPELLINGS, key="train.wire_dtype")
-        for name in ("balance_every", "balance_cooldown", "powersgd_rank"):
+        for name in ("balance_every", "balance_cooldown", "powersgd_rank", "probe_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "balance_every" else 0):
                 raise ConfigError(f"must be a whole number >= {1 if name == 'balance_every' else 0}, got {value!r}",
@@ -327,6 +331,8 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     split_on = token_split_default(cfg.token_split, cfg.replicate, cluster, world_size) and cfg.page_budget == 0
     num_chunks, _ = resolve_chunks(cfg.chunks, torch.device("cpu"))  # the demo LM runs on CPU ranks
 
+    elastic_weights, placement_from = _elastic_placement(cfg, cluster, world_size)
+
     def make_moe(layer_index: int):
         return MoELayer(
             cfg.model_dim,
@@ -344,6 +350,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             num_chunks=num_chunks,
             # The layer's default of 3 hot experts, but never more than the layer has (--experts 2).
             replicate_top=min(MoEConfig.replicate_top, cfg.experts),
+            **_placement_kwargs(elastic_weights, cfg.experts, world_size),
         )
 
     torch.manual_seed(cfg.seed)  # dense weights identical on every rank
@@ -388,6 +395,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     hetcomm.reset_stats()
     progress = _Progress(rank == 0, cfg, world_size, cluster, balancer)
     mc = hooks.metrics_collector(cfg, rank, world_size, cluster, model, start_step)
+    change, probe = _elastic_start(cfg, rank, world_size, cluster, model, start_step, mc, placement_from)
     t0 = time.perf_counter()
     tokens_per_step = cfg.batch_size * cfg.seq_len
     losses: List[float] = []
@@ -433,15 +441,19 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         if paged and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             for m in model.moe_layers:
                 m.sync_pages()  # the checkpoint reads the experts: no write-back half done
-        hooks.maybe_checkpoint(cfg, step, model, opt, gen, mc, extras or None)
+        if hooks.maybe_checkpoint(cfg, step, model, opt, gen, mc, extras or None):
+            _elastic_after_checkpoint(cfg, rank, world_size, cluster, model)
+        probe.after_step(step, model.moe_layers)
         progress.update(step, losses[-1], tokens_per_step * world_size, model)
     mc.close()
+    probe.close()
     if balancer is not None:
         balancer.finish_pending()
 
     elapsed = time.perf_counter() - t0
     het_rows = [("token split (per step, by measured speed)", "on" if split_on else "off"),
-                ("per-rank MoE time max/mean", MoETimeTracker.summary(moe_time.gather(world_size)))]
+                ("per-rank MoE time max/mean", MoETimeTracker.summary(moe_time.gather(world_size))),
+                *_elastic_summary_rows(change, model)]
     summary = _summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step,
                          balancer, psgd, het_rows)
     hooks.record_verdict(cfg, rank, summary)
@@ -449,6 +461,49 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         progress.close()
         print(summary["text"])
     return 0 if summary["ok"] else 1
+
+
+# -- elastic membership and the in-training probe (hetcomm.ops.membership, hetcomm.ops.probe) --
+
+
+def _elastic_placement(cfg: TrainConfig, cluster, world_size: int):
+    """Placement weights for a resume onto other ranks (measured speeds), or (None, "datasheet")."""
+    from hetcomm.ops.membership import placement_weights
+
+    return placement_weights(cfg, cluster, world_size)
+
+
+def _placement_kwargs(weights, experts: int, world_size: int) -> Dict[str, Any]:
+    """``MoELayer`` keyword arguments placing the experts by ``weights`` (none: the layer's own)."""
+    if weights is None:
+        return {}
+    from hetcomm.moe.placement import place_experts
+
+    return {"placement": place_experts(experts, world_size, rank_weights=weights)}
+
+
+def _elastic_start(cfg: TrainConfig, rank: int, world_size: int, cluster, model, start_step: int, mc,
+                   placement_from: str):
+    """After the resume: the membership record/change (collective with a checkpoint directory)
+    and the job's probe."""
+    from hetcomm.ops.membership import on_start
+    from hetcomm.ops.probe import probe_for
+
+    change = on_start(cfg, rank, world_size, cluster, model, start_step, mc, placement_from)
+    return change, probe_for(cfg, rank, world_size, cluster, model)
+
+
+def _elastic_after_checkpoint(cfg: TrainConfig, rank: int, world_size: int, cluster, model) -> None:
+    from hetcomm.ops.membership import after_checkpoint
+
+    after_checkpoint(cfg, rank, world_size, cluster, model)
+
+
+def _elastic_summary_rows(change, model) -> List[tuple]:
+    """The summary's experts-present row (collective: the census) and the membership change."""
+    from hetcomm.ops.membership import expert_census, summary_rows
+
+    return summary_rows(change, expert_census(model))
 
 
 # -- reporting ------------------------------------------------------------------------------

@@ -149,6 +149,7 @@ def judge_window(window: Dict[int, Dict[str, Any]], ranks: Sequence[Dict[str, An
             slow.append(s)
     probe = {
         "kind": "probe", "step": step, "first_step": first_step, "ranks_reported": sorted(window),
+        "compute_s": {str(r["rank"]): r["gemm_s"] for r in report_ranks if r["gemm_s"] is not None},
         "compute_factor": {str(r): round(f, 4) for r, f in verdict.compute_factor.items()},
         "link_factor": {k: {str(r): round(f, 4) for r, f in v.items()} for k, v in link_factor.items()},
         "compute_unit": f"s per {ROWS_UNIT} expert rows", "link_unit": "busy s per MiB sent",

@@ -89,3 +89,61 @@ def test_a_lost_node_leaves_the_job_on_three_ranks_with_every_expert(tmp_path, d
     assert math.isfinite(last) and abs(last - ref[STEPS]) <= 0.1 * ref[STEPS], (last, ref[STEPS])
     # The next attempt's record: 3 ranks.
     assert read_membership(ck)["world_size"] == 3
+
+
+HUNG_AT_STEP = 4
+
+
+def _train_or_hang(rank: int, world_size: int, cfg, port: int, flags: str):
+    """A rank of the tiny job; rank 2 stops itself (SIGSTOP) as it starts step ``HUNG_AT_STEP``.
+
+    A watchdog (a shell, started before the stop) SIGKILLs the stopped rank once the three
+    survivors have failed (their flag files), as torchrun's agent would after they exit.
+    """
+    import signal
+    import subprocess
+
+    if rank == 2:
+        from hetcomm.train.data import MarkovTask
+
+        orig = MarkovTask.sample
+        calls = [0]
+
+        def sample(self, *a, **k):
+            calls[0] += 1
+            if calls[0] == HUNG_AT_STEP:
+                me = os.getpid()
+                subprocess.Popen(["sh", "-c", f"i=0; while [ $(ls {flags} | wc -l) -lt 3 ] && [ $i -lt 1500 ]; do "
+                                  f"sleep 0.1; i=$((i+1)); done; kill -9 {me}"])
+                os.kill(me, signal.SIGSTOP)
+            return orig(self, *a, **k)
+
+        MarkovTask.sample = sample
+    try:
+        return _train_rank(rank, world_size, cfg, port)
+    except BaseException as e:
+        with open(os.path.join(flags, str(rank)), "w") as f:
+            f.write(f"{type(e).__name__}: {e}")
+        raise
+
+
+def test_a_hung_rank_is_named_stopped_by_every_survivor_not_at_the_timeout(tmp_path):
+    # The hang variant: a SIGSTOPped rank never answers; the survivors' heartbeats see it
+    # stopped (/proc) and the collective each waits in raises naming it, instead of at the group
+    # timeout (tiny.yaml: 60 s): the all-to-all of the next forward (the executor's wait loop), a
+    # delegated collective's cross-rank check (the board's) or its gloo op already under way (an
+    # async replica reduction: delegated._wait_watching). From there recovery is a kill's:
+    # torchrun stops the group and restarts it, or continues without the node.
+    from tests.backends.ranks import run_ranks_outcomes
+
+    from hetcomm.train.loop import load_train_config
+
+    flags = tmp_path / "failed"
+    flags.mkdir()
+    cfg = load_train_config(TINY, steps=8)
+    outs = run_ranks_outcomes(_train_or_hang, 4, cluster=MIXED_MINI, args=(cfg, _free_port(), str(flags)), timeout=170)
+    assert outs[2].stopped != "timeout" and not outs[2].ok, outs[2]
+    for r in (0, 1, 3):
+        o = outs[r]
+        assert not o.ok and o.stopped != "timeout", (r, o)
+        assert "peer 2" in o.error and "stopped" in o.error and "named by the heartbeat" in o.error, (r, o.error)

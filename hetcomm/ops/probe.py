@@ -9,7 +9,10 @@ that keeps running. This one measures what training already does, so it adds no 
   the all-to-all; the window's measurement is the median over its steps (a step the scheduler
   stalled does not make a rank slow). Judged per device model by
   :func:`hetcomm.ops.health_class.judge_by_class` (time normalised by the rank's declared speed;
-  class median with >= 3 ranks, else the speed-scaled median of all ranks; slow above 1.4x).
+  class median with >= 3 ranks, else the speed-scaled median of all ranks; over the threshold above
+  ``COMPUTE_THRESHOLD`` = 1.6x: a half-speed throttle is 2x; the launch check's GEMM probe uses
+  1.4x, but expert time on an overloaded CPU host is noisier: a healthy emulated A100 reached
+  1.51x in one window at load 37, the throttled H800 1.62-7.7x).
   Declared speeds are the cluster's (``device.tflops`` or the device table) on real devices and
   under ``hetcomm emulate --compute``; on plain CPU ranks, whose devices are labels and all
   compute alike, they are taken equal (else every label would look "slow" for its datasheet).
@@ -48,9 +51,11 @@ from typing import Any, Dict, List, Optional, Sequence
 from hetcomm import settings
 from hetcomm.ops.health_class import MIN_CLASS, SlowRank, judge_by_class
 
-__all__ = ["TrainingProbe", "NullProbe", "probe_for", "judge_window", "declared_speeds", "LINK_THRESHOLD",
-           "ROWS_UNIT"]
+__all__ = ["TrainingProbe", "NullProbe", "probe_for", "judge_window", "declared_speeds", "COMPUTE_THRESHOLD",
+           "LINK_THRESHOLD", "ROWS_UNIT", "CONFIRM"]
 
+#: Over the threshold in compute: normalised expert time per row above this x the class baseline.
+COMPUTE_THRESHOLD = 1.6
 #: Slow on a link: busy seconds per MiB above this x its link class's median.
 LINK_THRESHOLD = 3.0
 #: The compute measurement's unit: seconds per this many expert rows.
@@ -116,7 +121,7 @@ def judge_window(window: Dict[int, Dict[str, Any]], ranks: Sequence[Dict[str, An
         if vals:
             per_row = statistics.median(vals) * ROWS_UNIT
         report_ranks.append({**r, "gemm_s": per_row})
-    verdict = judge_by_class({"ranks": report_ranks}, list(speeds))
+    verdict = judge_by_class({"ranks": report_ranks}, list(speeds), compute_threshold=COMPUTE_THRESHOLD)
     over: List[SlowRank] = list(verdict.slow)
     # Links: busy s/MiB per rank and rail class, judged within classes of >= MIN_CLASS ranks.
     by_class: Dict[str, Dict[int, float]] = {}

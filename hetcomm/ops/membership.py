@@ -237,11 +237,20 @@ def _cause(prev: Dict[str, Any]) -> str:
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
     if not work or not restart.isdigit() or int(restart) == 0:
         return "the previous run ended (no launch marks here to say why)"
-    from hetcomm.ops.rank_marks import describe, read_marks
+    from hetcomm.ops.rank_marks import culprits, describe, read_marks
 
     marks = read_marks(work, "job", int(restart) - 1, int(prev.get("world_size", 0)))
     if not marks:
         return f"attempt {int(restart) - 1} left no marks on this node"
+    bad = culprits(marks, None)
+    witness = next((m for m in sorted(marks.values(), key=lambda m: m.rank)
+                    if m.status == "failed" and m.peer in bad and m.error), None)
+    if bad and witness is not None and all(b not in marks for b in bad):
+        # The culprit ran on another node (its marks are there): say what this node's ranks saw.
+        ranks = prev.get("ranks", [])
+        where = ", ".join(f"rank {b}" + (f" ({ranks[b].get('model')} on {ranks[b].get('node')})" if b < len(ranks) else "")
+                          for b in bad)
+        return f"{where} named by rank {witness.rank}: {witness.error.splitlines()[0]}"
     return describe(marks, None)
 
 

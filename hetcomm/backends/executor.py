@@ -137,14 +137,8 @@ def drive(
                 diagnosed=diagnose is not None,
             )
         idle = 0 if step.progressed else idle + 1
-        if idle and step.can_block and (watch is None or beat is None):
+        if idle and step.can_block:
             step.block()  # only thread-driven rails left: wait in this thread, no hand-off
-        elif idle and step.can_block and wakeup is not None:
-            # With a heartbeat, never wait inside gloo: a peer stopped (SIGSTOP) mid-transfer would
-            # hold this thread there until the group timeout. The rail's waiter threads move the
-            # bytes and ring ``wakeup``; between rings the loop looks at the heartbeat again.
-            wakeup.wait(min(0.05, max(0.0, deadline - time.monotonic())))
-            wakeup.clear()
         elif idle and wakeup is not None and (rung_by_peers or not step.needs_polling):
             wakeup.wait(min(0.05, max(0.0, deadline - time.monotonic())))
             wakeup.clear()

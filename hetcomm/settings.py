@@ -356,7 +356,7 @@ LOG = ChoiceSetting(
 LAUNCH_DIR = StrSetting(
     "HETCOMM_LAUNCH_DIR", None,
     "work directory of this hetcomm launch (the worker records a finished job's exit code there)",
-    readers=("hetcomm.ops.worker",),
+    readers=("hetcomm.ops.worker", "hetcomm.ops.ops_records", "hetcomm.ops.membership"),
     set_by=("hetcomm.cli.launch",),
     form="path",
 )
@@ -430,7 +430,7 @@ EMULATE_ADDRS = ListSetting(
 EMULATE_COMPUTE = StrSetting(
     "HETCOMM_EMULATE_COMPUTE", None,
     "with hetcomm emulate --compute: the node's relative speed and the rank's CPUs (speed/cpus)",
-    readers=("tests",),
+    readers=("tests", "hetcomm.ops.probe"),
     set_by=("hetcomm.emulate.ranks",),
 )
 

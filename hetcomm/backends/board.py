@@ -101,6 +101,10 @@ class MetaBoard:
         pending = [r for r in range(len(self.pids)) if r != self.rank]
         waited = False
         last_progress = time.perf_counter()
+        from hetcomm.backends import heartbeat
+
+        beat = heartbeat.active()
+        losses_seen = 0
         while True:
             self._bell.clear()  # also the fence between our publication and the reads below
             still = [r for r in pending if words[r * self._slot_len] < seq]
@@ -113,6 +117,13 @@ class MetaBoard:
                 last_progress = now
             pending = still
             waited = True
+            if beat is not None and beat.version != losses_seen:
+                # A peer the heartbeat saw stop (SIGSTOP) or exit never publishes: end the wait
+                # now, naming it, instead of at the group timeout (hetcomm.backends.heartbeat).
+                losses_seen = beat.version
+                err = self._heartbeat_error(beat, pending, op)
+                if err is not None:
+                    raise err
             if now - last_progress > _LIVENESS_AFTER_S:
                 last_progress = now
                 for r in pending:
@@ -128,6 +139,26 @@ class MetaBoard:
                 )
             self._bell.wait(_BLOCK_S)
         return [torch.from_numpy(self._buffer(r, seq).copy()) for r in range(len(self.pids))]
+
+    def _heartbeat_error(self, beat, pending: Sequence[int], op: str):
+        """The error naming the first of ``pending`` the heartbeat saw exit or stop, or None.
+
+        The heartbeat's ranks are the default group's; the board's peers are matched by pid."""
+        from hetcomm.backends.heartbeat import DEFINITIVE
+
+        by_pid = {pid: r for r, pid in beat.local_pids.items()}
+        for r in pending:
+            g = by_pid.get(self.pids[r])
+            loss = beat.lost.get(g) if g is not None else None
+            if loss is not None and loss.cause in DEFINITIVE:
+                cls = CollectiveError if loss.cause == "exited" else PeerTimeout
+                return cls(
+                    f"rank {r} (pid {self.pids[r]}) {loss.cause} before the cross-rank check ({loss.detail}; named by "
+                    f"the heartbeat, {loss.silent_s:.2f} s after its last beat; every survivor names it); restart the "
+                    f"job or let `hetcomm launch` do it",
+                    op=op, rank=self.rank, peer=r, rail="shm", diagnosed=True,
+                )
+        return None
 
     def close(self) -> None:
         """Unmap the segment (idempotent; the doorbell belongs to the process group)."""

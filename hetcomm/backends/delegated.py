@@ -196,6 +196,48 @@ class _Staging:
                 t.copy_(s.view(t.shape))
 
 
+#: Seconds between looks at the heartbeat while a blocking delegated collective waits in gloo.
+_WATCH_S = 0.25
+
+
+def _wait_watching(gwork, faults: FaultDiagnosis, seq: int, op: str, size: int, rank: int) -> Optional[CollectiveError]:
+    """``gwork.wait()``, ending early with the error naming a peer the heartbeat saw stop or exit.
+
+    gloo waits for a stopped (SIGSTOP) peer until the group timeout; a killed one closes its
+    sockets and ends the wait at once. With a heartbeat running (:mod:`hetcomm.backends.heartbeat`)
+    the wait is cut into ``_WATCH_S`` slices (``Work.wait(timeout)`` leaves the op pending when it
+    times out) and between slices the definitive losses among the group's peers end it. The gloo
+    op is then abandoned: the process is failing, and the group is destroyed after it.
+
+    Returns:
+        None when gloo completed (its own errors are raised), else the error to complete with.
+    """
+    from datetime import timedelta
+
+    from hetcomm.backends import heartbeat
+    from hetcomm.backends.faults import SeqDiagnosis
+
+    beat = heartbeat.active()
+    if beat is None or size < 2:
+        gwork.wait()
+        return None
+    seen = beat.version
+    diagnosis = SeqDiagnosis(faults, seq)
+    peers = [p for p in range(size) if p != rank]
+    while True:
+        if beat.version != seen:
+            seen = beat.version
+            err = diagnosis.lost_error(peers, op)
+            if err is not None:
+                return err
+        try:
+            gwork.wait(timedelta(seconds=_WATCH_S))
+            return None
+        except RuntimeError as e:
+            if "Operation timed out" not in str(e):
+                raise
+
+
 class _Completion:
     """Completes a delegated collective's Work once gloo's op has finished.
 
@@ -361,11 +403,14 @@ class DelegatedCollectives:
                     fut = None
             if fut is None:  # a blocking call waits here: no hand-off through a gloo callback thread
                 try:
-                    gwork.wait()
+                    lost = _wait_watching(gwork, faults, seq, kind, self.size, self.rank)
                 except Exception as e:
                     done.finish(e)
                 else:
-                    done.finish(None)
+                    if lost is not None:  # a peer stopped or exited while gloo waits for it
+                        done.complete(done.work, release_frames(lost))
+                    else:
+                        done.finish(None)
             else:
                 fut.then(done.callback)
 

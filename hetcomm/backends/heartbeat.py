@@ -48,7 +48,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Sequence
 
-__all__ = ["PeerLoss", "Heartbeat", "active", "start", "start_for", "stop", "DEFINITIVE", "DEFAULT_INTERVAL_S", "DEFAULT_MISS_S"]
+__all__ = ["PeerLoss", "Heartbeat", "active", "lost_definitively", "start", "start_for", "stop", "DEFINITIVE", "DEFAULT_INTERVAL_S", "DEFAULT_MISS_S"]
 
 #: Seconds between beats.
 DEFAULT_INTERVAL_S = 0.1
@@ -246,6 +246,9 @@ class Heartbeat:
 
 
 _active: Optional[Heartbeat] = None
+#: Whether the last stopped heartbeat of the default group had seen a peer exit or stop (what
+#: the group's shutdown asks after the heartbeat is gone: :func:`lost_definitively`).
+_stopped_with_loss = False
 
 
 def active() -> Optional[Heartbeat]:
@@ -253,10 +256,20 @@ def active() -> Optional[Heartbeat]:
     return _active
 
 
+def lost_definitively() -> bool:
+    """Whether this process's default-group heartbeat (running, or the one its shutdown just
+    stopped) saw a peer exit or stop: waits on that peer are not worth sitting out."""
+    hb = _active
+    if hb is not None:
+        return any(x.cause in DEFINITIVE for x in list(hb.lost.values()))
+    return _stopped_with_loss
+
+
 def start(store, rank: int, world_size: int, **kwargs) -> Heartbeat:
     """Start the heartbeat of the default group (replacing a previous group's)."""
-    global _active
+    global _active, _stopped_with_loss
     stop()
+    _stopped_with_loss = False
     _active = Heartbeat(store, rank, world_size, **kwargs).start()
     return _active
 
@@ -275,10 +288,11 @@ def start_for(store, rank: int, world_size: int, placement) -> Heartbeat:
 
 def stop(which: Optional[Heartbeat] = None) -> None:
     """Stop the default group's heartbeat (at group shutdown); with ``which``, only if it is that one."""
-    global _active
+    global _active, _stopped_with_loss
     if which is not None and which is not _active:
         which.stop()
         return
     hb, _active = _active, None
     if hb is not None:
+        _stopped_with_loss = any(x.cause in DEFINITIVE for x in list(hb.lost.values()))
         hb.stop()

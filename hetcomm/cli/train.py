@@ -82,6 +82,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--powersgd-experts", metavar="RANK", type=int, default=None,
                    help="PowerSGD of this rank for the hot-expert replicas' gradient sums on cross-node pairs, "
                    "exact inside a node (0/absent: off; needs replication; docs/MOE.md)")
+    p.add_argument("--probe-every", metavar="N", type=int, default=None,
+                   help="in-training health probe every N steps: each rank's expert compute and links against its "
+                   "device/link class, in the health records beside --metrics (default 50; 0: off; docs/OPERATIONS.md)")
     p.add_argument("--page-budget", metavar="FRACTION", type=float, default=None,
                    help="expert paging: keep this fraction of each rank's experts on the device, page the rest in "
                    "from a host pool as the gate routes (e.g. 0.4; 0/absent: off; docs/MOE.md)")
@@ -148,6 +151,7 @@ def train_config(args: argparse.Namespace):
         powersgd_rank=args.powersgd,
         powersgd_experts=args.powersgd_experts,
         page_budget=args.page_budget,
+        probe_every=args.probe_every,
         chunks=_chunks(args.chunks),
         snapshot_every=_snapshot_every(args.snapshot_every),
         snapshot_peer=args.snapshot_peer,

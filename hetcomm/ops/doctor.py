@@ -7,7 +7,10 @@ A *record* is whatever a job left behind, read by content (:func:`load_record`):
 * logs: NCCL (``NCCL_DEBUG=INFO``) and HCCL output, the job's stderr (OOMs, timeouts), ``env``
   dumps;
 * clock reports: ``chronyc tracking``, ``ntpq -p``, ``timedatectl``;
-* ``hetcomm audit --json`` output (its findings are carried over as they are).
+* ``hetcomm audit --json`` output (its findings are carried over as they are);
+* health records (:mod:`hetcomm.ops.ops_records`: the launch health check's and the in-training
+  probe's slow ranks, membership changes), given or found beside the metrics file
+  (``m.jsonl`` -> ``m.health.jsonl``); their rules are :mod:`hetcomm.ops.doctor_health`'s.
 
 Each rule returns :class:`~hetcomm.topo.model.Finding` objects (the audit's type: code,
 severity, subject = where, message = what was seen, fix = how to fix it). :data:`DOCTOR_CODES`
@@ -29,6 +32,8 @@ code                           fires when
 ``env-roce-gid``               NCCL on RoCE NICs without ``NCCL_IB_GID_INDEX`` set
 ``env-hccl-buffsize``          Ascend ranks whose per-step all-to-all exceeds ``HCCL_BUFFSIZE``
 ``env-async-error-handling``   ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (a dead peer hangs)
+``slow-rank`` / ``slow-link``  a health record names a rank slower than its device / link class
+``membership-change``          the job resumed on other ranks (who, cause, cost, experts)
 =============================  ==============================================================
 
 Why by hand: these are the symptoms of the MegaScale-MoE troubleshooting table turned into
@@ -46,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from hetcomm.errors import ConfigError
+from hetcomm.ops.doctor_health import HEALTH_CODES, HealthFile, rule_membership_change, rule_slow_rank
 from hetcomm.ops.metrics import MetricsLog, read_metrics
 from hetcomm.topo.audit import FindingSpec
 from hetcomm.topo.model import Finding
@@ -134,6 +140,7 @@ DOCTOR_CODES: Dict[str, FindingSpec] = {
         ),
     )
 }
+DOCTOR_CODES.update(HEALTH_CODES)
 
 
 @dataclass(frozen=True)
@@ -163,6 +170,7 @@ class JobRecord:
     logs: List[LogFile] = field(default_factory=list)
     clocks: List[ClockReading] = field(default_factory=list)
     audit: List[Finding] = field(default_factory=list)
+    health: List[HealthFile] = field(default_factory=list)
 
     def env(self) -> Dict[str, Tuple[str, str]]:
         """``{name: (value, where)}`` from the metrics ``run`` line, ``env`` dumps and NCCL's
@@ -246,14 +254,23 @@ def load_record(paths: Sequence[str]) -> JobRecord:
         ConfigError: an unreadable file, or a metrics/audit file that does not parse (naming
             file, line and key).
     """
+    from hetcomm.ops.ops_records import is_health_records, read_records, sibling_path
+
     rec = JobRecord()
+    given = {os.path.abspath(p) for p in paths}
     for path in paths:
         text = _read_text(path)
         head = text.lstrip()[:200]
+        if head.startswith("{") and is_health_records(text.lstrip().split("\n", 1)[0]):
+            rec.health.append(HealthFile(path, read_records(path)))
+            continue
         if head.startswith("{") and '"kind"' in head.split("\n", 1)[0]:
             if rec.metrics is not None:
                 raise ConfigError("a second metrics file; give one job's record at a time", path=path)
             rec.metrics = read_metrics(path)
+            beside = sibling_path(path)
+            if os.path.abspath(beside) not in given and os.path.isfile(beside):
+                rec.health.append(HealthFile(beside, read_records(beside)))
             continue
         if head.startswith("{"):
             try:
@@ -637,6 +654,14 @@ def rule_env_async_error_handling(rec: JobRecord) -> List[Finding]:
     return out
 
 
+def rule_health_records(rec: JobRecord) -> List[Finding]:
+    """``slow-rank`` / ``slow-link`` / ``membership-change`` (:mod:`hetcomm.ops.doctor_health`)."""
+    events = []
+    if rec.metrics is not None:
+        events = [(rec.metrics.path, e.step, e.detail) for e in rec.metrics.events if e.event == "membership"]
+    return rule_slow_rank(rec.health) + rule_membership_change(rec.health, events)
+
+
 RULES: Tuple[Rule, ...] = (
     rule_init_hang,
     rule_clock_offset,
@@ -648,6 +673,7 @@ RULES: Tuple[Rule, ...] = (
     rule_env_roce_gid,
     rule_env_hccl_buffsize,
     rule_env_async_error_handling,
+    rule_health_records,
 )
 
 _ORDER = {"error": 0, "warning": 1, "info": 2}
@@ -669,6 +695,7 @@ def render(rec: JobRecord, findings: Sequence[Finding]) -> str:
         read.append(f"metrics {rec.metrics.path} ({len(rec.metrics.steps)} steps)")
     read += [f"log {lg.path} ({len(lg.lines)} lines)" for lg in rec.logs]
     read += [f"clock {c.path} ({c.tool})" for c in rec.clocks]
+    read += [f"health records {h.path} ({len(h.records)} records)" for h in rec.health]
     if rec.audit:
         read.append(f"audit ({len(rec.audit)} findings)")
     out = ["hetcomm doctor: read " + ("; ".join(read) if read else "nothing")]

@@ -399,13 +399,15 @@ def crash_at_exit(payload, rank, world_size, store):
     return {"rank0": rank}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_crash_after_finishing_is_reported_not_hidden():
+    # A generous launch limit: at load 40 two ranks importing torch took longer than 20 s, and a
+    # run stopped at its limit reports the limit, not the crash this test is about.
     outcome = lib.launch_ranks(
         "tests.cli.test_bench_cli:crash_at_exit",
         "{}",
         2,
-        timeout_s=20,
+        timeout_s=200,
         env={"PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")},
     )
     assert outcome.ok and outcome.result == {"rank0": 0}
@@ -431,19 +433,20 @@ def silent_rank(payload, rank, world_size, store):
     return {}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_silent_rank_times_out_and_is_stopped():
-    t0 = time.monotonic()
+    # Outcomes, not timings: rank 0's own 3 s group timeout must end its wait (is_timeout, not
+    # stopped by the launch limit, which is generous so that a loaded machine's slow start does
+    # not reach it), and the silent rank is then stopped by the launcher.
     outcome = lib.launch_ranks(
         "tests.cli.test_bench_cli:silent_rank",
         "{}",
         2,
-        timeout_s=20,
+        timeout_s=200,
         env={"PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")},
         grace_s=2,
     )
     by_rank = {f.rank: f for f in outcome.failures}
-    assert by_rank[0].is_timeout, by_rank[0]
+    assert by_rank[0].is_timeout and not by_rank[0].killed_by_launcher, by_rank[0]
     assert by_rank[1].killed_by_launcher
     assert outcome.failures[0].rank == 0  # the rank's own error first, the stopped rank last
-    assert time.monotonic() - t0 < 90

@@ -145,6 +145,37 @@ def test_four_rank_checkpoint_loads_on_two_ranks_with_identical_outputs(tmp_path
         assert torch.equal(out, ref), f"rank {r}: max diff {(out - ref).abs().max().item()}"
 
 
+def _load_on_three(rank: int, world_size: int, root: str):
+    # A shrunk job places its experts for its own ranks (hetcomm.ops.membership: by measured
+    # speed per device model): here unevenly, 3/3/2 by weights 2, 2, 1.
+    from hetcomm.moe import MoELayer
+    from hetcomm.moe.placement import place_experts
+    from hetcomm.ops.checkpoint import latest_checkpoint, load_checkpoint
+
+    placement = place_experts(E, world_size, rank_weights=[2.0, 2.0, 1.0])
+    model = _Holder(MoELayer(D, E, k=2, dropless=True, wire_dtype="fp32", seed=7, placement=placement))
+    model.eval()
+    load_checkpoint(latest_checkpoint(root), model)
+    with torch.no_grad():
+        out = model.moe(_inputs())
+    return out, list(model.moe.local_expert_ids)
+
+
+def test_four_rank_checkpoint_restores_every_expert_by_id_on_three_ranks(tmp_path):
+    # 4 -> 3 (a node of one rank lost for good): no world size divides the other, every expert
+    # comes back from whichever old rank saved it, under the new, uneven placement.
+    saved = run_ranks(_save_on_four, world_size=4, args=(str(tmp_path),), timeout=90)
+    ref = saved[0][0]
+    loaded = run_ranks(_load_on_three, world_size=3, args=(str(tmp_path),), timeout=90)
+    ids = [i for _, i in loaded]
+    assert sorted(e for i in ids for e in i) == list(range(E))
+    assert [len(i) for i in ids] == [3, 3, 2]
+    old_owner = {e: r for r, (_, i) in enumerate(saved) for e in i}
+    assert any(len({old_owner[e] for e in i}) > 1 for i in ids)  # a new rank holds experts of two old ones
+    for r, (out, _) in enumerate(loaded):
+        assert torch.equal(out, ref), f"rank {r}: max diff {(out - ref).abs().max().item()}"
+
+
 def test_missing_key_names_it(tmp_path):
     from hetcomm.errors import ConfigError
     from hetcomm.moe import MoELayer

@@ -58,6 +58,12 @@ CASES = [
     ("env-roce-gid", ["nccl_roce_no_gid.txt"], [os.path.join(FIX, "nccl_log_h100_2node_roce_gdrdma_p2pipc.txt")]),
     ("env-hccl-buffsize", ["big_alltoall.jsonl"], ["demo_clean.jsonl"]),
     ("env-async-error-handling", ["env_async_off.txt"], ["env_ok.txt"]),
+    # Health records (hetcomm.ops.ops_records): the in-training probe of an emulated run with a
+    # throttled H800, its first (healthy) window, the hang-variant shrink run's membership change,
+    # and a network window built with hetcomm.ops.probe.judge_window (a rank's bridge 6x its class).
+    ("slow-rank", ["probe-throttled-h800.health.jsonl"], ["probe-healthy.health.jsonl"]),
+    ("slow-link", ["slow-link.health.jsonl"], ["probe-throttled-h800.health.jsonl"]),
+    ("membership-change", ["shrink-stop.health.jsonl"], ["probe-throttled-h800.health.jsonl"]),
 ]
 
 

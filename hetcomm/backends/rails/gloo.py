@@ -222,6 +222,12 @@ class GlooRail(Rail):
             self._waiters, self._threads = {}, []
         for q in queues:
             q.put(None)
+        # A peer the heartbeat saw stop or exit may hold a waiter in gloo until gloo's timeout:
+        # a failing process would sit here that long before it exits and torchrun can restart
+        # the job. Then the (daemon) threads get a second each and are left behind.
+        from hetcomm.backends import heartbeat
+
+        lost = heartbeat.lost_definitively()
         for t in threads:
             if t is not threading.current_thread():
-                t.join(timeout=self.timeout_s + 5.0)
+                t.join(timeout=1.0 if lost else self.timeout_s + 5.0)

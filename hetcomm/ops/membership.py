@@ -1,0 +1,355 @@
+"""Membership of a fault-tolerant job: who trained, who left at a restart, what it cost (issue 20, item 2).
+
+Under ``hetcomm launch --nnodes MIN:MAX`` a node that does not come back is simply absent from
+torchrun's next rendezvous: the survivors' workers write the job's cluster YAML without it
+(:mod:`hetcomm.ops.job_cluster`) and ``--resume`` loads the checkpoint on the smaller world
+(DCP reshards; experts are keyed by global id, :mod:`hetcomm.ops.checkpoint`). This module makes
+that change visible and places the experts for it:
+
+* **The record of who trained.** ``<checkpoint dir>/membership.json`` (rank 0, mode 0600): the
+  world size, every rank's device model and node, when this attempt started and at which step,
+  and — rewritten at each checkpoint — the agreed measured expert speed per device model
+  (layer 0's :class:`~hetcomm.moe.speed.SpeedMeter`, rows/s, once measured).
+* **Placement for the new world** (:func:`placement_weights`, before the model is built): when
+  a resume finds a different membership, each rank's expert share is the *measured* speed of its
+  device model in the previous membership (median over that model's ranks) when every model of
+  the new job was measured there; else the layer's datasheet weights (``device.tflops`` or the
+  device table, :func:`hetcomm.topo.compute.rank_speeds`). An unchanged membership keeps the
+  datasheet placement, so a plain restart resumes bit for bit.
+* **The change** (:func:`on_start`, after the resume): which ranks/nodes left or joined, the cause
+  (the previous attempt's end marks in the launch directory, :mod:`hetcomm.ops.rank_marks`: the
+  rank that died without a word, or the peer the survivors' errors named — e.g. a heartbeat's
+  "stopped"), the cost (steps redone: the last step the previous attempt finished, from the
+  metrics file, minus the checkpoint's step; seconds from that step to the restored state), and
+  the expert census (:func:`expert_census`: every global expert owned by exactly one rank, per
+  layer). It goes to the metrics file (an ``event`` line ``membership``), the health records
+  (:mod:`hetcomm.ops.ops_records`, ``kind: membership``), stderr and the job summary.
+
+Why not torchft: its quorum and reconfigurable process groups replace the process group per
+step and recover from live peers; this stack restarts the group through torchrun and restores
+from the checkpoint, so what is left to do here is recording and placement, not reconfiguration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "MEMBERSHIP_FILE", "MembershipChange", "ExpertCensus", "members", "read_membership", "write_membership",
+    "placement_weights", "expert_census", "on_start", "after_checkpoint", "summary_rows",
+]
+
+MEMBERSHIP_FILE = "membership.json"
+_MAX_BYTES = 1 << 20
+
+
+def members(cluster, world_size: int) -> Dict[str, Any]:
+    """``{"world_size", "ranks": [{"rank", "model", "node"}], "nodes": [...]}`` of this job."""
+    ranks = [{"rank": r, "model": cluster.rank(r).model, "node": cluster.rank(r).node.name} for r in range(world_size)]
+    nodes: List[str] = []
+    for r in ranks:
+        if r["node"] not in nodes:
+            nodes.append(r["node"])
+    return {"world_size": world_size, "ranks": ranks, "nodes": nodes}
+
+
+def read_membership(ck_dir: Optional[str]) -> Optional[Dict[str, Any]]:
+    """The previous attempt's ``membership.json`` in ``ck_dir``, or None (none, unreadable, damaged)."""
+    if not ck_dir:
+        return None
+    from hetcomm.ops.safe_fs import read_nofollow
+
+    try:
+        obj = json.loads(read_nofollow(os.path.join(ck_dir, MEMBERSHIP_FILE), limit=_MAX_BYTES, what="membership record"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    except Exception:  # noqa: BLE001 - UnsafePathError and friends: advisory, never fatal
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("ranks"), list) or not isinstance(obj.get("world_size"), int):
+        return None
+    return obj
+
+
+def write_membership(ck_dir: str, record: Dict[str, Any]) -> None:
+    """Write ``record`` as ``membership.json`` (atomically, 0600; rank 0 only)."""
+    from hetcomm.ops.safe_fs import write_private
+
+    write_private(os.path.join(ck_dir, MEMBERSHIP_FILE), json.dumps(record, sort_keys=True), fsync=False)
+
+
+def _same(prev: Optional[Dict[str, Any]], cur: Dict[str, Any]) -> bool:
+    if prev is None:
+        return True
+    key = lambda m: [(r.get("model"), r.get("node")) for r in m.get("ranks", [])]  # noqa: E731
+    return key(prev) == key(cur)
+
+
+def _will_resume(cfg) -> bool:
+    if not (cfg.checkpoint_dir and cfg.resume):
+        return False
+    from hetcomm.ops.checkpoint import latest_checkpoint
+
+    try:
+        return latest_checkpoint(cfg.checkpoint_dir) is not None
+    except Exception:  # noqa: BLE001 - the resume itself reports a bad directory
+        return False
+
+
+def placement_weights(cfg, cluster, world_size: int) -> Tuple[Optional[List[float]], str]:
+    """Expert-placement weights for a resume onto a changed membership (see the module docstring).
+
+    Returns:
+        ``(weights, how)``: ``[world_size]`` weights (measured rows/s of each rank's device model)
+        or None (keep the layer's datasheet weights), and a phrase saying which.
+    """
+    if not _will_resume(cfg):
+        return None, "datasheet"
+    prev = read_membership(cfg.checkpoint_dir)
+    cur = members(cluster, world_size)
+    if prev is None or _same(prev, cur):
+        return None, "datasheet"
+    speeds = prev.get("speeds_by_model") or {}
+    models = [r["model"] for r in cur["ranks"]]
+    try:
+        weights = [float(speeds[m]) for m in models]
+    except (KeyError, TypeError, ValueError):
+        missing = sorted({m for m in models if m not in speeds})
+        return None, f"datasheet (no measured speed of {', '.join(missing)} in the previous membership)"
+    if not all(w > 0 for w in weights):
+        return None, "datasheet (a measured speed was not positive)"
+    return weights, "measured speeds of the previous membership (rows/s per device model)"
+
+
+@dataclass(frozen=True)
+class ExpertCensus:
+    """Every layer's experts over the ranks: ``present[i]`` of ``total[i]`` owned, ``missing`` /
+    ``doubled`` global ids per layer (owned by no rank / by more than one)."""
+
+    present: List[int]
+    total: List[int]
+    missing: List[List[int]]
+    doubled: List[List[int]]
+
+    @property
+    def complete(self) -> bool:
+        return all(p == t for p, t in zip(self.present, self.total)) and not any(self.doubled)
+
+    def line(self) -> str:
+        head = f"{sum(self.present)} of {sum(self.total)} ({', '.join(f'{p}/{t}' for p, t in zip(self.present, self.total))} per layer)"
+        bad = [f"layer {i}: missing {m}" for i, m in enumerate(self.missing) if m]
+        bad += [f"layer {i}: owned twice {d}" for i, d in enumerate(self.doubled) if d]
+        return head + ("; " + "; ".join(bad) if bad else "; every expert owned by exactly one rank")
+
+
+def expert_census(model: torch.nn.Module) -> ExpertCensus:
+    """Count every MoE layer's owned experts over the job (collective: one all-reduce).
+
+    ``[layers, E]`` int64 counts, each rank adding 1 for each expert it owns (replicas excluded).
+    """
+    layers = list(model.moe_layers)
+    if not layers:
+        return ExpertCensus([], [], [], [])
+    E = max(int(m.config.num_experts) for m in layers)
+    counts = torch.zeros(len(layers), E, dtype=torch.int64, device="cpu")  # host: a count table for gloo/hetcomm CPU groups
+    for i, m in enumerate(layers):
+        for e in m.local_expert_ids:
+            counts[i, int(e)] += 1
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+    present, total, missing, doubled = [], [], [], []
+    for i, m in enumerate(layers):
+        n = int(m.config.num_experts)
+        row = counts[i, :n].tolist()
+        present.append(sum(1 for c in row if c > 0))
+        total.append(n)
+        missing.append([e for e, c in enumerate(row) if c == 0])
+        doubled.append([e for e, c in enumerate(row) if c > 1])
+    return ExpertCensus(present, total, missing, doubled)
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """One change of the job's ranks, seen at a resume (see the module docstring).
+
+    Attributes:
+        step: the checkpoint's step the job resumed after.
+        before / after: world sizes.
+        left / joined: ``{"rank", "model", "node"}`` of the ranks gone / new (previous / new numbering).
+        nodes_left / nodes_joined: node names.
+        cause: what the previous attempt's marks say ended it (or that they are not at hand).
+        steps_redone: steps the previous attempt had finished after the checkpoint (None: unknown,
+            no metrics file).
+        down_s: seconds from the previous attempt's last finished step to the restored state
+            (None: unknown).
+        placement: where this job's expert shares came from (measured speeds or datasheet).
+        experts: :meth:`ExpertCensus.line` after the restore.
+        experts_present / experts_total: the census's sums.
+    """
+
+    step: int
+    before: int
+    after: int
+    left: List[Dict[str, Any]]
+    joined: List[Dict[str, Any]]
+    nodes_left: List[str]
+    nodes_joined: List[str]
+    cause: str
+    steps_redone: Optional[int]
+    down_s: Optional[float]
+    placement: str
+    experts: str
+    experts_present: int
+    experts_total: int
+    owners: List[List[int]] = field(default_factory=list)
+
+    def line(self) -> str:
+        who = []
+        if self.nodes_left:
+            who.append(f"node(s) {', '.join(self.nodes_left)} left")
+        if self.nodes_joined:
+            who.append(f"node(s) {', '.join(self.nodes_joined)} joined")
+        if not who:
+            who.append("ranks renumbered")
+        cost = (f"{self.steps_redone} step(s) redone" if self.steps_redone is not None else "steps redone unknown (no metrics)")
+        if self.down_s is not None:
+            cost += f", {self.down_s:.1f} s from the last finished step to the restored state"
+        return (f"{self.before} -> {self.after} ranks after step {self.step}: {'; '.join(who)}; cause: {self.cause}; "
+                f"cost: {cost}; experts {self.experts}; placement from {self.placement}")
+
+    def record(self) -> Dict[str, Any]:
+        return {"kind": "membership", **asdict(self), "line": self.line()}
+
+
+def _cause(prev: Dict[str, Any]) -> str:
+    """What ended the previous attempt, from its end marks in the launch directory."""
+    from hetcomm import settings
+
+    work = settings.LAUNCH_DIR.get()
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    if not work or not restart.isdigit() or int(restart) == 0:
+        return "the previous run ended (no launch marks here to say why)"
+    from hetcomm.ops.rank_marks import culprits, describe, read_marks
+
+    marks = read_marks(work, "job", int(restart) - 1, int(prev.get("world_size", 0)))
+    if not marks:
+        return f"attempt {int(restart) - 1} left no marks on this node"
+    bad = culprits(marks, None)
+    witness = next((m for m in sorted(marks.values(), key=lambda m: m.rank)
+                    if m.status == "failed" and m.peer in bad and m.error), None)
+    if bad and witness is not None and all(b not in marks for b in bad):
+        # The culprit ran on another node (its marks are there): say what this node's ranks saw.
+        ranks = prev.get("ranks", [])
+        where = ", ".join(f"rank {b}" + (f" ({ranks[b].get('model')} on {ranks[b].get('node')})" if b < len(ranks) else "")
+                          for b in bad)
+        return f"{where} named by rank {witness.rank}: {witness.error.splitlines()[0]}"
+    return describe(marks, None)
+
+
+def _last_finished(cfg) -> Tuple[Optional[int], Optional[float]]:
+    """The previous attempt's last finished step and its ``time_s``, from the metrics file."""
+    if not cfg.metrics or not os.path.exists(cfg.metrics):
+        return None, None
+    from hetcomm.ops.metrics import read_metrics
+
+    try:
+        log = read_metrics(cfg.metrics)
+    except Exception:  # noqa: BLE001 - advisory
+        return None, None
+    if not log.all_steps:
+        return None, None
+    last = log.all_steps[-1]
+    return last.step, last.time_s
+
+
+def on_start(cfg, rank: int, world_size: int, cluster, model: torch.nn.Module, start_step: int, mc,
+             placement: str = "datasheet") -> Optional[MembershipChange]:
+    """After the resume: record this attempt's membership, and the change if there is one.
+
+    Collective when ``cfg.checkpoint_dir`` is set (the expert census); rank 0 writes. Call it
+    before the first step, after the metrics collector exists (its ``resume`` event comes first).
+
+    Returns:
+        The change, or None (every rank gets the same answer; the ``cause`` is read on rank 0 only).
+    """
+    if not cfg.checkpoint_dir:
+        return None
+    census = expert_census(model)
+    prev = read_membership(cfg.checkpoint_dir)
+    cur = members(cluster, world_size)
+    change = None
+    if start_step and prev is not None and not _same(prev, cur):
+        before = {(r.get("model"), r.get("node")) for r in prev["ranks"]}
+        after = {(r["model"], r["node"]) for r in cur["ranks"]}
+        left = [r for r in prev["ranks"] if (r.get("model"), r.get("node")) not in after]
+        joined = [r for r in cur["ranks"] if (r["model"], r["node"]) not in before]
+        last_step, last_t = _last_finished(cfg)
+        redone = max(0, last_step - start_step) if last_step is not None else None
+        down = None
+        started = prev.get("started_at")
+        if last_t is not None and isinstance(started, (int, float)):
+            down = max(0.0, time.time() - (float(started) + float(last_t)))
+        change = MembershipChange(
+            step=start_step, before=int(prev["world_size"]), after=world_size, left=left, joined=joined,
+            nodes_left=[n for n in prev.get("nodes", []) if n not in cur["nodes"]],
+            nodes_joined=[n for n in cur["nodes"] if n not in prev.get("nodes", [])],
+            cause=_cause(prev) if rank == 0 else "", steps_redone=redone, down_s=down, placement=placement,
+            experts=census.line(), experts_present=sum(census.present), experts_total=sum(census.total),
+            owners=[list(m.placement.owner) for m in model.moe_layers],
+        )
+    if rank == 0:
+        if change is not None:
+            mc.event(start_step, "membership", change.line())
+            from hetcomm.ops.ops_records import append_records, record_paths
+
+            append_records(record_paths(cfg.metrics), [change.record()])
+            print(f"hetcomm train: membership changed: {change.line()}", file=sys.stderr, flush=True)
+        rec = dict(cur, started_at=time.time(), start_step=start_step)
+        if prev is not None and prev.get("speeds_by_model") and _same(prev, cur):
+            rec["speeds_by_model"] = prev["speeds_by_model"]
+        try:
+            from hetcomm.ops.checkpoint_files import prepare_root
+
+            prepare_root(cfg.checkpoint_dir)  # the first save would make it; the record comes first
+            write_membership(cfg.checkpoint_dir, rec)
+        except Exception as e:  # noqa: BLE001 - advisory: the job trains on
+            print(f"hetcomm train: could not write {MEMBERSHIP_FILE}: {e}", file=sys.stderr, flush=True)
+    return change
+
+
+def after_checkpoint(cfg, rank: int, world_size: int, cluster, model: torch.nn.Module) -> None:
+    """After a checkpoint: rank 0 adds the measured expert speed per device model to the record
+    (what :func:`placement_weights` uses if the next attempt runs on other ranks)."""
+    if rank != 0 or not cfg.checkpoint_dir or not model.moe_layers:
+        return
+    meter = model.moe_layers[0].speed
+    if not meter.measured:
+        return
+    rec = read_membership(cfg.checkpoint_dir)
+    if rec is None:
+        return
+    by_model: Dict[str, List[float]] = {}
+    for r, s in enumerate(meter.speeds):
+        by_model.setdefault(cluster.rank(r).model, []).append(float(s))
+    rec["speeds_by_model"] = {m: statistics.median(v) for m, v in by_model.items()}
+    rec["speeds_step"] = int(meter.agreements)
+    try:
+        write_membership(cfg.checkpoint_dir, rec)
+    except Exception:  # noqa: BLE001 - advisory
+        pass
+
+
+def summary_rows(change: Optional[MembershipChange], census: ExpertCensus) -> List[Tuple[str, str]]:
+    """The job summary's rows: the experts present at the end, and the membership change."""
+    rows = [("experts present", census.line())]
+    if change is not None:
+        rows.append(("membership change", change.line()))
+    return rows

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-__all__ = ["SPEED_SPREAD", "cluster_is_mixed", "token_split_default", "balance_default", "speeds_differ",
+__all__ = ["SPEED_SPREAD", "cluster_is_mixed", "token_split_default", "speeds_differ",
            "BatchSplit", "BATCH_MIN_GAIN", "MoETimeTracker", "resolve_chunks", "measure_chunks", "CHUNK_CANDIDATES"]
 
 #: Datasheet speeds further apart than this (max / min - 1) make a cluster "mixed".
@@ -54,16 +54,6 @@ def token_split_default(token_split: Union[bool, str, None], replicate: bool, cl
     if isinstance(token_split, bool):
         return token_split and replicate and world_size > 1
     return replicate and world_size > 1 and cluster is not None and cluster_is_mixed(cluster, world_size)
-
-
-def balance_default(balance: Union[bool, str, None], cluster, world_size: int) -> bool:
-    """Whether balancing counts as on for a run: explicit when True/False, else (``auto``) on for
-    a mixed cluster of more than one rank. (``hetcomm train`` runs the migration balancer only
-    with ``balance=True``: on by default it cost 0.68x of ``--no-balance`` on the plain demo,
-    ``benchmarks/README.md``; the batch split applies its own gates.)"""
-    if isinstance(balance, bool):
-        return balance and world_size > 1
-    return world_size > 1 and cluster is not None and cluster_is_mixed(cluster, world_size)
 
 
 def speeds_differ(speeds: Sequence[float]) -> bool:

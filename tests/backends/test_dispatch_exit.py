@@ -49,18 +49,20 @@ def test_the_group_dies_at_destroy_even_after_dispatch():
 
 
 @pytest.mark.timeout(900)
-def test_thirty_clean_two_rank_runs_with_dispatch_exit_zero():
+def test_repeated_clean_two_rank_runs_with_dispatch_exit_zero():
     # Each run forks two ranks that use dispatch/combine and leave through the interpreter's
-    # own finalisation (tests.backends.exit_driver); only exit codes are asserted.
+    # own finalisation (tests.backends.exit_driver); only exit codes are asserted. 12 runs (24
+    # rank exits; the old abort hit 4 of 60): the cause itself is pinned down deterministically
+    # by the test above, this one guards against other exit-time aborts.
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("HETCOMM_CLUSTER", None)
     out = subprocess.run(
-        [sys.executable, "-m", "tests.backends.exit_driver", "dispatch", "--runs", "30", "--world", "2",
+        [sys.executable, "-m", "tests.backends.exit_driver", "dispatch", "--runs", "12", "--world", "2",
          "--linger", "0.3", "--run-timeout", "120"],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=850,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     runs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"run"')]
-    assert len(runs) == 30
+    assert len(runs) == 12
     bad = [(r["run"], r["codes"], r["stderr"]) for r in runs if r["codes"] != [0, 0]]
     assert not bad, bad

@@ -112,7 +112,7 @@ def maybe_checkpoint(
     """Save after ``step`` when it is a multiple of ``cfg.checkpoint_every`` (collective)."""
     if not (cfg.checkpoint_dir and cfg.checkpoint_every) or step % cfg.checkpoint_every:
         return None
-    if getattr(cfg, "checkpoint_async", False):  # written in the background, committed at the next one
+    if cfg.checkpoint_async:  # written in the background, committed at the next one
         from hetcomm.ops.checkpoint import save_checkpoint_async
 
         done = finish_checkpoints(mc)

@@ -283,7 +283,7 @@ def probe_for(cfg, rank: int, world_size: int, cluster, model) -> Any:
 
     from hetcomm.ops.ops_records import record_paths
 
-    every = int(getattr(cfg, "probe_every", 0) or 0)
+    every = cfg.probe_every
     paths = record_paths(cfg.metrics)
     if every <= 0 or world_size < 2 or not dist.is_initialized() or not paths or cluster is None:
         return NullProbe()

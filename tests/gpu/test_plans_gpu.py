@@ -48,8 +48,6 @@ def _body(rank, world_size):
 
 @pytest.mark.timeout(300)
 def test_plans_on_a_cuda_rank_equal_the_expected_rows():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
     res = run_ranks(_body, world_size=2, cluster=CLUSTER, timeout=280, start_method=DEVICE_START)
     for rank, r in enumerate(res):
         for plan in ("hier", "multirail"):

@@ -202,6 +202,22 @@ def _barrier(process_group) -> None:
         dist.barrier(group=process_group)
 
 
+def _begin_save(root, step, model, optimizer, rng, extras, process_group):
+    """The part both saves share (collective): a private root, rank 0's fresh staging directory,
+    and this rank's state for DCP. Returns ``(rank, staging directory, state)``."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    files.prepare_root(root)  # every rank: each refuses an unsafe directory itself, none hangs
+    if rank == 0:
+        files.begin_staging(root, step)
+    _barrier(process_group)
+    staging = files.staging_dir(root, step)
+    train = TrainState(step, rng) if rng is not None else TrainState(step, torch.Generator())
+    state = _state(model, optimizer, train, extras or {}, rank, create=False)
+    if rng is None:
+        state.pop(f"train/rng/{rank}")
+    return rank, staging, state
+
+
 def save_checkpoint(
     root: str,
     step: int,
@@ -235,16 +251,7 @@ def save_checkpoint(
     Raises:
         UnsafePathError: ``root`` is a link, someone else's, or writable by group or others.
     """
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    files.prepare_root(root)  # every rank: each refuses an unsafe directory itself, none hangs
-    if rank == 0:
-        files.begin_staging(root, step)
-    _barrier(process_group)
-    staging = files.staging_dir(root, step)
-    train = TrainState(step, rng) if rng is not None else TrainState(step, torch.Generator())
-    state = _state(model, optimizer, train, extras or {}, rank, create=False)
-    if rng is None:
-        state.pop(f"train/rng/{rank}")
+    rank, staging, state = _begin_save(root, step, model, optimizer, rng, extras, process_group)
     dcp.save(state, checkpoint_id=staging, process_group=process_group, no_dist=not dist.is_initialized())
     _barrier(process_group)  # every shard is on disk before rank 0 commits
     if rank == 0:
@@ -286,16 +293,7 @@ def save_checkpoint_async(
     ``latest`` names the previous checkpoint, and a kill leaves the staging directory, removed
     by the next save, as with a synchronous save.
     """
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    files.prepare_root(root)
-    if rank == 0:
-        files.begin_staging(root, step)
-    _barrier(process_group)
-    staging = files.staging_dir(root, step)
-    state = _state(model, optimizer, TrainState(step, rng if rng is not None else torch.Generator()),
-                   extras or {}, rank, create=False)
-    if rng is None:
-        state.pop(f"train/rng/{rank}")
+    rank, staging, state = _begin_save(root, step, model, optimizer, rng, extras, process_group)
     future = dcp.async_save(state, checkpoint_id=staging, process_group=process_group,
                             no_dist=not dist.is_initialized())
     return PendingSave(root, step, staging, future, rank)

@@ -24,11 +24,16 @@ exchange, and a step's snapshot first waits for the previous exchange: a rank th
 step n+1 implies every peer copy of step n exists.
 
 **Restore** (collective, at the start of ``train``, before the disk checkpoint is looked at):
-every rank reports the snapshots its node's shared memory holds; the newest step for which
-every rank's state is held somewhere is chosen; a rank reads its own file, or receives the
-copy from the rank that holds it. When no step is complete in memory (the first start, or
-another world size), the job resumes from disk (``--resume``) as before. Memory first, disk
-second: a disk checkpoint newer than the newest snapshot wins.
+every rank reports the snapshots its node's shared memory holds, of any world size; the newest
+step for which every rank of some world size is held somewhere is chosen. Same world size: a
+rank reads its own file, or receives the copy from the rank that holds it. Another world size
+(a shrunk or grown job): every new rank's state is rebuilt from the old ranks' snapshots, dense
+state from any, experts by global id from whichever holds them
+(:mod:`hetcomm.ops.snapshot_reshard`). When no step is complete in memory (the first start),
+the job resumes from disk (``--resume``) as before. Memory first, disk second: a disk
+checkpoint newer than the newest snapshot wins. Files of another world size are deleted once
+the new world's first snapshot is complete everywhere (its second one begins) or at a normal
+end.
 
 **Steps lost.** Each rank also records the last step it finished (``done-r<rank>``, a few bytes
 per step). At a restore, *lost* = the newest step any rank finished minus the step restored:
@@ -137,7 +142,15 @@ class Restored:
     step: int
     source: str  # "memory" (every rank its own), "memory+peer" (some from a buddy's copy)
     lost: int  # steps finished before the failure and redone now
-    from_peer: Tuple[int, ...] = ()
+    from_peer: Tuple[int, ...] = ()  # ranks (of the snapshots' world) restored from a buddy's copy
+    resharded_from: Optional[int] = None  # the snapshots' world size when it differs from this job's
+
+    def line(self) -> str:
+        """``from memory after step S (memory+peer, ...); lost N step(s)``: the ``resume`` event."""
+        who = "old ranks" if self.resharded_from is not None else "ranks"
+        how = f", resharded from {self.resharded_from} ranks" if self.resharded_from is not None else ""
+        peer = f", {who} {','.join(map(str, self.from_peer))} from peer copies" if self.from_peer else ""
+        return f"from memory after step {self.step} ({self.source}{how}{peer}); lost {self.lost} step(s)"
 
 
 class Snapshotter:
@@ -166,6 +179,7 @@ class Snapshotter:
                                fix="remove it (another user's?) or set HETCOMM_SNAPSHOT_ROOT")
         bud = buddies(list(nodes)) if peer else [None] * world_size
         self.buddy = bud[rank]
+        self.node_ranks = {r for r, n in enumerate(nodes) if n == nodes[rank]}  # share this node's directory
         self.sources = [s for s in range(world_size) if bud[s] == rank]
         self.lost = 0  # steps lost over the whole job (carried in the snapshots)
         self.restores = 0
@@ -183,15 +197,29 @@ class Snapshotter:
     def _path(self, kind: str, owner: int, step: int) -> str:
         return os.path.join(self.dir, f"{kind}{owner}-w{self.world_size}-s{step}.snap")
 
-    def _scan(self) -> Dict[Tuple[int, int], Tuple[str, str]]:
-        """``{(rank whose state, step): (kind, path)}`` of the complete snapshots of this world
-        size in this node's directory; kind ``r`` (the rank's own) before ``p`` (a peer copy)."""
-        out: Dict[Tuple[int, int], Tuple[str, str]] = {}
+    def _scan(self) -> Dict[Tuple[int, int, int], Tuple[str, str]]:
+        """``{(world size, rank whose state, step): (kind, path)}`` of the complete snapshots in
+        this node's directory; kind ``r`` (the rank's own) before ``p`` (a peer copy)."""
+        out: Dict[Tuple[int, int, int], Tuple[str, str]] = {}
         for name in sorted(os.listdir(self.dir), key=lambda n: n.startswith("p")):
             m = _NAME.match(name)
-            if m and int(m.group(3)) == self.world_size:
-                out.setdefault((int(m.group(2)), int(m.group(4))), (m.group(1), os.path.join(self.dir, name)))
+            if m:
+                key = (int(m.group(3)), int(m.group(2)), int(m.group(4)))
+                out.setdefault(key, (m.group(1), os.path.join(self.dir, name)))
         return out
+
+    def _drop_other_worlds(self) -> None:
+        """Delete this node's snapshots of other world sizes, and the finish marks of ranks that
+        are not on this node now (a previous membership's, once this one's snapshots are complete)."""
+        for name in os.listdir(self.dir):
+            m = _NAME.match(name)
+            stale = (m is not None and int(m.group(3)) != self.world_size) or (
+                name.startswith("done-r") and name[6:].isdigit() and int(name[6:]) not in self.node_ranks)
+            if stale:
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                except FileNotFoundError:
+                    pass
 
     def _finished(self) -> int:
         """The newest step any rank of this node recorded as finished (0: none)."""
@@ -239,6 +267,8 @@ class Snapshotter:
 
         t0 = time.perf_counter()
         self._join()
+        if self.count == 1:  # every rank's first snapshot (and its peer copy) is complete now
+            self._drop_other_worlds()
         state = ck._state(model, optimizer, TrainState(step, rng), {}, self.rank, create=False)
         head = {
             "meta": {"step": step, "rank": self.rank, "world_size": self.world_size, "lost": self.lost,
@@ -312,29 +342,35 @@ class Snapshotter:
         Raises:
             CheckpointError: a snapshot that does not load into this model.
         """
+        from hetcomm.ops import snapshot_reshard
+
         seen = self._scan()
         gathered: List[object] = [None] * self.world_size
-        mine = sorted((owner, step, kind) for (owner, step), (kind, _) in seen.items())
+        mine = sorted((world, owner, step, kind) for (world, owner, step), (kind, _) in seen.items())
         dist.all_gather_object(gathered, (mine, self._finished()), group=self.group)
-        held: Dict[Tuple[int, int], Dict[int, str]] = {}  # (owner, step) -> {rank holding it: kind}
+        held: Dict[Tuple[int, int, int], Dict[int, str]] = {}  # (world, owner, step) -> {rank holding it: kind}
         finished = 0
         for r, (keys, done) in enumerate(gathered):  # type: ignore[misc]
             finished = max(finished, int(done))
-            for owner, st, kind in keys:
-                held.setdefault((int(owner), int(st)), {})[r] = kind
-        steps = sorted({s for (_, s) in held if below is None or s < below}, reverse=True)
-        step = next((s for s in steps if all((r, s) in held for r in range(self.world_size))), None)
-        if step is None or step <= not_before:
+            for world, owner, st, kind in keys:
+                held.setdefault((int(world), int(owner), int(st)), {})[r] = kind
+        chosen = snapshot_reshard.newest_complete(held, self.world_size, below)
+        if chosen is None or chosen[1] <= not_before:
             return None
+        world, step = chosen
+        if world != self.world_size:  # a shrunk or grown job: rebuild each rank's state by key
+            paths = {k: path for k, (_, path) in seen.items()}
+            return snapshot_reshard.reshard(self, world, step, held, paths, finished, model, optimizer, rng)
+        W = self.world_size
         # Each rank reads what its node holds, else the lowest rank holding a copy sends it.
-        holder = [r if r in held[(r, step)] else min(held[(r, step)]) for r in range(self.world_size)]
-        peers = tuple(r for r in range(self.world_size) if held[(r, step)][holder[r]] == "p")
+        holder = [r if r in held[(W, r, step)] else min(held[(W, r, step)]) for r in range(W)]
+        peers = tuple(r for r in range(W) if held[(W, r, step)][holder[r]] == "p")
         blob: Optional[bytes] = None
         for r, h in enumerate(holder):  # the ranks whose node lost them: copies from their buddies
             if h == r:
                 continue
             if self.rank == h:
-                data = torch.frombuffer(bytearray(_read(seen[(r, step)][1])), dtype=torch.uint8)  # host: bytes
+                data = torch.frombuffer(bytearray(_read(seen[(W, r, step)][1])), dtype=torch.uint8)  # host: bytes
                 dist.send(torch.tensor([data.numel()], dtype=torch.int64), r, group=self.group)  # host: header
                 dist.send(data, r, group=self.group)
             elif self.rank == r:
@@ -343,7 +379,7 @@ class Snapshotter:
                 got = torch.empty(int(head[0]), dtype=torch.uint8)  # host: bytes
                 dist.recv(got, h, group=self.group)
                 blob = got.numpy().tobytes()
-        path = seen[(self.rank, step)][1] if blob is None else f"<rank {holder[self.rank]}'s copy of step {step}>"
+        path = seen[(W, self.rank, step)][1] if blob is None else f"<rank {holder[self.rank]}'s copy of step {step}>"
         if blob is None:
             blob = _read(path)
         # weights_only=False: numpy state of the data stream inside; the file is this job's own,
@@ -375,6 +411,7 @@ class Snapshotter:
         if not remove:
             return
         dist.barrier(group=self.group)
+        self._drop_other_worlds()  # a previous membership's files: nobody restores them now
         for name in os.listdir(self.dir):
             m = _NAME.match(name)
             if name == f"done-r{self.rank}" or (m and (int(m.group(2)) == self.rank and m.group(1) == "r"
@@ -403,7 +440,9 @@ class Snapshotter:
         ]
         r = self.restored
         rows.append(("restores / steps lost", f"{self.restores} / {self.lost}" + (
-            f" (last: after step {r.step} from {r.source}{', ranks ' + str(list(r.from_peer)) + ' from peers' if r.from_peer else ''}, "
+            f" (last: after step {r.step} from {r.source}"
+            f"{f', resharded from {r.resharded_from} ranks' if r.resharded_from is not None else ''}"
+            f"{(', old ranks ' if r.resharded_from is not None else ', ranks ') + str(list(r.from_peer)) + ' from peers' if r.from_peer else ''}, "
             f"lost {r.lost})" if r is not None else "")))
         return rows
 

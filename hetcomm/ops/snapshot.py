@@ -27,7 +27,8 @@ step n+1 implies every peer copy of step n exists.
 every rank reports the snapshots its node's shared memory holds, of any world size; the newest
 step for which every rank of some world size is held somewhere is chosen. Same world size: a
 rank reads its own file, or receives the copy from the rank that holds it. Another world size
-(a shrunk or grown job): every new rank's state is rebuilt from the old ranks' snapshots, dense
+(a shrunk or grown job), or the same on other nodes (a node replaced: the experts may be placed
+otherwise): every new rank's state is rebuilt from the old ranks' snapshots, dense
 state from any, experts by global id from whichever holds them
 (:mod:`hetcomm.ops.snapshot_reshard`). When no step is complete in memory (the first start),
 the job resumes from disk (``--resume``) as before. Memory first, disk second: a disk
@@ -179,6 +180,7 @@ class Snapshotter:
                                fix="remove it (another user's?) or set HETCOMM_SNAPSHOT_ROOT")
         bud = buddies(list(nodes)) if peer else [None] * world_size
         self.buddy = bud[rank]
+        self.nodes = list(nodes)
         self.node_ranks = {r for r, n in enumerate(nodes) if n == nodes[rank]}  # share this node's directory
         self.sources = [s for s in range(world_size) if bud[s] == rank]
         self.lost = 0  # steps lost over the whole job (carried in the snapshots)
@@ -272,7 +274,7 @@ class Snapshotter:
         state = ck._state(model, optimizer, TrainState(step, rng), {}, self.rank, create=False)
         head = {
             "meta": {"step": step, "rank": self.rank, "world_size": self.world_size, "lost": self.lost,
-                     "restores": self.restores},
+                     "restores": self.restores, "nodes": self.nodes},
             "extras": {name: obj.state_dict() for name, obj in (extras or {}).items()},
         }
         blob = pack({k: v for k, v in state.items() if isinstance(v, torch.Tensor)}, head)
@@ -385,6 +387,11 @@ class Snapshotter:
         # weights_only=False: numpy state of the data stream inside; the file is this job's own,
         # in a 0700 directory of this user.
         payload = unpack(blob)
+        moved: List[object] = [None] * W
+        dist.all_gather_object(moved, payload["meta"].get("nodes", self.nodes) != self.nodes, group=self.group)
+        if any(moved):  # as many ranks on other nodes: the experts may be placed otherwise
+            paths = {k: p for k, (_, p) in seen.items()}
+            return snapshot_reshard.reshard(self, W, step, held, paths, finished, model, optimizer, rng)
         _apply(payload, path, model, optimizer, rng, extras, self.rank)
         meta = payload["meta"]
         lost = max(0, finished - step)

@@ -8,7 +8,9 @@ snapshots on the nodes that are still there: each old rank's own file
 newest step for which every *old* rank's state is held somewhere (:func:`newest_complete`);
 :func:`reshard` rebuilds every *new* rank's state from it. Without this a shrink reloaded the
 last disk checkpoint and redid every step since; now it redoes at most the step the failure
-interrupted (the peer copies of step ``n`` exist once any rank finished step ``n + 1``).
+interrupted (the peer copies of step ``n`` exist once any rank finished step ``n + 1``). The
+same path serves a job of the same world size on other nodes (a lost node replaced by a new
+one): its experts may be placed otherwise, so each rank's own file may not hold its experts.
 
 What a new rank gets, key by key (the keys of :mod:`hetcomm.ops.checkpoint`):
 

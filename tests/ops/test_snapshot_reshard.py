@@ -157,6 +157,123 @@ def test_grow_three_to_four_gives_the_returning_rank_its_experts_from_memory(tmp
     assert any(mem[2]["experts"]), "the returning h800 rank owns no expert: nothing came over the wire"
 
 
+# -- the restore itself, below the training loop ---------------------------------------------------
+
+D, E = 16, 8
+NODES4 = ["a100", "a100", "h800", "ascend"]
+
+
+class _Counter:
+    """A per-rank extra (as the batch split or PowerSGD's error feedback): restored whole on the
+    same membership, started afresh after a reshard."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def state_dict(self):
+        import torch
+
+        return {"value": torch.tensor(self.value)}
+
+    def load_state_dict(self, sd) -> None:
+        self.value = int(sd["value"])
+
+
+def _holder(weights):
+    import torch
+
+    from hetcomm.moe import MoELayer
+    from hetcomm.moe.placement import place_experts
+
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.moe = MoELayer(D, E, k=2, dropless=True, wire_dtype="fp32", seed=7,
+                                placement=place_experts(E, len(weights), rank_weights=weights))
+
+    return Holder()
+
+
+def _inputs():
+    import torch
+
+    return torch.randn(64, D, generator=torch.Generator().manual_seed(42))
+
+
+def _probe(model, opt):
+    """(the layer's output on fixed inputs, {expert id: its first weight's Adam moment})."""
+    import torch
+
+    with torch.no_grad():
+        out = model.moe(_inputs())
+    moments = {}
+    for i, e in enumerate(model.moe.local_expert_ids):
+        p = next(model.moe.experts.experts[i].parameters())
+        moments[int(e)] = opt.state[p]["exp_avg"].clone()
+    return out, moments
+
+
+def _snapshots_on(rank: int, world_size: int, root: str, nodes, weights, train: bool):
+    """Train 2 steps and snapshot them (``train``), or restore into a fresh model; either way
+    return the layer's output and the experts' moments, and the extra's value."""
+    import torch
+
+    from hetcomm.ops.snapshot import Snapshotter
+
+    os.environ["HETCOMM_SNAPSHOT_ROOT"] = os.path.join(root, nodes[rank])
+    os.environ["HETCOMM_JOB_ID"] = "unit"
+    model = _holder(weights)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(rank)
+    extra = _Counter(100 + rank)
+    snap = Snapshotter(rank, world_size, nodes, every=1, peer=True, timeout_s=30)
+    got = None
+    if train:
+        for step in (1, 2):
+            loss = model.moe(torch.randn(32, D, generator=gen)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            for p in model.parameters():  # the gate is data parallel: equal on every rank
+                if p.grad is not None and not getattr(p, "hetcomm_expert", False):
+                    torch.distributed.all_reduce(p.grad)
+            opt.step()
+            extra.value += 1
+            snap.take(step, model, opt, gen, {"extra": extra})
+    else:
+        got = snap.restore(model, opt, gen, {"extra": extra})
+    snap.close(remove=False)
+    out, moments = _probe(model, opt)
+    return out, moments, extra.value, got, list(model.moe.local_expert_ids)
+
+
+def test_restore_reshards_onto_other_nodes_and_starts_per_rank_extras_afresh(tmp_path):
+    import torch
+
+    root = str(tmp_path)
+    old = run_ranks(_snapshots_on, 4, args=(root, NODES4, [1.0] * 4, True), timeout=90)
+    ref, ref_moments = old[0][0], {e: m for _, ms, _, _, _ in old for e, m in ms.items()}
+    assert sorted(ref_moments) == list(range(E)) and [v for _, _, v, _, _ in old] == [102, 103, 104, 105]
+    shutil.rmtree(os.path.join(root, "h800"))  # lost for good
+    cases = {
+        "4 -> 3": (["a100", "a100", "ascend"], [2.0, 2.0, 1.0]),
+        # as many ranks, but a new node for the lost one: the map changed, so a reshard too
+        "4 -> 4, h800 replaced": (["a100", "a100", "h800b", "ascend"], [1.0, 1.0, 2.0, 1.0]),
+    }
+    for name, (nodes, weights) in cases.items():
+        new = run_ranks(_snapshots_on, len(nodes), args=(root, nodes, weights, False), timeout=90)
+        owned = sorted(e for *_, ids in new for e in ids)
+        assert owned == list(range(E)), (name, owned)
+        for r, (out, moments, value, got, _) in enumerate(new):
+            assert (got.step, got.resharded_from, got.from_peer) == (2, 4, (2,)), (name, r, got)
+            assert torch.equal(out, ref), (name, r, (out - ref).abs().max().item())
+            assert all(torch.equal(m, ref_moments[e]) for e, m in moments.items()), (name, r)
+            assert value == 100 + r, (name, r, value)  # per rank of the old world: not mapped, fresh
+    # The same membership restores the extra whole (no reshard).
+    same = run_ranks(_snapshots_on, 4, args=(root + "-same", NODES4, [1.0] * 4, True), timeout=90)
+    back = run_ranks(_snapshots_on, 4, args=(root + "-same", NODES4, [1.0] * 4, False), timeout=90)
+    assert [v for *_, v, _, _ in back] == [v for *_, v, _, _ in same] and back[0][3].resharded_from is None
+
+
 # -- the plan, in one process -------------------------------------------------------------------
 
 

@@ -56,7 +56,8 @@ def _rank(rank: int, world_size: int, cfg, port: int, root: str, job: str, keep:
         def dump(cfg, model, optimizer, rng, extras, snap):
             step, what = restore(cfg, model, optimizer, rng, extras, snap)
             state = _state(model, optimizer, TrainState(step, rng), {}, rank, create=False)
-            torch.save({"what": what, "step": step, "experts": [list(m.local_expert_ids) for m in model.moe_layers],
+            torch.save({"what": what, "step": step, "extras": sorted(extras or {}),
+                        "experts": [list(m.local_expert_ids) for m in model.moe_layers],
                         "state": {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}},
                        os.path.join(out, f"r{rank}.pt"))
             return step, what
@@ -73,7 +74,8 @@ def _run(cfg, world_size: int, root: str, job: str, keep: bool = False, out: str
     assert codes[0] in (0, 1), codes  # 1: the tiny job's loss verdict, not a failure
 
 
-def _reshard_vs_dcp(tmp_path, old_cluster: str, new_cluster: str, old_world: int, new_world: int, lost_node: str):
+def _reshard_vs_dcp(tmp_path, old_cluster: str, new_cluster: str, old_world: int, new_world: int, lost_node: str,
+                    balance):
     """Old job, then the new job from memory and from DCP; returns both dumps and metrics."""
     import torch
 
@@ -84,7 +86,7 @@ def _reshard_vs_dcp(tmp_path, old_cluster: str, new_cluster: str, old_world: int
     root, job = str(tmp_path / "shm"), "reshard"
     ck, m = str(tmp_path / "ck"), str(tmp_path / "m.jsonl")
     old = load_train_config(TINY, steps=OLD_STEPS, cluster=old_cluster, metrics=m, checkpoint_dir=ck,
-                            checkpoint_every=EVERY, snapshot_every=1, balance=False)
+                            checkpoint_every=EVERY, snapshot_every=1, balance=balance)
     _run(old, old_world, root, job, keep=True)
     if lost_node:
         shutil.rmtree(os.path.join(root, lost_node))  # the node and its memory are gone for good
@@ -97,7 +99,7 @@ def _reshard_vs_dcp(tmp_path, old_cluster: str, new_cluster: str, old_world: int
             write_private(os.path.join(ck2, "latest"), step_dir_name(OLD_STEPS - EVERY) + "\n")
         cfg = load_train_config(TINY, steps=NEW_STEPS, cluster=new_cluster, metrics=m2, checkpoint_dir=ck2,
                                 checkpoint_every=EVERY, resume=True, snapshot_every=1 if how == "memory" else 0,
-                                balance=False)
+                                balance=balance)
         out = str(tmp_path / f"dump-{how}")
         _run(cfg, new_world, root, job, out=out)
         dumps = [torch.load(os.path.join(out, f"r{r}.pt"), weights_only=False) for r in range(new_world)]
@@ -136,8 +138,11 @@ def test_shrink_four_to_three_restores_from_memory_as_dcp_reshards(tmp_path):
 
     three = tmp_path / "three.yaml"
     three.write_text(job_cluster_yaml(MIXED_MINI, ["a100-0", "ascend-0"]))
-    runs = _reshard_vs_dcp(tmp_path, MIXED_MINI, str(three), 4, 3, lost_node="h800-0")
+    # balance="auto" (the default): the batch split's state (a size per old rank) starts afresh
+    # on both paths; it re-deals only after 10 measured steps, so the 4 steps after are exact.
+    runs = _reshard_vs_dcp(tmp_path, MIXED_MINI, str(three), 4, 3, lost_node="h800-0", balance="auto")
     _assert_same_as_dcp(runs, 3)
+    assert runs["memory"][0][0]["extras"] == ["batch_split"], runs["memory"][0][0]["extras"]
     what = runs["memory"][0][0]["what"]
     # Old rank 2 lived on the lost node: its state came from its buddy's copy (the 910B node).
     assert "resharded from 4 ranks" in what and "old ranks 2 from peer copies" in what, what
@@ -149,7 +154,7 @@ def test_grow_three_to_four_gives_the_returning_rank_its_experts_from_memory(tmp
 
     three = tmp_path / "three.yaml"
     three.write_text(job_cluster_yaml(MIXED_MINI, ["a100-0", "ascend-0"]))
-    runs = _reshard_vs_dcp(tmp_path, str(three), MIXED_MINI, 3, 4, lost_node="")
+    runs = _reshard_vs_dcp(tmp_path, str(three), MIXED_MINI, 3, 4, lost_node="", balance=False)
     _assert_same_as_dcp(runs, 4)
     mem = runs["memory"][0]
     what = mem[0]["what"]

@@ -14,7 +14,13 @@ a shared-memory root of its own:
 Both new jobs place their experts alike (the same membership record), so DCP's reshard is the
 reference: every rank's state right after the restore (dense weights, experts by global id,
 AdamW state, data stream) is equal bit for bit, every expert is owned exactly once, and the
-losses of the steps after are equal.
+losses of the steps after are equal. The shrink runs the default balancing: the batch split's
+per-rank state starts afresh on both paths.
+
+Below the loop (one MoE layer, the Snapshotter itself): 4 -> 3, and 4 -> 4 with the h800 node
+replaced by a new one (another expert map: a reshard too) give the 4-rank layer's outputs and
+every expert's Adam moments; a per-rank extra starts afresh, and comes back whole on the same
+membership. Then the plan's pure parts: the step chosen, the holders, the requests.
 """
 
 from __future__ import annotations

@@ -185,20 +185,24 @@ def reshard(snap: Snapshotter, old_world: int, step: int, held: Held, paths: Map
         What was restored (``resharded_from`` = ``old_world``).
 
     Raises:
-        CheckpointError: on every rank alike: an expert held by two old snapshots, or a key of
-            this model that no old snapshot holds (another model or expert count).
+        CheckpointError: on every rank alike, before any tensor moves: an expert held by two old
+            snapshots, a key of this model that no old snapshot holds (another model or expert
+            count) or holds in another shape.
     """
     rank, world, group = snap.rank, snap.world_size, snap.group
     where = f"<in-memory snapshots of step {step}, {old_world} ranks>"
     holder = choose_holders(held, old_world, step)
     mine = {o: unpack(_read(paths[(old_world, o, step)])) for o in range(old_world) if holder[o] == rank}
     box: List[object] = [None] * world
-    dist.all_gather_object(box, {o: (sorted(p["tensors"]), p["meta"]) for o, p in mine.items()}, group=group)
+    index = {o: ({k: tuple(t.shape) for k, t in p["tensors"].items()}, p["meta"]) for o, p in mine.items()}
+    dist.all_gather_object(box, index, group=group)
     keys_of: Dict[int, Set[str]] = {}
+    shapes: Dict[str, Tuple[int, ...]] = {}
     metas: Dict[int, Mapping[str, object]] = {}
     for part in box:
         for o, (keys, meta) in part.items():  # type: ignore[union-attr]
             keys_of[int(o)], metas[int(o)] = set(keys), meta
+            shapes.update(keys)
     doubled = _doubled(keys_of)
     for key in sorted(doubled)[:1]:
         raise CheckpointError(f"expert state {key!r} is held by the snapshots of old ranks {doubled[key]}: they are "
@@ -208,16 +212,22 @@ def reshard(snap: Snapshotter, old_world: int, step: int, held: Held, paths: Map
     want = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor))
     requests, missing = plan_requests(want, keys_of, rank, sorted(mine))
     missing = [k for k in missing if not k.startswith("optim/") and k != f"train/rng/{rank}"]
+    other = [(k, shapes[k], tuple(state[k].shape)) for ks in requests.values() for k in ks  # type: ignore[union-attr]
+             if k != f"train/rng/{rank}" and shapes[k] != tuple(state[k].shape)]  # type: ignore[union-attr]
     asks: List[object] = [None] * world
-    dist.all_gather_object(asks, (requests, missing[:3], len(missing)), group=group)
-    for r, (_, miss, n) in enumerate(asks):  # type: ignore[misc]
+    dist.all_gather_object(asks, (requests, missing[:1], len(missing), other[:1]), group=group)
+    for r, (_, miss, n, bad) in enumerate(asks):  # type: ignore[misc]
         if n:
             raise CheckpointError(f"has no {miss[0]!r} that rank {r} of the new job needs ({n} key(s) missing): "
                                   f"taken by another model or expert count; start the job afresh or resume "
                                   f"from disk", path=where, key=miss[0], reason="mismatch")
+        if bad:
+            raise CheckpointError(f"holds {bad[0][0]!r} of shape {bad[0][1]}, rank {r} of the new job has "
+                                  f"{bad[0][2]}: taken by another model; start the job afresh or resume from disk",
+                                  path=where, key=bad[0][0], reason="mismatch")
     saved: Dict[str, torch.Tensor] = {}
     sends, keep = [], []
-    for dst, (req, _, _) in enumerate(asks):  # type: ignore[misc]
+    for dst, (req, *_) in enumerate(asks):  # type: ignore[misc]
         part = {k: mine[o]["tensors"][k] for o, ks in req.items() if holder[o] == rank for k in ks}
         if dst == rank:
             saved.update(part)
@@ -235,6 +245,7 @@ def reshard(snap: Snapshotter, old_world: int, step: int, held: Held, paths: Map
         saved.update(unpack(got.numpy().tobytes())["tensors"])  # type: ignore[arg-type]
     for w in sends:
         w.wait()
+    del keep
     rng_key = f"train/rng/{rank}"
     if rng_key not in saved:  # a rank the old job did not have: its fresh stream, as DCP's load
         saved[rng_key] = rng.get_state()

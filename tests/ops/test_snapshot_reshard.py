@@ -20,7 +20,7 @@ per-rank state starts afresh on both paths.
 Below the loop (one MoE layer, the Snapshotter itself): 4 -> 3, and 4 -> 4 with the h800 node
 replaced by a new one (another expert map: a reshard too) give the 4-rank layer's outputs and
 every expert's Adam moments; a per-rank extra starts afresh, and comes back whole on the same
-membership. Then the plan's pure parts: the step chosen, the holders, the requests.
+membership; another model is refused by every rank alike. Then the plan's pure parts: the step chosen, the holders, the requests.
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ class _Counter:
         self.value = int(sd["value"])
 
 
-def _holder(weights):
+def _holder(weights, dim: int = D):
     import torch
 
     from hetcomm.moe import MoELayer
@@ -199,7 +199,7 @@ def _holder(weights):
     class Holder(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.moe = MoELayer(D, E, k=2, dropless=True, wire_dtype="fp32", seed=7,
+            self.moe = MoELayer(dim, E, k=2, dropless=True, wire_dtype="fp32", seed=7,
                                 placement=place_experts(E, len(weights), rank_weights=weights))
 
     return Holder()
@@ -224,7 +224,7 @@ def _probe(model, opt):
     return out, moments
 
 
-def _snapshots_on(rank: int, world_size: int, root: str, nodes, weights, train: bool):
+def _snapshots_on(rank: int, world_size: int, root: str, nodes, weights, train: bool, dim: int = D):
     """Train 2 steps and snapshot them (``train``), or restore into a fresh model; either way
     return the layer's output and the experts' moments, and the extra's value."""
     import torch
@@ -233,7 +233,7 @@ def _snapshots_on(rank: int, world_size: int, root: str, nodes, weights, train: 
 
     os.environ["HETCOMM_SNAPSHOT_ROOT"] = os.path.join(root, nodes[rank])
     os.environ["HETCOMM_JOB_ID"] = "unit"
-    model = _holder(weights)
+    model = _holder(weights, dim)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(rank)
     extra = _Counter(100 + rank)
@@ -279,6 +279,15 @@ def test_restore_reshards_onto_other_nodes_and_starts_per_rank_extras_afresh(tmp
             assert torch.equal(out, ref), (name, r, (out - ref).abs().max().item())
             assert all(torch.equal(m, ref_moments[e]) for e, m in moments.items()), (name, r)
             assert value == 100 + r, (name, r, value)  # per rank of the old world: not mapped, fresh
+    # Another model (width 8): every rank refuses alike, naming the key, before any tensor moves.
+    from tests.backends.ranks import run_ranks_outcomes
+
+    outs = run_ranks_outcomes(_snapshots_on, 3, args=(root, ["a100", "a100", "ascend"], [1.0] * 3, False, 8),
+                              timeout=90)
+    errors = {(o.error_type, o.error) for o in outs}
+    assert not any(o.ok for o in outs) and len(errors) == 1, errors
+    kind, message = errors.pop()
+    assert kind == "CheckpointError" and "of shape (64,)" in message, (kind, message)
     # The same membership restores the extra whole (no reshard).
     same = run_ranks(_snapshots_on, 4, args=(root + "-same", NODES4, [1.0] * 4, True), timeout=90)
     back = run_ranks(_snapshots_on, 4, args=(root + "-same", NODES4, [1.0] * 4, False), timeout=90)

@@ -72,13 +72,11 @@ copies, DCP for disk).
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -86,9 +84,11 @@ import torch.distributed as dist
 from torch import nn
 
 from hetcomm import settings
-from hetcomm.errors import CheckpointError, CollectiveError
+from hetcomm.errors import CollectiveError
 from hetcomm.ops import checkpoint as ck
+from hetcomm.ops import snapshot_reshard
 from hetcomm.ops.checkpoint import Stateful, TrainState
+from hetcomm.ops.snapshot_format import Restored, apply_state, pack, read_bytes, unpack
 
 __all__ = ["Snapshotter", "Restored", "job_dir", "remove_job", "buddies", "job_id", "pack", "unpack"]
 
@@ -134,24 +134,6 @@ def buddies(nodes: Sequence[str]) -> List[Optional[int]]:
     for r in range(n):
         out.append(next((s % n for s in range(r + 1, r + n) if nodes[s % n] != nodes[r]), None))
     return out
-
-
-@dataclass(frozen=True)
-class Restored:
-    """What a restore found: the step, where each rank's state came from, the steps lost."""
-
-    step: int
-    source: str  # "memory" (every rank its own), "memory+peer" (some from a buddy's copy)
-    lost: int  # steps finished before the failure and redone now
-    from_peer: Tuple[int, ...] = ()  # ranks (of the snapshots' world) restored from a buddy's copy
-    resharded_from: Optional[int] = None  # the snapshots' world size when it differs from this job's
-
-    def line(self) -> str:
-        """``from memory after step S (memory+peer, ...); lost N step(s)``: the ``resume`` event."""
-        who = "old ranks" if self.resharded_from is not None else "ranks"
-        how = f", resharded from {self.resharded_from} ranks" if self.resharded_from is not None else ""
-        peer = f", {who} {','.join(map(str, self.from_peer))} from peer copies" if self.from_peer else ""
-        return f"from memory after step {self.step} ({self.source}{how}{peer}); lost {self.lost} step(s)"
 
 
 class Snapshotter:
@@ -344,8 +326,6 @@ class Snapshotter:
         Raises:
             CheckpointError: a snapshot that does not load into this model.
         """
-        from hetcomm.ops import snapshot_reshard
-
         seen = self._scan()
         gathered: List[object] = [None] * self.world_size
         mine = sorted((world, owner, step, kind) for (world, owner, step), (kind, _) in seen.items())
@@ -361,8 +341,7 @@ class Snapshotter:
             return None
         world, step = chosen
         if world != self.world_size:  # a shrunk or grown job: rebuild each rank's state by key
-            paths = {k: path for k, (_, path) in seen.items()}
-            return snapshot_reshard.reshard(self, world, step, held, paths, finished, model, optimizer, rng)
+            return self._reshard(world, step, held, seen, finished, model, optimizer, rng)
         W = self.world_size
         # Each rank reads what its node holds, else the lowest rank holding a copy sends it.
         holder = [r if r in held[(W, r, step)] else min(held[(W, r, step)]) for r in range(W)]
@@ -372,7 +351,7 @@ class Snapshotter:
             if h == r:
                 continue
             if self.rank == h:
-                data = torch.frombuffer(bytearray(_read(seen[(W, r, step)][1])), dtype=torch.uint8)  # host: bytes
+                data = torch.frombuffer(bytearray(read_bytes(seen[(W, r, step)][1])), dtype=torch.uint8)  # host: bytes
                 dist.send(torch.tensor([data.numel()], dtype=torch.int64), r, group=self.group)  # host: header
                 dist.send(data, r, group=self.group)
             elif self.rank == r:
@@ -383,22 +362,32 @@ class Snapshotter:
                 blob = got.numpy().tobytes()
         path = seen[(W, self.rank, step)][1] if blob is None else f"<rank {holder[self.rank]}'s copy of step {step}>"
         if blob is None:
-            blob = _read(path)
+            blob = read_bytes(path)
         # weights_only=False: numpy state of the data stream inside; the file is this job's own,
         # in a 0700 directory of this user.
         payload = unpack(blob)
         moved: List[object] = [None] * W
         dist.all_gather_object(moved, payload["meta"].get("nodes", self.nodes) != self.nodes, group=self.group)
         if any(moved):  # as many ranks on other nodes: the experts may be placed otherwise
-            paths = {k: p for k, (_, p) in seen.items()}
-            return snapshot_reshard.reshard(self, W, step, held, paths, finished, model, optimizer, rng)
-        _apply(payload, path, model, optimizer, rng, extras, self.rank)
+            return self._reshard(W, step, held, seen, finished, model, optimizer, rng)
+        apply_state(payload, path, model, optimizer, rng, extras, self.rank)
         meta = payload["meta"]
         lost = max(0, finished - step)
         self.lost = int(meta.get("lost", 0)) + lost
         self.restores = int(meta.get("restores", 0)) + 1
         self.restored = Restored(step, "memory+peer" if peers else "memory", lost, peers)
         return self.restored
+
+    def _reshard(self, old_world: int, step: int, held, seen, finished: int, model: nn.Module,
+                 optimizer: Optional[torch.optim.Optimizer], rng: torch.Generator) -> Restored:
+        """:func:`hetcomm.ops.snapshot_reshard.reshard`, then this rank's counts (collective)."""
+        paths = {k: path for k, (_, path) in seen.items()}
+        got = snapshot_reshard.reshard(self.group, self.rank, self.world_size, old_world, step, held, paths, finished,
+                                       model, optimizer, rng)
+        self.lost = got.lost_before + got.restored.lost
+        self.restores = got.restores_before + 1
+        self.restored = got.restored
+        return got.restored
 
     def count_lost(self, step: int) -> int:
         """A restore from disk after ``step``: count the steps finished since (collective)."""
@@ -452,87 +441,3 @@ class Snapshotter:
             f"{(', old ranks ' if r.resharded_from is not None else ', ranks ') + str(list(r.from_peer)) + ' from peers' if r.from_peer else ''}, "
             f"lost {r.lost})" if r is not None else "")))
         return rows
-
-
-def pack(tensors: Mapping[str, torch.Tensor], head: Mapping[str, object]) -> bytearray:
-    """One snapshot's bytes: the header's length (8 bytes), ``torch.save(head + tensor index)``,
-    then every tensor's bytes back to back, written by one ``torch.cat`` (``torch.save`` of the
-    demo's ~500 small tensors took 6x as long: a zip record per storage)."""
-    index, parts, off = [], [], 0
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        index.append((key, str(t.dtype).removeprefix("torch."), tuple(t.shape), off, t.numel()))
-        if nbytes:
-            parts.append(t.detach().reshape(-1).view(torch.uint8).cpu())
-        off += nbytes
-    hb = io.BytesIO()
-    torch.save({**head, "index": index}, hb)
-    h = hb.getvalue()
-    start = 8 + len(h)
-    out = bytearray(start + off)
-    out[:8] = len(h).to_bytes(8, "little")
-    out[8:start] = h
-    if parts:
-        with torch.no_grad():
-            torch.cat(parts, out=torch.frombuffer(out, dtype=torch.uint8, offset=start))  # host: the file's bytes
-    return out
-
-
-def unpack(blob: bytes) -> Dict[str, object]:
-    """:func:`pack`'s inverse: ``{**head, "tensors": {key: tensor}}`` (tensors share one copy)."""
-    buf = bytearray(blob)
-    start = 8 + int.from_bytes(buf[:8], "little")
-    # weights_only=False: numpy state of the data stream inside; the file is this job's own, in a
-    # 0700 directory of this user.
-    head = torch.load(io.BytesIO(bytes(buf[8:start])), weights_only=False)
-    tensors = {}
-    for key, dtype, shape, off, numel in head.pop("index"):
-        dt = getattr(torch, dtype)
-        if numel:
-            tensors[key] = torch.frombuffer(buf, dtype=dt, count=numel, offset=start + off).reshape(shape)  # host: file bytes
-        else:
-            tensors[key] = torch.empty(shape, dtype=dt)  # host: an empty tensor of the saved shape
-    head["tensors"] = tensors
-    return head
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def _apply(payload: Mapping[str, object], path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-           rng: torch.Generator, extras: Optional[Mapping[str, Stateful]], rank: int) -> None:
-    """Load a snapshot's state into this rank's objects (extras first: the balancer's placement
-    decides the model's expert keys), as :func:`hetcomm.ops.checkpoint.load_checkpoint` does."""
-    saved_extras = payload["extras"]
-    for name, obj in (extras or {}).items():
-        if name not in saved_extras:  # type: ignore[operator]
-            raise CheckpointError(f"was taken without the {name!r} state this job needs; start the job afresh",
-                                  path=path, key=f"extra/{name}", reason="missing-state")
-        obj.load_state_dict(saved_extras[name])  # type: ignore[index]
-    saved: Mapping[str, torch.Tensor] = payload["tensors"]  # type: ignore[assignment]
-    state = ck._state(model, optimizer, TrainState(0, rng), {}, rank, create=True)
-    if optimizer is not None:  # a parameter without optimizer state at the snapshot has none now
-        _, by_param = ck._param_keys(model)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                key = by_param.get(id(p))
-                if key is not None and f"optim/{key}/step" not in saved:
-                    for k in [k for k in state if k.startswith(f"optim/{key}/")]:
-                        state.pop(k)
-                    optimizer.state.pop(p, None)
-    missing = sorted(k for k in state if k not in saved)
-    for key in missing[:1]:
-        raise CheckpointError(f"has no {key!r} ({len(missing)} key(s) missing): taken by another model", path=path,
-                              key=key, reason="mismatch")
-    with torch.no_grad():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                src = saved[key]
-                if tuple(src.shape) != tuple(value.shape):
-                    raise CheckpointError(f"holds {key!r} of shape {tuple(src.shape)}, this job's is "
-                                          f"{tuple(value.shape)}", path=path, key=key, reason="mismatch")
-                value.copy_(src)
-    rng.set_state(state[f"train/rng/{rank}"])  # type: ignore[arg-type]
-    ck.finish_replicators(model, state)

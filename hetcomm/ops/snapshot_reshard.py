@@ -52,7 +52,7 @@ same gathered facts, so every rank raises the same error before any byte moves):
    snapshot's key list and header;
 2. every new rank names the keys it needs from each old rank (:func:`plan_requests`; one
    all-gather);
-3. each holder sends every other rank one packed message (:func:`hetcomm.ops.snapshot.pack`)
+3. each holder sends every other rank one packed message (:func:`hetcomm.ops.snapshot_format.pack`)
    with everything that rank asked of the holder's snapshots, and receives its own in holder
    order. On the wire: the experts a rank now owns that lived on another node, and the dense
    state for a rank whose node holds no old snapshot (a returning node).
@@ -64,6 +64,7 @@ snapshots are one flat file per rank in shared memory (written in milliseconds e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
@@ -73,9 +74,9 @@ from torch import nn
 from hetcomm.errors import CheckpointError
 from hetcomm.ops import checkpoint as ck
 from hetcomm.ops.checkpoint import TrainState
-from hetcomm.ops.snapshot import Restored, Snapshotter, _apply, _read, pack, unpack
+from hetcomm.ops.snapshot_format import Restored, apply_state, pack, read_bytes, unpack
 
-__all__ = ["newest_complete", "choose_holders", "plan_requests", "reshard"]
+__all__ = ["newest_complete", "choose_holders", "plan_requests", "reshard", "Resharded"]
 
 #: ``(world size, old rank, step) -> {new rank whose node holds it: "r" own file | "p" peer copy}``
 Held = Mapping[Tuple[int, int, int], Mapping[int, str]]
@@ -168,13 +169,24 @@ def _doubled(keys_of: Mapping[int, Set[str]]) -> Dict[str, List[int]]:
     return {k: v for k, v in seen.items() if len(v) > 1}
 
 
-def reshard(snap: Snapshotter, old_world: int, step: int, held: Held, paths: Mapping[Tuple[int, int, int], str], finished: int,
-            model: nn.Module, optimizer: Optional[torch.optim.Optimizer], rng: torch.Generator) -> Restored:
+@dataclass(frozen=True)
+class Resharded:
+    """What :func:`reshard` restored, and the job's counts the old snapshots carried (restores
+    and steps lost before this restore) for the Snapshotter to continue from."""
+
+    restored: Restored
+    lost_before: int
+    restores_before: int
+
+
+def reshard(group: dist.ProcessGroup, rank: int, world: int, old_world: int, step: int, held: Held,
+            paths: Mapping[Tuple[int, int, int], str], finished: int, model: nn.Module,
+            optimizer: Optional[torch.optim.Optimizer], rng: torch.Generator) -> Resharded:
     """Rebuild this rank's state from the ``old_world``-rank snapshots of ``step`` (collective
-    over ``snap.group``; see the module docstring).
+    over ``group``, the snapshot group; see the module docstring).
 
     Args:
-        snap: this rank's :class:`~hetcomm.ops.snapshot.Snapshotter` (its counts are updated).
+        group / rank / world: the snapshot group, this rank in it and its size (the new world).
         old_world / step: what :func:`newest_complete` chose.
         held: every rank's report of its node's snapshots.
         paths: ``(world, old rank, step) -> file`` of this rank's node.
@@ -182,17 +194,16 @@ def reshard(snap: Snapshotter, old_world: int, step: int, held: Held, paths: Map
         model / optimizer / rng: this rank's objects on the new world (filled in place).
 
     Returns:
-        What was restored (``resharded_from`` = ``old_world``).
+        What was restored (``resharded_from`` = ``old_world``) and the carried counts.
 
     Raises:
         CheckpointError: on every rank alike, before any tensor moves: an expert held by two old
             snapshots, a key of this model that no old snapshot holds (another model or expert
             count) or holds in another shape.
     """
-    rank, world, group = snap.rank, snap.world_size, snap.group
     where = f"<in-memory snapshots of step {step}, {old_world} ranks>"
     holder = choose_holders(held, old_world, step)
-    mine = {o: unpack(_read(paths[(old_world, o, step)])) for o in range(old_world) if holder[o] == rank}
+    mine = {o: unpack(read_bytes(paths[(old_world, o, step)])) for o in range(old_world) if holder[o] == rank}
     box: List[object] = [None] * world
     index = {o: ({k: tuple(t.shape) for k, t in p["tensors"].items()}, p["meta"]) for o, p in mine.items()}
     dist.all_gather_object(box, index, group=group)
@@ -249,10 +260,9 @@ def reshard(snap: Snapshotter, old_world: int, step: int, held: Held, paths: Map
     rng_key = f"train/rng/{rank}"
     if rng_key not in saved:  # a rank the old job did not have: its fresh stream, as DCP's load
         saved[rng_key] = rng.get_state()
-    _apply({"meta": {}, "extras": {}, "tensors": saved}, where, model, optimizer, rng, None, rank)
-    lost = max(0, finished - step)
-    snap.lost = max(int(m.get("lost", 0)) for m in metas.values()) + lost  # type: ignore[call-overload]
-    snap.restores = max(int(m.get("restores", 0)) for m in metas.values()) + 1  # type: ignore[call-overload]
+    apply_state({"meta": {}, "extras": {}, "tensors": saved}, where, model, optimizer, rng, None, rank)
     peers = tuple(o for o in range(old_world) if held[(old_world, o, step)][holder[o]] == "p")
-    snap.restored = Restored(step, "memory+peer" if peers else "memory", lost, peers, resharded_from=old_world)
-    return snap.restored
+    restored = Restored(step, "memory+peer" if peers else "memory", max(0, finished - step), peers,
+                        resharded_from=old_world)
+    return Resharded(restored, max(int(m.get("lost", 0)) for m in metas.values()),  # type: ignore[call-overload]
+                     max(int(m.get("restores", 0)) for m in metas.values()))  # type: ignore[call-overload]

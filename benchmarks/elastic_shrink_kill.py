@@ -37,6 +37,9 @@ def victims():
             cmd = open(f"/proc/{pid}/cmdline", "rb").read()
         except OSError:
             continue
+        mine = (W + "/h800-0").encode()  # this run's node only, not another emulation's h800-0
+        if mine not in cmd and b"HETCOMM_LAUNCH_DIR=" + mine not in env:
+            continue
         if b"HETCOMM_EMULATE_NODE=h800-0" in env and (b"hetcomm.cli.main\0launch" in cmd or b"torch.distributed.run" in cmd
                                                        or b"hetcomm.cli.launch_worker" in cmd):
             out.append(int(pid))

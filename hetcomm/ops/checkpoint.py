@@ -23,7 +23,9 @@ hot}``
 Loading asks DCP for the keys the *new* job holds: each rank requests the experts it owns
 under its own placement, wherever they were saved (resharding); a world size that differs from
 the saved one keeps the saved data streams of the ranks that exist on both sides and seeds the
-rest fresh. Replicas are not saved (they are copies of owners); the replicated set is restored
+rest fresh, and starts the ``extras`` afresh (their state is per rank of the saved world: the
+balancer's maps over its ranks, the batch split's size per rank, PowerSGD's blob per rank), as a
+restore of the in-memory snapshots does (:mod:`hetcomm.ops.snapshot_reshard`). Replicas are not saved (they are copies of owners); the replicated set is restored
 and refreshed from the owners at the next forward.
 
 Every key of a checkpoint directory is committed together: the shards go to a staging
@@ -378,7 +380,8 @@ def load_checkpoint(
     Replicated sets are restored and their replicas refreshed from the owners at the next
     forward. ``rng`` is restored when the checkpoint holds this rank's stream. ``extras`` are
     loaded first, so that one may change the model's layout before the model's keys are chosen
-    (the balancer restores the layers' expert placement).
+    (the balancer restores the layers' expert placement); on another world size than the saved
+    one they are not loaded (they start afresh: their state is per rank of the saved world).
 
     Every file is checked against the checksums recorded at save before DCP reads it (its
     ``.metadata`` is a pickle), and shapes against the metadata before any tensor is loaded.
@@ -402,6 +405,10 @@ def load_checkpoint(
         ) from None
     saved = set(metadata.state_dict_metadata)
     extra_state = {f"extra/{name}": obj for name, obj in (extras or {}).items()}
+    saved_world = sum(1 for k in saved if k.startswith("train/rng/"))  # one stream per saved rank
+    world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+    if saved_world and saved_world != world:
+        extra_state = {}  # per rank of another world size (see the module docstring): start afresh
     _check_against_metadata(path, metadata, extra_state)
     if extra_state:
         _dcp_load(path, dict(extra_state), process_group)

@@ -282,9 +282,7 @@ def restore(cfg, model: nn.Module, optimizer: torch.optim.Optimizer, rng: torch.
     if snap is not None:
         got = snap.restore(model, optimizer, rng, extras, not_before=_disk_step(path), below=cfg.steps)
         if got is not None:
-            what = (f"from memory after step {got.step} ({got.source}"
-                    f"{', ranks ' + ','.join(map(str, got.from_peer)) + ' from peer copies' if got.from_peer else ''}); "
-                    f"lost {got.lost} step(s)")
+            what = got.line()
             if dist.get_rank() == 0:
                 print(f"hetcomm train: restored {what}", file=sys.stderr, flush=True)
             return got.step, what

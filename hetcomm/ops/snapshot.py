@@ -24,11 +24,17 @@ exchange, and a step's snapshot first waits for the previous exchange: a rank th
 step n+1 implies every peer copy of step n exists.
 
 **Restore** (collective, at the start of ``train``, before the disk checkpoint is looked at):
-every rank reports the snapshots its node's shared memory holds; the newest step for which
-every rank's state is held somewhere is chosen; a rank reads its own file, or receives the
-copy from the rank that holds it. When no step is complete in memory (the first start, or
-another world size), the job resumes from disk (``--resume``) as before. Memory first, disk
-second: a disk checkpoint newer than the newest snapshot wins.
+every rank reports the snapshots its node's shared memory holds, of any world size; the newest
+step for which every rank of some world size is held somewhere is chosen. Same world size: a
+rank reads its own file, or receives the copy from the rank that holds it. Another world size
+(a shrunk or grown job), or the same on other nodes (a node replaced: the experts may be placed
+otherwise): every new rank's state is rebuilt from the old ranks' snapshots, dense
+state from any, experts by global id from whichever holds them
+(:mod:`hetcomm.ops.snapshot_reshard`). When no step is complete in memory (the first start),
+the job resumes from disk (``--resume``) as before. Memory first, disk second: a disk
+checkpoint newer than the newest snapshot wins. Files of another world size are deleted once
+the new world's first snapshot is complete everywhere (its second one begins) or at a normal
+end.
 
 **Steps lost.** Each rank also records the last step it finished (``done-r<rank>``, a few bytes
 per step). At a restore, *lost* = the newest step any rank finished minus the step restored:
@@ -66,13 +72,11 @@ copies, DCP for disk).
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -80,9 +84,11 @@ import torch.distributed as dist
 from torch import nn
 
 from hetcomm import settings
-from hetcomm.errors import CheckpointError, CollectiveError
+from hetcomm.errors import CollectiveError
 from hetcomm.ops import checkpoint as ck
+from hetcomm.ops import snapshot_reshard
 from hetcomm.ops.checkpoint import Stateful, TrainState
+from hetcomm.ops.snapshot_format import Restored, apply_state, pack, read_bytes, unpack
 
 __all__ = ["Snapshotter", "Restored", "job_dir", "remove_job", "buddies", "job_id", "pack", "unpack"]
 
@@ -130,16 +136,6 @@ def buddies(nodes: Sequence[str]) -> List[Optional[int]]:
     return out
 
 
-@dataclass(frozen=True)
-class Restored:
-    """What a restore found: the step, where each rank's state came from, the steps lost."""
-
-    step: int
-    source: str  # "memory" (every rank its own), "memory+peer" (some from a buddy's copy)
-    lost: int  # steps finished before the failure and redone now
-    from_peer: Tuple[int, ...] = ()
-
-
 class Snapshotter:
     """One rank's snapshots (create on every rank at the same point: makes a gloo group).
 
@@ -166,6 +162,8 @@ class Snapshotter:
                                fix="remove it (another user's?) or set HETCOMM_SNAPSHOT_ROOT")
         bud = buddies(list(nodes)) if peer else [None] * world_size
         self.buddy = bud[rank]
+        self.nodes = list(nodes)
+        self.node_ranks = {r for r, n in enumerate(nodes) if n == nodes[rank]}  # share this node's directory
         self.sources = [s for s in range(world_size) if bud[s] == rank]
         self.lost = 0  # steps lost over the whole job (carried in the snapshots)
         self.restores = 0
@@ -183,15 +181,29 @@ class Snapshotter:
     def _path(self, kind: str, owner: int, step: int) -> str:
         return os.path.join(self.dir, f"{kind}{owner}-w{self.world_size}-s{step}.snap")
 
-    def _scan(self) -> Dict[Tuple[int, int], Tuple[str, str]]:
-        """``{(rank whose state, step): (kind, path)}`` of the complete snapshots of this world
-        size in this node's directory; kind ``r`` (the rank's own) before ``p`` (a peer copy)."""
-        out: Dict[Tuple[int, int], Tuple[str, str]] = {}
+    def _scan(self) -> Dict[Tuple[int, int, int], Tuple[str, str]]:
+        """``{(world size, rank whose state, step): (kind, path)}`` of the complete snapshots in
+        this node's directory; kind ``r`` (the rank's own) before ``p`` (a peer copy)."""
+        out: Dict[Tuple[int, int, int], Tuple[str, str]] = {}
         for name in sorted(os.listdir(self.dir), key=lambda n: n.startswith("p")):
             m = _NAME.match(name)
-            if m and int(m.group(3)) == self.world_size:
-                out.setdefault((int(m.group(2)), int(m.group(4))), (m.group(1), os.path.join(self.dir, name)))
+            if m:
+                key = (int(m.group(3)), int(m.group(2)), int(m.group(4)))
+                out.setdefault(key, (m.group(1), os.path.join(self.dir, name)))
         return out
+
+    def _drop_other_worlds(self) -> None:
+        """Delete this node's snapshots of other world sizes, and the finish marks of ranks that
+        are not on this node now (a previous membership's, once this one's snapshots are complete)."""
+        for name in os.listdir(self.dir):
+            m = _NAME.match(name)
+            stale = (m is not None and int(m.group(3)) != self.world_size) or (
+                name.startswith("done-r") and name[6:].isdigit() and int(name[6:]) not in self.node_ranks)
+            if stale:
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                except FileNotFoundError:
+                    pass
 
     def _finished(self) -> int:
         """The newest step any rank of this node recorded as finished (0: none)."""
@@ -239,10 +251,12 @@ class Snapshotter:
 
         t0 = time.perf_counter()
         self._join()
+        if self.count == 1:  # every rank's first snapshot (and its peer copy) is complete now
+            self._drop_other_worlds()
         state = ck._state(model, optimizer, TrainState(step, rng), {}, self.rank, create=False)
         head = {
             "meta": {"step": step, "rank": self.rank, "world_size": self.world_size, "lost": self.lost,
-                     "restores": self.restores},
+                     "restores": self.restores, "nodes": self.nodes},
             "extras": {name: obj.state_dict() for name, obj in (extras or {}).items()},
         }
         blob = pack({k: v for k, v in state.items() if isinstance(v, torch.Tensor)}, head)
@@ -314,27 +328,30 @@ class Snapshotter:
         """
         seen = self._scan()
         gathered: List[object] = [None] * self.world_size
-        mine = sorted((owner, step, kind) for (owner, step), (kind, _) in seen.items())
+        mine = sorted((world, owner, step, kind) for (world, owner, step), (kind, _) in seen.items())
         dist.all_gather_object(gathered, (mine, self._finished()), group=self.group)
-        held: Dict[Tuple[int, int], Dict[int, str]] = {}  # (owner, step) -> {rank holding it: kind}
+        held: Dict[Tuple[int, int, int], Dict[int, str]] = {}  # (world, owner, step) -> {rank holding it: kind}
         finished = 0
         for r, (keys, done) in enumerate(gathered):  # type: ignore[misc]
             finished = max(finished, int(done))
-            for owner, st, kind in keys:
-                held.setdefault((int(owner), int(st)), {})[r] = kind
-        steps = sorted({s for (_, s) in held if below is None or s < below}, reverse=True)
-        step = next((s for s in steps if all((r, s) in held for r in range(self.world_size))), None)
-        if step is None or step <= not_before:
+            for world, owner, st, kind in keys:
+                held.setdefault((int(world), int(owner), int(st)), {})[r] = kind
+        chosen = snapshot_reshard.newest_complete(held, self.world_size, below)
+        if chosen is None or chosen[1] <= not_before:
             return None
+        world, step = chosen
+        if world != self.world_size:  # a shrunk or grown job: rebuild each rank's state by key
+            return self._reshard(world, step, held, seen, finished, model, optimizer, rng)
+        W = self.world_size
         # Each rank reads what its node holds, else the lowest rank holding a copy sends it.
-        holder = [r if r in held[(r, step)] else min(held[(r, step)]) for r in range(self.world_size)]
-        peers = tuple(r for r in range(self.world_size) if held[(r, step)][holder[r]] == "p")
+        holder = [r if r in held[(W, r, step)] else min(held[(W, r, step)]) for r in range(W)]
+        peers = tuple(r for r in range(W) if held[(W, r, step)][holder[r]] == "p")
         blob: Optional[bytes] = None
         for r, h in enumerate(holder):  # the ranks whose node lost them: copies from their buddies
             if h == r:
                 continue
             if self.rank == h:
-                data = torch.frombuffer(bytearray(_read(seen[(r, step)][1])), dtype=torch.uint8)  # host: bytes
+                data = torch.frombuffer(bytearray(read_bytes(seen[(W, r, step)][1])), dtype=torch.uint8)  # host: bytes
                 dist.send(torch.tensor([data.numel()], dtype=torch.int64), r, group=self.group)  # host: header
                 dist.send(data, r, group=self.group)
             elif self.rank == r:
@@ -343,19 +360,34 @@ class Snapshotter:
                 got = torch.empty(int(head[0]), dtype=torch.uint8)  # host: bytes
                 dist.recv(got, h, group=self.group)
                 blob = got.numpy().tobytes()
-        path = seen[(self.rank, step)][1] if blob is None else f"<rank {holder[self.rank]}'s copy of step {step}>"
+        path = seen[(W, self.rank, step)][1] if blob is None else f"<rank {holder[self.rank]}'s copy of step {step}>"
         if blob is None:
-            blob = _read(path)
+            blob = read_bytes(path)
         # weights_only=False: numpy state of the data stream inside; the file is this job's own,
         # in a 0700 directory of this user.
         payload = unpack(blob)
-        _apply(payload, path, model, optimizer, rng, extras, self.rank)
+        moved: List[object] = [None] * W
+        dist.all_gather_object(moved, payload["meta"].get("nodes", self.nodes) != self.nodes, group=self.group)
+        if any(moved):  # as many ranks on other nodes: the experts may be placed otherwise
+            return self._reshard(W, step, held, seen, finished, model, optimizer, rng)
+        apply_state(payload, path, model, optimizer, rng, extras, self.rank)
         meta = payload["meta"]
         lost = max(0, finished - step)
         self.lost = int(meta.get("lost", 0)) + lost
         self.restores = int(meta.get("restores", 0)) + 1
         self.restored = Restored(step, "memory+peer" if peers else "memory", lost, peers)
         return self.restored
+
+    def _reshard(self, old_world: int, step: int, held, seen, finished: int, model: nn.Module,
+                 optimizer: Optional[torch.optim.Optimizer], rng: torch.Generator) -> Restored:
+        """:func:`hetcomm.ops.snapshot_reshard.reshard`, then this rank's counts (collective)."""
+        paths = {k: path for k, (_, path) in seen.items()}
+        got = snapshot_reshard.reshard(self.group, self.rank, self.world_size, old_world, step, held, paths, finished,
+                                       model, optimizer, rng)
+        self.lost = got.lost_before + got.restored.lost
+        self.restores = got.restores_before + 1
+        self.restored = got.restored
+        return got.restored
 
     def count_lost(self, step: int) -> int:
         """A restore from disk after ``step``: count the steps finished since (collective)."""
@@ -375,6 +407,7 @@ class Snapshotter:
         if not remove:
             return
         dist.barrier(group=self.group)
+        self._drop_other_worlds()  # a previous membership's files: nobody restores them now
         for name in os.listdir(self.dir):
             m = _NAME.match(name)
             if name == f"done-r{self.rank}" or (m and (int(m.group(2)) == self.rank and m.group(1) == "r"
@@ -403,90 +436,8 @@ class Snapshotter:
         ]
         r = self.restored
         rows.append(("restores / steps lost", f"{self.restores} / {self.lost}" + (
-            f" (last: after step {r.step} from {r.source}{', ranks ' + str(list(r.from_peer)) + ' from peers' if r.from_peer else ''}, "
+            f" (last: after step {r.step} from {r.source}"
+            f"{f', resharded from {r.resharded_from} ranks' if r.resharded_from is not None else ''}"
+            f"{(', old ranks ' if r.resharded_from is not None else ', ranks ') + str(list(r.from_peer)) + ' from peers' if r.from_peer else ''}, "
             f"lost {r.lost})" if r is not None else "")))
         return rows
-
-
-def pack(tensors: Mapping[str, torch.Tensor], head: Mapping[str, object]) -> bytearray:
-    """One snapshot's bytes: the header's length (8 bytes), ``torch.save(head + tensor index)``,
-    then every tensor's bytes back to back, written by one ``torch.cat`` (``torch.save`` of the
-    demo's ~500 small tensors took 6x as long: a zip record per storage)."""
-    index, parts, off = [], [], 0
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        index.append((key, str(t.dtype).removeprefix("torch."), tuple(t.shape), off, t.numel()))
-        if nbytes:
-            parts.append(t.detach().reshape(-1).view(torch.uint8).cpu())
-        off += nbytes
-    hb = io.BytesIO()
-    torch.save({**head, "index": index}, hb)
-    h = hb.getvalue()
-    start = 8 + len(h)
-    out = bytearray(start + off)
-    out[:8] = len(h).to_bytes(8, "little")
-    out[8:start] = h
-    if parts:
-        with torch.no_grad():
-            torch.cat(parts, out=torch.frombuffer(out, dtype=torch.uint8, offset=start))  # host: the file's bytes
-    return out
-
-
-def unpack(blob: bytes) -> Dict[str, object]:
-    """:func:`pack`'s inverse: ``{**head, "tensors": {key: tensor}}`` (tensors share one copy)."""
-    buf = bytearray(blob)
-    start = 8 + int.from_bytes(buf[:8], "little")
-    # weights_only=False: numpy state of the data stream inside; the file is this job's own, in a
-    # 0700 directory of this user.
-    head = torch.load(io.BytesIO(bytes(buf[8:start])), weights_only=False)
-    tensors = {}
-    for key, dtype, shape, off, numel in head.pop("index"):
-        dt = getattr(torch, dtype)
-        if numel:
-            tensors[key] = torch.frombuffer(buf, dtype=dt, count=numel, offset=start + off).reshape(shape)  # host: file bytes
-        else:
-            tensors[key] = torch.empty(shape, dtype=dt)  # host: an empty tensor of the saved shape
-    head["tensors"] = tensors
-    return head
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def _apply(payload: Mapping[str, object], path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-           rng: torch.Generator, extras: Optional[Mapping[str, Stateful]], rank: int) -> None:
-    """Load a snapshot's state into this rank's objects (extras first: the balancer's placement
-    decides the model's expert keys), as :func:`hetcomm.ops.checkpoint.load_checkpoint` does."""
-    saved_extras = payload["extras"]
-    for name, obj in (extras or {}).items():
-        if name not in saved_extras:  # type: ignore[operator]
-            raise CheckpointError(f"was taken without the {name!r} state this job needs; start the job afresh",
-                                  path=path, key=f"extra/{name}", reason="missing-state")
-        obj.load_state_dict(saved_extras[name])  # type: ignore[index]
-    saved: Mapping[str, torch.Tensor] = payload["tensors"]  # type: ignore[assignment]
-    state = ck._state(model, optimizer, TrainState(0, rng), {}, rank, create=True)
-    if optimizer is not None:  # a parameter without optimizer state at the snapshot has none now
-        _, by_param = ck._param_keys(model)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                key = by_param.get(id(p))
-                if key is not None and f"optim/{key}/step" not in saved:
-                    for k in [k for k in state if k.startswith(f"optim/{key}/")]:
-                        state.pop(k)
-                    optimizer.state.pop(p, None)
-    missing = sorted(k for k in state if k not in saved)
-    for key in missing[:1]:
-        raise CheckpointError(f"has no {key!r} ({len(missing)} key(s) missing): taken by another model", path=path,
-                              key=key, reason="mismatch")
-    with torch.no_grad():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                src = saved[key]
-                if tuple(src.shape) != tuple(value.shape):
-                    raise CheckpointError(f"holds {key!r} of shape {tuple(src.shape)}, this job's is "
-                                          f"{tuple(value.shape)}", path=path, key=key, reason="mismatch")
-                value.copy_(src)
-    rng.set_state(state[f"train/rng/{rank}"])  # type: ignore[arg-type]
-    ck.finish_replicators(model, state)

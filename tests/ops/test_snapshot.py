@@ -156,6 +156,12 @@ def test_kill_one_rank_restores_from_memory_loses_at_most_one_step(tmp_path, dem
     resumes = [e for e in log.events if e.event == "resume"]
     assert len(resumes) == 1 and resumes[0].detail.startswith("from memory"), ([e.detail for e in resumes], out[-3000:])
     assert "ranks 2 from peer copies" in resumes[0].detail, resumes[0].detail
+    # Rank 0's startup marks of the restarted process, in order (benchmarks/snapshot_kill.py's parts).
+    from hetcomm.ops.rank_marks import STARTUP_PHASES
+
+    marks = resumes[0].marks
+    assert list(marks) == list(STARTUP_PHASES), marks
+    assert all(marks[a] <= marks[b] for a, b in zip(STARTUP_PHASES, STARTUP_PHASES[1:])), marks
     at = resumes[0].step
     seq = [s.step for s in log.all_steps]  # the first attempt's steps, then the restored one's
     cut = next((i for i in range(1, len(seq)) if seq[i] <= seq[i - 1]), None)

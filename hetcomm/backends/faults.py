@@ -27,6 +27,8 @@ from hetcomm.backends.rank_placement import Placement
 from hetcomm.errors import CollectiveError, GroupStoppedWaiting, HetcommError, PeerTimeout
 
 if TYPE_CHECKING:
+    import torch.distributed
+
     from hetcomm.backends.heartbeat import PeerLoss
 
 __all__ = ["FaultDiagnosis", "SeqDiagnosis", "release_frames", "loss_error", "wait_watching"]
@@ -51,7 +53,8 @@ def loss_error(loss: "PeerLoss", *, peer: int, seq: int, op: str, rank: int, rai
     )
 
 
-def wait_watching(work, faults: "FaultDiagnosis", seq: int, op: str, release=None) -> Optional[CollectiveError]:
+def wait_watching(work: "torch.distributed.Work", faults: "FaultDiagnosis", seq: int, op: str,
+                  release: Optional[Callable[[int], None]] = None) -> Optional[CollectiveError]:
     """``work.wait()`` for a gloo Work, ending early with :func:`loss_error` as soon as the
     heartbeat names a peer of the group certainly lost.
 

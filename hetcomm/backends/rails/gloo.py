@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -106,7 +106,7 @@ class _GlooOp(RailOp):
     can_block = True
 
     def __init__(self, rank: int, items: List[_Pending], op: str, name: str, timeout_s: float,
-                 seq: int = 0, release=None):
+                 seq: int = 0, release: Optional[Callable[[int], None]] = None):
         self.rank = rank
         self.items = items
         self.op = op

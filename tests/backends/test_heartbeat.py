@@ -266,3 +266,66 @@ def test_a_late_observer_believes_no_verdict_from_a_beat_that_does_not_move_and_
         assert {r: x.cause for r, x in late.lost.items()} == {0: "silent", 1: "silent"}, late.lost
     finally:
         late.stop()
+
+
+_FOUR_NODES = """
+name: four-a100-nodes
+description: four one-GPU nodes of one vendor, so every pair is on the gloo rail
+node_groups:
+  - name: a100
+    count: 4
+    device: {model: A100-SXM4-80GB, count: 1, strong: true}
+    fabric: NVLINK
+    nics:
+      - {class: NET_ROCE_GDR, gbps: 200, count: 1}
+"""
+
+
+def _stop_before_gloo_collective(rank: int, n: int, skip_check: bool) -> dict:
+    import torch.distributed as dist
+
+    from hetcomm.backends import checks, heartbeat
+
+    x = torch.arange(n * 2, dtype=torch.float32)
+    y = torch.empty_like(x)
+    dist.all_to_all_single(y, x)  # everyone is in and beating
+    hb = heartbeat.active()
+    if rank == n - 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    try:
+        if skip_check:
+            with checks.splits_agreed():  # straight into the gloo all-to-all
+                dist.all_to_all_single(y, x)
+        else:
+            dist.all_to_all_single(y, x)  # the split check: one gloo all_gather
+    except Exception as e:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"test/survivor/{rank}", "1")
+        if rank == 0:
+            store.wait([f"test/survivor/{r}" for r in range(n - 1)], timedelta(seconds=60))
+            os.kill(hb.local_pids[n - 1], signal.SIGKILL)
+        return {"type": type(e).__name__, "detail": getattr(e, "detail", str(e)), "peer": getattr(e, "peer", None),
+                "op": getattr(e, "op", None)}
+    return {"type": None}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("skip_check", [False, True], ids=["gloo-split-check", "gloo-all-to-all"])
+def test_a_peer_stopped_before_an_all_gloo_collective_ends_the_gloo_wait(tmp_path, skip_check):
+    # Every pair on gloo: the split check is one gloo all_gather and the data one gloo
+    # all-to-all, both waited on watching the heartbeat (faults.wait_watching). The run ends
+    # at 80 s, before gloo's own timeout (90 s of a 120 s group timeout).
+    cluster = tmp_path / "four-nodes.yaml"
+    cluster.write_text(_FOUR_NODES)
+    outs = run_ranks_outcomes(_stop_before_gloo_collective, world_size=4, cluster=str(cluster), args=(skip_check,),
+                              timeout=80, pg_timeout=120.0)
+    assert outs[3].exitcode == -signal.SIGKILL, outs[3]
+    details = set()
+    for o in outs[:3]:
+        assert o.ok and o.stopped != "timeout", f"rank {o.rank}: {o.stopped} {o.error_type}: {o.error}\n{o.traceback}"
+        r = o.result
+        want_op = "all_to_all_single" if skip_check else "all_to_all_single (split check)"
+        assert r["type"] == "PeerTimeout" and r["peer"] == 3 and r["op"] == want_op, r
+        assert "rank 3 is stopped" in r["detail"] and "named by the heartbeat" in r["detail"], r
+        details.add(r["detail"])
+    assert len(details) == 1, details

@@ -29,7 +29,7 @@ process's sockets close: fast) or when the group timeout expires (a hung peer: m
   attempt's store) is named.
 
 A loss is recorded once (:attr:`Heartbeat.lost`, with the cause and the seconds since that
-peer's last beat) and logged on stderr. Only the causes seen through ``/proc`` (here or by a
+peer's last beat; a ``silent`` one gives way to a certain cause found later) and logged on stderr. Only the causes seen through ``/proc`` (here or by a
 reporter) are certain (:data:`DEFINITIVE`: ``exited``, ``stopped``): for those, the listeners
 (:func:`add_listener`: the gloo rails, which release a transfer blocked on that peer inside
 gloo) are told at once, and :meth:`Heartbeat.lost_among` lets the executor's wait loop
@@ -37,10 +37,10 @@ gloo) are told at once, and :meth:`Heartbeat.lost_among` lets the executor's wai
 a collective waiting on that peer into a :class:`~hetcomm.errors.CollectiveError` naming the
 rank and the collective, instead of waiting for the group timeout. :attr:`PeerLoss.verdict` is
 the same words on every survivor whoever saw it first (no pid, no times), so every survivor's
-error reads the same. Silence (``silent``, ``store``) is a judgement: on an
-overloaded machine a healthy rank can fall quiet for seconds, so it is named (within a second on
-a quiet machine) but never fails a collective by itself (the group timeout and
-:mod:`.faults` still do), and a silent peer that beats again is taken off the list. Every survivor watches every peer, so every
+error reads the same. Silence (``silent``, ``store``) is a judgement: on an overloaded machine a
+healthy rank can fall quiet for seconds, so it is named (within a second on a quiet machine) but
+never fails a collective by itself (the group timeout and :mod:`.faults` still do), and a silent
+peer that beats again is taken off the list. Every survivor watches every peer, so every
 survivor names the same rank.
 
 Why by hand: torch's elastic agent checks its *workers* from the agent process (every

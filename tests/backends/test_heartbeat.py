@@ -1,7 +1,10 @@
 """Heartbeats (hetcomm.backends.heartbeat): a killed or stopped peer is named on every survivor
-by the heartbeat, not at the group timeout; a peer that shuts down cleanly is not a loss; a peer
-on another host (no /proc view) is found by its silence. Outcomes only: the group timeout is
-long (60 s), so an error that says "named by the heartbeat" could not have come from it."""
+by the heartbeat, not at the group timeout, also when a survivor waits for it inside gloo (a
+gloo-rail transfer, the all-gloo split check, the gloo all-to-all); a peer that shuts down
+cleanly is not a loss; a peer on another host (no /proc view) is found by its silence, or named
+stopped from the beat of a rank that sees it. Outcomes only: the group timeouts are long (60 s;
+120 s where the run is ended at 80 s, before gloo's own timeout), so an error that says "named
+by the heartbeat" could not have come from them."""
 
 from __future__ import annotations
 

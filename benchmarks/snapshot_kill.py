@@ -8,6 +8,16 @@ run of the same job for reference (or `--reference` a metrics file of one). Prin
 exit code, kill step, the step restored, steps lost (the summary's count and the metrics'),
 recovery time (the kill to the first step completed after the restore), the largest relative loss
 difference to the reference at the same step after the restore, and what is left in /dev/shm.
+
+``recovery_parts`` splits the recovery (seconds, they add up to ``recovery_s``):
+
+* ``notice``: the kill to the first survivor's failure mark (``hetcomm.ops.rank_marks``: a mark
+  file's modification time is when its rank ended);
+* ``stop``: from there to the last mark of the killed attempt (torchrun stopping the rest);
+* ``rendezvous_spawn``: from there to the start of rank 0's new process (``/proc``);
+* ``imports``, ``group_init``, ``model_build``, ``restore``: rank 0's startup marks, carried by
+  the ``resume`` metrics event (``Event.marks``: process, imports, group, model, restore);
+* ``first_step``: the restore to the first step the restored group completed (seen here).
 """
 
 from __future__ import annotations
@@ -27,6 +37,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from hetcomm.ops.metrics import read_metrics  # noqa: E402
+from hetcomm.ops.rank_marks import last_attempt, mark_times  # noqa: E402
+
+
+def recovery_parts(t_kill: float, t_recovered: float, marks: dict, ended: dict) -> dict:
+    """The parts of one recovery (module docstring): ``marks``, the resume event's startup
+    marks; ``ended``, when each rank of the killed attempt left its mark. None where unknown."""
+    points = [("notice", min(ended.values(), default=None)), ("stop", max(ended.values(), default=None)),
+              ("rendezvous_spawn", marks.get("process")), ("imports", marks.get("imports")),
+              ("group_init", marks.get("group")), ("model_build", marks.get("model")),
+              ("restore", marks.get("restore")), ("first_step", t_recovered)]
+    out, prev = {}, t_kill
+    for name, t in points:
+        out[name] = None if t is None or prev is None else round(t - prev, 2)
+        prev = t
+    return out
 
 
 def _worker_pid(work: str, rank: int):
@@ -77,7 +102,7 @@ def main() -> int:
                      "train", "--steps", str(args.steps), "--metrics", metrics]
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    t_kill = killed_step = n_at_resume = None
+    t_kill = killed_step = n_at_resume = t_recovered = None
     recovered_s = None
     while proc.poll() is None:
         steps = _steps(metrics)
@@ -95,7 +120,8 @@ def main() -> int:
             if log is not None and n_at_resume is None and any(e.event == "resume" for e in log.events):
                 n_at_resume = len(log.all_steps)  # the new group's header and resume line are in
             elif log is not None and n_at_resume is not None and len(log.all_steps) > n_at_resume:
-                recovered_s = time.time() - t_kill  # the first step the restored group completed
+                t_recovered = time.time()
+                recovered_s = t_recovered - t_kill  # the first step the restored group completed
         time.sleep(0.05)
     out = proc.stdout.read()
     log = read_metrics(metrics)
@@ -107,10 +133,15 @@ def main() -> int:
     summary = next((line for line in out.splitlines() if line.startswith("restores / steps lost")), "")
     after = [s for s in log.steps if at is not None and s.step > at]
     worst = max((abs(s.loss - ref_loss[s.step]) / abs(ref_loss[s.step]) for s in after), default=None)
+    parts = None
+    if t_kill is not None and t_recovered is not None and resumes:
+        attempt = last_attempt(work, "job")
+        parts = recovery_parts(t_kill, t_recovered, resumes[-1].marks, mark_times(work, "job", max(0, attempt - 1), 4))
     rec = {
         "exit": proc.returncode, "steps": args.steps, "seed": args.seed, "kill_at_step": killed_step,
         "restored_after_step": at, "resume": resumes[-1].detail if resumes else None, "lost_metrics": lost,
         "summary_row": summary.strip(), "recovery_s": None if recovered_s is None else round(recovered_s, 1),
+        "recovery_parts": parts,
         "max_rel_loss_diff_after_restore": worst, "final_loss": log.steps[-1].loss if log.steps else None,
         "ref_final_loss": ref_loss.get(args.steps), "wall_s": round(time.time() - t0, 1),
         "shm_left": sorted(glob.glob(f"/dev/shm/hetcomm-{os.getuid()}-*")) if os.path.exists(shm) else [],

@@ -141,7 +141,8 @@ class MetaBoard:
         return [torch.from_numpy(self._buffer(r, seq).copy()) for r in range(len(self.pids))]
 
     def _heartbeat_error(self, beat, pending: Sequence[int], op: str):
-        """The error naming the first of ``pending`` the heartbeat saw exit or stop, or None.
+        """The error naming the first of ``pending`` the heartbeat saw exit or stop, or None
+        (the loss's verdict: the same words on every survivor).
 
         The heartbeat's ranks are the default group's; the board's peers are matched by pid."""
         from hetcomm.backends.heartbeat import DEFINITIVE
@@ -153,9 +154,8 @@ class MetaBoard:
             if loss is not None and loss.cause in DEFINITIVE:
                 cls = CollectiveError if loss.cause == "exited" else PeerTimeout
                 return cls(
-                    f"rank {r} (pid {self.pids[r]}) {loss.cause} before the cross-rank check ({loss.detail}; named by "
-                    f"the heartbeat, {loss.silent_s:.2f} s after its last beat; every survivor names it); restart the "
-                    f"job or let `hetcomm launch` do it",
+                    f"peer lost before the cross-rank check: {loss.verdict} (named by the heartbeat; every survivor "
+                    f"names it); restart the job or let `hetcomm launch` do it",
                     op=op, rank=self.rank, peer=r, rail="shm", diagnosed=True,
                 )
         return None

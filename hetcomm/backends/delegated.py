@@ -51,7 +51,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from hetcomm.backends import checks
-from hetcomm.backends.faults import FaultDiagnosis, release_frames
+from hetcomm.backends.faults import FaultDiagnosis, release_frames, wait_watching
+from hetcomm.backends.rails.gloo import release_gloo
 from hetcomm.backends.stats import record as _record
 from hetcomm.backends.work import HetcommWork
 from hetcomm.errors import CollectiveError
@@ -194,48 +195,6 @@ class _Staging:
                 t.copy_(s.view(torch.uint64).view(t.shape))
             else:
                 t.copy_(s.view(t.shape))
-
-
-#: Seconds between looks at the heartbeat while a blocking delegated collective waits in gloo.
-_WATCH_S = 0.25
-
-
-def _wait_watching(gwork, faults: FaultDiagnosis, seq: int, op: str, size: int, rank: int) -> Optional[CollectiveError]:
-    """``gwork.wait()``, ending early with the error naming a peer the heartbeat saw stop or exit.
-
-    gloo waits for a stopped (SIGSTOP) peer until the group timeout; a killed one closes its
-    sockets and ends the wait at once. With a heartbeat running (:mod:`hetcomm.backends.heartbeat`)
-    the wait is cut into ``_WATCH_S`` slices (``Work.wait(timeout)`` leaves the op pending when it
-    times out) and between slices the definitive losses among the group's peers end it. The gloo
-    op is then abandoned: the process is failing, and the group is destroyed after it.
-
-    Returns:
-        None when gloo completed (its own errors are raised), else the error to complete with.
-    """
-    from datetime import timedelta
-
-    from hetcomm.backends import heartbeat
-    from hetcomm.backends.faults import SeqDiagnosis
-
-    beat = heartbeat.active()
-    if beat is None or size < 2:
-        gwork.wait()
-        return None
-    seen = beat.version
-    diagnosis = SeqDiagnosis(faults, seq)
-    peers = [p for p in range(size) if p != rank]
-    while True:
-        if beat.version != seen:
-            seen = beat.version
-            err = diagnosis.lost_error(peers, op)
-            if err is not None:
-                return err
-        try:
-            gwork.wait(timedelta(seconds=_WATCH_S))
-            return None
-        except RuntimeError as e:
-            if "Operation timed out" not in str(e):
-                raise
 
 
 class _Completion:
@@ -383,6 +342,7 @@ class DelegatedCollectives:
         )
         faults = self.faults
         kind = call.kind
+        inner = self.gloo
 
         def job(w: HetcommWork) -> None:
             try:
@@ -403,7 +363,7 @@ class DelegatedCollectives:
                     fut = None
             if fut is None:  # a blocking call waits here: no hand-off through a gloo callback thread
                 try:
-                    lost = _wait_watching(gwork, faults, seq, kind, self.size, self.rank)
+                    lost = wait_watching(gwork, faults, seq, kind, release=lambda p: release_gloo(inner, p))
                 except Exception as e:
                     done.finish(e)
                 else:

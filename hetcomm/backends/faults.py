@@ -7,6 +7,13 @@ process is gone, minus those that left a failure mark in the store; otherwise th
 not report the failure within a short wait. The result is a :class:`~hetcomm.errors.CollectiveError`
 (or :class:`~hetcomm.errors.PeerTimeout`) whose ``peer`` names that rank and whose ``diagnosed``
 field is set, so nothing diagnoses it twice.
+
+A peer the heartbeat found certainly lost (:mod:`hetcomm.backends.heartbeat`: exited, stopped)
+ends a wait at once, with :func:`loss_error`: the same words on every survivor (the loss's
+:attr:`~hetcomm.backends.heartbeat.PeerLoss.verdict`, the collective and its number; no pid, no
+times), so the cross-rank check keeps every rank's error identical. :func:`wait_watching` is
+that rule for a gloo Work waited on in this thread (the delegated collectives, the all-gloo
+split check and the gloo all-to-all).
 """
 
 from __future__ import annotations
@@ -20,9 +27,70 @@ from hetcomm.backends.rank_placement import Placement
 from hetcomm.errors import CollectiveError, GroupStoppedWaiting, HetcommError, PeerTimeout
 
 if TYPE_CHECKING:
+    import torch.distributed
+
     from hetcomm.backends.heartbeat import PeerLoss
 
-__all__ = ["FaultDiagnosis", "SeqDiagnosis", "release_frames"]
+__all__ = ["FaultDiagnosis", "SeqDiagnosis", "release_frames", "loss_error", "wait_watching"]
+
+#: How long :meth:`FaultDiagnosis.blame` looks for a certain loss in the heartbeat before it
+#: diagnoses a broken wait by itself (a few beats: the loss another survivor acted on).
+CERTAIN_WAIT_S = 1.0
+#: Slices of a watched gloo wait (:func:`wait_watching`): the heartbeat is looked at between them.
+WATCH_S = 0.25
+
+
+def loss_error(loss: "PeerLoss", *, peer: int, seq: int, op: str, rank: int, rail: Optional[str]) -> CollectiveError:
+    """The error of a collective (``op``, number ``seq`` in its group) waiting on ``peer`` (its
+    group rank) when the heartbeat found that peer certainly lost: :class:`PeerTimeout` for a
+    stopped peer (it still holds its sockets), :class:`CollectiveError` for one that exited.
+    Every survivor builds the same message, whoever saw the loss and however it learnt of it."""
+    cls = PeerTimeout if loss.cause == "stopped" else CollectiveError
+    return cls(
+        f"peer lost during collective #{seq}: {loss.verdict} (named by the heartbeat; every survivor names it); "
+        f"restart the job or let `hetcomm launch` do it",
+        op=op, rank=rank, peer=peer, rail=rail, diagnosed=True,
+    )
+
+
+def wait_watching(work: "torch.distributed.Work", faults: "FaultDiagnosis", seq: int, op: str,
+                  release: Optional[Callable[[int], None]] = None) -> Optional[CollectiveError]:
+    """``work.wait()`` for a gloo Work, ending early with :func:`loss_error` as soon as the
+    heartbeat names a peer of the group certainly lost.
+
+    gloo waits for a stopped (SIGSTOP) peer until the group timeout; a killed one closes its
+    sockets and ends the wait at once. With a heartbeat running the wait is cut into
+    :data:`WATCH_S` slices (``Work.wait(timeout)`` leaves a gloo collective pending when it times
+    out) and the heartbeat is looked at between them. ``release(peer)``, when given, then ends
+    the gloo op itself (:func:`hetcomm.backends.rails.gloo.release_gloo`), so that no gloo
+    thread stays behind in it until the group timeout.
+
+    Returns:
+        None when gloo completed (its own errors are raised), else the error to raise instead.
+    """
+    from hetcomm.backends import heartbeat
+
+    beat = heartbeat.active()
+    if beat is None or faults.size < 2:
+        work.wait()
+        return None
+    seen = 0  # a loss declared before the call counts too
+    diagnosis = SeqDiagnosis(faults, seq)
+    peers = [p for p in range(faults.size) if p != faults.rank]
+    while True:
+        if beat.version != seen:
+            seen = beat.version
+            err = diagnosis.lost_error(peers, op)
+            if err is not None:
+                if release is not None:
+                    release(err.peer)
+                return err
+        try:
+            work.wait(timedelta(seconds=WATCH_S))
+            return None
+        except RuntimeError as e:  # c10d's words for a wait(timeout) that ran out (gloo's own differ)
+            if "Operation timed out" not in str(e):
+                raise
 
 
 def release_frames(exc: BaseException) -> BaseException:
@@ -182,9 +250,21 @@ class FaultDiagnosis:
         return out
 
     def blame(self, e: CollectiveError, seq: int) -> CollectiveError:
-        """Re-aim a rail error at the rank really at fault (same type; ``diagnosed`` set)."""
+        """Re-aim a rail error at the rank really at fault (same type; ``diagnosed`` set).
+
+        A peer the heartbeat found certainly lost comes first: a survivor that raised and exited
+        breaks its peers' connections too, and without this rule a survivor whose wait broke on
+        that one would name it instead of the rank everyone else names."""
         if e.diagnosed:
             return e
+        certain = self.await_certain_loss([p for p in range(self.size) if p != self.rank], CERTAIN_WAIT_S)
+        if certain is not None:
+            peer, loss = certain
+            names = self.rail_names()
+            out = loss_error(loss, peer=peer, seq=seq, op=e.op or "?", rank=self.rank,
+                             rail=names[peer] if peer < len(names) else e.rail)
+            out.__cause__ = e
+            return out
         late = self.late_error(e, seq)
         if late is not None:
             return late
@@ -205,6 +285,27 @@ class FaultDiagnosis:
     def for_seq(self, seq: int) -> "SeqDiagnosis":
         """The ``diagnose`` callback of :func:`hetcomm.backends.executor.drive` for collective ``seq``."""
         return SeqDiagnosis(self, seq)
+
+    def certain_loss(self, peers: Sequence[int]) -> Optional[Tuple[int, "PeerLoss"]]:
+        """``(group rank, loss)`` of the first of ``peers`` the heartbeat found exited or stopped
+        (the earliest declared: the root cause, not a survivor that failed after it), or None."""
+        from hetcomm.backends.heartbeat import DEFINITIVE
+
+        found = [(p, loss) for p, loss in self.lost(peers) if loss.cause in DEFINITIVE]
+        return min(found, key=lambda x: (x[1].detected_at, x[0])) if found else None
+
+    def await_certain_loss(self, peers: Sequence[int], wait_s: float) -> Optional[Tuple[int, "PeerLoss"]]:
+        """:meth:`certain_loss`, looking again for up to ``wait_s`` while a heartbeat runs: a
+        broken wait is often the echo of a loss another survivor has just acted on (it released
+        its gloo group, or raised and exited), which this rank's heartbeat reads a beat later."""
+        from hetcomm.backends import heartbeat
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            found = self.certain_loss(peers)
+            if found is not None or heartbeat.active() is None or time.monotonic() > deadline:
+                return found
+            time.sleep(0.02)
 
     def lost(self, peers: Sequence[int]) -> List[Tuple[int, "PeerLoss"]]:
         """``(group rank, loss)`` of the ``peers`` the default group's heartbeat declared lost
@@ -231,20 +332,12 @@ class SeqDiagnosis:
         return self.faults.culprits(self.seq, peers)
 
     def lost_error(self, peers: List[int], op: str) -> Optional[CollectiveError]:
-        """The error naming the first peer among ``peers`` the heartbeat saw exit or stop (None if none)."""
-        from hetcomm.backends.heartbeat import DEFINITIVE
-
-        found = [(p, loss) for p, loss in self.faults.lost(peers) if loss.cause in DEFINITIVE]
-        if not found:
+        """The error naming the first peer among ``peers`` the heartbeat saw exit or stop (None
+        if none): :func:`loss_error`, the same on every survivor."""
+        certain = self.faults.certain_loss(peers)
+        if certain is None:
             return None  # silence alone never fails a collective (see hetcomm.backends.heartbeat)
-        peer, loss = found[0]
+        peer, loss = certain
         names = self.faults.rail_names()
         rail = names[peer] if peer < len(names) else None
-        pid = self.faults.placement.ranks[peer].pid
-        what = f"exited: rank {peer} (pid {pid})" if loss.cause == "exited" else f"rank {peer}: {loss.detail}"
-        cls = CollectiveError if loss.cause == "exited" else PeerTimeout
-        return cls(
-            f"peer lost during collective #{self.seq}; {what} (named by the heartbeat, {loss.silent_s:.2f} s after "
-            f"its last beat; every survivor names it); restart the job or let `hetcomm launch` do it",
-            op=op, rank=self.faults.rank, peer=peer, rail=rail, diagnosed=True,
-        )
+        return loss_error(loss, peer=peer, seq=self.seq, op=op, rank=self.faults.rank, rail=rail)

@@ -9,27 +9,39 @@ process's sockets close: fast) or when the group timeout expires (a hung peer: m
   and reads every peer's (one ``multi_get``);
 * a peer on this host is also checked through ``/proc`` (its pid from the placement): gone or a
   zombie = ``exited``, state ``T`` (SIGSTOP, a debugger) = ``stopped``, found within one interval;
+* what this rank sees stopped through ``/proc`` it says in its own beat (``"<n> stopped=2,5"``),
+  so observers on other hosts, which cannot see that pid, declare the peer ``stopped`` at their
+  next read (two intervals) instead of at their silence threshold. Only a beat seen to *move*
+  is believed (a reporter that itself went quiet may carry an old verdict), and the field lists
+  what ``/proc`` says now, not what was once declared: a late observer (one that starts
+  watching after the fact) is never told that a peer that was continued is stopped;
 * a peer whose beat has not moved for its silence threshold is ``silent`` (hung with its GIL
   held, stopped on another host, a host that vanished, a partition). The threshold adapts to
   what this rank has seen of that peer: ``max(miss_s, GAP_FACTOR x`` the longest of its last
   ``GAP_WINDOW`` gaps between beats``)``, and ``START_MISS_S`` until ``MIN_GAPS`` gaps were seen.
   On a quiet machine that is ``miss_s``; on an overloaded one (load 30 on 2 cores, an emulated
   cluster's shaped store link) healthy peers' beats arrive in bursts, and a fixed 0.6 s took a
-  busy rank 0 for a dead one and failed a healthy job;
+  busy rank 0 for a dead one and failed a healthy job. A late observer counts a peer's silence
+  from its own first look (it cannot know when the last beat was written), so a peer that went
+  quiet before it started watching is named once the threshold passes from then, and a
+  healthy peer, whose beat moves, never is;
 * the store itself unreachable for ``miss_s``: its host (rank 0, whose process hosts the
   attempt's store) is named.
 
 A loss is recorded once (:attr:`Heartbeat.lost`, with the cause and the seconds since that
-peer's last beat) and logged on stderr. Only the causes seen through ``/proc`` are certain
-(:data:`DEFINITIVE`: ``exited``, ``stopped``): for those, :meth:`Heartbeat.lost_among` lets the
-executor's wait loop (:func:`hetcomm.backends.executor.drive`) turn a routed collective waiting
-on that peer into a :class:`~hetcomm.errors.CollectiveError` naming the rank and the collective,
-instead of waiting for the group timeout. Silence (``silent``, ``store``) is a judgement: on an
-overloaded machine a healthy rank can fall quiet for seconds, so it is named (within a second on
-a quiet machine) but never fails a collective by itself (the group timeout and
-:mod:`.faults` still do), and a silent peer that beats again is taken off the list. Every survivor watches every peer, so every
-survivor names the same rank. Delegated collectives (gloo's all_reduce and friends) block inside
-gloo and still end at the group timeout (or at once when the peer's sockets close).
+peer's last beat; a ``silent`` one gives way to a certain cause found later) and logged on stderr. Only the causes seen through ``/proc`` (here or by a
+reporter) are certain (:data:`DEFINITIVE`: ``exited``, ``stopped``): for those, the listeners
+(:func:`add_listener`: the gloo rails, which release a transfer blocked on that peer inside
+gloo) are told at once, and :meth:`Heartbeat.lost_among` lets the executor's wait loop
+(:func:`hetcomm.backends.executor.drive`) and :func:`hetcomm.backends.faults.wait_watching` turn
+a collective waiting on that peer into a :class:`~hetcomm.errors.CollectiveError` naming the
+rank and the collective, instead of waiting for the group timeout. :attr:`PeerLoss.verdict` is
+the same words on every survivor whoever saw it first (no pid, no times), so every survivor's
+error reads the same. Silence (``silent``, ``store``) is a judgement: on an overloaded machine a
+healthy rank can fall quiet for seconds, so it is named (within a second on a quiet machine) but
+never fails a collective by itself (the group timeout and :mod:`.faults` still do), and a silent
+peer that beats again is taken off the list. Every survivor watches every peer, so every
+survivor names the same rank.
 
 Why by hand: torch's elastic agent checks its *workers* from the agent process (every
 ``--monitor-interval``, same host only), and torchft's heartbeats go to its lighthouse/manager
@@ -46,9 +58,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Optional, Sequence
+import weakref
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
-__all__ = ["PeerLoss", "Heartbeat", "active", "lost_definitively", "start", "start_for", "stop", "DEFINITIVE", "DEFAULT_INTERVAL_S", "DEFAULT_MISS_S"]
+__all__ = [
+    "PeerLoss", "Heartbeat", "active", "add_listener", "remove_listener", "lost_definitively", "start", "start_for",
+    "stop", "DEFINITIVE", "DEFAULT_INTERVAL_S", "DEFAULT_MISS_S",
+]
 
 #: Seconds between beats.
 DEFAULT_INTERVAL_S = 0.1
@@ -88,6 +104,35 @@ class PeerLoss:
     silent_s: float
     detected_at: float
     detail: str
+
+    @property
+    def verdict(self) -> str:
+        """The loss in words every survivor writes alike, whoever saw it first and how (no pid,
+        no times): what errors say, so that the cross-rank check keeps them identical."""
+        if self.cause == "exited":
+            return f"rank {self.rank} exited"
+        if self.cause == "stopped":
+            return f"rank {self.rank} is stopped (SIGSTOP or a debugger: state T)"
+        if self.cause == "store":
+            return f"rank {self.rank}'s store stopped answering"
+        return f"rank {self.rank} fell silent"
+
+
+def _encode_beat(n: int, stopped: Sequence[int]) -> str:
+    """A beat's value: its counter, and the peers this rank sees stopped through ``/proc``."""
+    return f"{n} stopped={','.join(map(str, sorted(stopped)))}" if stopped else str(n)
+
+
+def _decode_beat(value: bytes) -> Tuple[bytes, List[int]]:
+    """``(counter, stopped ranks)`` of a beat's value (a malformed field reads as none)."""
+    counter, _, rest = value.partition(b" ")
+    stopped: List[int] = []
+    if rest.startswith(b"stopped="):
+        try:
+            stopped = [int(x) for x in rest[len(b"stopped="):].split(b",") if x]
+        except ValueError:
+            stopped = []
+    return counter, stopped
 
 
 def _proc_state(pid: int) -> Optional[str]:
@@ -131,6 +176,8 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._beat = 0
+        #: Same-host peers ``/proc`` shows stopped at the last look (said in this rank's beat).
+        self._stopped_here: Set[int] = set()
         self._thread = threading.Thread(target=self._run, name=f"hetcomm-heartbeat-{rank}", daemon=True)
 
     def start(self) -> "Heartbeat":
@@ -161,15 +208,20 @@ class Heartbeat:
 
     def _publish(self) -> None:
         self._beat += 1
-        self.store.set(self._key(self.rank), str(self._beat))
+        self.store.set(self._key(self.rank), _encode_beat(self._beat, sorted(self._stopped_here)))
 
     def _declare(self, rank: int, cause: str, silent_s: float, detail: str) -> None:
         with self._lock:
-            if rank in self.lost:
+            # Once only; but a judgement (silent) gives way to a certainty found later (a
+            # reporter's beat saying "stopped"), which alone fails the collectives waiting on it.
+            if rank in self.lost and (self.lost[rank].cause in DEFINITIVE or cause not in DEFINITIVE):
                 return
-            self.lost[rank] = PeerLoss(rank, cause, silent_s, time.time(), detail)
+            loss = PeerLoss(rank, cause, silent_s, time.time(), detail)
+            self.lost[rank] = loss
             self.version += 1
         print(f"hetcomm heartbeat: rank {self.rank} lost peer rank {rank}: {detail}", file=sys.stderr, flush=True)
+        if cause in DEFINITIVE:
+            _tell_listeners(loss)
 
     def _run(self) -> None:
         peers = [r for r in range(self.world_size) if r != self.rank]
@@ -181,6 +233,8 @@ class Heartbeat:
         departed: set = set()
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
+            # /proc first, so that this beat already says what this rank sees stopped.
+            self._look_at_local_peers(now, started, last_change, departed)
             try:
                 self._publish()
                 seen = [r for r in peers if r in last_value and r not in departed]
@@ -192,28 +246,27 @@ class Heartbeat:
                     self._declare(self.store_host, "store", now - store_ok_at,
                                   f"the store it hosts stopped answering {now - store_ok_at:.2f} s ago ({type(e).__name__})")
                 values, seen, unseen = [], [], []
+            reported: Dict[int, int] = {}  # stopped peer -> the reporter whose moving beat says so
             for r, v in zip(seen + unseen, values):
                 if v == _BYE.encode():
                     departed.add(r)
-                elif last_value.get(r) != v:
+                    continue
+                counter, stopped = _decode_beat(v)
+                if last_value.get(r) != counter:
+                    moved = r in last_value  # a first sight is no proof that the beat is alive
                     if r in last_change:
                         gaps[r].append(now - last_change[r])
-                    last_value[r] = v
+                    last_value[r] = counter
                     last_change[r] = now
                     if r in self.lost and self.lost[r].cause not in DEFINITIVE:
                         self._revoke(r)
-            for r, pid in self.local_pids.items():
-                if r in self.lost or r in departed:
-                    continue
-                state = _proc_state(pid)
-                if state is None or state in ("Z", "X"):
-                    if self._said_bye(r):  # it shut down cleanly between the read and the look
-                        departed.add(r)
-                        continue
-                    self._declare(r, "exited", now - last_change.get(r, started), f"its process (pid {pid}) exited")
-                elif state in ("T", "t"):
-                    self._declare(r, "stopped", now - last_change.get(r, started),
-                                  f"its process (pid {pid}) is stopped (state {state})")
+                    if moved:
+                        for x in stopped:
+                            reported.setdefault(x, r)
+            for x, by in sorted(reported.items()):
+                if x != self.rank and x in gaps and not self._certain(x) and x not in departed:
+                    self._declare(x, "stopped", now - last_change.get(x, started),
+                                  f"rank {by} sees its process stopped (state T) through /proc")
             for r in peers:
                 if r in self.lost or r in departed:
                     continue
@@ -223,6 +276,32 @@ class Heartbeat:
                         self._declare(r, "silent", quiet, f"no heartbeat for {quiet:.2f} s (hung, stopped or unreachable)")
                 elif now - started > START_GRACE_S:
                     self._declare(r, "silent", now - started, f"never sent a heartbeat in {now - started:.0f} s")
+
+    def _look_at_local_peers(self, now: float, started: float, last_change: Dict[int, float], departed: set) -> None:
+        """Same-host peers through ``/proc``: declare the exited and the stopped ones, and keep
+        :attr:`_stopped_here` (what this rank's beat says) to the state seen now."""
+        stopped_now: Set[int] = set()
+        for r, pid in self.local_pids.items():
+            if r in departed:
+                continue
+            state = _proc_state(pid)
+            if state in ("T", "t"):
+                stopped_now.add(r)
+            if self._certain(r):
+                continue
+            if state is None or state in ("Z", "X"):
+                if self._said_bye(r):  # it shut down cleanly between the read and the look
+                    departed.add(r)
+                    continue
+                self._declare(r, "exited", now - last_change.get(r, started), f"its process (pid {pid}) exited")
+            elif state in ("T", "t"):
+                self._declare(r, "stopped", now - last_change.get(r, started),
+                              f"its process (pid {pid}) is stopped (state {state})")
+        self._stopped_here = stopped_now
+
+    def _certain(self, rank: int) -> bool:
+        loss = self.lost.get(rank)
+        return loss is not None and loss.cause in DEFINITIVE
 
     def _revoke(self, rank: int) -> None:
         with self._lock:
@@ -246,6 +325,45 @@ class Heartbeat:
 
 
 _active: Optional[Heartbeat] = None
+#: Called with every certain loss (:data:`DEFINITIVE`) on the heartbeat's thread; held weakly.
+_listeners: List["weakref.ReferenceType"] = []
+_listeners_lock = threading.Lock()
+
+
+def _ref(fn: Callable[[PeerLoss], None]) -> "weakref.ReferenceType":
+    return weakref.WeakMethod(fn) if hasattr(fn, "__self__") else weakref.ref(fn)
+
+
+def add_listener(fn: Callable[[PeerLoss], None]) -> None:
+    """Call ``fn(loss)`` on the heartbeat's thread for every peer found certainly lost (exited
+    or stopped), the moment it is: for waits another thread is blocked in (a gloo transfer),
+    which only the heartbeat can end. ``fn`` is held weakly (a bound method lives as long as its
+    object) and must not block. Losses already declared are told at once."""
+    with _listeners_lock:
+        _listeners.append(_ref(fn))
+    hb = _active
+    if hb is not None:
+        for loss in [x for x in list(hb.lost.values()) if x.cause in DEFINITIVE]:
+            fn(loss)
+
+
+def remove_listener(fn: Callable[[PeerLoss], None]) -> None:
+    """Stop telling ``fn`` (idempotent)."""
+    with _listeners_lock:
+        _listeners[:] = [r for r in _listeners if r() is not None and r() != fn]
+
+
+def _tell_listeners(loss: PeerLoss) -> None:
+    with _listeners_lock:
+        fns = [r() for r in _listeners]
+        _listeners[:] = [r for r, f in zip(list(_listeners), fns) if f is not None]
+    for fn in fns:
+        if fn is None:
+            continue
+        try:
+            fn(loss)
+        except Exception as e:  # noqa: BLE001 - a listener's bug must not stop the heartbeat
+            print(f"hetcomm heartbeat: a loss listener failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 #: Whether the last stopped heartbeat of the default group had seen a peer exit or stop (what
 #: the group's shutdown asks after the heartbeat is gone: :func:`lost_definitively`).
 _stopped_with_loss = False

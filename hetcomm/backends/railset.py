@@ -104,7 +104,8 @@ class RailSet:
             self.board = MetaBoard(
                 store, rank, [p.pid for p in placement.ranks], checks.meta_width(size), timeout, self.wakeup
             )
-        self.gloo_rail = GlooRail(self.gloo, rank, self.wakeup, timeout=inner_timeout)
+        global_ranks = [p.global_rank for p in placement.ranks]
+        self.gloo_rail = GlooRail(self.gloo, rank, self.wakeup, timeout=inner_timeout, global_ranks=global_ranks)
         self.striped: Optional[StripedRail] = self._make_nic_rails()
         # No reference cycles through self (see HetcommProcessGroup): the bridge holds us weakly.
         me = weakref.proxy(self)
@@ -158,7 +159,8 @@ class RailSet:
             opts._devices = [ProcessGroupGloo.create_device(interface=ifnames[k])]
             opts._timeout = self.inner_timeout
             pg = ProcessGroupGloo(PrefixStore(f"hetcomm/nic{k}/", self.store), self.rank, self.size, opts)
-            rails.append(GlooRail(pg, self.rank, self.wakeup, name=f"gloo-nic{k}", timeout=self.inner_timeout))
+            rails.append(GlooRail(pg, self.rank, self.wakeup, name=f"gloo-nic{k}", timeout=self.inner_timeout,
+                                  global_ranks=[p.global_rank for p in self.placement.ranks]))
         return StripedRail(rails, self.rank)
 
     # -- which rail -----------------------------------------------------------------------------

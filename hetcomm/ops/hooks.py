@@ -57,7 +57,7 @@ class NullCollector:
     def end_step(self, step: int, loss: float, tokens: int) -> Optional[StepRecord]:
         return None
 
-    def event(self, step: int, event: str, detail: str = "") -> None:
+    def event(self, step: int, event: str, detail: str = "", marks=None) -> None:
         pass
 
     def close(self) -> None:
@@ -79,7 +79,10 @@ def metrics_collector(cfg, rank: int, world_size: int, cluster, model: nn.Module
     )
     mc = MetricsCollector(cfg.metrics, rank, world_size, cluster, model.moe_layers, header, backend=cfg.backend)
     if start_step:
-        mc.event(start_step, "resume", resumed_from or f"from {latest_checkpoint(cfg.checkpoint_dir)}")
+        from hetcomm.ops.rank_marks import startup_marks
+
+        mc.event(start_step, "resume", resumed_from or f"from {latest_checkpoint(cfg.checkpoint_dir)}",
+                 marks=startup_marks())
     return mc
 
 

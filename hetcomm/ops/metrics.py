@@ -164,11 +164,15 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class Event:
-    """An ``event`` line: ``checkpoint`` (saved after ``step``) or ``resume`` (restarted at it)."""
+    """An ``event`` line: ``checkpoint`` (saved after ``step``) or ``resume`` (restarted at it).
+
+    ``marks``: for ``resume``, rank 0's startup marks (:func:`hetcomm.ops.rank_marks.startup_marks`:
+    phase -> unix time), from which a recovery's parts are told apart."""
 
     step: int
     event: str
     detail: str = ""
+    marks: Dict[str, float] = field(default_factory=dict)
 
 
 Entry = Union[RunHeader, StepRecord, Event]
@@ -370,10 +374,10 @@ class MetricsCollector:
         self._file.write(_to_line(entry) + "\n")
         self._file.flush()
 
-    def event(self, step: int, event: str, detail: str = "") -> None:
+    def event(self, step: int, event: str, detail: str = "", marks: Optional[Dict[str, float]] = None) -> None:
         """Write an ``event`` line (rank 0; a no-op elsewhere)."""
         if self._file is not None:
-            self._write(Event(step, event, detail))
+            self._write(Event(step, event, detail, dict(marks or {})))
 
     def start_step(self) -> None:
         self._t_step = self._t_mark = time.perf_counter()

@@ -18,7 +18,13 @@ killed while the others were still importing torch leaves them unmarked too: the
 that it cannot tell them apart).
 
 Files are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600, so a planted link or file
-is never written through.
+is never written through. A mark file's modification time is when the rank ended (what
+``benchmarks/snapshot_kill.py`` reads for the "notice" and "stop" parts of a recovery).
+
+**Startup marks** (:func:`startup`, :func:`startup_marks`): the unix time this process reached
+each phase of a training start (:data:`STARTUP_PHASES`: process start, imports done, group
+joined, model built, state restored), carried by the ``resume`` metrics event so that a
+recovery's time can be split into its parts without timing anything twice.
 """
 
 from __future__ import annotations
@@ -26,11 +32,50 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-__all__ = ["RankMark", "write_mark", "read_marks", "culprits", "describe", "install_stop_mark", "marked", "last_attempt", "clear_marks"]
+__all__ = [
+    "RankMark", "write_mark", "read_marks", "culprits", "describe", "install_stop_mark", "marked", "last_attempt",
+    "clear_marks", "mark_times", "STARTUP_PHASES", "startup", "startup_marks", "process_start_time",
+]
+
+#: The phases of a training start, in order (:func:`startup_marks`).
+STARTUP_PHASES = ("process", "imports", "group", "model", "restore")
+_startup: Dict[str, float] = {}
+
+
+def process_start_time(pid: str = "self") -> Optional[float]:
+    """The unix time process ``pid`` started (``/proc``: boot time + its start in clock ticks),
+    or None where ``/proc`` cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        with open("/proc/stat", "rb") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def startup(phase: str) -> None:
+    """Mark that this process reached ``phase`` (one of :data:`STARTUP_PHASES`) now; the first
+    mark of a phase wins."""
+    assert phase in STARTUP_PHASES, phase
+    _startup.setdefault(phase, time.time())
+
+
+def startup_marks() -> Dict[str, float]:
+    """``{phase: unix time}`` of this process's start so far (``process`` from ``/proc``)."""
+    out: Dict[str, float] = {}
+    start = process_start_time()
+    if start is not None:
+        out["process"] = start
+    out.update(_startup)
+    return out
+
 
 _MAX_MARK_BYTES = 64 << 10
 
@@ -61,6 +106,17 @@ def write_mark(work_dir: str, phase: str, attempt: int, rank: int, status: str, 
         return  # already marked, or no launch directory: the mark is advisory
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(body)
+
+
+def mark_times(work_dir: str, phase: str, attempt: int, world_size: int) -> Dict[int, float]:
+    """When each rank of one attempt left its end mark (the file's modification time), by rank."""
+    out: Dict[int, float] = {}
+    for r in range(world_size):
+        try:
+            out[r] = os.lstat(_path(work_dir, phase, attempt, r)).st_mtime
+        except OSError:
+            continue
+    return out
 
 
 def read_marks(work_dir: str, phase: str, attempt: int, world_size: int) -> Dict[int, RankMark]:

@@ -318,6 +318,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> int:
     """Train on this rank; rank 0 prints progress and the summary. Returns the job's exit code."""
     import hetcomm  # noqa: F401  (registers the backend)
     from hetcomm.moe import MoELayer
+    from hetcomm.ops import rank_marks
 
     torch.set_num_threads(1)  # ranks share the machine's cores; more threads only contend
     # Parsed once on this rank; the backend gets the object as an explicit option, which beats a
@@ -328,10 +329,12 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> int:
         from hetcomm.backends.options import HetcommOptions
 
         pg_options = HetcommOptions(cluster=cluster)
+    rank_marks.startup("imports")  # startup marks: the parts of a recovery (the resume event)
     dist.init_process_group(
         cfg.backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s),
         pg_options=pg_options,
     )
+    rank_marks.startup("group")
     try:
         return _train(rank, world_size, cfg, MoELayer, cluster)
     finally:
@@ -427,7 +430,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
 
     import hetcomm
 
-    from hetcomm.ops import hooks
+    from hetcomm.ops import hooks, rank_marks
 
     # --balance / --powersgd (hetcomm.train.balance): their state is checkpointed with the model.
     from hetcomm.train.balance import ReplicaPowerSGD, TrainBalancer, make_powersgd
@@ -467,8 +470,10 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         from hetcomm.ops.checkpoint import PerRank
 
         extras["powersgd_experts"] = PerRank(ReplicaPowerSGD(model), rank)
+    rank_marks.startup("model")
     snap = hooks.snapshotter(cfg, rank, world_size, cluster)  # in-memory snapshots (hetcomm.ops.snapshot)
     start_step, resumed_from = hooks.restore(cfg, model, opt, gen, extras or None, snap)  # memory, else disk
+    rank_marks.startup("restore")
     if start_step >= cfg.steps:  # nothing left to train: report the recorded verdict, not a fresh one
         return hooks.nothing_to_train(cfg, rank, start_step)
     if balancer is not None and start_step:

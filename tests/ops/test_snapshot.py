@@ -156,6 +156,12 @@ def test_kill_one_rank_restores_from_memory_loses_at_most_one_step(tmp_path, dem
     resumes = [e for e in log.events if e.event == "resume"]
     assert len(resumes) == 1 and resumes[0].detail.startswith("from memory"), ([e.detail for e in resumes], out[-3000:])
     assert "ranks 2 from peer copies" in resumes[0].detail, resumes[0].detail
+    # Rank 0's startup marks of the restarted process, in order (benchmarks/snapshot_kill.py's parts).
+    from hetcomm.ops.rank_marks import STARTUP_PHASES
+
+    marks = resumes[0].marks
+    assert list(marks) == list(STARTUP_PHASES), marks
+    assert all(marks[a] <= marks[b] for a, b in zip(STARTUP_PHASES, STARTUP_PHASES[1:])), marks
     at = resumes[0].step
     seq = [s.step for s in log.all_steps]  # the first attempt's steps, then the restored one's
     cut = next((i for i in range(1, len(seq)) if seq[i] <= seq[i - 1]), None)
@@ -208,3 +214,27 @@ def test_pack_round_trip_keeps_dtype_shape_and_bytes():
     for k, v in t.items():
         got = out["tensors"][k]
         assert got.dtype == v.dtype and got.shape == v.shape and torch.equal(got, v), k
+
+
+def test_recovery_parts_add_up_from_the_end_marks_and_the_startup_marks(tmp_path):
+    # benchmarks/snapshot_kill.py's split of a recovery: the end marks' times (rank_marks.mark_times)
+    # and the resume event's startup marks; the parts add up to the recovery, None where unknown.
+    import importlib.util
+
+    from hetcomm.ops.rank_marks import mark_times, write_mark
+
+    spec = importlib.util.spec_from_file_location("snapshot_kill", os.path.join(REPO, "benchmarks", "snapshot_kill.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for r, (status, t) in enumerate([("failed", 101.0), ("failed", 101.5), ("stopped", 102.0)]):
+        write_mark(str(tmp_path), "job", 0, r, status)
+        os.utime(tmp_path / f"job-0-rank{r}.json", (t, t))
+    ended = mark_times(str(tmp_path), "job", 0, 4)
+    assert ended == {0: 101.0, 1: 101.5, 2: 102.0}  # rank 3 (killed) left none
+    marks = {"process": 105.0, "imports": 110.0, "group": 111.0, "model": 113.0, "restore": 113.5}
+    parts = bench.recovery_parts(100.0, 114.0, marks, ended)
+    assert parts == {"notice": 1.0, "stop": 1.0, "rendezvous_spawn": 3.0, "imports": 5.0, "group_init": 1.0,
+                     "model_build": 2.0, "restore": 0.5, "first_step": 0.5}
+    assert sum(parts.values()) == 14.0
+    partial = bench.recovery_parts(100.0, 114.0, {}, ended)
+    assert partial["rendezvous_spawn"] is None and partial["first_step"] is None and partial["stop"] == 1.0

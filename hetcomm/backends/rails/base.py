@@ -66,6 +66,7 @@ class RailOp(abc.ABC):
         progressed: set by :meth:`poll`: whether the last call moved anything.
         arrived_xfers: receives that landed during the last polls and were not yet taken by
             :meth:`take_arrivals` (ops that cannot report single chunks leave it empty).
+        abandoned: the error the step was abandoned with (:meth:`abandon`), else None.
     """
 
     rail: str = "?"
@@ -73,6 +74,7 @@ class RailOp(abc.ABC):
     can_block: bool = False
     progressed: bool = False
     arrived_xfers: Sequence[Xfer] = ()
+    abandoned: Optional[CollectiveError] = None
 
     @abc.abstractmethod
     def poll(self) -> bool:
@@ -99,6 +101,14 @@ class RailOp(abc.ABC):
         if got:
             self.arrived_xfers = []
         return got
+
+    def abandon(self, error: CollectiveError) -> None:
+        """End the step with ``error`` (a peer it waits for is certainly lost: the heartbeat saw
+        it exit or stop). May be called from another thread while one waits in :meth:`block`:
+        a rail whose waits only another thread can end (gloo) releases them here; afterwards
+        :meth:`poll` raises ``error``. The default records it (polled rails never block)."""
+        if self.abandoned is None:
+            self.abandoned = error
 
 
 class CompositeOp(RailOp):
@@ -127,10 +137,14 @@ class CompositeOp(RailOp):
         self.arrived_xfers: List[Xfer] = []
 
     def poll(self) -> bool:
+        if self.abandoned is not None:
+            raise self.abandoned
         still: List[RailOp] = []
         progressed = False
         for o in self.ops:
             try:
+                if o.abandoned is not None:
+                    raise o.abandoned
                 done = o.poll()
             except CollectiveError as e:
                 if self.on_error is None:
@@ -153,7 +167,16 @@ class CompositeOp(RailOp):
     def block(self) -> None:
         """Wait in this thread for every sub-step (all thread-driven)."""
         for o in self.ops:
+            if self.abandoned is not None or o.abandoned is not None:
+                return
             o.block()
+
+    def abandon(self, error: CollectiveError) -> None:
+        """Abandon every sub-step (see :meth:`RailOp.abandon`)."""
+        if self.abandoned is None:
+            self.abandoned = error
+        for o in list(self.ops):
+            o.abandon(error)
 
     def pending_peers(self) -> List[int]:
         return sorted({p for o in self.ops for p in o.pending_peers()})

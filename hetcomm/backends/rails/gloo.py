@@ -6,6 +6,18 @@ gloo p2p Work reports ``is_completed() == False`` until someone calls ``wait()``
 no future), so the rail keeps one waiter thread per peer that waits on that peer's Works in
 posting order and flags each as done or failed; ``poll`` reads the flags. gloo enforces the
 group timeout on each wait itself.
+
+A peer stopped (SIGSTOP, a debugger) keeps its sockets open, so a wait on it inside gloo would
+last the whole group timeout, and only another thread can end it: the rail listens to the
+heartbeat (:func:`hetcomm.backends.heartbeat.add_listener`), and when a peer with a transfer in
+flight is certainly lost it abandons that step (:meth:`_GlooOp.abandon`) and *releases* the
+waits: a 1-byte receive from that peer waited on for 1 ms. gloo's TCP transport answers a
+receive that times out by failing its whole context (every pair, every pending operation: its
+``UnboundBuffer::waitRecv`` signals the exception to the context), so every wait of this gloo
+group returns at once with an error, and the step raises the heartbeat's error naming the peer,
+the rail and the collective instead. The group is unusable afterwards, which costs nothing: the
+process is failing (a lost peer ends the job's attempt) and destroys the group next. torch has
+no other way to end a gloo wait from Python (``Work`` has no ``abort``).
 """
 
 from __future__ import annotations
@@ -13,19 +25,38 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from hetcomm.backends.rails.base import Rail, RailOp, Xfer, as_bytes
 from hetcomm.backends.stats import record as _record
+from hetcomm.backends import heartbeat
 from hetcomm.errors import CollectiveError, PeerTimeout
 
-__all__ = ["GlooRail"]
+if TYPE_CHECKING:
+    from hetcomm.backends.heartbeat import PeerLoss
+
+__all__ = ["GlooRail", "RELEASE_TAG", "release_gloo"]
+
+#: The tag of the 1-byte receive that releases a gloo group's waits (never a transfer's tag:
+#: the executor's start at 2**30, users' are below; this one is the top of the positive range).
+RELEASE_TAG = (1 << 31) - 1
 
 
 _claim_lock = threading.Lock()
+
+
+def release_gloo(gloo: "torch.distributed.ProcessGroup", peer: int) -> None:
+    """End every wait of the gloo group ``gloo`` now: a 1-byte receive from ``peer`` waited on
+    for 1 ms, whose timeout fails gloo's whole context (module docstring). The group is
+    unusable afterwards: only for a peer certainly lost, in a process that is failing."""
+    try:
+        gloo.recv([torch.empty(1, dtype=torch.uint8)], peer, RELEASE_TAG).wait(timedelta(milliseconds=1))
+    except Exception:  # noqa: BLE001 - the timeout is the point; a broken pair is as good
+        pass
 
 
 class _Pending:
@@ -74,12 +105,15 @@ class _Pending:
 class _GlooOp(RailOp):
     can_block = True
 
-    def __init__(self, rank: int, items: List[_Pending], op: str, name: str, timeout_s: float):
+    def __init__(self, rank: int, items: List[_Pending], op: str, name: str, timeout_s: float,
+                 seq: int = 0, release: Optional[Callable[[int], None]] = None):
         self.rank = rank
         self.items = items
         self.op = op
+        self.seq = seq
         self.rail = name
         self.timeout_s = timeout_s
+        self._release = release
         self.t0 = time.perf_counter()
         self.progressed = False
         self.arrived_xfers: List[Xfer] = []
@@ -92,10 +126,26 @@ class _GlooOp(RailOp):
         waiter threads. gloo bounds each wait by the group timeout.
         """
         for it in self.items:
+            if self.abandoned is not None:
+                return
             if not it.done:
                 it.wait_once()
 
+    def abandon(self, error: CollectiveError) -> None:
+        """End the step with ``error`` and release the gloo waits (module docstring)."""
+        if self.abandoned is not None:
+            return
+        self.abandoned = error
+        if self._release is not None and error.peer is not None:
+            self._release(error.peer)
+
+    def waits_on(self, peer: int) -> bool:
+        """Whether a transfer with ``peer`` is still in flight (read on the heartbeat's thread)."""
+        return any(it.peer == peer and not it.done for it in list(self.items))
+
     def poll(self) -> bool:
+        if self.abandoned is not None:
+            raise self.abandoned
         still = []
         for it in self.items:
             if not it.done:
@@ -145,6 +195,8 @@ class GlooRail(Rail):
         wakeup: set when a transfer completes (the executor may sleep on it).
         name: the rail's name in errors and ``hetcomm.stats()`` (``gloo``; ``gloo-nic<k>`` for
             the group bound to port ``k``).
+        global_ranks: the default-group rank of each rank of ``gloo`` (the heartbeat's ranks);
+            None: the same numbers.
     """
 
     name = "gloo"
@@ -156,6 +208,7 @@ class GlooRail(Rail):
         wakeup: Optional[threading.Event] = None,
         name: str = "gloo",
         timeout: Optional[timedelta] = None,
+        global_ranks: Optional[Sequence[int]] = None,
     ):
         self.gloo = gloo
         self.name = name
@@ -166,6 +219,11 @@ class GlooRail(Rail):
         self._waiters: Dict[int, "queue.Queue"] = {}
         self._threads: List[threading.Thread] = []
         self._lock = threading.Lock()
+        self._group_rank = {g: r for r, g in enumerate(global_ranks)} if global_ranks is not None else None
+        #: Steps in flight (for the heartbeat's listener); an op leaves when it is dropped.
+        self._ops: "weakref.WeakSet[_GlooOp]" = weakref.WeakSet()
+        self._released = False
+        heartbeat.add_listener(self._on_loss)
 
     def _waiter(self, peer: int) -> "queue.Queue":
         q = self._waiters.get(peer)
@@ -212,21 +270,46 @@ class GlooRail(Rail):
             post(x, True)
         for it in items:
             self._waiter(it.peer).put(it)
-        return _GlooOp(self.rank, items, op, self.name, self.timeout_s)
+        out = _GlooOp(self.rank, items, op, self.name, self.timeout_s, seq, self._release)
+        with self._lock:
+            self._ops.add(out)
+        return out
+
+    def _on_loss(self, loss: "PeerLoss") -> None:
+        """The heartbeat's listener: abandon the steps waiting on a peer certainly lost (exited
+        or stopped), with the error every survivor raises for it (:func:`~hetcomm.backends.faults.loss_error`)."""
+        from hetcomm.backends.faults import loss_error
+
+        peer = loss.rank if self._group_rank is None else self._group_rank.get(loss.rank)
+        if peer is None or peer == self.rank:
+            return
+        with self._lock:
+            ops = [o for o in list(self._ops) if o.abandoned is None and o.waits_on(peer)]
+        for o in ops:
+            o.abandon(loss_error(loss, peer=peer, seq=o.seq, op=o.op, rank=self.rank, rail=self.name))
+
+    def _release(self, peer: int) -> None:
+        """End every wait of this gloo group now (once): a 1-byte receive from ``peer`` waited
+        on for 1 ms fails the gloo context (module docstring)."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        release_gloo(self.gloo, peer)
+        self.wakeup.set()
 
     def close(self) -> None:
         """Stop the waiter threads and join them (each ends within gloo's timeout: a thread
         still waiting on a Work returns when gloo fails that wait)."""
+        heartbeat.remove_listener(self._on_loss)
         with self._lock:
             queues, threads = list(self._waiters.values()), self._threads
             self._waiters, self._threads = {}, []
         for q in queues:
             q.put(None)
-        # A peer the heartbeat saw stop or exit may hold a waiter in gloo until gloo's timeout:
-        # a failing process would sit here that long before it exits and torchrun can restart
-        # the job. Then the (daemon) threads get a second each and are left behind.
-        from hetcomm.backends import heartbeat
-
+        # A peer the heartbeat saw stop or exit may hold a waiter in gloo until gloo's timeout
+        # (a wait not released above): a failing process would sit here that long before it
+        # exits and torchrun can restart the job. Then the (daemon) threads get a second each.
         lost = heartbeat.lost_definitively()
         for t in threads:
             if t is not threading.current_thread():

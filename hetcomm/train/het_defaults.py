@@ -34,13 +34,16 @@ import torch.distributed as dist
 
 from hetcomm.train.rank_time import LayerCpuTimer, RankClock
 
-__all__ = ["SPEED_SPREAD", "cluster_is_mixed", "token_split_default", "speeds_differ",
+__all__ = ["SPEED_SPREAD", "NOISE_SIGMAS", "cluster_is_mixed", "token_split_default", "speeds_differ",
            "BatchSplit", "BATCH_MIN_GAIN", "MoETimeTracker", "resolve_chunks", "measure_chunks", "CHUNK_CANDIDATES"]
 
 #: Datasheet speeds further apart than this (max / min - 1) make a cluster "mixed".
 SPEED_SPREAD = 0.10
 #: A batch re-deal must shorten the step by this fraction of it (:meth:`BatchSplit.plan`).
 BATCH_MIN_GAIN = 0.03
+#: A per-sequence speed difference counts only beyond this many standard deviations of the
+#: noisiest rank's estimate (:meth:`BatchSplit.noise`).
+NOISE_SIGMAS = 3.0
 #: Forward + backward seconds per forward second of the dense part.
 FWD_BWD = 3.0
 
@@ -90,13 +93,14 @@ class BatchSplit:
       replica and gradient syncs' copies, the optimizer): ~87% of the step on the emulated
       half-speed cluster, which is why a speed-proportional deal overshoots.
 
-    EMAs (``alpha``) of each; every ``every`` observed steps one all-reduce of a ``[W, 6]``
+    EMAs (``alpha``) of each; every ``every`` steps one all-reduce of a ``[W, 7]``
     float64 table (:data:`TABLE_COLUMNS`; each rank fills its row, so the sum is exact) gives
     every rank the same numbers, and :meth:`plan` deals the ``W * batch_size`` sequences so the
     predicted max busy is minimal (at least one each). Gates, so that equal ranks never re-deal:
 
     1. only when the per-sequence speeds ``1 / per_seq`` differ by more than
-       :data:`SPEED_SPREAD` (ranks that differ only in fixed work -- a replica holder and a
+       :data:`SPEED_SPREAD` and by more than :data:`NOISE_SIGMAS` standard deviations of the
+       noisiest rank's estimate (the ``per_seq_noise`` column; ranks that differ only in fixed work -- a replica holder and a
        weak rank on equal CPUs -- do that work in other phases of the step, between other
        collectives, so moving sequences would not shorten it: on the plain demo such a deal
        passed the gain gate and cost throughput);
@@ -111,7 +115,7 @@ class BatchSplit:
     """
 
     #: Columns of the agreed table, one row per rank.
-    TABLE_COLUMNS = ("busy_s", "fixed_s", "per_seq_s", "num_seqs", "steps", "step_s")
+    TABLE_COLUMNS = ("busy_s", "fixed_s", "per_seq_s", "num_seqs", "steps", "step_s", "per_seq_noise")
 
     def __init__(self, batch_size: int, world_size: int, rank: int, *, enabled: bool = True,
                  every: int = 10, alpha: float = 0.8, fixed_speeds: Optional[Sequence[float]] = None,
@@ -122,13 +126,15 @@ class BatchSplit:
         self.sizes: List[int] = [batch_size] * world_size
         #: ``[W]`` sequences/s (``1 / per_seq``) of the last agreement, or the datasheet's.
         self.speeds: Optional[List[float]] = None
-        #: The last agreed table (``[W][6]``, :data:`TABLE_COLUMNS`), or None.
+        #: The last agreed table (``[W][7]``, :data:`TABLE_COLUMNS`), or None.
         self.table: Optional[List[List[float]]] = None
         self.changes = 0
         self.agreements = 0
         self._ema = [0.0, 0.0, 0.0]  # busy_s, fixed_s, per_seq_s
+        self._sq = 0.0  # EMA of per_seq_s squared: the noise of the estimate
         self._step_s = 0.0
-        self._steps = 0
+        self._steps = 0  # steps observed (measured)
+        self._calls = 0  # steps ended (maybe_agree calls): the agreement's schedule
         self.last_gain_s = 0.0
         self._last: Optional[Tuple[List[int], bool]] = None  # the previous agreement's (proposal, passed)
         self.clock = clock
@@ -184,6 +190,7 @@ class BatchSplit:
         step = [busy_s, max(0.0, busy_s - self.mine * per_seq), per_seq]
         a = self.alpha if self._steps else 0.0
         self._ema = [a * old + (1 - a) * new for old, new in zip(self._ema, step)]
+        self._sq = a * self._sq + (1 - a) * per_seq * per_seq
         self._steps += 1
 
     def _observe_clock(self) -> None:
@@ -209,16 +216,20 @@ class BatchSplit:
         self._observe_clock()
         a = self.alpha if self._step_s else 0.0
         self._step_s = a * self._step_s + (1 - a) * step_seconds
-        if self._steps == 0 or self._steps % self.every:
+        # The collective's schedule counts steps, never what a rank managed to measure: every
+        # rank must reach the all-reduce at the same step (a rank with nothing measured sends
+        # steps = 0 in its row and nothing is dealt).
+        self._calls += 1
+        if self._calls % self.every:
             return False
         return self.agree()
 
     def agree(self) -> bool:
-        """One all-reduce of the ``[W, 6]`` table (:data:`TABLE_COLUMNS`), then :meth:`plan` and
+        """One all-reduce of the ``[W, 7]`` table (:data:`TABLE_COLUMNS`), then :meth:`plan` and
         :meth:`adopt` on the identical numbers. Returns True when the split changed."""
         table = torch.zeros(self.world_size, len(self.TABLE_COLUMNS), dtype=torch.float64)  # host: scalars
-        table[self.rank] = torch.tensor([*self._ema, float(self.mine), float(self._steps), self._step_s],
-                                        dtype=torch.float64)  # host
+        table[self.rank] = torch.tensor([*self._ema, float(self.mine), float(self._steps), self._step_s,
+                                         self.noise()], dtype=torch.float64)  # host
         if dist.is_initialized():
             dist.all_reduce(table)  # exact: each entry is one rank's number plus zeros
         rows = table.tolist()
@@ -230,7 +241,8 @@ class BatchSplit:
         fixed = [r[1] for r in rows]
         self.speeds = [1.0 / p for p in per_seq]
         step_s = sum(r[5] for r in rows) / self.world_size
-        proposal, self.last_gain_s, passed = self.plan(self.total, self.sizes, per_seq, fixed, step_s)
+        proposal, self.last_gain_s, passed = self.plan(self.total, self.sizes, per_seq, fixed, step_s,
+                                                       noise=[r[6] for r in rows])
         return self.adopt(proposal, passed)
 
     def adopt(self, proposal: List[int], passed: bool = True) -> bool:
@@ -262,16 +274,28 @@ class BatchSplit:
             heapq.heappush(heap, (fixed_s[r] + (sizes[r] + 1) * per_seq_s[r], r))
         return sizes
 
+    def noise(self) -> float:
+        """Relative standard deviation of this rank's ``per_seq`` EMA: the per-step spread
+        scaled by the EMA's ``sqrt((1 - alpha) / (1 + alpha))``."""
+        mean = self._ema[2]
+        if mean <= 0 or self._steps < 2:
+            return 0.0
+        var = max(0.0, self._sq - mean * mean) * (1 - self.alpha) / (1 + self.alpha)
+        return var ** 0.5 / mean
+
     @staticmethod
     def plan(total: int, sizes: Sequence[int], per_seq_s: Sequence[float], fixed_s: Sequence[float],
-             step_s: float) -> Tuple[List[int], float, bool]:
+             step_s: float, noise: Optional[Sequence[float]] = None) -> Tuple[List[int], float, bool]:
         """``(proposal, predicted gain in s/step, passed)``: the deal minimising the predicted max
         busy (:meth:`deal`) when the per-sequence speeds differ by more than
-        :data:`SPEED_SPREAD`, else equal batches; ``passed`` when it differs from ``sizes`` and
-        shortens the predicted max busy by more than :data:`BATCH_MIN_GAIN` of the step
-        (``step_s``). Otherwise the proposal is ``sizes``."""
+        :data:`SPEED_SPREAD` and by more than :data:`NOISE_SIGMAS` x the noisiest rank's
+        relative ``noise`` (its estimate's standard deviation), else equal batches; ``passed``
+        when it differs from ``sizes`` and shortens the predicted max busy by more than
+        :data:`BATCH_MIN_GAIN` of the step (``step_s``). Otherwise the proposal is ``sizes``."""
         W = len(per_seq_s)
-        if speeds_differ([1.0 / p for p in per_seq_s]):
+        speeds = [1.0 / p for p in per_seq_s]
+        spread = max(speeds) / min(speeds) - 1
+        if speeds_differ(speeds) and spread > NOISE_SIGMAS * max(noise or [0.0]):
             new = BatchSplit.deal(total, per_seq_s, fixed_s)
         else:
             new = [total // W + (1 if r < total % W else 0) for r in range(W)]
@@ -294,18 +318,19 @@ class BatchSplit:
             return f"sequences per rank {self.sizes} (of {self.total}); no agreement yet"
         col = lambda i, scale=1e3: "/".join(f"{r[i] * scale:.1f}" for r in self.table)  # noqa: E731
         return (f"sequences per rank {self.sizes} (of {self.total}); busy {col(0)} ms/step, fixed {col(1)}, "
-                f"per sequence {col(2)} ms; {self.changes} re-deals in {self.agreements} agreements (last "
+                f"per sequence {col(2)} ms (noise {col(6, 100)}%); {self.changes} re-deals in {self.agreements} agreements (last "
                 f"predicted gain {self.last_gain_s * 1e3:.1f} ms/step)")
 
     def state_dict(self) -> Dict[str, Any]:
         return {"sizes": torch.tensor(self.sizes, dtype=torch.int64),
-                "ema": torch.tensor([*self._ema, float(self._steps), self._step_s], dtype=torch.float64)}
+                "ema": torch.tensor([*self._ema, float(self._steps), self._step_s, float(self._calls), self._sq],
+                                    dtype=torch.float64)}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         self.sizes = [int(v) for v in sd["sizes"].tolist()]
-        busy, fixed, per_seq, steps, self._step_s = sd["ema"].tolist()
+        busy, fixed, per_seq, steps, self._step_s, calls, self._sq = sd["ema"].tolist()
         self._ema = [busy, fixed, per_seq]
-        self._steps = int(steps)
+        self._steps, self._calls = int(steps), int(calls)
 
 
 def resolve_chunks(chunks: Union[int, str], device: torch.device) -> Tuple[Optional[int], str]:

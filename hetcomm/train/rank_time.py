@@ -15,8 +15,8 @@ Time blocked in a collective's wait (a futex, a sleep) is in neither. The hetcom
 wait loop yields and sleeps in short steps (:func:`hetcomm.backends.executor.drive`), and each
 wake-up costs a little ``run`` and, on a loaded host, some ``ready``; so:
 
-- :class:`RankClock` reads ``(run, ready)`` of this thread (``time.thread_time`` when there
-  is no schedstat: ``run`` only);
+- :class:`RankClock` reads ``(run, ready)`` of this thread (``run`` from the thread CPU clock,
+  which schedstat's run field lags by up to a scheduler tick; ``ready`` 0 without schedstat);
 - :class:`LayerCpuTimer` accumulates ``(run, ready)`` inside chosen modules' forwards (hooks),
   e.g. the MoE layers, so the model's forward minus them is the dense compute, which holds no
   collective: ``dilation = (run + ready) / run`` there is this rank's wall seconds per CPU
@@ -47,10 +47,10 @@ SCHEDSTAT = "/proc/thread-self/schedstat"
 class RankClock:
     """``(run_s, ready_s)`` of the thread that created it, monotonic.
 
-    Reads ``/proc/thread-self/schedstat`` (``/proc/self/task/TID/schedstat`` on kernels without
-    ``thread-self``) through a descriptor opened once: ~1 us a read. Without schedstat (other
-    systems, a kernel built without ``CONFIG_SCHEDSTATS``) ``run_s`` is ``time.thread_time()``
-    and ``ready_s`` stays 0, so the dilation is 1 (CPU time only).
+    ``run_s`` from ``time.thread_time()``; ``ready_s`` from ``/proc/thread-self/schedstat``
+    (``/proc/self/task/TID/schedstat`` on kernels without ``thread-self``) through a descriptor
+    opened once: ~1 us a read. Without schedstat (other systems, a kernel built without
+    ``CONFIG_SCHEDSTATS``) ``ready_s`` stays 0, so the dilation is 1 (CPU time only).
 
     Args:
         path: the schedstat file (tests pass a fake one).
@@ -72,20 +72,23 @@ class RankClock:
         self.source = "schedstat" if self._fd is not None else "thread_time"
 
     @staticmethod
-    def _parse(fd: int) -> Optional[Tuple[float, float]]:
+    def _parse(fd: int) -> Optional[float]:
         try:
             parts = os.pread(fd, 128, 0).split()
-            return int(parts[0]) / 1e9, int(parts[1]) / 1e9
+            int(parts[0])
+            return int(parts[1]) / 1e9
         except (OSError, ValueError, IndexError):
             return None
 
     def read(self) -> Tuple[float, float]:
-        """``(run_s, ready_s)`` so far (of the creating thread, whichever thread asks)."""
-        if self._fd is not None:
-            got = self._parse(self._fd)
-            if got is not None:
-                return got
-        return time.thread_time(), 0.0
+        """``(run_s, ready_s)`` so far; call it on the thread it measures (the creating one).
+
+        ``run_s`` is ``time.thread_time()``: schedstat's run field is brought up to date only at
+        scheduler ticks and switches (4 ms steps at 250 Hz; a short section reads 0), the
+        thread CPU clock includes the running slice. ``ready_s`` is schedstat's: a thread that
+        reads it is running, so every wait for a CPU it had is already added."""
+        ready = self._parse(self._fd) if self._fd is not None else None
+        return time.thread_time(), (ready or 0.0)
 
     def close(self) -> None:
         if self._fd is not None:

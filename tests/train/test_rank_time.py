@@ -37,7 +37,7 @@ def test_clock_falls_back_without_schedstat(tmp_path):
     assert clock.source == "thread_time" and clock.read()[1] == 0.0
     good = tmp_path / "good"
     good.write_text("2500000000 500000000 7\n")
-    assert RankClock(str(good)).read() == (2.5, 0.5)
+    assert RankClock(str(good)).read()[1] == 0.5  # ready from schedstat, run from the thread CPU clock
 
 
 def test_layer_timer_times_only_its_modules():

@@ -107,7 +107,10 @@ class BatchSplit:
     2. only when the predicted max busy drops by more than :data:`BATCH_MIN_GAIN` of the step;
     3. only when the previous agreement passed both gates too and proposed the same deal
        within one sequence per rank (noise between equal ranks proposes a different deal each
-       time).
+       time);
+    4. a deal is a trial: the next agreement keeps it only when the group's measured wall step
+       got shorter, else it is reverted and proposals wait ``2 ** reverts`` agreements
+       (:meth:`judge`).
 
     The total, and so tokens per step, never changes. Exact in expectation: rank ``r``'s mean
     loss is scaled by ``W * b_r / sum(b)`` (:meth:`loss_scale`), so after the usual ``1 / W``
@@ -130,6 +133,9 @@ class BatchSplit:
         self.table: Optional[List[List[float]]] = None
         self.changes = 0
         self.agreements = 0
+        self.reverts = 0  # deals taken back by :meth:`judge`
+        self._trial: Optional[Tuple[float, List[int]]] = None  # (step_s before, sizes before) of the last deal
+        self._hold = 0  # agreements to wait before the next proposal
         self._ema = [0.0, 0.0, 0.0]  # busy_s, fixed_s, per_seq_s
         self._sq = 0.0  # EMA of per_seq_s squared: the noise of the estimate
         self._step_s = 0.0
@@ -241,9 +247,37 @@ class BatchSplit:
         fixed = [r[1] for r in rows]
         self.speeds = [1.0 / p for p in per_seq]
         step_s = sum(r[5] for r in rows) / self.world_size
+        if self.judge(step_s):
+            return True  # the last deal did not make the step faster: reverted
+        if self._hold > 0:
+            self._hold -= 1
+            return False
         proposal, self.last_gain_s, passed = self.plan(self.total, self.sizes, per_seq, fixed, step_s,
                                                        noise=[r[6] for r in rows])
-        return self.adopt(proposal, passed)
+        before = list(self.sizes)
+        if self.adopt(proposal, passed):
+            self._trial = (step_s, before)
+            return True
+        return False
+
+    def judge(self, step_s: float) -> bool:
+        """Close the loop on measured time: the agreement after a re-deal compares the group's
+        wall step (``step_s``, the mean of the ranks' EMAs: identical on every rank) with the
+        one before it; a deal that did not make it faster is reverted, and the next proposal
+        waits ``2 ** reverts`` agreements (on an oversubscribed host a rank's busy time carries
+        contention that depends on the phase it computes in, so a prediction can pass every
+        gate and still be wrong). Returns True when it reverted."""
+        if self._trial is None:
+            return False
+        before_s, old_sizes = self._trial
+        self._trial = None
+        if step_s < before_s:
+            return False
+        self.sizes = old_sizes
+        self.reverts += 1
+        self._hold = 2 ** self.reverts
+        self._last = None
+        return True
 
     def adopt(self, proposal: List[int], passed: bool = True) -> bool:
         """Take ``proposal`` when this agreement and the previous one both passed the gates and
@@ -318,7 +352,7 @@ class BatchSplit:
             return f"sequences per rank {self.sizes} (of {self.total}); no agreement yet"
         col = lambda i, scale=1e3: "/".join(f"{r[i] * scale:.1f}" for r in self.table)  # noqa: E731
         return (f"sequences per rank {self.sizes} (of {self.total}); busy {col(0)} ms/step, fixed {col(1)}, "
-                f"per sequence {col(2)} ms (noise {col(6, 100)}%); {self.changes} re-deals in {self.agreements} agreements (last "
+                f"per sequence {col(2)} ms (noise {col(6, 100)}%); {self.changes} re-deals ({self.reverts} reverted, not faster) in {self.agreements} agreements (last "
                 f"predicted gain {self.last_gain_s * 1e3:.1f} ms/step)")
 
     def state_dict(self) -> Dict[str, Any]:

@@ -154,7 +154,7 @@ def test_batch_split_agrees_the_table_single_process():
     assert noise == pytest.approx(0.0, abs=1e-6)  # the same every step
     assert busy == pytest.approx(0.2) and per_seq == pytest.approx(3 * 0.04 / 16)
     assert fixed == pytest.approx(0.2 - 0.12) and (num_seqs, steps, step_s) == (16, 2, 1.0)
-    assert "re-deals in 1 agreements" in split.summary()
+    assert "in 1 agreements" in split.summary()
     # a rank that measured nothing (a 0 s dense section) still reaches the all-reduce at the
     # same step as the others: the schedule counts steps, not measurements
     idle = BatchSplit(16, 4, 1, clock=Clock(), every=2)
@@ -205,3 +205,14 @@ def test_compute_bound_config_loads():
 
     cfg = load_train_config(os.path.join(REPO, "configs", "train", "compute-bound.yaml"))
     assert cfg.hidden_dim > 4 * cfg.model_dim and os.path.exists(cfg.cluster)
+
+
+def test_batch_split_reverts_a_deal_that_did_not_make_the_step_faster():
+    split = BatchSplit(16, 4, 0)
+    deal = [18, 18, 18, 10]
+    split._trial = (0.5, [16] * 4)  # as after adopting a deal at a 0.5 s step
+    split.sizes = deal
+    assert not split.judge(0.45) and split.sizes == deal  # faster: kept
+    split._trial = (0.5, [16] * 4)
+    assert split.judge(0.52) and split.sizes == [16] * 4 and split.reverts == 1 and split._hold == 2
+    assert not split.judge(0.1)  # nothing on trial

@@ -216,3 +216,11 @@ def test_batch_split_reverts_a_deal_that_did_not_make_the_step_faster():
     split._trial = (0.5, [16] * 4)
     assert split.judge(0.52) and split.sizes == [16] * 4 and split.reverts == 1 and split._hold == 2
     assert not split.judge(0.1)  # nothing on trial
+
+
+def test_batch_split_state_round_trips():
+    a = BatchSplit(16, 4, 2)
+    a.sizes, a._ema, a._steps, a._calls, a._step_s, a._sq = [18, 18, 18, 10], [0.1, 0.08, 0.001], 7, 9, 0.3, 2e-6
+    b = BatchSplit(16, 4, 2)
+    b.load_state_dict(a.state_dict())
+    assert (b.sizes, b._ema, b._steps, b._calls, b._step_s, b._sq) == (a.sizes, a._ema, 7, 9, 0.3, 2e-6)

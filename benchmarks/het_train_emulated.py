@@ -14,7 +14,7 @@ after: the machine is shared, compare only numbers of one run.
 ``--config FILE`` trains that config (e.g. ``configs/train/compute-bound.yaml``: expert compute
 dominates the step) instead of the demo's; ``--only default|no-balance`` runs one variant;
 ``--profile-rank R`` samples rank ``R`` of each run with py-spy (``pip install py-spy``; its
-``record`` over the middle of the run, idle threads left out) and prints the functions holding
+``record`` from ``--profile-after`` seconds into the run, for ``--profile-seconds``) and prints the functions holding
 most samples, with the flame data under ``--profile-dir``.
 
     sudo .venv/bin/python benchmarks/het_train_emulated.py --pairs 3 --steps 60 --no-compute
@@ -50,42 +50,53 @@ def _up(cluster: str, compute: bool, subnet: str, state: str) -> str:
     return out.stdout.strip().splitlines()[-1].strip()
 
 
-def _rank_cpu(tag: str) -> dict:
-    """``{RANK: cpu seconds}`` of the running train ranks whose command line holds ``tag``."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
+def _rank_pids(tag: str, root: Optional[int] = None) -> dict:
+    """``{RANK: pid}`` of the running train ranks: processes whose command line holds ``tag``
+    (emulated ranks run ``hetcomm train ...`` each), or else -- the plain demo's ranks are fresh
+    interpreters started by the launcher -- descendants of ``root`` with ``RANK`` in their
+    environment (the topmost such process per rank)."""
+    parent, env_rank, by_tag = {}, {}, {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
-            if tag not in cmd or " train " not in cmd or "emulate" in cmd:
-                continue
+            parent[int(pid)] = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
             rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
-            f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            if rank is not None:
-                out[rank] = (int(f[11]) + int(f[12])) / tick
+            if rank is None:
+                continue
+            env_rank[int(pid)] = rank
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            if tag in cmd and " train " in cmd and "emulate" not in cmd:
+                by_tag[rank] = int(pid)
         except (OSError, ValueError, IndexError):
             continue
+    if by_tag or root is None:
+        return by_tag
+    out = {}
+    for pid, rank in env_rank.items():
+        p, under = parent.get(pid), False
+        while p:
+            if p == root:
+                under = True
+                break
+            p = parent.get(p)
+        if under and env_rank.get(parent.get(pid)) != rank:
+            out.setdefault(rank, pid)
     return out
 
 
-def _rank_pid(tag: str, rank: int) -> Optional[int]:
-    """PID of the running train rank ``rank`` whose command line holds ``tag``."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+def _rank_cpu(tag: str, root: Optional[int] = None) -> dict:
+    """``{RANK: cpu seconds}`` (user + system, all threads) of the running train ranks."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for rank, pid in _rank_pids(tag, root).items():
         try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
-            if tag not in cmd or " train " not in cmd or "emulate" in cmd:
-                continue
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-            if f"RANK={rank}".encode() in env:
-                return int(pid)
-        except (OSError, ValueError):
+            f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            out[rank] = (int(f[11]) + int(f[12])) / tick
+        except (OSError, ValueError, IndexError):
             continue
-    return None
+    return out
 
 
 def _profile_top(raw_path: str, top: int = 12) -> list:
@@ -102,8 +113,8 @@ def _profile_top(raw_path: str, top: int = 12) -> list:
     return [(c / total, f) for f, c in sorted(counts.items(), key=lambda kv: -kv[1])[:top]] if total else []
 
 
-def _start_profile(tag: str, rank: int, out_dir: str, name: str, seconds: float) -> Optional[subprocess.Popen]:
-    pid = _rank_pid(tag, rank)
+def _start_profile(tag: str, root: int, rank: int, out_dir: str, name: str, seconds: float) -> Optional[subprocess.Popen]:
+    pid = _rank_pids(tag, root).get(rank)
     pyspy = os.path.join(REPO, ".venv", "bin", "py-spy")
     if pid is None or not os.path.exists(pyspy):
         print(f"  profile: {'no py-spy in .venv (pip install py-spy)' if pid else f'rank {rank} not found'}", flush=True)
@@ -129,13 +140,13 @@ def _run(run_id: Optional[str], state: str, cluster: str, steps: int, flags: lis
     spy = None
     tag = f"--cluster {cluster} --steps {steps}"
     while proc.poll() is None:
-        cpu = _rank_cpu(tag)
+        cpu = _rank_cpu(tag, proc.pid)
         if len(cpu) >= 1:
             samples.append((time.monotonic(), cpu))
         full_so_far = sum(1 for _, c in samples if len(c) == 4)
-        if profile is not None and spy is None and full_so_far == 5:  # past imports and the group's setup
-            rank, out_dir, name, seconds = profile
-            spy = _start_profile(tag, rank, out_dir, name, seconds) or False
+        if profile is not None and spy is None and full_so_far == profile[4]:  # past imports and setup
+            rank, out_dir, name, seconds, _ = profile
+            spy = _start_profile(tag, proc.pid, rank, out_dir, name, seconds) or False
         time.sleep(1.0)
     text = proc.stdout.read()
     out = subprocess.CompletedProcess(cmd, proc.returncode, text, "")
@@ -155,7 +166,7 @@ def _run(run_id: Optional[str], state: str, cluster: str, steps: int, flags: lis
         rows["cpu_rate"] = [round((b[1][r] - a[1][r]) / (b[0] - a[0]), 3) for r in range(4)]
     if spy:
         spy.wait(timeout=60)
-        rank, out_dir, name, _ = profile
+        rank, out_dir, name, _, _ = profile
         path = os.path.join(out_dir, f"{name}-rank{rank}.txt")
         rows["profile"] = _profile_top(path) if os.path.exists(path) else []
         rows["profile_path"] = path
@@ -180,6 +191,8 @@ def main() -> int:
     ap.add_argument("--profile-rank", type=int, default=None, metavar="R",
                     help="py-spy record rank R of every run (needs py-spy in .venv); top functions printed")
     ap.add_argument("--profile-seconds", type=float, default=20.0, help="py-spy record duration")
+    ap.add_argument("--profile-after", type=int, default=20,
+                    help="seconds after all four ranks exist before py-spy starts (past imports and setup)")
     ap.add_argument("--profile-dir", default="/tmp/hetcomm-het-train-profile", help="py-spy raw flame files")
     args = ap.parse_args()
     variants = {"default (no flags)": [], "--no-balance": ["--no-balance"]}
@@ -202,7 +215,8 @@ def main() -> int:
                 prof = None
                 if args.profile_rank is not None:
                     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-                    prof = (args.profile_rank, args.profile_dir, f"pair{i + 1}-{slug}", args.profile_seconds)
+                    prof = (args.profile_rank, args.profile_dir, f"pair{i + 1}-{slug}", args.profile_seconds,
+                            args.profile_after)
                 r = _run(rid, args.state_dir, args.cluster, args.steps, variants[name], args.config, prof)
                 results[name].append(r)
                 print(f"  pair {i + 1} {name}: {r['tok_s']:,.0f} tok/s, MoE max/mean {r['moe_mm']:.2f}, "

@@ -61,10 +61,11 @@ class TrainConfig:
         resume: continue from ``checkpoint_dir``'s latest checkpoint when there is one.
         balance: heterogeneity balancing (:mod:`hetcomm.train.het_defaults`). ``auto`` (default):
             the per-rank batch split by measured busy time (it re-deals only when per-sequence
-            speeds differ by >10% and that pays in two agreements in a row); True (``--balance``): that and the expert balancer's
+            speeds differ by >10% and that pays in two agreements in a row, and keeps a deal only
+            when the step got shorter); True (``--balance``): that and the expert balancer's
             migrations by measured speed (:mod:`hetcomm.train.balance`); False: neither.
         speed: where rank speeds come from: ``measured`` (default; the layers' expert rows/s and the
-            batch split's dense speed, timed on each rank) or ``datasheet`` (``hetcomm.topo.compute``
+            batch split's busy time, measured on each rank) or ``datasheet`` (``hetcomm.topo.compute``
             only, no batch split: every decision then depends on the data alone, so a run repeats bit for bit,
             e.g. a resumed one its uninterrupted twin).
         balance_every / balance_cooldown: steps between plan evaluations / before an expert

@@ -11,8 +11,16 @@ without cpu cgroups (every rank at full speed), interleaved with the others: no 
 compute can beat that. Needs root (network namespaces, cgroups). The load average is printed before and
 after: the machine is shared, compare only numbers of one run.
 
+``--config FILE`` trains that config (e.g. ``configs/train/compute-bound.yaml``: expert compute
+dominates the step) instead of the demo's; ``--only default|no-balance`` runs one variant;
+``--profile-rank R`` samples rank ``R`` of each run with py-spy (``pip install py-spy``; its
+``record`` from ``--profile-after`` seconds into the run, for ``--profile-seconds``) and prints the functions holding
+most samples, with the flame data under ``--profile-dir``.
+
     sudo .venv/bin/python benchmarks/het_train_emulated.py --pairs 3 --steps 60 --no-compute
     .venv/bin/python benchmarks/het_train_emulated.py --plain --cluster configs/clusters/mixed-mini.yaml --steps 200
+    .venv/bin/python benchmarks/het_train_emulated.py --pairs 1 --only default --profile-rank 3
+    .venv/bin/python benchmarks/het_train_emulated.py --pairs 1 --config configs/train/compute-bound.yaml
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HETCOMM = os.path.join(REPO, ".venv", "bin", "hetcomm")
-ROWS = ("tokens/s (all ranks)", "per-rank MoE time max/mean", "batch split (by measured dense speed)",
+ROWS = ("tokens/s (all ranks)", "per-rank MoE time max/mean", "batch split (by measured busy time)",
         "balancer speeds", "balancer  ", "verdict")
 
 
@@ -42,39 +50,103 @@ def _up(cluster: str, compute: bool, subnet: str, state: str) -> str:
     return out.stdout.strip().splitlines()[-1].strip()
 
 
-def _rank_cpu(tag: str) -> dict:
-    """``{RANK: cpu seconds}`` of the running train ranks whose command line holds ``tag``."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
+def _rank_pids(tag: str, root: Optional[int] = None) -> dict:
+    """``{RANK: pid}`` of the running train ranks: processes whose command line holds ``tag``
+    (emulated ranks run ``hetcomm train ...`` each), or else -- the plain demo's ranks are fresh
+    interpreters started by the launcher -- descendants of ``root`` with ``RANK`` in their
+    environment (the topmost such process per rank)."""
+    parent, env_rank, by_tag = {}, {}, {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
-            if tag not in cmd or " train " not in cmd or "emulate" in cmd:
-                continue
+            parent[int(pid)] = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
             rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+            if rank is None:
+                continue
+            env_rank[int(pid)] = rank
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            if tag in cmd and " train " in cmd and "emulate" not in cmd:
+                by_tag[rank] = int(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+    if by_tag or root is None:
+        return by_tag
+    out = {}
+    for pid, rank in env_rank.items():
+        p, under = parent.get(pid), False
+        while p:
+            if p == root:
+                under = True
+                break
+            p = parent.get(p)
+        if under and env_rank.get(parent.get(pid)) != rank:
+            out.setdefault(rank, pid)
+    return out
+
+
+def _rank_cpu(tag: str, root: Optional[int] = None) -> dict:
+    """``{RANK: cpu seconds}`` (user + system, all threads) of the running train ranks."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for rank, pid in _rank_pids(tag, root).items():
+        try:
             f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            if rank is not None:
-                out[rank] = (int(f[11]) + int(f[12])) / tick
+            out[rank] = (int(f[11]) + int(f[12])) / tick
         except (OSError, ValueError, IndexError):
             continue
     return out
 
 
-def _run(run_id: Optional[str], state: str, cluster: str, steps: int, flags: list) -> dict:
+def _profile_top(raw_path: str, top: int = 12) -> list:
+    """``[(share of samples, function)]`` by self samples (the leaf frame) of a py-spy raw file."""
+    counts: dict = {}
+    total = 0
+    for line in open(raw_path):
+        stack, _, n = line.rstrip().rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        leaf = stack.split(";")[-1]
+        counts[leaf] = counts.get(leaf, 0) + int(n)
+        total += int(n)
+    return [(c / total, f) for f, c in sorted(counts.items(), key=lambda kv: -kv[1])[:top]] if total else []
+
+
+def _start_profile(tag: str, root: int, rank: int, out_dir: str, name: str, seconds: float) -> Optional[subprocess.Popen]:
+    pid = _rank_pids(tag, root).get(rank)
+    pyspy = os.path.join(REPO, ".venv", "bin", "py-spy")
+    if pid is None or not os.path.exists(pyspy):
+        print(f"  profile: {'no py-spy in .venv (pip install py-spy)' if pid else f'rank {rank} not found'}", flush=True)
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}-rank{rank}.txt")
+    return subprocess.Popen([pyspy, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))),
+                             "--rate", "50", "--format", "raw", "--nonblocking", "--output", path],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def _run(run_id: Optional[str], state: str, cluster: str, steps: int, flags: list, config: Optional[str] = None,
+         profile: Optional[tuple] = None) -> dict:
     cmd = [HETCOMM, "train", "--cluster", cluster, "--steps", str(steps), *flags]
+    if config is not None:
+        cmd += ["--config", config]
     if run_id is not None:  # inside the emulation; None: plain ranks on this machine (make demo)
         cmd = [HETCOMM, "emulate", "run", "--id", run_id, "--state-dir", state, "--timeout", "900", "--", *cmd]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     # CPU seconds per wall second of each rank over the middle of the run (after imports and the
     # group's setup, before the end): a rank near its cgroup quota is the bottleneck.
     samples = []
+    spy = None
+    tag = f"--cluster {cluster} --steps {steps}"
     while proc.poll() is None:
-        cpu = _rank_cpu(f"--cluster {cluster} --steps {steps}")
+        cpu = _rank_cpu(tag, proc.pid)
         if len(cpu) >= 1:
             samples.append((time.monotonic(), cpu))
+        full_so_far = sum(1 for _, c in samples if len(c) == 4)
+        if profile is not None and spy is None and full_so_far == profile[4]:  # past imports and setup
+            rank, out_dir, name, seconds, _ = profile
+            spy = _start_profile(tag, proc.pid, rank, out_dir, name, seconds) or False
         time.sleep(1.0)
     text = proc.stdout.read()
     out = subprocess.CompletedProcess(cmd, proc.returncode, text, "")
@@ -92,6 +164,12 @@ def _run(run_id: Optional[str], state: str, cluster: str, steps: int, flags: lis
     if len(full) >= 8:
         a, b = full[len(full) // 4], full[(3 * len(full)) // 4]
         rows["cpu_rate"] = [round((b[1][r] - a[1][r]) / (b[0] - a[0]), 3) for r in range(4)]
+    if spy:
+        spy.wait(timeout=60)
+        rank, out_dir, name, _, _ = profile
+        path = os.path.join(out_dir, f"{name}-rank{rank}.txt")
+        rows["profile"] = _profile_top(path) if os.path.exists(path) else []
+        rows["profile_path"] = path
     if out.returncode not in (0, 1):
         print(text[-3000:], file=sys.stderr)
     return rows
@@ -108,8 +186,20 @@ def main() -> int:
     ap.add_argument("--state-dir", default="/run/hetcomm/emulate-het-train")
     ap.add_argument("--plain", action="store_true",
                     help="no emulation: the plain demo (make demo's job) with and without --no-balance")
+    ap.add_argument("--config", default=None, help="train config YAML (default: the demo's, configs/train/demo.yaml)")
+    ap.add_argument("--only", choices=("default", "no-balance"), default=None, help="run one variant only")
+    ap.add_argument("--profile-rank", type=int, default=None, metavar="R",
+                    help="py-spy record rank R of every run (needs py-spy in .venv); top functions printed")
+    ap.add_argument("--profile-seconds", type=float, default=20.0, help="py-spy record duration")
+    ap.add_argument("--profile-after", type=int, default=20,
+                    help="seconds after all four ranks exist before py-spy starts (past imports and setup)")
+    ap.add_argument("--profile-dir", default="/tmp/hetcomm-het-train-profile", help="py-spy raw flame files")
     args = ap.parse_args()
     variants = {"default (no flags)": [], "--no-balance": ["--no-balance"]}
+    if args.only == "default":
+        del variants["--no-balance"]
+    elif args.only == "no-balance":
+        del variants["default (no flags)"]
     t0 = time.time()
     print(f"start {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {_load()}", flush=True)
     ids = {"compute": None if args.plain else _up(args.cluster, True, args.subnet, args.state_dir)}
@@ -122,17 +212,28 @@ def main() -> int:
             order = list(variants) if i % 2 == 0 else list(reversed(variants))
             for name in order:
                 rid = ids["full speed"] if "no cpu cgroups" in name else ids["compute"]
-                r = _run(rid, args.state_dir, args.cluster, args.steps, variants[name])
+                prof = None
+                if args.profile_rank is not None:
+                    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+                    prof = (args.profile_rank, args.profile_dir, f"pair{i + 1}-{slug}", args.profile_seconds,
+                            args.profile_after)
+                r = _run(rid, args.state_dir, args.cluster, args.steps, variants[name], args.config, prof)
                 results[name].append(r)
                 print(f"  pair {i + 1} {name}: {r['tok_s']:,.0f} tok/s, MoE max/mean {r['moe_mm']:.2f}, "
                       f"CPU s per s by rank {r.get('cpu_rate')}, {r.get('verdict', 'no verdict')[:5]}, load {_load()}",
                       flush=True)
+                print(f"    batch split: {r.get('batch split (by measured busy time)', '-')}", flush=True)
+                if r.get("profile"):
+                    print(f"    py-spy rank {args.profile_rank} ({r['profile_path']}), self samples:", flush=True)
+                    for share, fn in r["profile"]:
+                        print(f"      {share * 100:5.1f}%  {fn}", flush=True)
     finally:
         for rid in (r for r in ids.values() if r is not None):
             subprocess.run([HETCOMM, "emulate", "down", "--id", rid, "--state-dir", args.state_dir], capture_output=True)
-    base = statistics.median(x["tok_s"] for x in results["--no-balance"])
+    base_runs = results.get("--no-balance") or next(iter(results.values()))
+    base = statistics.median(x["tok_s"] for x in base_runs)
     where = "plain, no emulation" if args.plain else "under hetcomm emulate --compute"
-    print(f"\n{args.cluster} {where}, {args.steps} steps, {args.pairs} runs each "
+    print(f"\n{args.cluster} {where}, config {args.config or 'demo'}, {args.steps} steps, {args.pairs} runs each "
           f"(alternating); end load {_load()}, {time.time() - t0:.0f} s")
     print("| variant | tokens/s (median; runs) | x --no-balance | per-rank MoE time max/mean (median) | "
           "CPU s per wall s by rank (last run) | batch split (last run) | balancer (last run) |")
@@ -142,7 +243,7 @@ def main() -> int:
         runs = " / ".join(f"{x['tok_s']:,.0f}" for x in rs)
         mm = statistics.median(x["moe_mm"] for x in rs)
         print(f"| {name} | {med:,.0f} ({runs}) | {med / base:.2f} | {mm:.2f} | {rs[-1].get('cpu_rate', '-')} | "
-              f"{rs[-1].get('batch split (by measured dense speed)', '-')} "
+              f"{rs[-1].get('batch split (by measured busy time)', '-')} "
               f"| {rs[-1].get('balancer', '-')}; {rs[-1].get('balancer speeds', '')} |")
     return 0
 

@@ -62,7 +62,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--warmup-from", metavar="METRICS.jsonl", default=None, help="seed calibrators and hot experts from a previous run's metrics")
     p.add_argument("--balance", action="store_true", default=None,
                    help="also run the expert balancer: migrations by measured speed (default: only the per-rank "
-                   "batch split by measured dense speed; docs/MOE.md)")
+                   "batch split by measured busy time; docs/MOE.md)")
     p.add_argument("--no-balance", dest="no_balance", action="store_true", default=False,
                    help="no balancing at all: no migrations, no batch split, no per-step token split")
     p.add_argument("--speed", choices=("measured", "datasheet"), default=None,

@@ -10,6 +10,9 @@ per-rank MoE time the summary reports.
   step) there is nothing to balance, and the split's per-step count exchange and row moves cost
   11-16% of tokens/s on the emulated half-speed cluster (docs/MOE.md).
   ``hetcomm train --no-balance`` turns it (and the migration balancer) off.
+- :class:`BatchSplit`: the per-rank sequences of a step, dealt by each rank's measured busy
+  time (:mod:`hetcomm.train.rank_time`: what it computes, not what it waits) so that the
+  predicted slowest rank finishes soonest; on unless ``--no-balance`` or ``--speed datasheet``.
 - :class:`MoETimeTracker`: each step's forward expert seconds of this rank, summed over layers;
   at the end one ``all_gather`` gives every step's per-rank vector, and the summary row
   ``per-rank MoE time max/mean`` is the median over steps of ``max / mean``.
@@ -21,6 +24,7 @@ per-rank MoE time the summary reports.
 
 from __future__ import annotations
 
+import heapq
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -28,13 +32,18 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-__all__ = ["SPEED_SPREAD", "cluster_is_mixed", "token_split_default", "speeds_differ",
+from hetcomm.train.rank_time import LayerCpuTimer, RankClock
+
+__all__ = ["SPEED_SPREAD", "NOISE_SIGMAS", "cluster_is_mixed", "token_split_default", "speeds_differ",
            "BatchSplit", "BATCH_MIN_GAIN", "MoETimeTracker", "resolve_chunks", "measure_chunks", "CHUNK_CANDIDATES"]
 
 #: Datasheet speeds further apart than this (max / min - 1) make a cluster "mixed".
 SPEED_SPREAD = 0.10
 #: A batch re-deal must shorten the step by this fraction of it (:meth:`BatchSplit.plan`).
 BATCH_MIN_GAIN = 0.03
+#: A per-sequence speed difference counts only beyond this many standard deviations of the
+#: noisiest rank's estimate (:meth:`BatchSplit.noise`).
+NOISE_SIGMAS = 3.0
 #: Forward + backward seconds per forward second of the dense part.
 FWD_BWD = 3.0
 
@@ -62,45 +71,90 @@ def speeds_differ(speeds: Sequence[float]) -> bool:
 
 
 class BatchSplit:
-    """Per-rank sequences per step in proportion to each rank's measured dense-compute speed.
+    """Per-rank sequences per step by each rank's measured *busy* time (:mod:`hetcomm.train.rank_time`).
 
     The data-parallel part of a step (embedding, attention, norms, output projection, loss:
     everything outside the MoE layers) runs on each rank's own sequences, and every rank waits
     for the slowest at the first collective; on unequal ranks equal batches leave the fast ones
-    idle. Each step a rank times its forward outside the MoE layers (``observe``: the model's
-    forward seconds minus the layers' ``forward_s``; no communication happens there, so it is
-    pure local compute) against the sequences it ran; EMAs of both, and every ``every`` steps one
-    all-reduce of a ``[W, 2]`` float64 table (each rank fills its row) gives every rank the same
-    vector ``sequences / second``. When those speeds differ by more than :data:`SPEED_SPREAD` the
-    ``W * batch_size`` sequences of a step are dealt in proportion to them (largest remainder, at
-    least one each); otherwise every rank gets ``batch_size``; a new deal is taken only when it
-    shortens the slowest rank's dense time by more than :data:`BATCH_MIN_GAIN` of the step
-    (:meth:`plan`), and when two agreements in a row propose it (within one sequence per rank:
-    noise between equal ranks proposes a different deal each time). The total, and so tokens per
-    step, never changes.
+    idle. Wall-clock timers cannot see that: the fast ranks' timers include their waiting. So
+    each rank reads its thread's scheduler clock (:class:`~hetcomm.train.rank_time.RankClock`:
+    time on a CPU, and time runnable but held back -- by other processes or a cgroup quota) and
+    models its step as
 
-    Exact in expectation: rank ``r``'s mean loss is scaled by ``W * b_r / sum(b)``
-    (:meth:`loss_scale`), so after the usual ``1 / W`` gradient average the gradients are those
-    of the mean loss over all ``sum(b)`` sequences, as with equal batches.
+        busy(b) = fixed + b * per_seq          (seconds of the rank's own work per step)
+
+    - ``per_seq``: the forward outside the MoE layers (the model's forward minus the layers',
+      timed by :class:`~hetcomm.train.rank_time.LayerCpuTimer`; no collective runs there), run
+      plus ready time, times :data:`FWD_BWD` for the backward, per sequence;
+    - ``busy``: the step's CPU time times the dilation ``(run + ready) / run`` of that dense
+      compute (a wait loop's wake-ups add CPU time but little, and their ready time is not
+      compute: only the dilation of pure compute converts CPU seconds to a rank's wall seconds);
+    - ``fixed = busy - b * per_seq``: the rest (MoE experts on the rows the rank receives,
+      replica and gradient syncs' copies, the optimizer): ~87% of the step on the emulated
+      half-speed cluster, which is why a speed-proportional deal overshoots.
+
+    EMAs (``alpha``) of each; every ``every`` steps one all-reduce of a ``[W, 7]``
+    float64 table (:data:`TABLE_COLUMNS`; each rank fills its row, so the sum is exact) gives
+    every rank the same numbers, and :meth:`plan` deals the ``W * batch_size`` sequences so the
+    predicted max busy is minimal (at least one each). Gates, so that equal ranks never re-deal:
+
+    1. only when the per-sequence speeds ``1 / per_seq`` differ by more than
+       :data:`SPEED_SPREAD` and by more than :data:`NOISE_SIGMAS` standard deviations of the
+       noisiest rank's estimate (the ``per_seq_noise`` column; ranks that differ only in fixed work -- a replica holder and a
+       weak rank on equal CPUs -- do that work in other phases of the step, between other
+       collectives, so moving sequences would not shorten it: on the plain demo such a deal
+       passed the gain gate and cost throughput);
+    2. only when the predicted max busy drops by more than :data:`BATCH_MIN_GAIN` of the step;
+    3. only when the previous agreement passed both gates too and proposed the same deal
+       within one sequence per rank (noise between equal ranks proposes a different deal each
+       time);
+    4. a deal is a trial: the next agreement keeps it only when the group's measured wall step
+       got shorter, else it is reverted and proposals wait ``2 ** reverts`` agreements
+       (:meth:`judge`).
+
+    The total, and so tokens per step, never changes. Exact in expectation: rank ``r``'s mean
+    loss is scaled by ``W * b_r / sum(b)`` (:meth:`loss_scale`), so after the usual ``1 / W``
+    gradient average the gradients are those of the mean loss over all ``sum(b)`` sequences.
     """
 
+    #: Columns of the agreed table, one row per rank.
+    TABLE_COLUMNS = ("busy_s", "fixed_s", "per_seq_s", "num_seqs", "steps", "step_s", "per_seq_noise")
+
     def __init__(self, batch_size: int, world_size: int, rank: int, *, enabled: bool = True,
-                 every: int = 10, alpha: float = 0.8, fixed_speeds: Optional[Sequence[float]] = None) -> None:
+                 every: int = 10, alpha: float = 0.8, fixed_speeds: Optional[Sequence[float]] = None,
+                 clock: Optional[RankClock] = None) -> None:
         self.world_size, self.rank, self.every, self.alpha = world_size, rank, every, alpha
         self.enabled = enabled and world_size > 1
         self.total = batch_size * world_size
         self.sizes: List[int] = [batch_size] * world_size
+        #: ``[W]`` sequences/s (``1 / per_seq``) of the last agreement, or the datasheet's.
         self.speeds: Optional[List[float]] = None
+        #: The last agreed table (``[W][7]``, :data:`TABLE_COLUMNS`), or None.
+        self.table: Optional[List[List[float]]] = None
         self.changes = 0
-        self._seq = self._sec = self._step_s = 0.0
-        self._steps = 0
+        self.agreements = 0
+        self.reverts = 0  # deals taken back by :meth:`judge`
+        self._trial: Optional[Tuple[float, List[int]]] = None  # (step_s before, sizes before) of the last deal
+        self._hold = 0  # agreements to wait before the next proposal
+        self._ema = [0.0, 0.0, 0.0]  # busy_s, fixed_s, per_seq_s
+        self._sq = 0.0  # EMA of per_seq_s squared: the noise of the estimate
+        self._step_s = 0.0
+        self._steps = 0  # steps observed (measured)
+        self._calls = 0  # steps ended (maybe_agree calls): the agreement's schedule
         self.last_gain_s = 0.0
-        self._last_proposal: Optional[List[int]] = None
+        self._last: Optional[Tuple[List[int], bool]] = None  # the previous agreement's (proposal, passed)
+        self.clock = clock
+        self._timer: Optional[LayerCpuTimer] = None
+        self._t_step: Optional[Tuple[float, float]] = None
+        self._t_fwd: Optional[Tuple[float, float]] = None
+        self._dense: Optional[Tuple[float, float]] = None
         # Datasheet speeds (TrainConfig.speed="datasheet"): dealt once, nothing measured.
         self.fixed = fixed_speeds is not None and self.enabled
         if self.fixed:
             self.speeds = [float(v) for v in fixed_speeds]
-            self.sizes, self.last_gain_s = self.plan(self.total, self.sizes, self.speeds, 0.0)
+            per_seq = [1.0 / v for v in self.speeds]
+            self.sizes, self.last_gain_s, _ = self.plan(self.total, self.sizes, per_seq, [0.0] * world_size, 0.0)
+        self.measuring = self.enabled and not self.fixed and self.clock is not None
 
     @property
     def mine(self) -> int:
@@ -110,80 +164,207 @@ class BatchSplit:
     def loss_scale(self) -> float:
         return self.world_size * self.mine / self.total
 
-    def observe(self, dense_seconds: float) -> None:
-        """This step's forward seconds outside the MoE layers (for :attr:`mine` sequences)."""
-        if not self.enabled or self.fixed or dense_seconds <= 0:
+    # -- measuring (each step, on this rank) ------------------------------------------------------
+    def attach(self, moe_layers: Sequence[torch.nn.Module]) -> None:
+        """Time the MoE layers' forwards, so the rest of the model's forward is the dense part."""
+        if self.measuring and self._timer is None:
+            self._timer = LayerCpuTimer(moe_layers, self.clock)
+
+    def begin_step(self) -> None:
+        if self.measuring:
+            self._t_step = self.clock.read()
+
+    def begin_forward(self) -> None:
+        if self.measuring:
+            self._t_fwd = self.clock.read()
+            if self._timer is not None:
+                self._timer.take()
+
+    def end_forward(self) -> None:
+        if not self.measuring or self._t_fwd is None:
             return
+        run, ready = self.clock.read()
+        moe_run, moe_ready = self._timer.take() if self._timer is not None else (0.0, 0.0)
+        self._dense = (run - self._t_fwd[0] - moe_run, ready - self._t_fwd[1] - moe_ready)
+
+    def observe(self, busy_s: float, dense_busy_s: float) -> None:
+        """Fold one step in: ``busy_s`` of the rank's own work (wall-equivalent seconds), of which
+        ``dense_busy_s`` the forward outside the MoE layers, for :attr:`mine` sequences."""
+        if not self.enabled or self.fixed or busy_s <= 0 or dense_busy_s <= 0:
+            return
+        per_seq = FWD_BWD * dense_busy_s / self.mine
+        step = [busy_s, max(0.0, busy_s - self.mine * per_seq), per_seq]
         a = self.alpha if self._steps else 0.0
-        self._seq = a * self._seq + (1 - a) * self.mine
-        self._sec = a * self._sec + (1 - a) * dense_seconds
+        self._ema = [a * old + (1 - a) * new for old, new in zip(self._ema, step)]
+        self._sq = a * self._sq + (1 - a) * per_seq * per_seq
         self._steps += 1
 
+    def _observe_clock(self) -> None:
+        if not self.measuring or self._t_step is None or self._dense is None:
+            return
+        run, _ = self.clock.read()
+        step_run = run - self._t_step[0]
+        dense_run, dense_ready = self._dense
+        self._t_step = self._dense = None
+        if dense_run <= 0:
+            return
+        # wall seconds per CPU second while this rank computes (queued, or held by a quota)
+        dilation = max(1.0, (dense_run + max(0.0, dense_ready)) / dense_run)
+        self.observe(step_run * dilation, dense_run * dilation)
+
+    # -- agreeing (collective every ``every`` observed steps) -------------------------------------
     def maybe_agree(self, step_seconds: float) -> bool:
-        """End of a step that took ``step_seconds`` on this rank: every ``every`` observed steps,
-        agree the speed vector and re-deal the sequences when that pays (:meth:`plan`;
-        collective on the default group). Returns True when the split changed."""
+        """End of a step that took ``step_seconds`` (wall) on this rank: fold in the step's clock
+        readings, and every ``every`` observed steps agree the table and re-deal when the gates
+        pass (collective on the default group). Returns True when the split changed."""
         if not self.enabled or self.fixed:
             return False
+        self._observe_clock()
         a = self.alpha if self._step_s else 0.0
         self._step_s = a * self._step_s + (1 - a) * step_seconds
-        if self._steps == 0 or self._steps % self.every:
+        # The collective's schedule counts steps, never what a rank managed to measure: every
+        # rank must reach the all-reduce at the same step (a rank with nothing measured sends
+        # steps = 0 in its row and nothing is dealt).
+        self._calls += 1
+        if self._calls % self.every:
             return False
-        table = torch.zeros(self.world_size, 3, dtype=torch.float64)  # host: three scalars per rank
-        table[self.rank] = torch.tensor([self._seq, self._sec, self._step_s], dtype=torch.float64)  # host
+        return self.agree()
+
+    def agree(self) -> bool:
+        """One all-reduce of the ``[W, 7]`` table (:data:`TABLE_COLUMNS`), then :meth:`plan` and
+        :meth:`adopt` on the identical numbers. Returns True when the split changed."""
+        table = torch.zeros(self.world_size, len(self.TABLE_COLUMNS), dtype=torch.float64)  # host: scalars
+        table[self.rank] = torch.tensor([*self._ema, float(self.mine), float(self._steps), self._step_s,
+                                         self.noise()], dtype=torch.float64)  # host
         if dist.is_initialized():
             dist.all_reduce(table)  # exact: each entry is one rank's number plus zeros
         rows = table.tolist()
-        if any(q <= 0 or t <= 0 for q, t, _ in rows):
+        self.table = rows
+        self.agreements += 1
+        if any(r[2] <= 0 or r[4] <= 0 for r in rows):
+            return False  # a rank has measured nothing yet
+        per_seq = [r[2] for r in rows]
+        fixed = [r[1] for r in rows]
+        self.speeds = [1.0 / p for p in per_seq]
+        step_s = sum(r[5] for r in rows) / self.world_size
+        if self.judge(step_s):
+            return True  # the last deal did not make the step faster: reverted
+        if self._hold > 0:
+            self._hold -= 1
             return False
-        self.speeds = [q / t for q, t, _ in rows]
-        step_s = sum(r[2] for r in rows) / self.world_size
-        proposal, self.last_gain_s = self.plan(self.total, self.sizes, self.speeds, step_s)
-        return self.adopt(proposal)
+        proposal, self.last_gain_s, passed = self.plan(self.total, self.sizes, per_seq, fixed, step_s,
+                                                       noise=[r[6] for r in rows])
+        before = list(self.sizes)
+        if self.adopt(proposal, passed):
+            self._trial = (step_s, before)
+            return True
+        return False
 
-    def adopt(self, proposal: List[int]) -> bool:
-        """Take ``proposal`` when the previous agreement proposed it too (within one sequence per
-        rank): a real speed difference proposes the same deal again, noise between equal ranks
-        does not. Returns True when the deal changed."""
-        last, self._last_proposal = self._last_proposal, list(proposal)
-        if proposal == self.sizes or last is None or max(abs(a - b) for a, b in zip(proposal, last)) > 1:
+    def judge(self, step_s: float) -> bool:
+        """Close the loop on measured time: the agreement after a re-deal compares the group's
+        wall step (``step_s``, the mean of the ranks' EMAs: identical on every rank) with the
+        one before it; a deal that did not make it faster is reverted, and the next proposal
+        waits ``2 ** reverts`` agreements (on an oversubscribed host a rank's busy time carries
+        contention that depends on the phase it computes in, so a prediction can pass every
+        gate and still be wrong). Returns True when it reverted."""
+        if self._trial is None:
+            return False
+        before_s, old_sizes = self._trial
+        self._trial = None
+        if step_s < before_s:
+            return False
+        self.sizes = old_sizes
+        self.reverts += 1
+        self._hold = 2 ** self.reverts
+        self._last = None
+        return True
+
+    def adopt(self, proposal: List[int], passed: bool = True) -> bool:
+        """Take ``proposal`` when this agreement and the previous one both passed the gates and
+        proposed the same deal within one sequence per rank: a real speed difference proposes
+        it again, noise between equal ranks does not. Returns True when the deal changed."""
+        last, self._last = self._last, (list(proposal), bool(passed))
+        if not passed or proposal == self.sizes or last is None or not last[1]:
+            return False
+        if max(abs(a - b) for a, b in zip(proposal, last[0])) > 1:
             return False
         self.sizes = list(proposal)
         self.changes += 1
+        self._last = None  # the next deal needs two fresh agreements
         return True
 
     @staticmethod
-    def plan(total: int, sizes: Sequence[int], speeds: Sequence[float], step_s: float) -> Tuple[List[int], float]:
-        """``(sizes, predicted gain in s/step)``: the deal by ``speeds`` (equal when they are within
-        :data:`SPEED_SPREAD`), adopted only when it shortens the slowest rank's dense forward +
-        backward (``FWD_BWD`` x forward) by more than :data:`BATCH_MIN_GAIN` of the step
-        (``step_s``); otherwise ``sizes`` stay. Noise between equal ranks does not re-deal."""
-        from hetcomm.moe.placement.assign import split_by_weight
+    def deal(total: int, per_seq_s: Sequence[float], fixed_s: Sequence[float]) -> List[int]:
+        """``total`` sequences, at least one each, minimising ``max_r fixed_r + b_r per_seq_r``
+        (greedy: each next sequence to the rank that would finish it soonest; optimal for
+        increasing per-rank costs; ties to the lower rank, so every rank deals alike)."""
+        W = len(per_seq_s)
+        sizes = [1] * W
+        heap = [(fixed_s[r] + 2 * per_seq_s[r], r) for r in range(W)]
+        heapq.heapify(heap)
+        for _ in range(total - W):
+            _, r = heapq.heappop(heap)
+            sizes[r] += 1
+            heapq.heappush(heap, (fixed_s[r] + (sizes[r] + 1) * per_seq_s[r], r))
+        return sizes
 
-        W = len(speeds)
-        new = split_by_weight(total, speeds) if speeds_differ(speeds) else [total // W] * W
-        t_now = max(b / s for b, s in zip(sizes, speeds))
-        t_new = max(b / s for b, s in zip(new, speeds))
-        gain = FWD_BWD * (t_now - t_new)
+    def noise(self) -> float:
+        """Relative standard deviation of this rank's ``per_seq`` EMA: the per-step spread
+        scaled by the EMA's ``sqrt((1 - alpha) / (1 + alpha))``."""
+        mean = self._ema[2]
+        if mean <= 0 or self._steps < 2:
+            return 0.0
+        var = max(0.0, self._sq - mean * mean) * (1 - self.alpha) / (1 + self.alpha)
+        return var ** 0.5 / mean
+
+    @staticmethod
+    def plan(total: int, sizes: Sequence[int], per_seq_s: Sequence[float], fixed_s: Sequence[float],
+             step_s: float, noise: Optional[Sequence[float]] = None) -> Tuple[List[int], float, bool]:
+        """``(proposal, predicted gain in s/step, passed)``: the deal minimising the predicted max
+        busy (:meth:`deal`) when the per-sequence speeds differ by more than
+        :data:`SPEED_SPREAD` and by more than :data:`NOISE_SIGMAS` x the noisiest rank's
+        relative ``noise`` (its estimate's standard deviation), else equal batches; ``passed``
+        when it differs from ``sizes`` and shortens the predicted max busy by more than
+        :data:`BATCH_MIN_GAIN` of the step (``step_s``). Otherwise the proposal is ``sizes``."""
+        W = len(per_seq_s)
+        speeds = [1.0 / p for p in per_seq_s]
+        spread = max(speeds) / min(speeds) - 1
+        if speeds_differ(speeds) and spread > NOISE_SIGMAS * max(noise or [0.0]):
+            new = BatchSplit.deal(total, per_seq_s, fixed_s)
+        else:
+            new = [total // W + (1 if r < total % W else 0) for r in range(W)]
+        t_now = max(f + b * p for b, p, f in zip(sizes, per_seq_s, fixed_s))
+        t_new = max(f + b * p for b, p, f in zip(new, per_seq_s, fixed_s))
+        gain = t_now - t_new
         if list(new) != list(sizes) and gain > BATCH_MIN_GAIN * step_s:
-            return list(new), gain
-        return list(sizes), gain
+            return list(new), gain, True
+        return list(sizes), gain, False
 
     def summary(self) -> str:
         if not self.enabled:
             return "off"
-        sp = "-" if self.speeds is None else "/".join(f"{s:,.0f}" for s in self.speeds) + (" (datasheet)" if self.fixed else "")
-        return (f"sequences per rank {self.sizes} (of {self.total}); dense forward speed {sp} seq/s; {self.changes} "
-                f"re-deals (last predicted gain {self.last_gain_s * 1e3:.1f} ms/step)")
+        if self.fixed:
+            sp = "/".join(f"{s:,.0f}" for s in self.speeds) + " (datasheet)"
+            return f"sequences per rank {self.sizes} (of {self.total}); speeds {sp}"
+        if not self.measuring:
+            return f"sequences per rank {self.sizes} (of {self.total}); no busy clock on this device"
+        if self.table is None:
+            return f"sequences per rank {self.sizes} (of {self.total}); no agreement yet"
+        col = lambda i, scale=1e3: "/".join(f"{r[i] * scale:.1f}" for r in self.table)  # noqa: E731
+        return (f"sequences per rank {self.sizes} (of {self.total}); busy {col(0)} ms/step, fixed {col(1)}, "
+                f"per sequence {col(2)} ms (noise {col(6, 100)}%); {self.changes} re-deals ({self.reverts} reverted, not faster) in {self.agreements} agreements (last "
+                f"predicted gain {self.last_gain_s * 1e3:.1f} ms/step)")
 
     def state_dict(self) -> Dict[str, Any]:
         return {"sizes": torch.tensor(self.sizes, dtype=torch.int64),
-                "ema": torch.tensor([self._seq, self._sec, float(self._steps), self._step_s], dtype=torch.float64)}
+                "ema": torch.tensor([*self._ema, float(self._steps), self._step_s, float(self._calls), self._sq],
+                                    dtype=torch.float64)}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         self.sizes = [int(v) for v in sd["sizes"].tolist()]
-        self._seq, self._sec, steps, self._step_s = sd["ema"].tolist()
-        self._steps = int(steps)
+        busy, fixed, per_seq, steps, self._step_s, calls, self._sq = sd["ema"].tolist()
+        self._ema = [busy, fixed, per_seq]
+        self._steps, self._calls = int(steps), int(calls)
 
 
 def resolve_chunks(chunks: Union[int, str], device: torch.device) -> Tuple[Optional[int], str]:

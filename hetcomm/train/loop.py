@@ -60,11 +60,12 @@ class TrainConfig:
         checkpoint_every: steps between checkpoints (0: none).
         resume: continue from ``checkpoint_dir``'s latest checkpoint when there is one.
         balance: heterogeneity balancing (:mod:`hetcomm.train.het_defaults`). ``auto`` (default):
-            the per-rank batch split by measured dense speed (it re-deals only when speeds differ
-            by >10% and that pays); True (``--balance``): that and the expert balancer's
+            the per-rank batch split by measured busy time (it re-deals only when per-sequence
+            speeds differ by >10% and that pays in two agreements in a row, and keeps a deal only
+            when the step got shorter); True (``--balance``): that and the expert balancer's
             migrations by measured speed (:mod:`hetcomm.train.balance`); False: neither.
         speed: where rank speeds come from: ``measured`` (default; the layers' expert rows/s and the
-            batch split's dense speed, timed on each rank) or ``datasheet`` (``hetcomm.topo.compute``
+            batch split's busy time, measured on each rank) or ``datasheet`` (``hetcomm.topo.compute``
             only, no batch split: every decision then depends on the data alone, so a run repeats bit for bit,
             e.g. a resumed one its uninterrupted twin).
         balance_every / balance_cooldown: steps between plan evaluations / before an expert
@@ -454,7 +455,11 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     balance_on = cfg.balance is True and world_size > 1
     # --speed datasheet: no batch split (it has nothing to measure; the demo's CPU ranks are not
     # what the datasheet says), every decision from the data alone.
-    batch_split = BatchSplit(cfg.batch_size, world_size, rank, enabled=cfg.balance is not False and cfg.speed == "measured")
+    from hetcomm.train.rank_time import busy_clock_for
+
+    batch_split = BatchSplit(cfg.batch_size, world_size, rank, enabled=cfg.balance is not False and cfg.speed == "measured",
+                             clock=busy_clock_for(device))
+    batch_split.attach(model.moe_layers)  # the MoE layers' busy time: the rest of the forward is dense
     if balance_on:
         balancer = make_balancer()
         extras["balancer"] = balancer
@@ -490,13 +495,12 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     for step in range(start_step + 1, cfg.steps + 1):
         mc.start_step()
         t_step = time.perf_counter()
+        batch_split.begin_step()  # the batch split's busy clock (run + ready time of this thread)
         batch = task.sample(batch_split.mine, cfg.seq_len, gen)
         mc.mark("data")
-        t_fwd = time.perf_counter()
+        batch_split.begin_forward()
         _, loss = model(batch[:, :-1], batch[:, 1:])
-        t_fwd = time.perf_counter() - t_fwd
-        # Forward outside the MoE layers: local compute only (the batch split's speed).
-        batch_split.observe(t_fwd - sum(float(m.last_stats.get("forward_s", 0.0)) for m in model.moe_layers))
+        batch_split.end_forward()  # forward outside the MoE layers: local compute only
         loss = loss * batch_split.loss_scale()  # the mean over all ranks' sequences after the 1/W average
         aux = sum(m.l_aux for m in model.moe_layers)
         moe_time.observe(model.moe_layers)
@@ -548,7 +552,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         balancer.finish_pending()
 
     elapsed = time.perf_counter() - t0
-    het_rows = [("batch split (by measured dense speed)", batch_split.summary()),
+    het_rows = [("batch split (by measured busy time)", batch_split.summary()),
                 *([] if balancer is not None else [("balancer", "off" + (" (--no-balance)" if cfg.balance is False else ""))]),
                 ("token split (per step, by measured speed)", "on" if split_on else "off"),
                 ("per-rank MoE time max/mean", MoETimeTracker.summary(moe_time.gather(world_size))), *snap_rows,

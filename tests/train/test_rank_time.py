@@ -1,0 +1,74 @@
+"""hetcomm.train.rank_time: the busy clock counts compute, not sleeping; the layer timer times
+only its modules' forwards."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hetcomm.train.rank_time import LayerCpuTimer, RankClock, busy_clock_for
+
+
+def _spin(n: int = 200_000) -> int:
+    x = 0
+    for i in range(n):
+        x += i
+    return x
+
+
+def test_clock_counts_compute_and_not_sleep():
+    clock = RankClock()
+    run0, ready0 = clock.read()
+    time.sleep(0.05)
+    run1, _ = clock.read()
+    _spin()
+    run2, ready2 = clock.read()
+    assert run1 - run0 < 0.02  # 50 ms asleep: almost no run time
+    assert run2 > run1 and ready2 >= ready0
+    assert clock.source in ("schedstat", "thread_time")
+    clock.close()
+
+
+def test_clock_falls_back_without_schedstat(tmp_path):
+    bad = tmp_path / "schedstat"
+    bad.write_text("not numbers\n")
+    clock = RankClock(str(bad))
+    assert clock.source == "thread_time" and clock.read()[1] == 0.0
+    good = tmp_path / "good"
+    good.write_text("2500000000 500000000 7\n")
+    assert RankClock(str(good)).read()[1] == 0.5  # ready from schedstat, run from the thread CPU clock
+
+
+def test_layer_timer_times_only_its_modules():
+    class Fake:
+        thread_id = None
+        t = 0.0
+
+        def read(self):
+            return self.t, self.t / 10
+
+    clock = Fake()
+    import threading
+
+    clock.thread_id = threading.get_ident()
+
+    class Slow(torch.nn.Module):
+        def forward(self, x):
+            clock.t += 1.0
+            return x
+
+    inner, other = Slow(), Slow()
+    outer = torch.nn.Sequential(inner)
+    timer = LayerCpuTimer([outer, inner], clock)  # nested: counted once
+    outer(torch.zeros(1))
+    other(torch.zeros(1))  # not timed
+    assert timer.take() == (1.0, 0.1) and timer.take() == (0.0, 0.0)
+    timer.remove()
+    outer(torch.zeros(1))
+    assert timer.take() == (0.0, 0.0)
+
+
+def test_busy_clock_is_for_cpu_ranks():
+    assert isinstance(busy_clock_for(torch.device("cpu")), RankClock)
+    assert busy_clock_for(torch.device("cuda")) is None  # devices: events on the compute stream (not yet)

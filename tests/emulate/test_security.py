@@ -12,6 +12,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -249,6 +250,19 @@ def test_copied_state_file_of_a_live_emulation_is_refused(tmp_path, capfd):
 
 
 @pytest.mark.skipif(not shutil.which("setpriv"), reason="needs setpriv to run as another user")
+def _wait_until_owned_by(pid: int, uid: int, timeout_s: float = 30.0) -> None:
+    """Until ``pid`` runs as ``uid``: ``setpriv`` starts as root and switches before its exec, and a
+    `down` that looked in between would rightly see a process of this user (a race under load)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as f:
+            uids = next(line for line in f if line.startswith("Uid:")).split()[1:]
+        if all(int(u) == uid for u in uids):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} still not running as uid {uid} after {timeout_s} s")
+
+
 def test_recorded_pid_of_another_user_is_not_signalled(tmp_path, capfd):
     """A state file (valid names) whose rank_pids names another user's process that even carries
     the run's id in its environment: `down` removes the state but signals nobody else's process."""
@@ -259,6 +273,7 @@ def test_recorded_pid_of_another_user_is_not_signalled(tmp_path, capfd):
         start_new_session=True,
     )
     try:
+        _wait_until_owned_by(proc.pid, 65534)
         sd = tmp_path / "sd"
         sd.mkdir(mode=0o700)
         state = {

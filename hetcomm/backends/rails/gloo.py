@@ -54,8 +54,8 @@ def release_gloo(gloo: "torch.distributed.ProcessGroup", peer: int) -> None:
     for 1 ms, whose timeout fails gloo's whole context (module docstring). The group is
     unusable afterwards: only for a peer certainly lost, in a process that is failing."""
     try:
-        # host: gloo receives into host memory; the byte is never read
-        gloo.recv([torch.empty(1, dtype=torch.uint8)], peer, RELEASE_TAG).wait(timedelta(milliseconds=1))
+        byte = torch.empty(1, dtype=torch.uint8)  # host: gloo receives into host memory; never read
+        gloo.recv([byte], peer, RELEASE_TAG).wait(timedelta(milliseconds=1))
     except Exception:  # noqa: BLE001 - the timeout is the point; a broken pair is as good
         pass
 

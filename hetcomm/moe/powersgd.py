@@ -26,6 +26,15 @@ instead of 4,096 (8x); vectors (biases, norms) and matrices that would compress 
 :attr:`SlowLinkPowerSGD.rail_bytes` counts what the rails actually carried: this process's
 ``hetcomm.stats()`` bytes sent per rail during its compressed averagings (empty off hetcomm).
 
+Teardown: the hook's callbacks run on the gloo group's worker thread and hold the state and the
+leader group; the future this thread waits on completes *inside* the last callback, so the
+worker frees those closures a moment later, once it gets the GIL. Had this thread meanwhile
+dropped every other reference (the job ending, ``destroy_process_group``), the worker would free
+the group itself, and ``~ProcessGroupGloo`` joining its own thread aborts the process
+(``std::system_error: Resource deadlock avoided``; seen under load on the leader ranks, 9 of 40
+runs). Each averaging therefore waits until the worker has let go of the state
+(:func:`_wait_until_released`), so a group is only ever freed on the thread that made it.
+
 Two users: ``hetcomm train --powersgd`` (the dense gradients, mean over all ranks) and the
 hot-expert replicas' gradient sums (``MoEConfig.replicate_powersgd``,
 :mod:`hetcomm.moe.placement.replicate`): a SUM over a subset of the ranks (``members``, the
@@ -34,6 +43,8 @@ replica holders and owners), whose bucket layout follows the hot set (:meth:`rem
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -43,6 +54,17 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from hetcomm.errors import ConfigError
 
 __all__ = ["FlatBucket", "SlowLinkPowerSGD", "node_ids_of", "rail_bytes_sent"]
+
+
+def _wait_until_released(obj: object, num_refs: int, timeout_s: float = 2.0) -> None:
+    """Yield the GIL until ``obj`` has ``num_refs`` references again (``sys.getrefcount`` as its
+    caller measured it: other threads have dropped what they held of ``obj``), for at most
+    ``timeout_s``: past it, go on (a worker that slow is stuck elsewhere, and the next
+    collective's own timeout names it)."""
+    deadline = time.monotonic() + timeout_s
+    # - 1: this frame's own reference (the argument ``obj``).
+    while sys.getrefcount(obj) - 1 > num_refs and time.monotonic() < deadline:
+        time.sleep(0.0001)
 
 
 class FlatBucket:
@@ -206,8 +228,11 @@ class SlowLinkPowerSGD:
             dist.all_reduce(flat, group=self.node_group)
         if self.state is not None:
             before = (self.state.total_numel_before_compression, self.state.total_numel_after_compression)
+            num_refs = sys.getrefcount(self.state)
             fut = powerSGD_hook(self.state, FlatBucket(0, flat, [g.shape for g in grads]))
             flat = fut.wait()
+            del fut
+            _wait_until_released(self.state, num_refs)  # see "Teardown" above
             # The hook averages over the leaders: back to the sum of node sums, then the mean.
             flat.mul_(self.num_nodes / self.world_size if average else float(self.num_nodes))
             if compressing:

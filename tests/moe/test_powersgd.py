@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from tests.backends.ranks import run_ranks
@@ -25,9 +27,13 @@ def _rank_powersgd(rank, world_size, node_ids):
     cum = torch.zeros_like(flat_exact)
     first_errs = []
     steps = 12
+    num_refs = sys.getrefcount(comp.state)
+    held_after = []  # references to the state still held elsewhere (gloo's worker) after each call
     for step in range(steps):
         gs = _grads(rank, step)
         comp.all_reduce_mean(gs)
+        if comp.state is not None:  # leaders only (None's count moves with everything else)
+            held_after.append(sys.getrefcount(comp.state) - num_refs)
         flat = torch.cat([g.reshape(-1) for g in gs])
         if step < 2:  # plain averaging before start_iter
             first_errs.append(float((flat - flat_exact).abs().max()))
@@ -39,7 +45,7 @@ def _rank_powersgd(rank, world_size, node_ids):
     identity = float((cum - steps * flat_exact + err / world_size).abs().max()) / float(flat_exact.abs().max())
     missing = float((cum / steps - flat_exact).norm() / flat_exact.norm())
     return {"first": max(first_errs), "identity": identity, "missing": missing, "stats": comp.stats(),
-            "leader": comp.is_leader, "cum0": cum[:4].tolist()}
+            "leader": comp.is_leader, "cum0": cum[:4].tolist(), "held_after": held_after}
 
 
 def test_powersgd_compresses_only_between_nodes_with_torch_error_feedback():
@@ -53,6 +59,9 @@ def test_powersgd_compresses_only_between_nodes_with_torch_error_feedback():
     assert out[1]["stats"]["compressed_bytes"] == 0  # rank 1 talks only inside its node
     assert out[0]["missing"] > 1e-3  # it did compress (random full-rank gradients lose a lot)...
     assert all(o["identity"] < 1e-4 for o in out), [o["identity"] for o in out]  # ...and nothing is lost
+    # The hook's callbacks (on gloo's worker thread) have let go of the state, and with it of the
+    # leader group, when a call returns: a group freed on its own worker thread aborts the process.
+    assert [o["held_after"] for o in out] == [[0] * 12, [], [0] * 12, [0] * 12]
 
 
 def _rank_one_node(rank, world_size):

@@ -9,9 +9,11 @@ the wire-dtype policy. Every c10d method forwards:
   :class:`~hetcomm.backends.routed.RoutedCollectives`: every peer over its own rail;
 * delegated collectives (all_reduce, broadcast, all_gather, reduce_scatter, gather, scatter,
   reduce, barrier) to :class:`~hetcomm.backends.delegated.DelegatedCollectives` on the inner gloo
-  group, so their results are exactly gloo's; send/recv straight to it. The inner gloo group is
-  also registered as the group's C++ fallback backend, so C++ callers of methods the 2.13
-  trampoline does not forward (functional all_gather/reduce_scatter) reach it.
+  group, so their results are exactly gloo's; send/recv straight to it. The functional
+  all_gather/reduce_scatter (C++ callers) reach the same path through the trampoline's
+  ``*_single_coalesced`` methods, never gloo with the GIL held. The inner gloo group is also
+  registered as the group's C++ fallback backend, for C++ callers of methods the 2.13 trampoline
+  does not forward.
 
 Device tensors follow torch's stream contract (ordered after the caller's current stream,
 results ready on the waiting thread's stream; :mod:`hetcomm.backends.devices`): the routed
@@ -35,7 +37,7 @@ from hetcomm.backends.delegated import DelegatedCollectives
 from hetcomm.backends.options import HetcommOptions
 from hetcomm.backends.p2p import HEADER_TAG_BASE, checked_recv, checked_send
 from hetcomm.backends.rank_placement import Placement
-from hetcomm.backends.work import HetcommWork
+from hetcomm.backends.work import FutureWork, HetcommWork
 from hetcomm.errors import UsageError
 
 __all__ = ["HetcommProcessGroup"]
@@ -207,8 +209,24 @@ class HetcommProcessGroup(dist.ProcessGroup):
     def _allgather_base(self, output, input, opts=None):
         return self.all_gather_single(output, input, opts)
 
+    def all_gather_single_coalesced(self, output_tensors, input_tensors, opts=None):
+        """The functional all_gather (``funcol.all_gather_tensor`` and other C++ callers): one
+        :meth:`all_gather_single` per pair. Served here, not by the C++ fallback backend: the 2.13
+        trampoline calls its fallback with the GIL held, and a gloo worker that frees a finished
+        Work under its queue lock needs the GIL to drop the tensors' Python objects, so the two
+        waited for each other for good (a rank stuck in ``ProcessGroupGloo::enqueue``, 3 of 12
+        runs of 20 functional collectives under load). Here gloo is entered through its Python
+        binding, which releases the GIL."""
+        return _all_of([self.all_gather_single(o, i, opts) for o, i in zip(output_tensors, input_tensors)])
+
     def reduce_scatter(self, output_tensors, input_lists, opts=None):
         return self._delegated.reduce_scatter(output_tensors, input_lists, opts)
+
+    def reduce_scatter_single_coalesced(self, output_tensors, input_tensors, opts=None):
+        """The functional reduce_scatter (``funcol.reduce_scatter_tensor``): one
+        :meth:`reduce_scatter_single` per pair, for the reason given in
+        :meth:`all_gather_single_coalesced`."""
+        return _all_of([self.reduce_scatter_single(o, i, opts) for o, i in zip(output_tensors, input_tensors)])
 
     def reduce_scatter_single(self, output, input, opts=None):
         return self._delegated.reduce_scatter_single(output, input, opts)
@@ -259,6 +277,13 @@ class HetcommProcessGroup(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"HetcommProcessGroup(rank={self.rank()}, size={self.size()}, rails={self.rail_names('cpu')})"
+
+
+def _all_of(works: List[dist.Work]) -> dist.Work:
+    """One Work for ``works`` (the Work itself when there is one)."""
+    if len(works) == 1:
+        return works[0]
+    return FutureWork(torch.futures.collect_all([w.get_future() for w in works]))
 
 
 def _is_async(opts) -> bool:

@@ -25,6 +25,13 @@ def _splits(rank: int, n: int):
     return [(rank + 2 * j) % 5 for j in range(n)], [(j + 2 * rank) % 5 for j in range(n)]
 
 
+def _ops_counted() -> float:
+    """Collectives ``hetcomm.stats()`` has counted in this process, over every rail."""
+    import hetcomm
+
+    return sum(float(v.get("ops", 0)) for v in hetcomm.stats().values())
+
+
 def program(rank: int, n: int) -> dict:
     """Run every collective once; return the outputs (same program for gloo and hetcomm)."""
     import torch.distributed as dist
@@ -131,8 +138,11 @@ def program(rank: int, n: int) -> dict:
     # functional collectives (C++ callers through the trampoline and the cxx fallback)
     t = torch.arange(4, dtype=torch.float32) + rank
     out["funcol_all_reduce"] = funcol.all_reduce(t, "sum", dist.group.WORLD) * 1
+    ops_before = _ops_counted()
     out["funcol_all_gather"] = funcol.all_gather_tensor(t, 0, dist.group.WORLD) * 1
     out["funcol_reduce_scatter"] = funcol.reduce_scatter_tensor(torch.arange(4.0 * n) * (rank + 1), "sum", 0, dist.group.WORLD) * 1
+    if backend != "gloo":  # served by hetcomm's own path (counted), not gloo entered with the GIL held
+        out["funcol_gather_scatter_ops"] = _ops_counted() - ops_before
     x = torch.cat([_rows(rank, j, in_s[j]) for j in range(n)])
     out["funcol_a2a"] = funcol.all_to_all_single(x, out_s, in_s, dist.group.WORLD) * 1
     # autograd all_to_all_single: forward rows, backward routes the gradient back
@@ -151,6 +161,7 @@ def test_every_collective_matches_gloo():
     for rank in range(4):
         assert got[rank].pop("a2a_list_uneven_ok") is True, f"rank {rank}: uneven list all_to_all wrong"
         assert got[rank].pop("a2a_3d_noncontig_ok") is True, f"rank {rank}: non-contiguous output wrong"
+        assert got[rank].pop("funcol_gather_scatter_ops") >= 2, f"rank {rank}: funcol all_gather/reduce_scatter bypassed hetcomm"
         assert set(got[rank]) == set(ref[rank])
         for key in ref[rank]:
             a, b = got[rank][key], ref[rank][key]

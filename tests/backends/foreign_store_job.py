@@ -1,8 +1,8 @@
 """One rank of a job for tests/backends/test_foreign_store.py (run as a script).
 
 ``foreign_store_job.py RANK WORLD PORT HOLD_S``: joins the TCPStore at 127.0.0.1:PORT as a
-client, creates the hetcomm group (10 s timeout), all_reduces, holds HOLD_S seconds, all_reduces
-again, prints ``READY`` after the first, then ``OK <sum> <sum>`` or ``ERROR <type> <key> <seconds since init_process_group> <message>`` and exits 0 / 3.
+client, creates the hetcomm group (10 s timeout), all_reduces, holds until the test sets the
+store key ``test/release`` (at most HOLD_S seconds), all_reduces again, prints ``READY`` after the first, then ``OK <sum> <sum>`` or ``ERROR <type> <key> <seconds since init_process_group> <message>`` and exits 0 / 3.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ def main() -> int:
         t = torch.ones(2)
         dist.all_reduce(t)
         print("READY", flush=True)
-        time.sleep(hold)
+        deadline = time.monotonic() + hold
+        while time.monotonic() < deadline and not store.check(["test/release"]):
+            time.sleep(0.1)
         u = torch.ones(2)
         dist.all_reduce(u)
         print(f"OK {t.sum().item()} {u.sum().item()}", flush=True)

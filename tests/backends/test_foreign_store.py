@@ -50,6 +50,7 @@ def test_a_second_job_on_the_same_port_is_told_at_once(second_world):
             assert p.stdout.readline().strip() == "READY"
         second = _start(1, second_world, port, 0.0)
         out2, _ = second.communicate(timeout=90)
+        store.set("test/release", "1")  # the first job may finish: the second one has been told
         outs = ["READY\n" + p.communicate(timeout=90)[0] for p in first]
     finally:
         for p in first:

@@ -159,3 +159,9 @@ def test_ranks_agree_one_measured_speed_vector():
         assert r["seen"][0][1] is False  # before the first agreement: the prior
     speeds = res[0]["seen"][-1][2]
     assert speeds[1] < speeds[0]  # rank 1's experts sleep 0.1 s per call
+    # Replica holders by the agreed measured speed (rank 1 is far below half of rank 0's): the
+    # same choice on both ranks, and rank 1 keeps no copy.
+    assert [r["room"] for r in res] == [(True, True)] * 2
+    assert [r["holders"] for r in res] == [(0,), (0,)]
+    assert res[0]["hot"] == res[1]["hot"] and len(res[0]["hot"]) == 1
+    assert res[1]["replicas"] == []

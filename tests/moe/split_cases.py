@@ -99,5 +99,11 @@ def speed_agreement(rank: int, world_size: int) -> Dict[str, Any]:
         seen.append((st["speed_agreements"], st["speed_measured"], st["speed_rows_per_s"]))
     layer.sync_replicas()  # collective: the refresh at step 4 (after the first agreement) lands
     rep = layer.replicator
+    before = list(layer.placement.owner)
+    due = layer.cold_placement_due()
+    moved = layer.place_cold_on_slow()  # collective: the coldest experts onto the slow rank 1
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(99))
+    layer(x).sum().backward()  # the layer runs on the new map (replicas rebuilt from the new owners)
     return {"seen": seen, "local": layer.speed.local_speed(), "room": layer.speed.room, "holders": rep.holders,
-            "replicas": sorted(rep.replicas), "hot": rep.hot}
+            "replicas": sorted(rep.replicas), "hot": rep.hot, "due": due, "moved": moved, "before": before,
+            "owner": list(layer.placement.owner), "ema": rep.ema.tolist()}

@@ -62,8 +62,10 @@ class TrainConfig:
         balance: heterogeneity balancing (:mod:`hetcomm.train.het_defaults`). ``auto`` (default):
             the per-rank batch split by measured busy time (it re-deals only when per-sequence
             speeds differ by >10% and that pays in two agreements in a row, and keeps a deal only
-            when the step got shorter); True (``--balance``): that and the expert balancer's
-            migrations by measured speed (:mod:`hetcomm.train.balance`); False: neither.
+            when the step got shorter), and once per layer the coldest experts by global load
+            onto the ranks measured >10% slower (``MoELayer.place_cold_on_slow``); True
+            (``--balance``): the batch split and the expert balancer's migrations by measured
+            speed (:mod:`hetcomm.train.balance`); False: none of them.
         speed: where rank speeds come from: ``measured`` (default; the layers' expert rows/s and the
             batch split's busy time, measured on each rank) or ``datasheet`` (``hetcomm.topo.compute``
             only, no batch split: every decision then depends on the data alone, so a run repeats bit for bit,
@@ -469,10 +471,12 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     # Cold experts on the slow ranks (issue 19): once per layer, as soon as its speed vector is
     # measured and its load EMA has a full window, the coldest experts by global load move to the
     # ranks measured >10% slower than the fastest (MoELayer.place_cold_on_slow; nothing moves on
-    # equal ranks). Not with --balance (the balancer owns the map), --no-balance, paging or
-    # --powersgd-experts (its error feedback follows the replicas' rows).
+    # equal ranks). Not with --balance (the balancer owns the map), --no-balance, --speed
+    # datasheet (nothing is measured), paging or --powersgd-experts (its error feedback follows
+    # the replicas' rows).
     cold_todo = (set(range(len(model.moe_layers)))
-                 if cfg.balance == "auto" and cfg.replicate and world_size > 1 and not paged and not cfg.powersgd_experts
+                 if cfg.balance == "auto" and cfg.speed == "measured" and cfg.replicate and world_size > 1
+                 and not paged and not cfg.powersgd_experts
                  else set())
     cold_rows: List[str] = []
     if cfg.powersgd_rank:

@@ -513,45 +513,19 @@ class MoELayer(PagedExperts, nn.Module):
         return migrate_now(self, plan.new_map.owner(), optimizer)
 
     def cold_placement_due(self) -> bool:
-        """Whether :meth:`place_cold_on_slow` has what it needs: an agreed measured speed vector
-        and a full hot-set window of the replication EMA (the layer's global load). Identical on
-        every rank (agreed values and step counts)."""
-        rep = self.replicator
-        return (rep is not None and self.world_size > 1 and self.speed.measured and rep.steps >= rep.every
-                and self.config.page_budget == 0)
+        """Whether :meth:`place_cold_on_slow` has what it needs (identical on every rank;
+        :func:`~hetcomm.moe.placement.migration.cold_placement_due`)."""
+        from hetcomm.moe.placement.migration import cold_placement_due
+
+        return cold_placement_due(self)
 
     def place_cold_on_slow(self, optimizer=None) -> List[int]:
-        """Move the coldest experts onto the slowest ranks, now (collective; between steps).
+        """Move the coldest experts by global load onto the measured-slow ranks, now (collective;
+        between steps; :func:`~hetcomm.moe.placement.migration.place_cold_on_slow`). Returns the
+        experts that moved."""
+        from hetcomm.moe.placement.migration import place_cold_on_slow
 
-        Slow ranks: more than :data:`~hetcomm.moe.placement.assign.SLOW_SPREAD` (10%) slower than
-        the fastest by the agreed measured speed (``layer.speed``; the prior before it is
-        measured); coldest: by the replication EMA of global token counts (identical on every
-        rank), not by expert id. Each rank keeps its number of experts and the fewest experts
-        move (:func:`~hetcomm.moe.placement.assign.cold_on_slow`), through the one migration
-        engine (parameters, optimizer state and gradients travel, so training continues exactly).
-        ``hetcomm train`` calls it once, when :meth:`cold_placement_due` first holds.
-
-        Args:
-            optimizer: the optimizer holding this layer's parameters, or None.
-        Returns:
-            Global ids of the experts that moved (none on equal ranks).
-
-        Raises:
-            ConfigError: replication is off (its EMA is the load).
-        """
-        from hetcomm.moe.placement.assign import cold_on_slow, slow_ranks
-        from hetcomm.moe.placement.migration import migrate_now
-
-        if self.replicator is None:
-            raise ConfigError("place_cold_on_slow() reads the replication EMA as the layer's global load; "
-                              "set replicate=True", key="moe.replicate")
-        if self.world_size == 1:
-            return []
-        owner = list(self.placement.owner)
-        new = cold_on_slow(owner, self.replicator.ema.tolist(), slow_ranks(self.speed.speeds))
-        if new == owner:
-            return []
-        return migrate_now(self, new, optimizer)
+        return place_cold_on_slow(self, optimizer)
 
     def sync_replicas(self, force: bool = False) -> bool:
         """Refresh replicas from their owners now (collective). Returns True if weights moved."""

@@ -205,6 +205,9 @@ class MoELayer(PagedExperts, nn.Module):
 
             strong_global = set(cluster.strong_ranks)
             self.strong_ranks = [r for r in range(W) if self.global_ranks[r] in strong_global]
+            #: Ranks allowed to hold replicas (the YAML's strong flag); which of them do is
+            #: re-chosen by measured speed (:func:`~hetcomm.moe.placement.replicate.choose_holders`).
+            self.replica_candidates: List[int] = list(self.strong_ranks)
             self.rank_tflops = rank_speeds(cluster, self.global_ranks)
             if cfg.rank_weights == "throughput":
                 # Replica holders are the fastest ranks: the strong ones within STRONG_FRACTION of
@@ -213,6 +216,7 @@ class MoELayer(PagedExperts, nn.Module):
                 self.strong_ranks = [r for r in self.strong_ranks if r in fast] or sorted(fast)
         else:
             self.strong_ranks = list(range(W))
+            self.replica_candidates = list(range(W))
 
         if cfg.rank_weights == "throughput":
             weights = list(self.rank_tflops)  # experts in proportion to compute speed
@@ -259,10 +263,11 @@ class MoELayer(PagedExperts, nn.Module):
             self.replicator = HotExpertReplicator(
                 placement,
                 self.rank,
-                # Copies on the strong ranks only, with or without the per-step split: their
-                # weight and gradient reductions then run over the holders' group and never
+                # Copies on strong ranks only, with or without the per-step split: their
+                # weight and gradient reductions then run over the candidates' group and never
                 # cross a weak rank's (often cross-vendor) link; the split balances among them.
-                self.strong_ranks,
+                # Which strong ranks hold them follows the measured speed once agreed.
+                self.replica_candidates,
                 lambda e: build_expert(self._expert_spec, model_dim, e, cfg.seed),
                 owned,
                 group,
@@ -273,6 +278,9 @@ class MoELayer(PagedExperts, nn.Module):
                 powersgd_rank=cfg.replicate_powersgd,
                 powersgd_start=cfg.replicate_powersgd_start,
                 node_ids=node_ids_of(cluster, cluster.num_ranks) if cluster is not None and cfg.replicate_powersgd else None,
+                initial_holders=self.strong_ranks,  # the datasheet's choice: the prior
+                # The agreed speed vector and room flags (self.speed is built below; read lazily).
+                measured=lambda: (self.speed.speeds, self.speed.room) if self.speed.measured else None,
             )
         self.l_aux: torch.Tensor = torch.zeros((), device="cpu")  # replaced by the first forward
         self.last_stats: Optional[StepStats] = None  # set by every forward
@@ -304,7 +312,11 @@ class MoELayer(PagedExperts, nn.Module):
         self._h2d_bytes_per_s: Optional[float] = None  # measured when a pager is built on a device
         self._check_page_budget()
         # Measured speed (hetcomm.moe.speed): the datasheet TFLOPS are the prior.
-        self.speed = SpeedMeter(W, self.rank, self.rank_tflops, group, every=cfg.speed_every, alpha=cfg.speed_alpha)
+        # Room for replicas (agreed with the speeds): allowed to hold them, and not paging its own
+        # experts (a rank whose experts do not fit its device has no memory for extra copies).
+        room = self.rank in self.replica_candidates and not 0 < float(cfg.page_budget) < 1
+        self.speed = SpeedMeter(W, self.rank, self.rank_tflops, group, every=cfg.speed_every, alpha=cfg.speed_alpha,
+                                room=room)
         self.splitter: Optional[TokenSplitter] = (
             TokenSplitter(W, self.rank, group, num_experts) if cfg.token_split and W > 1 else None
         )
@@ -499,6 +511,21 @@ class MoELayer(PagedExperts, nn.Module):
         if not plan.adopted:
             return []
         return migrate_now(self, plan.new_map.owner(), optimizer)
+
+    def cold_placement_due(self) -> bool:
+        """Whether :meth:`place_cold_on_slow` has what it needs (identical on every rank;
+        :func:`~hetcomm.moe.placement.migration.cold_placement_due`)."""
+        from hetcomm.moe.placement.migration import cold_placement_due
+
+        return cold_placement_due(self)
+
+    def place_cold_on_slow(self, optimizer=None) -> List[int]:
+        """Move the coldest experts by global load onto the measured-slow ranks, now (collective;
+        between steps; :func:`~hetcomm.moe.placement.migration.place_cold_on_slow`). Returns the
+        experts that moved."""
+        from hetcomm.moe.placement.migration import place_cold_on_slow
+
+        return place_cold_on_slow(self, optimizer)
 
     def sync_replicas(self, force: bool = False) -> bool:
         """Refresh replicas from their owners now (collective). Returns True if weights moved."""

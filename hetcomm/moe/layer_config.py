@@ -33,7 +33,8 @@ class MoEConfig:
             (the cluster's per-link policy; FP32 without a cluster, FP16 between vendors) or
             ``fp32``/``fp16``/``bf16`` for every pair.
         num_chunks: chunks of the pipelined dispatch/combine (1 = no pipelining).
-        replicate: hot-expert replication on strong ranks.
+        replicate: hot-expert replication on strong ranks: once speeds are measured, on the
+            fastest of them with room (:func:`~hetcomm.moe.placement.replicate.choose_holders`).
         replicate_top: ``N`` hot experts replicated.
         replicate_every: ``M`` steps between hot-set refreshes.
         replicate_alpha: EMA decay of per-expert token counts.

@@ -14,9 +14,10 @@ balancer) reads one vector, measured:
 - **Per step.** A step's rows and seconds are folded into exponential moving averages
   (``alpha``): ``rows_ema``, ``seconds_ema``; this rank's speed is ``rows_ema / seconds_ema``
   (rows per second: a fixed per-call overhead stays in, as it does in the step).
-- **Agreed.** Every ``every`` steps each rank contributes ``(rows_ema, seconds_ema)`` to one
-  all-reduce on the group (a ``[W, 2]`` float64 table each rank fills one row of), so every rank holds the identical
-  vector afterwards: decisions taken from it (the split) are identical on every rank without
+- **Agreed.** Every ``every`` steps each rank contributes ``(rows_ema, seconds_ema, room)`` to
+  one all-reduce on the group (a ``[W, 3]`` float64 table each rank fills one row of; ``room`` is
+  1 when the rank has room for hot-expert replicas, :mod:`hetcomm.moe.placement.replicate`), so
+  every rank holds the identical vector (and room flags) afterwards: decisions taken from it (the split) are identical on every rank without
   another message. Before the first agreement the vector is the *prior* (datasheet TFLOPS, or
   equal speeds without a cluster), in arbitrary units; only ratios matter for a split. A rank that
   has not measured anything yet (no expert received rows) is given the prior scaled by the median
@@ -137,6 +138,9 @@ class SpeedMeter:
         group: the process group of the agreement (None: the default group).
         every: steps between agreements (one all-reduce); 0 = never measure (keep the prior).
         alpha: EMA decay per step.
+        room: this rank has room for hot-expert replicas (allowed to hold them and its own
+            experts fit its device, i.e. it does not page); agreed with the speeds into
+            :attr:`room`, which the replica holders' choice reads.
     """
 
     def __init__(
@@ -148,6 +152,7 @@ class SpeedMeter:
         *,
         every: int = 10,
         alpha: float = 0.8,
+        room: bool = True,
     ) -> None:
         if len(prior) != world_size or not all(float(s) > 0 for s in prior):
             raise ConfigError(
@@ -162,6 +167,10 @@ class SpeedMeter:
         self.prior: Tuple[float, ...] = tuple(float(s) for s in prior)
         self.speeds: Tuple[float, ...] = self.prior
         self.measured = False
+        #: This rank's room flag, and every rank's as agreed (identical on every rank; all True
+        #: before the first agreement, when no rank knows the others' flags).
+        self.room_here = bool(room)
+        self.room: Tuple[bool, ...] = (True,) * world_size
         self.agreements = 0
         self.steps = 0
         self.rows_ema = 0.0
@@ -225,19 +234,21 @@ class SpeedMeter:
         return agree
 
     def agree(self) -> Tuple[float, ...]:
-        """Exchange every rank's ``(rows_ema, seconds_ema)`` and set the vector (collective)."""
-        mine = torch.tensor([self.rows_ema, self.seconds_ema], dtype=torch.float64, device="cpu")  # host: two scalars
+        """Exchange every rank's ``(rows_ema, seconds_ema, room)`` and set the vector (collective)."""
+        mine = torch.tensor([self.rows_ema, self.seconds_ema, float(self.room_here)], dtype=torch.float64, device="cpu")  # host: three scalars
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             dev = self._timer_device if self._timer_device is not None else torch.device("cpu")
             if dist.get_backend(self.group) == "nccl" and dev.type == "cpu":
                 dev = torch.device("cuda", torch.cuda.current_device())
-            # All-reduce of a [W, 2] table each rank fills one row of (exact: zeros elsewhere).
-            buf = torch.zeros(self.world_size, 2, dtype=torch.float64, device=dev)
+            # All-reduce of a [W, 3] table each rank fills one row of (exact: zeros elsewhere).
+            buf = torch.zeros(self.world_size, 3, dtype=torch.float64, device=dev)
             buf[self.rank] = mine.to(dev)
             dist.all_reduce(buf, group=self.group)
-            table = [(float(r), float(t)) for r, t in buf.tolist()]
+            rows3 = buf.tolist()
         else:
-            table = [(self.rows_ema, self.seconds_ema)]
+            rows3 = [mine.tolist()]
+        table = [(float(r), float(t)) for r, t, _ in rows3]
+        self.room = tuple(float(f) > 0.5 for _, _, f in rows3)
         self.speeds = self.combine(table, self.prior)
         self.measured = any(r > 0 and s > 0 for r, s in table)
         self.agreements += 1

@@ -62,8 +62,10 @@ class TrainConfig:
         balance: heterogeneity balancing (:mod:`hetcomm.train.het_defaults`). ``auto`` (default):
             the per-rank batch split by measured busy time (it re-deals only when per-sequence
             speeds differ by >10% and that pays in two agreements in a row, and keeps a deal only
-            when the step got shorter); True (``--balance``): that and the expert balancer's
-            migrations by measured speed (:mod:`hetcomm.train.balance`); False: neither.
+            when the step got shorter), and once per layer the coldest experts by global load
+            onto the ranks measured >10% slower (``MoELayer.place_cold_on_slow``); True
+            (``--balance``): the batch split and the expert balancer's migrations by measured
+            speed (:mod:`hetcomm.train.balance`); False: none of them.
         speed: where rank speeds come from: ``measured`` (default; the layers' expert rows/s and the
             batch split's busy time, measured on each rank) or ``datasheet`` (``hetcomm.topo.compute``
             only, no batch split: every decision then depends on the data alone, so a run repeats bit for bit,
@@ -466,6 +468,17 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         expert = expert + balancer.spare_parameters()  # a spare may hold an expert later
     if batch_split.enabled:
         extras["batch_split"] = batch_split
+    # Cold experts on the slow ranks (issue 19): once per layer, as soon as its speed vector is
+    # measured and its load EMA has a full window, the coldest experts by global load move to the
+    # ranks measured >10% slower than the fastest (MoELayer.place_cold_on_slow; nothing moves on
+    # equal ranks). Not with --balance (the balancer owns the map), --no-balance, --speed
+    # datasheet (nothing is measured), paging or --powersgd-experts (its error feedback follows
+    # the replicas' rows).
+    cold_todo = (set(range(len(model.moe_layers)))
+                 if cfg.balance == "auto" and cfg.speed == "measured" and cfg.replicate and world_size > 1
+                 and not paged and not cfg.powersgd_experts
+                 else set())
+    cold_rows: List[str] = []
     if cfg.powersgd_rank:
         psgd = make_powersgd(cluster, world_size, cfg.powersgd_rank, cfg.seed, cfg.steps)
         from hetcomm.ops.checkpoint import PerRank
@@ -526,6 +539,13 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         for m in model.moe_layers:
             m.sync_replicas()
             m.end_page_step()  # after the refresh read the owners' weights: evictions, prefetch
+        for i in sorted(cold_todo):  # collective when due: agreed speeds and step counts, the same on every rank
+            if model.moe_layers[i].cold_placement_due():
+                cold_todo.discard(i)
+                moved = model.moe_layers[i].place_cold_on_slow(opt)
+                cold_rows.append(f"layer {i} at step {step}: " + (f"experts {moved} moved" if moved else "nothing to move"))
+                if moved:
+                    mc.event(step, "migration", f"layer {i}: coldest experts onto the measured-slow ranks, moved {moved}")
         if balancer is not None:
             for line in balancer.after_step(step):
                 mc.event(step, "migration", line)
@@ -555,6 +575,8 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     het_rows = [("batch split (by measured busy time)", batch_split.summary()),
                 *([] if balancer is not None else [("balancer", "off" + (" (--no-balance)" if cfg.balance is False else ""))]),
                 ("token split (per step, by measured speed)", "on" if split_on else "off"),
+                ("cold experts (coldest by global load on measured-slow ranks)",
+                 "; ".join(cold_rows) if cold_rows else ("not yet measured" if cold_todo else "off")),
                 ("per-rank MoE time max/mean", MoETimeTracker.summary(moe_time.gather(world_size))), *snap_rows,
                 *_elastic_summary_rows(change, model)]
     compression = compression_per_rank(psgd, model, cfg, rank, world_size)  # collective

@@ -23,10 +23,16 @@ wake-up costs a little ``run`` and, on a loaded host, some ``ready``; so:
   second when it computes;
 - a step's busy time is its ``run`` (wait loops add little of it) times that dilation.
 
-Device note: on CUDA/NPU the host thread only enqueues kernels, so its CPU time says nothing
-about the device's busy time; that must come from timing events on the compute stream
-(:class:`hetcomm.moe.speed.EventTimer`). :func:`busy_clock_for` is the seam: it returns None for
-those devices, and the batch split then keeps equal batches.
+Devices: on CUDA/NPU the host thread only enqueues kernels, so its CPU time says nothing
+about the device's busy time. :func:`busy_clock_for` gives those ranks a :class:`DeviceClock`
+instead: timing events on the compute stream (:func:`hetcomm.moe.speed.timer_for`, the
+:class:`~hetcomm.moe.speed.EventTimer` the layers' measured speed uses), so a section's time is
+the stream's time between two marks -- stream-ordered, after the kernels enqueued before it.
+``ready`` is 0 there (the dilation is 1): a device is not shared with other processes' threads
+the way the emulation's CPUs are. What the events cannot separate: the stream's time between two
+marks includes its waits for a collective in between, so a step's busy time on a device contains
+the rank's waits (the dense forward, which holds no collective, is pure compute); the batch
+split's last gate (a deal is kept only when the measured step got shorter) is the guard.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["RankClock", "LayerCpuTimer", "busy_clock_for", "SCHEDSTAT"]
+__all__ = ["RankClock", "DeviceClock", "LayerCpuTimer", "busy_clock_for", "SCHEDSTAT"]
 
 #: Per-thread scheduler statistics: ``run_ns ready_ns timeslices``.
 SCHEDSTAT = "/proc/thread-self/schedstat"
@@ -150,7 +156,58 @@ class LayerCpuTimer:
         self._handles = []
 
 
-def busy_clock_for(device: torch.device) -> Optional[RankClock]:
-    """The clock of a rank computing on ``device``: :class:`RankClock` on CPU ranks; None on
-    CUDA/NPU (their busy time must come from events on the compute stream; not done yet)."""
-    return RankClock() if device.type == "cpu" else None
+class DeviceClock:
+    """``(busy_s, 0.0)`` of a device rank's compute stream, monotonic: :class:`RankClock`'s
+    interface (``read``, ``thread_id``, ``source``, ``close``) for CUDA/NPU ranks.
+
+    Each :meth:`read` closes the interval opened by the previous one with a timing event on the
+    device's current (compute) stream, opens the next, and adds the closed interval's stream
+    time. The value is needed on the host at once (the batch split subtracts readings), so a
+    read waits for *that event* (``event.synchronize()``: the host waits until the stream has
+    run what was enqueued before the mark; other streams and later work are not waited for).
+    The train loop reads it a few times a step at points where the host waits for the device
+    anyway (the MoE layers' count exchange, the loss all-reduce), so the waits add little.
+
+    Args:
+        device: the rank's device (``cuda``/``npu``); its timer is :func:`hetcomm.moe.speed.timer_for`'s.
+        timer: the :class:`~hetcomm.moe.speed.ComputeTimer` to read instead (tests give a
+            :class:`~hetcomm.moe.speed.HostTimer` to run this on CPU).
+    """
+
+    def __init__(self, device: Optional[torch.device] = None, timer: Any = None) -> None:
+        from hetcomm.moe.speed import EventTimer, timer_for  # lazy: torch_npu only where asked for
+
+        if timer is None:
+            if device is None:
+                from hetcomm.errors import ConfigError
+
+                raise ConfigError("DeviceClock needs the rank's device (cuda/npu) or a timer", key="train.busy_clock")
+            timer = timer_for(device)
+        self.timer = timer
+        self.thread_id = threading.get_ident()
+        #: ``events``: stream time from timing events (a host timer given by a test: ``host``).
+        self.source = "events" if isinstance(timer, EventTimer) else "host"
+        self._busy_s = 0.0
+        self._mark = timer.begin()
+
+    def read(self) -> Tuple[float, float]:
+        """``(busy_s, 0.0)``: the stream's seconds from this clock's creation to this mark."""
+        self.timer.end(self._mark, 0)
+        self._mark = self.timer.begin()
+        for _rows, seconds in self.timer.collect(wait=True):
+            self._busy_s += seconds
+        return self._busy_s, 0.0
+
+    def close(self) -> None:
+        """Nothing to give back (events are freed with their last reference)."""
+
+
+def busy_clock_for(device: torch.device) -> Optional[Any]:
+    """The clock of a rank computing on ``device``: :class:`RankClock` on CPU ranks (thread CPU
+    and scheduler time), :class:`DeviceClock` on CUDA/NPU (timing events on the compute stream);
+    None on other devices (the batch split then keeps equal batches)."""
+    if device.type == "cpu":
+        return RankClock()
+    if device.type in ("cuda", "npu"):
+        return DeviceClock(device)
+    return None

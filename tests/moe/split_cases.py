@@ -71,7 +71,8 @@ def split_vs_static(
 
 def speed_agreement(rank: int, world_size: int) -> Dict[str, Any]:
     """Layers measure their expert compute and agree one vector every 2 steps; rank 1's experts
-    are made slower (a sleep inside the expert), which the agreed vector must show."""
+    are made slower (a sleep inside the expert), which the agreed vector must show. The hot set
+    (one expert, refreshed every 2 steps) then goes to the measured-fastest rank only."""
     import time
 
     from hetcomm.moe import MoELayer
@@ -88,11 +89,21 @@ def speed_agreement(rank: int, world_size: int) -> Dict[str, Any]:
             return self.lin(x)
 
     delay = 0.1 if rank == 1 else 0.0
-    layer = MoELayer(16, 4, k=2, dropless=True, calibrate=False, speed_every=2, expert=lambda d: Slow(d, delay))
+    layer = MoELayer(16, 4, k=2, dropless=True, calibrate=False, speed_every=2, expert=lambda d: Slow(d, delay),
+                     replicate=True, replicate_top=1, replicate_every=2)
     seen: List[Any] = []
     for step in range(4):
         x = torch.randn(64, 16, generator=torch.Generator().manual_seed(rank * 10 + step))
         layer(x).sum().backward()
         st = layer.step_stats()
         seen.append((st["speed_agreements"], st["speed_measured"], st["speed_rows_per_s"]))
-    return {"seen": seen, "local": layer.speed.local_speed()}
+    layer.sync_replicas()  # collective: the refresh at step 4 (after the first agreement) lands
+    rep = layer.replicator
+    before = list(layer.placement.owner)
+    due = layer.cold_placement_due()
+    moved = layer.place_cold_on_slow()  # collective: the coldest experts onto the slow rank 1
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(99))
+    layer(x).sum().backward()  # the layer runs on the new map (replicas rebuilt from the new owners)
+    return {"seen": seen, "local": layer.speed.local_speed(), "room": layer.speed.room, "holders": rep.holders,
+            "replicas": sorted(rep.replicas), "hot": rep.hot, "due": due, "moved": moved, "before": before,
+            "owner": list(layer.placement.owner), "ema": rep.ema.tolist()}

@@ -159,3 +159,15 @@ def test_ranks_agree_one_measured_speed_vector():
         assert r["seen"][0][1] is False  # before the first agreement: the prior
     speeds = res[0]["seen"][-1][2]
     assert speeds[1] < speeds[0]  # rank 1's experts sleep 0.1 s per call
+    # Replica holders by the agreed measured speed (rank 1 is far below half of rank 0's): the
+    # same choice on both ranks, and rank 1 keeps no copy.
+    assert [r["room"] for r in res] == [(True, True)] * 2
+    assert [r["holders"] for r in res] == [(0,), (0,)]
+    assert res[0]["hot"] == res[1]["hot"] and len(res[0]["hot"]) == 1
+    assert res[1]["replicas"] == []
+    # Cold experts onto the measured-slow rank 1, coldest by the global load EMA (not by id).
+    ema = res[0]["ema"]
+    assert res[1]["ema"] == ema and all(r["due"] for r in res)
+    assert res[0]["owner"] == res[1]["owner"] and res[0]["before"] == [0, 0, 1, 1]
+    assert res[0]["moved"] == res[1]["moved"] != []  # by id rank 1 had 2 and 3; the load says otherwise
+    assert sorted(e for e, r in enumerate(res[0]["owner"]) if r == 1) == sorted(range(4), key=lambda e: (ema[e], e))[:2]

@@ -69,6 +69,35 @@ def test_layer_timer_times_only_its_modules():
     assert timer.take() == (0.0, 0.0)
 
 
-def test_busy_clock_is_for_cpu_ranks():
-    assert isinstance(busy_clock_for(torch.device("cpu")), RankClock)
-    assert busy_clock_for(torch.device("cuda")) is None  # devices: events on the compute stream (not yet)
+def test_busy_clock_is_the_scheduler_clock_on_cpu_ranks():
+    assert isinstance(busy_clock_for(torch.device("cpu")), RankClock)  # CPU behaviour unchanged
+    assert busy_clock_for(torch.device("meta")) is None  # no clock: the batch split keeps equal batches
+    # CUDA/NPU: DeviceClock over timing events (tests/gpu/test_rank_time_gpu.py)
+
+
+def test_device_clock_adds_up_the_intervals_between_reads():
+    # The DeviceClock's bookkeeping on CPU, over the host timer (on a device: EventTimer).
+    from hetcomm.moe.speed import HostTimer
+    from hetcomm.train.het_defaults import BatchSplit
+    from hetcomm.train.rank_time import DeviceClock
+
+    clock = DeviceClock(timer=HostTimer())
+    assert clock.source == "host"
+    first = clock.read()
+    x = torch.randn(64, 64)
+    for _ in range(50):
+        x = torch.tanh(x @ x)
+    second = clock.read()
+    assert first[1] == second[1] == 0.0 and second[0] > first[0] >= 0.0
+    # the batch split measures with it as with RankClock (two ranks' split, this process is rank 0)
+    dense, moe = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    split = BatchSplit(2, 2, 0, clock=clock, every=100)
+    split.attach([moe])
+    for _ in range(3):
+        split.begin_step()
+        split.begin_forward()
+        y = moe(torch.tanh(dense(torch.randn(split.mine * 16, 8))))
+        split.end_forward()
+        y.sum().backward()
+        split.maybe_agree(0.01)
+    assert split.measuring and split._steps == 3 and split._ema[2] > 0  # per-sequence seconds measured

@@ -3,12 +3,13 @@
 One room, one job each:
 
 * :mod:`~hetcomm.moe.placement.assign` -- the initial assignment (``place_experts``: experts in
-  proportion to rank weights, hottest spread over strong ranks given a load prior) and the
-  :class:`ExpertPlacement` map itself;
+  proportion to rank weights, hottest spread over strong ranks given a load prior; once speeds
+  are measured, ``cold_on_slow``: the coldest experts by global load onto the measured-slow
+  ranks) and the :class:`ExpertPlacement` map itself;
 * :mod:`~hetcomm.moe.placement.balancer` -- the one placement policy
   (:class:`ExpertBalancer`: predicted load, capacity-aware packing, refinement, cooldown);
   ``MoELayer.rebalance`` and ``hetcomm train --balance`` both decide through it;
-* :mod:`~hetcomm.moe.placement.replicate` -- hot-expert replicas on strong ranks;
+* :mod:`~hetcomm.moe.placement.replicate` -- hot-expert replicas on the measured-fastest strong ranks with room;
 * :mod:`~hetcomm.moe.placement.migration` -- the one migration engine
   (:class:`ExpertMigrator`: parameters, optimizer state and gradients move asynchronously;
   :func:`migrate_now` is its start + finish at once).

@@ -22,7 +22,12 @@ from torch import nn
 
 from hetcomm.errors import ConfigError
 
-__all__ = ["ExpertPlacement", "place_experts", "split_by_weight", "check_adopted_map"]
+__all__ = ["ExpertPlacement", "place_experts", "split_by_weight", "check_adopted_map", "slow_ranks", "cold_on_slow",
+           "SLOW_SPREAD"]
+
+#: A rank is "slow" (it gets the coldest experts) when the fastest rank is more than this
+#: fraction faster (max / speed - 1 > 0.10, the "speeds differ" threshold of issue 19).
+SLOW_SPREAD = 0.10
 
 
 @dataclass(frozen=True)
@@ -264,3 +269,51 @@ def check_adopted_map(
             raise ConfigError(f"expert {e}'s module has parameters {got} but this layer's experts have {want} "
                               f"(rank {rank})", key="moe.placement")
     return mine
+
+
+def slow_ranks(speeds: Sequence[float], spread: float = SLOW_SPREAD) -> List[int]:
+    """Ranks more than ``spread`` slower than the fastest (``speed * (1 + spread) < max``),
+    ascending; none when the speeds are within ``spread`` of each other (equal ranks).
+
+    Args:
+        speeds: ``[W]`` agreed speed of each rank (measured rows/s, or the datasheet prior).
+    """
+    top = max(float(v) for v in speeds)
+    return [r for r, v in enumerate(speeds) if float(v) * (1 + spread) < top]
+
+
+def cold_on_slow(owner: Sequence[int], expert_load: Sequence[float], slow: Sequence[int]) -> List[int]:
+    """The expert map that puts the coldest experts on the ``slow`` ranks, with the fewest moves.
+
+    Every rank keeps its number of experts (``L_r``); the slow ranks together hold
+    ``n = sum of their L_r`` experts, and those become the ``n`` coldest by ``expert_load`` (the
+    layer's global load, identical on every rank), not the highest ids. An expert already in
+    place stays; each hot expert on a slow rank trades places with a cold one on a fast rank
+    (hottest leaving with coldest arriving; ties broken by expert id), so the same inputs give
+    the same map on every rank.
+
+    Args:
+        owner: ``[E]`` current owner of each expert.
+        expert_load: ``[E]`` load per expert (e.g. the replication EMA of global token counts).
+        slow: the slow ranks (:func:`slow_ranks`).
+    Returns:
+        ``[E]`` new owner of each expert (equal to ``owner`` when nothing needs to move).
+
+    Raises:
+        ConfigError: ``expert_load`` does not have one entry per expert.
+    """
+    E = len(owner)
+    if len(expert_load) != E:
+        raise ConfigError(f"expert_load has {len(expert_load)} entries for {E} experts", key="moe.expert_load")
+    slow_set = set(int(r) for r in slow)
+    n = sum(1 for r in owner if r in slow_set)
+    # coldest first; among equal loads the experts already on a slow rank first (they stay)
+    by_cold = sorted(range(E), key=lambda e: (float(expert_load[e]), 0 if owner[e] in slow_set else 1, e))
+    cold = set(by_cold[:n])
+    arriving = sorted((e for e in cold if owner[e] not in slow_set), key=lambda e: (float(expert_load[e]), e))
+    leaving = sorted((e for e in range(E) if owner[e] in slow_set and e not in cold),
+                     key=lambda e: (-float(expert_load[e]), e))
+    new = [int(r) for r in owner]
+    for hot_e, cold_e in zip(leaving, arriving):  # equal lengths: each rank keeps its count
+        new[hot_e], new[cold_e] = owner[cold_e], owner[hot_e]
+    return new

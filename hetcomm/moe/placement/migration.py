@@ -36,7 +36,7 @@ from torch import nn
 from hetcomm.errors import ConfigError, PeerTimeout
 from hetcomm.moe.placement.balancer import Move
 
-__all__ = ["ExpertSlots", "ExpertMigrator", "migrate_now", "state_layout"]
+__all__ = ["ExpertSlots", "ExpertMigrator", "migrate_now", "state_layout", "cold_placement_due", "place_cold_on_slow"]
 
 
 def state_layout(optimizer: Optional[torch.optim.Optimizer]) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
@@ -310,3 +310,47 @@ def migrate_now(layer, expert_to_rank: Sequence[int], optimizer=None, *, timeout
         mig.finish(slots, optimizer)
     layer.apply_placement(new, {e: slots.module(e) for e in range(E) if new[e] == rank})
     return [mv.expert for mv in moves]
+
+
+def cold_placement_due(layer) -> bool:
+    """Whether :func:`place_cold_on_slow` has what it needs for ``layer`` (a
+    :class:`~hetcomm.moe.MoELayer`): an agreed measured speed vector and a full hot-set window of
+    the replication EMA (the layer's global load), more than one rank, no paging. Identical on
+    every rank (agreed values and step counts)."""
+    rep = layer.replicator
+    return (rep is not None and layer.world_size > 1 and layer.speed.measured and rep.steps >= rep.every
+            and layer.config.page_budget == 0)
+
+
+def place_cold_on_slow(layer, optimizer=None) -> List[int]:
+    """Move ``layer``'s coldest experts onto the slowest ranks, now (collective; between steps).
+
+    Slow ranks: more than :data:`~hetcomm.moe.placement.assign.SLOW_SPREAD` (10%) slower than
+    the fastest by the agreed measured speed (``layer.speed``; the prior before it is measured);
+    coldest: by the replication EMA of global token counts (identical on every rank), not by
+    expert id. Each rank keeps its number of experts and the fewest experts move
+    (:func:`~hetcomm.moe.placement.assign.cold_on_slow`), through :func:`migrate_now`
+    (parameters, optimizer state and gradients travel, so training continues exactly).
+    ``hetcomm train`` calls it once per layer, when :func:`cold_placement_due` first holds.
+
+    Args:
+        layer: a :class:`~hetcomm.moe.MoELayer` with replication on.
+        optimizer: the optimizer holding the layer's parameters, or None.
+    Returns:
+        Global ids of the experts that moved (none on equal ranks).
+
+    Raises:
+        ConfigError: replication is off (its EMA is the load).
+    """
+    from hetcomm.moe.placement.assign import cold_on_slow, slow_ranks
+
+    if layer.replicator is None:
+        raise ConfigError("place_cold_on_slow() reads the replication EMA as the layer's global load; "
+                          "set replicate=True", key="moe.replicate")
+    if layer.world_size == 1:
+        return []
+    owner = list(layer.placement.owner)
+    new = cold_on_slow(owner, layer.replicator.ema.tolist(), slow_ranks(layer.speed.speeds))
+    if new == owner:
+        return []
+    return migrate_now(layer, new, optimizer)

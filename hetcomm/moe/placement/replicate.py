@@ -1,8 +1,19 @@
-"""Hot-expert replication: compute the most popular experts on every strong rank.
+"""Hot-expert replication: compute the most popular experts on the fastest ranks with room.
 
 A few experts take most tokens; every copy sent to them crosses the network twice (dispatch and
-combine). Replicating the top-``N`` hot experts on every strong rank (A100/H800 per the cluster
-YAML) lets those ranks compute their own tokens for them locally.
+combine). Replicating the top-``N`` hot experts on the fast ranks lets those ranks compute their
+own tokens for them locally.
+
+- **Where (the holders).** Candidates are the ranks allowed to hold replicas (the cluster YAML's
+  ``strong`` flag: A100/H800 by default; every rank without a cluster). Before the group has
+  measured its speeds the holders are the layer's initial ones (all candidates, or with
+  ``rank_weights="throughput"`` those within :data:`~hetcomm.topo.compute.STRONG_FRACTION` of the
+  fastest by datasheet). Once the speed vector is agreed (:mod:`hetcomm.moe.speed`), every
+  hot-set refresh re-chooses them with :func:`choose_holders`: among the candidates *with room*
+  (the agreed flag: the rank does not page its own experts, so extra copies would only push them
+  out), those whose measured speed is at least ``STRONG_FRACTION`` (0.5) of the fastest such
+  rank. A replica on a slow rank adds work where time is already short. The inputs are agreed
+  (all-reduced) values, so every rank computes the same holders without another message.
 
 - **Which experts.** An EMA (``alpha = 0.99``) of each expert's *global* token count (the
   all-reduced picks, identical on every rank, so every rank picks the same hot set without
@@ -49,16 +60,55 @@ from torch import nn
 from hetcomm.errors import ConfigError
 from hetcomm.moe.powersgd import SlowLinkPowerSGD, rail_bytes_sent
 
-__all__ = ["HotExpertReplicator"]
+__all__ = ["HotExpertReplicator", "choose_holders", "HOLDER_FRACTION"]
+
+#: A rank holds replicas only when its measured speed is at least this fraction of the fastest
+#: rank with room (the datasheet rule's :data:`hetcomm.topo.compute.STRONG_FRACTION`, on measured speed).
+HOLDER_FRACTION = 0.5
+
+
+def choose_holders(
+    speeds: Sequence[float],
+    room: Sequence[bool],
+    candidates: Optional[Sequence[int]] = None,
+    *,
+    fraction: float = HOLDER_FRACTION,
+    limit: Optional[int] = None,
+) -> Tuple[int, ...]:
+    """The replica holders: the fastest ranks that have room.
+
+    Args:
+        speeds: ``[W]`` agreed measured speed of each rank (rows/s, or any unit: only ratios count).
+        room: ``[W]`` agreed flags: the rank has room for replicas (it does not page its experts).
+        candidates: ranks allowed to hold replicas (the cluster's strong ranks); None: all.
+        fraction: keep ranks at least this fraction of the fastest eligible rank's speed.
+        limit: at most this many holders (the fastest first); None: no limit.
+    Returns:
+        The holders, ascending. Ranks are taken in ``(-speed, rank)`` order, so equal speeds go
+        to the lower rank: the same inputs give the same holders on every rank. Empty when no
+        candidate has room (the owners then compute every copy).
+    """
+    if len(speeds) != len(room):
+        raise ConfigError(f"{len(speeds)} speeds but {len(room)} room flags; give one of each per rank", key="moe.replicate")
+    allowed = range(len(speeds)) if candidates is None else sorted(set(int(r) for r in candidates))
+    eligible = [r for r in allowed if 0 <= r < len(speeds) and room[r] and float(speeds[r]) > 0]
+    if not eligible:
+        return ()
+    top = max(float(speeds[r]) for r in eligible)
+    order = sorted((r for r in eligible if float(speeds[r]) >= fraction * top), key=lambda r: (-float(speeds[r]), r))
+    if limit is not None:
+        order = order[: max(0, int(limit))]
+    return tuple(sorted(order))
 
 
 class HotExpertReplicator:
-    """Tracks expert heat, keeps replicas on strong ranks, and keeps them equal to their owners.
+    """Tracks expert heat, keeps replicas on the fastest ranks with room, and keeps them equal to their owners.
 
     Args:
         placement: the :class:`~hetcomm.moe.placement.ExpertPlacement`.
         rank: this rank in ``group``.
-        holders: group ranks that hold replicas (the strong ranks).
+        holders: group ranks that may hold replicas (the candidates: the strong ranks); the
+            reductions' holders group is built over them.
         make_expert: ``make_expert(e)`` builds a module shaped like expert ``e`` (its values are
             overwritten by the owner's).
         owned: ``owned[e]`` -> this rank's module for each expert it owns.
@@ -70,6 +120,10 @@ class HotExpertReplicator:
         powersgd_start: exact sums for the first reductions (PowerSGD's ``start_iter``, >= 2).
         node_ids: ``[world]`` node index of every rank of the job
             (:func:`~hetcomm.moe.powersgd.node_ids_of`); needed when ``powersgd_rank > 0``.
+        initial_holders: the holders before any measurement (default: all of ``holders``).
+        measured: ``measured()`` -> ``(speeds [W], room [W])`` once the group agreed its measured
+            speed (identical on every rank), else None; each hot-set refresh then re-chooses the
+            holders with :func:`choose_holders`. None: the holders never change.
     """
 
     def __init__(
@@ -88,6 +142,8 @@ class HotExpertReplicator:
         powersgd_rank: int = 0,
         powersgd_start: int = 10,
         node_ids: Optional[Sequence[int]] = None,
+        initial_holders: Optional[Sequence[int]] = None,
+        measured: Optional[Callable[[], Optional[Tuple[Sequence[float], Sequence[bool]]]]] = None,
     ) -> None:
         if num_hot < 0 or num_hot > placement.num_experts:
             raise ConfigError(
@@ -104,7 +160,14 @@ class HotExpertReplicator:
             raise ConfigError(f"replicate_alpha must be in [0, 1), got {alpha}", key="moe.replicate_alpha")
         self.placement = placement
         self.rank = rank
-        self.holders = tuple(sorted(set(holders)))
+        #: Ranks that may hold replicas (fixed: the holders' reduction group is built over them).
+        self.candidates = tuple(sorted(set(holders)))
+        #: Ranks holding replicas now: a subset of the candidates, re-chosen by measured speed.
+        self.holders = self.candidates if initial_holders is None else tuple(
+            sorted(set(initial_holders) & set(self.candidates)))
+        self.measured = measured
+        self._pending_holders: Optional[Tuple[int, ...]] = None
+        self._synced_holders: Tuple[int, ...] = self.holders
         self.make_expert = make_expert
         self.owned = owned
         self.group = group
@@ -130,17 +193,19 @@ class HotExpertReplicator:
         self._numel: Optional[int] = None
         self._pending_hot: Optional[Tuple[int, ...]] = None
         # Replica weights and gradients only concern the holders and the owners. When every hot
-        # expert is owned by a holder (the usual case: cold experts go to weak ranks), the two
-        # per-step reductions run over the holders alone, so they never cross a weak rank's slow
+        # expert is owned by a candidate (the usual case: cold experts go to weak ranks), the two
+        # per-step reductions run over the candidates alone, so they never cross a weak rank's slow
         # link (on a mixed cluster, the cross-vendor bridge). Created here because new_group is
-        # collective: every rank builds the same layers in the same order.
+        # collective: every rank builds the same layers in the same order. Built over the
+        # candidates, not the holders of the moment: those change with measured speed, and a
+        # candidate that holds nothing adds zeros.
         self.holders_group: Optional[dist.ProcessGroup] = None
         world = placement.world_size
         # Only when the layer's group is the whole job: new_group needs every process of the
         # default group, and ranks outside a sub-group never build this layer.
-        if dist.is_initialized() and world > 1 and 1 < len(self.holders) < world and dist.get_world_size() == world:
+        if dist.is_initialized() and world > 1 and 1 < len(self.candidates) < world and dist.get_world_size() == world:
             global_holders = [
-                r if group is None else dist.get_global_rank(group, r) for r in self.holders
+                r if group is None else dist.get_global_rank(group, r) for r in self.candidates
             ]
             self.holders_group = dist.new_group(global_holders)
         #: Rail bytes (``hetcomm.stats()``) this process sent during its gradient reductions.
@@ -169,7 +234,7 @@ class HotExpertReplicator:
         to_global = (lambda r: r) if self.group is None else (lambda r: dist.get_global_rank(self.group, r))
         candidates = {"all": [to_global(r) for r in range(world)]}
         if self.holders_group is not None:
-            candidates["holders"] = [to_global(r) for r in self.holders]
+            candidates["holders"] = [to_global(r) for r in self.candidates]
         for key, members in candidates.items():  # the same order on every rank
             comp = SlowLinkPowerSGD(node_ids, matrix_approximation_rank=rank, start_iter=start, members=members)
             if comp.compresses:
@@ -195,6 +260,10 @@ class HotExpertReplicator:
             # Applied at the next forward (sync), never between a forward and its backward:
             # the backward must reduce the gradients of the replicas that forward used.
             self._pending_hot = tuple(hot)
+            agreed = self.measured() if self.measured is not None else None
+            if agreed is not None:  # the fastest candidates with room, from agreed numbers
+                speeds, room = agreed
+                self._pending_holders = choose_holders(speeds, room, self.candidates)
 
     def _bytes_per_step(self, e: int, row_bytes: int) -> Tuple[float, float]:
         """``(saved, spent)``: all-to-all bytes a replica set of expert ``e`` saves per step, and
@@ -211,12 +280,14 @@ class HotExpertReplicator:
         spent = 2.0 * 2 * (members - 1) * self._param_numel() * 4  # FP32 buffers, see sync()
         return saved, spent
 
-    def set_hot(self, experts: Sequence[int]) -> None:
-        """Replicate exactly ``experts`` from the next forward on (must be equal on all ranks)."""
+    def set_hot(self, experts: Sequence[int], holders: Optional[Sequence[int]] = None) -> None:
+        """Replicate exactly ``experts`` from the next forward on, on ``holders`` (default: the
+        current ones; both must be equal on all ranks; holders outside the candidates are ignored)."""
         hot = tuple(sorted(int(e) for e in experts))
-        if hot == self.hot:
+        new_holders = self.holders if holders is None else tuple(sorted(set(int(r) for r in holders) & set(self.candidates)))
+        if hot == self.hot and new_holders == self.holders:
             return
-        self.hot = hot
+        self.hot, self.holders = hot, new_holders
         wanted = {e for e in hot if self.rank in self.holders and self.placement.owner[e] != self.rank}
         for e in list(self.replicas):
             if e not in wanted:
@@ -234,6 +305,8 @@ class HotExpertReplicator:
         self.placement = placement
         self.owned = owned
         pending = self._pending_hot if self._pending_hot is not None else self.hot
+        if self._pending_holders is None:
+            self._pending_holders = self.holders
         self.hot, self._synced_hot = (), ()
         self.replicas.clear()
         self._pending_hot = pending
@@ -277,8 +350,8 @@ class HotExpertReplicator:
     def _reduction_group(self, hot: Tuple[int, ...]):
         """``(group, member)``: the group the replica reductions of ``hot`` run over, and
         whether this rank takes part. Every rank computes the same answer from the agreed hot set."""
-        if self.holders_group is not None and all(self.placement.owner[e] in self.holders for e in hot):
-            return self.holders_group, self.rank in self.holders
+        if self.holders_group is not None and all(self.placement.owner[e] in self.candidates for e in hot):
+            return self.holders_group, self.rank in self.candidates
         return self.group, True
 
     def _versions(self) -> Tuple[int, ...]:
@@ -294,17 +367,19 @@ class HotExpertReplicator:
         the start of each forward). Returns True when weights were copied.
         """
         if self._pending_hot is not None:
-            self.set_hot(self._pending_hot)
-            self._pending_hot = None
+            self.set_hot(self._pending_hot, self._pending_holders)
+            self._pending_hot = self._pending_holders = None
         if not self.hot:
             return False
         P = self._param_numel()
         group, member = self._reduction_group(self.hot)
         if not member:
-            # Not a holder and owner of none of the hot experts: nothing to send or receive.
-            self._synced_hot = self.hot
+            # Not a candidate and owner of none of the hot experts: nothing to send or receive.
+            self._synced_hot, self._synced_holders = self.hot, self.holders
             return False
-        changed = force or self.hot != self._synced_hot or self._versions() != self._synced_versions
+        # New holders need the owners' weights too (their replicas were just built).
+        changed = (force or self.hot != self._synced_hot or self.holders != self._synced_holders
+                   or self._versions() != self._synced_versions)
         if dist.is_initialized() and self.placement.world_size > 1:
             flag = torch.tensor([1 if changed else 0], dtype=torch.int64, device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
@@ -328,6 +403,7 @@ class HotExpertReplicator:
                     p.copy_(buf[i, off : off + n].view_as(p))
                     off += n
         self._synced_hot = self.hot
+        self._synced_holders = self.holders
         self._synced_versions = self._versions()
         return True
 

@@ -9,6 +9,8 @@ torchrun numbers nodes in rendezvous order, not in the cluster YAML's order, and
 by the health check is simply absent. A cluster YAML places ranks by position, so before the
 process group exists each worker:
 
+0. (rank 0) hosts the rendezvous round's store when torchrun's agent does not
+   (:func:`round_store`; ``hetcomm launch`` turns torch's store sharing off across nodes);
 1. publishes its node's name (``HETCOMM_NODE``, set by that node's ``hetcomm launch --node``)
    under its torchrun node rank (``GROUP_RANK``) in torchrun's own store, reads every node's,
    and writes the cluster YAML *of this job*: the nodes that joined, in torchrun's order
@@ -41,6 +43,29 @@ if TYPE_CHECKING:
 NODE_ENV = settings.NODE.name
 GROUP_SIZE_ENV = settings.GROUP_SIZE.name
 GROUP_DELAY_ENV = settings.GROUP_DELAY.name
+
+
+_ROUND_STORE: List[object] = []  # rank 0's store of this rendezvous round (round_store), alive with the worker
+
+
+def round_store() -> None:
+    """Host the rendezvous round's store on rank 0 when torchrun's agent does not.
+
+    ``hetcomm launch`` turns torch's store sharing off on multi-node jobs (so that a node can join
+    a later round, :mod:`hetcomm.cli.launch`): the round's rank 0 agent then only publishes a free
+    port as ``MASTER_PORT`` and nothing listens there (``TORCHELASTIC_USE_AGENT_STORE=False``).
+    Rank 0 hosts that store itself, for the whole attempt, and the steps below use it as they
+    use the agent's (``TORCHELASTIC_USE_AGENT_STORE=True`` from here on). Each round has a port
+    of its own, so no key of an earlier membership is read (a grow keeps the restart count).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "False" or "MASTER_PORT" not in os.environ:
+        return
+    import torch.distributed as dist
+
+    if os.environ.get("RANK") == "0":
+        _ROUND_STORE.append(dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=True,
+                                          wait_for_workers=False, timeout=timedelta(seconds=120)))
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
 
 
 def _torchrun_store(timeout_s: float):
@@ -154,6 +179,7 @@ def main(argv: Optional[List[str]] = None, *, build_parser: "Callable[[], argpar
     # `hetcomm launch` name the rank at fault once torchrun gives up (hetcomm.ops.rank_marks).
     with marked(out, "job", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ.get("RANK", "0")),
                 settings.NODE.get() or ""):
+        round_store()
         args = place(list(sys.argv[1:] if argv is None else argv))
         fresh_store()
         stagger()

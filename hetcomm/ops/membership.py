@@ -260,6 +260,14 @@ def _cause(prev: Dict[str, Any]) -> str:
     return describe(marks, None)
 
 
+def _joined_cause(joined: List[Dict[str, Any]]) -> str:
+    """A grow: the previous attempt ended because torchrun's agents stopped its workers to admit
+    the joining node(s) (its marks then name whichever peer the survivors saw go first, which is
+    no fault)."""
+    nodes = sorted({str(r.get("node")) for r in joined})
+    return f"node(s) {', '.join(nodes)} joined at torchrun's next rendezvous (the agents stopped the workers to admit them)"
+
+
 def _last_finished(cfg) -> Tuple[Optional[int], Optional[float]]:
     """The previous attempt's last finished step and its ``time_s``, from the metrics file."""
     if not cfg.metrics or not os.path.exists(cfg.metrics):
@@ -307,7 +315,8 @@ def on_start(cfg, rank: int, world_size: int, cluster, model: torch.nn.Module, s
             step=start_step, before=int(prev["world_size"]), after=world_size, left=left, joined=joined,
             nodes_left=[n for n in prev.get("nodes", []) if n not in cur["nodes"]],
             nodes_joined=[n for n in cur["nodes"] if n not in prev.get("nodes", [])],
-            cause=_cause(prev) if rank == 0 else "", steps_redone=redone, down_s=down, placement=placement,
+            cause=(_cause(prev) if left or not joined else _joined_cause(joined)) if rank == 0 else "",
+            steps_redone=redone, down_s=down, placement=placement,
             experts=census.line(), experts_present=sum(census.present), experts_total=sum(census.total),
             owners=[list(m.placement.owner) for m in model.moe_layers],
         )

@@ -408,3 +408,25 @@ def test_requests_take_experts_by_owner_and_dense_state_from_a_local_snapshot():
     assert req == {1: ["expert/l/1/w", "model/w", "optim/model/w/exp_avg", "train/step"]}
     # an optimizer state the old owner never had, and a stream the old job had no rank for
     assert missing == ["optim/expert/l/1/w/step", "train/rng/2"]
+
+
+def test_snapshot_placement_reads_the_headers_speeds_and_keeps_old_snapshots_readable():
+    from hetcomm.ops.membership import snapshot_placement
+    from hetcomm.topo.cluster import load_cluster
+
+    c = load_cluster(MIXED_MINI)
+    models = [c.rank(r).model for r in range(4)]
+    nodes = [c.rank(r).node.name for r in range(4)]
+    speeds = {"A100-SXM4-80GB": 1.0, "H800": 4.0, "910B": 2.0}
+    three = {"world_size": 3, "nodes": ["a100-0", "a100-0", "ascend-0"],
+             "placement": {"models": [models[0], models[1], models[3]], "weights": None, "speeds_by_model": speeds}}
+    assert snapshot_placement(three, c, 4)[0] == [1.0, 1.0, 4.0, 2.0]  # grown: every model measured
+    three["placement"]["speeds_by_model"] = {"A100-SXM4-80GB": 1.0, "910B": 2.0}
+    w, how = snapshot_placement(three, c, 4)
+    assert w is None and "no measured speed of H800" in how, how  # a model the snapshots never had
+    same = {"world_size": 4, "nodes": nodes, "placement": {"models": models, "weights": [3.0, 3.0, 1.0, 1.0],
+                                                          "speeds_by_model": speeds}}
+    assert snapshot_placement(same, c, 4)[0] == [3.0, 3.0, 1.0, 1.0]  # same membership: its own placement
+    w, how = snapshot_placement({"world_size": 3, "nodes": three["nodes"], "placement": None}, c, 4)
+    assert w is None and "older hetcomm" in how, how  # a header without placement: datasheet, still restores
+    assert snapshot_placement(None, c, 4) == (None, "datasheet")

@@ -249,6 +249,14 @@ def _run(args: argparse.Namespace, made: List[str], jobs: List[str]) -> int:
     env["PYTHONSAFEPATH"] = "1"  # torchrun's `python -m hetcomm.cli.launch_worker` must not import ./hetcomm
     if args.node:
         env["HETCOMM_NODE"] = args.node
+    if args.rdzv_endpoint is not None:
+        # torch 2.13's c10d rendezvous shares its TCPStore with the workers and builds that
+        # store's address once per agent (DynamicRendezvousHandler._bootstrap_store_info): a node
+        # that joins a later round (a lost node back, growing the job) waits for a MASTER_ADDR key
+        # the cached rank 0 never writes, and the round times out after 60 s on every node
+        # (benchmarks/README.md, "Elastic shrink ..."). torch's own opt-out builds it every round;
+        # the workers then host their store on rank 0 (hetcomm.ops.worker.fresh_store's case).
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     where = f"node {args.node}" if args.node else "this machine"
 
     # -- phase 1: health check ------------------------------------------------------------

@@ -266,9 +266,10 @@ def _probe_main(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     import hetcomm  # noqa: F401  (registers the backend)
-    from hetcomm.ops.worker import fresh_store, place
+    from hetcomm.ops.worker import fresh_store, place, round_store
     from hetcomm.topo.cluster import cluster_from_env
 
+    round_store()  # rank 0 hosts the round's store (hetcomm launch turns torch's sharing off)
     place([])  # the job's cluster YAML in torchrun's node order (HETCOMM_CLUSTER)
     fresh_store()
     torch.set_num_threads(1)

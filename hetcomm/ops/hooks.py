@@ -260,7 +260,9 @@ def snapshotter(cfg, rank: int, world_size: int, cluster):
     if not every or not dist.is_initialized():
         return None
     nodes = [cluster.rank(r).node.name for r in range(world_size)]
-    return Snapshotter(rank, world_size, nodes, every=int(every), peer=cfg.snapshot_peer, timeout_s=cfg.timeout_s)
+    models = [cluster.rank(r).model for r in range(world_size)]
+    return Snapshotter(rank, world_size, nodes, every=int(every), peer=cfg.snapshot_peer, timeout_s=cfg.timeout_s,
+                       models=models)
 
 
 def _disk_step(path: Optional[str]) -> int:
@@ -268,6 +270,16 @@ def _disk_step(path: Optional[str]) -> int:
 
     m = re.match(r"step-(\d+)", os.path.basename(path or ""))
     return int(m.group(1)) if m else 0
+
+
+def disk_step(cfg) -> int:
+    """The step of the disk checkpoint ``--resume`` would load (0: none, or no ``--resume``)."""
+    if not (cfg.checkpoint_dir and cfg.resume):
+        return 0
+    try:
+        return _disk_step(latest_checkpoint(cfg.checkpoint_dir))
+    except Exception:  # noqa: BLE001 - the resume itself reports a bad directory
+        return 0
 
 
 def restore(cfg, model: nn.Module, optimizer: torch.optim.Optimizer, rng: torch.Generator,

@@ -16,6 +16,11 @@ that change visible and places the experts for it:
   the new job was measured there; else the layer's datasheet weights (``device.tflops`` or the
   device table, :func:`hetcomm.topo.compute.rank_speeds`). An unchanged membership keeps the
   datasheet placement, so a plain restart resumes bit for bit.
+* **Placement without a checkpoint directory** (:func:`snapshot_placement`): the same speeds
+  travel in every in-memory snapshot's header (:mod:`hetcomm.ops.snapshot_format`, ``placement``),
+  so a memory-only restore onto another membership places by the speeds measured up to the
+  snapshot it restores; when ``membership.json`` has no speeds (none written, no checkpoint
+  directory, not measured before the last checkpoint) the snapshots' are used.
 * **The change** (:func:`on_start`, after the resume): which ranks/nodes left or joined, the cause
   (the previous attempt's end marks in the launch directory, :mod:`hetcomm.ops.rank_marks`: the
   rank that died without a word, or the peer the survivors' errors named — e.g. a heartbeat's
@@ -45,7 +50,8 @@ import torch.distributed as dist
 
 __all__ = [
     "MEMBERSHIP_FILE", "MembershipChange", "ExpertCensus", "members", "read_membership", "write_membership",
-    "placement_weights", "expert_census", "on_start", "after_checkpoint", "summary_rows",
+    "placement_weights", "snapshot_placement", "measured_speeds_by_model", "expert_census", "on_start",
+    "after_checkpoint", "summary_rows",
 ]
 
 MEMBERSHIP_FILE = "membership.json"
@@ -254,6 +260,14 @@ def _cause(prev: Dict[str, Any]) -> str:
     return describe(marks, None)
 
 
+def _joined_cause(joined: List[Dict[str, Any]]) -> str:
+    """A grow: the previous attempt ended because torchrun's agents stopped its workers to admit
+    the joining node(s) (its marks then name whichever peer the survivors saw go first, which is
+    no fault)."""
+    nodes = sorted({str(r.get("node")) for r in joined})
+    return f"node(s) {', '.join(nodes)} joined at torchrun's next rendezvous (the agents stopped the workers to admit them)"
+
+
 def _last_finished(cfg) -> Tuple[Optional[int], Optional[float]]:
     """The previous attempt's last finished step and its ``time_s``, from the metrics file."""
     if not cfg.metrics or not os.path.exists(cfg.metrics):
@@ -301,7 +315,8 @@ def on_start(cfg, rank: int, world_size: int, cluster, model: torch.nn.Module, s
             step=start_step, before=int(prev["world_size"]), after=world_size, left=left, joined=joined,
             nodes_left=[n for n in prev.get("nodes", []) if n not in cur["nodes"]],
             nodes_joined=[n for n in cur["nodes"] if n not in prev.get("nodes", [])],
-            cause=_cause(prev) if rank == 0 else "", steps_redone=redone, down_s=down, placement=placement,
+            cause=(_cause(prev) if left or not joined else _joined_cause(joined)) if rank == 0 else "",
+            steps_redone=redone, down_s=down, placement=placement,
             experts=census.line(), experts_present=sum(census.present), experts_total=sum(census.total),
             owners=[list(m.placement.owner) for m in model.moe_layers],
         )
@@ -325,26 +340,80 @@ def on_start(cfg, rank: int, world_size: int, cluster, model: torch.nn.Module, s
     return change
 
 
+def measured_speeds_by_model(model: torch.nn.Module, models: Sequence[str]) -> Optional[Dict[str, float]]:
+    """The agreed measured expert speed per device model: the median over that model's ranks of
+    layer 0's :class:`~hetcomm.moe.speed.SpeedMeter` vector (rows/s), or None before it measured.
+
+    Args:
+        model: a model with ``moe_layers`` (a model without MoE layers has no speeds).
+        models: each rank's device model, in rank order (``len`` = the meter's world size).
+    """
+    layers = list(getattr(model, "moe_layers", []) or [])
+    if not layers or not layers[0].speed.measured:
+        return None
+    by_model: Dict[str, List[float]] = {}
+    for r, s in enumerate(layers[0].speed.speeds):
+        by_model.setdefault(models[r], []).append(float(s))
+    return {m: statistics.median(v) for m, v in by_model.items()}
+
+
 def after_checkpoint(cfg, rank: int, world_size: int, cluster, model: torch.nn.Module) -> None:
     """After a checkpoint: rank 0 adds the measured expert speed per device model to the record
     (what :func:`placement_weights` uses if the next attempt runs on other ranks)."""
     if rank != 0 or not cfg.checkpoint_dir or not model.moe_layers:
         return
-    meter = model.moe_layers[0].speed
-    if not meter.measured:
+    speeds = measured_speeds_by_model(model, [cluster.rank(r).model for r in range(world_size)])
+    if speeds is None:
         return
     rec = read_membership(cfg.checkpoint_dir)
     if rec is None:
         return
-    by_model: Dict[str, List[float]] = {}
-    for r, s in enumerate(meter.speeds):
-        by_model.setdefault(cluster.rank(r).model, []).append(float(s))
-    rec["speeds_by_model"] = {m: statistics.median(v) for m, v in by_model.items()}
-    rec["speeds_step"] = int(meter.agreements)
+    rec["speeds_by_model"] = speeds
+    rec["speeds_step"] = int(model.moe_layers[0].speed.agreements)
     try:
         write_membership(cfg.checkpoint_dir, rec)
     except Exception:  # noqa: BLE001 - advisory
         pass
+
+
+def snapshot_placement(record: Optional[Dict[str, Any]], cluster, world_size: int) -> Tuple[Optional[List[float]], str]:
+    """Expert-placement weights from the in-memory snapshots a restore will read (a memory-only
+    restore: no ``membership.json`` with speeds; see the module docstring).
+
+    Args:
+        record: :meth:`hetcomm.ops.snapshot.Snapshotter.placement_record`: ``{"world_size",
+            "nodes", "placement": {"models", "weights", "speeds_by_model"} | None}`` of the
+            snapshots the restore will choose, or None (nothing complete in memory).
+        cluster / world_size: this job.
+
+    Returns:
+        ``(weights, how)`` as :func:`placement_weights`. The same membership (models and nodes
+        rank by rank) keeps the weights the snapshots' job was built with (its experts are where
+        its files say; None: the datasheet); another one takes the snapshots' measured speed of
+        each rank's device model when every model of the new job was measured there.
+    """
+    if record is None:
+        return None, "datasheet"
+    place = record.get("placement")
+    if not isinstance(place, dict):
+        return None, "datasheet (the in-memory snapshots carry no measured speeds: taken by an older hetcomm)"
+    cur = members(cluster, world_size)
+    models, nodes = place.get("models") or [], record.get("nodes") or []
+    prev = {"ranks": [{"model": m, "node": n} for m, n in zip(models, nodes)]}
+    if len(models) == len(nodes) == int(record.get("world_size", -1)) and _same(prev, cur):
+        weights = place.get("weights")
+        if weights is None:
+            return None, "datasheet"
+        return [float(w) for w in weights], "the in-memory snapshots' placement (same membership)"
+    speeds = place.get("speeds_by_model") or {}
+    want = [r["model"] for r in cur["ranks"]]
+    missing = sorted({m for m in want if m not in speeds})
+    if missing:
+        return None, f"datasheet (no measured speed of {', '.join(missing)} in the in-memory snapshots)"
+    weights = [float(speeds[m]) for m in want]
+    if not all(w > 0 for w in weights):
+        return None, "datasheet (a measured speed was not positive)"
+    return weights, "measured speeds of the in-memory snapshots (rows/s per device model)"
 
 
 def summary_rows(change: Optional[MembershipChange], census: ExpertCensus) -> List[Tuple[str, str]]:

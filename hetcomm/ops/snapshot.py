@@ -145,10 +145,17 @@ class Snapshotter:
         every: steps between snapshots (>= 1).
         peer: also keep a copy on the buddy rank.
         timeout_s: timeout of the snapshot group's transfers.
+        models: each rank's device model (from the cluster YAML): with the agreed measured speeds
+            in every snapshot's header, what a restore onto another membership places its
+            experts by (:func:`hetcomm.ops.membership.snapshot_placement`); None: not recorded.
+
+    Attributes:
+        weights: the placement weights this job's experts were built with (None: the datasheet);
+            set by the caller before the first snapshot, carried in each header.
     """
 
     def __init__(self, rank: int, world_size: int, nodes: Sequence[str], every: int = 1, peer: bool = True,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, models: Optional[Sequence[str]] = None) -> None:
         import datetime
 
         from hetcomm.ops.safe_fs import private_dir
@@ -163,6 +170,8 @@ class Snapshotter:
         bud = buddies(list(nodes)) if peer else [None] * world_size
         self.buddy = bud[rank]
         self.nodes = list(nodes)
+        self.models = list(models) if models is not None else None
+        self.weights: Optional[List[float]] = None
         self.node_ranks = {r for r, n in enumerate(nodes) if n == nodes[rank]}  # share this node's directory
         self.sources = [s for s in range(world_size) if bud[s] == rank]
         self.lost = 0  # steps lost over the whole job (carried in the snapshots)
@@ -256,7 +265,7 @@ class Snapshotter:
         state = ck._state(model, optimizer, TrainState(step, rng), {}, self.rank, create=False)
         head = {
             "meta": {"step": step, "rank": self.rank, "world_size": self.world_size, "lost": self.lost,
-                     "restores": self.restores, "nodes": self.nodes},
+                     "restores": self.restores, "nodes": self.nodes, "placement": self._placement(model)},
             "extras": {name: obj.state_dict() for name, obj in (extras or {}).items()},
         }
         blob = pack({k: v for k, v in state.items() if isinstance(v, torch.Tensor)}, head)
@@ -270,6 +279,15 @@ class Snapshotter:
                                             name=f"hetcomm-snapshot-{step}")
             self._thread.start()
         self.blocking_s += time.perf_counter() - t0
+
+    def _placement(self, model: nn.Module) -> Optional[Dict[str, object]]:
+        """The header's ``placement`` (:mod:`hetcomm.ops.snapshot_format`), None without ``models``."""
+        if self.models is None:
+            return None
+        from hetcomm.ops.membership import measured_speeds_by_model
+
+        return {"models": self.models, "weights": self.weights,
+                "speeds_by_model": measured_speeds_by_model(model, self.models)}
 
     def _exchange(self, step: int, blob: bytes) -> None:
         from hetcomm.ops.safe_fs import write_private
@@ -312,6 +330,42 @@ class Snapshotter:
             ) from None
 
     # -- restoring -----------------------------------------------------------------------
+
+    def placement_record(self, not_before: int = 0, below: Optional[int] = None) -> Optional[Dict[str, object]]:
+        """What the snapshots that :meth:`restore` will choose say about placement, read before
+        the model exists (collective: one all-gather of every node's list and headers).
+
+        Returns:
+            ``{"world_size", "step", "nodes", "placement"}`` (``placement`` None: an older
+            hetcomm's snapshot) of the newest complete step after ``not_before`` and before
+            ``below``, or None (nothing complete in memory). Every rank gets the same answer.
+        """
+        from hetcomm.ops.snapshot_format import read_head
+
+        seen = self._scan()
+        heads: Dict[Tuple[int, int], object] = {}
+        for (world, owner, step), (_, path) in sorted(seen.items()):
+            if (world, step) in heads:
+                continue
+            try:
+                meta = read_head(path)["meta"]
+                heads[(world, step)] = {"nodes": meta.get("nodes"), "placement": meta.get("placement")}  # type: ignore[union-attr]
+            except Exception:  # noqa: BLE001 - a damaged file: another holder's header serves
+                continue
+        mine = sorted((world, owner, step) for (world, owner, step) in seen)
+        box: List[object] = [None] * self.world_size
+        dist.all_gather_object(box, (mine, heads), group=self.group)
+        held: Dict[Tuple[int, int, int], Dict[int, str]] = {}
+        for r, (keys, _) in enumerate(box):  # type: ignore[misc]
+            for world, owner, st in keys:
+                held.setdefault((int(world), int(owner), int(st)), {})[r] = "r"
+        chosen = snapshot_reshard.newest_complete(held, self.world_size, below)
+        if chosen is None or chosen[1] <= not_before:
+            return None
+        head = next((h[chosen] for _, h in box if chosen in h), None)  # type: ignore[misc,operator]
+        if head is None:
+            return None
+        return {"world_size": chosen[0], "step": chosen[1], **head}  # type: ignore[dict-item]
 
     def restore(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], rng: torch.Generator,
                 extras: Optional[Mapping[str, Stateful]] = None, not_before: int = 0,

@@ -6,6 +6,15 @@ size (:mod:`hetcomm.ops.snapshot_reshard`), so that neither imports the other's 
 Layout of a file (:func:`pack`): the header's length (8 bytes, little endian), a ``torch.save``d
 header (``meta``, ``extras``, and the tensor index: key, dtype, shape, byte offset, numel), then
 every tensor's bytes back to back.
+
+``meta`` of a snapshot (:meth:`hetcomm.ops.snapshot.Snapshotter.take`): ``step``, ``rank``,
+``world_size``, ``lost``, ``restores``, ``nodes`` (each rank's node) and, since the measured
+speeds travel with the snapshots, ``placement``: ``{"models": each rank's device model,
+"weights": the placement weights the job's experts were built with (None: the datasheet),
+"speeds_by_model": the agreed measured expert speed per device model, rows/s (None: not measured
+yet)}`` (:func:`hetcomm.ops.membership.snapshot_placement` reads it). A snapshot of an older
+hetcomm has no ``placement``: it still restores, and the new world's experts are placed by the
+datasheet.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from hetcomm.errors import CheckpointError
 from hetcomm.ops import checkpoint as ck
 from hetcomm.ops.checkpoint import Stateful, TrainState
 
-__all__ = ["Restored", "pack", "unpack", "read_bytes", "apply_state"]
+__all__ = ["Restored", "pack", "unpack", "read_bytes", "read_head", "apply_state"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,25 @@ def read_bytes(path: str) -> bytes:
     """The whole file (a snapshot: tens of MB at most)."""
     with open(path, "rb") as f:
         return f.read()
+
+
+def read_head(path: str) -> Dict[str, object]:
+    """A snapshot file's header without its tensors: ``{"meta": ..., "extras": ...}`` (reads the
+    header's bytes only; the placement reads the previous job's measured speeds before the model
+    exists).
+
+    Raises:
+        OSError / ValueError: an unreadable or truncated file (the caller skips it).
+    """
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        h = f.read(n)
+    if len(h) != n:
+        raise ValueError(f"{path}: header cut short ({len(h)} of {n} bytes)")
+    # weights_only=False: as unpack (numpy state of the data stream); this job's own 0700 file.
+    head = torch.load(io.BytesIO(h), weights_only=False)
+    head.pop("index", None)
+    return head
 
 
 def apply_state(payload: Mapping[str, object], path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],

@@ -9,6 +9,8 @@ torchrun numbers nodes in rendezvous order, not in the cluster YAML's order, and
 by the health check is simply absent. A cluster YAML places ranks by position, so before the
 process group exists each worker:
 
+0. (rank 0) hosts the rendezvous round's store when torchrun's agent does not
+   (:func:`round_store`; ``hetcomm launch`` turns torch's store sharing off across nodes);
 1. publishes its node's name (``HETCOMM_NODE``, set by that node's ``hetcomm launch --node``)
    under its torchrun node rank (``GROUP_RANK``) in torchrun's own store, reads every node's,
    and writes the cluster YAML *of this job*: the nodes that joined, in torchrun's order
@@ -30,7 +32,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, List, Optional
 
-__all__ = ["main", "NODE_ENV", "GROUP_SIZE_ENV", "GROUP_DELAY_ENV"]
+__all__ = ["main", "round_store", "place", "fresh_store", "NODE_ENV", "GROUP_SIZE_ENV", "GROUP_DELAY_ENV"]
 
 from hetcomm import settings
 
@@ -41,6 +43,39 @@ if TYPE_CHECKING:
 NODE_ENV = settings.NODE.name
 GROUP_SIZE_ENV = settings.GROUP_SIZE.name
 GROUP_DELAY_ENV = settings.GROUP_DELAY.name
+
+
+_ROUND_STORE: List[object] = []  # rank 0's store of this rendezvous round (round_store), alive with the worker
+_ROUND: List[str] = []  # set by round_store: this round's tag for the keys below
+
+
+def _attempt() -> str:
+    """The tag of this attempt's keys in the store: the round's own store needs none of the
+    restart count, which is per agent (a node that joins later counts from 0 while the others
+    count their restarts); torchrun's shared store outlives attempts, so there it is the count."""
+    return _ROUND[0] if _ROUND else os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def round_store() -> None:
+    """Host the rendezvous round's store on rank 0 when torchrun's agent does not.
+
+    ``hetcomm launch`` turns torch's store sharing off on multi-node jobs (so that a node can join
+    a later round, :mod:`hetcomm.cli.launch`): the round's rank 0 agent then only publishes a free
+    port as ``MASTER_PORT`` and nothing listens there (``TORCHELASTIC_USE_AGENT_STORE=False``).
+    Rank 0 hosts that store itself, for the whole attempt, and the steps below use it as they
+    use the agent's (``TORCHELASTIC_USE_AGENT_STORE=True`` from here on). Each round has a store
+    of its own, so no key of an earlier membership is read, and the keys are tagged by the round,
+    not by the restart count (:func:`_attempt`: a returning node's agent counts from 0).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "False" or "MASTER_PORT" not in os.environ:
+        return
+    import torch.distributed as dist
+
+    if os.environ.get("RANK") == "0":
+        _ROUND_STORE.append(dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=True,
+                                          wait_for_workers=False, timeout=timedelta(seconds=120)))
+    _ROUND.append(f"round-{os.environ['MASTER_PORT']}")
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
 
 
 def _torchrun_store(timeout_s: float):
@@ -63,9 +98,8 @@ def place(argv: List[str]) -> List[str]:
         return argv
     group_rank = int(os.environ["GROUP_RANK"])
     num_nodes = int(os.environ["GROUP_WORLD_SIZE"])
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = _torchrun_store(120.0)
-    prefix = f"hetcomm/launch/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{restart}/node/"
+    prefix = f"hetcomm/launch/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{_attempt()}/node/"
     if int(os.environ["LOCAL_RANK"]) == 0:
         store.set(prefix + str(group_rank), node)
     keys = [prefix + str(g) for g in range(num_nodes)]
@@ -107,7 +141,7 @@ def fresh_store() -> None:
     import socket
 
     store = _torchrun_store(120.0)
-    key = f"hetcomm/launch/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/store_port"
+    key = f"hetcomm/launch/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{_attempt()}/store_port"
     if os.environ.get("RANK") == "0":
         with socket.socket() as s:
             s.bind(("", 0))
@@ -154,6 +188,7 @@ def main(argv: Optional[List[str]] = None, *, build_parser: "Callable[[], argpar
     # `hetcomm launch` name the rank at fault once torchrun gives up (hetcomm.ops.rank_marks).
     with marked(out, "job", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ.get("RANK", "0")),
                 settings.NODE.get() or ""):
+        round_store()
         args = place(list(sys.argv[1:] if argv is None else argv))
         fresh_store()
         stagger()

@@ -385,7 +385,14 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     device = torch.device("cpu")  # the demo LM runs on CPU ranks
     num_chunks, _ = resolve_chunks(cfg.chunks, device)  # None: measured once the model exists
 
-    elastic_weights, placement_from = _elastic_placement(cfg, cluster, world_size)
+    from hetcomm.ops import hooks, rank_marks
+
+    # Before the model: the in-memory snapshots' headers carry the measured speeds a restore onto
+    # another membership places the experts by when no checkpoint directory records them.
+    snap = hooks.snapshotter(cfg, rank, world_size, cluster)  # in-memory snapshots (hetcomm.ops.snapshot)
+    elastic_weights, placement_from = _elastic_placement(cfg, cluster, world_size, snap)
+    if snap is not None:
+        snap.weights = elastic_weights  # carried in each header: a restart on this membership keeps it
 
     def make_moe(layer_index: int):
         return MoELayer(
@@ -432,8 +439,6 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)
 
     import hetcomm
-
-    from hetcomm.ops import hooks, rank_marks
 
     # --balance / --powersgd (hetcomm.train.balance): their state is checkpointed with the model.
     from hetcomm.train.balance import ReplicaPowerSGD, TrainBalancer, make_powersgd
@@ -489,7 +494,6 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
 
         extras["powersgd_experts"] = PerRank(ReplicaPowerSGD(model), rank)
     rank_marks.startup("model")
-    snap = hooks.snapshotter(cfg, rank, world_size, cluster)  # in-memory snapshots (hetcomm.ops.snapshot)
     start_step, resumed_from = hooks.restore(cfg, model, opt, gen, extras or None, snap)  # memory, else disk
     rank_marks.startup("restore")
     if start_step >= cfg.steps:  # nothing left to train: report the recorded verdict, not a fresh one
@@ -594,11 +598,21 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
 # -- elastic membership and the in-training probe (hetcomm.ops.membership, hetcomm.ops.probe) --
 
 
-def _elastic_placement(cfg: TrainConfig, cluster, world_size: int):
-    """Placement weights for a resume onto other ranks (measured speeds), or (None, "datasheet")."""
-    from hetcomm.ops.membership import placement_weights
+def _elastic_placement(cfg: TrainConfig, cluster, world_size: int, snap=None):
+    """Placement weights for a resume onto other ranks (measured speeds), or (None, "datasheet"):
+    the checkpoint directory's ``membership.json`` first, else the headers of the in-memory
+    snapshots the restore will read (collective when ``snap`` is on)."""
+    from hetcomm.ops import hooks
+    from hetcomm.ops.membership import placement_weights, snapshot_placement
 
-    return placement_weights(cfg, cluster, world_size)
+    weights, how = placement_weights(cfg, cluster, world_size)
+    if snap is None:
+        return weights, how
+    record = snap.placement_record(not_before=hooks.disk_step(cfg), below=cfg.steps)  # every rank: collective
+    if weights is not None or record is None:
+        return weights, how
+    got, from_snap = snapshot_placement(record, cluster, world_size)
+    return (got, from_snap) if got is not None or how == "datasheet" else (None, how)
 
 
 def _placement_kwargs(weights, experts: int, world_size: int) -> Dict[str, Any]:

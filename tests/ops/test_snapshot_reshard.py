@@ -9,7 +9,10 @@ a shared-memory root of its own:
    restore from memory: old rank 2's state from its peer copy on the 910B node. Grow: the 4
    ranks of the returned node's job restore from the 3-rank job's memory, the h800 rank from
    its peers' snapshots alone;
-3. the same new job resumes from the DCP checkpoint of the same step instead (DCP reshards).
+3. the same new job resumes from the DCP checkpoint of the same step instead (DCP reshards);
+4. (shrink) memory only: no checkpoint directory, so no ``membership.json``: the snapshots'
+   headers carry the measured speeds (checked against the metrics' agreed vector), set here to
+   speeds whose placement differs from the datasheet's, and the 3 ranks place by them.
 
 Both new jobs place their experts alike (the same membership record), so DCP's reshard is the
 reference: every rank's state right after the restore (dense weights, experts by global id,
@@ -80,9 +83,48 @@ def _run(cfg, world_size: int, root: str, job: str, keep: bool = False, out: str
     assert codes[0] in (0, 1), codes  # 1: the tiny job's loss verdict, not a failure
 
 
+def _carried_speeds(root: str, old_log, models) -> None:
+    """Every kept snapshot's header names each rank's device model and the agreed measured speed
+    per model (the median over its ranks of the metrics' vector at that step)."""
+    import statistics
+
+    from hetcomm.ops.snapshot_format import read_head
+
+    vector = {s.step: s.speed_rows_per_s for s in old_log.all_steps}
+    files = [os.path.join(d, n) for d, _, names in os.walk(root) for n in names if n.endswith(".snap")]
+    assert files
+    for path in files:
+        meta = read_head(path)["meta"]
+        place = meta.get("placement")
+        assert place is not None, f"{path}: the header carries no placement record"
+        by_model = {}
+        for r, v in enumerate(vector[meta["step"]]):
+            by_model.setdefault(models[r], []).append(v)
+        want = {m: statistics.median(v) for m, v in by_model.items()}
+        assert place["models"] == models and place["weights"] is None and place["speeds_by_model"] == want, (
+            path, place, want)
+
+
+def _set_speeds(root: str, speeds) -> None:
+    """Rewrite every snapshot's header with ``speeds`` (rows/s per device model): the measured
+    values of these CPU ranks are noise around equal, whose placement may match the datasheet's."""
+    from hetcomm.ops.snapshot_format import pack, read_bytes, unpack
+
+    for d, _, names in os.walk(root):
+        for n in names:
+            if n.endswith(".snap"):
+                head = unpack(read_bytes(os.path.join(d, n)))
+                tensors = head.pop("tensors")
+                head["meta"]["placement"]["speeds_by_model"] = dict(speeds)
+                with open(os.path.join(d, n), "wb") as f:
+                    f.write(pack(tensors, head))
+
+
 def _reshard_vs_dcp(tmp_path, old_cluster: str, new_cluster: str, old_world: int, new_world: int, lost_node: str,
-                    balance):
-    """Old job, then the new job from memory and from DCP; returns both dumps and metrics."""
+                    balance, memory_only_speeds=None):
+    """Old job, then the new job from memory and from DCP (and, with ``memory_only_speeds``,
+    from memory without a checkpoint directory, the headers' speeds set to those); returns the
+    dumps and metrics of each."""
     import torch
 
     from hetcomm.ops.checkpoint_files import step_dir_name
@@ -97,6 +139,20 @@ def _reshard_vs_dcp(tmp_path, old_cluster: str, new_cluster: str, old_world: int
     if lost_node:
         shutil.rmtree(os.path.join(root, lost_node))  # the node and its memory are gone for good
     runs = {}
+    if memory_only_speeds is not None:
+        from hetcomm.topo.cluster import load_cluster
+
+        models = [load_cluster(old_cluster).rank(r).model for r in range(old_world)]
+        _carried_speeds(root, read_metrics(m), models)
+        only = str(tmp_path / "shm-only")
+        shutil.copytree(root, only)
+        _set_speeds(only, memory_only_speeds)
+        cfg = load_train_config(TINY, steps=NEW_STEPS, cluster=new_cluster, metrics=str(tmp_path / "m-only.jsonl"),
+                                snapshot_every=1, balance=balance)
+        out = str(tmp_path / "dump-only")
+        _run(cfg, new_world, only, job, out=out)
+        runs["memory only"] = ([torch.load(os.path.join(out, f"r{r}.pt"), weights_only=False)
+                                for r in range(new_world)], read_metrics(str(tmp_path / "m-only.jsonl")))
     for how in ("memory", "disk"):
         ck2, m2 = str(tmp_path / f"ck-{how}"), str(tmp_path / f"m-{how}.jsonl")
         shutil.copytree(ck, ck2)
@@ -146,13 +202,33 @@ def test_shrink_four_to_three_restores_from_memory_as_dcp_reshards(tmp_path):
     three.write_text(job_cluster_yaml(MIXED_MINI, ["a100-0", "ascend-0"]))
     # balance="auto" (the default): the batch split's state (a size per old rank) starts afresh
     # on both paths; it re-deals only after 10 measured steps, so the 4 steps after are exact.
-    runs = _reshard_vs_dcp(tmp_path, MIXED_MINI, str(three), 4, 3, lost_node="h800-0", balance="auto")
+    speeds = {"A100-SXM4-80GB": 1.0, "H800": 5.0, "910B": 3.0}  # rows/s; the H800 is gone
+    runs = _reshard_vs_dcp(tmp_path, MIXED_MINI, str(three), 4, 3, lost_node="h800-0", balance="auto",
+                           memory_only_speeds=speeds)
     _assert_same_as_dcp(runs, 3)
     assert runs["memory"][0][0]["extras"] == ["batch_split"], runs["memory"][0][0]["extras"]
     what = runs["memory"][0][0]["what"]
     # Old rank 2 lived on the lost node: its state came from its buddy's copy (the 910B node).
     assert "resharded from 4 ranks" in what and "old ranks 2 from peer copies" in what, what
     assert "lost 0 step(s)" in what, what
+    # Memory only (no checkpoint directory): the experts are placed by the snapshots' speeds.
+    from hetcomm.moe.layer_config import MoEConfig
+    from hetcomm.moe.placement import place_experts
+    from hetcomm.topo.cluster import load_cluster
+
+    c3 = load_cluster(str(three))
+    measured = place_experts(EXPERTS, 3, rank_weights=[speeds[c3.rank(r).model] for r in range(3)]).owner
+    # The layer's own map without measured speeds (MoELayer, rank_weights="strong"): the strong
+    # ranks (the A100s) weigh strong_expert_weight, the others 1.
+    strong = set(c3.strong_ranks)
+    datasheet = place_experts(EXPERTS, 3, rank_weights=[MoEConfig.strong_expert_weight if r in strong else 1.0
+                                                        for r in range(3)]).owner
+    assert measured != datasheet, (measured, datasheet)  # the speeds above are chosen to differ
+    only = runs["memory only"][0]
+    got = [[next(r for r in range(3) if e in only[r]["experts"][layer]) for e in range(EXPERTS)]
+           for layer in range(len(only[0]["experts"]))]
+    assert got == [list(measured)] * len(got), (got, measured, datasheet)
+    assert only[0]["step"] == OLD_STEPS and "resharded from 4 ranks" in only[0]["what"], only[0]["what"]
 
 
 def test_grow_three_to_four_gives_the_returning_rank_its_experts_from_memory(tmp_path):
@@ -332,3 +408,25 @@ def test_requests_take_experts_by_owner_and_dense_state_from_a_local_snapshot():
     assert req == {1: ["expert/l/1/w", "model/w", "optim/model/w/exp_avg", "train/step"]}
     # an optimizer state the old owner never had, and a stream the old job had no rank for
     assert missing == ["optim/expert/l/1/w/step", "train/rng/2"]
+
+
+def test_snapshot_placement_reads_the_headers_speeds_and_keeps_old_snapshots_readable():
+    from hetcomm.ops.membership import snapshot_placement
+    from hetcomm.topo.cluster import load_cluster
+
+    c = load_cluster(MIXED_MINI)
+    models = [c.rank(r).model for r in range(4)]
+    nodes = [c.rank(r).node.name for r in range(4)]
+    speeds = {"A100-SXM4-80GB": 1.0, "H800": 4.0, "910B": 2.0}
+    three = {"world_size": 3, "nodes": ["a100-0", "a100-0", "ascend-0"],
+             "placement": {"models": [models[0], models[1], models[3]], "weights": None, "speeds_by_model": speeds}}
+    assert snapshot_placement(three, c, 4)[0] == [1.0, 1.0, 4.0, 2.0]  # grown: every model measured
+    three["placement"]["speeds_by_model"] = {"A100-SXM4-80GB": 1.0, "910B": 2.0}
+    w, how = snapshot_placement(three, c, 4)
+    assert w is None and "no measured speed of H800" in how, how  # a model the snapshots never had
+    same = {"world_size": 4, "nodes": nodes, "placement": {"models": models, "weights": [3.0, 3.0, 1.0, 1.0],
+                                                          "speeds_by_model": speeds}}
+    assert snapshot_placement(same, c, 4)[0] == [3.0, 3.0, 1.0, 1.0]  # same membership: its own placement
+    w, how = snapshot_placement({"world_size": 3, "nodes": three["nodes"], "placement": None}, c, 4)
+    assert w is None and "older hetcomm" in how, how  # a header without placement: datasheet, still restores
+    assert snapshot_placement(None, c, 4) == (None, "datasheet")

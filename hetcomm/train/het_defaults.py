@@ -32,10 +32,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from hetcomm.train.rank_time import LayerCpuTimer, RankClock
+from hetcomm.train.rank_time import LayerCpuTimer, ProcessClock, RankClock
 
 __all__ = ["SPEED_SPREAD", "NOISE_SIGMAS", "cluster_is_mixed", "token_split_default", "speeds_differ",
-           "BatchSplit", "BATCH_MIN_GAIN", "MoETimeTracker", "resolve_chunks", "measure_chunks", "CHUNK_CANDIDATES"]
+           "BatchSplit", "BATCH_MIN_GAIN", "SATURATED", "MoETimeTracker", "resolve_chunks", "measure_chunks", "CHUNK_CANDIDATES"]
 
 #: Datasheet speeds further apart than this (max / min - 1) make a cluster "mixed".
 SPEED_SPREAD = 0.10
@@ -46,6 +46,12 @@ BATCH_MIN_GAIN = 0.03
 NOISE_SIGMAS = 3.0
 #: Forward + backward seconds per forward second of the dense part.
 FWD_BWD = 3.0
+#: A rank whose whole process was busy (run + ready over all its threads,
+#: :class:`~hetcomm.train.rank_time.ProcessClock`) for at least this fraction of the wall step
+#: barely waits for the others: the step waits for it (:meth:`BatchSplit.plan`, gate 1b).
+SATURATED = 0.75
+#: EMA weight of the previous windows' process busy time (one window = one agreement).
+PROCESS_ALPHA = 0.5
 
 
 def cluster_is_mixed(cluster, world_size: int) -> bool:
@@ -93,17 +99,26 @@ class BatchSplit:
       replica and gradient syncs' copies, the optimizer): ~87% of the step on the emulated
       half-speed cluster, which is why a speed-proportional deal overshoots.
 
-    EMAs (``alpha``) of each; every ``every`` steps one all-reduce of a ``[W, 7]``
+    EMAs (``alpha``) of each; every ``every`` steps one all-reduce of a ``[W, 9]``
     float64 table (:data:`TABLE_COLUMNS`; each rank fills its row, so the sum is exact) gives
     every rank the same numbers, and :meth:`plan` deals the ``W * batch_size`` sequences so the
     predicted max busy is minimal (at least one each). Gates, so that equal ranks never re-deal:
 
-    1. only when the per-sequence speeds ``1 / per_seq`` differ by more than
+    1. only when (a) the per-sequence speeds ``1 / per_seq`` differ by more than
        :data:`SPEED_SPREAD` and by more than :data:`NOISE_SIGMAS` standard deviations of the
        noisiest rank's estimate (the ``per_seq_noise`` column; ranks that differ only in fixed work -- a replica holder and a
        weak rank on equal CPUs -- do that work in other phases of the step, between other
        collectives, so moving sequences would not shorten it: on the plain demo such a deal
-       passed the gain gate and cost throughput);
+       passed the gain gate and cost throughput), or (b) the whole process of the slowest rank
+       (:class:`~hetcomm.train.rank_time.ProcessClock`: run + ready summed over all its
+       threads, per step over an agreement window) was busy for at least :data:`SATURATED` of
+       the wall step, and the ranks' process busy times differ by more than
+       :data:`SPEED_SPREAD` and by more than :data:`NOISE_SIGMAS` standard deviations of the
+       noisiest window estimate: that rank's threads share one CPU budget (a cgroup quota, a
+       slow core), so any work taken off it shortens the step whatever phase it is in. Then
+       ``fixed`` is the process busy time minus the dense work, so the deal sees the rails',
+       executor's and gloo's threads too (on the emulated half-speed cluster they are ~35% of
+       the 910B rank's CPU, benchmarks/README.md);
     2. only when the predicted max busy drops by more than :data:`BATCH_MIN_GAIN` of the step;
     3. only when the previous agreement passed both gates too and proposed the same deal
        within one sequence per rank (noise between equal ranks proposes a different deal each
@@ -118,18 +133,19 @@ class BatchSplit:
     """
 
     #: Columns of the agreed table, one row per rank.
-    TABLE_COLUMNS = ("busy_s", "fixed_s", "per_seq_s", "num_seqs", "steps", "step_s", "per_seq_noise")
+    TABLE_COLUMNS = ("busy_s", "fixed_s", "per_seq_s", "num_seqs", "steps", "step_s", "per_seq_noise",
+                     "process_busy_s", "process_noise")
 
     def __init__(self, batch_size: int, world_size: int, rank: int, *, enabled: bool = True,
                  every: int = 10, alpha: float = 0.8, fixed_speeds: Optional[Sequence[float]] = None,
-                 clock: Optional[RankClock] = None) -> None:
+                 clock: Optional[RankClock] = None, process_clock: Optional[ProcessClock] = None) -> None:
         self.world_size, self.rank, self.every, self.alpha = world_size, rank, every, alpha
         self.enabled = enabled and world_size > 1
         self.total = batch_size * world_size
         self.sizes: List[int] = [batch_size] * world_size
         #: ``[W]`` sequences/s (``1 / per_seq``) of the last agreement, or the datasheet's.
         self.speeds: Optional[List[float]] = None
-        #: The last agreed table (``[W][7]``, :data:`TABLE_COLUMNS`), or None.
+        #: The last agreed table (``[W][9]``, :data:`TABLE_COLUMNS`), or None.
         self.table: Optional[List[List[float]]] = None
         self.changes = 0
         self.agreements = 0
@@ -144,6 +160,11 @@ class BatchSplit:
         self.last_gain_s = 0.0
         self._last: Optional[Tuple[List[int], bool]] = None  # the previous agreement's (proposal, passed)
         self.clock = clock
+        self.process_clock = process_clock
+        self._proc_mark: Optional[Tuple[int, float]] = None  # (steps ended, run + ready) at the window's start
+        self._proc = 0.0  # EMA over windows of the process busy seconds per step
+        self._proc_sq = 0.0
+        self._proc_windows = 0
         self._timer: Optional[LayerCpuTimer] = None
         self._t_step: Optional[Tuple[float, float]] = None
         self._t_fwd: Optional[Tuple[float, float]] = None
@@ -226,16 +247,47 @@ class BatchSplit:
         # rank must reach the all-reduce at the same step (a rank with nothing measured sends
         # steps = 0 in its row and nothing is dealt).
         self._calls += 1
+        if self._proc_mark is None or self._calls % self.every == 0:
+            self._observe_process()  # the first step ends the warm-up; then once per window
         if self._calls % self.every:
             return False
         return self.agree()
 
+    def _observe_process(self) -> None:
+        """Fold the window since the last read into the process busy EMA (per step)."""
+        if self.process_clock is None or not self.measuring:
+            return
+        now = self.process_clock.read()
+        if now is None:
+            return
+        total = now[0] + now[1]
+        if self._proc_mark is not None:
+            calls0, total0 = self._proc_mark
+            n = self._calls - calls0
+            if n > 0 and total > total0:
+                self.observe_process((total - total0) / n)
+        self._proc_mark = (self._calls, total)
+
+    def observe_process(self, busy_s: float) -> None:
+        """Fold one window in: ``busy_s`` of the whole process (run + ready, all threads) per step."""
+        a = PROCESS_ALPHA if self._proc_windows else 0.0
+        self._proc = a * self._proc + (1 - a) * busy_s
+        self._proc_sq = a * self._proc_sq + (1 - a) * busy_s * busy_s
+        self._proc_windows += 1
+
+    def process_noise(self) -> float:
+        """Relative standard deviation of the process busy EMA; 1.0 (block gate 1b) before two windows."""
+        if self._proc_windows < 2 or self._proc <= 0:
+            return 1.0
+        var = max(0.0, self._proc_sq - self._proc * self._proc) * (1 - PROCESS_ALPHA) / (1 + PROCESS_ALPHA)
+        return var ** 0.5 / self._proc
+
     def agree(self) -> bool:
-        """One all-reduce of the ``[W, 7]`` table (:data:`TABLE_COLUMNS`), then :meth:`plan` and
+        """One all-reduce of the ``[W, 9]`` table (:data:`TABLE_COLUMNS`), then :meth:`plan` and
         :meth:`adopt` on the identical numbers. Returns True when the split changed."""
         table = torch.zeros(self.world_size, len(self.TABLE_COLUMNS), dtype=torch.float64)  # host: scalars
         table[self.rank] = torch.tensor([*self._ema, float(self.mine), float(self._steps), self._step_s,
-                                         self.noise()], dtype=torch.float64)  # host
+                                         self.noise(), self._proc, self.process_noise()], dtype=torch.float64)  # host
         if dist.is_initialized():
             dist.all_reduce(table)  # exact: each entry is one rank's number plus zeros
         rows = table.tolist()
@@ -252,8 +304,12 @@ class BatchSplit:
         if self._hold > 0:
             self._hold -= 1
             return False
-        proposal, self.last_gain_s, passed = self.plan(self.total, self.sizes, per_seq, fixed, step_s,
-                                                       noise=[r[6] for r in rows])
+        proc = [r[7] for r in rows]
+        if min(proc) > 0:  # every rank measured its whole process: its fixed work is all of it
+            fixed = [max(0.0, p - r[3] * r[2]) for p, r in zip(proc, rows)]
+        proposal, self.last_gain_s, passed = self.plan(
+            self.total, self.sizes, per_seq, fixed, step_s, noise=[r[6] for r in rows],
+            process_busy=proc if min(proc) > 0 else None, process_noise=[r[8] for r in rows])
         before = list(self.sizes)
         if self.adopt(proposal, passed):
             self._trial = (step_s, before)
@@ -319,17 +375,25 @@ class BatchSplit:
 
     @staticmethod
     def plan(total: int, sizes: Sequence[int], per_seq_s: Sequence[float], fixed_s: Sequence[float],
-             step_s: float, noise: Optional[Sequence[float]] = None) -> Tuple[List[int], float, bool]:
+             step_s: float, noise: Optional[Sequence[float]] = None,
+             process_busy: Optional[Sequence[float]] = None,
+             process_noise: Optional[Sequence[float]] = None) -> Tuple[List[int], float, bool]:
         """``(proposal, predicted gain in s/step, passed)``: the deal minimising the predicted max
         busy (:meth:`deal`) when the per-sequence speeds differ by more than
         :data:`SPEED_SPREAD` and by more than :data:`NOISE_SIGMAS` x the noisiest rank's
         relative ``noise`` (its estimate's standard deviation), else equal batches; ``passed``
         when it differs from ``sizes`` and shortens the predicted max busy by more than
-        :data:`BATCH_MIN_GAIN` of the step (``step_s``). Otherwise the proposal is ``sizes``."""
+        :data:`BATCH_MIN_GAIN` of the step (``step_s``). Otherwise the proposal is ``sizes``.
+
+        ``process_busy`` (``[W]`` seconds per step of each rank's whole process, with its
+        relative ``process_noise``) opens the deal too (gate 1b, see the class): when the
+        busiest process was busy for at least :data:`SATURATED` of ``step_s`` and the busy
+        times differ by more than :data:`SPEED_SPREAD` and :data:`NOISE_SIGMAS` x the noisiest."""
         W = len(per_seq_s)
         speeds = [1.0 / p for p in per_seq_s]
         spread = max(speeds) / min(speeds) - 1
-        if speeds_differ(speeds) and spread > NOISE_SIGMAS * max(noise or [0.0]):
+        if (speeds_differ(speeds) and spread > NOISE_SIGMAS * max(noise or [0.0])) or \
+                BatchSplit.process_saturated(process_busy, process_noise, step_s):
             new = BatchSplit.deal(total, per_seq_s, fixed_s)
         else:
             new = [total // W + (1 if r < total % W else 0) for r in range(W)]
@@ -339,6 +403,18 @@ class BatchSplit:
         if list(new) != list(sizes) and gain > BATCH_MIN_GAIN * step_s:
             return list(new), gain, True
         return list(sizes), gain, False
+
+    @staticmethod
+    def process_saturated(process_busy: Optional[Sequence[float]], process_noise: Optional[Sequence[float]],
+                          step_s: float) -> bool:
+        """Gate 1b: the busiest rank's process was busy >= :data:`SATURATED` of the wall step
+        ``step_s`` and the ranks' process busy seconds (``[W]``) differ by more than
+        :data:`SPEED_SPREAD` and :data:`NOISE_SIGMAS` x the noisiest relative noise."""
+        if not process_busy or min(process_busy) <= 0 or step_s <= 0:
+            return False
+        spread = max(process_busy) / min(process_busy) - 1
+        return (max(process_busy) >= SATURATED * step_s and spread > SPEED_SPREAD
+                and spread > NOISE_SIGMAS * max(process_noise or [0.0]))
 
     def summary(self) -> str:
         if not self.enabled:
@@ -351,9 +427,14 @@ class BatchSplit:
         if self.table is None:
             return f"sequences per rank {self.sizes} (of {self.total}); no agreement yet"
         col = lambda i, scale=1e3: "/".join(f"{r[i] * scale:.1f}" for r in self.table)  # noqa: E731
+        proc = ""
+        if min(r[7] for r in self.table) > 0:
+            step = sum(r[5] for r in self.table) / len(self.table)
+            frac = "/".join(f"{r[7] / step * 100:.0f}" for r in self.table) if step > 0 else "-"
+            proc = f"; whole process busy {col(7)} ms/step ({frac}% of the step, noise {col(8, 100)}%)"
         return (f"sequences per rank {self.sizes} (of {self.total}); busy {col(0)} ms/step, fixed {col(1)}, "
                 f"per sequence {col(2)} ms (noise {col(6, 100)}%); {self.changes} re-deals ({self.reverts} reverted, not faster) in {self.agreements} agreements (last "
-                f"predicted gain {self.last_gain_s * 1e3:.1f} ms/step)")
+                f"predicted gain {self.last_gain_s * 1e3:.1f} ms/step){proc}")
 
     def state_dict(self) -> Dict[str, Any]:
         return {"sizes": torch.tensor(self.sizes, dtype=torch.int64),

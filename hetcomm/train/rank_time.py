@@ -38,7 +38,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["RankClock", "LayerCpuTimer", "busy_clock_for", "SCHEDSTAT"]
+__all__ = ["RankClock", "LayerCpuTimer", "ProcessClock", "busy_clock_for", "process_clock_for", "SCHEDSTAT"]
 
 #: Per-thread scheduler statistics: ``run_ns ready_ns timeslices``.
 SCHEDSTAT = "/proc/thread-self/schedstat"
@@ -154,3 +154,59 @@ def busy_clock_for(device: torch.device) -> Optional[RankClock]:
     """The clock of a rank computing on ``device``: :class:`RankClock` on CPU ranks; None on
     CUDA/NPU (their busy time must come from events on the compute stream; not done yet)."""
     return RankClock() if device.type == "cpu" else None
+
+
+class ProcessClock:
+    """``(run_s, ready_s)`` summed over every thread of this process (``/proc/self/task/*/schedstat``).
+
+    The main thread's clock (:class:`RankClock`) misses most of what a rank spends: on the
+    emulated half-speed cluster the 910B rank's main thread was ~60 % of its process CPU, the
+    rest on its executor, gloo and torch threads (benchmarks/README.md, het_train_emulated.py,
+    per thread) -- all under the same CPU quota. Summed over threads, ``run + ready`` is the
+    wall time the rank's work needed, as long as its threads mostly hand work to each other
+    rather than run side by side (a main thread waiting on its executor, as in hetcomm's
+    backend); a rank whose ``run + ready`` per step is close to the wall step never waits for
+    the others: it is the one they wait for.
+
+    Threads that ended since the last read drop out of the sum, so a caller takes differences
+    over windows in which the set of threads is stable (training: after the first step). Reads
+    cost one open/read/close per thread (~10-20 threads: ~0.2 ms), so it is read once per
+    agreement window, not per step. Without schedstat (not Linux, no ``CONFIG_SCHEDSTATS``)
+    :meth:`read` returns None.
+
+    Args:
+        task_dir: the process's task directory (tests pass a fake tree).
+    """
+
+    def __init__(self, task_dir: str = "/proc/self/task") -> None:
+        self.task_dir = task_dir
+        self.available = self.read() is not None
+
+    def read(self) -> Optional[Tuple[float, float]]:
+        """``(run_s, ready_s)`` summed over the threads alive now, or None without schedstat."""
+        try:
+            tids = os.listdir(self.task_dir)
+        except OSError:
+            return None
+        run = ready = 0.0
+        seen = 0
+        for tid in tids:
+            try:
+                with open(os.path.join(self.task_dir, tid, "schedstat"), "rb") as f:
+                    parts = f.read(128).split()
+                run += int(parts[0]) / 1e9
+                ready += int(parts[1]) / 1e9
+                seen += 1
+            except (OSError, ValueError, IndexError):
+                continue  # a thread that just ended
+        return (run, ready) if seen else None
+
+
+def process_clock_for(device: torch.device) -> Optional[ProcessClock]:
+    """The whole-process clock of a rank computing on ``device``: :class:`ProcessClock` on CPU
+    ranks with schedstat; None on CUDA/NPU (host threads are not the device's busy time) and
+    where schedstat is missing."""
+    if device.type != "cpu":
+        return None
+    clock = ProcessClock()
+    return clock if clock.available else None

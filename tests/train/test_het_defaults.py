@@ -12,7 +12,7 @@ import torch
 from hetcomm.errors import ConfigError
 from hetcomm.topo.cluster import load_cluster
 from hetcomm.train.het_defaults import (
-    BATCH_MIN_GAIN, BatchSplit, MoETimeTracker, cluster_is_mixed, resolve_chunks, speeds_differ,
+    BATCH_MIN_GAIN, SATURATED, BatchSplit, MoETimeTracker, cluster_is_mixed, resolve_chunks, speeds_differ,
     token_split_default,
 )
 from hetcomm.train.loop import TrainConfig
@@ -150,7 +150,8 @@ def test_batch_split_agrees_the_table_single_process():
         clock.ready += 0.5  # waiting for a CPU after wake-ups in wait loops: not compute
         split.maybe_agree(1.0)
     assert split.agreements == 1 and split.table is not None
-    busy, fixed, per_seq, num_seqs, steps, step_s, noise = split.table[0]
+    busy, fixed, per_seq, num_seqs, steps, step_s, noise, proc, proc_noise = split.table[0]
+    assert proc == 0.0 and proc_noise == 1.0  # no process clock: gate 1b stays shut
     assert noise == pytest.approx(0.0, abs=1e-6)  # the same every step
     assert busy == pytest.approx(0.2) and per_seq == pytest.approx(3 * 0.04 / 16)
     assert fixed == pytest.approx(0.2 - 0.12) and (num_seqs, steps, step_s) == (16, 2, 1.0)
@@ -224,3 +225,70 @@ def test_batch_split_state_round_trips():
     b = BatchSplit(16, 4, 2)
     b.load_state_dict(a.state_dict())
     assert (b.sizes, b._ema, b._steps, b._calls, b._step_s, b._sq) == (a.sizes, a._ema, 7, 9, 0.3, 2e-6)
+
+
+def test_batch_split_deals_off_a_saturated_process_only():
+    """Gate 1b, fed the numbers of the emulated half-speed cluster (benchmarks/README.md, per
+    thread): equal per-sequence speeds, but the 910B rank's whole process is busy ~90% of the
+    step (its threads under one 0.25-CPU quota) and the others ~45%: sequences leave it."""
+    per_seq = [0.0012] * 4  # within noise of each other: gate 1a alone would not deal
+    noise = [0.2] * 4
+    step = 0.59
+    proc = [0.27, 0.26, 0.28, 0.53]
+    fixed = [p - 16 * q for p, q in zip(proc, per_seq)]
+    sizes, gain, passed = BatchSplit.plan(64, [16] * 4, per_seq, fixed, step, noise=noise,
+                                          process_busy=proc, process_noise=[0.05] * 4)
+    assert passed and sum(sizes) == 64 and sizes[3] == 1 and gain > BATCH_MIN_GAIN * step
+    busy = [f + b * q for f, b, q in zip(fixed, sizes, per_seq)]
+    assert max(busy[:3]) <= busy[3]  # the others take its sequences and still finish first
+    # without the process numbers (gate 1a only) the same step keeps equal batches
+    assert BatchSplit.plan(64, [16] * 4, per_seq, fixed, step, noise=noise)[0] == [16] * 4
+    # the slowest process busy only 64% of the step: it waits too, moving work is not sure to help
+    slack = [0.27, 0.26, 0.28, 0.64 * step]
+    assert not BatchSplit.process_saturated(slack, [0.05] * 4, step)
+    assert BatchSplit.plan(64, [16] * 4, per_seq, [p - 16 * q for p, q in zip(slack, per_seq)], step, noise=noise,
+                           process_busy=slack, process_noise=[0.05] * 4)[0] == [16] * 4
+    # equal ranks, all saturated (a loaded host): within 10%, no deal
+    busy = [0.50, 0.52, 0.49, 0.53]
+    assert not BatchSplit.process_saturated(busy, [0.01] * 4, step)
+    # a real-looking 2x spread, but a window estimate noisier than a third of it: no deal
+    assert not BatchSplit.process_saturated(proc, [0.05, 0.05, 0.05, 0.4], step)
+    assert BatchSplit.process_saturated(proc, [0.05] * 4, step) and SATURATED * step <= max(proc)
+
+
+def test_batch_split_measures_the_whole_process_per_window():
+    class Clock:  # fake RankClock / ProcessClock: run seconds, ready seconds
+        thread_id = None
+        run = ready = 0.0
+
+        def read(self):
+            return self.run, self.ready
+
+    main, proc = Clock(), Clock()
+    split = BatchSplit(16, 4, 3, clock=main, every=2, process_clock=proc)
+    for step in range(6):
+        split.begin_step()
+        split.begin_forward()
+        main.run += 0.01
+        split.end_forward()
+        main.run += 0.05
+        proc.run += 0.2 if step else 5.0  # step 1: imports, first allocations (outside every window)
+        proc.ready += 0.3
+        split.maybe_agree(0.6)
+    # windows: steps 2 (one step after the first), 3-4, 5-6: 0.5 s of run + ready per step each
+    assert split._proc_windows == 3 and split._proc == pytest.approx(0.5)
+    assert split.table[3][7] == pytest.approx(0.5) and split.table[3][8] == pytest.approx(0.0, abs=1e-6)
+    assert "whole process busy" not in split.summary()  # the other ranks' rows are zeros here (one process)
+    for r in range(3):
+        split.table[r][5], split.table[r][7] = 0.6, 0.25
+    assert "whole process busy 250.0/250.0/250.0/500.0 ms/step (42/42/42/83% of the step" in split.summary()
+    # a clock without schedstat: nothing folded in, gate 1b shut
+    class NoStat:
+        def read(self):
+            return None
+
+    off = BatchSplit(16, 4, 0, clock=Clock(), every=2, process_clock=NoStat())
+    for _ in range(4):
+        off.begin_step()
+        off.maybe_agree(0.6)
+    assert off._proc_windows == 0 and off.process_noise() == 1.0

@@ -156,57 +156,34 @@ def busy_clock_for(device: torch.device) -> Optional[RankClock]:
     return RankClock() if device.type == "cpu" else None
 
 
+
+
 class ProcessClock:
-    """``(run_s, ready_s)`` summed over every thread of this process (``/proc/self/task/*/schedstat``).
+    """CPU seconds of every thread of this process (``time.process_time()``).
 
-    The main thread's clock (:class:`RankClock`) misses most of what a rank spends: on the
+    The main thread's clock (:class:`RankClock`) misses much of what a rank spends: on the
     emulated half-speed cluster the 910B rank's main thread was ~60 % of its process CPU, the
-    rest on its executor, gloo and torch threads (benchmarks/README.md, het_train_emulated.py,
-    per thread) -- all under the same CPU quota. Summed over threads, ``run + ready`` is the
-    wall time the rank's work needed, as long as its threads mostly hand work to each other
-    rather than run side by side (a main thread waiting on its executor, as in hetcomm's
-    backend); a rank whose ``run + ready`` per step is close to the wall step never waits for
-    the others: it is the one they wait for.
+    rest on its executor, gloo-wait and gloo's/torch's native threads (benchmarks/README.md,
+    het_train_emulated.py, per thread) -- all under the same CPU quota.
+    :class:`~hetcomm.train.het_defaults.BatchSplit` turns it into wall seconds with the dilation
+    of the rank's dense compute (as it does the main thread's), once per agreement window.
 
-    Threads that ended since the last read drop out of the sum, so a caller takes differences
-    over windows in which the set of threads is stable (training: after the first step). Reads
-    cost one open/read/close per thread (~10-20 threads: ~0.2 ms), so it is read once per
-    agreement window, not per step. Without schedstat (not Linux, no ``CONFIG_SCHEDSTATS``)
-    :meth:`read` returns None.
+    Two other conversions were tried and measured useless on the emulation (2026-12-02
+    19:40 UTC): ``run + ready`` summed over threads (with ~15 threads runnable side by side
+    every rank summed to 108-144 % of the wall step), and the CPU over the cgroup's quota (a
+    rank started by ``ip netns exec`` sees a fresh sysfs without the cgroup mounts, so the
+    quota cannot be read from inside it).
 
-    Args:
-        task_dir: the process's task directory (tests pass a fake tree).
+    Device note: on CUDA/NPU the host CPU is not the device's time (:func:`process_clock_for`
+    gives None there).
     """
 
-    def __init__(self, task_dir: str = "/proc/self/task") -> None:
-        self.task_dir = task_dir
-        self.available = self.read() is not None
-
-    def read(self) -> Optional[Tuple[float, float]]:
-        """``(run_s, ready_s)`` summed over the threads alive now, or None without schedstat."""
-        try:
-            tids = os.listdir(self.task_dir)
-        except OSError:
-            return None
-        run = ready = 0.0
-        seen = 0
-        for tid in tids:
-            try:
-                with open(os.path.join(self.task_dir, tid, "schedstat"), "rb") as f:
-                    parts = f.read(128).split()
-                run += int(parts[0]) / 1e9
-                ready += int(parts[1]) / 1e9
-                seen += 1
-            except (OSError, ValueError, IndexError):
-                continue  # a thread that just ended
-        return (run, ready) if seen else None
+    def read(self) -> float:
+        """Process CPU seconds so far (all threads, user + system)."""
+        return time.process_time()
 
 
 def process_clock_for(device: torch.device) -> Optional[ProcessClock]:
     """The whole-process clock of a rank computing on ``device``: :class:`ProcessClock` on CPU
-    ranks with schedstat; None on CUDA/NPU (host threads are not the device's busy time) and
-    where schedstat is missing."""
-    if device.type != "cpu":
-        return None
-    clock = ProcessClock()
-    return clock if clock.available else None
+    ranks; None on CUDA/NPU (host threads are not the device's busy time)."""
+    return ProcessClock() if device.type == "cpu" else None

@@ -76,42 +76,24 @@ def test_busy_clock_is_for_cpu_ranks():
     assert busy_clock_for(torch.device("cuda")) is None  # devices: events on the compute stream (not yet)
 
 
-def test_process_clock_sums_every_thread(tmp_path):
-    """A fake task tree: the sum over threads; a thread that vanished (unreadable) is skipped."""
-    for tid, stat in (("100", "2000000000 500000000 7\n"), ("101", "1000000000 250000000 3\n"), ("102", "garbage\n")):
-        (tmp_path / tid).mkdir()
-        (tmp_path / tid / "schedstat").write_text(stat)
-    clock = ProcessClock(str(tmp_path))
-    assert clock.available and clock.read() == pytest.approx((3.0, 0.75))
-    assert not ProcessClock(str(tmp_path / "missing")).available
-
 
 def test_process_clock_counts_another_threads_compute():
-    """The real /proc: CPU spent on a second thread shows in the process clock (the main-thread
-    RankClock misses it)."""
-    clock = ProcessClock()
-    if not clock.available:
-        pytest.skip("no schedstat on this kernel")
-    main = RankClock()
-    run0, _ = clock.read()
-    main0, _ = main.read()
-    done, cpu = threading.Event(), []
+    """CPU spent on a second thread shows in the process clock (the main-thread RankClock
+    misses it)."""
+    clock, main = ProcessClock(), RankClock()
+    p0, (m0, _) = clock.read(), main.read()
+    cpu = []
 
     def spin():
         t0 = time.thread_time()
         while time.thread_time() - t0 < 0.1:
             pass
         cpu.append(time.thread_time() - t0)
-        done.wait()  # stay alive: an ended thread drops out of the sum
 
     t = threading.Thread(target=spin)
     t.start()
-    while not cpu:
-        time.sleep(0.01)
-    run1, _ = clock.read()
-    main1, _ = main.read()
-    done.set()
     t.join()
-    assert run1 - run0 >= 0.5 * cpu[0]  # schedstat's run lags the thread clock by up to a tick
-    assert main1 - main0 < 0.5 * cpu[0]  # the main thread slept meanwhile
-    assert process_clock_for(torch.device("meta")) is None
+    p1, (m1, _) = clock.read(), main.read()
+    assert p1 - p0 >= cpu[0]  # the other thread's CPU
+    assert m1 - m0 < 0.5 * cpu[0]  # the main thread only waited
+    assert process_clock_for(torch.device("meta")) is None and isinstance(process_clock_for(torch.device("cpu")), ProcessClock)

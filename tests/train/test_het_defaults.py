@@ -231,8 +231,8 @@ def test_batch_split_deals_off_a_saturated_process_only():
     """Gate 1b, fed numbers like the emulated half-speed cluster's (benchmarks/README.md, per
     thread): equal per-sequence speeds, but the 910B rank's whole process is busy ~90% of the
     step (its threads under one 0.25-CPU quota) and the others ~45%: sequences leave it."""
-    per_seq = [0.0012] * 4  # within noise of each other: gate 1a alone would not deal
-    noise = [0.2] * 4
+    per_seq = [0.0012, 0.0012, 0.0012, 0.0027]  # rank 3 slower per sequence too, as measured ...
+    noise = [0.45, 0.45, 0.45, 0.12]  # ... but the noisiest estimate hides it: gate 1a alone would not deal
     step = 0.59
     proc = [0.27, 0.26, 0.28, 0.53]
     fixed = [p - 16 * q for p, q in zip(proc, per_seq)]
@@ -254,6 +254,13 @@ def test_batch_split_deals_off_a_saturated_process_only():
     # a real-looking 2x spread, but a window estimate noisier than a third of it: no deal
     assert not BatchSplit.process_saturated(proc, [0.05, 0.05, 0.05, 0.4], step)
     assert BatchSplit.process_saturated(proc, [0.05] * 4, step) and SATURATED * step <= max(proc)
+    # equal CPUs (the plain demo): the busiest process holds replicas and computes at the others'
+    # speed per sequence; it is busier, not slower: no deal
+    assert BatchSplit.process_saturated(proc, [0.05] * 4, step, per_seq, noise)
+    equal = [0.0012, 0.0011, 0.0012, 0.00125]
+    assert not BatchSplit.process_saturated(proc, [0.05] * 4, step, equal, [0.1] * 4)
+    assert BatchSplit.plan(64, [16] * 4, equal, fixed, step, noise=[0.1] * 4,
+                           process_busy=proc, process_noise=[0.05] * 4)[0] == [16] * 4
 
 
 def test_batch_split_measures_the_whole_process_per_window():

@@ -121,6 +121,13 @@ def test_batch_split_needs_two_passing_agreements_in_a_row():
     assert not live.adopt(deal, passed=False) and not live.adopt(deal) and live.sizes == [16] * 4  # first one failed a gate
     assert live.adopt([19, 17, 18, 10]) and live.sizes == [19, 17, 18, 10] and live.changes == 1
     assert not live.adopt([16] * 4)  # a new deal needs two fresh agreements
+    # the other ranks' shares may move (their fixed work differs by noise); the main giver's may not
+    moved = BatchSplit(16, 4, 0)
+    assert not moved.adopt([21, 29, 13, 1]) and moved.adopt([25, 20, 18, 1]) and moved.sizes == [25, 20, 18, 1]
+    other = BatchSplit(16, 4, 0)
+    assert not other.adopt([21, 29, 13, 1]) and not other.adopt([21, 26, 13, 4])  # the giver moved by 3
+    third = BatchSplit(16, 4, 0)
+    assert not third.adopt([20, 20, 20, 4]) and not third.adopt([10, 22, 22, 10])  # another rank gives most
     fixed = BatchSplit(16, 4, 3, fixed_speeds=[100.0, 100.0, 100.0, 50.0])  # --speed datasheet: dealt once
     assert fixed.mine < 16 and not fixed.maybe_agree(1.0)
     off = BatchSplit(16, 4, 3, enabled=False, fixed_speeds=[100.0, 100.0, 100.0, 50.0])

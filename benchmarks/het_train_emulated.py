@@ -13,7 +13,8 @@ after: the machine is shared, compare only numbers of one run.
 
 ``--config FILE`` trains that config (e.g. ``configs/train/compute-bound.yaml``: expert compute
 dominates the step) instead of the demo's; ``--only default|no-balance`` runs one variant;
-``--profile-rank R`` samples rank ``R`` of each run with py-spy (``pip install py-spy``; its
+``--threads`` prints each rank's CPU per step by thread (main, hetcomm's executor, gloo-wait and
+heartbeat threads, gloo's and torch's native ones); ``--profile-rank R`` samples rank ``R`` of each run with py-spy (``pip install py-spy``; its
 ``record`` from ``--profile-after`` seconds into the run, for ``--profile-seconds``) and prints the functions holding
 most samples, with the flame data under ``--profile-dir``.
 
@@ -99,6 +100,39 @@ def _rank_cpu(tag: str, root: Optional[int] = None) -> dict:
     return out
 
 
+def _rank_threads(tag: str, root: Optional[int] = None) -> dict:
+    """``{RANK: {thread name: cpu seconds}}`` (user + system per thread, ``/proc/PID/task/*/stat``)
+    of the running train ranks. Names: ``main`` (the rank's main thread), hetcomm's own threads by
+    their kernel names (``hc-exec-*``, ``hc-gloo-wait-*``, ``hc-heartbeat-*``:
+    :func:`hetcomm.backends.thread_name.name_native_thread`; peer numbers folded into ``*``), and
+    ``native`` for the threads hetcomm does not start (gloo's and torch's C++ threads, which keep
+    the process's name)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict = {}
+    for rank, pid in _rank_pids(tag, root).items():
+        per: dict = {}
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                raw = open(f"/proc/{pid}/task/{tid}/stat").read()
+            except OSError:
+                continue
+            comm = raw[raw.index("(") + 1 : raw.rindex(")")]
+            f = raw.rsplit(")", 1)[1].split()
+            if int(tid) == pid:
+                name = "main"
+            elif comm.startswith("hc-"):
+                name = re.sub(r"-\d+$", "-*", comm)
+            else:
+                name = "native"
+            per[name] = per.get(name, 0.0) + (int(f[11]) + int(f[12])) / tick
+        out[rank] = per
+    return out
+
+
 def _profile_top(raw_path: str, top: int = 12) -> list:
     """``[(share of samples, function)]`` by self samples (the leaf frame) of a py-spy raw file."""
     counts: dict = {}
@@ -127,7 +161,7 @@ def _start_profile(tag: str, root: int, rank: int, out_dir: str, name: str, seco
 
 
 def _run(run_id: Optional[str], state: str, cluster: str, steps: int, flags: list, config: Optional[str] = None,
-         profile: Optional[tuple] = None) -> dict:
+         profile: Optional[tuple] = None, threads: bool = False) -> dict:
     cmd = [HETCOMM, "train", "--cluster", cluster, "--steps", str(steps), *flags]
     if config is not None:
         cmd += ["--config", config]
@@ -142,8 +176,8 @@ def _run(run_id: Optional[str], state: str, cluster: str, steps: int, flags: lis
     while proc.poll() is None:
         cpu = _rank_cpu(tag, proc.pid)
         if len(cpu) >= 1:
-            samples.append((time.monotonic(), cpu))
-        full_so_far = sum(1 for _, c in samples if len(c) == 4)
+            samples.append((time.monotonic(), cpu, _rank_threads(tag, proc.pid) if threads else None))
+        full_so_far = sum(1 for _, c, _ in samples if len(c) == 4)
         if profile is not None and spy is None and full_so_far == profile[4]:  # past imports and setup
             rank, out_dir, name, seconds, _ = profile
             spy = _start_profile(tag, proc.pid, rank, out_dir, name, seconds) or False
@@ -160,10 +194,13 @@ def _run(run_id: Optional[str], state: str, cluster: str, steps: int, flags: lis
     m = re.match(r"([\d.]+)", rows.get("per-rank MoE time max/mean", ""))
     rows["moe_mm"] = float(m.group(1)) if m else float("nan")
     rows["rc"] = out.returncode
-    full = [(t, c) for t, c in samples if len(c) == 4]
+    full = [(t, c, th) for t, c, th in samples if len(c) == 4]
     if len(full) >= 8:
         a, b = full[len(full) // 4], full[(3 * len(full)) // 4]
         rows["cpu_rate"] = [round((b[1][r] - a[1][r]) / (b[0] - a[0]), 3) for r in range(4)]
+        if threads:  # per thread name: CPU s per wall s over the same window
+            rows["thread_rate"] = {r: {n: (b[2].get(r, {}).get(n, 0.0) - a[2].get(r, {}).get(n, 0.0)) / (b[0] - a[0])
+                                       for n in b[2].get(r, {})} for r in range(4)}
     if spy:
         spy.wait(timeout=60)
         rank, out_dir, name, _, _ = profile
@@ -173,6 +210,22 @@ def _run(run_id: Optional[str], state: str, cluster: str, steps: int, flags: lis
     if out.returncode not in (0, 1):
         print(text[-3000:], file=sys.stderr)
     return rows
+
+
+def _print_threads(r: dict, config: Optional[str]) -> None:
+    """The run's per-thread CPU as a table: ms of CPU per step (CPU s per wall s x the run's wall
+    step, from its tokens/s) by thread name and rank."""
+    sys.path.insert(0, REPO)
+    from hetcomm.train.loop import load_train_config
+
+    cfg = load_train_config(config or os.path.join(REPO, "configs", "train", "demo.yaml"))
+    step_s = cfg.batch_size * cfg.seq_len * 4 / r["tok_s"]  # 4 ranks
+    rates = r["thread_rate"]
+    names = sorted({n for per in rates.values() for n in per}, key=lambda n: (n != "main", n))
+    print(f"    per-thread CPU, ms per step (wall step {step_s * 1e3:.0f} ms), ranks 0 / 1 / 2 / 3:", flush=True)
+    for n in names + ["all"]:
+        vals = [sum(rates[k].values()) if n == "all" else rates[k].get(n, 0.0) for k in range(4)]
+        print(f"      {n:18s} " + " / ".join(f"{v * step_s * 1e3:6.1f}" for v in vals), flush=True)
 
 
 def main() -> int:
@@ -193,6 +246,8 @@ def main() -> int:
     ap.add_argument("--profile-seconds", type=float, default=20.0, help="py-spy record duration")
     ap.add_argument("--profile-after", type=int, default=20,
                     help="seconds after all four ranks exist before py-spy starts (past imports and setup)")
+    ap.add_argument("--threads", action="store_true",
+                    help="per-thread CPU (/proc/PID/task/*/stat) of every rank over the middle half of each run")
     ap.add_argument("--profile-dir", default="/tmp/hetcomm-het-train-profile", help="py-spy raw flame files")
     args = ap.parse_args()
     variants = {"default (no flags)": [], "--no-balance": ["--no-balance"]}
@@ -217,12 +272,14 @@ def main() -> int:
                     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
                     prof = (args.profile_rank, args.profile_dir, f"pair{i + 1}-{slug}", args.profile_seconds,
                             args.profile_after)
-                r = _run(rid, args.state_dir, args.cluster, args.steps, variants[name], args.config, prof)
+                r = _run(rid, args.state_dir, args.cluster, args.steps, variants[name], args.config, prof, args.threads)
                 results[name].append(r)
                 print(f"  pair {i + 1} {name}: {r['tok_s']:,.0f} tok/s, MoE max/mean {r['moe_mm']:.2f}, "
                       f"CPU s per s by rank {r.get('cpu_rate')}, {r.get('verdict', 'no verdict')[:5]}, load {_load()}",
                       flush=True)
                 print(f"    batch split: {r.get('batch split (by measured busy time)', '-')}", flush=True)
+                if r.get("thread_rate"):
+                    _print_threads(r, args.config)
                 if r.get("profile"):
                     print(f"    py-spy rank {args.profile_rank} ({r['profile_path']}), self samples:", flush=True)
                     for share, fn in r["profile"]:

@@ -39,6 +39,7 @@ from hetcomm.backends.rails.cma import copy_bytes
 from hetcomm.backends.work import HetcommWork
 from hetcomm.errors import CollectiveError, PeerTimeout
 from hetcomm.sched.plan import Plan
+from hetcomm.backends.thread_name import name_native_thread
 
 __all__ = ["chunk_rows", "direct_all_to_all", "execute_plan", "drive", "Executor", "TAG_BASE", "meta_tag"]
 
@@ -418,6 +419,7 @@ class Executor:
             self._finish(w, e)
 
     def _run(self) -> None:
+        name_native_thread()  # /proc shows which thread spends a rank's CPU
         me = threading.current_thread()
         while True:
             job = self._jobs.get()

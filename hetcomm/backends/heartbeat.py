@@ -61,6 +61,8 @@ from dataclasses import dataclass
 import weakref
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
+from hetcomm.backends.thread_name import name_native_thread
+
 __all__ = [
     "PeerLoss", "Heartbeat", "active", "add_listener", "remove_listener", "lost_definitively", "start", "start_for",
     "stop", "DEFINITIVE", "DEFAULT_INTERVAL_S", "DEFAULT_MISS_S",
@@ -224,6 +226,7 @@ class Heartbeat:
             _tell_listeners(loss)
 
     def _run(self) -> None:
+        name_native_thread()  # /proc shows which thread spends a rank's CPU
         peers = [r for r in range(self.world_size) if r != self.rank]
         started = time.monotonic()
         last_value: Dict[int, bytes] = {}

@@ -19,6 +19,7 @@ import torch
 
 from hetcomm.errors import ConfigError, HetcommError
 from hetcomm.moe.degrade import DegradeConfig
+from hetcomm.backends.thread_name import name_native_thread
 
 __all__ = ["PagingConfig", "Grant", "PagingError", "pages_for"]
 
@@ -170,6 +171,7 @@ class _Copier:
         return job
 
     def _run(self) -> None:
+        name_native_thread()  # /proc shows which thread spends a rank's CPU
         while True:
             job = self.q.get()
             if job is None:

@@ -32,10 +32,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from hetcomm.train.rank_time import LayerCpuTimer, RankClock
+from hetcomm.train.rank_time import LayerCpuTimer, ProcessClock, RankClock
 
 __all__ = ["SPEED_SPREAD", "NOISE_SIGMAS", "cluster_is_mixed", "token_split_default", "speeds_differ",
-           "BatchSplit", "BATCH_MIN_GAIN", "MoETimeTracker", "resolve_chunks", "measure_chunks", "CHUNK_CANDIDATES"]
+           "BatchSplit", "BATCH_MIN_GAIN", "SATURATED", "MoETimeTracker", "resolve_chunks", "measure_chunks", "CHUNK_CANDIDATES"]
 
 #: Datasheet speeds further apart than this (max / min - 1) make a cluster "mixed".
 SPEED_SPREAD = 0.10
@@ -46,6 +46,15 @@ BATCH_MIN_GAIN = 0.03
 NOISE_SIGMAS = 3.0
 #: Forward + backward seconds per forward second of the dense part.
 FWD_BWD = 3.0
+#: Gate 1b opens only when the busiest rank's whole process (all its threads' CPU times the
+#: dense compute's dilation, :class:`~hetcomm.train.rank_time.ProcessClock`) was busy for at
+#: least this fraction of the wall step: below it every rank waits most of the step and work
+#: moved between them is not sure to shorten it. Not higher: the dilation of short compute
+#: sections under a 20 ms CFS period understates a quota (measured 2.6 on the 910B rank's
+#: 0.25-CPU quota, where 4 would be exact), so that rank measured 54% of the step.
+SATURATED = 0.5
+#: EMA weight of the previous windows' process busy time (one window = one agreement).
+PROCESS_ALPHA = 0.5
 
 
 def cluster_is_mixed(cluster, world_size: int) -> bool:
@@ -93,21 +102,33 @@ class BatchSplit:
       replica and gradient syncs' copies, the optimizer): ~87% of the step on the emulated
       half-speed cluster, which is why a speed-proportional deal overshoots.
 
-    EMAs (``alpha``) of each; every ``every`` steps one all-reduce of a ``[W, 7]``
+    EMAs (``alpha``) of each; every ``every`` steps one all-reduce of a ``[W, 9]``
     float64 table (:data:`TABLE_COLUMNS`; each rank fills its row, so the sum is exact) gives
     every rank the same numbers, and :meth:`plan` deals the ``W * batch_size`` sequences so the
     predicted max busy is minimal (at least one each). Gates, so that equal ranks never re-deal:
 
-    1. only when the per-sequence speeds ``1 / per_seq`` differ by more than
+    1. only when (a) the per-sequence speeds ``1 / per_seq`` differ by more than
        :data:`SPEED_SPREAD` and by more than :data:`NOISE_SIGMAS` standard deviations of the
        noisiest rank's estimate (the ``per_seq_noise`` column; ranks that differ only in fixed work -- a replica holder and a
        weak rank on equal CPUs -- do that work in other phases of the step, between other
        collectives, so moving sequences would not shorten it: on the plain demo such a deal
-       passed the gain gate and cost throughput);
+       passed the gain gate and cost throughput), or (b) the whole process of the slowest rank
+       (:class:`~hetcomm.train.rank_time.ProcessClock`: CPU time of all its threads times the
+       dilation of its dense compute, per step over an agreement window) was busy for at least :data:`SATURATED` of
+       the wall step, and the ranks' process busy times differ by more than
+       :data:`SPEED_SPREAD` and by more than :data:`NOISE_SIGMAS` standard deviations of the
+       noisiest window estimate: that rank's threads share one CPU budget (a cgroup quota, a
+       slow core), so any work taken off it shortens the step whatever phase it is in. Then
+       ``fixed`` is the process busy time minus the dense work, so the deal sees the rails',
+       executor's and gloo's threads too (on the emulated half-speed cluster they are ~35% of
+       the 910B rank's CPU, benchmarks/README.md);
     2. only when the predicted max busy drops by more than :data:`BATCH_MIN_GAIN` of the step;
-    3. only when the previous agreement passed both gates too and proposed the same deal
-       within one sequence per rank (noise between equal ranks proposes a different deal each
-       time);
+    3. only when the previous agreement passed both gates too and proposed the same deal:
+       the same rank gives the most sequences away, its share within one sequence of the
+       previous proposal (noise between equal ranks proposes a different deal each time; the
+       other ranks may share the rest differently -- their fixed work differs by noise, and on the emulated
+       half-speed cluster that spread took every second proposal apart: 0 re-deals in 6 with
+       the 910B rank's process busy 76% of the step and a predicted gain of 65 ms);
     4. a deal is a trial: the next agreement keeps it only when the group's measured wall step
        got shorter, else it is reverted and proposals wait ``2 ** reverts`` agreements
        (:meth:`judge`).
@@ -118,18 +139,19 @@ class BatchSplit:
     """
 
     #: Columns of the agreed table, one row per rank.
-    TABLE_COLUMNS = ("busy_s", "fixed_s", "per_seq_s", "num_seqs", "steps", "step_s", "per_seq_noise")
+    TABLE_COLUMNS = ("busy_s", "fixed_s", "per_seq_s", "num_seqs", "steps", "step_s", "per_seq_noise",
+                     "process_busy_s", "process_noise")
 
     def __init__(self, batch_size: int, world_size: int, rank: int, *, enabled: bool = True,
                  every: int = 10, alpha: float = 0.8, fixed_speeds: Optional[Sequence[float]] = None,
-                 clock: Optional[RankClock] = None) -> None:
+                 clock: Optional[RankClock] = None, process_clock: Optional[ProcessClock] = None) -> None:
         self.world_size, self.rank, self.every, self.alpha = world_size, rank, every, alpha
         self.enabled = enabled and world_size > 1
         self.total = batch_size * world_size
         self.sizes: List[int] = [batch_size] * world_size
         #: ``[W]`` sequences/s (``1 / per_seq``) of the last agreement, or the datasheet's.
         self.speeds: Optional[List[float]] = None
-        #: The last agreed table (``[W][7]``, :data:`TABLE_COLUMNS`), or None.
+        #: The last agreed table (``[W][9]``, :data:`TABLE_COLUMNS`), or None.
         self.table: Optional[List[List[float]]] = None
         self.changes = 0
         self.agreements = 0
@@ -144,6 +166,12 @@ class BatchSplit:
         self.last_gain_s = 0.0
         self._last: Optional[Tuple[List[int], bool]] = None  # the previous agreement's (proposal, passed)
         self.clock = clock
+        self.process_clock = process_clock
+        self._proc_mark: Optional[Tuple[int, float]] = None  # (steps ended, process CPU seconds) at the window's start
+        self._proc = 0.0  # EMA over windows of the process busy seconds per step
+        self._proc_sq = 0.0
+        self._proc_windows = 0
+        self._dilation = 0.0  # EMA of the dense compute's (run + ready) / run
         self._timer: Optional[LayerCpuTimer] = None
         self._t_step: Optional[Tuple[float, float]] = None
         self._t_fwd: Optional[Tuple[float, float]] = None
@@ -210,6 +238,7 @@ class BatchSplit:
             return
         # wall seconds per CPU second while this rank computes (queued, or held by a quota)
         dilation = max(1.0, (dense_run + max(0.0, dense_ready)) / dense_run)
+        self._dilation = dilation if not self._dilation else self.alpha * self._dilation + (1 - self.alpha) * dilation
         self.observe(step_run * dilation, dense_run * dilation)
 
     # -- agreeing (collective every ``every`` observed steps) -------------------------------------
@@ -226,16 +255,48 @@ class BatchSplit:
         # rank must reach the all-reduce at the same step (a rank with nothing measured sends
         # steps = 0 in its row and nothing is dealt).
         self._calls += 1
+        if self._proc_mark is None or self._calls % self.every == 0:
+            self._observe_process()  # the first step ends the warm-up; then once per window
         if self._calls % self.every:
             return False
         return self.agree()
 
+    def _observe_process(self) -> None:
+        """Fold the window since the last read into the process busy EMA (per step)."""
+        if self.process_clock is None or not self.measuring:
+            return
+        total = self.process_clock.read()
+        if total is None:
+            return
+        if self._proc_mark is not None:
+            calls0, total0 = self._proc_mark
+            n = self._calls - calls0
+            if n > 0 and total > total0 and self._dilation > 0:
+                # wall seconds the process's work needed: its CPU at the pace its compute gets
+                self.observe_process((total - total0) / n * self._dilation)
+        self._proc_mark = (self._calls, total)
+
+    def observe_process(self, busy_s: float) -> None:
+        """Fold one window in: ``busy_s`` per step of the whole process (all threads' CPU times
+        the dense compute's dilation, :class:`~hetcomm.train.rank_time.ProcessClock`)."""
+        a = PROCESS_ALPHA if self._proc_windows else 0.0
+        self._proc = a * self._proc + (1 - a) * busy_s
+        self._proc_sq = a * self._proc_sq + (1 - a) * busy_s * busy_s
+        self._proc_windows += 1
+
+    def process_noise(self) -> float:
+        """Relative standard deviation of the process busy EMA; 1.0 (block gate 1b) before two windows."""
+        if self._proc_windows < 2 or self._proc <= 0:
+            return 1.0
+        var = max(0.0, self._proc_sq - self._proc * self._proc) * (1 - PROCESS_ALPHA) / (1 + PROCESS_ALPHA)
+        return var ** 0.5 / self._proc
+
     def agree(self) -> bool:
-        """One all-reduce of the ``[W, 7]`` table (:data:`TABLE_COLUMNS`), then :meth:`plan` and
+        """One all-reduce of the ``[W, 9]`` table (:data:`TABLE_COLUMNS`), then :meth:`plan` and
         :meth:`adopt` on the identical numbers. Returns True when the split changed."""
         table = torch.zeros(self.world_size, len(self.TABLE_COLUMNS), dtype=torch.float64)  # host: scalars
         table[self.rank] = torch.tensor([*self._ema, float(self.mine), float(self._steps), self._step_s,
-                                         self.noise()], dtype=torch.float64)  # host
+                                         self.noise(), self._proc, self.process_noise()], dtype=torch.float64)  # host
         if dist.is_initialized():
             dist.all_reduce(table)  # exact: each entry is one rank's number plus zeros
         rows = table.tolist()
@@ -252,8 +313,12 @@ class BatchSplit:
         if self._hold > 0:
             self._hold -= 1
             return False
-        proposal, self.last_gain_s, passed = self.plan(self.total, self.sizes, per_seq, fixed, step_s,
-                                                       noise=[r[6] for r in rows])
+        proc = [r[7] for r in rows]
+        if min(proc) > 0:  # every rank measured its whole process: its fixed work is all of it
+            fixed = [max(0.0, p - r[3] * r[2]) for p, r in zip(proc, rows)]
+        proposal, self.last_gain_s, passed = self.plan(
+            self.total, self.sizes, per_seq, fixed, step_s, noise=[r[6] for r in rows],
+            process_busy=proc if min(proc) > 0 else None, process_noise=[r[8] for r in rows])
         before = list(self.sizes)
         if self.adopt(proposal, passed):
             self._trial = (step_s, before)
@@ -281,12 +346,18 @@ class BatchSplit:
 
     def adopt(self, proposal: List[int], passed: bool = True) -> bool:
         """Take ``proposal`` when this agreement and the previous one both passed the gates and
-        proposed the same deal within one sequence per rank: a real speed difference proposes
-        it again, noise between equal ranks does not. Returns True when the deal changed."""
+        proposed the same deal -- the same rank gives the most sequences away, and its share is
+        within one sequence of the previous proposal; the other ranks' shares may differ: a
+        real speed difference proposes it again, noise between equal ranks does not. Returns
+        True when the deal changed."""
         last, self._last = self._last, (list(proposal), bool(passed))
         if not passed or proposal == self.sizes or last is None or not last[1]:
             return False
-        if max(abs(a - b) for a, b in zip(proposal, last[0])) > 1:
+        def giver(p: Sequence[int]) -> int:  # the rank the deal takes most from (ties: the lowest)
+            return max(range(len(p)), key=lambda r: (self.sizes[r] - p[r], -r))
+
+        g = giver(proposal)
+        if g != giver(last[0]) or abs(proposal[g] - last[0][g]) > 1:
             return False
         self.sizes = list(proposal)
         self.changes += 1
@@ -319,17 +390,25 @@ class BatchSplit:
 
     @staticmethod
     def plan(total: int, sizes: Sequence[int], per_seq_s: Sequence[float], fixed_s: Sequence[float],
-             step_s: float, noise: Optional[Sequence[float]] = None) -> Tuple[List[int], float, bool]:
+             step_s: float, noise: Optional[Sequence[float]] = None,
+             process_busy: Optional[Sequence[float]] = None,
+             process_noise: Optional[Sequence[float]] = None) -> Tuple[List[int], float, bool]:
         """``(proposal, predicted gain in s/step, passed)``: the deal minimising the predicted max
         busy (:meth:`deal`) when the per-sequence speeds differ by more than
         :data:`SPEED_SPREAD` and by more than :data:`NOISE_SIGMAS` x the noisiest rank's
         relative ``noise`` (its estimate's standard deviation), else equal batches; ``passed``
         when it differs from ``sizes`` and shortens the predicted max busy by more than
-        :data:`BATCH_MIN_GAIN` of the step (``step_s``). Otherwise the proposal is ``sizes``."""
+        :data:`BATCH_MIN_GAIN` of the step (``step_s``). Otherwise the proposal is ``sizes``.
+
+        ``process_busy`` (``[W]`` seconds per step of each rank's whole process, with its
+        relative ``process_noise``) opens the deal too (gate 1b, see the class): when the
+        busiest process was busy for at least :data:`SATURATED` of ``step_s`` and the busy
+        times differ by more than :data:`SPEED_SPREAD` and :data:`NOISE_SIGMAS` x the noisiest."""
         W = len(per_seq_s)
         speeds = [1.0 / p for p in per_seq_s]
         spread = max(speeds) / min(speeds) - 1
-        if speeds_differ(speeds) and spread > NOISE_SIGMAS * max(noise or [0.0]):
+        if (speeds_differ(speeds) and spread > NOISE_SIGMAS * max(noise or [0.0])) or \
+                BatchSplit.process_saturated(process_busy, process_noise, step_s, per_seq_s, noise):
             new = BatchSplit.deal(total, per_seq_s, fixed_s)
         else:
             new = [total // W + (1 if r < total % W else 0) for r in range(W)]
@@ -339,6 +418,31 @@ class BatchSplit:
         if list(new) != list(sizes) and gain > BATCH_MIN_GAIN * step_s:
             return list(new), gain, True
         return list(sizes), gain, False
+
+    @staticmethod
+    def process_saturated(process_busy: Optional[Sequence[float]], process_noise: Optional[Sequence[float]],
+                          step_s: float, per_seq_s: Optional[Sequence[float]] = None,
+                          noise: Optional[Sequence[float]] = None) -> bool:
+        """Gate 1b: the busiest rank's process was busy >= :data:`SATURATED` of the wall step
+        ``step_s``, the ranks' process busy seconds (``[W]``) differ by more than
+        :data:`SPEED_SPREAD` and :data:`NOISE_SIGMAS` x the noisiest relative noise, and (with
+        ``per_seq_s``) the busiest rank also computes slower per sequence than the others'
+        median by more than :data:`SPEED_SPREAD` and :data:`NOISE_SIGMAS` x its own ``noise``:
+        a slow CPU budget shows in both, while on equal CPUs the busiest ranks are the ones
+        with more fixed work (replica holders on the plain demo) at a normal speed, and moving
+        sequences off them was measured to cost throughput (see the class, gate 1a)."""
+        if not process_busy or min(process_busy) <= 0 or step_s <= 0:
+            return False
+        spread = max(process_busy) / min(process_busy) - 1
+        if not (max(process_busy) >= SATURATED * step_s and spread > SPEED_SPREAD
+                and spread > NOISE_SIGMAS * max(process_noise or [0.0])):
+            return False
+        if per_seq_s is None or len(per_seq_s) < 2:
+            return True
+        slow = max(range(len(process_busy)), key=lambda r: process_busy[r])
+        others = statistics.median(p for r, p in enumerate(per_seq_s) if r != slow)
+        margin = max(SPEED_SPREAD, NOISE_SIGMAS * (noise[slow] if noise else 0.0))
+        return per_seq_s[slow] > (1 + margin) * others
 
     def summary(self) -> str:
         if not self.enabled:
@@ -351,9 +455,14 @@ class BatchSplit:
         if self.table is None:
             return f"sequences per rank {self.sizes} (of {self.total}); no agreement yet"
         col = lambda i, scale=1e3: "/".join(f"{r[i] * scale:.1f}" for r in self.table)  # noqa: E731
+        proc = ""
+        if min(r[7] for r in self.table) > 0:
+            step = sum(r[5] for r in self.table) / len(self.table)
+            frac = "/".join(f"{r[7] / step * 100:.0f}" for r in self.table) if step > 0 else "-"
+            proc = f"; whole process busy {col(7)} ms/step ({frac}% of the step, noise {col(8, 100)}%)"
         return (f"sequences per rank {self.sizes} (of {self.total}); busy {col(0)} ms/step, fixed {col(1)}, "
                 f"per sequence {col(2)} ms (noise {col(6, 100)}%); {self.changes} re-deals ({self.reverts} reverted, not faster) in {self.agreements} agreements (last "
-                f"predicted gain {self.last_gain_s * 1e3:.1f} ms/step)")
+                f"predicted gain {self.last_gain_s * 1e3:.1f} ms/step){proc}")
 
     def state_dict(self) -> Dict[str, Any]:
         return {"sizes": torch.tensor(self.sizes, dtype=torch.int64),

@@ -462,10 +462,10 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     balance_on = cfg.balance is True and world_size > 1
     # --speed datasheet: no batch split (it has nothing to measure; the demo's CPU ranks are not
     # what the datasheet says), every decision from the data alone.
-    from hetcomm.train.rank_time import busy_clock_for
+    from hetcomm.train.rank_time import busy_clock_for, process_clock_for
 
     batch_split = BatchSplit(cfg.batch_size, world_size, rank, enabled=cfg.balance is not False and cfg.speed == "measured",
-                             clock=busy_clock_for(device))
+                             clock=busy_clock_for(device), process_clock=process_clock_for(device))
     batch_split.attach(model.moe_layers)  # the MoE layers' busy time: the rest of the forward is dense
     if balance_on:
         balancer = make_balancer()

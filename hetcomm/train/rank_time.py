@@ -44,7 +44,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["RankClock", "DeviceClock", "LayerCpuTimer", "busy_clock_for", "SCHEDSTAT"]
+__all__ = ["RankClock", "DeviceClock", "LayerCpuTimer", "ProcessClock", "busy_clock_for", "process_clock_for", "SCHEDSTAT"]
 
 #: Per-thread scheduler statistics: ``run_ns ready_ns timeslices``.
 SCHEDSTAT = "/proc/thread-self/schedstat"
@@ -211,3 +211,34 @@ def busy_clock_for(device: torch.device) -> Optional[Any]:
     if device.type in ("cuda", "npu"):
         return DeviceClock(device)
     return None
+
+
+class ProcessClock:
+    """CPU seconds of every thread of this process (``time.process_time()``).
+
+    The main thread's clock (:class:`RankClock`) misses much of what a rank spends: on the
+    emulated half-speed cluster the 910B rank's main thread was ~60 % of its process CPU, the
+    rest on its executor, gloo-wait and gloo's/torch's native threads (benchmarks/README.md,
+    het_train_emulated.py, per thread) -- all under the same CPU quota.
+    :class:`~hetcomm.train.het_defaults.BatchSplit` turns it into wall seconds with the dilation
+    of the rank's dense compute (as it does the main thread's), once per agreement window.
+
+    Two other conversions were tried and measured useless on the emulation (2026-12-02
+    19:40 UTC): ``run + ready`` summed over threads (with ~15 threads runnable side by side
+    every rank summed to 108-144 % of the wall step), and the CPU over the cgroup's quota (a
+    rank started by ``ip netns exec`` sees a fresh sysfs without the cgroup mounts, so the
+    quota cannot be read from inside it).
+
+    Device note: on CUDA/NPU the host CPU is not the device's time (:func:`process_clock_for`
+    gives None there).
+    """
+
+    def read(self) -> float:
+        """Process CPU seconds so far (all threads, user + system)."""
+        return time.process_time()
+
+
+def process_clock_for(device: torch.device) -> Optional[ProcessClock]:
+    """The whole-process clock of a rank computing on ``device``: :class:`ProcessClock` on CPU
+    ranks; None on CUDA/NPU (host threads are not the device's busy time)."""
+    return ProcessClock() if device.type == "cpu" else None

@@ -12,7 +12,7 @@ import torch
 from hetcomm.errors import ConfigError
 from hetcomm.topo.cluster import load_cluster
 from hetcomm.train.het_defaults import (
-    BATCH_MIN_GAIN, BatchSplit, MoETimeTracker, cluster_is_mixed, resolve_chunks, speeds_differ,
+    BATCH_MIN_GAIN, SATURATED, BatchSplit, MoETimeTracker, cluster_is_mixed, resolve_chunks, speeds_differ,
     token_split_default,
 )
 from hetcomm.train.loop import TrainConfig
@@ -121,6 +121,13 @@ def test_batch_split_needs_two_passing_agreements_in_a_row():
     assert not live.adopt(deal, passed=False) and not live.adopt(deal) and live.sizes == [16] * 4  # first one failed a gate
     assert live.adopt([19, 17, 18, 10]) and live.sizes == [19, 17, 18, 10] and live.changes == 1
     assert not live.adopt([16] * 4)  # a new deal needs two fresh agreements
+    # the other ranks' shares may move (their fixed work differs by noise); the main giver's may not
+    moved = BatchSplit(16, 4, 0)
+    assert not moved.adopt([21, 29, 13, 1]) and moved.adopt([25, 20, 18, 1]) and moved.sizes == [25, 20, 18, 1]
+    other = BatchSplit(16, 4, 0)
+    assert not other.adopt([21, 29, 13, 1]) and not other.adopt([21, 26, 13, 4])  # the giver moved by 3
+    third = BatchSplit(16, 4, 0)
+    assert not third.adopt([20, 20, 20, 4]) and not third.adopt([10, 22, 22, 10])  # another rank gives most
     fixed = BatchSplit(16, 4, 3, fixed_speeds=[100.0, 100.0, 100.0, 50.0])  # --speed datasheet: dealt once
     assert fixed.mine < 16 and not fixed.maybe_agree(1.0)
     off = BatchSplit(16, 4, 3, enabled=False, fixed_speeds=[100.0, 100.0, 100.0, 50.0])
@@ -150,7 +157,8 @@ def test_batch_split_agrees_the_table_single_process():
         clock.ready += 0.5  # waiting for a CPU after wake-ups in wait loops: not compute
         split.maybe_agree(1.0)
     assert split.agreements == 1 and split.table is not None
-    busy, fixed, per_seq, num_seqs, steps, step_s, noise = split.table[0]
+    busy, fixed, per_seq, num_seqs, steps, step_s, noise, proc, proc_noise = split.table[0]
+    assert proc == 0.0 and proc_noise == 1.0  # no process clock: gate 1b stays shut
     assert noise == pytest.approx(0.0, abs=1e-6)  # the same every step
     assert busy == pytest.approx(0.2) and per_seq == pytest.approx(3 * 0.04 / 16)
     assert fixed == pytest.approx(0.2 - 0.12) and (num_seqs, steps, step_s) == (16, 2, 1.0)
@@ -224,3 +232,83 @@ def test_batch_split_state_round_trips():
     b = BatchSplit(16, 4, 2)
     b.load_state_dict(a.state_dict())
     assert (b.sizes, b._ema, b._steps, b._calls, b._step_s, b._sq) == (a.sizes, a._ema, 7, 9, 0.3, 2e-6)
+
+
+def test_batch_split_deals_off_a_saturated_process_only():
+    """Gate 1b, fed numbers like the emulated half-speed cluster's (benchmarks/README.md, per
+    thread): equal per-sequence speeds, but the 910B rank's whole process is busy ~90% of the
+    step (its threads under one 0.25-CPU quota) and the others ~45%: sequences leave it."""
+    per_seq = [0.0012, 0.0012, 0.0012, 0.0027]  # rank 3 slower per sequence too, as measured ...
+    noise = [0.45, 0.45, 0.45, 0.12]  # ... but the noisiest estimate hides it: gate 1a alone would not deal
+    step = 0.59
+    proc = [0.27, 0.26, 0.28, 0.53]
+    fixed = [p - 16 * q for p, q in zip(proc, per_seq)]
+    sizes, gain, passed = BatchSplit.plan(64, [16] * 4, per_seq, fixed, step, noise=noise,
+                                          process_busy=proc, process_noise=[0.05] * 4)
+    assert passed and sum(sizes) == 64 and sizes[3] == 1 and gain > BATCH_MIN_GAIN * step
+    busy = [f + b * q for f, b, q in zip(fixed, sizes, per_seq)]
+    assert max(busy[:3]) <= busy[3]  # the others take its sequences and still finish first
+    # without the process numbers (gate 1a only) the same step keeps equal batches
+    assert BatchSplit.plan(64, [16] * 4, per_seq, fixed, step, noise=noise)[0] == [16] * 4
+    # the slowest process busy only 45% of the step: it waits too, moving work is not sure to help
+    slack = [0.17, 0.16, 0.18, 0.45 * step]
+    assert not BatchSplit.process_saturated(slack, [0.05] * 4, step)
+    assert BatchSplit.plan(64, [16] * 4, per_seq, [p - 16 * q for p, q in zip(slack, per_seq)], step, noise=noise,
+                           process_busy=slack, process_noise=[0.05] * 4)[0] == [16] * 4
+    # equal ranks, all saturated (a loaded host): within 10%, no deal
+    busy = [0.50, 0.52, 0.49, 0.53]
+    assert not BatchSplit.process_saturated(busy, [0.01] * 4, step)
+    # a real-looking 2x spread, but a window estimate noisier than a third of it: no deal
+    assert not BatchSplit.process_saturated(proc, [0.05, 0.05, 0.05, 0.4], step)
+    assert BatchSplit.process_saturated(proc, [0.05] * 4, step) and SATURATED * step <= max(proc)
+    # equal CPUs (the plain demo): the busiest process holds replicas and computes at the others'
+    # speed per sequence; it is busier, not slower: no deal
+    assert BatchSplit.process_saturated(proc, [0.05] * 4, step, per_seq, noise)
+    equal = [0.0012, 0.0011, 0.0012, 0.00125]
+    assert not BatchSplit.process_saturated(proc, [0.05] * 4, step, equal, [0.1] * 4)
+    assert BatchSplit.plan(64, [16] * 4, equal, fixed, step, noise=[0.1] * 4,
+                           process_busy=proc, process_noise=[0.05] * 4)[0] == [16] * 4
+
+
+def test_batch_split_measures_the_whole_process_per_window():
+    class Clock:  # fake RankClock: run seconds, ready seconds
+        thread_id = None
+        run = ready = 0.0
+
+        def read(self):
+            return self.run, self.ready
+
+    class Cpu:  # fake ProcessClock: process CPU seconds
+        run = 0.0
+
+        def read(self):
+            return self.run
+
+    main, proc = Clock(), Cpu()
+    split = BatchSplit(16, 4, 3, clock=main, every=2, process_clock=proc)
+    for step in range(6):
+        split.begin_step()
+        split.begin_forward()
+        main.run += 0.01
+        main.ready += 0.01  # dense compute at dilation 2 (half its wall time queued)
+        split.end_forward()
+        main.run += 0.05
+        proc.run += 0.25 if step else 5.0  # step 1: imports, first allocations (outside every window)
+        split.maybe_agree(0.6)
+    # windows: step 2 (the one after the first), 3-4, 5-6: 0.25 CPU s x dilation 2 per step each
+    assert split._proc_windows == 3 and split._proc == pytest.approx(0.5)
+    assert split.table[3][7] == pytest.approx(0.5) and split.table[3][8] == pytest.approx(0.0, abs=1e-6)
+    assert "whole process busy" not in split.summary()  # the other ranks' rows are zeros here (one process)
+    for r in range(3):
+        split.table[r][5], split.table[r][7] = 0.6, 0.25
+    assert "whole process busy 250.0/250.0/250.0/500.0 ms/step (42/42/42/83% of the step" in split.summary()
+    # a clock without schedstat: nothing folded in, gate 1b shut
+    class NoStat:
+        def read(self):
+            return None
+
+    off = BatchSplit(16, 4, 0, clock=Clock(), every=2, process_clock=NoStat())
+    for _ in range(4):
+        off.begin_step()
+        off.maybe_agree(0.6)
+    assert off._proc_windows == 0 and off.process_noise() == 1.0

@@ -3,11 +3,13 @@ only its modules' forwards."""
 
 from __future__ import annotations
 
+import threading
 import time
 
+import pytest
 import torch
 
-from hetcomm.train.rank_time import LayerCpuTimer, RankClock, busy_clock_for
+from hetcomm.train.rank_time import LayerCpuTimer, ProcessClock, RankClock, busy_clock_for, process_clock_for
 
 
 def _spin(n: int = 200_000) -> int:
@@ -101,3 +103,25 @@ def test_device_clock_adds_up_the_intervals_between_reads():
         y.sum().backward()
         split.maybe_agree(0.01)
     assert split.measuring and split._steps == 3 and split._ema[2] > 0  # per-sequence seconds measured
+
+
+def test_process_clock_counts_another_threads_compute():
+    """CPU spent on a second thread shows in the process clock (the main-thread RankClock
+    misses it)."""
+    clock, main = ProcessClock(), RankClock()
+    p0, (m0, _) = clock.read(), main.read()
+    cpu = []
+
+    def spin():
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.1:
+            pass
+        cpu.append(time.thread_time() - t0)
+
+    t = threading.Thread(target=spin)
+    t.start()
+    t.join()
+    p1, (m1, _) = clock.read(), main.read()
+    assert p1 - p0 >= cpu[0]  # the other thread's CPU
+    assert m1 - m0 < 0.5 * cpu[0]  # the main thread only waited
+    assert process_clock_for(torch.device("meta")) is None and isinstance(process_clock_for(torch.device("cpu")), ProcessClock)

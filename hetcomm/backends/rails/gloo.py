@@ -35,6 +35,7 @@ from hetcomm.backends.rails.base import Rail, RailOp, Xfer, as_bytes
 from hetcomm.backends.stats import record as _record
 from hetcomm.backends import heartbeat
 from hetcomm.errors import CollectiveError, PeerTimeout
+from hetcomm.backends.thread_name import name_native_thread
 
 if TYPE_CHECKING:
     from hetcomm.backends.heartbeat import PeerLoss
@@ -241,6 +242,7 @@ class GlooRail(Rail):
 
     @staticmethod
     def _wait_loop(q: "queue.Queue", wakeup: threading.Event) -> None:
+        name_native_thread()  # /proc shows which thread spends a rank's CPU
         while True:
             it = q.get()
             if it is None:

@@ -287,24 +287,32 @@ class FaultDiagnosis:
         return SeqDiagnosis(self, seq)
 
     def certain_loss(self, peers: Sequence[int]) -> Optional[Tuple[int, "PeerLoss"]]:
-        """``(group rank, loss)`` of the first of ``peers`` the heartbeat found exited or stopped
-        (the earliest declared: the root cause, not a survivor that failed after it), or None."""
+        """``(group rank, loss)`` of the root cause among the ``peers`` the heartbeat found exited
+        or stopped, or None: a stopped peer before an exited one (a frozen process failed on its
+        own, an exited one may be a survivor that raised because of it and left), then the
+        earliest declared."""
         from hetcomm.backends.heartbeat import DEFINITIVE
 
         found = [(p, loss) for p, loss in self.lost(peers) if loss.cause in DEFINITIVE]
-        return min(found, key=lambda x: (x[1].detected_at, x[0])) if found else None
+        return min(found, key=lambda x: (x[1].cause != "stopped", x[1].detected_at, x[0])) if found else None
 
     def await_certain_loss(self, peers: Sequence[int], wait_s: float) -> Optional[Tuple[int, "PeerLoss"]]:
         """:meth:`certain_loss`, looking again for up to ``wait_s`` while a heartbeat runs: a
         broken wait is often the echo of a loss another survivor has just acted on (it released
-        its gloo group, or raised and exited), which this rank's heartbeat reads a beat later."""
+        its gloo group, or raised and exited), which this rank's heartbeat reads a beat later.
+
+        An exited peer is looked past for two more beats: the survivor that raised and left may
+        have seen a stopped peer this rank's heartbeat has not read yet."""
         from hetcomm.backends import heartbeat
 
         deadline = time.monotonic() + wait_s
         while True:
             found = self.certain_loss(peers)
-            if found is not None or heartbeat.active() is None or time.monotonic() > deadline:
+            hb = heartbeat.active()
+            if hb is None or time.monotonic() > deadline or (found is not None and found[1].cause == "stopped"):
                 return found
+            if found is not None:
+                deadline = min(deadline, time.monotonic() + 2 * hb.interval_s)
             time.sleep(0.02)
 
     def lost(self, peers: Sequence[int]) -> List[Tuple[int, "PeerLoss"]]:

@@ -321,8 +321,10 @@ class Heartbeat:
         return max(self.miss_s, GAP_FACTOR * max(gaps))
 
     def _said_bye(self, r: int) -> bool:
+        # check() first: get() of a key never set (a peer that died before its first beat)
+        # would block this thread for the store's whole timeout.
         try:
-            return self.store.get(self._key(r)) == _BYE.encode()
+            return self.store.check([self._key(r)]) and self.store.get(self._key(r)) == _BYE.encode()
         except Exception:  # noqa: BLE001
             return False
 

@@ -332,3 +332,37 @@ def test_a_peer_stopped_before_an_all_gloo_collective_ends_the_gloo_wait(tmp_pat
         assert "rank 3 is stopped" in r["detail"] and "named by the heartbeat" in r["detail"], r
         details.add(r["detail"])
     assert len(details) == 1, details
+
+
+@pytest.mark.timeout(120)
+def test_blame_names_a_stopped_peer_before_one_that_exited_earlier():
+    # The order survivors see: rank 2 freezes, rank 1 raises because of it and exits, and this
+    # rank's heartbeat declares rank 1 "exited" before (or in the same sweep as) rank 2 "stopped".
+    # The frozen rank is the root cause and is the one named (CI failure of the hung-rank test).
+    import torch.distributed as dist
+
+    from hetcomm.backends import heartbeat
+    from hetcomm.backends.faults import FaultDiagnosis
+    from hetcomm.backends.rank_placement import Placement, RankPlace
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    peers = {r: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"]) for r in (1, 2)}
+    try:
+        hb = heartbeat.start(store, 0, 3, local_pids={r: p.pid for r, p in peers.items()}, interval_s=0.05, miss_s=0.5)
+        peers[1].kill()
+        peers[1].wait()
+        assert _wait_for(lambda: 1 in hb.lost)
+        os.kill(peers[2].pid, signal.SIGSTOP)
+        assert _wait_for(lambda: 2 in hb.lost)
+        assert hb.lost[1].cause == "exited" and hb.lost[2].cause == "stopped"
+        assert hb.lost[1].detected_at <= hb.lost[2].detected_at
+        ranks = tuple(RankPlace(r, r, "n0", "host", peers[r].pid if r else os.getpid(), "cpu", "cpu", False) for r in range(3))
+        faults = FaultDiagnosis(store, Placement(ranks), 0, 3, timedelta(seconds=10), lambda: ["shm"] * 3)
+        peer, loss = faults.certain_loss([1, 2])
+        assert peer == 2 and loss.cause == "stopped"
+        assert faults.certain_loss([1])[0] == 1  # an exited peer alone is still named
+    finally:
+        heartbeat.stop()
+        for p in peers.values():
+            p.kill()
+            p.wait()

@@ -12,8 +12,9 @@ from torch import nn
 from hetcomm.errors import ConfigError
 from hetcomm.moe import MoELayer
 from hetcomm.moe.placement import ExpertPlacement
-from hetcomm.moe.placement.replicate import HOLDER_FRACTION, HotExpertReplicator, choose_holders
+from hetcomm.moe.placement.replicate import HotExpertReplicator, choose_holders
 from hetcomm.moe.speed import SpeedMeter
+from hetcomm.topo.compute import STRONG_FRACTION
 
 D, F = 8, 16
 
@@ -21,7 +22,7 @@ D, F = 8, 16
 def test_fastest_ranks_within_the_fraction_of_the_fastest():
     assert choose_holders([4.0, 1.0, 3.0, 2.0], [True] * 4) == (0, 2, 3)  # 1.0 < 0.5 x 4.0
     assert choose_holders([4.0, 1.0, 3.0, 2.0], [True] * 4, fraction=0.7) == (0, 2)
-    assert HOLDER_FRACTION == 0.5
+    assert STRONG_FRACTION == 0.5
 
 
 def test_ranks_without_room_are_skipped_and_the_fastest_with_room_sets_the_bar():

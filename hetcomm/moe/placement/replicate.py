@@ -59,12 +59,9 @@ from torch import nn
 
 from hetcomm.errors import ConfigError
 from hetcomm.moe.powersgd import SlowLinkPowerSGD, rail_bytes_sent
+from hetcomm.topo.compute import STRONG_FRACTION
 
-__all__ = ["HotExpertReplicator", "choose_holders", "HOLDER_FRACTION"]
-
-#: A rank holds replicas only when its measured speed is at least this fraction of the fastest
-#: rank with room (the datasheet rule's :data:`hetcomm.topo.compute.STRONG_FRACTION`, on measured speed).
-HOLDER_FRACTION = 0.5
+__all__ = ["HotExpertReplicator", "choose_holders"]
 
 
 def choose_holders(
@@ -72,7 +69,7 @@ def choose_holders(
     room: Sequence[bool],
     candidates: Optional[Sequence[int]] = None,
     *,
-    fraction: float = HOLDER_FRACTION,
+    fraction: float = STRONG_FRACTION,
     limit: Optional[int] = None,
 ) -> Tuple[int, ...]:
     """The replica holders: the fastest ranks that have room.
@@ -81,7 +78,8 @@ def choose_holders(
         speeds: ``[W]`` agreed measured speed of each rank (rows/s, or any unit: only ratios count).
         room: ``[W]`` agreed flags: the rank has room for replicas (it does not page its experts).
         candidates: ranks allowed to hold replicas (the cluster's strong ranks); None: all.
-        fraction: keep ranks at least this fraction of the fastest eligible rank's speed.
+        fraction: keep ranks at least this fraction of the fastest eligible rank's speed (the
+            datasheet's strong-rank rule, :data:`hetcomm.topo.compute.STRONG_FRACTION`, on measured speed).
         limit: at most this many holders (the fastest first); None: no limit.
     Returns:
         The holders, ascending. Ranks are taken in ``(-speed, rank)`` order, so equal speeds go

@@ -13,9 +13,13 @@ that change visible and places the experts for it:
 * **Placement for the new world** (:func:`placement_weights`, before the model is built): when
   a resume finds a different membership, each rank's expert share is the *measured* speed of its
   device model in the previous membership (median over that model's ranks) when every model of
-  the new job was measured there; else the layer's datasheet weights (``device.tflops`` or the
-  device table, :func:`hetcomm.topo.compute.rank_speeds`). An unchanged membership keeps the
-  datasheet placement, so a plain restart resumes bit for bit.
+  the new job was measured there; else None: the layer places by its own ``rank_weights`` rule
+  (:class:`~hetcomm.moe.layer_config.MoEConfig`; ``hetcomm train`` keeps the default ``strong``:
+  the cluster YAML's strong ranks weigh ``strong_expert_weight``, 2.0, the others 1; only
+  ``throughput`` takes each device's TFLOPS, ``device.tflops`` or the device table,
+  :func:`hetcomm.topo.compute.rank_speeds`). "Datasheet" in the ``how`` phrases means that
+  rule: declared, not measured. An unchanged membership keeps it, so a plain restart resumes
+  bit for bit.
 * **Placement without a checkpoint directory** (:func:`snapshot_placement`): the same speeds
   travel in every in-memory snapshot's header (:mod:`hetcomm.ops.snapshot_format`, ``placement``),
   so a memory-only restore onto another membership places by the speeds measured up to the
@@ -115,7 +119,7 @@ def placement_weights(cfg, cluster, world_size: int) -> Tuple[Optional[List[floa
 
     Returns:
         ``(weights, how)``: ``[world_size]`` weights (measured rows/s of each rank's device model)
-        or None (keep the layer's datasheet weights), and a phrase saying which.
+        or None (the layer's own ``rank_weights`` rule: declared, not measured), and a phrase saying which.
     """
     if not _will_resume(cfg):
         return None, "datasheet"

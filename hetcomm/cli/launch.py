@@ -191,7 +191,7 @@ def _run(args: argparse.Namespace, made: List[str], jobs: List[str]) -> int:
     from hetcomm.cli._launch_checks import check_job, check_options, check_rdzv_endpoint, job_cluster
     from hetcomm.ops.health import judge, render_report
     from hetcomm.ops.safe_fs import launch_work_dir, read_nofollow, write_private
-    from hetcomm.ops.rank_marks import clear_marks, describe, last_attempt, read_marks
+    from hetcomm.ops.rank_marks import clear_marks, describe, give_up_line, read_marks
     from hetcomm.topo.cluster import CLUSTER_ENV, load_cluster
 
     # Everything is checked here, before torchrun starts: a bad value is exit 2 in a second,
@@ -321,11 +321,10 @@ def _run(args: argparse.Namespace, made: List[str], jobs: List[str]) -> int:
     clear_marks(work, "job")
     code = _phase(cmd, env, "job")
     if code != 0:
-        # torchrun gave up: a worker kept failing after --max-restarts restarts.
+        # torchrun gave up: a worker kept failing after this node's agent spent its restarts.
         world = nproc if args.node is None else None
-        why = describe(read_marks(work, "job", last_attempt(work, "job"), cluster.num_ranks), world)
-        print(f"hetcomm launch: the job failed for good after {args.max_restarts} restart(s) (--max-restarts "
-              f"{args.max_restarts} spent; torchrun exit {code}); last attempt: {why}", file=sys.stderr, flush=True)
+        print(f"hetcomm launch: {give_up_line(work, args.max_restarts, code, cluster.num_ranks, world)}",
+              file=sys.stderr, flush=True)
         return 1
     try:
         return int(read_nofollow(exit_file, limit=64, what="job exit file").strip() or 0)

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional
 
 __all__ = [
     "RankMark", "write_mark", "read_marks", "culprits", "describe", "install_stop_mark", "marked", "last_attempt",
-    "clear_marks", "mark_times", "STARTUP_PHASES", "startup", "startup_marks", "process_start_time",
+    "give_up_line", "clear_marks", "mark_times", "STARTUP_PHASES", "startup", "startup_marks", "process_start_time",
 ]
 
 #: The phases of a training start, in order (:func:`startup_marks`).
@@ -211,6 +211,34 @@ def describe(marks: Dict[int, RankMark], world_size: Optional[int]) -> str:
     if witness is not None and witness.error:
         parts.append(f"rank {witness.rank} saw: {witness.error.splitlines()[0]}")
     return "; ".join(parts)
+
+
+def give_up_line(work_dir: str, max_restarts: int, code: int, num_ranks: int, world_size: Optional[int]) -> str:
+    """``hetcomm launch``'s line when torchrun gave up on the job: this node's restarts, and who failed.
+
+    The count is this node's own: the last attempt its workers left marks for (their
+    ``TORCHELASTIC_RESTART_COUNT``), not the ``--max-restarts`` limit. torchrun's agent counts
+    the restarts of its node from its own start, so a node that joined a later rendezvous round
+    (a node back after a loss, growing the job) gives up having restarted fewer times than the
+    nodes that were there from the start; saying "after MAX restart(s)" there would be false.
+
+    Args:
+        work_dir: this node's launch directory (its marks).
+        max_restarts: ``--max-restarts``.
+        code: torchrun's exit code.
+        num_ranks / world_size: as :func:`read_marks` / :func:`describe` (``world_size`` None on a
+            multi-node job: only this node's marks are here).
+    """
+    attempt = last_attempt(work_dir, "job")
+    why = describe(read_marks(work_dir, "job", attempt, num_ranks), world_size)
+    if attempt >= max_restarts:
+        head = (f"the job failed for good after {attempt} restart(s) (--max-restarts {max_restarts} spent; "
+                f"torchrun exit {code})")
+    else:
+        head = (f"the job failed for good after {attempt} restart(s) on this node, fewer than --max-restarts "
+                f"{max_restarts}: this node joined a later rendezvous round (torchrun counts each node's restarts "
+                f"from its own start), or its next rendezvous failed before the workers started; torchrun exit {code}")
+    return f"{head}; last attempt: {why}"
 
 
 def install_stop_mark(work_dir: str, phase: str, attempt: int, rank: int, node: str = "") -> None:

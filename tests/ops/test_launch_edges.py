@@ -218,6 +218,27 @@ def test_the_job_runs_on_the_launch_cluster_and_a_job_that_fails_for_good_says_s
     assert "--max-restarts 0 spent" in line and "rank 1 exited without a word" in line, line
 
 
+def test_the_give_up_line_counts_this_nodes_restarts_not_the_limit(tmp_path):
+    # Real marks as each node's workers leave them; torchrun's agent numbers the attempts of its
+    # own node, so a node that joined a later round gave up after fewer restarts than the limit.
+    from hetcomm.ops.rank_marks import give_up_line, write_mark
+
+    first, late = str(tmp_path / "first"), str(tmp_path / "late")
+    os.mkdir(first)
+    os.mkdir(late)
+    for attempt in range(3):  # the node there from the start: attempts 0, 1, 2 (--max-restarts 2)
+        write_mark(first, "job", attempt, 0, "started")
+    write_mark(first, "job", 2, 0, "failed", error="CollectiveError: ... peer 1 ...", peer=1)
+    line = give_up_line(first, 2, 1, 2, None)
+    assert line.startswith("the job failed for good after 2 restart(s) (--max-restarts 2 spent; torchrun exit 1)"), line
+    assert "rank 0 saw: CollectiveError" in line, line  # rank 1 ran on another node: no marks here
+    write_mark(late, "job", 0, 1, "started")  # joined in the third round: its first attempt is 0
+    line = give_up_line(late, 2, 1, 2, None)
+    assert "after 0 restart(s) on this node, fewer than --max-restarts 2" in line, line
+    assert "joined a later rendezvous round" in line and "spent" not in line, line
+    assert "rank 1 exited without a word" in line, line
+
+
 def test_the_node_hosting_the_rendezvous_is_never_ejected():
     from hetcomm.cli.launch import eject_plan
     from hetcomm.ops.health import judge

@@ -45,9 +45,9 @@ HEALTH_CODES: Dict[str, FindingSpec] = {
         ),
         FindingSpec(
             "membership-change", "info", "the job continued on other ranks",
-            "A rank or node was lost (or joined) and the job resumed from its checkpoint on the "
-            "ranks present, experts re-placed for the new world size; the steps since the "
-            "checkpoint were redone.",
+            "A rank or node was lost (or joined) and the job resumed on the ranks present from "
+            "its in-memory snapshots or its checkpoint, experts re-placed for the new world size; "
+            "the steps since the restored one were redone.",
         ),
     )
 }

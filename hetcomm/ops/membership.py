@@ -33,6 +33,14 @@ that change visible and places the experts for it:
   the expert census (:func:`expert_census`: every global expert owned by exactly one rank, per
   layer). It goes to the metrics file (an ``event`` line ``membership``), the health records
   (:mod:`hetcomm.ops.ops_records`, ``kind: membership``), stderr and the job summary.
+* **The change without a checkpoint directory** (no ``membership.json``): the previous
+  membership is the one the restored in-memory snapshots' headers name (each rank's node and
+  device model, :func:`snapshot_members`), so a memory-only shrink or grow is recorded the same
+  way; the steps redone come from the metrics file, else from the snapshots' own count (the
+  newest step any surviving rank finished minus the step restored). The seconds from the last
+  finished step to the restored state need the previous attempt's start time, which only
+  ``membership.json`` keeps: the record says they are unknown rather than guess them. Nothing
+  is written: there is no directory to write ``membership.json`` to.
 
 Why not torchft: its quorum and reconfigurable process groups replace the process group per
 step and recover from live peers; this stack restarts the group through torchrun and restores
@@ -54,7 +62,8 @@ import torch.distributed as dist
 
 __all__ = [
     "MEMBERSHIP_FILE", "MembershipChange", "ExpertCensus", "members", "read_membership", "write_membership",
-    "placement_weights", "snapshot_placement", "measured_speeds_by_model", "expert_census", "on_start",
+    "placement_weights", "snapshot_placement", "snapshot_members", "measured_speeds_by_model", "expert_census",
+    "on_start",
     "after_checkpoint", "summary_rows",
 ]
 
@@ -203,6 +212,10 @@ class MembershipChange:
         placement: where this job's expert shares came from (measured speeds or datasheet).
         experts: :meth:`ExpertCensus.line` after the restore.
         experts_present / experts_total: the census's sums.
+        owners: each layer's new owner map (global expert id -> rank).
+        previous: where the previous membership was read: ``membership.json`` or ``snapshots``
+            (the restored in-memory snapshots' headers; no checkpoint directory).
+        down_unknown: why ``down_s`` is None, said in :meth:`line` ("" when it is known).
     """
 
     step: int
@@ -220,6 +233,8 @@ class MembershipChange:
     experts_present: int
     experts_total: int
     owners: List[List[int]] = field(default_factory=list)
+    previous: str = MEMBERSHIP_FILE
+    down_unknown: str = ""
 
     def line(self) -> str:
         who = []
@@ -232,6 +247,8 @@ class MembershipChange:
         cost = (f"{self.steps_redone} step(s) redone" if self.steps_redone is not None else "steps redone unknown (no metrics)")
         if self.down_s is not None:
             cost += f", {self.down_s:.1f} s from the last finished step to the restored state"
+        elif self.down_unknown:
+            cost += f", seconds from the last finished step to the restored state unknown ({self.down_unknown})"
         return (f"{self.before} -> {self.after} ranks after step {self.step}: {'; '.join(who)}; cause: {self.cause}; "
                 f"cost: {cost}; experts {self.experts}; placement from {self.placement}")
 
@@ -288,33 +305,75 @@ def _last_finished(cfg) -> Tuple[Optional[int], Optional[float]]:
     return last.step, last.time_s
 
 
+def snapshot_members(record: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The previous membership as the in-memory snapshots' headers name it (no ``membership.json``).
+
+    Args:
+        record: :meth:`hetcomm.ops.snapshot.Snapshotter.placement_record` of the snapshots the
+            restore chose, or None.
+
+    Returns:
+        ``{"world_size", "ranks": [{"rank", "model", "node"}], "nodes"}`` as :func:`members`, or
+        None: no record, or one of an older hetcomm (no device models in its header: a change
+        could not be told from a renumbering, so none is claimed).
+    """
+    if record is None:
+        return None
+    place, nodes, world = record.get("placement"), record.get("nodes"), record.get("world_size")
+    models = place.get("models") if isinstance(place, dict) else None
+    if not (isinstance(models, list) and isinstance(nodes, list) and isinstance(world, int)
+            and len(models) == len(nodes) == world):
+        return None
+    ranks = [{"rank": r, "model": str(m), "node": str(n)} for r, (m, n) in enumerate(zip(models, nodes))]
+    return {"world_size": world, "ranks": ranks, "nodes": list(dict.fromkeys(r["node"] for r in ranks))}
+
+
 def on_start(cfg, rank: int, world_size: int, cluster, model: torch.nn.Module, start_step: int, mc,
-             placement: str = "datasheet") -> Optional[MembershipChange]:
+             placement: str = "datasheet", snapshots: Optional[Dict[str, Any]] = None,
+             snapshot_lost: Optional[int] = None) -> Optional[MembershipChange]:
     """After the resume: record this attempt's membership, and the change if there is one.
 
-    Collective when ``cfg.checkpoint_dir`` is set (the expert census); rank 0 writes. Call it
-    before the first step, after the metrics collector exists (its ``resume`` event comes first).
+    Collective when ``cfg.checkpoint_dir`` is set, or when the state came from in-memory
+    snapshots of another membership (the expert census); rank 0 writes. Call it before the first
+    step, after the metrics collector exists (its ``resume`` event comes first).
+
+    Args:
+        placement: where the experts' shares came from (the ``how`` of :func:`placement_weights`
+            / :func:`snapshot_placement`).
+        snapshots: the :meth:`~hetcomm.ops.snapshot.Snapshotter.placement_record` of the
+            snapshots the restore read (the same on every rank), or None: without
+            ``membership.json`` its headers are the previous membership (:func:`snapshot_members`).
+        snapshot_lost: the snapshots' count of steps redone at that restore
+            (:attr:`hetcomm.ops.snapshot_format.Restored.lost`), for a job without metrics.
 
     Returns:
         The change, or None (every rank gets the same answer; the ``cause`` is read on rank 0 only).
     """
-    if not cfg.checkpoint_dir:
-        return None
-    census = expert_census(model)
     prev = read_membership(cfg.checkpoint_dir)
+    previous = MEMBERSHIP_FILE
+    if prev is None and snapshots is not None and start_step and int(snapshots.get("step", -1)) == start_step:
+        prev, previous = snapshot_members(snapshots), "snapshots"
     cur = members(cluster, world_size)
+    changed = bool(start_step) and prev is not None and not _same(prev, cur)
+    if not cfg.checkpoint_dir and not changed:
+        return None  # nothing to record, nowhere to write: no collective either (same on every rank)
+    census = expert_census(model)
     change = None
-    if start_step and prev is not None and not _same(prev, cur):
+    if changed and prev is not None:
         before = {(r.get("model"), r.get("node")) for r in prev["ranks"]}
         after = {(r["model"], r["node"]) for r in cur["ranks"]}
         left = [r for r in prev["ranks"] if (r.get("model"), r.get("node")) not in after]
         joined = [r for r in cur["ranks"] if (r["model"], r["node"]) not in before]
         last_step, last_t = _last_finished(cfg)
         redone = max(0, last_step - start_step) if last_step is not None else None
-        down = None
+        if redone is None and previous == "snapshots":
+            redone = snapshot_lost
+        down, down_unknown = None, ""
         started = prev.get("started_at")
         if last_t is not None and isinstance(started, (int, float)):
             down = max(0.0, time.time() - (float(started) + float(last_t)))
+        elif previous == "snapshots":
+            down_unknown = f"without a checkpoint directory no {MEMBERSHIP_FILE} records when the previous attempt started"
         change = MembershipChange(
             step=start_step, before=int(prev["world_size"]), after=world_size, left=left, joined=joined,
             nodes_left=[n for n in prev.get("nodes", []) if n not in cur["nodes"]],
@@ -322,7 +381,7 @@ def on_start(cfg, rank: int, world_size: int, cluster, model: torch.nn.Module, s
             cause=(_cause(prev) if left or not joined else _joined_cause(joined)) if rank == 0 else "",
             steps_redone=redone, down_s=down, placement=placement,
             experts=census.line(), experts_present=sum(census.present), experts_total=sum(census.total),
-            owners=[list(m.placement.owner) for m in model.moe_layers],
+            owners=[list(m.placement.owner) for m in model.moe_layers], previous=previous, down_unknown=down_unknown,
         )
     if rank == 0:
         if change is not None:
@@ -331,16 +390,17 @@ def on_start(cfg, rank: int, world_size: int, cluster, model: torch.nn.Module, s
 
             append_records(record_paths(cfg.metrics), [change.record()])
             print(f"hetcomm train: membership changed: {change.line()}", file=sys.stderr, flush=True)
-        rec = dict(cur, started_at=time.time(), start_step=start_step)
-        if prev is not None and prev.get("speeds_by_model") and _same(prev, cur):
-            rec["speeds_by_model"] = prev["speeds_by_model"]
-        try:
-            from hetcomm.ops.checkpoint_files import prepare_root
+        if cfg.checkpoint_dir:
+            rec = dict(cur, started_at=time.time(), start_step=start_step)
+            if prev is not None and prev.get("speeds_by_model") and _same(prev, cur):
+                rec["speeds_by_model"] = prev["speeds_by_model"]
+            try:
+                from hetcomm.ops.checkpoint_files import prepare_root
 
-            prepare_root(cfg.checkpoint_dir)  # the first save would make it; the record comes first
-            write_membership(cfg.checkpoint_dir, rec)
-        except Exception as e:  # noqa: BLE001 - advisory: the job trains on
-            print(f"hetcomm train: could not write {MEMBERSHIP_FILE}: {e}", file=sys.stderr, flush=True)
+                prepare_root(cfg.checkpoint_dir)  # the first save would make it; the record comes first
+                write_membership(cfg.checkpoint_dir, rec)
+            except Exception as e:  # noqa: BLE001 - advisory: the job trains on
+                print(f"hetcomm train: could not write {MEMBERSHIP_FILE}: {e}", file=sys.stderr, flush=True)
     return change
 
 

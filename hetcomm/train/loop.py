@@ -390,7 +390,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     # Before the model: the in-memory snapshots' headers carry the measured speeds a restore onto
     # another membership places the experts by when no checkpoint directory records them.
     snap = hooks.snapshotter(cfg, rank, world_size, cluster)  # in-memory snapshots (hetcomm.ops.snapshot)
-    elastic_weights, placement_from = _elastic_placement(cfg, cluster, world_size, snap)
+    elastic_weights, placement_from, snap_record = _elastic_placement(cfg, cluster, world_size, snap)
     if snap is not None:
         snap.weights = elastic_weights  # carried in each header: a restart on this membership keeps it
 
@@ -504,7 +504,8 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     hetcomm.reset_stats()
     progress = Progress(rank == 0, cfg, world_size, cluster, balancer, detected=cfg.cluster == DETECT)
     mc = hooks.metrics_collector(cfg, rank, world_size, cluster, model, start_step, resumed_from)
-    change, probe = _elastic_start(cfg, rank, world_size, cluster, model, start_step, mc, placement_from)
+    change, probe = _elastic_start(cfg, rank, world_size, cluster, model, start_step, mc, placement_from,
+                                   snap_record, snap)
     t0 = time.perf_counter()
     tokens_per_step = cfg.batch_size * cfg.seq_len
     losses: List[float] = []
@@ -601,18 +602,20 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
 def _elastic_placement(cfg: TrainConfig, cluster, world_size: int, snap=None):
     """Placement weights for a resume onto other ranks (measured speeds), or (None, "datasheet"):
     the checkpoint directory's ``membership.json`` first, else the headers of the in-memory
-    snapshots the restore will read (collective when ``snap`` is on)."""
+    snapshots the restore will read (collective when ``snap`` is on). Returns ``(weights, how,
+    record)``: ``record`` is those snapshots' placement record (None: none), which also names
+    the previous membership when no ``membership.json`` does (:func:`_elastic_start`)."""
     from hetcomm.ops import hooks
     from hetcomm.ops.membership import placement_weights, snapshot_placement
 
     weights, how = placement_weights(cfg, cluster, world_size)
     if snap is None:
-        return weights, how
+        return weights, how, None
     record = snap.placement_record(not_before=hooks.disk_step(cfg), below=cfg.steps)  # every rank: collective
     if weights is not None or record is None:
-        return weights, how
+        return weights, how, record
     got, from_snap = snapshot_placement(record, cluster, world_size)
-    return (got, from_snap) if got is not None or how == "datasheet" else (None, how)
+    return (got, from_snap, record) if got is not None or how == "datasheet" else (None, how, record)
 
 
 def _placement_kwargs(weights, experts: int, world_size: int) -> Dict[str, Any]:
@@ -625,13 +628,16 @@ def _placement_kwargs(weights, experts: int, world_size: int) -> Dict[str, Any]:
 
 
 def _elastic_start(cfg: TrainConfig, rank: int, world_size: int, cluster, model, start_step: int, mc,
-                   placement_from: str):
-    """After the resume: the membership record/change (collective with a checkpoint directory)
-    and the job's probe."""
+                   placement_from: str, snap_record=None, snap=None):
+    """After the resume: the membership record/change (collective with a checkpoint directory or
+    a restore from snapshots of another membership) and the job's probe."""
     from hetcomm.ops.membership import on_start
     from hetcomm.ops.probe import probe_for
 
-    change = on_start(cfg, rank, world_size, cluster, model, start_step, mc, placement_from)
+    restored = snap.restored if snap is not None else None
+    lost = restored.lost if restored is not None and restored.step == start_step else None
+    change = on_start(cfg, rank, world_size, cluster, model, start_step, mc, placement_from,
+                      snapshots=snap_record, snapshot_lost=lost)
     return change, probe_for(cfg, rank, world_size, cluster, model)
 
 

@@ -156,6 +156,8 @@ def test_kill_one_rank_restores_from_memory_loses_at_most_one_step(tmp_path, dem
     resumes = [e for e in log.events if e.event == "resume"]
     assert len(resumes) == 1 and resumes[0].detail.startswith("from memory"), ([e.detail for e in resumes], out[-3000:])
     assert "ranks 2 from peer copies" in resumes[0].detail, resumes[0].detail
+    # The same membership came back: the snapshots' headers say so, and no change is recorded.
+    assert not [e.detail for e in log.events if e.event == "membership"], out[-3000:]
     # Rank 0's startup marks of the restarted process, in order (benchmarks/snapshot_kill.py's parts).
     from hetcomm.ops.rank_marks import STARTUP_PHASES
 

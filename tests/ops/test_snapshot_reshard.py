@@ -28,6 +28,7 @@ membership; another model is refused by every rank alike. Then the plan's pure p
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -72,7 +73,13 @@ def _rank(rank: int, world_size: int, cfg, port: int, root: str, job: str, keep:
             return step, what
 
         hooks.restore = dump
-    return _train_rank(rank, world_size, cfg, port)
+    code = _train_rank(rank, world_size, cfg, port)
+    if out and rank == 0:  # the job summary rank 0 printed
+        from hetcomm.train.loop import last_summary
+
+        with open(os.path.join(out, "summary.txt"), "w", encoding="utf-8") as f:
+            f.write(last_summary()["text"])
+    return code
 
 
 def _run(cfg, world_size: int, root: str, job: str, keep: bool = False, out: str = "") -> None:
@@ -153,6 +160,8 @@ def _reshard_vs_dcp(tmp_path, old_cluster: str, new_cluster: str, old_world: int
         _run(cfg, new_world, only, job, out=out)
         runs["memory only"] = ([torch.load(os.path.join(out, f"r{r}.pt"), weights_only=False)
                                 for r in range(new_world)], read_metrics(str(tmp_path / "m-only.jsonl")))
+        with open(os.path.join(out, "summary.txt"), encoding="utf-8") as f:
+            runs["memory only summary"] = f.read()
     for how in ("memory", "disk"):
         ck2, m2 = str(tmp_path / f"ck-{how}"), str(tmp_path / f"m-{how}.jsonl")
         shutil.copytree(ck, ck2)
@@ -224,7 +233,23 @@ def test_shrink_four_to_three_restores_from_memory_as_dcp_reshards(tmp_path):
     datasheet = place_experts(EXPERTS, 3, rank_weights=[MoEConfig.strong_expert_weight if r in strong else 1.0
                                                         for r in range(3)]).owner
     assert measured != datasheet, (measured, datasheet)  # the speeds above are chosen to differ
-    only = runs["memory only"][0]
+    only, only_log = runs["memory only"]
+    # ... and the change is recorded from the snapshots' headers (no membership.json to say who
+    # trained before): the metrics event and the summary row, with what it cannot know said so.
+    change = [e for e in only_log.events if e.event == "membership"]
+    assert len(change) == 1 and change[0].step == OLD_STEPS, change
+    line = change[0].detail
+    assert line.startswith(f"4 -> 3 ranks after step {OLD_STEPS}: node(s) h800-0 left"), line
+    assert "0 step(s) redone" in line and "to the restored state unknown" in line, line
+    assert "every expert owned by exactly one rank" in line, line
+    assert "placement from measured speeds of the in-memory snapshots" in line, line
+    row = next((ln for ln in runs["memory only summary"].splitlines() if "membership change" in ln), None)
+    assert row is not None and line in row, runs["memory only summary"]
+    from hetcomm.ops.ops_records import sibling_path
+
+    with open(sibling_path(str(tmp_path / "m-only.jsonl")), encoding="utf-8") as f:
+        rec = [json.loads(ln) for ln in f if '"membership"' in ln]
+    assert [(r["previous"], r["down_s"], r["line"]) for r in rec] == [("snapshots", None, line)], rec
     got = [[next(r for r in range(3) if e in only[r]["experts"][layer]) for e in range(EXPERTS)]
            for layer in range(len(only[0]["experts"]))]
     assert got == [list(measured)] * len(got), (got, measured, datasheet)

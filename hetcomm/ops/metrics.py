@@ -164,7 +164,9 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class Event:
-    """An ``event`` line: ``checkpoint`` (saved after ``step``) or ``resume`` (restarted at it).
+    """An ``event`` line: ``checkpoint`` (saved after ``step``), ``resume`` (restarted at it),
+    ``membership`` (that resume found other ranks: :meth:`hetcomm.ops.membership.MembershipChange.line`,
+    with or without a checkpoint directory) or ``snapshots`` (the in-memory snapshots' rows at the end).
 
     ``marks``: for ``resume``, rank 0's startup marks (:func:`hetcomm.ops.rank_marks.startup_marks`:
     phase -> unix time), from which a recovery's parts are told apart."""

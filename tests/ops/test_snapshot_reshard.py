@@ -12,7 +12,9 @@ a shared-memory root of its own:
 3. the same new job resumes from the DCP checkpoint of the same step instead (DCP reshards);
 4. (shrink) memory only: no checkpoint directory, so no ``membership.json``: the snapshots'
    headers carry the measured speeds (checked against the metrics' agreed vector), set here to
-   speeds whose placement differs from the datasheet's, and the 3 ranks place by them.
+   speeds whose placement differs from the datasheet's, and the 3 ranks place by them; the
+   change is recorded from the headers too (the metrics ``membership`` event, the health
+   record, the summary row, its seconds said unknown).
 
 Both new jobs place their experts alike (the same membership record), so DCP's reshard is the
 reference: every rank's state right after the restore (dense weights, experts by global id,

@@ -63,8 +63,7 @@ import torch.distributed as dist
 __all__ = [
     "MEMBERSHIP_FILE", "MembershipChange", "ExpertCensus", "members", "read_membership", "write_membership",
     "placement_weights", "snapshot_placement", "snapshot_members", "measured_speeds_by_model", "expert_census",
-    "on_start",
-    "after_checkpoint", "summary_rows",
+    "on_start", "after_checkpoint", "summary_rows",
 ]
 
 MEMBERSHIP_FILE = "membership.json"

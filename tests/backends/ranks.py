@@ -17,12 +17,16 @@ failures; the other ranks are never stopped early, so a fault test reads what th
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from hetcomm.launcher import RankOutcome, launch
 
-__all__ = ["run_ranks", "run_ranks_outcomes", "RankOutcome", "RanksFailed", "MIXED_MINI"]
+__all__ = [
+    "run_ranks", "run_ranks_outcomes", "RankOutcome", "RanksFailed", "MIXED_MINI",
+    "wait_until", "mark", "read_mark", "process_gone",
+]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIXED_MINI = os.path.join(REPO_ROOT, "configs", "clusters", "mixed-mini.yaml")
@@ -127,3 +131,46 @@ def run_ranks(
     if bad:
         raise RanksFailed("\n".join(o.describe() + (f"\n{o.traceback}" if o.traceback else "") for o in bad))
     return [o.result for o in outs]
+
+
+def wait_until(cond: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
+    """Poll ``cond`` until it returns something truthy, and return that.
+
+    Tests (and the ranks they start) wait on an event they can observe -- a marker file a rank
+    wrote, a process that exited -- instead of sleeping a fixed time: a fixed sleep is too long
+    on an idle machine and may still be too short on a loaded one. ``timeout_s`` is generous;
+    when it passes, the error names the event that did not happen.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for {what}, and it did not happen")
+        time.sleep(0.02)
+
+
+def mark(path: str, text: str = "") -> None:
+    """Write the marker file ``path`` atomically (a reader never sees it half written)."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def read_mark(path: str) -> Optional[str]:
+    """The text of the marker file ``path`` (see :func:`mark`), or None while it is absent."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie not yet reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

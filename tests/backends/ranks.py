@@ -25,7 +25,7 @@ from hetcomm.launcher import RankOutcome, launch
 
 __all__ = [
     "run_ranks", "run_ranks_outcomes", "RankOutcome", "RanksFailed", "MIXED_MINI",
-    "wait_until", "mark", "read_mark", "process_gone",
+    "wait_until", "mark", "read_mark", "process_gone", "mark_done", "wait_done",
 ]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -165,6 +165,21 @@ def read_mark(path: str) -> Optional[str]:
             return f.read()
     except FileNotFoundError:
         return None
+
+
+def mark_done(marks: str, rank: int) -> None:
+    """Say that ``rank`` is through (its collective returned or raised): ``marks/done-<rank>``."""
+    mark(os.path.join(marks, f"done-{rank}"), "1")
+
+
+def wait_done(marks: str, ranks: Sequence[int], timeout_s: float = 45.0) -> None:
+    """Wait until every rank in ``ranks`` has called :func:`mark_done`: a silent rank in a fault
+    test stays alive (and silent) exactly as long as its peers still diagnose it, no fixed sleep."""
+    wait_until(
+        lambda: all(os.path.exists(os.path.join(marks, f"done-{r}")) for r in ranks),
+        f"ranks {list(ranks)} to be done (marks in {marks})",
+        timeout_s,
+    )
 
 
 def process_gone(pid: int) -> bool:

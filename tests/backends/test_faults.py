@@ -16,23 +16,13 @@ import time
 import pytest
 import torch
 
-from tests.backends.ranks import MIXED_MINI, mark, run_ranks, run_ranks_outcomes, wait_until
+from tests.backends.ranks import MIXED_MINI, mark_done, run_ranks, run_ranks_outcomes, wait_done
 
 PG_TIMEOUT = 8.0
 
 
 def _segments_of(pid: int):
     return glob.glob(f"/dev/shm/hetcomm-{pid}-*")
-
-
-def _stay_silent_until_done(marks: str, others) -> None:
-    """Keep this rank alive and out of the collective until every one of ``others`` has left it
-    (each marks ``marks/done-<rank>``), so each diagnoses a live, silent peer."""
-    wait_until(
-        lambda: all(os.path.exists(os.path.join(marks, f"done-{r}")) for r in others),
-        f"ranks {others} to leave the collective (marks in {marks})",
-        timeout_s=45,
-    )
 
 
 def kill_mid_all_to_all(rank: int, n: int, victim: int) -> dict:
@@ -97,7 +87,7 @@ def never_arrives(rank: int, n: int, marks: str) -> dict:
     y = torch.empty_like(x)
     dist.all_to_all_single(y, x)
     if rank == 2:
-        _stay_silent_until_done(marks, [0, 1, 3])  # alive, but never joins the next collective
+        wait_done(marks, [0, 1, 3])  # alive, but never joins the next collective
         return {"type": None}
     t0 = time.monotonic()
     try:
@@ -105,7 +95,7 @@ def never_arrives(rank: int, n: int, marks: str) -> dict:
     except Exception as e:
         return {"type": type(e).__name__, "msg": str(e), "peer": getattr(e, "peer", None), "seconds": time.monotonic() - t0}
     finally:
-        mark(os.path.join(marks, f"done-{rank}"), "1")
+        mark_done(marks, rank)
     return {"type": None}
 
 
@@ -166,7 +156,7 @@ def silent_rank_and_late_survivor(rank: int, n: int, marks: str) -> dict:
     y = torch.empty_like(x)
     dist.all_to_all_single(y, x)
     if rank == 1:
-        _stay_silent_until_done(marks, [0, 2])  # alive, silent past everyone's timeout
+        wait_done(marks, [0, 2])  # alive, silent past everyone's timeout
         return {"type": None}
     if rank == 0:
         time.sleep(1.5)  # the scenario itself: a survivor that reaches the collective (and its timeout) late
@@ -175,7 +165,7 @@ def silent_rank_and_late_survivor(rank: int, n: int, marks: str) -> dict:
     except Exception as e:
         return {"type": type(e).__name__, "msg": str(e), "peer": getattr(e, "peer", None)}
     finally:
-        mark(os.path.join(marks, f"done-{rank}"), "1")
+        mark_done(marks, rank)
     return {"type": None}
 
 

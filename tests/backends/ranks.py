@@ -12,6 +12,10 @@ Failures propagate: a rank that raises or dies makes :func:`run_ranks` raise :cl
 with every rank's traceback or exit code; a rank still running at ``timeout`` is killed and
 reported. :func:`run_ranks_outcomes` returns the per-rank outcomes instead, for tests that expect
 failures; the other ranks are never stopped early, so a fault test reads what the survivors saw.
+
+Fault tests order their ranks by events, never by fixed sleeps: :func:`wait_until` polls for
+one (a marker file from :func:`mark`, a process that exited), and a rank that must stay silent
+while its peers time out waits for their :func:`mark_done` with :func:`wait_done`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from hetcomm.launcher import RankOutcome, launch
 
 __all__ = [
     "run_ranks", "run_ranks_outcomes", "RankOutcome", "RanksFailed", "MIXED_MINI",
-    "wait_until", "mark", "read_mark", "process_gone", "mark_done", "wait_done",
+    "wait_until", "mark", "read_mark", "mark_done", "wait_done",
 ]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -181,11 +185,3 @@ def wait_done(marks: str, ranks: Sequence[int], timeout_s: float = 45.0) -> None
         timeout_s,
     )
 
-
-def process_gone(pid: int) -> bool:
-    """Whether process ``pid`` has exited (a zombie not yet reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True

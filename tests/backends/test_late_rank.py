@@ -15,7 +15,8 @@ import re
 import pytest
 import torch
 
-from tests.backends.ranks import mark, process_gone, read_mark, run_ranks, wait_until
+from hetcomm.backends.liveness import pid_alive
+from tests.backends.ranks import mark, read_mark, run_ranks, wait_until
 
 PG_TIMEOUT = 4.0
 
@@ -26,7 +27,7 @@ def late_rank(rank: int, n: int, op: str, gave_up: str) -> dict:
     if rank == 1:
         # Arrive only once rank 0 has stopped waiting (it leaves its pid in ``gave_up``) and left.
         pid = int(wait_until(lambda: read_mark(gave_up), "rank 0 to finish its collective"))
-        wait_until(lambda: process_gone(pid), f"rank 0 (pid {pid}) to exit")
+        wait_until(lambda: not pid_alive(pid), f"rank 0 (pid {pid}) to exit")
     try:
         if op == "all_to_all_single":
             dist.all_to_all_single(torch.empty(n), torch.ones(n))

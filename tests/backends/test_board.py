@@ -97,7 +97,9 @@ def peer_silent(rank: int, n: int, marks: str) -> dict:
 
 @pytest.mark.timeout(90)
 def test_a_silent_peer_is_named_at_the_deadline(tmp_path):
-    outs = run_ranks(peer_silent, world_size=3, backend="gloo", args=(str(tmp_path),), timeout=60, pg_timeout=20)
+    outs = run_ranks(
+        peer_silent, world_size=3, backend="gloo", args=(str(tmp_path),), timeout=60, pg_timeout=20
+    )
     for rank in (0, 2):
         r = outs[rank]
         assert r["type"] == "PeerTimeout" and r["peer"] == 1 and "[1]" in r["msg"], r

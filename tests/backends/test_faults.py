@@ -102,7 +102,10 @@ def never_arrives(rank: int, n: int, marks: str) -> dict:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("cluster", [MIXED_MINI, None], ids=["mixed-mini", "one-node"])
 def test_rank_that_never_arrives_is_named_within_timeout(cluster, tmp_path):
-    outs = run_ranks(never_arrives, world_size=4, cluster=cluster, args=(str(tmp_path),), timeout=60, pg_timeout=PG_TIMEOUT)
+    outs = run_ranks(
+        never_arrives, world_size=4, cluster=cluster, args=(str(tmp_path),), timeout=60,
+        pg_timeout=PG_TIMEOUT,
+    )
     for rank in (0, 1, 3):
         r = outs[rank]
         assert r["type"] in ("CollectiveError", "PeerTimeout"), r
@@ -159,7 +162,9 @@ def silent_rank_and_late_survivor(rank: int, n: int, marks: str) -> dict:
         wait_done(marks, [0, 2])  # alive, silent past everyone's timeout
         return {"type": None}
     if rank == 0:
-        time.sleep(1.5)  # the scenario itself: a survivor that reaches the collective (and its timeout) late
+        # the scenario itself, not a wait: a survivor that reaches the collective (and its
+        # timeout) late
+        time.sleep(1.5)
     try:
         dist.all_to_all_single(y, x)
     except Exception as e:
@@ -178,7 +183,8 @@ def test_after_a_timeout_only_the_silent_rank_is_named(env, tmp_path):
     # issue 14.14: rank 2 used to name rank 0, which had merely not timed out yet when rank 2
     # diagnosed (it reached the collective 1.5 s later). Only rank 1 is silent.
     outs = run_ranks(
-        silent_rank_and_late_survivor, world_size=3, env=env, args=(str(tmp_path),), timeout=60, pg_timeout=BLAME_TIMEOUT
+        silent_rank_and_late_survivor, world_size=3, env=env, args=(str(tmp_path),), timeout=60,
+        pg_timeout=BLAME_TIMEOUT,
     )
     for rank in (0, 2):
         r = outs[rank]

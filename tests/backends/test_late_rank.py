@@ -46,7 +46,8 @@ def late_rank(rank: int, n: int, op: str, gave_up: str) -> dict:
 @pytest.mark.parametrize("op", ["all_reduce", "all_to_all_single"])
 def test_the_late_rank_hears_that_the_group_stopped_waiting_for_it(op, env, tmp_path):
     waited, late = run_ranks(
-        late_rank, world_size=2, args=(op, str(tmp_path / "gave-up")), env=env, timeout=90, pg_timeout=PG_TIMEOUT
+        late_rank, world_size=2, args=(op, str(tmp_path / "gave-up")), env=env, timeout=90,
+        pg_timeout=PG_TIMEOUT,
     )
     assert waited["type"] == "PeerTimeout" and waited["peer"] == 1, waited
     assert re.search("Timed out|closed|timeout", waited["message"]) and "timed out" in waited["message"]

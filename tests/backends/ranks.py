@@ -12,17 +12,25 @@ Failures propagate: a rank that raises or dies makes :func:`run_ranks` raise :cl
 with every rank's traceback or exit code; a rank still running at ``timeout`` is killed and
 reported. :func:`run_ranks_outcomes` returns the per-rank outcomes instead, for tests that expect
 failures; the other ranks are never stopped early, so a fault test reads what the survivors saw.
+
+Fault tests order their ranks by events, never by fixed sleeps: :func:`wait_until` polls for
+one (a marker file from :func:`mark`, a process that exited), and a rank that must stay silent
+while its peers time out waits for their :func:`mark_done` with :func:`wait_done`.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from hetcomm.launcher import RankOutcome, launch
 
-__all__ = ["run_ranks", "run_ranks_outcomes", "RankOutcome", "RanksFailed", "MIXED_MINI"]
+__all__ = [
+    "run_ranks", "run_ranks_outcomes", "RankOutcome", "RanksFailed", "MIXED_MINI",
+    "wait_until", "mark", "read_mark", "mark_done", "wait_done",
+]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIXED_MINI = os.path.join(REPO_ROOT, "configs", "clusters", "mixed-mini.yaml")
@@ -127,3 +135,53 @@ def run_ranks(
     if bad:
         raise RanksFailed("\n".join(o.describe() + (f"\n{o.traceback}" if o.traceback else "") for o in bad))
     return [o.result for o in outs]
+
+
+def wait_until(cond: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
+    """Poll ``cond`` until it returns something truthy, and return that.
+
+    Tests (and the ranks they start) wait on an event they can observe -- a marker file a rank
+    wrote, a process that exited -- instead of sleeping a fixed time: a fixed sleep is too long
+    on an idle machine and may still be too short on a loaded one. ``timeout_s`` is generous;
+    when it passes, the error names the event that did not happen.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for {what}, and it did not happen")
+        time.sleep(0.02)
+
+
+def mark(path: str, text: str = "") -> None:
+    """Write the marker file ``path`` atomically (a reader never sees it half written)."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def read_mark(path: str) -> Optional[str]:
+    """The text of the marker file ``path`` (see :func:`mark`), or None while it is absent."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def mark_done(marks: str, rank: int) -> None:
+    """Say that ``rank`` is through (its collective returned or raised): ``marks/done-<rank>``."""
+    mark(os.path.join(marks, f"done-{rank}"), "1")
+
+
+def wait_done(marks: str, ranks: Sequence[int], timeout_s: float = 45.0) -> None:
+    """Wait until every rank in ``ranks`` has called :func:`mark_done`: a silent rank in a fault
+    test stays alive (and silent) exactly as long as its peers still diagnose it, no fixed sleep."""
+    wait_until(
+        lambda: all(os.path.exists(os.path.join(marks, f"done-{r}")) for r in ranks),
+        f"ranks {list(ranks)} to be done (marks in {marks})",
+        timeout_s,
+    )
+

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hetcomm.backends.rails.shm import shm_supported
-from tests.backends.ranks import run_ranks, run_ranks_outcomes
+from tests.backends.ranks import mark_done, run_ranks, run_ranks_outcomes, wait_done
 
 pytestmark = pytest.mark.skipif(not shm_supported(), reason="the board needs /dev/shm on x86-64")
 
@@ -81,21 +81,25 @@ def test_a_peer_that_exits_is_named_at_once():
         assert r["seconds"] < 5, r  # found by the liveness check, not by the 20 s deadline
 
 
-def peer_silent(rank: int, n: int) -> dict:
+def peer_silent(rank: int, n: int, marks: str) -> dict:
     board, _ = _board(rank, n, "board-silent/")
     if rank == 1:
-        time.sleep(3)  # alive, but never publishes
+        wait_done(marks, [0, 2])  # alive, but never publishes
         return {"type": None}
     try:
         board.exchange(torch.zeros(WIDTH, dtype=torch.int64), time.monotonic() + 1.0, "test_op")
     except Exception as e:
         return {"type": type(e).__name__, "peer": e.peer, "msg": str(e)}
+    finally:
+        mark_done(marks, rank)
     return {"type": None}
 
 
 @pytest.mark.timeout(90)
-def test_a_silent_peer_is_named_at_the_deadline():
-    outs = run_ranks(peer_silent, world_size=3, backend="gloo", timeout=60, pg_timeout=20)
+def test_a_silent_peer_is_named_at_the_deadline(tmp_path):
+    outs = run_ranks(
+        peer_silent, world_size=3, backend="gloo", args=(str(tmp_path),), timeout=60, pg_timeout=20
+    )
     for rank in (0, 2):
         r = outs[rank]
         assert r["type"] == "PeerTimeout" and r["peer"] == 1 and "[1]" in r["msg"], r

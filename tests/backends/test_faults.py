@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from tests.backends.ranks import MIXED_MINI, run_ranks, run_ranks_outcomes
+from tests.backends.ranks import MIXED_MINI, mark_done, run_ranks, run_ranks_outcomes, wait_done
 
 PG_TIMEOUT = 8.0
 
@@ -80,27 +80,32 @@ def test_killed_rank_is_named_by_every_survivor(victim, cluster):
     assert _segments_of(leader_pid) == []
 
 
-def never_arrives(rank: int, n: int) -> dict:
+def never_arrives(rank: int, n: int, marks: str) -> dict:
     import torch.distributed as dist
 
     x = torch.arange(n * 2, dtype=torch.float32)
     y = torch.empty_like(x)
     dist.all_to_all_single(y, x)
     if rank == 2:
-        time.sleep(PG_TIMEOUT + 4)  # alive, but never joins the next collective
+        wait_done(marks, [0, 1, 3])  # alive, but never joins the next collective
         return {"type": None}
     t0 = time.monotonic()
     try:
         dist.all_to_all_single(y, x)
     except Exception as e:
         return {"type": type(e).__name__, "msg": str(e), "peer": getattr(e, "peer", None), "seconds": time.monotonic() - t0}
+    finally:
+        mark_done(marks, rank)
     return {"type": None}
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("cluster", [MIXED_MINI, None], ids=["mixed-mini", "one-node"])
-def test_rank_that_never_arrives_is_named_within_timeout(cluster):
-    outs = run_ranks(never_arrives, world_size=4, cluster=cluster, timeout=60, pg_timeout=PG_TIMEOUT)
+def test_rank_that_never_arrives_is_named_within_timeout(cluster, tmp_path):
+    outs = run_ranks(
+        never_arrives, world_size=4, cluster=cluster, args=(str(tmp_path),), timeout=60,
+        pg_timeout=PG_TIMEOUT,
+    )
     for rank in (0, 1, 3):
         r = outs[rank]
         assert r["type"] in ("CollectiveError", "PeerTimeout"), r
@@ -147,21 +152,25 @@ def test_split_mismatch_raises_value_error_everywhere_without_abort(cluster):
         assert torch.equal(o.result["after"], expect)
 
 
-def silent_rank_and_late_survivor(rank: int, n: int) -> dict:
+def silent_rank_and_late_survivor(rank: int, n: int, marks: str) -> dict:
     import torch.distributed as dist
 
     x = torch.arange(n * 2, dtype=torch.float32)
     y = torch.empty_like(x)
     dist.all_to_all_single(y, x)
     if rank == 1:
-        time.sleep(BLAME_TIMEOUT + 4)  # alive, silent past everyone's timeout
+        wait_done(marks, [0, 2])  # alive, silent past everyone's timeout
         return {"type": None}
     if rank == 0:
-        time.sleep(1.5)  # a survivor that reaches the collective (and its timeout) late
+        # the scenario itself, not a wait: a survivor that reaches the collective (and its
+        # timeout) late
+        time.sleep(1.5)
     try:
         dist.all_to_all_single(y, x)
     except Exception as e:
         return {"type": type(e).__name__, "msg": str(e), "peer": getattr(e, "peer", None)}
+    finally:
+        mark_done(marks, rank)
     return {"type": None}
 
 
@@ -170,10 +179,13 @@ BLAME_TIMEOUT = 6.0
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("env", [{}, {"HETCOMM_CHECK": "0"}], ids=["in-check", "in-data"])
-def test_after_a_timeout_only_the_silent_rank_is_named(env):
+def test_after_a_timeout_only_the_silent_rank_is_named(env, tmp_path):
     # issue 14.14: rank 2 used to name rank 0, which had merely not timed out yet when rank 2
     # diagnosed (it reached the collective 1.5 s later). Only rank 1 is silent.
-    outs = run_ranks(silent_rank_and_late_survivor, world_size=3, env=env, timeout=60, pg_timeout=BLAME_TIMEOUT)
+    outs = run_ranks(
+        silent_rank_and_late_survivor, world_size=3, env=env, args=(str(tmp_path),), timeout=60,
+        pg_timeout=BLAME_TIMEOUT,
+    )
     for rank in (0, 2):
         r = outs[rank]
         assert r["type"] == "PeerTimeout" and r["peer"] == 1, r

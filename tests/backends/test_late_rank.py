@@ -9,22 +9,25 @@ closed by peer 0". Timeout messages say "timed out" (torch's own tests match
 
 from __future__ import annotations
 
+import os
 import re
-import time
 
 import pytest
 import torch
 
-from tests.backends.ranks import run_ranks
+from hetcomm.backends.liveness import pid_alive
+from tests.backends.ranks import mark, read_mark, run_ranks, wait_until
 
 PG_TIMEOUT = 4.0
 
 
-def late_rank(rank: int, n: int, op: str) -> dict:
+def late_rank(rank: int, n: int, op: str, gave_up: str) -> dict:
     import torch.distributed as dist
 
     if rank == 1:
-        time.sleep(2.2 * PG_TIMEOUT)
+        # Arrive only once rank 0 has stopped waiting (it leaves its pid in ``gave_up``) and left.
+        pid = int(wait_until(lambda: read_mark(gave_up), "rank 0 to finish its collective"))
+        wait_until(lambda: not pid_alive(pid), f"rank 0 (pid {pid}) to exit")
     try:
         if op == "all_to_all_single":
             dist.all_to_all_single(torch.empty(n), torch.ones(n))
@@ -32,14 +35,20 @@ def late_rank(rank: int, n: int, op: str) -> dict:
             dist.all_reduce(torch.ones(4))
     except Exception as e:
         return {"type": type(e).__name__, "peer": getattr(e, "peer", None), "message": str(e)}
+    finally:
+        if rank == 0:
+            mark(gave_up, str(os.getpid()))
     return {"type": None}
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("env", [{}, {"HETCOMM_RAILS": "gloo"}], ids=["shm", "gloo"])
 @pytest.mark.parametrize("op", ["all_reduce", "all_to_all_single"])
-def test_the_late_rank_hears_that_the_group_stopped_waiting_for_it(op, env):
-    waited, late = run_ranks(late_rank, world_size=2, args=(op,), env=env, timeout=90, pg_timeout=PG_TIMEOUT)
+def test_the_late_rank_hears_that_the_group_stopped_waiting_for_it(op, env, tmp_path):
+    waited, late = run_ranks(
+        late_rank, world_size=2, args=(op, str(tmp_path / "gave-up")), env=env, timeout=90,
+        pg_timeout=PG_TIMEOUT,
+    )
     assert waited["type"] == "PeerTimeout" and waited["peer"] == 1, waited
     assert re.search("Timed out|closed|timeout", waited["message"]) and "timed out" in waited["message"]
     assert late["type"] == "GroupStoppedWaiting", late

@@ -118,9 +118,7 @@ def test_pid_alive_sees_exit_and_zombies():
         pass
     assert not pid_alive(proc.pid)
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])
-    import time
-
-    time.sleep(1.0)  # exited but not reaped yet: a zombie
+    os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)  # exited but not reaped yet: a zombie
     assert not pid_alive(zombie.pid)
     zombie.wait()
 

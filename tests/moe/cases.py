@@ -218,21 +218,25 @@ def calibration_global(rank: int, world_size: int) -> Dict[str, Any]:
     return {"history": layer.gate.calibrator.history.clone(), "lag": layer.gate.calibrator.lag_factor()}
 
 
-def one_rank_missing(rank: int, world_size: int) -> str:
-    """Rank 3 never calls the layer; the others must fail within the group timeout, not hang."""
+def one_rank_missing(rank: int, world_size: int, marks: str) -> str:
+    """Rank 3 never calls the layer; the others must fail within the group timeout, not hang.
+    Rank 3 stays alive (and away) until they are through (``marks``, see ``wait_done``)."""
     import time
 
     from hetcomm.moe import MoELayer
+    from tests.backends.ranks import mark_done, wait_done
 
     layer = MoELayer(D_MODEL, 8, k=2, calibrate=False)
     if rank == 3:
-        time.sleep(7)
+        wait_done(marks, [0, 1, 2])
         return "skipped"
     t0 = time.time()
     try:
         layer(torch.randn(8, D_MODEL))
     except Exception as e:  # reported to the test, which checks the type and the message
         return f"{type(e).__name__} after {time.time() - t0:.1f}s: {e}"
+    finally:
+        mark_done(marks, rank)
     return "no error"
 
 

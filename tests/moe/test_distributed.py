@@ -164,8 +164,11 @@ def test_calibration_history_is_global_and_each_pair_uses_its_wire_dtype_and_sub
 
 
 @pytest.mark.timeout(90)
-def test_a_missing_rank_gives_an_error_not_a_hang():
-    res = run_ranks(cases.one_rank_missing, world_size=4, backend=_backend(), cluster=MIXED_MINI, timeout=60, pg_timeout=4)
+def test_a_missing_rank_gives_an_error_not_a_hang(tmp_path):
+    res = run_ranks(
+        cases.one_rank_missing, world_size=4, backend=_backend(), cluster=MIXED_MINI,
+        args=(str(tmp_path),), timeout=60, pg_timeout=4,
+    )
     assert res[3] == "skipped"
     for msg in res[:3]:
         assert msg.split()[0] in ("CollectiveError", "PeerTimeout", "RuntimeError", "DistBackendError"), msg

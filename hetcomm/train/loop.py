@@ -305,33 +305,16 @@ def _split_parameters(model: torch.nn.Module):
     return dense, expert
 
 
-def _allreduce_dense_grads(params: List[torch.nn.Parameter], world_size: int, rank: int,
-                           loss: torch.Tensor) -> float:
-    """Average the dense gradients over the group in one flat all-reduce, and return the sum of
-    every rank's ``loss`` from the same collective (issue 19: one collective fewer per step,
-    each a few ms of CPU on a half-speed rank).
-
-    The loss rides as ``world_size`` slots, this rank's value in its own slot and zeros in the
-    others, so every slot arrives exact whatever order the ring adds in; the slots are then added
-    in the order gloo's ring adds a one-element tensor (the last rank first, rank 0 last), so
-    the sum is bit for bit the separate ``all_reduce(loss)`` it replaces
-    (``tests/train/test_dense_sync.py`` checks both against separate reductions).
-    """
+def _allreduce_dense_grads(params: List[torch.nn.Parameter], world_size: int) -> None:
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    slots = torch.zeros(world_size, dtype=torch.float32)
-    slots[rank] = loss.detach().float()
-    flat = torch.cat([g.reshape(-1) for g in grads] + [slots])
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
-    total = flat[-1].clone()
-    for r in range(world_size - 2, -1, -1):
-        total += flat[-world_size + r]
     flat /= world_size
     offset = 0
     for p in params:
         n = p.numel()
         p.grad = flat[offset : offset + n].view_as(p).clone()
         offset += n
-    return float(total)
 
 
 def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> int:
@@ -552,9 +535,8 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             psgd.all_reduce_mean([p.grad for p in dense])
-            loss_sum = None  # the dense grads went through PowerSGD: the loss is reduced on its own
         else:
-            loss_sum = _allreduce_dense_grads(dense, world_size, rank, loss)
+            _allreduce_dense_grads(dense, world_size)
         mc.mark("grad_sync")
         opt.step()
         mc.mark("optimizer")
@@ -572,11 +554,9 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             for line in balancer.after_step(step):
                 mc.event(step, "migration", line)
         mc.mark("replica_sync")
-        if loss_sum is None:
-            global_loss = loss.detach().clone()
-            dist.all_reduce(global_loss)
-            loss_sum = float(global_loss)
-        losses.append(loss_sum / world_size)
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        losses.append(float(global_loss) / world_size)
         batch_split.maybe_agree(time.perf_counter() - t_step)  # collective every 10 steps: re-deal by measured speed
         mc.mark("loss_sync")
         mc.end_step(step, losses[-1], tokens_per_step * world_size)

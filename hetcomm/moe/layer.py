@@ -528,7 +528,10 @@ class MoELayer(PagedExperts, nn.Module):
         return place_cold_on_slow(self, optimizer)
 
     def sync_replicas(self, force: bool = False) -> bool:
-        """Refresh replicas from their owners now (collective). Returns True if weights moved."""
+        """Refresh replicas from their owners now (collective). Returns True if weights moved.
+
+        ``force`` (the same on every rank): refresh without first asking the group whether
+        anything changed (``HotExpertReplicator.sync``), as the training loop does after each step."""
         if self.replicator is None:
             return False
         self.sync_pages()  # the refresh reads owned experts' weights: no write-back half done

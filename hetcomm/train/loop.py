@@ -541,7 +541,10 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         opt.step()
         mc.mark("optimizer")
         for m in model.moe_layers:
-            m.sync_replicas()
+            # Forced: the step has just moved the owners' weights, so the refresh is due on every
+            # rank without asking the group first (one all-reduce fewer per layer and step; a
+            # refresh of weights that did not move copies the same values).
+            m.sync_replicas(force=True)
             m.end_page_step()  # after the refresh read the owners' weights: evictions, prefetch
         for i in sorted(cold_todo):  # collective when due: agreed speeds and step counts, the same on every rank
             if model.moe_layers[i].cold_placement_due():

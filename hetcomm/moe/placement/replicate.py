@@ -363,6 +363,13 @@ class HotExpertReplicator:
 
         Collective: every rank of the group must call it at the same point (the layer does, at
         the start of each forward). Returns True when weights were copied.
+
+        Args:
+            force: refresh whether or not anything changed. Every rank must pass the same value:
+                forced, the group skips the all-reduce that asks whether any rank changed (its
+                answer could only be yes), one small collective fewer per call (issue 19: the
+                training loop refreshes after every optimizer step, when the owners' weights
+                have moved anyway). A refresh of unchanged weights copies the same values.
         """
         if self._pending_hot is not None:
             self.set_hot(self._pending_hot, self._pending_holders)
@@ -378,7 +385,7 @@ class HotExpertReplicator:
         # New holders need the owners' weights too (their replicas were just built).
         changed = (force or self.hot != self._synced_hot or self.holders != self._synced_holders
                    or self._versions() != self._synced_versions)
-        if dist.is_initialized() and self.placement.world_size > 1:
+        if not force and dist.is_initialized() and self.placement.world_size > 1:
             flag = torch.tensor([1 if changed else 0], dtype=torch.int64, device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             changed = bool(flag.item())

@@ -527,15 +527,17 @@ class MoELayer(PagedExperts, nn.Module):
 
         return place_cold_on_slow(self, optimizer)
 
-    def sync_replicas(self, force: bool = False) -> bool:
+    def sync_replicas(self, force: bool = False, carry: Optional[List[torch.Tensor]] = None) -> bool:
         """Refresh replicas from their owners now (collective). Returns True if weights moved.
 
         ``force`` (the same on every rank): refresh without first asking the group whether
-        anything changed (``HotExpertReplicator.sync``), as the training loop does after each step."""
+        anything changed; ``carry``: tensors summed over the group in the refresh's all-reduce
+        when it runs over the whole group, taken off the list (``HotExpertReplicator.sync``).
+        The training loop does both after each step."""
         if self.replicator is None:
             return False
         self.sync_pages()  # the refresh reads owned experts' weights: no write-back half done
-        return self.replicator.sync(force)
+        return self.replicator.sync(force, carry)
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -358,7 +358,7 @@ class HotExpertReplicator:
         )
 
     @torch.no_grad()
-    def sync(self, force: bool = False) -> bool:
+    def sync(self, force: bool = False, carry: Optional[List[torch.Tensor]] = None) -> bool:
         """Bring every replica to its owner's current values if anything changed.
 
         Collective: every rank of the group must call it at the same point (the layer does, at
@@ -370,6 +370,12 @@ class HotExpertReplicator:
                 answer could only be yes), one small collective fewer per call (issue 19: the
                 training loop refreshes after every optimizer step, when the owners' weights
                 have moved anyway). A refresh of unchanged weights copies the same values.
+            carry: float32 tensors (passed by every rank, in the same shapes) to sum over the whole group
+                in the refresh's all-reduce instead of one of their own (the training loop's
+                loss, issue 19). Only a refresh that runs over the layer's whole group takes
+                them; it sums them in place and empties the list, so the caller reduces what is
+                left itself. Every element of the refresh buffer is one owner's value plus
+                zeros, exact in any order, so its values do not depend on the extra length.
         """
         if self._pending_hot is not None:
             self.set_hot(self._pending_hot, self._pending_holders)
@@ -398,7 +404,18 @@ class HotExpertReplicator:
                 params = list(self.owned[e].parameters())
                 torch.cat([p.detach().float().reshape(-1) for p in params], out=buf[i])
         if dist.is_initialized() and self.placement.world_size > 1:
-            dist.all_reduce(buf, group=group)
+            riders = list(carry) if carry and group is self.group else []
+            if riders:
+                flat = torch.cat([buf.reshape(-1)] + [t.reshape(-1).to(buf) for t in riders])
+                dist.all_reduce(flat, group=group)
+                buf = flat[: buf.numel()].view_as(buf)
+                off = buf.numel()
+                for t in riders:
+                    t.copy_(flat[off : off + t.numel()].view_as(t))
+                    off += t.numel()
+                carry.clear()
+            else:
+                dist.all_reduce(buf, group=group)
             self.sync_bytes += buf.numel() * buf.element_size()
         for i, e in enumerate(self.hot):
             if e in self.replicas:

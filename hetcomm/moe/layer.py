@@ -529,11 +529,7 @@ class MoELayer(PagedExperts, nn.Module):
 
     def sync_replicas(self, force: bool = False, carry: Optional[List[torch.Tensor]] = None) -> bool:
         """Refresh replicas from their owners now (collective). Returns True if weights moved.
-
-        ``force`` (the same on every rank): refresh without first asking the group whether
-        anything changed; ``carry``: tensors summed over the group in the refresh's all-reduce
-        when it runs over the whole group, taken off the list (``HotExpertReplicator.sync``).
-        The training loop does both after each step."""
+        ``force`` / ``carry``: ``HotExpertReplicator.sync`` (the training loop passes both)."""
         if self.replicator is None:
             return False
         self.sync_pages()  # the refresh reads owned experts' weights: no write-back half done

@@ -12,7 +12,7 @@ import torch
 from tests.backends.ranks import MIXED_MINI, run_ranks
 
 D, F = 8, 16
-TRIALS = 60
+TRIALS = 30
 
 
 def _loss_body(rank: int, world_size: int) -> Dict[str, object]:

@@ -9,6 +9,7 @@ the layer), and receives gradient from every rank's tokens through the all-to-al
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import sys
 import time
@@ -318,22 +319,19 @@ def _allreduce_dense_grads(params: List[torch.nn.Parameter], world_size: int) ->
 
 
 def _loss_slots(loss: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's loss in its own slot of ``[world_size]`` zeros: summed over the group (in a
-    replica refresh's all-reduce or one of its own), every slot arrives exact whatever order
-    the reduction adds in, so the loss can ride in a collective of any length."""
-    slots = torch.zeros(world_size, dtype=torch.float32)
+    """This rank's loss in its own slot of ``[world_size]`` float32 zeros (on the loss's device):
+    summed over the group (in a replica refresh's all-reduce or one of its own), every slot
+    arrives exact whatever order the reduction adds in, so the loss can ride in a collective of
+    any length."""
+    slots = torch.zeros(world_size, dtype=torch.float32, device=loss.device)
     slots[rank] = loss.detach().float()
     return slots
 
 
 def _loss_sum(slots: torch.Tensor) -> float:
-    """The ranks' losses added as gloo's ring adds a one-element tensor (the last rank first,
-    rank 0 last): bit for bit the ``all_reduce`` of the scalar loss the slots replaced
-    (``tests/train/test_loss_sync.py`` checks it against that reduction)."""
-    total = slots[-1].clone()
-    for r in range(slots.numel() - 2, -1, -1):
-        total += slots[r]
-    return float(total)
+    """The ranks' losses added exactly (``math.fsum``, correctly rounded): the same number on
+    every rank, whichever collective carried the slots and whatever order the backend adds in."""
+    return math.fsum(slots.tolist())
 
 
 def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> int:

@@ -527,12 +527,13 @@ class MoELayer(PagedExperts, nn.Module):
 
         return place_cold_on_slow(self, optimizer)
 
-    def sync_replicas(self, force: bool = False) -> bool:
-        """Refresh replicas from their owners now (collective). Returns True if weights moved."""
+    def sync_replicas(self, force: bool = False, carry: Optional[List[torch.Tensor]] = None) -> bool:
+        """Refresh replicas from their owners now (collective). Returns True if weights moved.
+        ``force`` / ``carry``: ``HotExpertReplicator.sync`` (the training loop passes both)."""
         if self.replicator is None:
             return False
         self.sync_pages()  # the refresh reads owned experts' weights: no write-back half done
-        return self.replicator.sync(force)
+        return self.replicator.sync(force, carry)
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ the layer), and receives gradient from every rank's tokens through the all-to-al
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import sys
 import time
@@ -317,6 +318,22 @@ def _allreduce_dense_grads(params: List[torch.nn.Parameter], world_size: int) ->
         offset += n
 
 
+def _loss_slots(loss: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's loss in its own slot of ``[world_size]`` float32 zeros (on the loss's device):
+    summed over the group (in a replica refresh's all-reduce or one of its own), every slot
+    arrives exact whatever order the reduction adds in, so the loss can ride in a collective of
+    any length."""
+    slots = torch.zeros(world_size, dtype=torch.float32, device=loss.device)
+    slots[rank] = loss.detach().float()
+    return slots
+
+
+def _loss_sum(slots: torch.Tensor) -> float:
+    """The ranks' losses added exactly (``math.fsum``, correctly rounded): the same number on
+    every rank, whichever collective carried the slots and whatever order the backend adds in."""
+    return math.fsum(slots.tolist())
+
+
 def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> int:
     """Train on this rank; rank 0 prints progress and the summary. Returns the job's exit code."""
     import hetcomm  # noqa: F401  (registers the backend)
@@ -541,8 +558,14 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         mc.mark("grad_sync")
         opt.step()
         mc.mark("optimizer")
+        loss_slots = _loss_slots(loss, rank, world_size)
+        carry = [loss_slots]
         for m in model.moe_layers:
-            m.sync_replicas()
+            # Forced: the step has just moved the owners' weights, so the refresh is due on every
+            # rank without asking the group first (one all-reduce fewer per layer and step; a
+            # refresh of weights that did not move copies the same values). The first refresh
+            # over the whole group carries the loss (one more fewer).
+            m.sync_replicas(force=True, carry=carry)
             m.end_page_step()  # after the refresh read the owners' weights: evictions, prefetch
         for i in sorted(cold_todo):  # collective when due: agreed speeds and step counts, the same on every rank
             if model.moe_layers[i].cold_placement_due():
@@ -555,9 +578,9 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             for line in balancer.after_step(step):
                 mc.event(step, "migration", line)
         mc.mark("replica_sync")
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)
-        losses.append(float(global_loss) / world_size)
+        if carry:  # no refresh over the whole group this step (none hot yet, or holders only)
+            dist.all_reduce(loss_slots)
+        losses.append(_loss_sum(loss_slots) / world_size)
         batch_split.maybe_agree(time.perf_counter() - t_step)  # collective every 10 steps: re-deal by measured speed
         mc.mark("loss_sync")
         mc.end_step(step, losses[-1], tokens_per_step * world_size)

@@ -358,11 +358,24 @@ class HotExpertReplicator:
         )
 
     @torch.no_grad()
-    def sync(self, force: bool = False) -> bool:
+    def sync(self, force: bool = False, carry: Optional[List[torch.Tensor]] = None) -> bool:
         """Bring every replica to its owner's current values if anything changed.
 
         Collective: every rank of the group must call it at the same point (the layer does, at
         the start of each forward). Returns True when weights were copied.
+
+        Args:
+            force: refresh whether or not anything changed. Every rank must pass the same value:
+                forced, the group skips the all-reduce that asks whether any rank changed (its
+                answer could only be yes), one small collective fewer per call (issue 19: the
+                training loop refreshes after every optimizer step, when the owners' weights
+                have moved anyway). A refresh of unchanged weights copies the same values.
+            carry: float32 tensors (passed by every rank, in the same shapes) to sum over the
+                whole group in the refresh's all-reduce instead of one of their own (the training
+                loop's loss, issue 19). Only a refresh that runs over the layer's whole group takes
+                them; it sums them in place and empties the list, so the caller reduces what is
+                left itself. Every element of the refresh buffer is one owner's value plus
+                zeros, exact in any order, so its values do not depend on the extra length.
         """
         if self._pending_hot is not None:
             self.set_hot(self._pending_hot, self._pending_holders)
@@ -378,7 +391,7 @@ class HotExpertReplicator:
         # New holders need the owners' weights too (their replicas were just built).
         changed = (force or self.hot != self._synced_hot or self.holders != self._synced_holders
                    or self._versions() != self._synced_versions)
-        if dist.is_initialized() and self.placement.world_size > 1:
+        if not force and dist.is_initialized() and self.placement.world_size > 1:
             flag = torch.tensor([1 if changed else 0], dtype=torch.int64, device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             changed = bool(flag.item())
@@ -391,7 +404,18 @@ class HotExpertReplicator:
                 params = list(self.owned[e].parameters())
                 torch.cat([p.detach().float().reshape(-1) for p in params], out=buf[i])
         if dist.is_initialized() and self.placement.world_size > 1:
-            dist.all_reduce(buf, group=group)
+            riders = list(carry) if carry and group is self.group else []
+            if riders:
+                flat = torch.cat([buf.reshape(-1)] + [t.reshape(-1).to(buf) for t in riders])
+                dist.all_reduce(flat, group=group)
+                buf = flat[: buf.numel()].view_as(buf)
+                off = buf.numel()
+                for t in riders:
+                    t.copy_(flat[off : off + t.numel()].view_as(t))
+                    off += t.numel()
+                carry.clear()
+            else:
+                dist.all_reduce(buf, group=group)
             self.sync_bytes += buf.numel() * buf.element_size()
         for i, e in enumerate(self.hot):
             if e in self.replicas:

@@ -3,16 +3,22 @@ run that was never stopped, with ``--balance`` (the layers' placement is restore
 balancer's map, so the first migration after the resume finds its experts), ``--page-budget``
 and ``--powersgd`` too.
 
-Real 4-rank jobs (``train_worker`` on the test launcher): the reference runs 16 steps; the
-interrupted one runs 12 (8 with --balance; checkpoint every 4), then resumes to 16 in new
-processes.
+Real 4-rank jobs (``train_worker`` on the test launcher): the reference runs 16 steps with a
+checkpoint every 4; the job stopped after step 12 (8 with --balance) is the reference's own
+checkpoint directory with ``latest`` pointed back at that step (what the damaged-checkpoint error
+tells an operator to do), resumed to 16 in new processes. Two jobs per case, not three: a
+16-step job killed after its save at 12 leaves that very checkpoint.
 """
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
+from hetcomm.ops.checkpoint_files import step_dir_name
 from hetcomm.ops.metrics import read_metrics
+from hetcomm.ops.safe_fs import write_private
 from tests.ops.jobs import TINY, train_ranks
 
 STEPS, EVERY = 16, 4
@@ -48,14 +54,16 @@ def test_interrupted_and_resumed_run_has_the_uninterrupted_losses(tmp_path, case
     ref = load_train_config(TINY, steps=STEPS, metrics=ref_m, checkpoint_dir=str(tmp_path / "ref-ck"),
                             checkpoint_every=EVERY, **extra)
     assert train_ranks(ref)[0] in (0, 1)
+    # The job stopped after its checkpoint at `stop`: `latest` names that step (the later step
+    # directories stay; the resumed job saves over them).
     m, ck = str(tmp_path / "m.jsonl"), str(tmp_path / "ck")
-    first = load_train_config(TINY, steps=stop, metrics=m, checkpoint_dir=ck, checkpoint_every=EVERY, **extra)
-    assert train_ranks(first)[0] in (0, 1)
-    second = load_train_config(TINY, steps=STEPS, metrics=m, checkpoint_dir=ck, checkpoint_every=EVERY, resume=True,
-                               **extra)
-    assert train_ranks(second)[0] in (0, 1)
+    shutil.copytree(tmp_path / "ref-ck", ck)
+    write_private(f"{ck}/latest", step_dir_name(stop) + "\n")
+    resumed = load_train_config(TINY, steps=STEPS, metrics=m, checkpoint_dir=ck, checkpoint_every=EVERY, resume=True,
+                                **extra)
+    assert train_ranks(resumed)[0] in (0, 1)
     want, got = _losses(ref_m), _losses(m)
-    assert sorted(got) == list(range(1, STEPS + 1))
+    assert sorted(got) == list(range(stop + 1, STEPS + 1))
     log = read_metrics(m)
     assert [e.step for e in log.events if e.event == "resume"] == [stop]
     if case == "balance":

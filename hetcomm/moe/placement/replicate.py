@@ -397,25 +397,29 @@ class HotExpertReplicator:
             changed = bool(flag.item())
         if not changed:
             return False
-        buf = torch.zeros(len(self.hot), P, dtype=torch.float32, device=self.device)
+        distributed = dist.is_initialized() and self.placement.world_size > 1
+        riders = list(carry) if carry and distributed and group is self.group else []
+        # One buffer for the weights and the riders' tail: the riders cost no copy of the weights.
+        flat = torch.zeros(len(self.hot) * P + sum(t.numel() for t in riders), dtype=torch.float32,
+                           device=self.device)
+        buf = flat[: len(self.hot) * P].view(len(self.hot), P)
         for i, e in enumerate(self.hot):
             if e in self.owned:
                 self._check_shapes(self.owned[e], e)
                 params = list(self.owned[e].parameters())
                 torch.cat([p.detach().float().reshape(-1) for p in params], out=buf[i])
-        if dist.is_initialized() and self.placement.world_size > 1:
-            riders = list(carry) if carry and group is self.group else []
+        if distributed:
+            off = buf.numel()
+            for t in riders:
+                flat[off : off + t.numel()].copy_(t.reshape(-1))
+                off += t.numel()
+            dist.all_reduce(flat, group=group)
+            off = buf.numel()
+            for t in riders:
+                t.copy_(flat[off : off + t.numel()].view_as(t))
+                off += t.numel()
             if riders:
-                flat = torch.cat([buf.reshape(-1)] + [t.reshape(-1).to(buf) for t in riders])
-                dist.all_reduce(flat, group=group)
-                buf = flat[: buf.numel()].view_as(buf)
-                off = buf.numel()
-                for t in riders:
-                    t.copy_(flat[off : off + t.numel()].view_as(t))
-                    off += t.numel()
                 carry.clear()
-            else:
-                dist.all_reduce(buf, group=group)
             self.sync_bytes += buf.numel() * buf.element_size()
         for i, e in enumerate(self.hot):
             if e in self.replicas:

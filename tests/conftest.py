@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 
 import pytest
 
@@ -15,6 +16,13 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # tests/backends/test_calibrate.py unsets it where it measures.
 os.environ.setdefault("HETCOMM_SAME_HOST_RAIL", "shm")
 FIXTURES = os.path.join(REPO_ROOT, "tests", "fixtures")
+
+# pytest-xdist's workers start with SIGINT ignored, and an ignored signal stays ignored across
+# fork and exec: every launcher, torchrun and rank a test starts would then ignore the SIGINT the
+# signal tests send. Python's own handler (KeyboardInterrupt) is put back, so those children
+# start with the default disposition, as they do under a plain `pytest`.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _has_cuda() -> bool:

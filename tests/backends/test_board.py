@@ -105,7 +105,15 @@ def test_a_silent_peer_is_named_at_the_deadline(tmp_path):
         assert r["type"] == "PeerTimeout" and r["peer"] == 1 and "[1]" in r["msg"], r
 
 
+def exchanges_then_pid(rank: int, n: int) -> int:
+    assert many_exchanges(rank, n) == []
+    return os.getpid()
+
+
 def test_no_segment_is_left_behind():
-    before = set(glob.glob("/dev/shm/hetcomm-*"))
-    run_ranks(many_exchanges, world_size=2, backend="gloo", timeout=60)
-    assert set(glob.glob("/dev/shm/hetcomm-*")) <= before
+    # Segments and doorbells are named /dev/shm/hetcomm-<creating pid>-* and hetcomm-bell-<pid>-*:
+    # only this run's ranks are looked at, so a test running beside this one (pytest-xdist) does not count.
+    pids = run_ranks(exchanges_then_pid, world_size=2, backend="gloo", timeout=60)
+    assert len(pids) == 2
+    left = [p for pid in pids for p in glob.glob(f"/dev/shm/hetcomm-{pid}-*") + glob.glob(f"/dev/shm/hetcomm-bell-{pid}-*")]
+    assert left == []

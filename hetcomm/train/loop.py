@@ -225,6 +225,16 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
             f"for; use --nprocs {cluster.num_ranks} or another --cluster",
             path=cluster.path,
         )
+    from hetcomm.ops import hooks
+
+    done = hooks.disk_step(cfg)
+    if done >= cfg.steps > 0:
+        # Nothing left to train: say so here, before starting any rank. Ranks started by this call
+        # get a fresh snapshot job, so no in-memory state can be newer than the disk checkpoint.
+        from hetcomm.ops.checkpoint_files import verify_checkpoint
+
+        verify_checkpoint(hooks.latest_checkpoint(cfg.checkpoint_dir))  # a damaged one is still named
+        return hooks.nothing_to_train(cfg, 0, done)
     limit_s = cfg.timeout_s + cfg.steps * 10.0
     env: Dict[str, Optional[str]] = {CLUSTER_ENV: None}  # the ranks get the cluster as an object (pg_options)
     snapshot_job = None

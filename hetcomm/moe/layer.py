@@ -47,7 +47,7 @@ from hetcomm.moe.paging import ExpertPager
 from hetcomm.moe.placement.assign import ExpertPlacement, check_adopted_map, place_experts
 from hetcomm.moe.placement.replicate import HotExpertReplicator
 from hetcomm.moe.powersgd import node_ids_of
-from hetcomm.moe.speed import SpeedMeter
+from hetcomm.moe.speed import SpeedMeter, speed_classes
 from hetcomm.moe.step_stats import StepStats
 from hetcomm.moe.token_split import TokenSplitter
 
@@ -315,8 +315,9 @@ class MoELayer(PagedExperts, nn.Module):
         # Room for replicas (agreed with the speeds): allowed to hold them, and not paging its own
         # experts (a rank whose experts do not fit its device has no memory for extra copies).
         room = self.rank in self.replica_candidates and not 0 < float(cfg.page_budget) < 1
+        classes = speed_classes(self.rank_tflops) if cfg.speed_pool == "device" else None  # one per datasheet speed
         self.speed = SpeedMeter(W, self.rank, self.rank_tflops, group, every=cfg.speed_every, alpha=cfg.speed_alpha,
-                                room=room)
+                                room=room, classes=classes)
         self.splitter: Optional[TokenSplitter] = (
             TokenSplitter(W, self.rank, group, num_experts) if cfg.token_split and W > 1 else None
         )

@@ -61,6 +61,10 @@ class MoEConfig:
         speed_every: steps between agreements of the measured per-rank speed vector
             (:mod:`hetcomm.moe.speed`; 0 = keep the datasheet prior).
         speed_alpha: EMA decay of the measured rows and seconds.
+        speed_pool: ``"rank"`` (default): each rank's speed is its own measurement;
+            ``"device"``: ranks at one datasheet speed (the prior: ``device.tflops`` or the
+            model's) pool their measurements, so noise between equal devices moves nothing
+            (:mod:`hetcomm.moe.speed`).
         replicate_powersgd: PowerSGD rank of the replicas' gradient sums on cross-node pairs
             (:mod:`hetcomm.moe.placement.replicate`, torch's error feedback and warm start;
             exact inside a node). 0 (default): every sum exact. Needs ``replicate``, a cluster
@@ -92,6 +96,7 @@ class MoEConfig:
     token_split: bool = False
     speed_every: int = 10
     speed_alpha: float = 0.8
+    speed_pool: str = "rank"
     replicate_powersgd: int = 0
     replicate_powersgd_start: int = 10
 
@@ -112,6 +117,8 @@ class MoEConfig:
             raise bad("num_chunks", f"must be a positive integer, got {self.num_chunks!r}")
         if self.rank_weights not in ("strong", "throughput"):
             raise bad("rank_weights", f"expected 'strong' or 'throughput', got {self.rank_weights!r}")
+        if self.speed_pool not in ("rank", "device"):
+            raise bad("speed_pool", f"expected 'rank' or 'device', got {self.speed_pool!r}")
         if self.token_split and not self.replicate:
             raise bad("token_split", "splits a replicated expert's rows among its copies: set replicate=True too")
         if not self.strong_expert_weight > 0:

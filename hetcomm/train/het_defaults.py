@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from hetcomm.train.rank_time import LayerCpuTimer, ProcessClock, RankClock
 
-__all__ = ["SPEED_SPREAD", "NOISE_SIGMAS", "cluster_is_mixed", "token_split_default", "speeds_differ",
+__all__ = ["SPEED_SPREAD", "NOISE_SIGMAS", "cluster_is_mixed", "token_split_default", "device_classes", "speeds_differ",
            "BatchSplit", "BATCH_MIN_GAIN", "SATURATED", "MoETimeTracker", "resolve_chunks", "measure_chunks", "CHUNK_CANDIDATES"]
 
 #: Datasheet speeds further apart than this (max / min - 1) make a cluster "mixed".
@@ -72,6 +72,16 @@ def token_split_default(token_split: Union[bool, str, None], replicate: bool, cl
     if isinstance(token_split, bool):
         return token_split and replicate and world_size > 1
     return replicate and world_size > 1 and cluster is not None and cluster_is_mixed(cluster, world_size)
+
+
+def device_classes(cluster, world_size: int) -> List[int]:
+    """``[W]`` class id per rank: ranks at one datasheet speed (``device.tflops``, else the
+    model's, :func:`hetcomm.topo.compute.rank_speeds`) share an id, numbered by first appearance.
+    :class:`BatchSplit` pools their measurements."""
+    from hetcomm.moe.speed import speed_classes
+    from hetcomm.topo.compute import rank_speeds
+
+    return speed_classes(rank_speeds(cluster, range(world_size)))
 
 
 def speeds_differ(speeds: Sequence[float]) -> bool:
@@ -133,6 +143,16 @@ class BatchSplit:
        got shorter, else it is reverted and proposals wait ``2 ** reverts`` agreements
        (:meth:`judge`).
 
+    Ranks of one device class (``classes``, :func:`device_classes`: one datasheet speed) are
+    dealt alike: the plan sees each rank's ``per_seq``, ``fixed`` and process
+    busy time as its class's mean, so their shares differ by at most one sequence. Measured on
+    the emulated half-speed cluster (3 equal CPU ranks and the 910B rank), per-rank estimates
+    of equal ranks were 1.1 and 1.4-1.7 ms per sequence -- the phase a rank computes in decides
+    how much it competes for the cores -- and the deal gave the "fast" one the most sequences,
+    which made it the busiest process of the step (``[31, 122, 102, 1]``; benchmarks/README.md).
+    A straggler among ranks of one class is therefore not found here; the cluster file names
+    the classes.
+
     The total, and so tokens per step, never changes. Exact in expectation: rank ``r``'s mean
     loss is scaled by ``W * b_r / sum(b)`` (:meth:`loss_scale`), so after the usual ``1 / W``
     gradient average the gradients are those of the mean loss over all ``sum(b)`` sequences.
@@ -144,8 +164,13 @@ class BatchSplit:
 
     def __init__(self, batch_size: int, world_size: int, rank: int, *, enabled: bool = True,
                  every: int = 10, alpha: float = 0.8, fixed_speeds: Optional[Sequence[float]] = None,
-                 clock: Optional[RankClock] = None, process_clock: Optional[ProcessClock] = None) -> None:
+                 clock: Optional[RankClock] = None, process_clock: Optional[ProcessClock] = None,
+                 classes: Optional[Sequence[int]] = None) -> None:
         self.world_size, self.rank, self.every, self.alpha = world_size, rank, every, alpha
+        if classes is not None and len(classes) != world_size:
+            raise ValueError(f"classes has {len(classes)} entries for {world_size} ranks")
+        #: ``[W]`` device class per rank (:func:`device_classes`); None: every rank its own.
+        self.classes: Optional[List[int]] = list(classes) if classes is not None else None
         self.enabled = enabled and world_size > 1
         self.total = batch_size * world_size
         self.sizes: List[int] = [batch_size] * world_size
@@ -304,7 +329,7 @@ class BatchSplit:
         self.agreements += 1
         if any(r[2] <= 0 or r[4] <= 0 for r in rows):
             return False  # a rank has measured nothing yet
-        per_seq = [r[2] for r in rows]
+        per_seq = self.pooled([r[2] for r in rows])
         fixed = [r[1] for r in rows]
         self.speeds = [1.0 / p for p in per_seq]
         step_s = sum(r[5] for r in rows) / self.world_size
@@ -316,6 +341,8 @@ class BatchSplit:
         proc = [r[7] for r in rows]
         if min(proc) > 0:  # every rank measured its whole process: its fixed work is all of it
             fixed = [max(0.0, p - r[3] * r[2]) for p, r in zip(proc, rows)]
+            proc = self.pooled(proc)
+        fixed = self.pooled(fixed)
         proposal, self.last_gain_s, passed = self.plan(
             self.total, self.sizes, per_seq, fixed, step_s, noise=[r[6] for r in rows],
             process_busy=proc if min(proc) > 0 else None, process_noise=[r[8] for r in rows])
@@ -324,6 +351,15 @@ class BatchSplit:
             self._trial = (step_s, before)
             return True
         return False
+
+    def pooled(self, values: Sequence[float]) -> List[float]:
+        """``values`` (``[W]``) with each rank's entry replaced by its class's mean."""
+        if self.classes is None:
+            return list(values)
+        sums: Dict[int, List[float]] = {}
+        for c, v in zip(self.classes, values):
+            sums.setdefault(c, []).append(v)
+        return [statistics.fmean(sums[c]) for c in self.classes]
 
     def judge(self, step_s: float) -> bool:
         """Close the loop on measured time: the agreement after a re-deal compares the group's

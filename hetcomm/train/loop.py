@@ -406,7 +406,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             torch.nn.Linear(dim, cfg.hidden_dim), torch.nn.GELU(), torch.nn.Linear(cfg.hidden_dim, dim)
         )
 
-    from hetcomm.train.het_defaults import BatchSplit, MoETimeTracker, resolve_chunks, token_split_default
+    from hetcomm.train.het_defaults import BatchSplit, MoETimeTracker, device_classes, resolve_chunks, token_split_default
 
     split_on = token_split_default(cfg.token_split, cfg.replicate, cluster, world_size) and cfg.page_budget == 0
     device = torch.device("cpu")  # the demo LM runs on CPU ranks
@@ -437,6 +437,9 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             token_split=split_on,
             num_chunks=num_chunks or 1,
             speed_every=MoEConfig.speed_every if cfg.speed == "measured" else 0,  # 0: the datasheet prior stays
+            # The cluster file names the device classes; equal ranks pool their measurements, as
+            # the batch split does (BatchSplit: noise between equal CPU ranks is 25-50 %).
+            speed_pool="device" if cluster is not None else "rank",
             # The layer's default of 3 hot experts, but never more than the layer has (--experts 2).
             replicate_top=min(MoEConfig.replicate_top, cfg.experts),
             # --powersgd-experts: compression starts where the dense one does (make_powersgd).
@@ -492,7 +495,8 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     from hetcomm.train.rank_time import busy_clock_for, process_clock_for
 
     batch_split = BatchSplit(cfg.batch_size, world_size, rank, enabled=cfg.balance is not False and cfg.speed == "measured",
-                             clock=busy_clock_for(device), process_clock=process_clock_for(device))
+                             clock=busy_clock_for(device), process_clock=process_clock_for(device),
+                             classes=device_classes(cluster, world_size) if cluster is not None else None)
     batch_split.attach(model.moe_layers)  # the MoE layers' busy time: the rest of the forward is dense
     if balance_on:
         balancer = make_balancer()

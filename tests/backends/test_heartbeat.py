@@ -21,6 +21,17 @@ import torch
 from tests.backends.ranks import MIXED_MINI, run_ranks_outcomes
 
 
+def _everyone_past_the_first_collective(rank: int, n: int) -> None:
+    """Returns once every rank has left its first collective. A rank that is done with its own
+    part may otherwise stop itself while a slower survivor still waits in that collective, and
+    the survivor then (rightly) fails collective #1 instead of the one the test watches."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"test/past-first/{rank}", "1")
+    store.wait([f"test/past-first/{r}" for r in range(n)], timedelta(seconds=60))
+
+
 def _victim_then_wait(rank: int, n: int, how: str) -> dict:
     import torch.distributed as dist
 
@@ -29,6 +40,7 @@ def _victim_then_wait(rank: int, n: int, how: str) -> dict:
     x = torch.arange(n * 2, dtype=torch.float32)
     y = torch.empty_like(x)
     dist.all_to_all_single(y, x)  # everyone is in and beating
+    _everyone_past_the_first_collective(rank, n)
     hb = heartbeat.active()
     assert hb is not None and hb.world_size == n
     if rank == n - 1:
@@ -292,6 +304,7 @@ def _stop_before_gloo_collective(rank: int, n: int, skip_check: bool) -> dict:
     x = torch.arange(n * 2, dtype=torch.float32)
     y = torch.empty_like(x)
     dist.all_to_all_single(y, x)  # everyone is in and beating
+    _everyone_past_the_first_collective(rank, n)
     hb = heartbeat.active()
     if rank == n - 1:
         os.kill(os.getpid(), signal.SIGSTOP)

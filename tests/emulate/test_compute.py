@@ -1,12 +1,10 @@
 """Emulated compute speed (issue 11 item 4): a cpu cgroup per node, real ranks in it.
 
-Marked ``emulate`` (root, iproute2, a cgroup cpu controller). The timing check is built to hold
-on a loaded machine: the quotas are small (0.2 and 0.1 CPU), each node's cgroup has a high CFS
-weight so it gets its quota however many other processes compete, the two nodes take turns
-(4 rounds, never concurrently, so a neighbour's load falls on both), and each round spans ~25
-CFS periods so the period's granularity does not matter. Measured at load average 15 on 2
-shared cores: 1.96-2.29 for a configured 2.0 (a single back-to-back pair of loops varied
-1.6-2.1; per-round ratios vary 1.7-2.6). The assertion allows +-25%.
+Marked ``emulate`` (root, iproute2, a cgroup cpu controller). The timing check asserts only
+what the kernel guarantees on any load: no rank uses more CPU per wall second than its cgroup's
+quota. A neighbour's load can only push a rank below its quota, so the wall-time ratio between
+the nodes is reported, not asserted: measured on 2 shared cores it was 1.96-2.29 for a
+configured 2.0 at load average 15, and 2.84 once under a full CI run.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import sys
 import pytest
 
 from hetcomm.cli.main import main as hetcomm_main
-from hetcomm.emulate.cgroup import SHARES_V1, WEIGHT_V2, find_cpu_hierarchy, read_cpu_limit
+from hetcomm.emulate.cgroup import PERIOD_US, SHARES_V1, WEIGHT_V2, find_cpu_hierarchy, read_cpu_limit
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # mixed-mini's links, every device at 100 TFLOPS except the 910B at 50 (device.tflops).
@@ -77,9 +75,10 @@ def test_up_makes_a_cgroup_per_rank_with_its_quota(tmp_path, capfd):
 
 
 @pytest.mark.timeout(120)
-def test_same_gemm_runs_at_the_configured_ratio(tmp_path, capfd, monkeypatch):
-    """The same GEMM loop on the H800 node (0.2 CPU) and then on the 910B node (x0.5: 0.1 CPU)
-    takes twice as long on the 910B node, within +-25%."""
+def test_the_same_gemm_is_held_to_each_nodes_quota(tmp_path, capfd, monkeypatch):
+    """The same GEMM loop on the H800 node (0.2 CPU) and then on the 910B node (x0.5: 0.1 CPU):
+    neither gets more CPU than its quota. Unthrottled, the loop runs at a whole core, so a
+    missing quota fails this; a loaded machine cannot."""
     out = tmp_path / "out"
     out.mkdir()
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
@@ -99,6 +98,12 @@ def test_same_gemm_runs_at_the_configured_ratio(tmp_path, capfd, monkeypatch):
         f"hc{rid}-ascend-0-r3"
     )
     assert (h800["compute"], ascend["compute"]) == ("1/0.2", "0.5/0.1")
+    # CFS enforces the quota every period; a round may begin with one period's quota unspent.
+    # Unthrottled, the CPU seconds would equal the wall seconds, 4-8x over this bound.
+    for rec, quota in ((h800, 0.2), (ascend, 0.1)):
+        walls, cpus = rec["wall_s"], rec["cpu_s"]
+        bound = quota * (sum(walls) + len(walls) * PERIOD_US / 1e6)
+        assert sum(cpus) <= 1.05 * bound, (sum(cpus), bound, rec)
     ratio = sum(ascend["wall_s"]) / sum(h800["wall_s"])
-    assert 0.75 * 2.0 <= ratio <= 1.25 * 2.0, (ratio, h800, ascend)
+    print(f"910B/H800 wall-time ratio {ratio:.2f} (configured 2.0)")
     assert _no_cgroups(rid)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import statistics
 
 import pytest
 import torch
@@ -95,6 +96,24 @@ def test_speed_meter_combines_measured_and_prior():
     assert v == (100.0, 50.0, 150.0)
     assert SpeedMeter.combine([(0.0, 0.0)] * 2, [3.0, 1.0]) == (3.0, 1.0)
     assert isinstance(timer_for(torch.device("cpu")), HostTimer)
+
+
+def test_speed_meter_pools_ranks_of_one_device_class():
+    # Ranks 0 and 1 share a class: their rows and seconds are summed (300 rows in 2 s), so noise
+    # between them moves nothing; rank 2's class is its own; rank 3's class measured nothing.
+    table = [(100.0, 0.5), (200.0, 1.5), (50.0, 1.0), (0.0, 0.0)]
+    pooled = SpeedMeter.combine(table, [2.0, 2.0, 1.0, 1.0], classes=[0, 0, 1, 2])
+    assert pooled[:3] == (150.0, 150.0, 50.0)
+    assert pooled[3] == 1.0 * statistics.median([75.0, 75.0, 50.0])  # its prior x the median ratio
+    assert SpeedMeter.combine(table, [2.0, 2.0, 1.0, 1.0])[:2] == (200.0, 400.0 / 3)
+    # The layer derives the classes from the datasheet prior (device.tflops overrides).
+    layer = MoELayer(8, 4, speed_pool="device")
+    assert layer.speed.classes == (0,)
+    with pytest.raises(ConfigError) as ei:
+        MoELayer(8, 4, speed_pool="node")
+    assert ei.value.key == "moe.speed_pool"
+    with pytest.raises(ConfigError, match="one device class per rank"):
+        SpeedMeter(2, 0, [1.0, 1.0], classes=[0])
 
 
 def test_speed_knobs_and_token_split_need_replication():

@@ -134,6 +134,24 @@ def test_batch_split_needs_two_passing_agreements_in_a_row():
     assert off.mine == 16 and off.loss_scale() == 1.0
 
 
+def test_batch_split_deals_ranks_of_one_device_class_alike():
+    from hetcomm.train.het_defaults import device_classes
+
+    assert device_classes(_cluster("mixed-mini-halfspeed.yaml"), 4) == [0, 0, 0, 1]  # 100 TFLOPS x3, 50
+    assert device_classes(_cluster("mixed-mini.yaml"), 4) == [0, 0, 1, 2]  # A100 x2, H800, 910B
+    # Per-rank estimates of equal CPU ranks measured on that cluster's emulation (ms per sequence,
+    # fixed ms): alone, the "fast" rank 1 gets the most sequences; pooled, the equal ranks tie.
+    per_seq, fixed = [1.5e-3, 1.1e-3, 1.6e-3, 6e-3], [0.10, 0.10, 0.10, 0.30]
+    alone = BatchSplit(64, 4, 0).deal(256, per_seq, fixed)
+    assert max(alone[:3]) - min(alone[:3]) > 20
+    pooled = BatchSplit(64, 4, 0, classes=[0, 0, 0, 1])
+    sizes = pooled.deal(256, pooled.pooled(per_seq), pooled.pooled(fixed))
+    assert sum(sizes) == 256 and max(sizes[:3]) - min(sizes[:3]) <= 1 and sizes[3] < sizes[0]
+    assert pooled.pooled([1.0, 2.0, 3.0, 9.0]) == [2.0, 2.0, 2.0, 9.0]
+    with pytest.raises(ValueError, match="classes has 3 entries for 4 ranks"):
+        BatchSplit(64, 4, 0, classes=[0, 0, 1])
+
+
 def test_batch_split_agrees_the_table_single_process():
     class Clock:  # a fake RankClock: run seconds, ready seconds
         thread_id = None

@@ -76,13 +76,29 @@ class MarkovTask:
         row_h = -(p * p.clamp_min(1e-300).log()).sum(dim=1)
         return float((pi * row_h).sum())
 
+    @functools.cached_property
+    def _cdf(self) -> torch.Tensor:
+        """``[vocab_size, vocab_size]`` float64: each row's running sum, its last entry exactly 1."""
+        cdf = self._transitions.cumsum(dim=1)
+        cdf[:, -1] = 1.0
+        return cdf
+
     def sample(self, batch_size: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
-        """``[batch_size, seq_len + 1]`` int64 token ids (inputs are ``[:, :-1]``, targets ``[:, 1:]``)."""
-        p = self._transitions.to(torch.float32)
+        """``[batch_size, seq_len + 1]`` int64 token ids (inputs are ``[:, :-1]``, targets ``[:, 1:]``).
+
+        Inverse-CDF sampling: one uniform draw per token, searched in its predecessor's row of
+        :attr:`_cdf`. ``torch.multinomial`` per position (the earlier sampler) cost ~8 us per
+        token on one CPU core: 16 ms per step for 64 sequences of 32 tokens, work the half-speed
+        rank of the emulated cluster paid at a quarter of a core; this costs ~0.5 us.
+        """
+        cdf = self._cdf
         out = torch.empty(batch_size, seq_len + 1, dtype=torch.int64)
         out[:, 0] = torch.randint(self.vocab_size, (batch_size,), generator=generator)
+        u = torch.rand(seq_len, batch_size, 1, generator=generator, dtype=torch.float64)
         for t in range(1, seq_len + 1):
-            out[:, t] = torch.multinomial(p[out[:, t - 1]], 1, generator=generator).squeeze(1)
+            # The first index whose running sum exceeds u: token j with probability p[prev, j]
+            # (u < 1 = the last entry, so always a valid id).
+            out[:, t] = torch.searchsorted(cdf[out[:, t - 1]], u[t - 1], right=True).squeeze(1)
         return out
 
     @property

@@ -140,8 +140,8 @@ class BatchSplit:
        half-speed cluster that spread took every second proposal apart: 0 re-deals in 6 with
        the 910B rank's process busy 76% of the step and a predicted gain of 65 ms);
     4. a deal is a trial: the next agreement keeps it only when the group's measured wall step
-       got shorter, else it is reverted and proposals wait ``2 ** reverts`` agreements
-       (:meth:`judge`).
+       got shorter by :data:`BATCH_MIN_GAIN` at least (the gain gate 2 proposed it for), else it
+       is reverted and proposals wait ``2 ** reverts`` agreements (:meth:`judge`).
 
     Ranks of one device class (``classes``, :func:`device_classes`: one datasheet speed) are
     dealt alike: the plan sees each rank's ``per_seq``, ``fixed`` and process
@@ -189,6 +189,8 @@ class BatchSplit:
         self._steps = 0  # steps observed (measured)
         self._calls = 0  # steps ended (maybe_agree calls): the agreement's schedule
         self.last_gain_s = 0.0
+        #: The last trial :meth:`judge` closed: (wall step before, after, kept), or None.
+        self.last_trial: Optional[Tuple[float, float, bool]] = None
         self._last: Optional[Tuple[List[int], bool]] = None  # the previous agreement's (proposal, passed)
         self.clock = clock
         self.process_clock = process_clock
@@ -364,15 +366,19 @@ class BatchSplit:
     def judge(self, step_s: float) -> bool:
         """Close the loop on measured time: the agreement after a re-deal compares the group's
         wall step (``step_s``, the mean of the ranks' EMAs: identical on every rank) with the
-        one before it; a deal that did not make it faster is reverted, and the next proposal
-        waits ``2 ** reverts`` agreements (on an oversubscribed host a rank's busy time carries
-        contention that depends on the phase it computes in, so a prediction can pass every
-        gate and still be wrong). Returns True when it reverted."""
+        one before it; a deal that did not make it faster by :data:`BATCH_MIN_GAIN` -- the gain
+        gate 2 proposed it for -- is reverted, and the next proposal waits ``2 ** reverts``
+        agreements (on an oversubscribed host a rank's busy time carries contention that depends
+        on the phase it computes in, so a prediction can pass every gate and still be wrong; and
+        "any shorter" would keep a deal that changed nothing about half the time, by the step's
+        noise alone). Returns True when it reverted."""
         if self._trial is None:
             return False
         before_s, old_sizes = self._trial
         self._trial = None
-        if step_s < before_s:
+        kept = step_s <= (1.0 - BATCH_MIN_GAIN) * before_s
+        self.last_trial = (before_s, step_s, kept)
+        if kept:
             return False
         self.sizes = old_sizes
         self.reverts += 1
@@ -496,9 +502,13 @@ class BatchSplit:
             step = sum(r[5] for r in self.table) / len(self.table)
             frac = "/".join(f"{r[7] / step * 100:.0f}" for r in self.table) if step > 0 else "-"
             proc = f"; whole process busy {col(7)} ms/step ({frac}% of the step, noise {col(8, 100)}%)"
+        trial = ""
+        if self.last_trial is not None:
+            before, after, kept = self.last_trial
+            trial = f"; last trial: step {before * 1e3:.1f} -> {after * 1e3:.1f} ms, {'kept' if kept else 'reverted'}"
         return (f"sequences per rank {self.sizes} (of {self.total}); busy {col(0)} ms/step, fixed {col(1)}, "
-                f"per sequence {col(2)} ms (noise {col(6, 100)}%); {self.changes} re-deals ({self.reverts} reverted, not faster) in {self.agreements} agreements (last "
-                f"predicted gain {self.last_gain_s * 1e3:.1f} ms/step){proc}")
+                f"per sequence {col(2)} ms (noise {col(6, 100)}%); {self.changes} re-deals ({self.reverts} reverted, not "
+                f"{BATCH_MIN_GAIN:.0%} faster{trial}) in {self.agreements} agreements (last predicted gain {self.last_gain_s * 1e3:.1f} ms/step){proc}")
 
     def state_dict(self) -> Dict[str, Any]:
         return {"sizes": torch.tensor(self.sizes, dtype=torch.int64),

@@ -63,7 +63,7 @@ class TrainConfig:
         balance: heterogeneity balancing (:mod:`hetcomm.train.het_defaults`). ``auto`` (default):
             the per-rank batch split by measured busy time (it re-deals only when per-sequence
             speeds differ by >10% and that pays in two agreements in a row, and keeps a deal only
-            when the step got shorter), and once per layer the coldest experts by global load
+            when the step got 3% shorter), and once per layer the coldest experts by global load
             onto the ranks measured >10% slower (``MoELayer.place_cold_on_slow``); True
             (``--balance``): the batch split and the expert balancer's migrations by measured
             speed (:mod:`hetcomm.train.balance`); False: none of them.
@@ -507,7 +507,9 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     # Cold experts on the slow ranks (issue 19): once per layer, as soon as its speed vector is
     # measured and its load EMA has a full window, the coldest experts by global load move to the
     # ranks measured >10% slower than the fastest (MoELayer.place_cold_on_slow; nothing moves on
-    # equal ranks). Not with --balance (the balancer owns the map), --no-balance, --speed
+    # ranks measured within 10% -- equal CPU ranks sharing two cores measure further apart, and
+    # up to 6 of 8 experts moved on the plain demo at no measured cost, benchmarks/README.md).
+    # Not with --balance (the balancer owns the map), --no-balance, --speed
     # datasheet (nothing is measured), paging or --powersgd-experts (its error feedback follows
     # the replicas' rows).
     cold_todo = (set(range(len(model.moe_layers)))

@@ -32,7 +32,7 @@ the stream's time between two marks -- stream-ordered, after the kernels enqueue
 the way the emulation's CPUs are. What the events cannot separate: the stream's time between two
 marks includes its waits for a collective in between, so a step's busy time on a device contains
 the rank's waits (the dense forward, which holds no collective, is pure compute); the batch
-split's last gate (a deal is kept only when the measured step got shorter) is the guard.
+split's last gate (a deal is kept only when the measured step got 3% shorter) is the guard.
 """
 
 from __future__ import annotations

@@ -238,10 +238,24 @@ def test_batch_split_reverts_a_deal_that_did_not_make_the_step_faster():
     deal = [18, 18, 18, 10]
     split._trial = (0.5, [16] * 4)  # as after adopting a deal at a 0.5 s step
     split.sizes = deal
-    assert not split.judge(0.45) and split.sizes == deal  # faster: kept
+    assert not split.judge(0.45) and split.sizes == deal  # 10% faster: kept
+    assert split.last_trial == (0.5, 0.45, True) and "step 500.0 -> 450.0 ms, kept" in _summary_after_agreement(split)
     split._trial = (0.5, [16] * 4)
     assert split.judge(0.52) and split.sizes == [16] * 4 and split.reverts == 1 and split._hold == 2
     assert not split.judge(0.1)  # nothing on trial
+    # Shorter, but by less than the gain the deal was proposed for (BATCH_MIN_GAIN): noise, reverted.
+    split._trial, split.sizes = (0.5, [16] * 4), deal
+    assert split.judge(0.5 * (1 - BATCH_MIN_GAIN) + 1e-4) and split.sizes == [16] * 4 and split.reverts == 2
+    assert split.last_trial[2] is False and "reverted" in _summary_after_agreement(split)
+    split._trial, split.sizes = (0.5, [16] * 4), deal
+    assert not split.judge(0.5 * (1 - BATCH_MIN_GAIN)) and split.sizes == deal  # exactly the margin: kept
+
+
+def _summary_after_agreement(split: BatchSplit) -> str:
+    """The summary row as after one agreement (a table of equal, measured rows)."""
+    split.measuring = True  # as with a busy clock (none on this host-only split)
+    split.table = [[0.1, 0.08, 0.001, 16.0, 10.0, 0.3, 0.1, 0.2, 0.05]] * split.world_size
+    return split.summary()
 
 
 def test_batch_split_state_round_trips():

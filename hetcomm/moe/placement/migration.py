@@ -337,7 +337,7 @@ def place_cold_on_slow(layer, optimizer=None) -> List[int]:
         layer: a :class:`~hetcomm.moe.MoELayer` with replication on.
         optimizer: the optimizer holding the layer's parameters, or None.
     Returns:
-        Global ids of the experts that moved (none on equal ranks).
+        Global ids of the experts that moved (none when the agreed speeds are within 10%).
 
     Raises:
         ConfigError: replication is off (its EMA is the load).

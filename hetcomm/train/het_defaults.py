@@ -505,10 +505,12 @@ class BatchSplit:
         trial = ""
         if self.last_trial is not None:
             before, after, kept = self.last_trial
-            trial = f"; last trial: step {before * 1e3:.1f} -> {after * 1e3:.1f} ms, {'kept' if kept else 'reverted'}"
+            verdict = "kept" if kept else "reverted"
+            trial = f"; last trial: step {before * 1e3:.1f} -> {after * 1e3:.1f} ms, {verdict}"
         return (f"sequences per rank {self.sizes} (of {self.total}); busy {col(0)} ms/step, fixed {col(1)}, "
-                f"per sequence {col(2)} ms (noise {col(6, 100)}%); {self.changes} re-deals ({self.reverts} reverted, not "
-                f"{BATCH_MIN_GAIN:.0%} faster{trial}) in {self.agreements} agreements (last predicted gain {self.last_gain_s * 1e3:.1f} ms/step){proc}")
+                f"per sequence {col(2)} ms (noise {col(6, 100)}%); {self.changes} re-deals "
+                f"({self.reverts} reverted, not {BATCH_MIN_GAIN:.0%} faster{trial}) in {self.agreements} "
+                f"agreements (last predicted gain {self.last_gain_s * 1e3:.1f} ms/step){proc}")
 
     def state_dict(self) -> Dict[str, Any]:
         return {"sizes": torch.tensor(self.sizes, dtype=torch.int64),

@@ -239,7 +239,8 @@ def test_batch_split_reverts_a_deal_that_did_not_make_the_step_faster():
     split._trial = (0.5, [16] * 4)  # as after adopting a deal at a 0.5 s step
     split.sizes = deal
     assert not split.judge(0.45) and split.sizes == deal  # 10% faster: kept
-    assert split.last_trial == (0.5, 0.45, True) and "step 500.0 -> 450.0 ms, kept" in _summary_after_agreement(split)
+    assert split.last_trial == (0.5, 0.45, True)
+    assert "step 500.0 -> 450.0 ms, kept" in _summary_after_agreement(split)
     split._trial = (0.5, [16] * 4)
     assert split.judge(0.52) and split.sizes == [16] * 4 and split.reverts == 1 and split._hold == 2
     assert not split.judge(0.1)  # nothing on trial

@@ -42,8 +42,7 @@ def test_sampled_transitions_match_the_table_row_by_row():
     task = MarkovTask(vocab_size=16, num_successors=3, noise=0.1, seed=2)
     tokens = task.sample(2048, 64, torch.Generator().manual_seed(1))
     prev, nxt = tokens[:, :-1].flatten(), tokens[:, 1:].flatten()
-    ones = torch.ones(prev.numel(), dtype=torch.float64)
-    counts = torch.zeros(16, 16, dtype=torch.float64).index_put_((prev, nxt), ones, accumulate=True)
+    counts = torch.bincount(prev * 16 + nxt, minlength=16 * 16).view(16, 16).double()
     p = task.transition_matrix()
     for i in counts.sum(dim=1).argsort(descending=True)[:4].tolist():
         n = counts[i].sum()

@@ -41,10 +41,13 @@ reduce_scatter) reach ``gloo0`` directly and are not checked either.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 import weakref
+from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -197,6 +200,44 @@ class _Staging:
                 t.copy_(s.view(t.shape))
 
 
+class _InFlight:
+    """The completions running on gloo's threads now, so that a group's shutdown can wait for them.
+
+    The callbacks a completion runs (the Work's future's: PowerSGD's hook chains three
+    collectives there) may hold the caller's process groups. Had the caller destroyed them
+    meanwhile, the callback thread would drop the last reference and ``~ProcessGroupGloo`` would
+    join its own thread: ``std::system_error: Resource deadlock avoided``, the process aborted
+    (seen once in ~1,500 tests: a gloo thread inside :meth:`_Completion.finish` while the main
+    thread was in ``destroy_process_group``). :meth:`HetcommProcessGroup.shutdown
+    <hetcomm.backends.process_group.HetcommProcessGroup.shutdown>` waits until none runs.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._threads: Counter = Counter()  # thread ident -> completions it is inside
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            self._threads[me] += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._threads[me] -= 1
+                if not self._threads[me]:
+                    del self._threads[me]
+                self._cond.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no other thread is inside a completion (this one may be: a callback that
+        destroys the group must not wait for itself); False after ``timeout_s``."""
+        me = threading.get_ident()
+        with self._cond:
+            return self._cond.wait_for(lambda: not (set(self._threads) - {me}), timeout_s)
+
+
 class _Completion:
     """Completes a delegated collective's Work once gloo's op has finished.
 
@@ -204,7 +245,9 @@ class _Completion:
     the group, and the last reference dropping there would join gloo's threads from one of them.
     """
 
-    def __init__(self, work: HetcommWork, op: str, rank: int, seq: int, faults_ref, staging, after, nbytes: int, complete):
+    def __init__(self, work: HetcommWork, op: str, rank: int, seq: int, faults_ref, staging, after, nbytes: int, complete,
+                 in_flight: Optional[_InFlight] = None):
+        self.in_flight = in_flight
         self.work = work
         #: ``Executor.complete``: at once on a gloo thread, deferred until the job released the
         #: executor when called inside one (its callbacks may start and wait for collectives).
@@ -226,12 +269,13 @@ class _Completion:
             work._complete(exc)
 
     def callback(self, fut: "torch.futures.Future") -> None:
-        try:
-            fut.value()
-        except Exception as e:
-            self.finish(e)
-        else:
-            self.finish(None)
+        with self.in_flight.running() if self.in_flight is not None else contextlib.nullcontext():
+            try:
+                fut.value()
+            except Exception as e:
+                self.finish(e)
+            else:
+                self.finish(None)
 
     def finish(self, error: Optional[BaseException]) -> None:
         if error is not None:
@@ -292,6 +336,8 @@ class DelegatedCollectives:
         self.size = size
         self.faults = faults
         self.routed = routed
+        #: Completions running on gloo's threads (:class:`_InFlight`); shutdown waits for them.
+        self.in_flight = _InFlight()
 
     # -- the common path ----------------------------------------------------------------------
     def _run(
@@ -338,7 +384,7 @@ class DelegatedCollectives:
         executor = routed.executor
         done = _Completion(
             user, call.kind, self.rank, seq, weakref.ref(self.faults), staging, after,
-            bus_bytes(bus_op or call.kind, call.payload, self.size), executor.complete,
+            bus_bytes(bus_op or call.kind, call.payload, self.size), executor.complete, self.in_flight,
         )
         faults = self.faults
         kind = call.kind

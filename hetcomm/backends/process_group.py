@@ -266,6 +266,9 @@ class HetcommProcessGroup(dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
+        # Completions still running on gloo's threads finish first (delegated._InFlight): their
+        # callbacks must not be left holding the last reference to a group being destroyed.
+        self._delegated.in_flight.wait_idle(self.communicator.timeout.total_seconds())
         self.communicator.close()
         # The inner gloo is not shut down explicitly: ProcessGroupGloo.shutdown() racing with
         # the completion callbacks of its last Works aborted processes ("Resource deadlock

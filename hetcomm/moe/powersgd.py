@@ -33,7 +33,10 @@ dropped every other reference (the job ending, ``destroy_process_group``), the w
 the group itself, and ``~ProcessGroupGloo`` joining its own thread aborts the process
 (``std::system_error: Resource deadlock avoided``; seen under load on the leader ranks, 9 of 40
 runs). Each averaging therefore waits until the worker has let go of the state
-(:func:`_wait_until_released`), so a group is only ever freed on the thread that made it.
+(:func:`_wait_until_released`), so a group is only ever freed on the thread that made it. A
+hetcomm group's shutdown also waits for the completions still running on gloo's threads
+(``hetcomm.backends.delegated._InFlight``): the same abort was seen once more in CI, a gloo thread
+still inside a completion while the main thread destroyed the groups.
 
 Two users: ``hetcomm train --powersgd`` (the dense gradients, mean over all ranks) and the
 hot-expert replicas' gradient sums (``MoEConfig.replicate_powersgd``,

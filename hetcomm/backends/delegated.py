@@ -246,7 +246,7 @@ class _Completion:
     """
 
     def __init__(self, work: HetcommWork, op: str, rank: int, seq: int, faults_ref, staging, after, nbytes: int, complete,
-                 in_flight: Optional[_InFlight] = None):
+                 in_flight: _InFlight):
         self.in_flight = in_flight
         self.work = work
         #: ``Executor.complete``: at once on a gloo thread, deferred until the job released the
@@ -269,7 +269,7 @@ class _Completion:
             work._complete(exc)
 
     def callback(self, fut: "torch.futures.Future") -> None:
-        with self.in_flight.running() if self.in_flight is not None else contextlib.nullcontext():
+        with self.in_flight.running():
             try:
                 fut.value()
             except Exception as e:

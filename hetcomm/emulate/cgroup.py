@@ -27,6 +27,7 @@ without controllers at /sys/fs/cgroup/unified). Found from ``/proc/self/mounts``
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -37,7 +38,8 @@ from hetcomm.emulate.kernel import KernelError
 
 __all__ = [
     "CpuHierarchy",
-    "PERIOD_US",
+    "MIN_PERIOD_US",
+    "period_us_for",
     "find_cpu_hierarchy",
     "cgroup_dir_for",
     "quota_us_for",
@@ -49,9 +51,16 @@ __all__ = [
     "list_run_cgroups",
 ]
 
-#: CFS period. Short enough that a throttled rank's pauses (period - quota) stay in the tens of
-#: milliseconds, long enough that the kernel's per-period bookkeeping costs nothing.
-PERIOD_US = 20_000
+#: Shortest CFS period given to a rank. The period is as short as the kernel's 1 ms minimum
+#: quota allows, because a throttled rank runs its quota and then stalls for the rest of the
+#: period: at 20 ms a 0.25-CPU rank ran 5 ms and stalled 15 ms, so an expert call's time depended
+#: on where in the period it began, and the per-rank expert time the balancer measures was noisy
+#: (benchmarks/README.md, moe_workloads.py: at 4 ms the half-speed rows' median per-rank max/mean
+#: fell from 1.33 to 1.21). Not shorter than 4 ms: each period costs the kernel a timer and a
+#: refill per cgroup.
+MIN_PERIOD_US = 4_000
+#: The kernel's longest period (1 s).
+_MAX_PERIOD_US = 1_000_000
 #: The kernel refuses quotas under 1 ms.
 _MIN_QUOTA_US = 1_000
 #: Weights that make the quota the binding limit (64x the v1 default; the v2 maximum).
@@ -102,9 +111,20 @@ def cgroup_dir_for(h: CpuHierarchy, run_id: str, node: str) -> str:
     return os.path.join(h.root, f"hc{run_id}-{node}")
 
 
-def quota_us_for(cpus: float, period_us: int = PERIOD_US) -> int:
-    """CFS quota of ``cpus`` CPUs per ``period_us`` (at least the kernel's 1 ms)."""
-    return max(_MIN_QUOTA_US, int(round(cpus * period_us)))
+def period_us_for(cpus: float) -> int:
+    """The CFS period of a rank limited to ``cpus`` CPUs: the shortest (at least
+    :data:`MIN_PERIOD_US`) whose quota is not under the kernel's 1 ms, so that a slow rank's
+    share is exact rather than rounded up to 1 ms per period (with one 4 ms period for all, an
+    A100 rank at 0.16 CPU of mixed-mini would have got 0.25)."""
+    # The 1e-9 keeps float error (1000 / 0.1 = 10000.000...1) from adding a microsecond.
+    return min(_MAX_PERIOD_US, max(MIN_PERIOD_US, math.ceil(_MIN_QUOTA_US / cpus - 1e-9)))
+
+
+def quota_us_for(cpus: float, period_us: Optional[int] = None) -> int:
+    """CFS quota of ``cpus`` CPUs per ``period_us`` (default :func:`period_us_for`; at least the
+    kernel's 1 ms)."""
+    period = period_us_for(cpus) if period_us is None else period_us
+    return max(_MIN_QUOTA_US, int(round(cpus * period)))
 
 
 def _write(path: str, text: str) -> None:
@@ -142,15 +162,16 @@ def create_cgroup(h: CpuHierarchy, path: str, cpus: float) -> Tuple[int, int]:
         ) from None
     except OSError as e:
         raise KernelError(f"cannot create cgroup {path}: {e.strerror}") from None
-    quota = quota_us_for(cpus)
+    period = period_us_for(cpus)
+    quota = quota_us_for(cpus, period)
     if h.version == 2:
-        _write(os.path.join(path, "cpu.max"), f"{quota} {PERIOD_US}")
+        _write(os.path.join(path, "cpu.max"), f"{quota} {period}")
         _write(os.path.join(path, "cpu.weight"), str(WEIGHT_V2))
     else:
-        _write(os.path.join(path, "cpu.cfs_period_us"), str(PERIOD_US))
+        _write(os.path.join(path, "cpu.cfs_period_us"), str(period))
         _write(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
         _write(os.path.join(path, "cpu.shares"), str(SHARES_V1))
-    return quota, PERIOD_US
+    return quota, period
 
 
 def read_cpu_limit(h: CpuHierarchy, path: str) -> Tuple[Optional[int], int]:

@@ -79,8 +79,9 @@ _SETTINGS_KEYS = (
     "cpu_per_rank",
 )
 _MODES = ("bridge", "p2p")
-# A CPU-only node beside an H800 would get a thousandth of a core: floor it (and the quota at the
-# kernel's 1 ms per period) so that such a rank still starts within a test's patience.
+# A CPU-only node beside an H800 would get a thousandth of a core: floor it (the quota is at least
+# the kernel's 1 ms per period, see cgroup.period_us_for) so that such a rank still starts within
+# a test's patience.
 _MIN_COMPUTE_SCALE = 0.01
 # Linux interface names are at most 15 bytes (IFNAMSIZ - 1).
 _IFNAMSIZ = 15

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from hetcomm.cli.main import main as hetcomm_main
-from hetcomm.emulate.cgroup import PERIOD_US, SHARES_V1, WEIGHT_V2, find_cpu_hierarchy, read_cpu_limit
+from hetcomm.emulate.cgroup import SHARES_V1, WEIGHT_V2, find_cpu_hierarchy, period_us_for, read_cpu_limit
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # mixed-mini's links, every device at 100 TFLOPS except the 910B at 50 (device.tflops).
@@ -102,7 +102,7 @@ def test_the_same_gemm_is_held_to_each_nodes_quota(tmp_path, capfd, monkeypatch)
     # Unthrottled, the CPU seconds would equal the wall seconds, 4-8x over this bound.
     for rec, quota in ((h800, 0.2), (ascend, 0.1)):
         walls, cpus = rec["wall_s"], rec["cpu_s"]
-        bound = quota * (sum(walls) + len(walls) * PERIOD_US / 1e6)
+        bound = quota * (sum(walls) + len(walls) * period_us_for(quota) / 1e6)
         assert sum(cpus) <= 1.05 * bound, (sum(cpus), bound, rec)
     ratio = sum(ascend["wall_s"]) / sum(h800["wall_s"])
     print(f"910B/H800 wall-time ratio {ratio:.2f} (configured 2.0)")

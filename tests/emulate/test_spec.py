@@ -278,9 +278,16 @@ def test_compute_scale_gives_each_node_its_cpu_share():
 
 
 def test_cgroup_quota_and_hierarchy_detection(tmp_path):
-    from hetcomm.emulate.cgroup import find_cpu_hierarchy, quota_us_for
+    from hetcomm.emulate.cgroup import MIN_PERIOD_US, find_cpu_hierarchy, period_us_for, quota_us_for
 
-    assert quota_us_for(0.25) == 5000 and quota_us_for(0.001) == 1000
+    # The shortest period (at least 4 ms) whose quota is the kernel's 1 ms minimum or more: a
+    # mixed-mini A100 rank (0.5 x 312/989.5 CPU) gets 6.35 ms, not a 1 ms quota of a 4 ms period.
+    assert [period_us_for(c) for c in (1.0, 0.5, 0.25, 0.1)] == [MIN_PERIOD_US, 4000, 4000, 10000]
+    assert period_us_for(0.5 * 312 / 989.5) == 6343
+    assert quota_us_for(0.5 * 312 / 989.5) == 1000 and quota_us_for(0.5) == 2000
+    assert quota_us_for(0.25, 20_000) == 5000
+    # Below 1 ms per 1 s (the kernel's longest period) the quota is floored.
+    assert period_us_for(0.0001) == 1_000_000 and quota_us_for(0.0001) == 1000
     v2 = tmp_path / "unified"
     v2.mkdir()
     (v2 / "cgroup.controllers").write_text("cpuset cpu io memory\n")
@@ -312,9 +319,9 @@ def test_cgroup_v2_files_written(tmp_path):
     (tmp_path / "cgroup.subtree_control").write_text("memory\n")
     h = CpuHierarchy(2, str(tmp_path))
     path = cgroup_dir_for(h, "abcdef", "ascend-0-r3")
-    assert create_cgroup(h, path, 0.25) == (5000, 20000)
+    assert create_cgroup(h, path, 0.1) == (1000, 10000)
     assert (tmp_path / "cgroup.subtree_control").read_text() == "+cpu"
-    assert read_cpu_limit(h, path) == (5000, 20000)
+    assert read_cpu_limit(h, path) == (1000, 10000)
     assert (tmp_path / "hcabcdef-ascend-0-r3" / "cpu.weight").read_text() == str(WEIGHT_V2)
     with pytest.raises(KernelError, match="exists already"):
         create_cgroup(h, path, 0.25)

@@ -8,8 +8,8 @@ a fraction of a second instead of redoing every step since the last disk checkpo
 
 What a snapshot holds is exactly what :mod:`hetcomm.ops.checkpoint` saves, under the same keys:
 dense parameters and buffers (gate calibrator history included), this rank's experts by global
-id, AdamW state, replicator heat and hot set, every ``extras`` object (balancer maps, PowerSGD's
-per-rank error feedback), the step, and the data-stream generator (the data position). One file
+id, AdamW state, replicator heat and hot set, every ``extras`` object (the layers' expert
+placement as changed at run time, balancer maps, PowerSGD's per-rank error feedback), the step, and the data-stream generator (the data position). One file
 per rank and step, ``r<rank>-w<world>-s<step>.snap`` (:func:`pack`: a small ``torch.save``d header,
 then the tensors' bytes), written
 to a temporary name and renamed, so a process killed mid-write leaves the previous one; the

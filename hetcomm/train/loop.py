@@ -23,6 +23,8 @@ from hetcomm._yaml import load_yaml, reject_unknown_keys
 from hetcomm.errors import ConfigError
 from hetcomm.topo.cluster import CLUSTER_ENV, load_cluster
 from hetcomm.wire_dtypes import LAYER_SPELLINGS, parse_wire_dtype
+from hetcomm.moe.placement.state import LayerPlacements
+from hetcomm.train.cold import ColdMoves
 from hetcomm.train.data import MarkovTask
 from hetcomm.train.lm import LMConfig, MoETransformerLM
 from hetcomm.train.summary import Progress, compression_per_rank, group_backends, summarise
@@ -504,19 +506,18 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         expert = expert + balancer.spare_parameters()  # a spare may hold an expert later
     if batch_split.enabled:
         extras["batch_split"] = batch_split
-    # Cold experts on the slow ranks (issue 19): once per layer, as soon as its speed vector is
-    # measured and its load EMA has a full window, the coldest experts by global load move to the
-    # ranks measured >10% slower than the fastest (MoELayer.place_cold_on_slow; nothing moves on
-    # ranks measured within 10% -- equal CPU ranks sharing two cores measure further apart, and
-    # up to 6 of 8 experts moved on the plain demo at no measured cost, benchmarks/README.md).
-    # Not with --balance (the balancer owns the map), --no-balance, --speed
-    # datasheet (nothing is measured), paging or --powersgd-experts (its error feedback follows
-    # the replicas' rows).
-    cold_todo = (set(range(len(model.moe_layers)))
-                 if cfg.balance == "auto" and cfg.speed == "measured" and cfg.replicate and world_size > 1
-                 and not paged and not cfg.powersgd_experts
-                 else set())
-    cold_rows: List[str] = []
+    # Cold experts on the slow ranks: once per layer, the coldest experts by global load move
+    # to the ranks measured slower (hetcomm.train.cold). Not with --balance (the balancer owns the
+    # map), --no-balance, --speed datasheet (nothing is measured), paging or --powersgd-experts
+    # (its error feedback follows the replicas' rows).
+    cold = ColdMoves(model.moe_layers,
+                     enabled=cfg.balance == "auto" and cfg.speed == "measured" and cfg.replicate and world_size > 1
+                     and not paged and not cfg.powersgd_experts)
+    if balancer is None:
+        # A placement changed at run time travels with every checkpoint and snapshot: a restore
+        # re-places the layers before their experts load (the balancer carries its own map).
+        extras["placement"] = LayerPlacements(model.moe_layers)
+        extras["cold_moves"] = cold
     if cfg.powersgd_rank:
         psgd = make_powersgd(cluster, world_size, cfg.powersgd_rank, cfg.seed, cfg.steps)
         from hetcomm.ops.checkpoint import PerRank
@@ -583,13 +584,8 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             # over the whole group carries the loss (one more fewer).
             m.sync_replicas(force=True, carry=carry)
             m.end_page_step()  # after the refresh read the owners' weights: evictions, prefetch
-        for i in sorted(cold_todo):  # collective when due: agreed speeds and step counts, the same on every rank
-            if model.moe_layers[i].cold_placement_due():
-                cold_todo.discard(i)
-                moved = model.moe_layers[i].place_cold_on_slow(opt)
-                cold_rows.append(f"layer {i} at step {step}: " + (f"experts {moved} moved" if moved else "nothing to move"))
-                if moved:
-                    mc.event(step, "migration", f"layer {i}: coldest experts onto the measured-slow ranks, moved {moved}")
+        for line in cold.after_step(step, opt):
+            mc.event(step, "migration", line)
         if balancer is not None:
             for line in balancer.after_step(step):
                 mc.event(step, "migration", line)
@@ -619,8 +615,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     het_rows = [("batch split (by measured busy time)", batch_split.summary()),
                 *([] if balancer is not None else [("balancer", "off" + (" (--no-balance)" if cfg.balance is False else ""))]),
                 ("token split (per step, by measured speed)", "on" if split_on else "off"),
-                ("cold experts (coldest by global load on measured-slow ranks)",
-                 "; ".join(cold_rows) if cold_rows else ("not yet measured" if cold_todo else "off")),
+                ("cold experts (coldest by global load on measured-slow ranks)", cold.summary()),
                 ("per-rank MoE time max/mean", MoETimeTracker.summary(moe_time.gather(world_size))), *snap_rows,
                 *_elastic_summary_rows(change, model)]
     compression = compression_per_rank(psgd, model, cfg, rank, world_size)  # collective

@@ -217,7 +217,7 @@ def test_shrink_four_to_three_restores_from_memory_as_dcp_reshards(tmp_path):
     runs = _reshard_vs_dcp(tmp_path, MIXED_MINI, str(three), 4, 3, lost_node="h800-0", balance="auto",
                            memory_only_speeds=speeds)
     _assert_same_as_dcp(runs, 3)
-    assert runs["memory"][0][0]["extras"] == ["batch_split"], runs["memory"][0][0]["extras"]
+    assert runs["memory"][0][0]["extras"] == ["batch_split", "cold_moves", "placement"], runs["memory"][0][0]["extras"]
     what = runs["memory"][0][0]["what"]
     # Old rank 2 lived on the lost node: its state came from its buddy's copy (the 910B node).
     assert "resharded from 4 ranks" in what and "old ranks 2 from peer copies" in what, what

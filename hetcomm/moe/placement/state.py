@@ -1,0 +1,95 @@
+"""The layers' expert placement as checkpointable state.
+
+A placement changed at run time (:func:`~hetcomm.moe.placement.migration.migrate_now`, the cold
+move of ``hetcomm train``) renames each rank's expert modules: the same modules now hold other
+global experts. A checkpoint or snapshot keys the experts by global id, so a restore into a layer
+built with the *initial* placement asks for experts this rank no longer saved ("taken by another
+model") or, through a resharding load, silently undoes the move. :class:`LayerPlacements` is the
+``Stateful`` that carries each layer's map: pass it in a checkpoint's ``extras`` (loaded before
+the model's keys are chosen) and a restore re-places the layers first, so the experts load under
+the names they were saved with.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import torch
+
+from hetcomm.errors import ConfigError
+
+__all__ = ["LayerPlacements", "restore_placement"]
+
+
+def restore_placement(layer, owner: Sequence[int]) -> bool:
+    """Give ``layer`` (a :class:`~hetcomm.moe.MoELayer`) the expert -> rank map ``owner`` with
+    the expert modules this rank holds now, renamed in ascending global id; their weights are the
+    checkpoint load's to fill (local, not collective; every rank calls it with the same map).
+
+    Args:
+        layer: the MoE layer.
+        owner: ``[E]`` owner rank of each global expert, identical on every rank.
+    Returns:
+        Whether the map differed from the layer's (False: nothing changed).
+
+    Raises:
+        ConfigError: (``key='moe.placement'``) the map gives this rank another number of experts
+            than it holds (a run-time move keeps every rank's count; a map from another cluster
+            or expert count does not), naming the rank and both counts.
+    """
+    owner = [int(r) for r in owner]
+    if owner == list(layer.placement.owner):
+        return False
+    mine = [e for e, r in enumerate(owner) if r == layer.rank]
+    modules = list(layer.experts.experts)
+    if len(mine) != len(modules):
+        raise ConfigError(
+            f"the saved placement gives rank {layer.rank} {len(mine)} experts but it holds {len(modules)}: the state "
+            f"was saved by a job with another cluster or expert count; resume with the settings it was saved with",
+            key="moe.placement",
+        )
+    layer.apply_placement(owner, dict(zip(mine, modules)), migrated=False)
+    return True
+
+
+class LayerPlacements:
+    """``Stateful`` over MoE layers' expert placements (one ``[E]`` int64 owner tensor per layer,
+    identical on every rank).
+
+    Args:
+        layers: the model's :class:`~hetcomm.moe.MoELayer` s, in a fixed order.
+    """
+
+    def __init__(self, layers: Sequence) -> None:
+        self.layers = list(layers)
+        #: Layers whose placement the last :meth:`load_state_dict` changed.
+        self.restored: List[int] = []
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return {f"owner{i}": torch.tensor(list(layer.placement.owner), dtype=torch.int64)
+                for i, layer in enumerate(self.layers)}
+
+    def load_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        """Re-place every layer as saved (:func:`restore_placement`).
+
+        Raises:
+            ConfigError: a saved map missing or of the wrong size, or one that does not fit this
+                rank's experts, naming the layer.
+        """
+        self.restored = []
+        for i, layer in enumerate(self.layers):
+            key = f"owner{i}"
+            if key not in state_dict:
+                raise ConfigError(f"the saved state has no placement of MoE layer {i} ({len(self.layers)} in this "
+                                  f"model); resume with the model it was saved with", key="moe.placement")
+            owner = state_dict[key].tolist()
+            if len(owner) != layer.config.num_experts:
+                raise ConfigError(f"MoE layer {i}: the saved placement names {len(owner)} experts, this layer has "
+                                  f"{layer.config.num_experts}; resume with the expert count it was saved with",
+                                  key="moe.placement")
+            try:
+                changed = restore_placement(layer, owner)
+            except ConfigError as e:
+                raise ConfigError(f"MoE layer {i}: {e.detail}", key="moe.placement") from None
+            if changed:
+                self.restored.append(i)

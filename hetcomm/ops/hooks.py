@@ -309,10 +309,20 @@ def restore(cfg, model: nn.Module, optimizer: torch.optim.Optimizer, rng: torch.
 
 
 def maybe_snapshot(cfg, snap, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, rng: torch.Generator,
-                   extras: Optional[Mapping[str, Stateful]] = None) -> None:
-    """At the end of ``step``: record it as finished and, when due, snapshot (no-op when off)."""
+                   extras: Optional[Mapping[str, Stateful]] = None, mc=None) -> None:
+    """At the end of ``step``: record it as finished and, when due, snapshot (no-op when off).
+    The first snapshot this rank could not write (a full file system) is a ``snapshot-skipped``
+    event in ``mc``'s metrics."""
     if snap is None:
         return
+    skipped = snap.skipped
+    _snapshot(cfg, snap, step, model, optimizer, rng, extras)
+    if mc is not None and snap.skipped and not skipped:
+        mc.event(step, "snapshot-skipped", f"rank {snap.rank}: no space for in-memory snapshots ({snap.no_space})")
+
+
+def _snapshot(cfg, snap, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, rng: torch.Generator,
+              extras: Optional[Mapping[str, Stateful]]) -> None:
     if not snap.due(step):
         snap.mark_done(step)
         return
@@ -328,6 +338,7 @@ def close_snapshots(snap, mc, step: int, steps_run: int, elapsed_s: float) -> li
     if snap is None:
         return []
     snap.close(remove=False)  # the last peer transfer is in: its time counts
+    snap.gather_skipped()
     rows = snap.summary_rows(steps_run, elapsed_s)
     mc.event(step, "snapshots", "; ".join(f"{k}: {v}" for k, v in rows))
     snap.close(remove=True)

@@ -30,6 +30,7 @@ from hetcomm.errors import UnsafePathError
 __all__ = [
     "UnsafePathError",
     "FILE_MODE",
+    "NO_SPACE",
     "DIR_MODE",
     "check_private_dir",
     "private_dir",
@@ -44,6 +45,8 @@ __all__ = [
 FILE_MODE = 0o600
 #: Mode of every directory hetcomm creates for itself.
 DIR_MODE = 0o700
+#: errnos of a full file system or an exhausted quota.
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _who(uid: int) -> str:
@@ -142,6 +145,8 @@ def write_private(path: str, data: Union[bytes, str], *, mode: int = FILE_MODE, 
 
     Raises:
         UnsafePathError: the directory is a link or missing, or the write fails.
+        OSError: with an errno of :data:`NO_SPACE`: the file system is full (nothing is left
+            behind).
     """
     if isinstance(data, str):
         data = data.encode("utf-8")
@@ -152,6 +157,8 @@ def write_private(path: str, data: Union[bytes, str], *, mode: int = FILE_MODE, 
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
         except OSError as e:
+            if e.errno in NO_SPACE:
+                raise  # a full file system, not an unsafe path: the caller may skip the write
             raise UnsafePathError(f"cannot create a file in the directory: {e.strerror}", path=path, reason="create") from None
         try:
             os.fchmod(fd, mode)  # the umask may have taken bits away; never adds any

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 import time
 import uuid
@@ -94,6 +95,7 @@ __all__ = ["Snapshotter", "Restored", "job_dir", "remove_job", "buddies", "job_i
 
 _NAME = re.compile(r"^([rp])(\d+)-w(\d+)-s(\d+)\.snap$")
 _KEEP = 2  # generations kept per rank: a write killed half-way leaves the one before
+_WARNED = "warned-no-space"  # a rank of this node has warned that the file system is full
 
 
 def job_id() -> str:
@@ -179,6 +181,8 @@ class Snapshotter:
         self.restored: Optional[Restored] = None
         self.count = 0
         self.bytes = 0
+        self.skipped = 0  # snapshots (own or peer copies) not written: the file system was full
+        self.no_space: Optional[str] = None  # why, the first time
         self.blocking_s = 0.0  # time the steps waited for snapshots (capture, write, the previous send)
         self.background_s = 0.0
         self._thread: Optional[threading.Thread] = None
@@ -244,9 +248,7 @@ class Snapshotter:
 
     def mark_done(self, step: int) -> None:
         """Record that this rank finished ``step`` (every step; a few bytes)."""
-        from hetcomm.ops.safe_fs import write_private
-
-        write_private(self._done_path, f"{step}\n", fsync=False)
+        self._write(self._done_path, f"{step}\n".encode())
 
     def take(self, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], rng: torch.Generator,
              extras: Optional[Mapping[str, Stateful]] = None) -> None:
@@ -256,8 +258,6 @@ class Snapshotter:
         Raises:
             CollectiveError: the previous snapshot's peer transfer failed (a dead buddy).
         """
-        from hetcomm.ops.safe_fs import write_private
-
         t0 = time.perf_counter()
         self._join()
         if self.count == 1:  # every rank's first snapshot (and its peer copy) is complete now
@@ -269,10 +269,10 @@ class Snapshotter:
             "extras": {name: obj.state_dict() for name, obj in (extras or {}).items()},
         }
         blob = pack({k: v for k, v in state.items() if isinstance(v, torch.Tensor)}, head)
-        write_private(self._path("r", self.rank, step), blob, fsync=False)
-        self._prune("r", self.rank, step)
+        if self._write(self._path("r", self.rank, step), blob):
+            self._prune("r", self.rank, step)
+            self.count += 1
         self.mark_done(step)
-        self.count += 1
         self.bytes = len(blob)
         if self.buddy is not None or self.sources:
             self._thread = threading.Thread(target=self._exchange, args=(step, blob), daemon=True,
@@ -289,9 +289,43 @@ class Snapshotter:
         return {"models": self.models, "weights": self.weights,
                 "speeds_by_model": measured_speeds_by_model(model, self.models)}
 
-    def _exchange(self, step: int, blob: bytes) -> None:
-        from hetcomm.ops.safe_fs import write_private
+    def _write(self, path: str, data: bytes) -> bool:
+        """Write one of this node's snapshot files; False when the file system is full.
 
+        A full ``/dev/shm`` must not end the job (the disk checkpoints still stand): the snapshot
+        is skipped, counted, and the first rank of the node to meet it says so once. A restore
+        then finds an older complete step, or none, and counts the steps lost.
+        """
+        from hetcomm.ops.safe_fs import NO_SPACE, write_private
+
+        try:
+            write_private(path, data, fsync=False)
+            return True
+        except OSError as e:
+            if e.errno not in NO_SPACE:
+                raise
+            self.skipped += 1
+            if self.no_space is None:
+                self.no_space = f"{os.path.dirname(self.dir)}: {e.strerror}"
+                if self._first_to_warn():
+                    print(f"hetcomm train: warning: rank {self.rank}: no space left for in-memory snapshots in "
+                          f"{self.no_space}; snapshots are skipped while it lasts (the disk checkpoints still "
+                          f"stand); free space there, or set HETCOMM_SNAPSHOT_ROOT or --snapshot-every 0",
+                          file=sys.stderr, flush=True)
+            return False
+
+    def _first_to_warn(self) -> bool:
+        """Whether this rank is the first of its node to meet a full file system (an empty marker
+        file in the job's directory: it needs an inode, not a page; when even that fails, warn)."""
+        try:
+            os.close(os.open(os.path.join(self.dir, _WARNED), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        except FileExistsError:
+            return False
+        except OSError:
+            pass
+        return True
+
+    def _exchange(self, step: int, blob: bytes) -> None:
         t0 = time.perf_counter()
         try:
             works, keep = [], []
@@ -306,8 +340,8 @@ class Snapshotter:
                 dist.recv(head, src, group=self.group)
                 got = torch.empty(int(head[0]), dtype=torch.uint8)  # host: bytes off the wire
                 dist.recv(got, src, group=self.group)
-                write_private(self._path("p", src, int(head[1])), got.numpy().tobytes(), fsync=False)
-                self._prune("p", src, int(head[1]))
+                if self._write(self._path("p", src, int(head[1])), got.numpy().tobytes()):
+                    self._prune("p", src, int(head[1]))
             for w in works:
                 w.wait()
             # Every rank's copies of this step are written before any rank's next step ends:
@@ -464,7 +498,7 @@ class Snapshotter:
         self._drop_other_worlds()  # a previous membership's files: nobody restores them now
         for name in os.listdir(self.dir):
             m = _NAME.match(name)
-            if name == f"done-r{self.rank}" or (m and (int(m.group(2)) == self.rank and m.group(1) == "r"
+            if name in (f"done-r{self.rank}", _WARNED) or (m and (int(m.group(2)) == self.rank and m.group(1) == "r"
                                                        or m.group(1) == "p" and int(m.group(2)) in self.sources)):
                 try:
                     os.unlink(os.path.join(self.dir, name))
@@ -476,6 +510,14 @@ class Snapshotter:
         except OSError:
             pass
 
+    def gather_skipped(self) -> None:
+        """Make :attr:`skipped` the job's total and :attr:`no_space` the first reason any rank
+        met (collective)."""
+        box: List[object] = [None] * self.world_size
+        dist.all_gather_object(box, (self.skipped, self.no_space), group=self.group)
+        self.skipped = sum(int(n) for n, _ in box)  # type: ignore[misc]
+        self.no_space = next((why for _, why in box if why), None)  # type: ignore[misc]
+
     def summary_rows(self, steps_run: int, elapsed_s: float) -> List[Tuple[str, str]]:
         """The summary's rows (rank 0's view): cadence, cost per step, restores and steps lost."""
         per = self.blocking_s / max(1, steps_run)
@@ -483,7 +525,8 @@ class Snapshotter:
         where = (f"{os.path.dirname(self.dir)} + a copy on rank {self.buddy}" if self.buddy is not None
                  else f"{os.path.dirname(self.dir)} (one node: no peer copy)")
         rows = [
-            ("snapshots", f"every {self.every} step(s) to {where}; {self.count} taken, {self.bytes / 1e6:.2f} MB each"),
+            ("snapshots", f"every {self.every} step(s) to {where}; {self.count} taken, {self.bytes / 1e6:.2f} MB each"
+                          + (f"; {self.skipped} file(s) skipped, no space ({self.no_space})" if self.skipped else "")),
             ("snapshot cost", f"{per * 1e3:.2f} ms/step in the step ({per / max(step_s, 1e-12):.1%} of "
                               f"{step_s * 1e3:.1f} ms), {self.background_s / max(1, self.count) * 1e3:.2f} ms "
                               f"in the background"),

@@ -601,7 +601,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
                 m.sync_pages()  # the checkpoint reads the experts: no write-back half done
         if hooks.maybe_checkpoint(cfg, step, model, opt, gen, mc, extras or None):
             _elastic_after_checkpoint(cfg, rank, world_size, cluster, model)
-        hooks.maybe_snapshot(cfg, snap, step, model, opt, gen, extras or None)
+        hooks.maybe_snapshot(cfg, snap, step, model, opt, gen, extras or None, mc)
         probe.after_step(step, model.moe_layers)
         progress.update(step, losses[-1], tokens_per_step * world_size, model)
     hooks.finish_checkpoints(mc)  # --checkpoint-async: the last one is committed before the summary

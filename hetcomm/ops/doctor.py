@@ -34,6 +34,7 @@ code                           fires when
 ``env-async-error-handling``   ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (a dead peer hangs)
 ``slow-rank`` / ``slow-link``  a health record names a rank slower than its device / link class
 ``membership-change``          the job resumed on other ranks (who, cause, cost, experts)
+``work-lost``                  a restart redid finished steps (from which step, how many, why)
 =============================  ==============================================================
 
 Why by hand: these are the symptoms of the MegaScale-MoE troubleshooting table turned into
@@ -131,6 +132,12 @@ DOCTOR_CODES: Dict[str, FindingSpec] = {
             "env-hccl-buffsize", "warning", "HCCL buffer smaller than the all-to-all",
             "HCCL stages each collective through HCCL_BUFFSIZE MB per peer link; an all-to-all "
             "larger than the buffer is cut into several rounds.",
+        ),
+        FindingSpec(
+            "work-lost", "warning", "a restart redid finished steps",
+            "After a failure the job went on from the newest state every rank had: an in-memory "
+            "snapshot (its own or a buddy's copy), a disk checkpoint, or nothing. The steps finished "
+            "after that state were trained again.",
         ),
         FindingSpec(
             "env-async-error-handling", "warning", "asynchronous NCCL error handling off",
@@ -662,6 +669,40 @@ def rule_health_records(rec: JobRecord) -> List[Finding]:
     return rule_slow_rank(rec.health) + rule_membership_change(rec.health, events)
 
 
+_LOST = re.compile(r"lost (\d+) step")
+
+
+def rule_work_lost(rec: JobRecord) -> List[Finding]:
+    """``work-lost``: each ``resume`` event that names steps lost."""
+    if rec.metrics is None:
+        return []
+    out = []
+    for e in rec.metrics.events:
+        m = _LOST.search(e.detail) if e.event == "resume" else None
+        if m is None or int(m.group(1)) == 0:
+            continue
+        lost = int(m.group(1))
+        if e.detail.startswith("from nothing"):
+            what = "started again from step 0: no in-memory snapshot or disk checkpoint held every rank's state"
+            fix = ("Keep snapshots on (--snapshot-every, with a buddy copy on another node: do not pass "
+                   "--no-snapshot-peer) and write disk checkpoints (--checkpoint-dir, --checkpoint-every) "
+                   "so that a lost node's state survives elsewhere.")
+        elif e.detail.startswith("from memory"):
+            what = f"went on after step {e.step} from an in-memory snapshot" + (
+                " (some ranks from their buddies' copies)" if "peer" in e.detail else "")
+            fix = "Nothing to do for one step; more means snapshots were taken less often (--snapshot-every)."
+        else:
+            what = f"went on after step {e.step} from the disk checkpoint (no snapshot held every rank's state)"
+            fix = "Checkpoint more often (--checkpoint-every) or keep in-memory snapshots on (--snapshot-every)."
+        out.append(_finding(
+            "work-lost", f"{rec.metrics.path}: resume at step {e.step}",
+            f"The job {what}; {lost} finished step(s) were trained again (resume event: {e.detail}).",
+            fix,
+            severity="info" if lost <= 1 else None,
+        ))
+    return out
+
+
 RULES: Tuple[Rule, ...] = (
     rule_init_hang,
     rule_clock_offset,
@@ -674,6 +715,7 @@ RULES: Tuple[Rule, ...] = (
     rule_env_hccl_buffsize,
     rule_env_async_error_handling,
     rule_health_records,
+    rule_work_lost,
 )
 
 _ORDER = {"error": 0, "warning": 1, "info": 2}

@@ -78,7 +78,7 @@ def metrics_collector(cfg, rank: int, world_size: int, cluster, model: nn.Module
         env=comm_env(),
     )
     mc = MetricsCollector(cfg.metrics, rank, world_size, cluster, model.moe_layers, header, backend=cfg.backend)
-    if start_step:
+    if start_step or resumed_from:  # a restart from step 0 (nothing held) is a resume too
         from hetcomm.ops.rank_marks import startup_marks
 
         mc.event(start_step, "resume", resumed_from or f"from {latest_checkpoint(cfg.checkpoint_dir)}",
@@ -302,9 +302,15 @@ def restore(cfg, model: nn.Module, optimizer: torch.optim.Optimizer, rng: torch.
                 print(f"hetcomm train: restored {what}", file=sys.stderr, flush=True)
             return got.step, what
     step = resume(cfg, model, optimizer, rng, extras)
-    if not step:
-        return 0, None
     lost = snap.count_lost(step) if snap is not None else None
+    if not step:
+        if not lost:
+            return 0, None  # a first start
+        what = (f"from nothing: no snapshot or checkpoint held every rank's state; started again from step 0; "
+                f"lost {lost} step(s)")
+        if dist.get_rank() == 0:
+            print(f"hetcomm train: warning: {what}", file=sys.stderr, flush=True)
+        return 0, what
     return step, f"from {path}" + (f"; lost {lost} step(s)" if lost is not None else "")
 
 

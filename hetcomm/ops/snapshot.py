@@ -478,12 +478,22 @@ class Snapshotter:
         return got.restored
 
     def count_lost(self, step: int) -> int:
-        """A restore from disk after ``step``: count the steps finished since (collective)."""
+        """No snapshot held every rank's state: the job goes on from the disk checkpoint after
+        ``step`` (0: from nothing). Count the steps any rank of this job finished since
+        (collective); a first start, when none did, counts no restore.
+
+        Returns:
+            The steps lost (0 on a first start).
+        """
         box: List[object] = [None] * self.world_size
         dist.all_gather_object(box, self._finished(), group=self.group)
-        lost = max(0, max(int(b) for b in box) - step)  # type: ignore[call-overload]
+        finished = max(int(b) for b in box)  # type: ignore[call-overload]
+        if not step and not finished:
+            return 0
+        lost = max(0, finished - step)
         self.lost += lost
         self.restores += 1
+        self.restored = Restored(step, "disk" if step else "nothing", lost)
         return lost
 
     # -- the end -----------------------------------------------------------------------------
@@ -532,6 +542,10 @@ class Snapshotter:
                               f"in the background"),
         ]
         r = self.restored
+        if r is not None and r.source == "nothing":
+            rows.append(("restores / steps lost", f"{self.restores} / {self.lost} (last: no snapshot or checkpoint "
+                                                  f"held every rank's state, started again from step 0, lost {r.lost})"))
+            return rows
         rows.append(("restores / steps lost", f"{self.restores} / {self.lost}" + (
             f" (last: after step {r.step} from {r.source}"
             f"{f', resharded from {r.resharded_from} ranks' if r.resharded_from is not None else ''}"

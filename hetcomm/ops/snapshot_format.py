@@ -39,7 +39,9 @@ class Restored:
     """What a restore found: the step, where each rank's state came from, the steps lost."""
 
     step: int
-    source: str  # "memory" (every rank its own), "memory+peer" (some from a buddy's copy)
+    # "memory" (every rank its own), "memory+peer" (some from a buddy's copy); "disk" (a
+    # checkpoint) and "nothing" (a fresh start) when no snapshot held every rank's state
+    source: str
     lost: int  # steps finished before the failure and redone now
     from_peer: Tuple[int, ...] = ()  # ranks (of the snapshots' world) restored from a buddy's copy
     resharded_from: Optional[int] = None  # the snapshots' world size when it differs from this job's

@@ -64,6 +64,7 @@ CASES = [
     ("slow-rank", ["probe-throttled-h800.health.jsonl"], ["probe-healthy.health.jsonl"]),
     ("slow-link", ["slow-link.health.jsonl"], ["probe-throttled-h800.health.jsonl"]),
     ("membership-change", ["shrink-stop.health.jsonl"], ["probe-throttled-h800.health.jsonl"]),
+    ("work-lost", ["work_lost.jsonl"], ["demo_clean.jsonl"]),
 ]
 
 

@@ -333,3 +333,50 @@ def test_a_full_shared_memory_skips_snapshots_with_one_warning(tmp_path):
         assert sorted(os.listdir(mnt)) == ["filler"], os.listdir(mnt)  # nothing of the job left behind
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_a_rank_whose_own_and_buddy_snapshots_are_lost_restarts_from_zero_and_says_what_was_lost(tmp_path):
+    # Rank 2's own snapshots and its buddy's copies both gone: no step is complete in memory, no
+    # disk checkpoint. The job starts again from step 0 and reports the steps it redoes (it said
+    # "steps lost 0").
+    work, metrics = str(tmp_path / "work"), str(tmp_path / "m.jsonl")
+    job = f"lostall{uuid.uuid4().hex[:8]}"
+    shm = f"/dev/shm/hetcomm-{os.getuid()}-{job}"
+    cmd = [sys.executable, "-m", "hetcomm.cli.main", "launch", "--no-health", "--max-restarts", "2", "--work-dir", work,
+           "--rdzv-id", job, "--", "train", "--config", TINY, "--steps", str(STEPS), "--metrics", metrics]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed = None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if _last_step(metrics) >= 9:
+                pid = _worker_pid(work, 2)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    killed = pid
+                    for f in glob.glob(os.path.join(shm, "[rp]2-*.snap")):
+                        os.unlink(f)
+                    break
+            time.sleep(0.05)
+        out, _ = proc.communicate(timeout=max(10, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert killed is not None, "the job ended before rank 2 could be killed"
+    assert "failed for good" not in out, out[-4000:]
+    log = read_metrics(metrics)
+    first = [s.step for s in log.all_steps]
+    done = max(first[: next(i for i in range(1, len(first)) if first[i] <= first[i - 1])])  # before the restart
+    resumes = [e for e in log.events if e.event == "resume"]
+    assert len(resumes) == 1 and resumes[0].step == 0, [(e.step, e.detail) for e in resumes]
+    assert resumes[0].detail.startswith("from nothing"), resumes[0].detail
+    lost = int(resumes[0].detail.rsplit("lost ", 1)[1].split()[0])
+    assert done - 1 <= lost <= done + 1, (lost, done)  # rank 0's last record vs the newest any rank finished
+    row = next(line for line in out.splitlines() if line.startswith("restores / steps lost"))
+    assert row.split()[4:7] == ["1", "/", str(lost)] and "started again from step 0" in row, row
+    from hetcomm.ops.doctor import diagnose, load_record
+
+    found = [f for f in diagnose(load_record([metrics])) if f.code == "work-lost"]
+    assert len(found) == 1 and f"{lost} finished step(s)" in found[0].message, found
+    assert not os.path.exists(shm), os.listdir(shm)

@@ -166,7 +166,9 @@ def _replicator_entries(model: nn.Module) -> Dict[str, torch.Tensor]:
             continue
         E = layer.config.num_experts
         hot = torch.full((E,), -1, dtype=torch.int64)
-        hot[: len(rep.hot)] = torch.tensor(rep.hot, dtype=torch.int64)
+        # A hot set decided at this step's observe is applied at the next forward: save that one,
+        # so that a resume replicates what the uninterrupted run's next step does.
+        hot[: len(rep.next_hot)] = torch.tensor(rep.next_hot, dtype=torch.int64)
         out[f"replicator/{lname}/ema"] = rep.ema
         out[f"replicator/{lname}/steps"] = torch.tensor(rep.steps, dtype=torch.int64)
         out[f"replicator/{lname}/hot"] = hot

@@ -278,9 +278,22 @@ class HotExpertReplicator:
         spent = 2.0 * 2 * (members - 1) * self._param_numel() * 4  # FP32 buffers, see sync()
         return saved, spent
 
+    @property
+    def next_hot(self) -> Tuple[int, ...]:
+        """The hot set the next forward replicates: a decision taken at the last :meth:`observe`
+        (applied at the next forward) or else the current one. What a checkpoint saves."""
+        return self._pending_hot if self._pending_hot is not None else self.hot
+
     def set_hot(self, experts: Sequence[int], holders: Optional[Sequence[int]] = None) -> None:
         """Replicate exactly ``experts`` from the next forward on, on ``holders`` (default: the
-        current ones; both must be equal on all ranks; holders outside the candidates are ignored)."""
+        current ones; both must be equal on all ranks; holders outside the candidates are ignored).
+        Replaces any decision still pending from :meth:`observe` or :meth:`adopt_placement` (a
+        restored placement adopted before a checkpoint's hot set is set must not empty it again
+        at the next forward)."""
+        self._pending_hot = None
+        if holders is None and self._pending_holders is not None:
+            holders = self._pending_holders
+        self._pending_holders = None
         hot = tuple(sorted(int(e) for e in experts))
         new_holders = self.holders if holders is None else tuple(sorted(set(int(r) for r in holders) & set(self.candidates)))
         if hot == self.hot and new_holders == self.holders:

@@ -176,9 +176,11 @@ class IntSetting(Setting[int]):
 
 @dataclass(frozen=True)
 class FloatSetting(Setting[float]):
-    """A finite number, at least :attr:`minimum`."""
+    """A finite number, at least :attr:`minimum` and at most :attr:`maximum` when one is given
+    (a finite 1e308 still overflows ``time.sleep`` or a ``timedelta``)."""
 
     minimum: float = 0.0
+    maximum: Optional[float] = None
     kind = "float"
 
     def parse(self, text: str) -> float:
@@ -188,9 +190,13 @@ class FloatSetting(Setting[float]):
             raise self._error(text, "not a number") from None
         if value != value or value in (float("inf"), float("-inf")) or value < self.minimum:
             raise self._error(text, "out of range")
+        if self.maximum is not None and value > self.maximum:
+            raise self._error(text, f"above {self.maximum:g}")
         return value
 
     def allowed(self) -> str:
+        if self.maximum is not None:
+            return f"a number from {self.minimum:g} to {self.maximum:g}"
         return f"a number >= {self.minimum:g}"
 
 
@@ -389,6 +395,7 @@ GROUP_DELAY = FloatSetting(
     "grouped start: seconds between two start groups",
     readers=("hetcomm.ops.worker",),
     set_by=("hetcomm.cli.launch",),
+    maximum=3600.0,  # hetcomm launch --group-delay's bound: an hour between waves
 )
 BENCH_TRACEBACK = BoolSetting(
     "HETCOMM_BENCH_TRACEBACK", False,

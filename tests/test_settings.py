@@ -74,6 +74,7 @@ def test_readers_read_through_the_declaration():
         ("HETCOMM_WIRE_DTYPE", "fp8", None),
         ("HETCOMM_GROUP_SIZE", "two", "whole number"),
         ("HETCOMM_GROUP_DELAY", "nan", "out of range"),
+        ("HETCOMM_GROUP_DELAY", "1e308", "above 3600"),  # finite, and it overflowed time.sleep
         ("HETCOMM_SAME_HOST_RAIL", "rdma", None),
         ("HETCOMM_LOG", "loud", None),
         ("HETCOMM_MAX_INPUT_BYTES", "lots", None),

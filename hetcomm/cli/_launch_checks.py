@@ -15,6 +15,7 @@ import os
 import socket
 from typing import List, Optional, Tuple
 
+from hetcomm import settings
 from hetcomm.errors import UsageError
 
 __all__ = ["check_options", "check_rdzv_endpoint", "check_job", "job_cluster", "MAX_PROBE_BYTES"]
@@ -23,7 +24,8 @@ __all__ = ["check_options", "check_rdzv_endpoint", "check_job", "job_cluster", "
 #: in and out); 256 MiB is already a bandwidth test, not a health check.
 MAX_PROBE_BYTES = 256 << 20
 MAX_PROBE_ITERS = 10_000
-MAX_GROUP_DELAY_S = 3600.0
+#: The workers read the delay as HETCOMM_GROUP_DELAY: one bound for the flag and the variable.
+MAX_GROUP_DELAY_S: float = settings.GROUP_DELAY.maximum or 0.0
 
 
 def check_options(args: argparse.Namespace) -> int:
@@ -32,6 +34,10 @@ def check_options(args: argparse.Namespace) -> int:
     from hetcomm.units import parse_size
 
     check_nprocs(args.nproc_per_node, "--nproc-per-node")
+    # Without --group-size the workers read the grouped start from this environment: a bad value
+    # (HETCOMM_GROUP_DELAY=1e308 overflowed time.sleep in every staggered worker) is exit 2 here.
+    settings.GROUP_SIZE.get()
+    settings.GROUP_DELAY.get()
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts {args.max_restarts}: need 0 or more (0: no restart)")
     if not 1 <= args.probe_iters <= MAX_PROBE_ITERS:

@@ -25,6 +25,7 @@ from typing import IO, Any, Dict, Optional, Tuple
 from hetcomm import settings
 from hetcomm.cli import _benchlib as lib
 from hetcomm.cli._args import RANK_BASELINE_BYTES, check_nprocs
+from hetcomm.cli._bench_output import discard_output, open_output, write_output
 from hetcomm.errors import UsageError
 
 __all__ = ["add_parser", "run", "config_from_args"]
@@ -351,40 +352,19 @@ def _check_memory(max_size_bytes: int, num_ranks: int) -> None:
 
 
 def _open_output(args: argparse.Namespace) -> Optional[IO[str]]:
-    """Open ``-J PATH`` before any rank starts: a path that cannot be written fails in
-    milliseconds (exit 2), not after the whole benchmark."""
-    if not args.output_file:
-        return None
-    try:
-        return open(args.output_file, "w", encoding="utf-8")
-    except OSError as e:
-        raise UsageError(
-            f"-J/--output_file {args.output_file}: cannot write it ({e.strerror or e}); check the "
-            f"directory exists and is writable"
-        ) from None
-
-
-def _discard_output(out: Optional[IO[str]]) -> None:
-    """Close and remove an output file the run never filled (no empty or partial JSON left)."""
-    if out is None:
-        return
-    out.close()
-    try:
-        os.unlink(out.name)
-    except OSError:
-        pass
+    """Open ``-J PATH`` before any rank starts (:func:`hetcomm.cli._bench_output.open_output`)."""
+    return open_output(args.output_file)
 
 
 def _emit(result: Dict[str, Any], args: argparse.Namespace, out: Optional[IO[str]] = None) -> None:
-    if out is not None:
-        with out:
-            json.dump(result, out, indent=2)
-            out.write("\n")
+    # The table first: a -J file that cannot be written (a full disk) must not cost the result.
     if args.json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     else:
         sys.stdout.write(lib.format_table(result))
     sys.stdout.flush()
+    if out is not None:
+        write_output(out, result)
 
 
 def _exit_code_for(result: Dict[str, Any]) -> int:
@@ -424,10 +404,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         code = _run_local(config, num_ranks, args, out)
     except BaseException:
-        _discard_output(out)
+        discard_output(out)
         raise
     if out is not None and not out.closed:
-        _discard_output(out)
+        discard_output(out)
     return code
 
 
@@ -481,10 +461,10 @@ def _run_under_torchrun(config: lib.BenchConfig, num_ranks: int, args: argparse.
     try:
         result = lib.run_rank(config, rank, num_ranks, local_rank=local_rank)
     except UsageError:
-        _discard_output(out)
+        discard_output(out)
         raise
     except Exception as e:  # a failed collective: name this rank, keep the exit-code contract
-        _discard_output(out)
+        discard_output(out)
         print(f"hetcomm bench: error: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_TIMEOUT if lib.is_timeout(e) else EXIT_FINDINGS
     if rank == 0:

@@ -183,8 +183,11 @@ def run_compute(args: argparse.Namespace) -> int:
                 print(f"{r['rank']:>4}  {r['host'][:16]:<16} {r['device']:<8} {r['model'][:16]:<16} "
                       f"{r['gemm']['tflops']:>11.4f} {r['expert_ffn']['tflops']:>10.4f} {table:>8}")
         if args.output_file:
-            with open(args.output_file, "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=2)
+            from hetcomm.cli._bench_output import open_output, write_output
+
+            out = open_output(args.output_file)
+            assert out is not None
+            write_output(out, doc)  # a full disk: one -J/--output_file line and exit 2
         return 0
     finally:
         if joined and dist.is_initialized():

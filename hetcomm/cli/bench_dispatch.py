@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -40,6 +41,11 @@ PHASES = ("dispatch", "combine", "combine-backward", "dispatch-backward")
 #: Phases shaped like a dispatch (rows travel to the experts' ranks): DeepEP counts the bytes a
 #: rank receives; the combine-shaped ones count what it sends.
 _RECEIVING = ("dispatch", "combine-backward")
+#: Experts in all: far above any MoE layer's count, and bounded before any rank builds its
+#: per-expert tables (a typo such as 100000000 is refused up front, not in torch.multinomial).
+MAX_EXPERTS = 1 << 16
+#: tokens x experts per rank: the routing draw's [tokens, experts] float64 table (512 MiB).
+MAX_ROUTING_ELEMENTS = 1 << 26
 _DTYPES = {"float": "float32", "float32": "float32", "fp32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "half": "float16", "fp16": "float16", "float16": "float16"}
 
 
@@ -85,7 +91,7 @@ def routing_weights(spec: str, num_experts: int) -> List[float]:
     Raises:
         UsageError: an unknown or malformed spec (names the flag and the forms).
     """
-    forms = "uniform, hot:N:P (0 < N < experts, 0 < P < 1) or zipf:S (S >= 0)"
+    forms = "uniform, hot:N:P (0 < N < experts, 0 < P < 1) or zipf:S (finite S >= 0)"
     parts = spec.split(":")
     try:
         if parts == ["uniform"]:
@@ -97,9 +103,11 @@ def routing_weights(spec: str, num_experts: int) -> List[float]:
             return [frac / n] * n + [(1.0 - frac) / (num_experts - n)] * (num_experts - n)
         if parts[0] == "zipf" and len(parts) == 2:
             s = float(parts[1])
-            if not s >= 0.0:
+            if not (s >= 0.0 and math.isfinite(s)):
                 raise ValueError
-            return [1.0 / (i + 1) ** s for i in range(num_experts)]
+            # (i + 1) ** -s underflows to 0.0 for a huge S where (i + 1) ** s overflowed
+            # (OverflowError); config_from_args then names the experts left with a weight.
+            return [(i + 1) ** -s for i in range(num_experts)]
     except ValueError:
         pass
     raise UsageError(f"--routing {spec!r}: expected {forms} with {num_experts} experts")
@@ -120,7 +128,19 @@ def config_from_args(args: argparse.Namespace, num_ranks: int) -> DispatchBenchC
         raise UsageError(f"--topk {args.topk}: more than the {experts} experts")
     if args.tokens * args.hidden > (1 << 28):
         raise UsageError(f"--tokens x --hidden = {args.tokens * args.hidden} elements per rank: at most 2**28 here")
-    routing_weights(args.routing, experts)
+    # Checked before the weights list is built: every rank draws its routing from a
+    # [tokens, experts] float64 table (torch.multinomial, at most 2**24 categories).
+    if experts > MAX_EXPERTS:
+        raise UsageError(f"--experts {experts}: at most {MAX_EXPERTS} experts here (an MoE layer has hundreds); "
+                         f"lower --experts")
+    if args.tokens * experts > MAX_ROUTING_ELEMENTS:
+        raise UsageError(f"--tokens x --experts = {args.tokens * experts} routing weights per rank: at most 2**26 here "
+                         f"(each rank draws from a [tokens, experts] float64 table); lower --tokens or --experts")
+    weights = routing_weights(args.routing, experts)
+    picked = sum(1 for w in weights if w > 0.0)
+    if picked < args.topk:
+        raise UsageError(f"--routing {args.routing!r}: only {picked} of the {experts} experts keep a weight above 0 "
+                         f"in float64, fewer than --topk {args.topk}; use a smaller zipf exponent")
     from hetcomm.backends.options import WIRE_DTYPES
 
     if args.wire_dtype not in WIRE_DTYPES:
@@ -306,20 +326,28 @@ def format_dispatch_table(result: Dict[str, Any]) -> str:
 def run_dispatch(args: argparse.Namespace, num_ranks: int) -> int:
     """``hetcomm bench dispatch``: validate, start the ranks, print the table or JSON."""
     from hetcomm.cli import _benchlib as lib
+    from hetcomm.cli._bench_output import discard_output, open_output, write_output
     from hetcomm.cli.main import EXIT_FINDINGS, EXIT_OK, EXIT_TIMEOUT
 
     config = config_from_args(args, num_ranks)
     env = {"HETCOMM_CLUSTER": config.cluster} if config.cluster else {}
-    print(f"hetcomm bench: starting {num_ranks} local ranks for dispatch/combine", file=sys.stderr, flush=True)
-    outcome = lib.launch_ranks("hetcomm.cli.bench_dispatch:dispatch_rank_entry", config.to_json(), num_ranks, timeout_s=config.timeout_s, env=env)
+    out = open_output(args.output_file)  # an unwritable -J path fails before any rank starts
+    try:
+        print(f"hetcomm bench: starting {num_ranks} local ranks for dispatch/combine", file=sys.stderr, flush=True)
+        outcome = lib.launch_ranks("hetcomm.cli.bench_dispatch:dispatch_rank_entry", config.to_json(), num_ranks,
+                                   timeout_s=config.timeout_s, env=env)
+    except BaseException:
+        discard_output(out)
+        raise
     if not outcome.ok:
+        discard_output(out)
         for failure in outcome.failures:
             kind = f"{failure.error_type}: " if failure.error_type else ""
             print(f"hetcomm bench: error: rank {failure.rank} failed: {kind}{failure.message}", file=sys.stderr)
         return EXIT_TIMEOUT if outcome.failures[0].is_timeout else EXIT_FINDINGS
     text = json.dumps(outcome.result, indent=1) + "\n" if args.json else format_dispatch_table(outcome.result)
     sys.stdout.write(text)
-    if args.output_file:
-        with open(args.output_file, "w", encoding="utf-8") as f:
-            json.dump(outcome.result, f, indent=1)
+    sys.stdout.flush()
+    if out is not None:
+        write_output(out, outcome.result)  # a full disk: one -J/--output_file line, exit 2
     return EXIT_OK

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING, Optional
 
 from hetcomm.wire_dtypes import LAYER_SPELLINGS
+
+if TYPE_CHECKING:  # the loop imports torch: loaded when a job runs, not for --help
+    from hetcomm.train.loop import TrainConfig
 
 DEFAULT_CONFIG = "configs/train/demo.yaml"
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -103,6 +107,25 @@ def _chunks(value):
         raise ConfigError(f"--chunks takes a positive integer or 'auto', got {value!r}", key="train.chunks") from None
 
 
+def _check_chunks(cfg: "TrainConfig", *, from_flag: bool, config_path: Optional[str]) -> None:
+    """At most one dispatch chunk per expert of a layer, checked before any rank starts.
+
+    A chunk groups each rank's local experts (``hetcomm.moe.routing.ChunkLayout``) and travels in
+    its own exchange; no rank can hold more than the layer's experts, whatever the placement or
+    the balancer does, so chunks beyond that are empty exchanges: ``--chunks 100000`` made every
+    step wait on 100000 of them per layer and two steps never finished."""
+    from hetcomm.errors import ConfigError, UsageError
+
+    if cfg.chunks == "auto" or cfg.chunks <= cfg.experts:
+        return
+    why = (f"more than the {cfg.experts} experts of a layer (a chunk groups a rank's experts and no rank holds "
+           f"more than {cfg.experts}: the extra chunks are empty exchanges every step)")
+    if from_flag:
+        raise UsageError(f"--chunks {cfg.chunks}: {why}; use --chunks {cfg.experts} or fewer, or --chunks auto")
+    raise ConfigError(f"{cfg.chunks} is {why}; set chunks to {cfg.experts} or fewer, or auto",
+                      path=config_path, key="chunks")
+
+
 def _snapshot_every(value):
     """``--snapshot-every``: a whole number >= 0 or ``auto`` (None: the config's)."""
     if value is None or value == "auto":
@@ -179,6 +202,7 @@ def train_config(args: argparse.Namespace):
         from dataclasses import replace
 
         cfg = replace(TrainConfig(), **{k: v for k, v in overrides.items() if v is not None})
+    _check_chunks(cfg, from_flag=args.chunks is not None, config_path=config_path)
     given = [flag for flag, v in (("--balance-every", args.balance_every), ("--balance-cooldown", args.balance_cooldown))
              if v is not None]
     if given and cfg.balance is not True:  # they used to be ignored silently

@@ -38,6 +38,8 @@ not combined with paging (the pager indexes the rank's own experts).
 
 from __future__ import annotations
 
+import math
+import operator
 from collections import deque
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -45,6 +47,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from hetcomm.errors import UsageError
 
 __all__ = ["SplitPlan", "plan_split", "assign_rows", "TokenSplitter", "SplitRoute", "max_over_mean"]
 
@@ -72,6 +76,64 @@ class SplitPlan:
     rows: Tuple[int, ...]
     predicted: Tuple[float, ...]
     makespan: float
+
+
+def _whole(value: object, name: str, what: str) -> None:
+    """``value`` is a finite whole number >= 0 (an int, or an integral float from the count table)."""
+    try:
+        ok = not isinstance(value, bool) and math.isfinite(float(value)) and float(value) >= 0  # type: ignore[arg-type]
+        ok = ok and float(value) == int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise UsageError(f"token split: {name} is {value!r}; it counts {what}: a whole number >= 0")
+
+
+def _index_in(value: object, n: int) -> bool:
+    """``value`` is an integer (int, numpy or 0-d tensor index) in ``0..n-1``, not a bool."""
+    try:
+        return not isinstance(value, bool) and 0 <= operator.index(value) < n  # type: ignore[arg-type]
+    except TypeError:
+        return False
+
+
+def _check_plan_inputs(
+    counts: Sequence[Sequence[int]], owner: Sequence[int], holders: Mapping[int, Sequence[int]], speeds: Sequence[float]
+) -> None:
+    """Every input of :func:`plan_split` against the others, before any arithmetic: a bad value
+    used to surface as a ZeroDivisionError, an IndexError or a float-to-int ValueError."""
+    W, E = len(speeds), len(owner)
+    if W == 0:
+        raise UsageError("plan_split: speeds is empty; pass one speed per rank of the group")
+    for r, v in enumerate(speeds):
+        try:
+            ok = not isinstance(v, bool) and math.isfinite(float(v)) and float(v) > 0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise UsageError(f"plan_split: speeds[{r}] is {v!r}; every rank's speed must be a finite number > 0 "
+                             f"(rows per second, e.g. the agreed vector of hetcomm.moe.speed)")
+    if len(counts) != W:
+        raise UsageError(f"plan_split: counts has {len(counts)} rows but speeds {W} ranks; pass one [E] row of "
+                         f"kept copies per rank")
+    for s_, row in enumerate(counts):
+        if len(row) != E:
+            raise UsageError(f"plan_split: counts[{s_}] has {len(row)} experts but owner {E}; pass one count per "
+                             f"expert")
+        for e, c in enumerate(row):
+            _whole(c, f"counts[{s_}][{e}]", "token copies sent to that expert")
+    for e, r in enumerate(owner):
+        if not _index_in(r, W):
+            raise UsageError(f"plan_split: owner[{e}] is {r!r}, not a rank of 0..{W - 1}")
+    for e, hs in holders.items():
+        if not _index_in(e, E):
+            raise UsageError(f"plan_split: holders names expert {e!r}, not one of 0..{E - 1}")
+        bad = [h for h in hs if not _index_in(h, W)]
+        if bad:
+            raise UsageError(f"plan_split: holders[{e}] has {bad[0]!r}, not a rank of 0..{W - 1}")
+        if owner[e] not in hs:
+            raise UsageError(f"plan_split: holders[{e}] is {list(hs)} without the expert's owner {owner[e]}; list "
+                             f"every rank holding a copy, the owner included")
 
 
 def max_flow(num_nodes: int, edges: Sequence[Tuple[int, int, float]], src: int, sink: int, eps: float = 0.0):
@@ -140,7 +202,12 @@ def plan_split(
         speeds: ``[W]`` rows per second (any positive unit).
     Returns:
         The :class:`SplitPlan`.
+    Raises:
+        UsageError: inputs that do not describe one step of ``W`` ranks and ``E`` experts (lengths,
+            ranges, a speed that is not finite and > 0, a count that is not a whole number >= 0,
+            a holder list without its owner), naming the argument, the index and the value.
     """
+    _check_plan_inputs(counts, owner, holders, speeds)
     W = len(speeds)
     E = len(owner)
     total = [sum(int(counts[s][e]) for s in range(W)) for e in range(E)]
@@ -208,8 +275,21 @@ def assign_rows(counts_e: Sequence[int], quota_e: Mapping[int, int]) -> List[Lis
         ``[W]`` lists of ``(holder, rows)`` in the order the source's rows are dealt: a holder's
         own rows first (kept local), then the rest from sources in rank order to holders in rank
         order.
+    Raises:
+        UsageError: a count or quota that is not a whole number >= 0, a holder outside
+            ``0..W-1``, or quotas that do not add up to the rows (naming the values).
     """
     W = len(counts_e)
+    for s_, c in enumerate(counts_e):
+        _whole(c, f"counts_e[{s_}]", "rows of the expert on that source rank")
+    for h, q in quota_e.items():
+        if not _index_in(h, W):
+            raise UsageError(f"assign_rows: quota_e has holder {h!r}, not a rank of 0..{W - 1}; "
+                             f"pass the quota of plan_split for the same ranks")
+        _whole(q, f"quota_e[{h}]", "rows that holder computes")
+    if sum(int(q) for q in quota_e.values()) != sum(int(c) for c in counts_e):
+        raise UsageError(f"assign_rows: the quotas add up to {sum(int(q) for q in quota_e.values())} rows but the "
+                         f"expert has {sum(int(c) for c in counts_e)}; pass plan_split's quota of these counts")
     keep = {h: min(int(counts_e[h]), int(q)) for h, q in quota_e.items()}
     out: List[List[Tuple[int, int]]] = [[(s, keep[s])] if keep.get(s, 0) else [] for s in range(W)]
     room = [(h, int(quota_e[h]) - keep[h]) for h in sorted(quota_e) if int(quota_e[h]) - keep[h] > 0]

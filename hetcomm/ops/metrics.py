@@ -258,10 +258,27 @@ def read_metrics(path: str) -> MetricsLog:
         if isinstance(entry, RunHeader):
             log.runs.append(entry)
         elif isinstance(entry, StepRecord):
+            _check_per_rank(entry, log.run, path, no)
             log.all_steps.append(entry)
         else:
             log.events.append(entry)
     return log
+
+
+def _check_per_rank(step: StepRecord, run: Optional[RunHeader], path: str, line: int) -> None:
+    """A step's per-rank lists hold one number per rank of the run above it (the report takes
+    their max and mean: an empty list was a ValueError traceback in ``hetcomm report``)."""
+    for key in ("step_s_by_rank", "expert_s_by_rank"):
+        values = getattr(step, key)
+        if values is None:
+            continue
+        want = run.world_size if run is not None else None
+        if not values or (want is not None and len(values) != want):
+            ranks = f"the run's {want} ranks" if want is not None else "every rank"
+            raise ConfigError(
+                f"holds {len(values)} number(s), expected one per rank ({ranks}); the line is damaged: "
+                f"use the metrics file the job wrote", path=path, line=line, key=key,
+            )
 
 
 # -- collecting in the job -------------------------------------------------------------------

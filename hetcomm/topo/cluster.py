@@ -419,6 +419,8 @@ MAX_NICS_PER_NODE = 64
 MAX_NUMA_NODES = 64
 #: Any rate (fabric, NIC, bridge), Gb/s per direction: 1 Pb/s is beyond every real link.
 MAX_GBPS = 1e6
+#: A device's dense TFLOPS: 100 PFLOPS is far beyond every real accelerator.
+MAX_TFLOPS = 1e5
 #: The bridge's extra latency, microseconds (1 s).
 MAX_LATENCY_US = 1e6
 MAX_NAME_CHARS = 64
@@ -495,6 +497,7 @@ def _number(src: SourcedYaml, value: Any, key: str, *, unit: str, minimum: float
 
 
 def _positive_float(src: SourcedYaml, value: Any, key: str) -> float:
+    """A rate in Gb/s per direction (a device's TFLOPS is read by ``_number`` in its own unit)."""
     return _number(src, value, key, unit="Gb/s", minimum=0.0, maximum=MAX_GBPS, positive=True)
 
 
@@ -565,7 +568,8 @@ def _build(src: SourcedYaml) -> Cluster:
         if not isinstance(strong, bool):
             raise src.error(f"{gkey}.device.strong", f"expected true or false, got {_shown(strong)}")
         numa_nodes = _positive_int(src, dev.get("numa_nodes", 1), f"{gkey}.device.numa_nodes", MAX_NUMA_NODES)
-        tflops = _positive_float(src, dev["tflops"], f"{gkey}.device.tflops") if "tflops" in dev else None
+        tflops = (_number(src, dev["tflops"], f"{gkey}.device.tflops", unit="TFLOPS", minimum=0.0, maximum=MAX_TFLOPS,
+                          positive=True) if "tflops" in dev else None)
         fabric = (
             _link_class(src, g["fabric"], f"{gkey}.fabric") if "fabric" in g else _DEFAULT_FABRIC[vendor]
         )

@@ -298,6 +298,25 @@ def _check_table_against_json(stdout, doc, num_ranks, factor):
     assert float(avg.split(":")[1]) == pytest.approx(doc["avg_busbw_gbps"], rel=1e-4)
 
 
+@pytest.mark.timeout(120)
+def test_full_output_device_is_one_error_line_exit_2(tmp_path):
+    # Through a link to /dev/full (the write fails with ENOSPC, like a full disk): a regression
+    # that unlinks the -J path then removes the link, not the machine's /dev/full.
+    link = tmp_path / "out.json"
+    link.symlink_to("/dev/full")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HETCOMM_CLUSTER")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetcomm", "bench", "alltoall", "--nprocs", "2", "--backend", "gloo", "-b", "8",
+         "-e", "8", "-n", "1", "-w", "0", "-J", str(link)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=100,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"-J/--output_file {link}: cannot write it (No space left on device)" in proc.stderr
+    assert "# Out of bounds values : 0 OK" in proc.stdout  # the table is not lost
+    assert link.is_symlink()  # only a regular file the run never filled is removed
+
+
 @pytest.fixture(scope="module")
 def gloo_run(tmp_path_factory):
     return _run_cli(["alltoall", *RUN_FLAGS, "--backend", "gloo"], tmp_path_factory.mktemp("gloo"))

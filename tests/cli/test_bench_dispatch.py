@@ -73,12 +73,33 @@ def test_bench_dispatch_table_on_2_ranks_with_hot_experts():
         (["--wire-dtype", "fp8"], "--wire-dtype 'fp8'"),
         (["--tokens", "0"], "--tokens 0"),
         (["-d", "int8"], "-d/--datatype 'int8'"),
+        # A huge exponent used to overflow (i + 1) ** S: every weight but the first is 0.0 now.
+        (["--routing", "zipf:1e308"], "only 1 of the 8 experts keep a weight above 0 in float64, fewer than --topk 2"),
+        (["--routing", "zipf:inf"], "--routing 'zipf:inf': expected"),
+        # Used to start the ranks and fail in torch.multinomial (2**24 categories at most).
+        (["--experts", "100000000"], "--experts 100000000: at most 65536 experts"),
+        (["--experts", "65536", "--tokens", "4096"], "--tokens x --experts = 268435456 routing weights per rank"),
     ],
 )
 def test_bad_dispatch_flags_exit_2(argv, needle, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     assert main(["bench", "dispatch", "--nprocs", "4", *argv]) == 2
-    assert needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert needle in err and "starting" not in err  # refused before any rank starts
+
+
+def test_full_output_device_is_one_error_line_exit_2(tmp_path):
+    # A link to /dev/full: the open succeeds and the write fails (ENOSPC), as on a full disk. The
+    # link, not /dev/full itself, so that a run of this test against a regression that unlinks
+    # the -J path cannot delete the machine's /dev/full.
+    link = tmp_path / "out.json"
+    link.symlink_to("/dev/full")
+    proc = _run(["--nprocs", "2", "--tokens", "8", "--hidden", "8", "-n", "1", "-w", "0", "-J", str(link)], timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"hetcomm bench: error: -J/--output_file {link}: cannot write it (No space left on device)" in proc.stderr
+    assert "p50(us)" in proc.stdout  # the measurement is printed before the file fails
+    assert link.is_symlink()  # a path that is not a regular file is never removed
 
 
 def test_routing_weights():

@@ -96,3 +96,31 @@ def test_nan_loss_is_named_in_the_verdict(tmp_path):
     assert proc.returncode == 1, out[-3000:]
     verdict = next(ln for ln in proc.stdout.splitlines() if ln.startswith("verdict"))
     assert "nan" in verdict.lower() and "diverged" in verdict, verdict
+
+
+@pytest.mark.parametrize("argv, says", [
+    # Two steps used to run for minutes: 100000 exchanges per layer per step, all but 8 empty.
+    (["--chunks", "100000"], "hetcomm train: error: --chunks 100000: more than the 8 experts of a layer"),
+    (["--chunks", "9"], "use --chunks 8 or fewer, or --chunks auto"),
+    (["--experts", "4", "--chunks", "5"], "--chunks 5: more than the 4 experts of a layer"),
+])
+def test_chunks_beyond_the_experts_are_refused_before_any_rank_starts(argv, says, capsys):
+    assert main(["train", "--steps", "2", *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "starting" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_chunks_beyond_the_experts_in_a_config_file_name_the_file_and_key(tmp_path, capsys):
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("steps: 2\nexperts: 4\nchunks: 6\n")
+    assert main(["train", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert f"{cfg}, key 'chunks': 6 is more than the 4 experts of a layer" in err and "set chunks to 4" in err, err
+
+
+def test_chunks_up_to_the_experts_pass_the_check():
+    from hetcomm.cli.main import build_parser
+    from hetcomm.cli.train import train_config
+
+    args = build_parser().parse_args(["train", "--steps", "2", "--chunks", "8"])
+    assert train_config(args).chunks == 8

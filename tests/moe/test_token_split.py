@@ -5,13 +5,14 @@ without copies on 1, 2 and 4 real rank processes."""
 from __future__ import annotations
 
 import itertools
+import re
 import random
 import statistics
 
 import pytest
 import torch
 
-from hetcomm.errors import ConfigError
+from hetcomm.errors import ConfigError, UsageError
 from hetcomm.moe import MoELayer
 from hetcomm.moe.speed import HostTimer, SpeedMeter, timer_for
 from hetcomm.moe.token_split import assign_rows, max_over_mean, plan_split
@@ -190,3 +191,44 @@ def test_ranks_agree_one_measured_speed_vector():
     assert res[0]["owner"] == res[1]["owner"] and res[0]["before"] == [0, 0, 1, 1]
     assert res[0]["moved"] == res[1]["moved"] != []  # by id rank 1 had 2 and 3; the load says otherwise
     assert sorted(e for e, r in enumerate(res[0]["owner"]) if r == 1) == sorted(range(4), key=lambda e: (ema[e], e))[:2]
+
+
+_GOOD = dict(counts=[[3, 1], [2, 2]], owner=[0, 1], holders={0: [0, 1]}, speeds=[1.0, 2.0])
+
+
+@pytest.mark.parametrize("change, says", [
+    # Each used to end in a raw ZeroDivisionError, IndexError, OverflowError or float-to-int error.
+    (dict(speeds=[1.0, -1.0]), "speeds[1] is -1.0; every rank's speed must be a finite number > 0"),
+    (dict(speeds=[0.0, 2.0]), "speeds[0] is 0.0"),
+    (dict(speeds=[1.0, float("nan")]), "speeds[1] is nan"),
+    (dict(speeds=[1.0, float("inf")]), "speeds[1] is inf"),
+    (dict(speeds=[]), "speeds is empty"),
+    (dict(counts=[[3, 1]]), "counts has 1 rows but speeds 2 ranks"),
+    (dict(counts=[[3], [2, 2]]), "counts[0] has 1 experts but owner 2"),
+    (dict(counts=[[float("nan"), 1], [2, 2]]), "counts[0][0] is nan"),
+    (dict(counts=[[-3, 1], [2, 2]]), "counts[0][0] is -3"),
+    (dict(owner=[0, 5]), "owner[1] is 5, not a rank of 0..1"),
+    (dict(holders={0: [0, 7]}), "holders[0] has 7, not a rank of 0..1"),
+    (dict(holders={5: [0, 1]}), "holders names expert 5, not one of 0..1"),
+    (dict(holders={0: [1]}), "holders[0] is [1] without the expert's owner 0"),
+])
+def test_plan_split_refuses_bad_input_with_a_usage_error(change, says):
+    args = {**_GOOD, **change}
+    with pytest.raises(UsageError) as e:
+        plan_split(args["counts"], args["owner"], args["holders"], args["speeds"])
+    assert says in str(e.value) and isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("counts_e, quota_e, says", [
+    ([3, 1], {0: 2}, "the quotas add up to 2 rows but the expert has 4"),
+    ([3, 1], {0: -1, 1: 5}, "quota_e[0] is -1"),
+    ([3, 1], {0: 1, 4: 3}, "holder 4, not a rank of 0..1"),
+])
+def test_assign_rows_refuses_quotas_that_do_not_fit(counts_e, quota_e, says):
+    with pytest.raises(UsageError, match=re.escape(says)):
+        assign_rows(counts_e, quota_e)
+
+
+def test_integral_float_counts_from_the_table_are_accepted():
+    # route() reads the counts from a float64 table: 3.0 is three rows, not an error.
+    assert plan_split([[3.0, 1.0], [2.0, 2.0]], [0, 1], {0: [0, 1]}, [1.0, 1.0]).rows == (4, 4)

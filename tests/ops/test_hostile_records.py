@@ -55,6 +55,11 @@ CASES = {
     "binary": (lambda t: _metrics(t, "g.jsonl", raw=b"\x00\x01\x02garbage\n"), "binary file"),
     "bool-for-int": (lambda t: _metrics(t, "h.jsonl", _step(tokens=True), _step(step=2)), "key 'tokens'"),
     "nan-time": (lambda t: _metrics(t, "i.jsonl", _step(step_s=float("nan")), _step(step=2)), "key 'step_s'"),
+    # report took max() of the empty list: a ValueError traceback.
+    "empty-by-rank": (lambda t: _metrics(t, "j.jsonl", _step(step_s_by_rank=[]), _step(step=2)),
+                      ":2, key 'step_s_by_rank': holds 0 number(s), expected one per rank (the run's 2 ranks)"),
+    "short-by-rank": (lambda t: _metrics(t, "k.jsonl", _step(), _step(step=2, expert_s_by_rank=[0.1])),
+                      ":3, key 'expert_s_by_rank': holds 1 number(s)"),
 }
 
 

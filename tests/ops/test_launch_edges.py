@@ -54,6 +54,21 @@ def test_bad_options_and_jobs_exit_2_with_one_line_before_torchrun(tmp_path, cap
     assert not work.exists()  # nothing was started: the launch directory is made just before torchrun
 
 
+@pytest.mark.parametrize("name, value, says", [
+    ("HETCOMM_GROUP_DELAY", "1e308", "above 3600"),  # used to overflow time.sleep in the workers
+    ("HETCOMM_GROUP_SIZE", "two", "not a whole number"),
+])
+def test_bad_grouped_start_variables_exit_2_before_torchrun(tmp_path, capsys, monkeypatch, name, value, says):
+    monkeypatch.setenv("HETCOMM_GROUP_SIZE", "1")
+    monkeypatch.setenv(name, value)
+    work = tmp_path / "work"
+    code = hetcomm_main(["launch", "--work-dir", str(work)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert f"hetcomm launch: error: {name}={value!r} is not valid ({says})" in err and len(err.splitlines()) == 1, err
+    assert not work.exists()
+
+
 def _workers(work_dir: str):
     """pids of every process started with this launch directory in its environment."""
     want = f"HETCOMM_LAUNCH_DIR={work_dir}".encode()

@@ -140,3 +140,21 @@ def test_nan_latency_exits_2_in_simulate(tmp_path, capsys):
     path.write_text(BASE.format(**{**DEFAULTS, "latency": ".nan"}))
     assert main(["simulate", "--cluster", str(path), "--size", "1M"]) == 2
     assert "latency_us" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("-5", "expected TFLOPS greater than 0 and at most 100000, got -5"),
+    ("0", "got 0"),
+    (".nan", "got nan"),
+    ("1.0e+9", "at most 100000"),
+    ("'fast'", "expected a number of TFLOPS, got str 'fast'"),
+])
+def test_device_tflops_errors_name_tflops_not_gbps(tmp_path, capsys, value, needle):
+    # The device's compute rate used to be checked as a link rate: "expected Gb/s ...".
+    path = tmp_path / "tflops.yaml"
+    path.write_text(BASE.format(**DEFAULTS).replace("{model: A100-SXM4-80GB, count: 2}",
+                                                    f"{{model: A100-SXM4-80GB, count: 2, tflops: {value}}}"))
+    assert main(["topo", "--cluster", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:5, key 'node_groups[0].device.tflops': " in err and needle in err, err
+    assert "Gb/s" not in err and "Traceback" not in err, err

@@ -88,7 +88,6 @@ def test_fallback_oracle_bounds_the_integer_split():
 
 
 def test_scipy_lp_agrees_with_the_fallback():
-    pytest.importorskip("scipy")
     counts, total, owner, holders, speeds = _case()
     lp, solver = oracle_makespan(total, holders, owner, speeds)
     assert solver == "scipy-highs"

@@ -14,7 +14,10 @@ removing the directory, even when a rank was killed before it could unlink.
 With compute emulation a small shell in the root namespace first moves itself into the rank's
 cpu cgroup (``echo $$ > <cgroup>/cgroup.procs``) and then execs ``ip netns exec ...``: the rank
 and everything it starts inherit the cgroup. It is done before ``ip netns exec`` because that
-remounts ``/sys`` for the namespace, which hides the host's cgroup mounts.
+remounts ``/sys`` for the namespace, which hides the host's cgroup mounts. The rank is also pinned
+to one core (``taskset -c``), rank ``r`` on the ``r mod n``-th of the ``n`` cores this process may
+use (two ranks a core for four ranks on two): a rank free to run on every core spreads its quota
+over all of them, and its time then depends on where its neighbours run as much as on its quota.
 
 Environment of every rank (on top of the caller's)::
 
@@ -30,6 +33,7 @@ Environment of every rank (on top of the caller's)::
     HETCOMM_EMULATE_ADDRS         their IPv4 addresses, same order
     HETCOMM_EMULATE_COMPUTE       with --compute: the node's relative speed and the rank's CPU
                                   quota, ``<speed>/<cpus>`` (``0.5/0.25``); unset otherwise
+                                  (the rank is then also pinned to one core, above)
     OMP_NUM_THREADS               1 unless set: N ranks on a few cores must not oversubscribe
 """
 
@@ -226,8 +230,16 @@ def _rank_prefix(state: EmulationState, rank: int) -> List[str]:
     cgroups = {os.path.basename(c)[len(state.prefix) :]: c for c in state.cgroups}
     cg = cgroups.get(rank_cgroup_name(node["node"], rank))
     if cg is not None:
-        argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(cg, "cgroup.procs"), *argv]
+        argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(cg, "cgroup.procs"),
+                "taskset", "-c", str(rank_core(rank)), *argv]
     return argv
+
+
+def rank_core(rank: int) -> int:
+    """The core a compute-emulated rank is pinned to: the ``rank mod n``-th of the ``n`` cores
+    this process may run on (module docstring)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[rank % len(cores)]
 
 
 def _launch_env(state: EmulationState, rank: int) -> Dict[str, Optional[str]]:

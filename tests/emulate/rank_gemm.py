@@ -7,7 +7,7 @@ neighbour's load that comes and goes on a shared machine falls on every node ali
 
 numpy, not torch: importing torch costs seconds of CPU, which a rank throttled to a tenth of a
 core would pay ten times over. Writes OUT_DIR/rank<N>.json: node, cpu cgroup (from
-/proc/self/cgroup), and per round the wall and CPU seconds of ITERS 192x192 float64 GEMMs.
+/proc/self/cgroup), the cores it may run on, and per round the wall and CPU seconds of ITERS 192x192 float64 GEMMs.
 """
 
 import json
@@ -57,6 +57,7 @@ def main() -> int:
         "node": os.environ["HETCOMM_EMULATE_NODE"],
         "cgroup": cgroup,
         "compute": os.environ.get("HETCOMM_EMULATE_COMPUTE"),
+        "cores": sorted(os.sched_getaffinity(0)),
         "wall_s": walls,
         "cpu_s": cpus,
     }

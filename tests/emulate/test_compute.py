@@ -98,6 +98,12 @@ def test_the_same_gemm_is_held_to_each_nodes_quota(tmp_path, capfd, monkeypatch)
         f"hc{rid}-ascend-0-r3"
     )
     assert (h800["compute"], ascend["compute"]) == ("1/0.2", "0.5/0.1")
+    from hetcomm.emulate.ranks import rank_core
+
+    # Each rank on one core of this machine's (two ranks a core on two cores).
+    assert (h800["cores"], ascend["cores"]) == ([rank_core(2)], [rank_core(3)])
+    cores = sorted(os.sched_getaffinity(0))
+    assert rank_core(2) == cores[2 % len(cores)] and rank_core(3) == cores[3 % len(cores)]
     # CFS enforces the quota every period; a round may begin with one period's quota unspent.
     # Unthrottled, the CPU seconds would equal the wall seconds, 4-8x over this bound.
     for rec, quota in ((h800, 0.2), (ascend, 0.1)):

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from hetcomm.backends import checks
 from hetcomm.errors import CrossRankMismatch, UsageError
 
-__all__ = ["checked_send", "checked_recv", "header_tag", "HEADER_TAG_BASE"]
+__all__ = ["checked_send", "checked_recv", "check_peer", "header_tag", "HEADER_TAG_BASE"]
 
 #: Size headers of user tag ``t`` travel on ``HEADER_TAG_BASE + t``; user tags stay below it.
 HEADER_TAG_BASE = 1 << 29
@@ -46,6 +46,31 @@ def header_tag(tag: int) -> int:
 def _header(t: torch.Tensor, rank: int) -> torch.Tensor:
     words = [checks.dtype_code(t.dtype), t.numel(), t.numel() * t.element_size(), rank]
     return torch.tensor(words, dtype=torch.int64, device="cpu")  # host: gloo sends the header
+
+
+def check_peer(op: str, peer: int, rank: int, size: int, tag: int) -> None:
+    """Refuse a peer that is not another rank of the group, before any byte moves.
+
+    gloo indexes its pairs by the peer without a bounds check: ``send`` to rank 7 of a group of
+    2 (or to -1) read past its pair table and killed the process with SIGSEGV/SIGABRT. A send
+    to this rank itself has no pair either (torch refuses it in ``dist.send`` already; C++
+    callers and ``batch_isend_irecv`` reach here directly).
+
+    Raises:
+        UsageError: naming the rank, the peer, the tag and the group size.
+    """
+    role = "destination" if op == "send" else "source"
+    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < size:
+        raise UsageError(
+            f"hetcomm {op} (rank {rank}, tag {tag}): {role} rank {peer!r} is not a rank of this group of {size}: "
+            f"pass a group rank 0 <= {role} < {size} (dist.get_global_rank / get_group_rank convert global ranks); "
+            f"nothing was sent or received"
+        )
+    if peer == rank:
+        raise UsageError(
+            f"hetcomm {op} (rank {rank}, tag {tag}): the {role} rank is this rank itself (group of {size}): "
+            f"p2p needs another rank; copy the tensor locally instead"
+        )
 
 
 def _one(tensors: List[torch.Tensor], op: str, rank: int) -> torch.Tensor:
@@ -68,8 +93,13 @@ class _SendWork(dist.Work):
         return all(w.is_completed() for w in self._works)
 
 
-def checked_send(gloo, tensors: List[torch.Tensor], dst: int, tag: int, rank: int) -> dist.Work:
-    """``gloo.send`` of ``tensors`` (one tensor) to ``dst``, after its size header."""
+def checked_send(gloo, tensors: List[torch.Tensor], dst: int, tag: int, rank: int, size: int) -> dist.Work:
+    """``gloo.send`` of ``tensors`` (one tensor) to ``dst``, after its size header.
+
+    Raises:
+        UsageError: ``dst`` is not another rank of the group of ``size`` (before any byte moves).
+    """
+    check_peer("send", dst, rank, size, tag)
     t = _one(tensors, "send", rank)
     header = _header(t, rank)
     h = gloo.send([header], dst, header_tag(tag))
@@ -144,6 +174,12 @@ class _RecvWork(dist.Work):
         return self._source
 
 
-def checked_recv(gloo, tensors: List[torch.Tensor], src: Optional[int], tag: int, rank: int) -> dist.Work:
-    """Receive into ``tensors`` (one tensor) from ``src`` (None: any source) after a size check."""
+def checked_recv(gloo, tensors: List[torch.Tensor], src: Optional[int], tag: int, rank: int, size: int) -> dist.Work:
+    """Receive into ``tensors`` (one tensor) from ``src`` (None: any source) after a size check.
+
+    Raises:
+        UsageError: ``src`` is not another rank of the group of ``size`` (before any byte moves).
+    """
+    if src is not None:
+        check_peer("recv", src, rank, size, tag)
     return _RecvWork(gloo, _one(tensors, "recv", rank), src, tag, rank)

@@ -1,0 +1,53 @@
+"""Point-to-point calls that used to break the group (or the process) on hetcomm.
+
+Each case runs on real rank processes and then checks that the group still works: a wrong
+peer is refused before any byte moves, and the next send/recv between the same ranks still
+delivers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.backends.ranks import run_ranks
+
+PG_TIMEOUT = 20.0
+
+
+def _bad_peers(rank: int, n: int) -> dict:
+    import torch.distributed as dist
+
+    from hetcomm.errors import UsageError
+
+    out = {}
+    if rank == 0:
+        for name, call in (
+            ("send 7", lambda: dist.send(torch.ones(2), 7)),
+            ("send -1", lambda: dist.send(torch.ones(2), -1)),
+            ("irecv 5", lambda: dist.irecv(torch.empty(2), 5, tag=3)),
+        ):
+            try:
+                call()
+                out[name] = "no error"
+            except UsageError as e:
+                out[name] = str(e)
+        dist.send(torch.full((2,), 4.0), 1)  # the pair still works
+    else:
+        got = torch.empty(2)
+        dist.recv(got, 0)
+        out["after"] = got.tolist()
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_outside_the_group_is_refused_and_the_group_stays_usable():
+    # before: rank 0 died with SIGSEGV (dst 7) or SIGABRT (dst -1) inside gloo
+    res = run_ranks(_bad_peers, world_size=2, timeout=90, pg_timeout=PG_TIMEOUT)
+    for name, peer in (("send 7", "7"), ("send -1", "-1"), ("irecv 5", "5")):
+        msg = res[0][name]
+        assert f"rank {peer} is not a rank of this group of 2" in msg, msg
+        assert "(rank 0, tag" in msg, msg
+    assert "tag 3" in res[0]["irecv 5"]
+    assert res[1]["after"] == [4.0, 4.0]

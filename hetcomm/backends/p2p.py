@@ -80,9 +80,13 @@ def _one(tensors: List[torch.Tensor], op: str, rank: int) -> torch.Tensor:
 
 
 class _SendWork(dist.Work):
-    def __init__(self, works: List["dist.Work"]):
+    """The header send and the data send of one ``send``; holds the contiguous copy of a
+    strided tensor until gloo is done with it."""
+
+    def __init__(self, works: List["dist.Work"], data: torch.Tensor):
         super().__init__()
         self._works = works
+        self._data = data
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         for w in self._works:
@@ -101,10 +105,14 @@ def checked_send(gloo, tensors: List[torch.Tensor], dst: int, tag: int, rank: in
     """
     check_peer("send", dst, rank, size, tag)
     t = _one(tensors, "send", rank)
-    header = _header(t, rank)
+    # gloo refuses a strided view ("input tensor has to be contiguous") -- after the header had
+    # gone, which left the receiver waiting for data that never came. Send a contiguous copy
+    # (the view's elements in order, as gloo's collectives see them after staging).
+    data = t if t.is_contiguous() else t.contiguous()
+    header = _header(data, rank)
     h = gloo.send([header], dst, header_tag(tag))
-    d = gloo.send(tensors, dst, tag)
-    return _SendWork([h, d])
+    d = gloo.send([data], dst, tag)
+    return _SendWork([h, d], data)
 
 
 class _RecvWork(dist.Work):
@@ -133,7 +141,12 @@ class _RecvWork(dist.Work):
             code, numel, nbytes, _ = (int(x) for x in header)
             mine = (checks.dtype_code(tensor.dtype), tensor.numel(), tensor.numel() * tensor.element_size())
             if (code, numel, nbytes) == mine:
-                gloo.recv([tensor], src, tag).wait()
+                # gloo refuses a strided destination; receive into a contiguous buffer and copy
+                # into the view, so only the view's elements change
+                buf = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+                gloo.recv([buf], src, tag).wait()
+                if buf is not tensor:
+                    tensor.copy_(buf)
                 return
             scratch = torch.empty(nbytes, dtype=torch.uint8, device=tensor.device)
             gloo.recv([scratch], src, tag).wait()  # drain: the pair stays in step

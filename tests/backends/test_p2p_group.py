@@ -51,3 +51,34 @@ def test_a_peer_outside_the_group_is_refused_and_the_group_stays_usable():
         assert "(rank 0, tag" in msg, msg
     assert "tag 3" in res[0]["irecv 5"]
     assert res[1]["after"] == [4.0, 4.0]
+
+
+def _strided(rank: int, n: int) -> dict:
+    import torch.distributed as dist
+
+    base = torch.arange(12.0).reshape(3, 4)
+    if rank == 0:
+        dist.send(base[:, 1], 1)  # stride 4
+        dist.send(base.t(), 1, tag=2)  # a transposed 4x3 view
+        dist.send(torch.full((2,), 9.0), 1)  # the pair is still in step
+        dist.barrier()
+        return {}
+    col, tr, after = torch.zeros(3), torch.zeros(4, 3), torch.zeros(2)
+    dist.recv(col, 0)
+    dest = torch.zeros(4, 6)
+    dist.recv(dest[:, ::2], 0, tag=2)  # a strided destination
+    dist.recv(after, 0)
+    dist.barrier()
+    return {"col": col.tolist(), "dest": dest.tolist(), "after": after.tolist()}
+
+
+@pytest.mark.timeout(120)
+def test_strided_sends_and_receives_deliver_the_views_elements():
+    # before: gloo refused the strided tensor after the size header had gone, and the group broke
+    res = run_ranks(_strided, world_size=2, timeout=90, pg_timeout=PG_TIMEOUT)
+    base = torch.arange(12.0).reshape(3, 4)
+    assert res[1]["col"] == base[:, 1].tolist()
+    dest = torch.zeros(4, 6)
+    dest[:, ::2] = base.t()
+    assert res[1]["dest"] == dest.tolist()  # the odd columns untouched
+    assert res[1]["after"] == [9.0, 9.0]

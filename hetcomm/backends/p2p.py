@@ -16,6 +16,10 @@ receive waits for its header on a short-lived thread so that the returned Work i
 (``irecv``, ``batch_isend_irecv``): posting the data receive late would be fine for gloo, but
 the sender's data send completes only once it is posted, so a caller waiting on its own send
 before its receive (a ring) must not depend on this rank calling ``wait()``.
+
+Every send/recv Work has a future (gloo's have none: "Work::getFuture not implemented"); its
+callbacks run on the p2p thread that completed it, inside the group's in-flight count, so a
+callback may destroy the group (shutdown waits for the other threads' completions, not its own).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import torch
 import torch.distributed as dist
 
 from hetcomm.backends import checks
-from hetcomm.errors import CrossRankMismatch, UsageError
+from hetcomm.backends.faults import release_frames
+from hetcomm.backends.work import HetcommWork
+from hetcomm.errors import CrossRankMismatch, PeerTimeout, UsageError
 
 __all__ = ["checked_send", "checked_recv", "check_peer", "header_tag", "HEADER_TAG_BASE"]
 
@@ -79,25 +85,67 @@ def _one(tensors: List[torch.Tensor], op: str, rank: int) -> torch.Tensor:
     return tensors[0]
 
 
-class _SendWork(dist.Work):
-    """The header send and the data send of one ``send``; holds the contiguous copy of a
-    strided tensor until gloo is done with it."""
+class _P2PWork(HetcommWork):
+    """A send or receive; its future runs its callbacks on the p2p thread that completed it.
 
-    def __init__(self, works: List["dist.Work"], data: torch.Tensor):
-        super().__init__()
+    The completion runs inside the group's :class:`~hetcomm.backends.delegated._InFlight`, as the
+    delegated collectives' do: a callback may destroy the group (``work.get_future().then(lambda
+    f: dist.destroy_process_group())``), and ``HetcommProcessGroup.shutdown`` then waits for the
+    completions running on other threads but not for this one.
+    """
+
+    def __init__(self, result: List[torch.Tensor], in_flight):
+        super().__init__(result)
+        self._in_flight = in_flight
+
+    def _finish(self, exc: Optional[BaseException]) -> None:
+        with self._in_flight.running():
+            self._complete(release_frames(exc) if exc is not None else None)
+
+
+class _SendWork(_P2PWork):
+    """The header send and the data send of one ``send``; holds the contiguous copy of a
+    strided tensor until gloo is done with it.
+
+    gloo's send Works complete only inside their own ``wait()``, so someone must wait: the
+    caller's ``wait()``, or, once a future was asked for, a helper thread (one per send whose
+    future is used; its callbacks run there).
+    """
+
+    def __init__(self, works: List["dist.Work"], data: torch.Tensor, tensor: torch.Tensor, in_flight):
+        super().__init__([tensor], in_flight)
         self._works = works
         self._data = data
+        self._drive_lock = threading.Lock()  # one thread waits on gloo's Works (two would each wait for a completion)
+
+    def _drive(self) -> None:
+        with self._drive_lock:
+            if self._done.is_set():
+                return
+            exc: Optional[BaseException] = None
+            try:
+                for w in self._works:
+                    w.wait()
+            except BaseException as e:
+                exc = e
+            self._works = []
+            self._finish(exc)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        for w in self._works:
-            w.wait()
-        return True
+        self._drive()
+        return super().wait(timeout)
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
+        return self._done.is_set() or all(w.is_completed() for w in self._works)
+
+    def get_future(self) -> "torch.futures.Future":
+        fut = super().get_future()
+        if not self._done.is_set():
+            threading.Thread(target=self._drive, name="hetcomm-send", daemon=True).start()
+        return fut
 
 
-def checked_send(gloo, tensors: List[torch.Tensor], dst: int, tag: int, rank: int, size: int) -> dist.Work:
+def checked_send(gloo, tensors: List[torch.Tensor], dst: int, tag: int, rank: int, size: int, in_flight) -> dist.Work:
     """``gloo.send`` of ``tensors`` (one tensor) to ``dst``, after its size header.
 
     Raises:
@@ -112,16 +160,14 @@ def checked_send(gloo, tensors: List[torch.Tensor], dst: int, tag: int, rank: in
     header = _header(data, rank)
     h = gloo.send([header], dst, header_tag(tag))
     d = gloo.send([data], dst, tag)
-    return _SendWork([h, d], data)
+    return _SendWork([h, d], data, t, in_flight)
 
 
-class _RecvWork(dist.Work):
+class _RecvWork(_P2PWork):
     """A receive whose data part is posted once the header matched (on a helper thread)."""
 
-    def __init__(self, gloo, tensor: torch.Tensor, src: Optional[int], tag: int, rank: int):
-        super().__init__()
-        self._done = threading.Event()
-        self._exc: Optional[BaseException] = None
+    def __init__(self, gloo, tensor: torch.Tensor, src: Optional[int], tag: int, rank: int, in_flight):
+        super().__init__([tensor], in_flight)
         self._source = src if src is not None else -1
         self._thread = threading.Thread(
             target=self._run, args=(gloo, tensor, src, tag, rank), name="hetcomm-recv", daemon=True
@@ -129,6 +175,7 @@ class _RecvWork(dist.Work):
         self._thread.start()
 
     def _run(self, gloo, tensor: torch.Tensor, src: Optional[int], tag: int, rank: int) -> None:
+        exc: Optional[BaseException] = None
         try:
             header = torch.zeros(_WORDS, dtype=torch.int64, device="cpu")  # host: gloo header
             if src is None:
@@ -147,38 +194,27 @@ class _RecvWork(dist.Work):
                 gloo.recv([buf], src, tag).wait()
                 if buf is not tensor:
                     tensor.copy_(buf)
-                return
-            scratch = torch.empty(nbytes, dtype=torch.uint8, device=tensor.device)
-            gloo.recv([scratch], src, tag).wait()  # drain: the pair stays in step
-            theirs = checks.dtype_from_code(code)
-            field = "count" if nbytes != mine[2] else "dtype"
-            raise CrossRankMismatch(
-                f"hetcomm recv (rank {rank}): rank {src} sent {numel} elements of {theirs} ({nbytes} bytes) "
-                f"with tag {tag}, but this rank's buffer holds {tensor.numel()} elements of {tensor.dtype} "
-                f"({mine[2]} bytes); pass a receive buffer of the sender's size and dtype (the message was "
-                f"discarded; the group stays usable)",
-                op="recv", rank=rank, ranks=[src], field=field,
-            )
+            else:
+                scratch = torch.empty(nbytes, dtype=torch.uint8, device=tensor.device)
+                gloo.recv([scratch], src, tag).wait()  # drain: the pair stays in step
+                theirs = checks.dtype_from_code(code)
+                field = "count" if nbytes != mine[2] else "dtype"
+                raise CrossRankMismatch(
+                    f"hetcomm recv (rank {rank}): rank {src} sent {numel} elements of {theirs} ({nbytes} bytes) "
+                    f"with tag {tag}, but this rank's buffer holds {tensor.numel()} elements of {tensor.dtype} "
+                    f"({mine[2]} bytes); pass a receive buffer of the sender's size and dtype (the message was "
+                    f"discarded; the group stays usable)",
+                    op="recv", rank=rank, ranks=[src], field=field,
+                )
         except BaseException as e:
-            self._exc = e
-        finally:
-            self._done.set()
+            exc = e
+        self._finish(exc)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         seconds = timeout.total_seconds() if timeout else 0.0
         if not self._done.wait(seconds if seconds > 0 else None):
-            from hetcomm.errors import PeerTimeout
-
             raise PeerTimeout(f"recv timed out after {seconds:.1f} s", op="recv")
-        if self._exc is not None:
-            raise self._exc
-        return True
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def is_success(self) -> bool:
-        return self._done.is_set() and self._exc is None
+        return super().wait()
 
     def _source_rank(self) -> int:
         return self._source
@@ -187,7 +223,7 @@ class _RecvWork(dist.Work):
         return self._source
 
 
-def checked_recv(gloo, tensors: List[torch.Tensor], src: Optional[int], tag: int, rank: int, size: int) -> dist.Work:
+def checked_recv(gloo, tensors: List[torch.Tensor], src: Optional[int], tag: int, rank: int, size: int, in_flight) -> dist.Work:
     """Receive into ``tensors`` (one tensor) from ``src`` (None: any source) after a size check.
 
     Raises:
@@ -195,4 +231,4 @@ def checked_recv(gloo, tensors: List[torch.Tensor], src: Optional[int], tag: int
     """
     if src is not None:
         check_peer("recv", src, rank, size, tag)
-    return _RecvWork(gloo, _one(tensors, "recv", rank), src, tag, rank)
+    return _RecvWork(gloo, _one(tensors, "recv", rank), src, tag, rank, in_flight)

@@ -250,15 +250,15 @@ class HetcommProcessGroup(dist.ProcessGroup):
     # mismatch; hetcomm/backends/p2p.py)
     def send(self, tensors, dstRank, tag=0):
         _check_user_tag(tag, self.rank())
-        return checked_send(self._routed.rails.gloo, tensors, dstRank, tag, self.rank(), self.size())
+        return checked_send(self._routed.rails.gloo, tensors, dstRank, tag, self.rank(), self.size(), self._delegated.in_flight)
 
     def recv(self, tensors, srcRank, tag=0):
         _check_user_tag(tag, self.rank())
-        return checked_recv(self._routed.rails.gloo, tensors, srcRank, tag, self.rank(), self.size())
+        return checked_recv(self._routed.rails.gloo, tensors, srcRank, tag, self.rank(), self.size(), self._delegated.in_flight)
 
     def recv_anysource(self, tensors, tag=0):
         _check_user_tag(tag, self.rank())
-        return checked_recv(self._routed.rails.gloo, tensors, None, tag, self.rank(), self.size())
+        return checked_recv(self._routed.rails.gloo, tensors, None, tag, self.rank(), self.size(), self._delegated.in_flight)
 
     # -- lifetime ---------------------------------------------------------------------------
     def shutdown(self) -> None:

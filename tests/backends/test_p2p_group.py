@@ -82,3 +82,36 @@ def test_strided_sends_and_receives_deliver_the_views_elements():
     dest[:, ::2] = base.t()
     assert res[1]["dest"] == dest.tolist()  # the odd columns untouched
     assert res[1]["after"] == [9.0, 9.0]
+
+
+def _destroy_in_a_p2p_callback(rank: int, n: int) -> dict:
+    import threading
+
+    import torch.distributed as dist
+
+    t = torch.full((4,), 5.0) if rank == 0 else torch.zeros(4)
+    work = dist.isend(t, 1) if rank == 0 else dist.irecv(t, 0)
+    done = threading.Event()
+    seen = {}
+
+    def destroy(fut) -> None:
+        seen["value"] = fut.value()[0].tolist()
+        seen["on_main"] = threading.current_thread() is threading.main_thread()
+        dist.destroy_process_group()
+        seen["destroyed"] = not dist.is_initialized()
+        done.set()
+
+    work.get_future().then(destroy)
+    if not done.wait(60):
+        return {"callback ran": False}
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_destroying_the_group_in_a_p2p_callback():
+    # before: a p2p Work had no future ("Work::getFuture not implemented"); with one, the callback
+    # destroys the group on the p2p thread that completed the Work, and the process exits cleanly
+    res = run_ranks(_destroy_in_a_p2p_callback, world_size=2, timeout=90, pg_timeout=PG_TIMEOUT)
+    for rank in range(2):
+        assert res[rank]["destroyed"], res[rank]
+        assert res[rank]["value"] == [5.0] * 4

@@ -11,11 +11,27 @@ side passed.
 
 The header of user tag ``t`` travels on tag ``t + 2**29`` (:data:`HEADER_TAG_BASE`): user tags
 are ``< 2**29`` (checked), hetcomm's internal tags are ``[2**30, 2**31)`` and gloo refuses
-negative ones. A
-receive waits for its header on a short-lived thread so that the returned Work is asynchronous
-(``irecv``, ``batch_isend_irecv``): posting the data receive late would be fine for gloo, but
-the sender's data send completes only once it is posted, so a caller waiting on its own send
-before its receive (a ring) must not depend on this rank calling ``wait()``.
+negative ones.
+
+**Receives are matched per lane.** gloo cannot withdraw a posted receive, so a receive whose
+``wait(timeout)`` expired used to stay posted and steal the next message from that peer with
+that tag (or a later receive got the message meant for the cancelled one). Here the receives
+from one source (or from any source) with one tag form a *lane*: one helper thread per busy
+lane receives the headers in order and hands each message to the oldest receive still waiting,
+which then posts its data receive. A receive that times out before its header arrived is
+*cancelled*: it leaves the lane, its buffer is never written, and the next message goes to the
+next receive -- MPI's ``MPI_Cancel`` semantics (gloo itself has no cancel: its timed-out
+receive keeps its place). A header that arrives when no receive waits is kept for the next one
+(the sender's data send completes once that receive is posted). A receive whose header had
+already arrived when its wait timed out is no longer cancellable: its data is on the wire, and
+the wait completes it instead of raising. A ``wait()`` without a timeout is bounded by the
+group timeout and names the silent peer and the tag; the lane's own gloo receive has no timeout
+of its own, since an expired gloo receive would not be withdrawn either.
+
+The lane thread keeps the receive asynchronous (``irecv``, ``batch_isend_irecv``): posting the
+data receive late would be fine for gloo, but the sender's data send completes only once it is
+posted, so a caller waiting on its own send before its receive (a ring) must not depend on this
+rank calling ``wait()``.
 
 Every send/recv Work has a future (gloo's have none: "Work::getFuture not implemented"); its
 callbacks run on the p2p thread that completed it, inside the group's in-flight count, so a
@@ -25,8 +41,9 @@ callback may destroy the group (shutdown waits for the other threads' completion
 from __future__ import annotations
 
 import threading
+from collections import deque
 from datetime import timedelta
-from typing import List, Optional
+from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,7 +53,7 @@ from hetcomm.backends.faults import release_frames
 from hetcomm.backends.work import HetcommWork
 from hetcomm.errors import CrossRankMismatch, PeerTimeout, UsageError
 
-__all__ = ["checked_send", "checked_recv", "check_peer", "header_tag", "HEADER_TAG_BASE"]
+__all__ = ["PointToPoint", "checked_send", "check_peer", "header_tag", "HEADER_TAG_BASE"]
 
 #: Size headers of user tag ``t`` travel on ``HEADER_TAG_BASE + t``; user tags stay below it.
 HEADER_TAG_BASE = 1 << 29
@@ -163,40 +180,47 @@ def checked_send(gloo, tensors: List[torch.Tensor], dst: int, tag: int, rank: in
     return _SendWork([h, d], data, t, in_flight)
 
 
+#: How long a lane's gloo receive may wait: for ever, in practice. The caller's wait enforces the
+#: group timeout and cancels; a gloo receive that expired would stay posted all the same.
+_LANE_WAIT = timedelta(days=365)
+
+
 class _RecvWork(_P2PWork):
-    """A receive whose data part is posted once the header matched (on a helper thread)."""
+    """One receive into ``tensor`` (any shape, dtype and layout of strides): queued on its lane,
+    completed by the lane's thread once a header reached it (:class:`_Lane`)."""
 
-    def __init__(self, gloo, tensor: torch.Tensor, src: Optional[int], tag: int, rank: int, in_flight):
+    def __init__(self, tensor: torch.Tensor, src: Optional[int], tag: int, rank: int, size: int,
+                 group_timeout: timedelta, in_flight):
         super().__init__([tensor], in_flight)
+        self._tensor = tensor
+        self._src = src
         self._source = src if src is not None else -1
-        self._thread = threading.Thread(
-            target=self._run, args=(gloo, tensor, src, tag, rank), name="hetcomm-recv", daemon=True
-        )
-        self._thread.start()
+        self._tag = tag
+        self._rank = rank
+        self._size = size
+        self._group_timeout = group_timeout
+        self._lane: Optional["_Lane"] = None
 
-    def _run(self, gloo, tensor: torch.Tensor, src: Optional[int], tag: int, rank: int) -> None:
+    def _deliver(self, gloo, header: torch.Tensor) -> None:
+        """Receive the message whose ``header`` ([dtype code, elements, bytes, sender], int64)
+        reached this receive: into the tensor when it fits, else drained (the pair stays in
+        step) and raised. Runs on the lane's thread; never raises."""
         exc: Optional[BaseException] = None
+        tensor, tag, rank = self._tensor, self._tag, self._rank
         try:
-            header = torch.zeros(_WORDS, dtype=torch.int64, device="cpu")  # host: gloo header
-            if src is None:
-                hw = gloo.recv_anysource([header], header_tag(tag))
-                hw.wait()
-                src = int(header[3])
-                self._source = src
-            else:
-                gloo.recv([header], src, header_tag(tag)).wait()
-            code, numel, nbytes, _ = (int(x) for x in header)
+            code, numel, nbytes, src = (int(x) for x in header)
+            self._source = src
             mine = (checks.dtype_code(tensor.dtype), tensor.numel(), tensor.numel() * tensor.element_size())
             if (code, numel, nbytes) == mine:
                 # gloo refuses a strided destination; receive into a contiguous buffer and copy
                 # into the view, so only the view's elements change
                 buf = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-                gloo.recv([buf], src, tag).wait()
+                gloo.recv([buf], src, tag).wait(self._group_timeout)  # sent right after its header
                 if buf is not tensor:
                     tensor.copy_(buf)
             else:
                 scratch = torch.empty(nbytes, dtype=torch.uint8, device=tensor.device)
-                gloo.recv([scratch], src, tag).wait()  # drain: the pair stays in step
+                gloo.recv([scratch], src, tag).wait(self._group_timeout)  # drain: the pair stays in step
                 theirs = checks.dtype_from_code(code)
                 field = "count" if nbytes != mine[2] else "dtype"
                 raise CrossRankMismatch(
@@ -211,9 +235,25 @@ class _RecvWork(_P2PWork):
         self._finish(exc)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        """Wait for the message (``timeout``, else the group timeout); on expiry cancel this
+        receive and raise :class:`~hetcomm.errors.PeerTimeout` naming the peer and the tag --
+        unless its message had started to arrive, which is then waited for."""
         seconds = timeout.total_seconds() if timeout else 0.0
-        if not self._done.wait(seconds if seconds > 0 else None):
-            raise PeerTimeout(f"recv timed out after {seconds:.1f} s", op="recv")
+        limit = seconds if seconds > 0 else self._group_timeout.total_seconds()
+        if not self._done.wait(limit):
+            lane = self._lane
+            if lane is not None and lane.cancel(self):
+                peer = f"rank {self._src}" if self._src is not None else "any rank"
+                raise PeerTimeout(
+                    f"no message from {peer} with tag {self._tag} within {limit:.1f} s "
+                    f"({'the wait timeout' if seconds > 0 else 'the group timeout'}; group of {self._size}). "
+                    f"This receive is cancelled: its buffer is not written, and the next message from {peer} "
+                    f"with tag {self._tag} goes to the next receive. Check that {peer} sends with this tag",
+                    op="recv", rank=self._rank, peer=self._src,
+                )
+            # Matched before the deadline: the data follows its header at once (bounded by the
+            # lane's data receive, which has the group timeout).
+            self._done.wait()
         return super().wait()
 
     def _source_rank(self) -> int:
@@ -223,12 +263,111 @@ class _RecvWork(_P2PWork):
         return self._source
 
 
-def checked_recv(gloo, tensors: List[torch.Tensor], src: Optional[int], tag: int, rank: int, size: int, in_flight) -> dist.Work:
-    """Receive into ``tensors`` (one tensor) from ``src`` (None: any source) after a size check.
+class _Lane:
+    """The receives from one source (``None``: any source) with one user tag, in post order.
 
-    Raises:
-        UsageError: ``src`` is not another rank of the group of ``size`` (before any byte moves).
+    One thread per busy lane receives the headers in order and hands each to the oldest receive
+    still queued (see the module docstring); it ends when the queue is empty.
     """
-    if src is not None:
-        check_peer("recv", src, rank, size, tag)
-    return _RecvWork(gloo, _one(tensors, "recv", rank), src, tag, rank, in_flight)
+
+    def __init__(self, gloo, src: Optional[int], tag: int):
+        self._gloo = gloo
+        self._src = src
+        self._tag = tag
+        self._cond = threading.Condition()
+        self._queue: Deque[_RecvWork] = deque()
+        #: A header that arrived when every receive of the lane had been cancelled ([4] int64):
+        #: its message belongs to the next receive posted.
+        self._stash: Optional[torch.Tensor] = None
+        self._running = False
+
+    def post(self, work: _RecvWork) -> None:
+        with self._cond:
+            work._lane = self
+            self._queue.append(work)
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._loop, name="hetcomm-recv", daemon=True).start()
+
+    def cancel(self, work: _RecvWork) -> bool:
+        """Take ``work`` off the lane; False when its header has already reached it."""
+        with self._cond:
+            try:
+                self._queue.remove(work)
+            except ValueError:
+                return False
+            return True
+
+    def _recv_header(self) -> torch.Tensor:
+        header = torch.zeros(_WORDS, dtype=torch.int64, device="cpu")  # host: gloo header
+        if self._src is None:
+            self._gloo.recv_anysource([header], header_tag(self._tag)).wait(_LANE_WAIT)
+        else:
+            self._gloo.recv([header], self._src, header_tag(self._tag)).wait(_LANE_WAIT)
+        return header
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._running = False
+                    return
+                header, self._stash = self._stash, None
+            if header is None:
+                try:
+                    header = self._recv_header()
+                except BaseException as e:  # the peer closed the connection, gloo failed
+                    with self._cond:
+                        failed = list(self._queue)
+                        self._queue.clear()
+                        self._running = False
+                    for w in failed:
+                        w._finish(e)
+                    return
+            with self._cond:
+                if not self._queue:  # every receive waiting here was cancelled meanwhile
+                    self._stash = header
+                    self._running = False
+                    return
+                work = self._queue.popleft()  # from here on it cannot be cancelled
+            work._deliver(self._gloo, header)
+
+
+class PointToPoint:
+    """The send/recv of one group on this rank, over its inner gloo group.
+
+    Args:
+        gloo: the inner ``ProcessGroupGloo``.
+        rank / size: this process in the group.
+        timeout: the group timeout (a receive's ``wait()`` without a timeout is bounded by it).
+        in_flight: the group's completions in flight (``delegated._InFlight``).
+    """
+
+    def __init__(self, gloo, rank: int, size: int, timeout: timedelta, in_flight):
+        self._gloo = gloo
+        self._rank = rank
+        self._size = size
+        self._timeout = timeout
+        self._in_flight = in_flight
+        self._lock = threading.Lock()
+        self._lanes: Dict[Tuple[Optional[int], int], _Lane] = {}
+
+    def send(self, tensors: List[torch.Tensor], dst: int, tag: int) -> dist.Work:
+        """Send ``tensors`` (one tensor, any dtype gloo moves, any strides) to ``dst``."""
+        return checked_send(self._gloo, tensors, dst, tag, self._rank, self._size, self._in_flight)
+
+    def recv(self, tensors: List[torch.Tensor], src: Optional[int], tag: int) -> dist.Work:
+        """Receive into ``tensors`` (one tensor) from ``src`` (None: any source) after a size check.
+
+        Raises:
+            UsageError: ``src`` is not another rank of the group (before any byte moves).
+        """
+        if src is not None:
+            check_peer("recv", src, self._rank, self._size, tag)
+        work = _RecvWork(_one(tensors, "recv", self._rank), src, tag, self._rank, self._size, self._timeout, self._in_flight)
+        with self._lock:
+            lane = self._lanes.get((src, tag))
+            if lane is None:
+                lane = self._lanes[(src, tag)] = _Lane(self._gloo, src, tag)
+        lane.post(work)
+        return work

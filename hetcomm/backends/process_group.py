@@ -35,7 +35,7 @@ from hetcomm import settings
 from hetcomm.backends.communicator import Communicator
 from hetcomm.backends.delegated import DelegatedCollectives
 from hetcomm.backends.options import HetcommOptions
-from hetcomm.backends.p2p import HEADER_TAG_BASE, checked_recv, checked_send
+from hetcomm.backends.p2p import HEADER_TAG_BASE, PointToPoint
 from hetcomm.backends.rank_placement import Placement
 from hetcomm.backends.work import FutureWork, HetcommWork
 from hetcomm.errors import UsageError
@@ -104,6 +104,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         assert routed is not None
         self._routed = routed
         self._delegated = DelegatedCollectives(routed.rails.gloo, rank, size, routed.faults, routed)
+        self._p2p = PointToPoint(routed.rails.gloo, rank, size, self.communicator.timeout, self._delegated.in_flight)
         # C++ callers of methods the 2.13 trampoline does not forward land on this backend.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, routed.rails.gloo)
         if torch.cuda.device_count() > 0:  # NVML first: no CUDA initialisation (registry.py)
@@ -250,15 +251,15 @@ class HetcommProcessGroup(dist.ProcessGroup):
     # mismatch; hetcomm/backends/p2p.py)
     def send(self, tensors, dstRank, tag=0):
         _check_user_tag(tag, self.rank())
-        return checked_send(self._routed.rails.gloo, tensors, dstRank, tag, self.rank(), self.size(), self._delegated.in_flight)
+        return self._p2p.send(tensors, dstRank, tag)
 
     def recv(self, tensors, srcRank, tag=0):
         _check_user_tag(tag, self.rank())
-        return checked_recv(self._routed.rails.gloo, tensors, srcRank, tag, self.rank(), self.size(), self._delegated.in_flight)
+        return self._p2p.recv(tensors, srcRank, tag)
 
     def recv_anysource(self, tensors, tag=0):
         _check_user_tag(tag, self.rank())
-        return checked_recv(self._routed.rails.gloo, tensors, None, tag, self.rank(), self.size(), self._delegated.in_flight)
+        return self._p2p.recv(tensors, None, tag)
 
     # -- lifetime ---------------------------------------------------------------------------
     def shutdown(self) -> None:

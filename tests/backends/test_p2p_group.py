@@ -115,3 +115,60 @@ def test_destroying_the_group_in_a_p2p_callback():
     for rank in range(2):
         assert res[rank]["destroyed"], res[rank]
         assert res[rank]["value"] == [5.0] * 4
+
+
+def _timed_out_receive(rank: int, n: int) -> dict:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hetcomm.errors import PeerTimeout
+
+    out = {}
+    if rank == 1:
+        early = torch.zeros(1)
+        work = dist.irecv(early, 0, tag=3)
+        try:
+            work.wait(timedelta(seconds=0.5))  # rank 0 sends only after the barrier below
+            out["timeout"] = "no timeout"
+        except PeerTimeout as e:
+            out["timeout"] = (e.rank, e.peer, str(e))
+        dist.barrier()
+        first, second = torch.zeros(1), torch.zeros(1)
+        dist.recv(first, 0, tag=3)
+        dist.recv(second, 0, tag=3)
+        out["got"] = [early.item(), first.item(), second.item()]
+        # the same once more with any source, and a receive posted after a header was kept
+        any_early = torch.zeros(1)
+        work = dist.irecv(any_early, tag=4)
+        try:
+            work.wait(timedelta(seconds=0.5))
+        except PeerTimeout:
+            pass
+        dist.barrier()
+        dist.barrier()  # rank 0's message has been sent (its header may be waiting here)
+        late = torch.zeros(1)
+        src = dist.recv(late, tag=4)
+        out["any"] = [any_early.item(), late.item(), src]
+    else:
+        dist.barrier()
+        dist.send(torch.tensor([1.0]), 1, tag=3)
+        dist.send(torch.tensor([2.0]), 1, tag=3)
+        dist.barrier()
+        work = dist.isend(torch.tensor([7.0]), 1, tag=4)
+        dist.barrier()
+        work.wait()
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_timed_out_receive_is_cancelled_and_the_next_receive_gets_the_next_message():
+    # before: the timed-out receive stayed posted and took message 1.0 into its buffer, the
+    # next receive got 2.0 and the one after waited for a message that never came
+    res = run_ranks(_timed_out_receive, world_size=2, timeout=90, pg_timeout=PG_TIMEOUT)
+    r, peer, msg = res[1]["timeout"]
+    assert (r, peer) == (1, 0), msg
+    assert "tag 3" in msg and "group of 2" in msg and "cancelled" in msg, msg
+    assert res[1]["got"] == [0.0, 1.0, 2.0]
+    assert res[1]["any"] == [0.0, 7.0, 0]

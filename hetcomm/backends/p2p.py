@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from hetcomm.backends import checks
 from hetcomm.backends.faults import release_frames
+from hetcomm.backends.rails.gloo import release_gloo
 from hetcomm.backends.work import HetcommWork
 from hetcomm.errors import CrossRankMismatch, PeerTimeout, UsageError
 
@@ -280,14 +281,21 @@ class _Lane:
         #: its message belongs to the next receive posted.
         self._stash: Optional[torch.Tensor] = None
         self._running = False
+        self._thread: Optional[threading.Thread] = None
+        self._in_header = False  # inside the gloo header receive (the one wait with no end)
+        #: Set by :meth:`PointToPoint.close`: the group is going away; the error queued receives get.
+        self._closed: Optional[str] = None
 
     def post(self, work: _RecvWork) -> None:
         with self._cond:
             work._lane = self
             self._queue.append(work)
+            if self._closed is not None:
+                raise UsageError(self._closed)
             if not self._running:
                 self._running = True
-                threading.Thread(target=self._loop, name="hetcomm-recv", daemon=True).start()
+                self._thread = threading.Thread(target=self._loop, name="hetcomm-recv", daemon=True)
+                self._thread.start()
 
     def cancel(self, work: _RecvWork) -> bool:
         """Take ``work`` off the lane; False when its header has already reached it."""
@@ -313,11 +321,15 @@ class _Lane:
                     self._running = False
                     return
                 header, self._stash = self._stash, None
+                self._in_header = header is None
             if header is None:
                 try:
                     header = self._recv_header()
-                except BaseException as e:  # the peer closed the connection, gloo failed
+                except BaseException as e:  # the peer closed the connection, gloo failed, the group closed
+                    if self._closed is not None:
+                        e = UsageError(self._closed)
                     with self._cond:
+                        self._in_header = False
                         failed = list(self._queue)
                         self._queue.clear()
                         self._running = False
@@ -325,12 +337,26 @@ class _Lane:
                         w._finish(e)
                     return
             with self._cond:
+                self._in_header = False
                 if not self._queue:  # every receive waiting here was cancelled meanwhile
                     self._stash = header
                     self._running = False
                     return
                 work = self._queue.popleft()  # from here on it cannot be cancelled
             work._deliver(self._gloo, header)
+
+    def blocked(self) -> bool:
+        """Whether the lane's thread waits in its gloo header receive (a thread delivering a
+        message, e.g. running a callback that destroys the group, does not)."""
+        with self._cond:
+            return self._in_header
+
+    def join(self, timeout_s: float) -> bool:
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+            return not thread.is_alive()
+        return True
 
 
 class PointToPoint:
@@ -371,3 +397,29 @@ class PointToPoint:
                 lane = self._lanes[(src, tag)] = _Lane(self._gloo, src, tag)
         lane.post(work)
         return work
+
+    def close(self) -> None:
+        """End the lanes' threads before the group goes away (``HetcommProcessGroup.shutdown``).
+
+        A lane still waiting for a header (a receive never matched, or cancelled and never
+        followed by a message) would otherwise block in gloo until the process exits, and a gloo
+        wait that returns while the interpreter finalises aborts the process (``std::terminate``,
+        exit -6: ``tests/backends/exit_driver.py``). Failing the inner gloo context ends that
+        wait; the group is being destroyed, so nothing uses gloo afterwards. Receives still
+        queued fail with a :class:`~hetcomm.errors.UsageError` saying the group was destroyed.
+        """
+        with self._lock:
+            lanes = list(self._lanes.values())
+        message = (
+            f"hetcomm recv (rank {self._rank}, group of {self._size}): the group was destroyed while this "
+            f"receive waited; destroy the group only after its receives completed"
+        )
+        for lane in lanes:
+            with lane._cond:
+                lane._closed = message
+        waiting = [lane for lane in lanes if lane.blocked()]
+        if not waiting:
+            return
+        release_gloo(self._gloo, next(p for p in range(self._size) if p != self._rank))
+        for lane in waiting:
+            lane.join(self._timeout.total_seconds())

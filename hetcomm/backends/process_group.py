@@ -270,6 +270,8 @@ class HetcommProcessGroup(dist.ProcessGroup):
         # Completions still running on gloo's threads finish first (delegated._InFlight): their
         # callbacks must not be left holding the last reference to a group being destroyed.
         self._delegated.in_flight.wait_idle(self.communicator.timeout.total_seconds())
+        # p2p lanes still waiting in gloo end now, not while the interpreter finalises (p2p.py)
+        self._p2p.close()
         self.communicator.close()
         # The inner gloo is not shut down explicitly: ProcessGroupGloo.shutdown() racing with
         # the completion callbacks of its last Works aborted processes ("Resource deadlock

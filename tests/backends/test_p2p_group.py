@@ -172,3 +172,40 @@ def test_a_timed_out_receive_is_cancelled_and_the_next_receive_gets_the_next_mes
     assert "tag 3" in msg and "group of 2" in msg and "cancelled" in msg, msg
     assert res[1]["got"] == [0.0, 1.0, 2.0]
     assert res[1]["any"] == [0.0, 7.0, 0]
+
+
+def _destroy_with_a_lane_waiting(rank: int, n: int) -> dict:
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hetcomm.errors import PeerTimeout, UsageError
+
+    out = {}
+    if rank == 1:
+        work = dist.irecv(torch.zeros(1), 0, tag=5)
+        try:
+            work.wait(timedelta(seconds=0.2))  # rank 0 never sends with tag 5
+        except PeerTimeout:
+            out["cancelled"] = True
+        pending = dist.irecv(torch.zeros(1), 0, tag=6)  # never waited, never matched
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 1:
+        try:
+            pending.wait(timedelta(seconds=30))
+            out["pending"] = "completed"
+        except UsageError as e:
+            out["pending"] = str(e)
+    # a thread still blocked in gloo when the interpreter finalises aborts the process
+    out["recv threads"] = [t.name for t in threading.enumerate() if t.name == "hetcomm-recv" and t.is_alive()]
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_destroy_ends_the_receive_threads_still_waiting_in_gloo():
+    res = run_ranks(_destroy_with_a_lane_waiting, world_size=2, timeout=90, pg_timeout=PG_TIMEOUT)
+    assert res[1]["cancelled"]
+    assert "the group was destroyed while this receive waited" in res[1]["pending"], res[1]
+    assert res[0]["recv threads"] == [] and res[1]["recv threads"] == [], res

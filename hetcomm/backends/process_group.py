@@ -23,6 +23,7 @@ executor, after the contiguous copies they make, which is why it happens there a
 
 from __future__ import annotations
 
+import atexit
 import logging
 import weakref
 from datetime import timedelta
@@ -52,6 +53,28 @@ def _configure_logging() -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.getLevelName(level) if isinstance(logging.getLevelName(level), int) else logging.INFO)
+
+
+#: Groups not shut down yet (weakly: a destroyed group leaves by itself).
+_LIVE: "weakref.WeakSet[HetcommProcessGroup]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_groups() -> None:
+    """Shut down the groups a program left alive (no ``destroy_process_group()`` before exit).
+
+    Their executor and heartbeat threads (and p2p lanes) were still running when the interpreter
+    finalised: a thread inside a store or gloo call (C++, GIL released) that returns then is
+    ended by CPython through pybind11's ``noexcept`` GIL guard, and ``std::terminate`` aborts the
+    process ("terminate called without an active exception", exit -6; 3 of 30 rank exits of
+    ``tests.backends.exit_driver dispatch --no-destroy``). atexit handlers run before that, while
+    threads still run normally; each shutdown is bounded by its group timeout.
+    """
+    for group in list(_LIVE):
+        try:
+            group.shutdown()
+        except Exception:  # exiting anyway: a failed shutdown must not hide the real exit status
+            pass
 
 
 class HetcommProcessGroup(dist.ProcessGroup):
@@ -110,6 +133,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         if torch.cuda.device_count() > 0:  # NVML first: no CUDA initialisation (registry.py)
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.CUSTOM, routed.rails.gloo)
         self._log_routes()
+        _LIVE.add(self)
 
     # -- what the communicator knows -----------------------------------------------------------
     @property
@@ -267,6 +291,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
+        _LIVE.discard(self)
         # Completions still running on gloo's threads finish first (delegated._InFlight): their
         # callbacks must not be left holding the last reference to a group being destroyed.
         self._delegated.in_flight.wait_idle(self.communicator.timeout.total_seconds())

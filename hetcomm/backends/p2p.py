@@ -215,7 +215,9 @@ class _RecvWork(_P2PWork):
             if (code, numel, nbytes) == mine:
                 # gloo refuses a strided destination; receive into a contiguous buffer and copy
                 # into the view, so only the view's elements change
-                buf = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+                buf = tensor
+                if not tensor.is_contiguous():
+                    buf = torch.empty_like(tensor, memory_format=torch.contiguous_format)
                 gloo.recv([buf], src, tag).wait(self._group_timeout)  # sent right after its header
                 if buf is not tensor:
                     tensor.copy_(buf)
@@ -390,7 +392,8 @@ class PointToPoint:
         """
         if src is not None:
             check_peer("recv", src, self._rank, self._size, tag)
-        work = _RecvWork(_one(tensors, "recv", self._rank), src, tag, self._rank, self._size, self._timeout, self._in_flight)
+        tensor = _one(tensors, "recv", self._rank)
+        work = _RecvWork(tensor, src, tag, self._rank, self._size, self._timeout, self._in_flight)
         with self._lock:
             lane = self._lanes.get((src, tag))
             if lane is None:

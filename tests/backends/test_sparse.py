@@ -100,10 +100,11 @@ def sparse_dense_mix(rank: int, n: int) -> dict:
 
     out = {}
     sparse = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (2,))
+    mine = sparse if rank == 0 else torch.ones(2)
     for name, call in (
-        ("all_reduce", lambda: dist.all_reduce(sparse if rank == 0 else torch.ones(2))),
-        ("broadcast", lambda: dist.broadcast(sparse if rank == 0 else torch.ones(2), 0)),
-        ("all_gather", lambda: dist.all_gather([torch.zeros(2) for _ in range(n)], sparse if rank == 0 else torch.ones(2))),
+        ("all_reduce", lambda: dist.all_reduce(mine)),
+        ("broadcast", lambda: dist.broadcast(mine, 0)),
+        ("all_gather", lambda: dist.all_gather([torch.zeros(2) for _ in range(n)], mine)),
     ):
         try:
             call()

@@ -80,6 +80,10 @@ KINDS = (
     "", "all_to_all_single", "all_to_all", "plan", "all_reduce", "broadcast", "reduce",
     "all_gather", "all_gather_into_tensor", "gather", "scatter", "reduce_scatter",
     "reduce_scatter_tensor", "barrier", "all_reduce_coalesced", "all_gather_coalesced",
+    # gloo's sparse all-reduce gathers indices and values, a dense one reduces in place: two
+    # collectives on the wire, so a sparse tensor on one rank and a dense one on another must
+    # not pass the check as the same call (they hung until the group timeout)
+    "all_reduce_sparse",
 )
 _KIND = {k: i for i, k in enumerate(KINDS) if k}
 #: Reduce ops by name (``dist.ReduceOp.SUM`` -> ``"SUM"``); 0 = the collective has none.
@@ -255,7 +259,7 @@ def check_meta(
 
     Raises:
         CrossRankMismatch (a ``ValueError``): with ``field`` the first class of problem found
-            (``order``, ``arguments``, ``dtype``, ``shape``, ``count``, ``reduce_op``, ``root``,
+            (``order``, ``layout``, ``arguments``, ``dtype``, ``shape``, ``count``, ``reduce_op``, ``root``,
             ``splits``), ``ranks`` the ranks at odds with the others, and a message naming each
             of them with both values and how to fix it.
     """
@@ -263,6 +267,16 @@ def check_meta(
     meta = Meta(rows)
     kind = lambda row: (row[_F_KIND], row[_F_SEQ])
     ref, ref_rank, odd = _odd_ones(rows, kind)
+    dense_sparse = {_KIND["all_reduce"], _KIND["all_reduce_sparse"]}
+    if odd and {row[_F_KIND] for row in rows} == dense_sparse and len({row[_F_SEQ] for row in rows}) == 1:
+        parts = [
+            f"rank {r} passes a {'sparse COO' if rows[r][_F_KIND] == _KIND['all_reduce_sparse'] else 'dense (strided)'} "
+            f"tensor of shape {_shape_text(rows[r])}"
+            for r in range(len(rows))
+        ]
+        _raise(op, rank, "layout", odd, parts,
+               "every rank must pass a tensor of the same layout: call .to_dense() (or .to_sparse_coo()) "
+               "on the ranks named before the call")
     if odd:
         parts = [
             f"rank {r} is in collective #{rows[r][_F_SEQ]} ({_kind_name(rows[r][_F_KIND])}) while rank {ref_rank} is in "
@@ -344,6 +358,7 @@ _TITLES = {
     "count": "size mismatch across ranks",
     "reduce_op": "reduce op mismatch across ranks",
     "root": "root mismatch across ranks",
+    "layout": "sparse/dense layout mismatch across ranks",
 }
 
 

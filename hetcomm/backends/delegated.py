@@ -159,6 +159,14 @@ class _Staging:
 
     def stage(self, t: torch.Tensor, is_output: bool) -> torch.Tensor:
         """The tensor to hand to gloo in place of ``t``."""
+        if t.layout != torch.strided:
+            # Refused through the cross-rank check (every rank raises): raising here, before
+            # the check, left the ranks that passed dense tensors waiting for this one.
+            self.error = (
+                f"a {t.layout} tensor is not supported here (gloo moves dense tensors only and sums sparse "
+                f"COO tensors in all_reduce only): call .to_dense() first"
+            )
+            return t
         if self.mode == "reduce":
             wire = self.wire_dtype(t.dtype)
             if wire is None:
@@ -317,6 +325,9 @@ class _Call:
     root: Optional[int] = None
     local_error: Optional[str] = None
     payload: int = 0
+    #: The kind the cross-rank check compares when it differs from ``kind`` (the op name in
+    #: errors): a sparse all_reduce is another collective on the wire than a dense one.
+    check_kind: Optional[str] = None
 
 
 class DelegatedCollectives:
@@ -377,7 +388,7 @@ class DelegatedCollectives:
         meta = None
         if checked:
             meta = checks.encode_collective(
-                call.kind, seq, self.size, call.dtype, call.count, call.shape, call.reduce_op, call.root,
+                call.check_kind or call.kind, seq, self.size, call.dtype, call.count, call.shape, call.reduce_op, call.root,
                 local_problem=local_error is not None,
             )
         user = HetcommWork(result, seq)
@@ -457,7 +468,8 @@ class DelegatedCollectives:
         sparse tensor has no strided layout to copy into. SUM, and AVG as SUM then divide; gloo
         refuses other ops and other sparse layouts, which are refused here on every rank."""
         t = tensors[0]
-        call = _Call("all_reduce", t.dtype, t.numel(), tuple(t.shape), name, payload=_sparse_nbytes(t) * self.size)
+        call = _Call("all_reduce", t.dtype, t.numel(), tuple(t.shape), name, payload=_sparse_nbytes(t) * self.size,
+                     check_kind="all_reduce_sparse")
         if len(tensors) != 1:
             call.local_error = f"all_reduce takes one tensor per process, got {len(tensors)}"
         elif t.layout != torch.sparse_coo:

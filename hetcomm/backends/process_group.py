@@ -23,6 +23,7 @@ executor, after the contiguous copies they make, which is why it happens there a
 
 from __future__ import annotations
 
+import atexit
 import logging
 import weakref
 from datetime import timedelta
@@ -35,7 +36,7 @@ from hetcomm import settings
 from hetcomm.backends.communicator import Communicator
 from hetcomm.backends.delegated import DelegatedCollectives
 from hetcomm.backends.options import HetcommOptions
-from hetcomm.backends.p2p import HEADER_TAG_BASE, checked_recv, checked_send
+from hetcomm.backends.p2p import HEADER_TAG_BASE, PointToPoint
 from hetcomm.backends.rank_placement import Placement
 from hetcomm.backends.work import FutureWork, HetcommWork
 from hetcomm.errors import UsageError
@@ -52,6 +53,28 @@ def _configure_logging() -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.getLevelName(level) if isinstance(logging.getLevelName(level), int) else logging.INFO)
+
+
+#: Groups not shut down yet (weakly: a destroyed group leaves by itself).
+_LIVE: "weakref.WeakSet[HetcommProcessGroup]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_groups() -> None:
+    """Shut down the groups a program left alive (no ``destroy_process_group()`` before exit).
+
+    Their executor and heartbeat threads (and p2p lanes) were still running when the interpreter
+    finalised: a thread inside a store or gloo call (C++, GIL released) that returns then is
+    ended by CPython through pybind11's ``noexcept`` GIL guard, and ``std::terminate`` aborts the
+    process ("terminate called without an active exception", exit -6; 3 of 30 rank exits of
+    ``tests.backends.exit_driver dispatch --no-destroy``). atexit handlers run before that, while
+    threads still run normally; each shutdown is bounded by its group timeout.
+    """
+    for group in list(_LIVE):
+        try:
+            group.shutdown()
+        except Exception:  # exiting anyway: a failed shutdown must not hide the real exit status
+            pass
 
 
 class HetcommProcessGroup(dist.ProcessGroup):
@@ -104,11 +127,13 @@ class HetcommProcessGroup(dist.ProcessGroup):
         assert routed is not None
         self._routed = routed
         self._delegated = DelegatedCollectives(routed.rails.gloo, rank, size, routed.faults, routed)
+        self._p2p = PointToPoint(routed.rails.gloo, rank, size, self.communicator.timeout, self._delegated.in_flight)
         # C++ callers of methods the 2.13 trampoline does not forward land on this backend.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, routed.rails.gloo)
         if torch.cuda.device_count() > 0:  # NVML first: no CUDA initialisation (registry.py)
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.CUSTOM, routed.rails.gloo)
         self._log_routes()
+        _LIVE.add(self)
 
     # -- what the communicator knows -----------------------------------------------------------
     @property
@@ -250,15 +275,15 @@ class HetcommProcessGroup(dist.ProcessGroup):
     # mismatch; hetcomm/backends/p2p.py)
     def send(self, tensors, dstRank, tag=0):
         _check_user_tag(tag, self.rank())
-        return checked_send(self._routed.rails.gloo, tensors, dstRank, tag, self.rank())
+        return self._p2p.send(tensors, dstRank, tag)
 
     def recv(self, tensors, srcRank, tag=0):
         _check_user_tag(tag, self.rank())
-        return checked_recv(self._routed.rails.gloo, tensors, srcRank, tag, self.rank())
+        return self._p2p.recv(tensors, srcRank, tag)
 
     def recv_anysource(self, tensors, tag=0):
         _check_user_tag(tag, self.rank())
-        return checked_recv(self._routed.rails.gloo, tensors, None, tag, self.rank())
+        return self._p2p.recv(tensors, None, tag)
 
     # -- lifetime ---------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -266,9 +291,12 @@ class HetcommProcessGroup(dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
+        _LIVE.discard(self)
         # Completions still running on gloo's threads finish first (delegated._InFlight): their
         # callbacks must not be left holding the last reference to a group being destroyed.
         self._delegated.in_flight.wait_idle(self.communicator.timeout.total_seconds())
+        # p2p lanes still waiting in gloo end now, not while the interpreter finalises (p2p.py)
+        self._p2p.close()
         self.communicator.close()
         # The inner gloo is not shut down explicitly: ProcessGroupGloo.shutdown() racing with
         # the completion callbacks of its last Works aborted processes ("Resource deadlock

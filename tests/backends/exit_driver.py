@@ -140,7 +140,8 @@ def _rank_main(rank: int, n: int, port: int, args, out_fd: int, err_path: str) -
     init_s = round(t0 - ti, 2)
     outcome = SCENARIOS[args.scenario](rank, n, args.victim)
     t1 = time.monotonic()
-    dist.destroy_process_group()
+    if not args.no_destroy:
+        dist.destroy_process_group()
     t2 = time.monotonic()
     rec = {"rank": rank, "outcome": outcome, "scenario_s": round(t1 - t0, 2), "destroy_s": round(t2 - t1, 2), "init_s": init_s, "end": time.time()}
     os.write(out_fd, (json.dumps(rec) + "\n").encode())
@@ -212,6 +213,8 @@ def main(argv=None) -> int:
     p.add_argument("--pg-timeout", type=float, default=8.0)
     p.add_argument("--run-timeout", type=float, default=60.0)
     p.add_argument("--linger", type=float, default=0.0, help="seconds each rank spends in its exit cleanup")
+    p.add_argument("--no-destroy", action="store_true",
+                   help="leave without destroy_process_group(), as many scripts do (the group dies at exit)")
     args = p.parse_args(argv)
     survivor_codes: Dict[str, int] = {}
     # No `with`/`finally` here: a forked rank unwinds these frames on its way out (SystemExit)

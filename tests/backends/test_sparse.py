@@ -1,7 +1,9 @@
 """Sparse all_reduce (COO, SUM/AVG) and DDP with sparse gradients on hetcomm equal gloo (issue 23.2).
 
 Before: every rank failed in the delegated collectives' staging ("COO only supports memory format
-Preserve"), which tried to copy the sparse tensor into a contiguous buffer.
+Preserve"), which tried to copy the sparse tensor into a contiguous buffer. A sparse tensor on
+one rank beside a dense one on another fails on every rank (the cross-rank check compares the
+layout) instead of hanging until the group timeout.
 """
 
 from __future__ import annotations
@@ -91,3 +93,41 @@ def test_ddp_with_sparse_gradients_matches_gloo(world_size):
     for rank in range(world_size):
         for a, b in zip(got[rank], ref[rank]):
             assert torch.equal(a, b), f"rank {rank}: parameters differ from DDP over gloo"
+
+
+def sparse_dense_mix(rank: int, n: int) -> dict:
+    import torch.distributed as dist
+
+    out = {}
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (2,))
+    mine = sparse if rank == 0 else torch.ones(2)
+    for name, call in (
+        ("all_reduce", lambda: dist.all_reduce(mine)),
+        ("broadcast", lambda: dist.broadcast(mine, 0)),
+        ("all_gather", lambda: dist.all_gather([torch.zeros(2) for _ in range(n)], mine)),
+    ):
+        try:
+            call()
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = (type(e).__name__, e.field, e.ranks, str(e))
+    t = torch.ones(2)
+    dist.all_reduce(t)  # the group is still usable
+    out["after"] = t.tolist()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_sparse_tensor_beside_a_dense_one_fails_on_every_rank():
+    # before: the all_reduce passed the check (same kind, dtype and shape) and both ranks hung in
+    # gloo until the group timeout; the broadcast raised on rank 0 only and rank 1 waited for it
+    res = run_ranks(sparse_dense_mix, world_size=2, timeout=90, pg_timeout=PG_TIMEOUT)
+    for rank in range(2):
+        kind, field, ranks, msg = res[rank]["all_reduce"]
+        assert (kind, field) == ("CrossRankMismatch", "layout"), msg
+        assert "rank 0 passes a sparse COO tensor" in msg and "rank 1 passes a dense (strided) tensor" in msg, msg
+        for name in ("broadcast", "all_gather"):
+            kind, field, ranks, msg = res[rank][name]
+            assert (kind, field, ranks) == ("CrossRankMismatch", "arguments", [0]), msg
+        assert "to_dense()" in res[0]["broadcast"][3]
+        assert res[rank]["after"] == [2.0, 2.0]

@@ -13,8 +13,8 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, fields, replace
-from typing import Any, Dict, List, Optional, Union
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -389,10 +389,166 @@ def _job_cluster(cfg: TrainConfig, cluster=None):
     return cluster
 
 
-def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None) -> int:
-    from hetcomm.moe import MoEConfig
+@dataclass
+class _Rank:
+    """One rank's training job: what :func:`_build` makes and the per-step parts read.
 
-    cluster = _job_cluster(cfg, cluster)
+    Attributes:
+        dense, expert: the data-parallel and the expert-parallel parameters (the balancer's
+            spare slots among the experts).
+        extras: the ``Stateful`` objects checkpoints and snapshots carry beside the model.
+        batch_split, cold, balancer, psgd: the balancing levers and PowerSGD (:func:`_add_levers`).
+    """
+
+    cfg: TrainConfig
+    rank: int
+    world_size: int
+    cluster: Any
+    task: MarkovTask
+    model: MoETransformerLM
+    opt: torch.optim.Optimizer
+    gen: torch.Generator
+    dense: List[torch.nn.Parameter]
+    expert: List[torch.nn.Parameter]
+    extras: Dict[str, Any]
+    batch_split: Any = None
+    cold: Optional[ColdMoves] = None
+    balancer: Any = None
+    psgd: Any = None
+    split_on: bool = False
+    snap: Any = None
+    snap_record: Any = None
+    placement_from: str = "datasheet"
+    moe_time: Any = None
+    losses: List[float] = field(default_factory=list)
+    mc: Any = None
+    progress: Any = None
+    probe: Any = None
+    change: Any = None
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one step on one rank (the batch split moves sequences, not their sum)."""
+        return self.cfg.batch_size * self.cfg.seq_len
+
+
+def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None) -> int:
+    from hetcomm.ops import hooks, rank_marks
+
+    job = _build(rank, world_size, cfg, MoELayer, _job_cluster(cfg, cluster))
+    rank_marks.startup("model")
+    start_step, resumed_from = hooks.restore(cfg, job.model, job.opt, job.gen, job.extras or None, job.snap)
+    rank_marks.startup("restore")
+    if start_step >= cfg.steps:  # nothing left to train: report the recorded verdict, not a fresh one
+        return hooks.nothing_to_train(cfg, rank, start_step)
+    _start(job, start_step, resumed_from)
+    t0 = time.perf_counter()
+    for step in range(start_step + 1, cfg.steps + 1):
+        _step(job, step)
+    return _finish(job, t0)
+
+
+def _step(job: _Rank, step: int) -> None:
+    """One optimizer step; its parts in order, every collective at the same point on every rank."""
+    cfg, model, mc = job.cfg, job.model, job.mc
+    mc.start_step()
+    t_step = time.perf_counter()
+    job.batch_split.begin_step()  # the batch split's busy clock (run + ready time of this thread)
+    batch = job.task.sample(job.batch_split.mine, cfg.seq_len, job.gen)
+    mc.mark("data")
+    loss, aux = _forward(job, batch)
+    mc.mark("forward")
+    job.opt.zero_grad(set_to_none=True)
+    (loss + 0.01 * aux).backward()
+    mc.mark("backward")
+    _sync_gradients(job)
+    mc.mark("grad_sync")
+    job.opt.step()
+    mc.mark("optimizer")
+    loss_slots, carry = _refresh_and_rebalance(job, step, loss)
+    mc.mark("replica_sync")
+    if carry:  # no refresh over the whole group this step (none hot yet, or holders only)
+        dist.all_reduce(loss_slots)
+    job.losses.append(_loss_sum(loss_slots) / job.world_size)
+    job.batch_split.maybe_agree(time.perf_counter() - t_step)  # collective every 10 steps: re-deal by measured speed
+    mc.mark("loss_sync")
+    mc.end_step(step, job.losses[-1], job.tokens_per_step * job.world_size)
+    _save(job, step)
+    job.probe.after_step(step, model.moe_layers)
+    job.progress.update(step, job.losses[-1], job.tokens_per_step * job.world_size, model)
+
+
+def _forward(job: _Rank, batch: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The model's loss on ``batch`` (``[B, S+1]`` int64 tokens) scaled to the mean over all
+    ranks' sequences, and the MoE layers' auxiliary loss."""
+    split = job.batch_split
+    split.begin_forward()
+    _, loss = job.model(batch[:, :-1], batch[:, 1:])
+    split.end_forward()  # forward outside the MoE layers: local compute only
+    loss = loss * split.loss_scale()  # the mean over all ranks' sequences after the 1/W average
+    aux = sum(m.l_aux for m in job.model.moe_layers)
+    job.moe_time.observe(job.model.moe_layers)
+    return loss, aux
+
+
+def _sync_gradients(job: _Rank) -> None:
+    """Expert gradients scaled to the global mean; the balancer's migrations land; the dense
+    gradients averaged over the group (PowerSGD on cross-node pairs with ``--powersgd``)."""
+    for p in job.expert:  # the global loss is the mean over ranks: scale the expert-parallel grads
+        if p.grad is not None:
+            p.grad /= job.world_size
+    if job.balancer is not None:
+        job.balancer.after_backward()  # migrations started last step land; old owners computed this one
+    if job.psgd is not None:
+        for p in job.dense:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        job.psgd.all_reduce_mean([p.grad for p in job.dense])
+    else:
+        _allreduce_dense_grads(job.dense, job.world_size)
+
+
+def _refresh_and_rebalance(job: _Rank, step: int, loss: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """After the optimizer: replicas refreshed from their owners (carrying the loss when one
+    refresh spans the whole group), paging's step end, the cold move and the balancer's plans.
+    Returns the loss slots and what is left of ``carry`` (empty: the loss was summed)."""
+    loss_slots = _loss_slots(loss, job.rank, job.world_size)
+    carry = [loss_slots]
+    for m in job.model.moe_layers:
+        # Forced: the step has just moved the owners' weights, so the refresh is due on every
+        # rank without asking the group first (one all-reduce fewer per layer and step; a
+        # refresh of weights that did not move copies the same values). The first refresh
+        # over the whole group carries the loss (one more fewer).
+        m.sync_replicas(force=True, carry=carry)
+        m.end_page_step()  # after the refresh read the owners' weights: evictions, prefetch
+    for line in job.cold.after_step(step, job.opt):
+        job.mc.event(step, "migration", line)
+    if job.balancer is not None:
+        for line in job.balancer.after_step(step):
+            job.mc.event(step, "migration", line)
+    return loss_slots, carry
+
+
+def _save(job: _Rank, step: int) -> None:
+    """The step's checkpoint when due (after a membership record), and its snapshot."""
+    from hetcomm.ops import hooks
+
+    cfg, model = job.cfg, job.model
+    if cfg.page_budget > 0 and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+        for m in model.moe_layers:
+            m.sync_pages()  # the checkpoint reads the experts: no write-back half done
+    if hooks.maybe_checkpoint(cfg, step, model, job.opt, job.gen, job.mc, job.extras or None):
+        _elastic_after_checkpoint(cfg, job.rank, job.world_size, job.cluster, model)
+    hooks.maybe_snapshot(cfg, job.snap, step, model, job.opt, job.gen, job.extras or None, job.mc)
+
+
+def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _Rank:
+    """The model, its optimizer, the data stream and the balancing levers of one rank (the
+    snapshots' placement record read first: collective when snapshots are on)."""
+    from hetcomm.moe import MoEConfig
+    from hetcomm.ops import hooks
+    from hetcomm.train.het_defaults import MoETimeTracker, resolve_chunks, token_split_default
+
     task = MarkovTask(vocab_size=256, seed=1234 + cfg.seed)
     lm_cfg = LMConfig(
         vocab_size=task.vocab_size,
@@ -408,13 +564,9 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
             torch.nn.Linear(dim, cfg.hidden_dim), torch.nn.GELU(), torch.nn.Linear(cfg.hidden_dim, dim)
         )
 
-    from hetcomm.train.het_defaults import BatchSplit, MoETimeTracker, device_classes, resolve_chunks, token_split_default
-
     split_on = token_split_default(cfg.token_split, cfg.replicate, cluster, world_size) and cfg.page_budget == 0
     device = torch.device("cpu")  # the demo LM runs on CPU ranks
     num_chunks, _ = resolve_chunks(cfg.chunks, device)  # None: measured once the model exists
-
-    from hetcomm.ops import hooks, rank_marks
 
     # Before the model: the in-memory snapshots' headers carry the measured speeds a restore onto
     # another membership places the experts by when no checkpoint directory records them.
@@ -464,168 +616,115 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
 
         num_chunks, _ = measure_chunks(model.moe_layers, probe_step)
     opt = torch.optim.AdamW(dense + expert, lr=cfg.lr, weight_decay=0.0)
-    paged = cfg.page_budget > 0
-    if paged:
+    if cfg.page_budget > 0:
         for m in model.moe_layers:
             m.attach_optimizer(opt)  # Adam's moments are paged with each expert
-    gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)
+    job = _Rank(cfg, rank, world_size, cluster, task, model, opt,
+                gen=torch.Generator().manual_seed(cfg.seed * 7919 + rank), dense=dense, expert=expert, extras={},
+                split_on=split_on, snap=snap, snap_record=snap_record,
+                placement_from=placement_from, moe_time=MoETimeTracker())
+    _add_levers(job, device)
+    return job
 
-    import hetcomm
 
-    # --balance / --powersgd (hetcomm.train.balance): their state is checkpointed with the model.
+def _add_levers(job: _Rank, device: torch.device) -> None:
+    """The balancing levers and the state they checkpoint (:mod:`hetcomm.train.balance`,
+    :mod:`hetcomm.train.het_defaults`, :mod:`hetcomm.train.cold`)."""
+    from hetcomm.ops.checkpoint import PerRank
     from hetcomm.train.balance import ReplicaPowerSGD, TrainBalancer, make_powersgd
+    from hetcomm.train.het_defaults import BatchSplit, device_classes
+    from hetcomm.train.rank_time import busy_clock_for, process_clock_for
 
-    balancer = psgd = None
-    extras: Dict[str, Any] = {}
-
-    def make_balancer() -> "TrainBalancer":
-        from hetcomm.moe.placement.balancer import BalancerConfig
-        from hetcomm.topo.compute import rank_speeds
-
-        # The datasheet is the prior; each plan packs by the layers' measured vector once agreed.
-        return TrainBalancer(model, opt, rank_speeds(cluster, range(world_size)),
-                             BalancerConfig(every=cfg.balance_every, cooldown=cfg.balance_cooldown),
-                             flops_per_token=6 * 2 * cfg.model_dim * cfg.hidden_dim)
-
+    cfg, rank, world_size, cluster, model = job.cfg, job.rank, job.world_size, job.cluster, job.model
+    # --speed datasheet: no batch split (it has nothing to measure; the demo's CPU ranks are not
+    # what the datasheet says), every decision from the data alone.
+    job.batch_split = BatchSplit(cfg.batch_size, world_size, rank,
+                                 enabled=cfg.balance is not False and cfg.speed == "measured",
+                                 clock=busy_clock_for(device), process_clock=process_clock_for(device),
+                                 classes=device_classes(cluster, world_size) if cluster is not None else None)
+    job.batch_split.attach(model.moe_layers)  # the MoE layers' busy time: the rest of the forward is dense
     # The migration balancer runs with --balance only: on by default (auto, mixed cluster) it cost
     # 0.68x of --no-balance on the plain demo (benchmarks/README.md, het_train_emulated.py): noisy
     # measured speeds of equal CPU ranks drove 13 migrations in 200 steps. The batch split (its
     # own gates: >10% apart, >3% gain, two agreements in a row) is on unless --no-balance.
-    balance_on = cfg.balance is True and world_size > 1
-    # --speed datasheet: no batch split (it has nothing to measure; the demo's CPU ranks are not
-    # what the datasheet says), every decision from the data alone.
-    from hetcomm.train.rank_time import busy_clock_for, process_clock_for
+    if cfg.balance is True and world_size > 1:
+        from hetcomm.moe.placement.balancer import BalancerConfig
+        from hetcomm.topo.compute import rank_speeds
 
-    batch_split = BatchSplit(cfg.batch_size, world_size, rank, enabled=cfg.balance is not False and cfg.speed == "measured",
-                             clock=busy_clock_for(device), process_clock=process_clock_for(device),
-                             classes=device_classes(cluster, world_size) if cluster is not None else None)
-    batch_split.attach(model.moe_layers)  # the MoE layers' busy time: the rest of the forward is dense
-    if balance_on:
-        balancer = make_balancer()
-        extras["balancer"] = balancer
-        expert = expert + balancer.spare_parameters()  # a spare may hold an expert later
-    if batch_split.enabled:
-        extras["batch_split"] = batch_split
+        # The datasheet is the prior; each plan packs by the layers' measured vector once agreed.
+        job.balancer = TrainBalancer(model, job.opt, rank_speeds(cluster, range(world_size)),
+                                     BalancerConfig(every=cfg.balance_every, cooldown=cfg.balance_cooldown),
+                                     flops_per_token=6 * 2 * cfg.model_dim * cfg.hidden_dim)
+        job.extras["balancer"] = job.balancer
+        job.expert = job.expert + job.balancer.spare_parameters()  # a spare may hold an expert later
+    if job.batch_split.enabled:
+        job.extras["batch_split"] = job.batch_split
     # Cold experts on the slow ranks: once per layer, the coldest experts by global load move
     # to the ranks measured slower (hetcomm.train.cold). Not with --balance (the balancer owns the
     # map), --no-balance, --speed datasheet (nothing is measured), paging or --powersgd-experts
     # (its error feedback follows the replicas' rows).
-    cold = ColdMoves(model.moe_layers,
-                     enabled=cfg.balance == "auto" and cfg.speed == "measured" and cfg.replicate and world_size > 1
-                     and not paged and not cfg.powersgd_experts)
-    if balancer is None:
+    job.cold = ColdMoves(model.moe_layers,
+                         enabled=cfg.balance == "auto" and cfg.speed == "measured" and cfg.replicate and world_size > 1
+                         and cfg.page_budget == 0 and not cfg.powersgd_experts)
+    if job.balancer is None:
         # A placement changed at run time travels with every checkpoint and snapshot: a restore
         # re-places the layers before their experts load (the balancer carries its own map).
-        extras["placement"] = LayerPlacements(model.moe_layers)
-        extras["cold_moves"] = cold
+        job.extras["placement"] = LayerPlacements(model.moe_layers)
+        job.extras["cold_moves"] = job.cold
     if cfg.powersgd_rank:
-        psgd = make_powersgd(cluster, world_size, cfg.powersgd_rank, cfg.seed, cfg.steps)
-        from hetcomm.ops.checkpoint import PerRank
-
-        extras["powersgd"] = PerRank(psgd, rank)  # each leader's own error feedback, not one rank's
+        job.psgd = make_powersgd(cluster, world_size, cfg.powersgd_rank, cfg.seed, cfg.steps)
+        job.extras["powersgd"] = PerRank(job.psgd, rank)  # each leader's own error feedback, not one rank's
     if cfg.powersgd_experts:
-        from hetcomm.ops.checkpoint import PerRank
+        job.extras["powersgd_experts"] = PerRank(ReplicaPowerSGD(model), rank)
 
-        extras["powersgd_experts"] = PerRank(ReplicaPowerSGD(model), rank)
-    rank_marks.startup("model")
-    start_step, resumed_from = hooks.restore(cfg, model, opt, gen, extras or None, snap)  # memory, else disk
-    rank_marks.startup("restore")
-    if start_step >= cfg.steps:  # nothing left to train: report the recorded verdict, not a fresh one
-        return hooks.nothing_to_train(cfg, rank, start_step)
-    if balancer is not None and start_step:
-        balancer.resume_pending()  # a migration in flight at the save starts again from the loaded weights
+
+def _start(job: _Rank, start_step: int, resumed_from: Optional[str]) -> None:
+    """After the restore: a migration in flight at the save restarts, the warm-up seeds, the
+    counters start, and the metrics, progress and probe open (with the membership record)."""
+    import hetcomm
+    from hetcomm.ops import hooks
+
+    cfg, rank, world_size, cluster, model = job.cfg, job.rank, job.world_size, job.cluster, job.model
+    if job.balancer is not None and start_step:
+        job.balancer.resume_pending()  # a migration in flight at the save starts again from the loaded weights
     hooks.warmup(cfg, model, start_step)
     hetcomm.reset_stats()
-    progress = Progress(rank == 0, cfg, world_size, cluster, balancer, detected=cfg.cluster == DETECT)
-    mc = hooks.metrics_collector(cfg, rank, world_size, cluster, model, start_step, resumed_from)
-    change, probe = _elastic_start(cfg, rank, world_size, cluster, model, start_step, mc, placement_from,
-                                   snap_record, snap)
-    t0 = time.perf_counter()
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    losses: List[float] = []
-    moe_time = MoETimeTracker()
-    for step in range(start_step + 1, cfg.steps + 1):
-        mc.start_step()
-        t_step = time.perf_counter()
-        batch_split.begin_step()  # the batch split's busy clock (run + ready time of this thread)
-        batch = task.sample(batch_split.mine, cfg.seq_len, gen)
-        mc.mark("data")
-        batch_split.begin_forward()
-        _, loss = model(batch[:, :-1], batch[:, 1:])
-        batch_split.end_forward()  # forward outside the MoE layers: local compute only
-        loss = loss * batch_split.loss_scale()  # the mean over all ranks' sequences after the 1/W average
-        aux = sum(m.l_aux for m in model.moe_layers)
-        moe_time.observe(model.moe_layers)
-        mc.mark("forward")
-        opt.zero_grad(set_to_none=True)
-        (loss + 0.01 * aux).backward()
-        mc.mark("backward")
-        for p in expert:  # the global loss is the mean over ranks: scale the expert-parallel grads
-            if p.grad is not None:
-                p.grad /= world_size
-        if balancer is not None:
-            balancer.after_backward()  # migrations started last step land; old owners computed this one
-        if psgd is not None:
-            for p in dense:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            psgd.all_reduce_mean([p.grad for p in dense])
-        else:
-            _allreduce_dense_grads(dense, world_size)
-        mc.mark("grad_sync")
-        opt.step()
-        mc.mark("optimizer")
-        loss_slots = _loss_slots(loss, rank, world_size)
-        carry = [loss_slots]
-        for m in model.moe_layers:
-            # Forced: the step has just moved the owners' weights, so the refresh is due on every
-            # rank without asking the group first (one all-reduce fewer per layer and step; a
-            # refresh of weights that did not move copies the same values). The first refresh
-            # over the whole group carries the loss (one more fewer).
-            m.sync_replicas(force=True, carry=carry)
-            m.end_page_step()  # after the refresh read the owners' weights: evictions, prefetch
-        for line in cold.after_step(step, opt):
-            mc.event(step, "migration", line)
-        if balancer is not None:
-            for line in balancer.after_step(step):
-                mc.event(step, "migration", line)
-        mc.mark("replica_sync")
-        if carry:  # no refresh over the whole group this step (none hot yet, or holders only)
-            dist.all_reduce(loss_slots)
-        losses.append(_loss_sum(loss_slots) / world_size)
-        batch_split.maybe_agree(time.perf_counter() - t_step)  # collective every 10 steps: re-deal by measured speed
-        mc.mark("loss_sync")
-        mc.end_step(step, losses[-1], tokens_per_step * world_size)
-        if paged and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            for m in model.moe_layers:
-                m.sync_pages()  # the checkpoint reads the experts: no write-back half done
-        if hooks.maybe_checkpoint(cfg, step, model, opt, gen, mc, extras or None):
-            _elastic_after_checkpoint(cfg, rank, world_size, cluster, model)
-        hooks.maybe_snapshot(cfg, snap, step, model, opt, gen, extras or None, mc)
-        probe.after_step(step, model.moe_layers)
-        progress.update(step, losses[-1], tokens_per_step * world_size, model)
-    hooks.finish_checkpoints(mc)  # --checkpoint-async: the last one is committed before the summary
-    snap_rows = hooks.close_snapshots(snap, mc, cfg.steps, len(losses), time.perf_counter() - t0)
-    mc.close()
-    probe.close()
-    if balancer is not None:
-        balancer.finish_pending()
+    job.progress = Progress(rank == 0, cfg, world_size, cluster, job.balancer, detected=cfg.cluster == DETECT)
+    job.mc = hooks.metrics_collector(cfg, rank, world_size, cluster, model, start_step, resumed_from)
+    job.change, job.probe = _elastic_start(cfg, rank, world_size, cluster, model, start_step, job.mc,
+                                           job.placement_from, job.snap_record, job.snap)
+
+
+def _finish(job: _Rank, t0: float) -> int:
+    """The end of training: pending checkpoints and snapshots closed, the summary (collective)
+    printed by rank 0. Returns the exit code of the loss verdict."""
+    from hetcomm.ops import hooks
+    from hetcomm.train.het_defaults import MoETimeTracker
+
+    cfg, rank, world_size, model = job.cfg, job.rank, job.world_size, job.model
+    hooks.finish_checkpoints(job.mc)  # --checkpoint-async: the last one is committed before the summary
+    snap_rows = hooks.close_snapshots(job.snap, job.mc, cfg.steps, len(job.losses), time.perf_counter() - t0)
+    job.mc.close()
+    job.probe.close()
+    if job.balancer is not None:
+        job.balancer.finish_pending()
 
     elapsed = time.perf_counter() - t0
-    het_rows = [("batch split (by measured busy time)", batch_split.summary()),
-                *([] if balancer is not None else [("balancer", "off" + (" (--no-balance)" if cfg.balance is False else ""))]),
-                ("token split (per step, by measured speed)", "on" if split_on else "off"),
-                ("cold experts (coldest by global load on measured-slow ranks)", cold.summary()),
-                ("per-rank MoE time max/mean", MoETimeTracker.summary(moe_time.gather(world_size))), *snap_rows,
-                *_elastic_summary_rows(change, model)]
-    compression = compression_per_rank(psgd, model, cfg, rank, world_size)  # collective
-    summary = summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step,
-                        balancer, psgd, het_rows, detected=cfg.cluster == DETECT)
-    summary.update(compression, losses=list(losses), process_groups=group_backends())
+    het_rows = [("batch split (by measured busy time)", job.batch_split.summary()),
+                *([] if job.balancer is not None
+                  else [("balancer", "off" + (" (--no-balance)" if cfg.balance is False else ""))]),
+                ("token split (per step, by measured speed)", "on" if job.split_on else "off"),
+                ("cold experts (coldest by global load on measured-slow ranks)", job.cold.summary()),
+                ("per-rank MoE time max/mean", MoETimeTracker.summary(job.moe_time.gather(world_size))), *snap_rows,
+                *_elastic_summary_rows(job.change, model)]
+    compression = compression_per_rank(job.psgd, model, cfg, rank, world_size)  # collective
+    summary = summarise(rank, world_size, cfg, job.cluster, job.task, model, job.losses, elapsed,
+                        job.tokens_per_step, job.balancer, job.psgd, het_rows, detected=cfg.cluster == DETECT)
+    summary.update(compression, losses=list(job.losses), process_groups=group_backends())
     _LAST_SUMMARY[:] = [summary]
     hooks.record_verdict(cfg, rank, summary)
     if rank == 0:
-        progress.close()
+        job.progress.close()
         print(summary["text"])
     return 0 if summary["ok"] else 1
 

@@ -244,6 +244,9 @@ def _run(args: argparse.Namespace, made: List[str], jobs: List[str]) -> int:
     env[CLUSTER_ENV] = cluster_path
     env["HETCOMM_LAUNCH_DIR"] = work
     env[settings.JOB_ID.name] = rdzv_id  # names the job's snapshot segments in /dev/shm (hetcomm.ops.snapshot)
+    from hetcomm.ops.snapshot import check_job_dir
+
+    check_job_dir(rdzv_id)  # another user's directory at that name: exit 2 now, never used or removed
     jobs.append(rdzv_id)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONSAFEPATH"] = "1"  # torchrun's `python -m hetcomm.cli.launch_worker` must not import ./hetcomm

@@ -90,7 +90,7 @@ from hetcomm.ops import snapshot_reshard
 from hetcomm.ops.checkpoint import Stateful, TrainState
 from hetcomm.ops.snapshot_format import Restored, apply_state, pack, read_bytes, unpack
 
-__all__ = ["Snapshotter", "Restored", "job_dir", "remove_job", "buddies", "job_id", "pack", "unpack"]
+__all__ = ["Snapshotter", "Restored", "job_dir", "check_job_dir", "remove_job", "buddies", "job_id", "pack", "unpack"]
 
 _NAME = re.compile(r"^([rp])(\d+)-w(\d+)-s(\d+)\.snap$")
 _KEEP = 2  # generations kept per rank: a write killed half-way leaves the one before
@@ -108,18 +108,38 @@ def job_dir(job: str, root: Optional[str] = None) -> str:
     return os.path.join(root, f"hetcomm-{os.getuid()}-{safe}")
 
 
-def remove_job(job: str) -> bool:
-    """Remove the job's snapshot directory on this node (``hetcomm launch`` at its end).
+#: What to do about a job directory that is not private to this user (UnsafePathError's fix).
+_DIR_FIX = ("it is not this job's to use: ask its owner (or root) to remove it, give the job another id "
+            "(hetcomm launch --rdzv-id, torchrun --rdzv-id), or set HETCOMM_SNAPSHOT_ROOT to a directory only you "
+            "can write")
 
-    Returns:
-        True when there was one.
+
+def check_job_dir(job: str) -> str:
+    """Refuse the job's snapshot directory on this node if it exists and is not private to the
+    caller (``hetcomm launch`` before torchrun starts: exit 2 naming the path and owner, not a
+    rank failure restarted ``--max-restarts`` times). Returns its path.
+
+    Raises:
+        UnsafePathError: a link, not a directory, another user's, or group/other-writable.
     """
-    from hetcomm.ops.safe_fs import remove_tree
+    from hetcomm.ops.safe_fs import check_private_dir
 
     path = job_dir(job)
-    had = os.path.isdir(path) and not os.path.islink(path)
-    remove_tree(path)
-    return had
+    if os.path.lexists(path):
+        check_private_dir(path, what="the job's snapshot directory", fix=_DIR_FIX)
+    return path
+
+
+def remove_job(job: str) -> bool:
+    """Remove the job's snapshot directory on this node (``hetcomm launch`` at its end), only
+    if it is the caller's own directory: one another user planted at the name is left alone.
+
+    Returns:
+        True when there was one and it was removed.
+    """
+    from hetcomm.ops.safe_fs import remove_own_tree
+
+    return remove_own_tree(job_dir(job))
 
 
 def buddies(nodes: Sequence[str]) -> List[Optional[int]]:
@@ -165,8 +185,7 @@ class Snapshotter:
         box = [job_id() or uuid.uuid4().hex[:12]]
         dist.broadcast_object_list(box, src=0, group=self.group)  # one name on every rank
         self.job = str(box[0])
-        self.dir = private_dir(job_dir(self.job), what="the snapshot directory",
-                               fix="remove it (another user's?) or set HETCOMM_SNAPSHOT_ROOT")
+        self.dir = private_dir(job_dir(self.job), what="the job's snapshot directory", fix=_DIR_FIX)
         bud = buddies(list(nodes)) if peer else [None] * world_size
         self.buddy = bud[rank]
         self.nodes = list(nodes)

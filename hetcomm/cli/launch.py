@@ -175,19 +175,19 @@ def run(args: argparse.Namespace) -> int:
     from hetcomm.ops.safe_fs import remove_tree
 
     made: List[str] = []  # the default work directory: removed when the launch ends (--work-dir is kept)
-    jobs: List[str] = []  # the job's in-memory snapshots on this node: removed whatever the outcome
+    jobs: List[Tuple[str, str]] = []  # (id, nonce): the job's in-memory snapshots on this node, removed whatever the outcome
     try:
         return _run(args, made, jobs)
     finally:
         from hetcomm.ops.snapshot import remove_job
 
-        for job in jobs:
-            remove_job(job)
+        for job, nonce in jobs:
+            remove_job(job, nonce)
         for path in made:
             remove_tree(path)
 
 
-def _run(args: argparse.Namespace, made: List[str], jobs: List[str]) -> int:
+def _run(args: argparse.Namespace, made: List[str], jobs: List[Tuple[str, str]]) -> int:
     from hetcomm.cli._launch_checks import check_job, check_options, check_rdzv_endpoint, job_cluster
     from hetcomm.ops.health import judge, render_report
     from hetcomm.ops.safe_fs import launch_work_dir, read_nofollow, write_private
@@ -244,10 +244,14 @@ def _run(args: argparse.Namespace, made: List[str], jobs: List[str]) -> int:
     env[CLUSTER_ENV] = cluster_path
     env["HETCOMM_LAUNCH_DIR"] = work
     env[settings.JOB_ID.name] = rdzv_id  # names the job's snapshot segments in /dev/shm (hetcomm.ops.snapshot)
+    from hetcomm.ops.job_identity import new_launch_env
+
+    ident = new_launch_env()  # which launch the snapshots are: restored by its restarts only
+    env.update(ident)
     from hetcomm.ops.snapshot import check_job_dir
 
     check_job_dir(rdzv_id)  # another user's directory at that name: exit 2 now, never used or removed
-    jobs.append(rdzv_id)
+    jobs.append((rdzv_id, ident[settings.LAUNCH_NONCE.name]))
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONSAFEPATH"] = "1"  # torchrun's `python -m hetcomm.cli.launch_worker` must not import ./hetcomm
     if args.node:

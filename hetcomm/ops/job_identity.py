@@ -19,7 +19,8 @@ that owns it, and every snapshot header the same identity:
 
 A restart of the same launch finds its own nonce and restores; a directory of a dead launch is
 stale state, reclaimed with a one-line notice; one of a live other launch (two jobs given one id)
-is refused by name.
+is refused by name. :func:`sweep` removes what dead launches of this user left: their snapshot
+directories and ``hetcomm launch``'s default work directories (each with its record).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Dict, List, Optional
 from hetcomm import settings
 
 __all__ = ["RECORD", "Launch", "boot_id", "process_mark", "mark_alive", "this_launch", "new_launch_env",
-           "read_record", "write_record", "record_alive"]
+           "read_record", "write_record", "record_alive", "describe", "sweep", "sweep_line"]
 
 #: The owner record in a job's snapshot directory and in a launch's work directory.
 RECORD = "owner.json"
@@ -146,3 +147,43 @@ def describe(rec: Optional[Dict[str, object]]) -> str:
         return "an unknown launch (no owner record: an older hetcomm's)"
     pids = [str(m).rsplit(":", 2)[1] for m in rec.get("owners") or [] if str(m).count(":") >= 2]  # type: ignore[union-attr]
     return f"launch {rec.get('launch')} (pids {', '.join(pids) or '?'})"
+def sweep(parent: str, prefix: str, keep: Optional[str] = None) -> List[str]:
+    """Remove the directories ``parent/<prefix>*`` of this user whose owner record names only
+    dead processes (a killed job's leftovers). Never another user's (owner checked with
+    ``lstat``, no link followed), never a live launch's, never one without a record (it may be
+    in the making, or an older hetcomm's: left for the operator), never ``keep``.
+
+    Returns:
+        The directories removed.
+    """
+    import shutil
+
+    removed: List[str] = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in sorted(names):
+        path = os.path.join(parent, name)
+        if not name.startswith(prefix) or path == keep:
+            continue
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            continue
+        rec = read_record(path)
+        if rec is None or record_alive(rec):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def sweep_line(removed: List[str]) -> str:
+    """The one-line notice of a :func:`sweep` ('' when it removed nothing)."""
+    if not removed:
+        return ""
+    return (f"hetcomm: removed {len(removed)} director{'y' if len(removed) == 1 else 'ies'} left by jobs of yours "
+            f"that no longer run: {', '.join(removed)}")

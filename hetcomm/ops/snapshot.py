@@ -263,6 +263,12 @@ class Snapshotter:
                               f"(steps {steps[0]}..{steps[-1]}) left by {job_identity.describe(now)}, which is not "
                               f"running: this launch starts on its own", file=sys.stderr, flush=True)
                     job_identity.write_record(self.dir, self.launch)
+                    # Killed jobs' directories are never removed by their own end: the first
+                    # rank here to start a job reclaims those of this user's dead launches.
+                    line = job_identity.sweep_line(job_identity.sweep(
+                        os.path.dirname(self.dir), f"hetcomm-{os.getuid()}-", keep=self.dir))
+                    if line:
+                        print(line, file=sys.stderr, flush=True)
             finally:
                 os.close(fd)  # releases the lock
         box: List[object] = [None] * self.world_size

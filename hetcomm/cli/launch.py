@@ -175,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
     from hetcomm.ops.safe_fs import remove_tree
 
     made: List[str] = []  # the default work directory: removed when the launch ends (--work-dir is kept)
-    jobs: List[Tuple[str, str]] = []  # (id, nonce): the job's in-memory snapshots on this node, removed whatever the outcome
+    # (id, nonce): the job's in-memory snapshots on this node, removed whatever the outcome
+    jobs: List[Tuple[str, str]] = []
     try:
         return _run(args, made, jobs)
     finally:

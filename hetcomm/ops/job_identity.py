@@ -145,7 +145,8 @@ def describe(rec: Optional[Dict[str, object]]) -> str:
     """``launch <nonce> (pids 12, 34)`` for messages."""
     if not rec:
         return "an unknown launch (no owner record: an older hetcomm's)"
-    pids = [str(m).rsplit(":", 2)[1] for m in rec.get("owners") or [] if str(m).count(":") >= 2]  # type: ignore[union-attr]
+    owners = rec.get("owners")
+    pids = [str(m).rsplit(":", 2)[1] for m in (owners if isinstance(owners, list) else []) if str(m).count(":") >= 2]
     return f"launch {rec.get('launch')} (pids {', '.join(pids) or '?'})"
 def sweep(parent: str, prefix: str, keep: Optional[str] = None) -> List[str]:
     """Remove the directories ``parent/<prefix>*`` of this user whose owner record names only

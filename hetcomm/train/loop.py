@@ -134,7 +134,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise ConfigError(f"must be a whole number >= 0, got {self.checkpoint_every!r}", key="train.checkpoint_every")
-        if isinstance(self.keep_checkpoints, bool) or not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 0:
+        keep = self.keep_checkpoints
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
             raise ConfigError(f"must be a whole number >= 0 (0: keep all), got {self.keep_checkpoints!r}",
                               key="train.keep_checkpoints")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:

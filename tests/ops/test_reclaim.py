@@ -43,8 +43,9 @@ def test_a_starting_launch_reclaims_dead_jobs_state_and_nothing_else(tmp_path):
         unknown = os.path.join(shm, f"hetcomm-{uid}-norecord")  # an older hetcomm's, or in the making
         os.mkdir(unknown, 0o700)
         other = os.path.join(shm, f"hetcomm-{uid}-planted")  # another user's, with a dead owner record
+        record = {"launch": "x", "owners": [dead_mark]}
         as_other(f"import os, json; os.mkdir({other!r}, 0o700); "
-                 f"open({other + '/owner.json'!r}, 'w').write(json.dumps({{'launch': 'x', 'owners': [{dead_mark!r}]}}))")
+                 f"open({other + '/owner.json'!r}, 'w').write(json.dumps({record!r}))")
         base = tmp_path / f"hetcomm-launch-{uid}"
         base.mkdir(mode=0o700)
         dead_work = _state_dir(str(base / "old-1a2b3c4d"), dead_mark)

@@ -104,3 +104,37 @@ def test_a_job_whose_namesake_runs_is_refused_and_leaves_its_state_alone(tmp_pat
         assert first.poll() is None
     finally:
         _kill_all(first, str(tmp_path / "w1"))
+
+
+_PROBE = """
+import os, sys
+from hetcomm.ops.job_identity import mark_alive, this_launch
+launch = this_launch(os.environ["TORCHELASTIC_RUN_ID"])
+with open(os.path.join(sys.argv[1], os.environ["TORCHELASTIC_RESTART_COUNT"] + "-" + os.environ["RANK"]), "w") as f:
+    f.write(" ".join([os.environ["TORCHELASTIC_RESTART_COUNT"], launch.nonce, str(all(map(mark_alive, launch.owners)))]))
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+    sys.exit(3)  # torchrun restarts both workers
+"""
+
+
+def test_plain_torchrun_has_one_launch_identity_across_its_restarts_and_another_per_launch(tmp_path):
+    from tests.ops.jobs import _free_port
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(_PROBE)
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    for name in ("HETCOMM_LAUNCH_NONCE", "HETCOMM_LAUNCH_OWNER"):
+        env.pop(name, None)
+    nonces = []
+    for n in range(2):  # two launches, each with a restart; plain torchrun's run id is "none" both times
+        out = tmp_path / str(n)
+        out.mkdir()
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+             "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+             str(probe), str(out)], env=env, capture_output=True, text=True, timeout=120)
+        lines = [(out / name).read_text().split() for name in sorted(os.listdir(out))]
+        assert sorted(w[0] for w in lines) == ["0", "0", "1", "1"], proc.stdout + proc.stderr[-3000:]
+        assert len({w[1] for w in lines}) == 1 and all(w[2] == "True" for w in lines), lines
+        nonces.append(lines[0][1])
+    assert nonces[0] != nonces[1]

@@ -52,6 +52,11 @@ directory when it ends whatever the outcome (:func:`remove_job`), and ``hetcomm 
 launcher does the same for its ranks. Names carry the user id and the job id (``hetcomm launch``'s
 rendezvous id, else torchrun's run id), so concurrent jobs never collide.
 
+**Whose state.** The id alone does not name one run (torchrun's default is ``none``): the
+directory's ``owner.json`` and every header name the launch (:mod:`hetcomm.ops.job_identity`).
+Only that launch's restarts restore; a dead namesake's snapshots are removed with one line, a
+live namesake is refused (:meth:`Snapshotter._claim`).
+
 Why not an existing engine (both install from PyPI and import with torch 2.13 CPU here; checked
 with torchft 0.2.0 and dlrover 0.6.1):
 

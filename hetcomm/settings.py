@@ -378,6 +378,18 @@ JOB_ID = StrSetting(
     readers=("hetcomm.ops.snapshot",),
     set_by=("hetcomm.cli.launch", "hetcomm.train.loop"),
 )
+LAUNCH_NONCE = StrSetting(
+    "HETCOMM_LAUNCH_NONCE", None,
+    "this launch's nonce (one per hetcomm launch, kept across torchrun restarts): which launch a snapshot belongs to",
+    readers=("hetcomm.ops.job_identity",),
+    set_by=("hetcomm.cli.launch",),
+)
+LAUNCH_OWNER = StrSetting(
+    "HETCOMM_LAUNCH_OWNER", None,
+    "boot id, pid and start time of the hetcomm launch process: while it lives its job's state is not stale",
+    readers=("hetcomm.ops.job_identity",),
+    set_by=("hetcomm.cli.launch",),
+)
 SNAPSHOT_ROOT = StrSetting(
     "HETCOMM_SNAPSHOT_ROOT", "/dev/shm",
     "node-local shared memory where training snapshots live (<root>/hetcomm-<uid>-<job id>/)",

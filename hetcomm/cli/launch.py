@@ -175,19 +175,40 @@ def run(args: argparse.Namespace) -> int:
     from hetcomm.ops.safe_fs import remove_tree
 
     made: List[str] = []  # the default work directory: removed when the launch ends (--work-dir is kept)
-    jobs: List[str] = []  # the job's in-memory snapshots on this node: removed whatever the outcome
+    # (id, nonce): the job's in-memory snapshots on this node, removed whatever the outcome
+    jobs: List[Tuple[str, str]] = []
     try:
         return _run(args, made, jobs)
     finally:
         from hetcomm.ops.snapshot import remove_job
 
-        for job in jobs:
-            remove_job(job)
+        for job, nonce in jobs:
+            remove_job(job, nonce)
         for path in made:
             remove_tree(path)
 
 
-def _run(args: argparse.Namespace, made: List[str], jobs: List[str]) -> int:
+def _reclaim(work: Optional[str], rdzv_id: str, ident: dict) -> None:
+    """Record this launch as the owner of its default work directory ``work`` (None: a kept
+    ``--work-dir``), then remove what dead launches of this user left (their default work
+    directories, their snapshot directories on this node): a killed launch never removes them
+    itself. One line when anything went."""
+    from hetcomm.ops import job_identity
+    from hetcomm.ops.snapshot import job_dir
+
+    removed: List[str] = []
+    if work is not None:
+        me = job_identity.Launch(rdzv_id, ident[settings.LAUNCH_NONCE.name], [ident[settings.LAUNCH_OWNER.name]])
+        job_identity.write_record(work, me)
+        removed += job_identity.sweep(os.path.dirname(work), "", keep=work)
+    shm = job_dir(rdzv_id)
+    removed += job_identity.sweep(os.path.dirname(shm), f"hetcomm-{os.getuid()}-", keep=shm)
+    line = job_identity.sweep_line(removed)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _run(args: argparse.Namespace, made: List[str], jobs: List[Tuple[str, str]]) -> int:
     from hetcomm.cli._launch_checks import check_job, check_options, check_rdzv_endpoint, job_cluster
     from hetcomm.ops.health import judge, render_report
     from hetcomm.ops.safe_fs import launch_work_dir, read_nofollow, write_private
@@ -238,13 +259,21 @@ def _run(args: argparse.Namespace, made: List[str], jobs: List[str]) -> int:
     nproc = expected
     rdzv_id = args.rdzv_id or uuid.uuid4().hex[:8]
     work = launch_work_dir(args.work_dir, rdzv_id)  # private, never reused from someone else
+    from hetcomm.ops.job_identity import new_launch_env
+
+    ident = new_launch_env()  # which launch the snapshots are: restored by its restarts only
     if args.work_dir is None:
         made.append(work)
+    _reclaim(work if args.work_dir is None else None, rdzv_id, ident)
     env = dict(os.environ)
     env[CLUSTER_ENV] = cluster_path
     env["HETCOMM_LAUNCH_DIR"] = work
     env[settings.JOB_ID.name] = rdzv_id  # names the job's snapshot segments in /dev/shm (hetcomm.ops.snapshot)
-    jobs.append(rdzv_id)
+    env.update(ident)
+    from hetcomm.ops.snapshot import check_job_dir
+
+    check_job_dir(rdzv_id)  # another user's directory at that name: exit 2 now, never used or removed
+    jobs.append((rdzv_id, ident[settings.LAUNCH_NONCE.name]))
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONSAFEPATH"] = "1"  # torchrun's `python -m hetcomm.cli.launch_worker` must not import ./hetcomm
     if args.node:

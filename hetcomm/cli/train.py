@@ -55,6 +55,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--metrics", metavar="FILE.jsonl", default=None, help="write one record per step (see docs/OPERATIONS.md)")
     p.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="sharded checkpoints (torch.distributed.checkpoint) here")
     p.add_argument("--checkpoint-every", metavar="N", type=int, default=None, help="save a checkpoint every N steps")
+    p.add_argument("--keep-checkpoints", metavar="N", type=int, default=None,
+                   help="keep the N newest checkpoints in --checkpoint-dir, deleting older ones once a newer one is "
+                   "complete (default 3; 0: keep all)")
     p.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--snapshot-every", metavar="N|auto", default=None,
                    help="in-memory snapshot (node-local shared memory + a peer node) every N steps; 0: none; "
@@ -165,6 +168,7 @@ def train_config(args: argparse.Namespace):
         metrics=args.metrics,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
         resume=args.resume,
         warmup_from=args.warmup_from,
         balance=args.balance,

@@ -230,6 +230,7 @@ def save_checkpoint(
     rng: Optional[torch.Generator] = None,
     extras: Optional[Mapping[str, Stateful]] = None,
     process_group: Optional[dist.ProcessGroup] = None,
+    keep: int = 0,
 ) -> str:
     """Save the job's state after ``step`` under ``root/step-<step>`` (collective).
 
@@ -248,6 +249,8 @@ def save_checkpoint(
         extras: more :class:`Stateful` objects, e.g. a pager or balancer; their state must be
             identical on every rank or keyed by owner/rank inside their ``state_dict()``.
         process_group: group DCP coordinates over (default: the default group).
+        keep: once this one is committed, delete all but the ``keep`` newest checkpoints
+            (:func:`hetcomm.ops.checkpoint_files.prune`); 0 keeps all.
     Returns:
         The committed step directory (``step-<step>``, or ``step-<step>.<n>`` when a directory
         of that step existed already).
@@ -259,7 +262,7 @@ def save_checkpoint(
     dcp.save(state, checkpoint_id=staging, process_group=process_group, no_dist=not dist.is_initialized())
     _barrier(process_group)  # every shard is on disk before rank 0 commits
     if rank == 0:
-        files.commit(root, staging, step)
+        files.commit(root, staging, step, keep)
     # ``latest`` names this step on every rank once save returns: a rank that reads it right
     # away (a resume, or a test) must not see the previous step, or none.
     _barrier(process_group)
@@ -277,6 +280,7 @@ class PendingSave:
     staging: str
     future: object  # concurrent.futures.Future of DCP's write
     rank: int
+    keep: int = 0  # checkpoints kept once this one is committed (0: all)
 
 
 def save_checkpoint_async(
@@ -287,6 +291,7 @@ def save_checkpoint_async(
     rng: Optional[torch.Generator] = None,
     extras: Optional[Mapping[str, Stateful]] = None,
     process_group: Optional[dist.ProcessGroup] = None,
+    keep: int = 0,
 ) -> PendingSave:
     """:func:`save_checkpoint` whose files are written in the background (collective).
 
@@ -300,7 +305,7 @@ def save_checkpoint_async(
     rank, staging, state = _begin_save(root, step, model, optimizer, rng, extras, process_group)
     future = dcp.async_save(state, checkpoint_id=staging, process_group=process_group,
                             no_dist=not dist.is_initialized())
-    return PendingSave(root, step, staging, future, rank)
+    return PendingSave(root, step, staging, future, rank, keep)
 
 
 def finish_save(pending: PendingSave) -> Optional[str]:
@@ -314,7 +319,7 @@ def finish_save(pending: PendingSave) -> Optional[str]:
     """
     pending.future.result()  # type: ignore[attr-defined]
     if pending.rank == 0:
-        return files.commit(pending.root, pending.staging, pending.step)
+        return files.commit(pending.root, pending.staging, pending.step, pending.keep)
     return None
 
 

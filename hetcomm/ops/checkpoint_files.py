@@ -6,6 +6,8 @@ Layout of ``--checkpoint-dir DIR`` (every directory ``0700``, every file ``0600`
     DIR/step-00000008/           one committed checkpoint: DCP's .metadata + *.distcp shards,
         hetcomm-checksums.json   and the size and SHA-256 of each of them
     DIR/.partial-step-00000012/  a save in progress (or killed): never loaded, removed by the next save
+    (the newest ``keep`` committed step directories stay; older ones are deleted once a newer
+    one is committed: :func:`prune`)
     DIR/verdict.json             the finished run's verdict (hetcomm train), for a resume with
                                  nothing left to train
 
@@ -44,7 +46,7 @@ from hetcomm.ops.safe_fs import (
 
 __all__ = [
     "CHECKSUMS", "LATEST", "VERDICT", "prepare_root", "staging_dir", "begin_staging", "commit",
-    "latest_checkpoint", "verify_checkpoint", "step_dir_name",
+    "latest_checkpoint", "verify_checkpoint", "step_dir_name", "prune",
 ]
 
 LATEST = "latest"
@@ -92,8 +94,9 @@ def _digest(path: str) -> str:
     return h.hexdigest()
 
 
-def commit(root: str, staging: str, step: int) -> str:
-    """Rank 0, after every rank's shards are on disk: checksums, modes, rename, ``latest``.
+def commit(root: str, staging: str, step: int, keep: int = 0) -> str:
+    """Rank 0, after every rank's shards are on disk: checksums, modes, rename, ``latest``,
+    then (``keep`` > 0) :func:`prune` to the ``keep`` newest committed checkpoints.
 
     Returns:
         The committed step directory.
@@ -116,7 +119,44 @@ def commit(root: str, staging: str, step: int) -> str:
     final = os.path.join(root, name)
     os.rename(staging, final)
     write_private(os.path.join(root, LATEST), name + "\n")
+    if keep > 0:
+        prune(root, keep, final)
     return final
+
+
+def prune(root: str, keep: int, newest: str) -> list:
+    """Delete the committed checkpoints of ``root`` older than the ``keep`` newest (``newest``,
+    the one just committed and named by ``latest``, always among them).
+
+    Called only after ``newest`` is complete (checksums written, renamed, ``latest`` moved), so
+    a kill at any point leaves at least one complete checkpoint. "Older" is commit order (the
+    checksums file's time), not the step number: after a resume from an earlier step, the
+    abandoned later steps of the run before go first. Only this user's real step directories
+    with a checksums file are candidates (a link, someone else's directory or an uncommitted
+    one is never touched).
+
+    Returns:
+        The directories deleted.
+    """
+    from hetcomm.ops.safe_fs import remove_own_tree
+
+    done = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if not _STEP_RE.fullmatch(name) or path == newest:
+            continue
+        try:
+            st = os.lstat(path)
+            sums = os.lstat(os.path.join(path, CHECKSUMS))
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and stat.S_ISREG(sums.st_mode):
+            done.append((sums.st_mtime_ns, name, path))
+    gone = []
+    for _, _, path in sorted(done)[:max(0, len(done) - (keep - 1))]:
+        if remove_own_tree(path):
+            gone.append(path)
+    return gone
 
 
 def latest_checkpoint(root: str) -> Optional[str]:

@@ -120,9 +120,10 @@ def maybe_checkpoint(
 
         done = finish_checkpoints(mc)
         _PENDING.append(save_checkpoint_async(cfg.checkpoint_dir, step, model, optimizer, rng, extras,
-                                              process_group=checkpoint_group()))
+                                              process_group=checkpoint_group(), keep=cfg.keep_checkpoints))
         return done
-    path = save_checkpoint(cfg.checkpoint_dir, step, model, optimizer, rng, extras, process_group=checkpoint_group())
+    path = save_checkpoint(cfg.checkpoint_dir, step, model, optimizer, rng, extras, process_group=checkpoint_group(),
+                           keep=cfg.keep_checkpoints)
     mc.event(step, "checkpoint", os.path.basename(path))
     return path
 

@@ -374,10 +374,11 @@ class MetricsCollector:
         self.num_experts = [int(m.config.num_experts) for m in self.layers]
         self._file = None
         if rank == 0:
-            try:
-                self._file = open(path, "a", encoding="utf-8")
-            except OSError as e:
-                raise ConfigError(f"cannot write the metrics file: {e.strerror}", path=path) from None
+            from hetcomm.ops.safe_fs import open_append_private
+
+            # Never through a link: a (root) job appending to a link someone planted at this
+            # name would write wherever it points (UnsafePathError names path, owner, fix).
+            self._file = open_append_private(path, what="metrics file (--metrics)")
             self._write(header)
         self._t_run = time.perf_counter()
         self._t_step = self._t_mark = self._t_run

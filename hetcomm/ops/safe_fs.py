@@ -38,6 +38,8 @@ __all__ = [
     "write_private",
     "read_nofollow",
     "remove_tree",
+    "remove_own_tree",
+    "open_append_private",
     "launch_work_dir",
 ]
 
@@ -210,6 +212,72 @@ def remove_tree(path: Optional[str]) -> None:
     unlinks a link, it does not descend into it)."""
     if path and os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_own_tree(path: str) -> bool:
+    """Remove ``path`` only if it is a real directory owned by the caller (not a link, not
+    another user's): a root job must never delete what another user made under a name it
+    expected to be its own (``/dev/shm`` and ``$TMPDIR`` are writable by everyone).
+
+    Returns:
+        True when it was removed; False when it is missing, a link, not a directory or
+        someone else's (left as it is).
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
+
+
+def open_append_private(path: str, *, what: str = "file") -> "io.TextIOWrapper":
+    """``path`` opened for appending text, created ``0600`` if missing, never through a link.
+
+    A symbolic link at ``path`` is refused (``O_NOFOLLOW``), not followed: a link another user
+    planted at a name a (root) job appends to would otherwise make it write wherever the link
+    points. What is opened must be a regular file of the caller with one link (a hard link to
+    someone's file would pass every other check).
+
+    Raises:
+        UnsafePathError: a link, not a regular file, someone else's, several hard links, or
+            it cannot be opened; the message names the path, the owner and the fix.
+    """
+    import io
+
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, FILE_MODE)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            try:
+                owner = _who(os.lstat(path).st_uid)
+            except OSError:
+                owner = "unknown owner"
+            raise UnsafePathError(
+                f"the {what} is a symbolic link (owned by {owner}); hetcomm never writes through a link: "
+                f"remove it or pass the real file's path", path=path, reason="symlink") from None
+        if e.errno == errno.ENXIO:  # a FIFO nobody reads (O_NONBLOCK): never block on it
+            raise UnsafePathError(f"the {what} is not a regular file; pass a file path", path=path,
+                                  reason="not-a-file") from None
+        raise UnsafePathError(f"cannot open the {what}: {e.strerror}", path=path, reason="open") from None
+    st = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = ("not-a-file", f"the {what} is not a regular file; pass a file path")
+    elif st.st_uid != os.geteuid():
+        why = ("owner", f"the {what} is owned by {_who(st.st_uid)}, not by you ({_who(os.geteuid())}); "
+                        "pass a file of your own")
+    elif st.st_nlink != 1:
+        why = ("owner", f"the {what} has {st.st_nlink} hard links (another name for someone's file?); "
+                        "pass a file with one name")
+    if why is not None:
+        os.close(fd)
+        raise UnsafePathError(why[1], path=path, reason=why[0])
+    os.set_blocking(fd, True)
+    return io.open(fd, "a", encoding="utf-8")
 
 
 def launch_work_dir(work_dir: Optional[str], rdzv_id: str) -> str:

@@ -52,6 +52,11 @@ directory when it ends whatever the outcome (:func:`remove_job`), and ``hetcomm 
 launcher does the same for its ranks. Names carry the user id and the job id (``hetcomm launch``'s
 rendezvous id, else torchrun's run id), so concurrent jobs never collide.
 
+**Whose state.** The id alone does not name one run (torchrun's default is ``none``): the
+directory's ``owner.json`` and every header name the launch (:mod:`hetcomm.ops.job_identity`).
+Only that launch's restarts restore; a dead namesake's snapshots are removed with one line, a
+live namesake is refused (:meth:`Snapshotter._claim`).
+
 Why not an existing engine (both install from PyPI and import with torch 2.13 CPU here; checked
 with torchft 0.2.0 and dlrover 0.6.1):
 
@@ -87,11 +92,11 @@ from torch import nn
 from hetcomm import settings
 from hetcomm.errors import CollectiveError
 from hetcomm.ops import checkpoint as ck
-from hetcomm.ops import snapshot_reshard
+from hetcomm.ops import job_identity, snapshot_reshard
 from hetcomm.ops.checkpoint import Stateful, TrainState
 from hetcomm.ops.snapshot_format import Restored, apply_state, pack, read_bytes, unpack
 
-__all__ = ["Snapshotter", "Restored", "job_dir", "remove_job", "buddies", "job_id", "pack", "unpack"]
+__all__ = ["Snapshotter", "Restored", "job_dir", "check_job_dir", "remove_job", "buddies", "job_id", "pack", "unpack"]
 
 _NAME = re.compile(r"^([rp])(\d+)-w(\d+)-s(\d+)\.snap$")
 _KEEP = 2  # generations kept per rank: a write killed half-way leaves the one before
@@ -110,18 +115,45 @@ def job_dir(job: str, root: Optional[str] = None) -> str:
     return os.path.join(root, f"hetcomm-{os.getuid()}-{safe}")
 
 
-def remove_job(job: str) -> bool:
-    """Remove the job's snapshot directory on this node (``hetcomm launch`` at its end).
+#: What to do about a job directory that is not private to this user (UnsafePathError's fix).
+_DIR_FIX = ("it is not this job's to use: ask its owner (or root) to remove it, give the job another id "
+            "(hetcomm launch --rdzv-id, torchrun --rdzv-id), or set HETCOMM_SNAPSHOT_ROOT to a directory only you "
+            "can write")
 
-    Returns:
-        True when there was one.
+
+def check_job_dir(job: str) -> str:
+    """Refuse the job's snapshot directory on this node if it exists and is not private to the
+    caller (``hetcomm launch`` before torchrun starts: exit 2 naming the path and owner, not a
+    rank failure restarted ``--max-restarts`` times). Returns its path.
+
+    Raises:
+        UnsafePathError: a link, not a directory, another user's, or group/other-writable.
     """
-    from hetcomm.ops.safe_fs import remove_tree
+    from hetcomm.ops.safe_fs import check_private_dir
 
     path = job_dir(job)
-    had = os.path.isdir(path) and not os.path.islink(path)
-    remove_tree(path)
-    return had
+    if os.path.lexists(path):
+        check_private_dir(path, what="the job's snapshot directory", fix=_DIR_FIX)
+    return path
+
+
+def remove_job(job: str, nonce: Optional[str] = None) -> bool:
+    """Remove the job's snapshot directory on this node (``hetcomm launch`` at its end), only
+    if it is the caller's own directory: one another user planted at the name is left alone,
+    and so is one whose owner record names another launch (``nonce`` given: a live namesake
+    this launch's ranks refused to share it with).
+
+    Returns:
+        True when there was one and it was removed.
+    """
+    from hetcomm.ops.job_identity import read_record
+    from hetcomm.ops.safe_fs import remove_own_tree
+
+    path = job_dir(job)
+    rec = read_record(path) if nonce is not None else None
+    if rec is not None and rec.get("launch") != nonce:
+        return False
+    return remove_own_tree(path)
 
 
 def buddies(nodes: Sequence[str]) -> List[Optional[int]]:
@@ -164,11 +196,13 @@ class Snapshotter:
 
         self.rank, self.world_size, self.every = rank, world_size, every
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        box = [job_id() or uuid.uuid4().hex[:12]]
-        dist.broadcast_object_list(box, src=0, group=self.group)  # one name on every rank
-        self.job = str(box[0])
-        self.dir = private_dir(job_dir(self.job), what="the snapshot directory",
-                               fix="remove it (another user's?) or set HETCOMM_SNAPSHOT_ROOT")
+        # One name on every rank, and rank 0's process mark: the launch identity of ranks that
+        # neither hetcomm launch nor torchrun started (job_identity.this_launch).
+        box = [(job_id() or uuid.uuid4().hex[:12], job_identity.process_mark(os.getpid()))]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        self.job = str(box[0][0])
+        self.launch = job_identity.this_launch(self.job, fallback=str(box[0][1]))
+        self.dir = private_dir(job_dir(self.job), what="the job's snapshot directory", fix=_DIR_FIX)
         bud = buddies(list(nodes)) if peer else [None] * world_size
         self.buddy = bud[rank]
         self.nodes = list(nodes)
@@ -188,6 +222,83 @@ class Snapshotter:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._done_path = os.path.join(self.dir, f"done-r{rank}")
+        self._claim()
+
+    # -- whose directory -------------------------------------------------------------------
+
+    def _claim(self) -> None:
+        """Make this node's directory this launch's (collective; :mod:`hetcomm.ops.job_identity`).
+
+        The owner record names this launch: a restart of it, keep everything (that is what is
+        restored). It names another launch that still runs (two jobs given one id): refused on
+        every rank. Anything else (a dead launch's record, or snapshots without one) is stale
+        state of a crashed namesake: the first rank to lock the directory deletes it with a
+        one-line notice and writes this launch's record; this job starts on its own.
+
+        Raises:
+            UsageError: a live launch of another run owns the directory (names it and the fix).
+        """
+        from hetcomm.errors import UsageError
+
+        import fcntl
+
+        rec = job_identity.read_record(self.dir)
+        dist.barrier(group=self.group)  # every rank read the record before any rewrites it: one verdict
+        problem = None
+        if rec is not None and rec.get("launch") == self.launch.nonce:
+            pass
+        elif rec is not None and job_identity.record_alive(rec):
+            problem = (f"{self.dir}: job {self.job!r} is already running here as "
+                       f"{job_identity.describe(rec)}; two jobs with one id would overwrite each other's snapshots: "
+                       f"give this job another id (hetcomm launch --rdzv-id, torchrun --rdzv-id) or stop the other")
+        else:
+            # The ranks sharing this directory (one host, whatever the cluster YAML calls its
+            # nodes) take turns; the first reclaims and writes this launch's record.
+            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                now = job_identity.read_record(self.dir)
+                if now is None or now.get("launch") != self.launch.nonce:
+                    stale = [n for n in os.listdir(self.dir) if _NAME.match(n) or n.startswith("done-r")]
+                    steps = sorted({int(m.group(4)) for m in map(_NAME.match, stale) if m})
+                    for name in stale:
+                        try:
+                            os.unlink(os.path.join(self.dir, name))
+                        except FileNotFoundError:
+                            pass
+                    if steps:
+                        print(f"hetcomm: ignored and removed the snapshots of job {self.job!r} in {self.dir} "
+                              f"(steps {steps[0]}..{steps[-1]}) left by {job_identity.describe(now)}, which is not "
+                              f"running: this launch starts on its own", file=sys.stderr, flush=True)
+                    job_identity.write_record(self.dir, self.launch)
+                    # Killed jobs' directories are never removed by their own end: the first
+                    # rank here to start a job reclaims those of this user's dead launches.
+                    line = job_identity.sweep_line(job_identity.sweep(
+                        os.path.dirname(self.dir), f"hetcomm-{os.getuid()}-", keep=self.dir))
+                    if line:
+                        print(line, file=sys.stderr, flush=True)
+            finally:
+                os.close(fd)  # releases the lock
+        box: List[object] = [None] * self.world_size
+        dist.all_gather_object(box, problem, group=self.group)  # also: the record is written before any rank goes on
+        first = next((p for p in box if p), None)
+        if first:
+            raise UsageError(str(first))
+
+    def _check_identity(self, meta: Mapping[str, object], path: str, own: bool) -> None:
+        """A snapshot proves its job and (own memory) its launch; another run's is never resumed.
+
+        Raises:
+            CheckpointError: the header names another job, or (``own``) another launch.
+        """
+        from hetcomm.errors import CheckpointError
+
+        job, launch = meta.get("job"), meta.get("launch")
+        if job != self.job or (own and launch != self.launch.nonce):
+            raise CheckpointError(
+                f"is a snapshot of job {job!r}, launch {launch!r}, not of this job {self.job!r}, launch "
+                f"{self.launch.nonce!r}: another run's state is never resumed; remove {self.dir} (when no job of "
+                f"that id runs) or give this job another id", path=path, reason="mismatch")
 
     # -- files ---------------------------------------------------------------------------
 
@@ -265,6 +376,7 @@ class Snapshotter:
         state = ck._state(model, optimizer, TrainState(step, rng), {}, self.rank, create=False)
         head = {
             "meta": {"step": step, "rank": self.rank, "world_size": self.world_size, "lost": self.lost,
+                     "job": self.job, "launch": self.launch.nonce,
                      "restores": self.restores, "nodes": self.nodes, "placement": self._placement(model)},
             "extras": {name: obj.state_dict() for name, obj in (extras or {}).items()},
         }
@@ -454,6 +566,8 @@ class Snapshotter:
         # weights_only=False: numpy state of the data stream inside; the file is this job's own,
         # in a 0700 directory of this user.
         payload = unpack(blob)
+        self._check_identity(payload["meta"], path, own=holder[self.rank] == self.rank
+                             and seen[(W, self.rank, step)][0] == "r")  # type: ignore[arg-type]
         moved: List[object] = [None] * W
         dist.all_gather_object(moved, payload["meta"].get("nodes", self.nodes) != self.nodes, group=self.group)
         if any(moved):  # as many ranks on other nodes: the experts may be placed otherwise
@@ -515,6 +629,10 @@ class Snapshotter:
                 except FileNotFoundError:
                     pass
         dist.barrier(group=self.group)
+        try:  # every snapshot is gone: nothing is left for the owner record to vouch for
+            os.unlink(os.path.join(self.dir, job_identity.RECORD))
+        except FileNotFoundError:
+            pass
         try:
             os.rmdir(self.dir)  # the last rank of this node to get here removes it
         except OSError:

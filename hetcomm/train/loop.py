@@ -61,6 +61,8 @@ class TrainConfig:
         metrics: JSON-lines file for one record per step (:mod:`hetcomm.ops.metrics`), or None.
         checkpoint_dir: directory of sharded checkpoints (:mod:`hetcomm.ops.checkpoint`), or None.
         checkpoint_every: steps between checkpoints (0: none).
+        keep_checkpoints: committed checkpoints kept in ``checkpoint_dir``; older ones are deleted
+            once a newer one is complete (0: keep all).
         resume: continue from ``checkpoint_dir``'s latest checkpoint when there is one.
         balance: heterogeneity balancing (:mod:`hetcomm.train.het_defaults`). ``auto`` (default):
             the per-rank batch split by measured busy time (it re-deals only when per-sequence
@@ -114,6 +116,7 @@ class TrainConfig:
     metrics: Optional[str] = None
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
+    keep_checkpoints: int = 3
     resume: bool = False
     balance: Union[bool, str] = "auto"
     speed: str = "measured"
@@ -133,6 +136,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise ConfigError(f"must be a whole number >= 0, got {self.checkpoint_every!r}", key="train.checkpoint_every")
+        keep = self.keep_checkpoints
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ConfigError(f"must be a whole number >= 0 (0: keep all), got {self.keep_checkpoints!r}",
+                              key="train.keep_checkpoints")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise ConfigError(
                 "checkpoint_every / resume need a checkpoint directory; pass --checkpoint-dir DIR",

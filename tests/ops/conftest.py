@@ -18,7 +18,7 @@ def demo_run(tmp_path_factory):
     # balance=False: no balancer state in the checkpoints (a resume that adds --balance is refused:
     # test_checkpoint_safety), and no decision from measured timings
     cfg = load_train_config(TINY, steps=STEPS, metrics=metrics, checkpoint_dir=ck, checkpoint_every=CHECKPOINT_EVERY,
-                            balance=False)
+                            balance=False, keep_checkpoints=0)  # every step's checkpoint: tests resume from several
     codes = train_ranks(cfg)
     # The loss verdict of a few tiny steps is not the point here (1 = the loss did not fall enough).
     assert codes[0] in (0, 1)

@@ -59,7 +59,7 @@ def test_interrupted_and_resumed_run_has_the_uninterrupted_losses(tmp_path, case
     every = EVERY_BY_CASE.get(case, EVERY)
     ref_m = str(tmp_path / "ref.jsonl")
     ref = load_train_config(TINY, steps=STEPS, metrics=ref_m, checkpoint_dir=str(tmp_path / "ref-ck"),
-                            checkpoint_every=every, **extra)
+                            checkpoint_every=every, keep_checkpoints=0, **extra)  # `stop`'s checkpoint stays
     assert train_ranks(ref)[0] in (0, 1)
     # The job stopped after its checkpoint at `stop`: `latest` names that step (the later step
     # directories stay; the resumed job saves over them).

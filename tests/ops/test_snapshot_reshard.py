@@ -44,9 +44,11 @@ OLD_STEPS, NEW_STEPS, EVERY = 12, 16, 4
 EXPERTS = 4  # tiny.yaml
 
 
-def _rank(rank: int, world_size: int, cfg, port: int, root: str, job: str, keep: bool, out: str):
+def _rank(rank: int, world_size: int, cfg, port: int, root: str, job: str, keep: bool, out: str, launch: dict):
     """A rank of the tiny job whose node's snapshots live under ``root/<node>``; ``keep``: its
-    end leaves them; ``out``: the state right after the restore goes to ``out/r<rank>.pt``."""
+    end leaves them; ``out``: the state right after the restore goes to ``out/r<rank>.pt``;
+    ``launch``: the launch identity (``hetcomm launch``'s variables): every run of one test is
+    a restart of one launch, so the next run restores what the last one left."""
     import torch
 
     from hetcomm.ops import hooks
@@ -55,6 +57,7 @@ def _rank(rank: int, world_size: int, cfg, port: int, root: str, job: str, keep:
 
     os.environ["HETCOMM_SNAPSHOT_ROOT"] = os.path.join(root, load_cluster(cfg.cluster).rank(rank).node.name)
     os.environ["HETCOMM_JOB_ID"] = job
+    os.environ.update(launch)
     if keep:
         def close(snap, mc, step, steps_run, elapsed_s):
             if snap is not None:
@@ -87,7 +90,10 @@ def _rank(rank: int, world_size: int, cfg, port: int, root: str, job: str, keep:
 def _run(cfg, world_size: int, root: str, job: str, keep: bool = False, out: str = "") -> None:
     if out:
         os.makedirs(out, exist_ok=True)
-    codes = run_ranks(_rank, world_size, cluster=cfg.cluster, args=(cfg, _free_port(), root, job, keep, out),
+    from hetcomm.ops.job_identity import process_mark
+
+    launch = {"HETCOMM_LAUNCH_NONCE": f"test-{job}", "HETCOMM_LAUNCH_OWNER": process_mark(os.getpid())}
+    codes = run_ranks(_rank, world_size, cluster=cfg.cluster, args=(cfg, _free_port(), root, job, keep, out, launch),
                       timeout=150)
     assert codes[0] in (0, 1), codes  # 1: the tiny job's loss verdict, not a failure
 
@@ -327,6 +333,14 @@ def _probe(model, opt):
     return out, moments
 
 
+def _launch_env() -> dict:
+    """``hetcomm launch``'s launch identity for the ranks: the runs of one test are restarts of
+    one launch (this test process owns it), so a later run restores what an earlier one left."""
+    from hetcomm.ops.job_identity import process_mark
+
+    return {"HETCOMM_LAUNCH_NONCE": "test-unit", "HETCOMM_LAUNCH_OWNER": process_mark(os.getpid())}
+
+
 def _snapshots_on(rank: int, world_size: int, root: str, nodes, weights, train: bool, dim: int = D):
     """Train 2 steps and snapshot them (``train``), or restore into a fresh model; either way
     return the layer's output and the experts' moments, and the extra's value."""
@@ -364,7 +378,7 @@ def test_restore_reshards_onto_other_nodes_and_starts_per_rank_extras_afresh(tmp
     import torch
 
     root = str(tmp_path)
-    old = run_ranks(_snapshots_on, 4, args=(root, NODES4, [1.0] * 4, True), timeout=90)
+    old = run_ranks(_snapshots_on, 4, args=(root, NODES4, [1.0] * 4, True), timeout=90, env=_launch_env())
     ref, ref_moments = old[0][0], {e: m for _, ms, _, _, _ in old for e, m in ms.items()}
     assert sorted(ref_moments) == list(range(E)) and [v for _, _, v, _, _ in old] == [102, 103, 104, 105]
     shutil.rmtree(os.path.join(root, "h800"))  # lost for good
@@ -374,7 +388,7 @@ def test_restore_reshards_onto_other_nodes_and_starts_per_rank_extras_afresh(tmp
         "4 -> 4, h800 replaced": (["a100", "a100", "h800b", "ascend"], [1.0, 1.0, 2.0, 1.0]),
     }
     for name, (nodes, weights) in cases.items():
-        new = run_ranks(_snapshots_on, len(nodes), args=(root, nodes, weights, False), timeout=90)
+        new = run_ranks(_snapshots_on, len(nodes), args=(root, nodes, weights, False), timeout=90, env=_launch_env())
         owned = sorted(e for *_, ids in new for e in ids)
         assert owned == list(range(E)), (name, owned)
         for r, (out, moments, value, got, _) in enumerate(new):
@@ -386,14 +400,14 @@ def test_restore_reshards_onto_other_nodes_and_starts_per_rank_extras_afresh(tmp
     from tests.backends.ranks import run_ranks_outcomes
 
     outs = run_ranks_outcomes(_snapshots_on, 3, args=(root, ["a100", "a100", "ascend"], [1.0] * 3, False, 8),
-                              timeout=90)
+                              timeout=90, env=_launch_env())
     errors = {(o.error_type, o.error) for o in outs}
     assert not any(o.ok for o in outs) and len(errors) == 1, errors
     kind, message = errors.pop()
     assert kind == "CheckpointError" and "of shape (64,)" in message, (kind, message)
     # The same membership restores the extra whole (no reshard).
-    same = run_ranks(_snapshots_on, 4, args=(root + "-same", NODES4, [1.0] * 4, True), timeout=90)
-    back = run_ranks(_snapshots_on, 4, args=(root + "-same", NODES4, [1.0] * 4, False), timeout=90)
+    same = run_ranks(_snapshots_on, 4, args=(root + "-same", NODES4, [1.0] * 4, True), timeout=90, env=_launch_env())
+    back = run_ranks(_snapshots_on, 4, args=(root + "-same", NODES4, [1.0] * 4, False), timeout=90, env=_launch_env())
     assert [v for *_, v, _, _ in back] == [v for *_, v, _, _ in same] and back[0][3].resharded_from is None
 
 

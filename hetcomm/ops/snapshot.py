@@ -270,7 +270,7 @@ class Snapshotter:
                         print(f"hetcomm: ignored and removed the snapshots of job {self.job!r} in {self.dir} "
                               f"(steps {steps[0]}..{steps[-1]}) left by {job_identity.describe(now)}, which is not "
                               f"running: this launch starts on its own", file=sys.stderr, flush=True)
-                    job_identity.write_record(self.dir, self.launch)
+                    self._write_record()
                     # Killed jobs' directories are never removed by their own end: the first
                     # rank here to start a job reclaims those of this user's dead launches.
                     line = job_identity.sweep_line(job_identity.sweep(
@@ -284,6 +284,18 @@ class Snapshotter:
         first = next((p for p in box if p), None)
         if first:
             raise UsageError(str(first))
+
+    def _write_record(self) -> None:
+        """This launch's owner record; a full file system skips it with the snapshots' one
+        warning (no snapshot is written there either, so none can be mistaken for another's)."""
+        from hetcomm.ops.safe_fs import NO_SPACE
+
+        try:
+            job_identity.write_record(self.dir, self.launch)
+        except OSError as e:
+            if e.errno not in NO_SPACE:
+                raise
+            self._no_space_warning(e)
 
     def _check_identity(self, meta: Mapping[str, object], path: str, own: bool) -> None:
         """A snapshot proves its job and (own memory) its launch; another run's is never resumed.
@@ -417,14 +429,18 @@ class Snapshotter:
             if e.errno not in NO_SPACE:
                 raise
             self.skipped += 1
-            if self.no_space is None:
-                self.no_space = f"{os.path.dirname(self.dir)}: {e.strerror}"
-                if self._first_to_warn():
-                    print(f"hetcomm train: warning: rank {self.rank}: no space left for in-memory snapshots in "
-                          f"{self.no_space}; snapshots are skipped while it lasts (the disk checkpoints still "
-                          f"stand); free space there, or set HETCOMM_SNAPSHOT_ROOT or --snapshot-every 0",
-                          file=sys.stderr, flush=True)
+            self._no_space_warning(e)
             return False
+
+    def _no_space_warning(self, e: OSError) -> None:
+        """Say once per node that the file system is full (the first rank of the node to meet it)."""
+        if self.no_space is None:
+            self.no_space = f"{os.path.dirname(self.dir)}: {e.strerror}"
+            if self._first_to_warn():
+                print(f"hetcomm train: warning: rank {self.rank}: no space left for in-memory snapshots in "
+                      f"{self.no_space}; snapshots are skipped while it lasts (the disk checkpoints still "
+                      f"stand); free space there, or set HETCOMM_SNAPSHOT_ROOT or --snapshot-every 0",
+                      file=sys.stderr, flush=True)
 
     def _first_to_warn(self) -> bool:
         """Whether this rank is the first of its node to meet a full file system (an empty marker

@@ -66,6 +66,7 @@ class LayerPlacements:
         self.restored: List[int] = []
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
+        # host: the maps are host decisions, saved beside the other host state
         return {f"owner{i}": torch.tensor(list(layer.placement.owner), dtype=torch.int64)
                 for i, layer in enumerate(self.layers)}
 

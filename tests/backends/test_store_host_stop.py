@@ -1,0 +1,101 @@
+"""A stopped store host under ``hetcomm launch``: rank 0's process hosts each attempt's store, and
+a call to a stopped ``TCPStore`` host never returns (the client has no read timeout). The
+survivors must still raise naming rank 0 and exit, so that torchrun stops the attempt (SIGKILL
+ends the stopped rank too) and restarts it, instead of every survivor hanging in a store call of
+its failure path (the heartbeat's goodbye, the fault diagnosis' marks) for good."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hetcomm.ops.metrics import read_metrics
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+TINY = os.path.join(REPO, "tests", "ops", "tiny.yaml")  # the 4-rank mixed-mini, steps of tens of ms
+
+
+def _workers(work_dir: str) -> list:
+    """pids of every process started with this launch directory in its environment."""
+    want = f"HETCOMM_LAUNCH_DIR={work_dir}".encode()
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    out.append(int(pid))
+        except OSError:
+            continue
+    return out
+
+
+def _rank_pid(work_dir: str, rank: int) -> int:
+    want = {f"HETCOMM_LAUNCH_DIR={work_dir}".encode(), f"RANK={rank}".encode(), f"LOCAL_RANK={rank}".encode()}
+    for pid in _workers(work_dir):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = set(f.read().split(b"\0"))
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if want <= env and b"hetcomm.cli.launch_worker" in cmd:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} under {work_dir}")
+
+
+def _state(pid: int) -> str:
+    """``/proc`` state letter of ``pid``, or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def _wait(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+def test_a_stopped_store_host_is_named_and_the_job_restarts_instead_of_hanging(tmp_path):
+    work, metrics = str(tmp_path / "work"), str(tmp_path / "m.jsonl")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hetcomm.cli.main", "launch", "--no-health", "--max-restarts", "1", "--work-dir", work,
+         "--", "train", "--config", TINY, "--steps", "100000", "--metrics", metrics],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stopped = None
+    try:
+        _wait(lambda: os.path.exists(metrics) and len(read_metrics(metrics).steps) >= 5, 240, "five steps")
+        stopped = _rank_pid(work, 0)
+        os.kill(stopped, signal.SIGSTOP)
+        # Bound: the survivors raise within the heartbeat's interval; torchrun's agent then stops
+        # the attempt (SIGTERM, SIGKILL after its 30 s grace: the stopped rank obeys only that) and
+        # starts attempt 1, whose ranks are told to stop (their own job runs 100000 steps).
+        _wait(lambda: os.path.exists(os.path.join(work, "job-1-rank0.started")), 240, "the restarted attempt")
+        assert _state(stopped) in ("gone", "Z"), f"the stopped rank 0 (pid {stopped}) was not killed"
+    finally:
+        for pid in _workers(work):  # the processes this test started (their environment names its directory)
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+        out, _ = proc.communicate(timeout=60)
+    # Every survivor raised naming rank 0 (none hung in a store call of its failure path).
+    for r in (1, 2, 3):
+        assert any(line.startswith(f"[rank{r}]:") and "rank 0 is stopped" in line for line in out.splitlines()), \
+            out[-4000:]

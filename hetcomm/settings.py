@@ -406,7 +406,7 @@ EMULATE = StrSetting(
 EMULATE_SCALE = FloatSetting(
     "HETCOMM_EMULATE_SCALE", None,
     "rate scale of the emulated links (rates on the wire are gbps * scale; the plan cost model scales by it)",
-    readers=(f"{_B}.planpick", "benchmarks", "tests"),
+    readers=(f"{_B}.planpick", "hetcomm.ops.health", "benchmarks", "tests"),
     set_by=("hetcomm.emulate.ranks",),
 )
 EMULATE_NODE = StrSetting(

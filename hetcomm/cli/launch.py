@@ -11,7 +11,9 @@ Run it once per node (like torchrun). Without ``--node`` it is a one-machine job
 
 1. **Health check** (``hetcomm.ops.health`` under torchrun, rendezvous id ``<id>-health``):
    all-reduce, all-to-all and pairwise probes, P50/P99 per rank and link class printed; ranks and
-   nodes whose best-peer time exceeds ``--threshold`` x the median are reported, and with
+   nodes whose best-peer time, over what its declared link class makes it take
+   (:func:`hetcomm.ops.health.expected_pair_seconds`), exceeds ``--threshold`` x the median are
+   reported (a node behind a declared slower bridge is not slow for it), and with
    ``--probe-compute S`` each rank's GEMM time against its device class
    (:mod:`hetcomm.ops.health_class`). With ``--eject`` a slow node's launch stops here (exit 0,
    saying so) and the others start the job with ``--nnodes <remaining>:<all>``, so torchrun's

@@ -430,7 +430,7 @@ EMULATE_ADDRS = ListSetting(
 EMULATE_COMPUTE = StrSetting(
     "HETCOMM_EMULATE_COMPUTE", None,
     "with hetcomm emulate --compute: the node's relative speed and the rank's CPUs (speed/cpus)",
-    readers=("tests", "hetcomm.ops.probe"),
+    readers=("tests", "hetcomm.ops.probe", "hetcomm.cli.launch"),
     set_by=("hetcomm.emulate.ranks",),
 )
 

@@ -71,8 +71,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--probe-iters", type=int, default=10, help="timed repetitions per probe (default 10)")
     p.add_argument("--probe-compute", metavar="S", type=float, default=0.0,
                    help="seconds of GEMMs per rank for the per-device-class compute check (default 0: off; on a CPU "
-                   "machine whose devices are labels every rank computes alike, so the check needs real devices or "
-                   "`hetcomm emulate --compute`)")
+                   "machine whose devices are labels every rank computes on the same CPU: the times are printed, "
+                   "not judged; real devices or `hetcomm emulate --compute` are judged)")
     p.add_argument("--health-only", action="store_true", help="stop after phase 1 (exit 1 if anything is slow)")
     p.add_argument("--warmup-from", metavar="METRICS.jsonl", default=None, help="seed calibrators and hot experts from a previous run")
     p.add_argument("--group-size", type=int, default=0, help="ranks per start wave (0: all at once)")
@@ -144,6 +144,16 @@ def _judge_by_class(report: dict, cluster, work: str):
     # Ranks follow the job's node order; the declared speed is that of each rank's own node.
     by_node = {n.name: n.first_rank for n in cluster.nodes}
     speeds = [rank_speeds(cluster, [by_node[names[r]]])[0] if names[r] in by_node else 1.0 for r in range(world)]
+    gemms = {r["rank"]: r["gemm_s"] for r in report["ranks"] if r.get("gemm_s")}
+    if gemms and any(r.get("label_only") for r in report["ranks"]) and not settings.EMULATE_COMPUTE.get():
+        # The device kinds are labels: every rank's GEMM ran on this machine's CPU, so the datasheet
+        # ratios call the fastest label (an H800) slow for computing like the others, and the
+        # ranks' differences are the CPU's noise (other processes), not a device's health. Not
+        # judged, said so, and not a failure; `hetcomm emulate --compute` or real devices are.
+        print("per device class: compute not judged: the device kinds are labels on this CPU machine (every rank's "
+              "GEMM ran on the same CPU; measured ms per GEMM: "
+              f"{', '.join(f'{r}:{g * 1e3:.2f}' for r, g in sorted(gemms.items()))})", flush=True)
+        report = dict(report, ranks=[dict(r, gemm_s=None) for r in report["ranks"]])
     # Network: the best-peer verdict above (judge) already scores every rank by its own best link.
     verdict = judge_by_class(report, speeds)
     for s in verdict.slow:

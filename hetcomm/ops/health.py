@@ -338,6 +338,13 @@ def _probe_main(args: argparse.Namespace) -> int:
         world = dist.get_world_size()
         nodes = [cluster.node_of(r).name if cluster is not None else "local" for r in range(world)]
         report = run_probes(args.size, args.iters, cluster, nodes, compute_s=args.compute_s)
+        # Whether each rank's device kind is only a label (the process lacks that device, e.g.
+        # the demo's A100/H800/910B on one CPU machine): its GEMM probe then measures this CPU,
+        # not the device, and the launch judges compute against the measured CPU.
+        from hetcomm.backends import hetcomm_group
+
+        for place, entry in zip(hetcomm_group().placement.ranks, report["ranks"]):
+            entry["label_only"] = bool(place.label_only)
         if args.rdzv_host is not None:
             hosts = [None] * world
             dist.all_gather_object(hosts, is_local_address(args.rdzv_host))

@@ -192,6 +192,8 @@ class Heartbeat:
         #: Read by the store watch: a call to a stopped store never returns.
         self._store_call_at: Optional[float] = None
         self._giving_up = False
+        #: Peers that said goodbye (a clean exit): a store host that left is not lost.
+        self._departed: Set[int] = set()
         #: Peers declared lost, by rank (a ``silent`` one that beats again is taken off).
         self.lost: Dict[int, PeerLoss] = {}
         #: Bumped on every new loss: waiters compare it instead of locking.
@@ -295,7 +297,7 @@ class Heartbeat:
         :meth:`stop`), so a survivor normally exits well before it. Armed only for a worker
         whose rank hosts the store (``store_host``) and with ``give_up_s``: torchrun's agent then
         stops the rest of the attempt (SIGKILL ends a stopped process too) and restarts it."""
-        if self.give_up_s is None or self._giving_up:
+        if self.give_up_s is None or self._giving_up or loss.rank in self._departed:
             return
         self._giving_up = True
         who = self._describe_peer(loss.rank)
@@ -306,7 +308,7 @@ class Heartbeat:
 
         def give_up() -> None:  # pragma: no cover - ends the process
             time.sleep(give_up_s)
-            if self.lost.get(loss.rank) is None:  # a judgement (store) revoked: it answered again
+            if self.lost.get(loss.rank) is None or loss.rank in self._departed:  # answered again, or left cleanly
                 self._giving_up = False
                 return
             print(f"hetcomm heartbeat: rank {self.rank} gives up: {who}, which hosts the group's store, "
@@ -340,7 +342,7 @@ class Heartbeat:
         last_change: Dict[int, float] = {}
         gaps: Dict[int, Deque[float]] = {r: deque(maxlen=GAP_WINDOW) for r in peers}
         store_ok_at = started
-        departed: set = set()
+        departed: set = self._departed
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
             # /proc first, so that this beat already says what this rank sees stopped.

@@ -99,3 +99,52 @@ def test_a_stopped_store_host_is_named_and_the_job_restarts_instead_of_hanging(t
     for r in (1, 2, 3):
         assert any(line.startswith(f"[rank{r}]:") and "rank 0 is stopped" in line for line in out.splitlines()), \
             out[-4000:]
+
+
+_SURVIVOR = r"""
+import datetime, sys
+import torch.distributed as dist
+from hetcomm.backends import heartbeat
+port, host_pid = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=600))
+heartbeat.start(store, 1, 2, local_pids={0: host_pid}, store_host=0, give_up_s=2.0,
+                describe_peer=lambda r: f"rank {r} (pid {host_pid}, host here)")
+print("ready", flush=True)
+store.get("never-set")  # a store call: to a stopped host it never returns
+"""
+
+_STORE_HOST = r"""
+import datetime, socket, sys, time
+import torch.distributed as dist
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=60))
+print(port, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_survivor_blocked_in_a_store_call_gives_up_naming_the_stopped_host():
+    # The backstop, on its own: a process whose main thread sits in a store call to a stopped host
+    # (and whose heartbeat thread is stuck in one too) exits 1 within give_up_s of the verdict,
+    # naming the host; the store watch found it stopped through /proc.
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    host = subprocess.Popen([sys.executable, "-c", _STORE_HOST], stdout=subprocess.PIPE, text=True, env=env)
+    survivor = None
+    try:
+        port = int(host.stdout.readline())
+        survivor = subprocess.Popen([sys.executable, "-c", _SURVIVOR, str(port), str(host.pid)], cwd=REPO, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert survivor.stdout.readline().strip() == "ready"
+        os.kill(host.pid, signal.SIGSTOP)
+        _, err = survivor.communicate(timeout=60)
+    finally:
+        for p in (survivor, host):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert survivor.returncode == 1, err[-3000:]
+    assert f"lost peer rank 0: its process (pid {host.pid}) is stopped" in err, err[-3000:]
+    assert f"gives up: rank 0 (pid {host.pid}, host here), which hosts the group's store, is stopped" in err, err[-3000:]

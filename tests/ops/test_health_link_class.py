@@ -29,12 +29,13 @@ def test_a_910b_behind_a_declared_slow_bridge_is_not_slow(tmp_path):
     assert "cross_vendor: {class: HOST_BRIDGE, gbps: 100," in text
     cluster = tmp_path / "slow-bridge.yaml"
     # The bridge declared at 20 Gb/s beside 200 Gb/s RoCE: the 910B's pairs take ~10x longer by design.
+    bridge = "cross_vendor: {class: HOST_BRIDGE, gbps: "
     cluster.write_text(text.replace("name: mixed-mini\n", "name: slow-bridge\n")
-                       .replace("cross_vendor: {class: HOST_BRIDGE, gbps: 100,", "cross_vendor: {class: HOST_BRIDGE, gbps: 20,"))
+                       .replace(bridge + "100,", bridge + "20,"))
     out = tmp_path / "health.json"
-    cmd = [sys.executable, "-m", "hetcomm.cli.main", "emulate", "run", "--cluster", str(cluster), "--state-dir",
-           str(tmp_path / "sd"), "--timeout", "240", "--", sys.executable, "-m", "hetcomm.ops.health", "--out", str(out),
-           "--size", "262144", "--iters", "3"]
+    cmd = [sys.executable, "-m", "hetcomm.cli.main", "emulate", "run", "--cluster", str(cluster),
+           "--state-dir", str(tmp_path / "sd"), "--timeout", "240", "--",
+           sys.executable, "-m", "hetcomm.ops.health", "--out", str(out), "--size", "262144", "--iters", "3"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads(out.read_text())

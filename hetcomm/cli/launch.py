@@ -37,11 +37,13 @@ for good, with a summary line), 2 bad usage, 128 + signal after SIGTERM/SIGINT.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 import uuid
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from hetcomm import settings
 from hetcomm.errors import UsageError
@@ -167,14 +169,66 @@ def _judge_by_class(report: dict, cluster, work: str):
     return verdict
 
 
-def _phase(cmd: List[str], env: dict, what: str) -> int:
+def _kill_stopped_culprits(work: str, world: int) -> Callable[[], None]:
+    """A watch for the job phase: SIGKILL a worker that is stopped (SIGSTOP, a debugger: state T)
+    while the survivors of its attempt failed naming it (their end marks' ``peer``).
+
+    Why: the survivors raise and exit within a second, but torchrun's agent then stops the attempt
+    with SIGTERM, which a stopped process does not act on, and only SIGKILLs it after its 30 s
+    grace; the restart waits for that. Only a rank both stopped and named is killed (torchrun
+    would kill it anyway); the line names it (rank, pid, attempt)."""
+    from hetcomm.ops.rank_marks import read_marks
+    from hetcomm.ops.supervise import descendants
+
+    killed: set = set()
+
+    def watch() -> None:
+        try:
+            attempts = [int(n.split("-")[1]) for n in os.listdir(work) if n.startswith("job-") and n.endswith(".started")]
+        except (OSError, ValueError):
+            return
+        if not attempts:
+            return
+        attempt = max(attempts)
+        marks = read_marks(work, "job", attempt, world)
+        named = {m.peer for m in marks.values() if m.status == "failed" and m.peer is not None}
+        suspects = {r for r in named if marks.get(r) is None or marks[r].status == "started"}
+        if not suspects:
+            return
+        for pid in descendants(os.getpid()):
+            if pid in killed:
+                continue
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state not in (b"T", b"t") or environ.get(b"HETCOMM_LAUNCH_DIR") != work.encode():
+                continue
+            try:
+                rank = int(environ.get(b"RANK", b"-1"))
+                restart = int(environ.get(b"TORCHELASTIC_RESTART_COUNT", b"-1"))
+            except ValueError:
+                continue
+            if rank in suspects and restart == attempt:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+                print(f"hetcomm launch: rank {rank} (pid {pid}) is stopped (state T) and attempt {attempt}'s other "
+                      "ranks failed naming it: SIGKILLed so that torchrun restarts now (its SIGTERM would wait "
+                      "30 s)", file=sys.stderr, flush=True)
+
+    return watch
+
+
+def _phase(cmd: List[str], env: dict, what: str, watch: Optional[Callable[[], None]] = None) -> int:
     """Run one torchrun phase supervised; a signal to the launcher stops it and ends the launch."""
     from hetcomm.ops.supervise import run_supervised
 
-    done = run_supervised(cmd, env)
+    done = run_supervised(cmd, env, watch=watch)
     if done.signum is not None:
-        import signal
-
         name = signal.Signals(done.signum).name
         extra = f"; SIGKILLed after the grace: pids {', '.join(map(str, done.killed))}" if done.killed else ""
         print(f"hetcomm launch: {name} received during the {what}; stopped torchrun and every worker{extra}",
@@ -331,7 +385,7 @@ def _run(args: argparse.Namespace, made: List[str], jobs: List[str]) -> int:
     if os.path.exists(exit_file):
         os.unlink(exit_file)
     clear_marks(work, "job")
-    code = _phase(cmd, env, "job")
+    code = _phase(cmd, env, "job", _kill_stopped_culprits(work, cluster.num_ranks))
     if code != 0:
         # torchrun gave up: a worker kept failing after this node's agent spent its restarts.
         world = nproc if args.node is None else None

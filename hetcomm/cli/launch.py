@@ -30,7 +30,9 @@ Before torchrun starts, every option and the job after ``--`` are checked
 orphaned), and each worker leaves an end mark (:mod:`hetcomm.ops.rank_marks`) so that a failed
 phase names the rank at fault. The job runs under torchrun with ``--max-restarts``: a rank that
 dies makes the survivors raise (naming it), torchrun restarts every worker, and ``hetcomm train
---resume`` continues from the last checkpoint. Exit code: the job's (0 ok, 1 a worker failed
+--resume`` continues from the last checkpoint. A worker that is stopped (SIGSTOP, a debugger)
+and named by its attempt's failure marks is SIGKILLed by the launch (torchrun's SIGTERM would
+wait out its 30 s grace first). Exit code: the job's (0 ok, 1 a worker failed
 for good, with a summary line), 2 bad usage, 128 + signal after SIGTERM/SIGINT.
 """
 

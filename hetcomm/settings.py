@@ -425,7 +425,7 @@ EMULATE = StrSetting(
 EMULATE_SCALE = FloatSetting(
     "HETCOMM_EMULATE_SCALE", None,
     "rate scale of the emulated links (rates on the wire are gbps * scale; the plan cost model scales by it)",
-    readers=(f"{_B}.planpick", "benchmarks", "tests"),
+    readers=(f"{_B}.planpick", "hetcomm.ops.health", "benchmarks", "tests"),
     set_by=("hetcomm.emulate.ranks",),
 )
 EMULATE_NODE = StrSetting(
@@ -449,7 +449,7 @@ EMULATE_ADDRS = ListSetting(
 EMULATE_COMPUTE = StrSetting(
     "HETCOMM_EMULATE_COMPUTE", None,
     "with hetcomm emulate --compute: the node's relative speed and the rank's CPUs (speed/cpus)",
-    readers=("tests", "hetcomm.ops.probe"),
+    readers=("tests", "hetcomm.ops.probe", "hetcomm.cli.launch"),
     set_by=("hetcomm.emulate.ranks",),
 )
 

@@ -231,7 +231,8 @@ class Communicator:
         if not global_ranks:  # the default group: watch every peer (hetcomm.backends.heartbeat)
             from hetcomm.backends import heartbeat
 
-            comm._heartbeat = heartbeat.start_for(store, rank, size, placement)
+            # give_up_s: a survivor whose store host stopped exits within the group timeout.
+            comm._heartbeat = heartbeat.start_for(store, rank, size, placement, give_up_s=timeout.total_seconds())
         return comm
 
     # -- identity ---------------------------------------------------------------------------

@@ -118,6 +118,39 @@ def release_frames(exc: BaseException) -> BaseException:
     return exc
 
 
+class StoreHostLost(HetcommError):
+    """A store call refused because the heartbeat found the store's host lost."""
+
+
+class _StoreUnlessHostLost:
+    """The group's store, refusing every call (:class:`StoreHostLost`, at once) once this
+    process's heartbeat found the rank hosting it stopped, exited or not answering.
+
+    Why: torch's ``TCPStore`` client has no read timeout, so a call to a *stopped* host (SIGSTOP,
+    a frozen node) never returns, whatever the store's timeout; diagnosis would hang every
+    survivor in its first failure mark instead of raising. The callers already treat a failing
+    store as "unreachable" and name the culprit without it."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            from hetcomm.backends import heartbeat
+
+            hb = heartbeat.active()
+            loss = hb.store_host_loss() if hb is not None else None
+            if loss is not None:
+                raise StoreHostLost(f"store call {name} not made: {loss.verdict}, and it hosts the store")
+            return attr(*args, **kwargs)
+
+        return call
+
+
 class FaultDiagnosis:
     """Names the rank at fault for a failed collective of one group.
 
@@ -138,7 +171,7 @@ class FaultDiagnosis:
         timeout: timedelta,
         rail_names: Callable[[], List[str]],
     ):
-        self.store = store
+        self.store = _StoreUnlessHostLost(store)
         self.placement = placement
         self.rank = rank
         self.size = size

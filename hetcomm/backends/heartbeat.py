@@ -26,7 +26,16 @@ process's sockets close: fast) or when the group timeout expires (a hung peer: m
   quiet before it started watching is named once the threshold passes from then, and a
   healthy peer, whose beat moves, never is;
 * the store itself unreachable for ``miss_s``: its host (rank 0, whose process hosts the
-  attempt's store) is named.
+  attempt's store) is named. A store whose host is *stopped* does not fail a call, it never
+  answers one (torch's ``TCPStore`` client has no read timeout: ``check``/``get``/``set`` block
+  for good, whatever the store's timeout), so a second thread watches the beating thread's store
+  call: stuck for two intervals with the store's host on this host, ``/proc`` decides (stopped or
+  exited: certain); stuck for the silence threshold, the host is named ``store``.
+  :meth:`Heartbeat.store_host_loss` then tells the failure path (:mod:`.faults`) and the goodbye
+  to leave the store alone, and a worker of ``hetcomm launch`` (rank 0 hosts the store) that has
+  not ended ``give_up_s`` (the group timeout) after such a verdict exits with status 1, naming the
+  store's host, so that torchrun restarts the job instead of every survivor hanging in a store
+  call (:meth:`Heartbeat._give_up_later`).
 
 A loss is recorded once (:attr:`Heartbeat.lost`, with the cause and the seconds since that
 peer's last beat; a ``silent`` one gives way to a certain cause found later) and logged on stderr. Only the causes seen through ``/proc`` (here or by a
@@ -53,6 +62,7 @@ no work on the collectives' path beyond an integer comparison per wait-loop turn
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -157,11 +167,16 @@ class Heartbeat:
         interval_s: seconds between beats.
         miss_s: seconds without a beat before a peer is declared silent.
         store_host: the rank whose process hosts the store (named if the store goes away), or None.
+        give_up_s: with ``store_host``, seconds this process may live on after the store's host
+            was found lost (stopped, exited, or not answering) before it exits with status 1
+            (:meth:`_give_up_later`); None: never (the process's owner decides).
+        describe_peer: ``rank -> "rank 0 (pid 12, host a)"`` for the give-up line (default: the rank).
     """
 
     def __init__(self, store, rank: int, world_size: int, *, local_pids: Optional[Dict[int, int]] = None,
                  interval_s: float = DEFAULT_INTERVAL_S, miss_s: float = DEFAULT_MISS_S,
-                 store_host: Optional[int] = 0) -> None:
+                 store_host: Optional[int] = 0, give_up_s: Optional[float] = None,
+                 describe_peer: Optional[Callable[[int], str]] = None) -> None:
         if not 0 < interval_s < miss_s:
             raise ValueError(f"heartbeat: need 0 < interval_s ({interval_s}) < miss_s ({miss_s})")
         self.store = store.clone()
@@ -171,6 +186,14 @@ class Heartbeat:
         self.interval_s = interval_s
         self.miss_s = miss_s
         self.store_host = store_host
+        self.give_up_s = give_up_s
+        self._describe_peer = describe_peer or (lambda r: f"rank {r}")
+        #: ``time.monotonic()`` when the beating thread's store call in flight began (None: none).
+        #: Read by the store watch: a call to a stopped store never returns.
+        self._store_call_at: Optional[float] = None
+        self._giving_up = False
+        #: Peers that said goodbye (a clean exit): a store host that left is not lost.
+        self._departed: Set[int] = set()
         #: Peers declared lost, by rank (a ``silent`` one that beats again is taken off).
         self.lost: Dict[int, PeerLoss] = {}
         #: Bumped on every new loss: waiters compare it instead of locking.
@@ -181,10 +204,14 @@ class Heartbeat:
         #: Same-host peers ``/proc`` shows stopped at the last look (said in this rank's beat).
         self._stopped_here: Set[int] = set()
         self._thread = threading.Thread(target=self._run, name=f"hetcomm-heartbeat-{rank}", daemon=True)
+        self._store_watch = threading.Thread(target=self._watch_store, name=f"hetcomm-heartbeat-store-{rank}",
+                                             daemon=True)
 
     def start(self) -> "Heartbeat":
         self._publish()
         self._thread.start()
+        if self.store_host is not None and self.store_host != self.rank:
+            self._store_watch.start()
         return self
 
     def stop(self) -> None:
@@ -192,10 +219,26 @@ class Heartbeat:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(2 * self.interval_s + 1.0)
+        # No goodbye when the beating thread is still inside a store call (the store is not
+        # answering: this call would queue behind it on the same client, for good) or the store's
+        # host is known lost (a stopped host never answers; peers learn of this exit from /proc
+        # or their own failure anyway).
+        if self._thread.is_alive() or self.store_host_loss() is not None:
+            return
         try:
             self.store.set(self._key(self.rank), _BYE)
         except Exception:  # noqa: BLE001 - the store may already be gone at shutdown
             pass
+
+    def store_host_loss(self) -> Optional["PeerLoss"]:
+        """The loss of the rank hosting the store when it was declared stopped, exited or not
+        answering (``store``), else None: then no store call can be trusted to return."""
+        if self.store_host is None:
+            return None
+        loss = self.lost.get(self.store_host)
+        if loss is not None and (loss.cause in DEFINITIVE or loss.cause == "store"):
+            return loss
+        return None
 
     def lost_among(self, peers: Sequence[int]) -> List[PeerLoss]:
         """The losses among ``peers`` (default-group ranks), in rank order."""
@@ -212,6 +255,70 @@ class Heartbeat:
         self._beat += 1
         self.store.set(self._key(self.rank), _encode_beat(self._beat, sorted(self._stopped_here)))
 
+    def _watch_store(self) -> None:
+        """The store watch (its own thread: the beating thread is the one a dead store blocks).
+
+        A store call of the beating thread in flight for two intervals: with the store's host on
+        this host, ``/proc`` says whether it is stopped or gone (certain, as for any peer); a call
+        in flight for the silence threshold names the host ``store`` (a judgement). Either verdict
+        arms the give-up (:meth:`_give_up_later`) through :meth:`_declare`."""
+        name_native_thread()
+        host = self.store_host
+        assert host is not None
+        pid = self.local_pids.get(host)
+        while not self._stop.wait(self.interval_s):
+            at = self._store_call_at
+            if at is None or (host in self.lost and self.lost[host].cause in DEFINITIVE):
+                continue
+            stuck = time.monotonic() - at
+            if stuck < 2 * self.interval_s:
+                continue
+            if pid is not None:
+                state = _proc_state(pid)
+                if state is None or state in ("Z", "X"):
+                    self._declare(host, "exited", stuck, f"its process (pid {pid}) exited; it hosted the store, "
+                                  f"whose call has waited {stuck:.2f} s")
+                    continue
+                if state in ("T", "t"):
+                    self._declare(host, "stopped", stuck, f"its process (pid {pid}) is stopped (state {state}); it "
+                                  f"hosts the store, whose call has waited {stuck:.2f} s")
+                    continue
+            if stuck > max(self.miss_s, START_MISS_S) and host not in self.lost:
+                self._declare(host, "store", stuck, f"the store it hosts has not answered a call for {stuck:.2f} s")
+
+    def _give_up_later(self, loss: "PeerLoss") -> None:
+        """Exit this process with status 1 if it still runs ``give_up_s`` after the store's host
+        was lost.
+
+        Why: every survivor's failure path ends in store calls (failure marks, the group's
+        shutdown, torch's own), and a call to a stopped host never returns; a survivor that does
+        not exit leaves torchrun nothing to restart and the job hangs for good. The timer is a
+        backstop: the failure path skips the store once the loss is known (:mod:`.faults`,
+        :meth:`stop`), so a survivor normally exits well before it. Armed only for a worker
+        whose rank hosts the store (``store_host``) and with ``give_up_s``: torchrun's agent then
+        stops the rest of the attempt (SIGKILL ends a stopped process too) and restarts it."""
+        if self.give_up_s is None or self._giving_up or loss.rank in self._departed:
+            return
+        self._giving_up = True
+        who = self._describe_peer(loss.rank)
+        give_up_s = self.give_up_s
+
+        how = {"exited": "exited", "stopped": "is stopped (SIGSTOP or a debugger: state T)"}.get(
+            loss.cause, "does not answer store calls")
+
+        def give_up() -> None:  # pragma: no cover - ends the process
+            time.sleep(give_up_s)
+            if self.lost.get(loss.rank) is None or loss.rank in self._departed:  # answered again, or left cleanly
+                self._giving_up = False
+                return
+            print(f"hetcomm heartbeat: rank {self.rank} gives up: {who}, which hosts the group's store, "
+                  f"{how} ({loss.detail}); this process has not ended {give_up_s:.0f} s "
+                  f"(the group timeout) later, its store calls cannot return: exiting with status 1 so that "
+                  f"the job can restart", file=sys.stderr, flush=True)
+            os._exit(1)
+
+        threading.Thread(target=give_up, name=f"hetcomm-give-up-{self.rank}", daemon=True).start()
+
     def _declare(self, rank: int, cause: str, silent_s: float, detail: str) -> None:
         with self._lock:
             # Once only; but a judgement (silent) gives way to a certainty found later (a
@@ -222,6 +329,8 @@ class Heartbeat:
             self.lost[rank] = loss
             self.version += 1
         print(f"hetcomm heartbeat: rank {self.rank} lost peer rank {rank}: {detail}", file=sys.stderr, flush=True)
+        if rank == self.store_host and rank != self.rank and (cause in DEFINITIVE or cause == "store"):
+            self._give_up_later(loss)
         if cause in DEFINITIVE:
             _tell_listeners(loss)
 
@@ -233,18 +342,21 @@ class Heartbeat:
         last_change: Dict[int, float] = {}
         gaps: Dict[int, Deque[float]] = {r: deque(maxlen=GAP_WINDOW) for r in peers}
         store_ok_at = started
-        departed: set = set()
+        departed: set = self._departed
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
             # /proc first, so that this beat already says what this rank sees stopped.
             self._look_at_local_peers(now, started, last_change, departed)
             try:
+                self._store_call_at = time.monotonic()
                 self._publish()
                 seen = [r for r in peers if r in last_value and r not in departed]
                 unseen = [r for r in peers if r not in last_value and self.store.check([self._key(r)])]
                 values = self.store.multi_get([self._key(r) for r in seen + unseen]) if seen or unseen else []
                 store_ok_at = now
+                self._store_call_at = None
             except Exception as e:  # noqa: BLE001 - any store failure means the same: it is gone
+                self._store_call_at = None
                 if now - store_ok_at > self.miss_s and self.store_host is not None and self.store_host != self.rank:
                     self._declare(self.store_host, "store", now - store_ok_at,
                                   f"the store it hosts stopped answering {now - store_ok_at:.2f} s ago ({type(e).__name__})")
@@ -397,16 +509,21 @@ def start(store, rank: int, world_size: int, **kwargs) -> Heartbeat:
     return _active
 
 
-def start_for(store, rank: int, world_size: int, placement) -> Heartbeat:
+def start_for(store, rank: int, world_size: int, placement, give_up_s: Optional[float] = None) -> Heartbeat:
     """:func:`start` for a default group with this :class:`~hetcomm.backends.rank_placement.Placement`:
     same-host peers are watched through ``/proc`` too; the store's host is named if it goes away
-    when rank 0 hosts it (``hetcomm launch``'s workers: one store per attempt in rank 0)."""
-    import os
-
+    when rank 0 hosts it (``hetcomm launch``'s workers: one store per attempt in rank 0), and then
+    this process exits ``give_up_s`` (the group timeout) later if it has not ended by itself."""
     local = {r: placement.ranks[r].pid for r in range(world_size) if r != rank and placement.same_host(rank, r)}
     # TORCHELASTIC_USE_AGENT_STORE=False is how hetcomm.ops.worker hands the store to rank 0.
     host = 0 if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False" else None
-    return start(store, rank, world_size, local_pids=local, store_host=host)
+
+    def describe(r: int) -> str:
+        p = placement.ranks[r]
+        return f"rank {r} (pid {p.pid}, host {p.host})"
+
+    return start(store, rank, world_size, local_pids=local, store_host=host, give_up_s=give_up_s,
+                 describe_peer=describe)
 
 
 def stop(which: Optional[Heartbeat] = None) -> None:

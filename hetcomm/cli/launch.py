@@ -11,7 +11,9 @@ Run it once per node (like torchrun). Without ``--node`` it is a one-machine job
 
 1. **Health check** (``hetcomm.ops.health`` under torchrun, rendezvous id ``<id>-health``):
    all-reduce, all-to-all and pairwise probes, P50/P99 per rank and link class printed; ranks and
-   nodes whose best-peer time exceeds ``--threshold`` x the median are reported, and with
+   nodes whose best-peer time, over what its declared link class makes it take
+   (:func:`hetcomm.ops.health.expected_pair_seconds`), exceeds ``--threshold`` x the median are
+   reported (a node behind a declared slower bridge is not slow for it), and with
    ``--probe-compute S`` each rank's GEMM time against its device class
    (:mod:`hetcomm.ops.health_class`). With ``--eject`` a slow node's launch stops here (exit 0,
    saying so) and the others start the job with ``--nnodes <remaining>:<all>``, so torchrun's
@@ -28,18 +30,22 @@ Before torchrun starts, every option and the job after ``--`` are checked
 orphaned), and each worker leaves an end mark (:mod:`hetcomm.ops.rank_marks`) so that a failed
 phase names the rank at fault. The job runs under torchrun with ``--max-restarts``: a rank that
 dies makes the survivors raise (naming it), torchrun restarts every worker, and ``hetcomm train
---resume`` continues from the last checkpoint. Exit code: the job's (0 ok, 1 a worker failed
+--resume`` continues from the last checkpoint. A worker that is stopped (SIGSTOP, a debugger)
+and named by its attempt's failure marks is SIGKILLed by the launch (torchrun's SIGTERM would
+wait out its 30 s grace first). Exit code: the job's (0 ok, 1 a worker failed
 for good, with a summary line), 2 bad usage, 128 + signal after SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 import uuid
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from hetcomm import settings
 from hetcomm.errors import UsageError
@@ -69,8 +75,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--probe-iters", type=int, default=10, help="timed repetitions per probe (default 10)")
     p.add_argument("--probe-compute", metavar="S", type=float, default=0.0,
                    help="seconds of GEMMs per rank for the per-device-class compute check (default 0: off; on a CPU "
-                   "machine whose devices are labels every rank computes alike, so the check needs real devices or "
-                   "`hetcomm emulate --compute`)")
+                   "machine whose devices are labels every rank computes on the same CPU: the times are printed, "
+                   "not judged; real devices or `hetcomm emulate --compute` are judged)")
     p.add_argument("--health-only", action="store_true", help="stop after phase 1 (exit 1 if anything is slow)")
     p.add_argument("--warmup-from", metavar="METRICS.jsonl", default=None, help="seed calibrators and hot experts from a previous run")
     p.add_argument("--group-size", type=int, default=0, help="ranks per start wave (0: all at once)")
@@ -142,6 +148,16 @@ def _judge_by_class(report: dict, cluster, work: str):
     # Ranks follow the job's node order; the declared speed is that of each rank's own node.
     by_node = {n.name: n.first_rank for n in cluster.nodes}
     speeds = [rank_speeds(cluster, [by_node[names[r]]])[0] if names[r] in by_node else 1.0 for r in range(world)]
+    gemms = {r["rank"]: r["gemm_s"] for r in report["ranks"] if r.get("gemm_s")}
+    if gemms and any(r.get("label_only") for r in report["ranks"]) and not settings.EMULATE_COMPUTE.get():
+        # The device kinds are labels: every rank's GEMM ran on this machine's CPU, so the datasheet
+        # ratios call the fastest label (an H800) slow for computing like the others, and the
+        # ranks' differences are the CPU's noise (other processes), not a device's health. Not
+        # judged, said so, and not a failure; `hetcomm emulate --compute` or real devices are.
+        print("per device class: compute not judged: the device kinds are labels on this CPU machine (every rank's "
+              "GEMM ran on the same CPU; measured ms per GEMM: "
+              f"{', '.join(f'{r}:{g * 1e3:.2f}' for r, g in sorted(gemms.items()))})", flush=True)
+        report = dict(report, ranks=[dict(r, gemm_s=None) for r in report["ranks"]])
     # Network: the best-peer verdict above (judge) already scores every rank by its own best link.
     verdict = judge_by_class(report, speeds)
     for s in verdict.slow:
@@ -155,14 +171,66 @@ def _judge_by_class(report: dict, cluster, work: str):
     return verdict
 
 
-def _phase(cmd: List[str], env: dict, what: str) -> int:
+def _kill_stopped_culprits(work: str, world: int) -> Callable[[], None]:
+    """A watch for the job phase: SIGKILL a worker that is stopped (SIGSTOP, a debugger: state T)
+    while the survivors of its attempt failed naming it (their end marks' ``peer``).
+
+    Why: the survivors raise and exit within a second, but torchrun's agent then stops the attempt
+    with SIGTERM, which a stopped process does not act on, and only SIGKILLs it after its 30 s
+    grace; the restart waits for that. Only a rank both stopped and named is killed (torchrun
+    would kill it anyway); the line names it (rank, pid, attempt)."""
+    from hetcomm.ops.rank_marks import read_marks
+    from hetcomm.ops.supervise import descendants
+
+    killed: set = set()
+
+    def watch() -> None:
+        try:
+            attempts = [int(n.split("-")[1]) for n in os.listdir(work) if n.startswith("job-") and n.endswith(".started")]
+        except (OSError, ValueError):
+            return
+        if not attempts:
+            return
+        attempt = max(attempts)
+        marks = read_marks(work, "job", attempt, world)
+        named = {m.peer for m in marks.values() if m.status == "failed" and m.peer is not None}
+        suspects = {r for r in named if marks.get(r) is None or marks[r].status == "started"}
+        if not suspects:
+            return
+        for pid in descendants(os.getpid()):
+            if pid in killed:
+                continue
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state not in (b"T", b"t") or environ.get(b"HETCOMM_LAUNCH_DIR") != work.encode():
+                continue
+            try:
+                rank = int(environ.get(b"RANK", b"-1"))
+                restart = int(environ.get(b"TORCHELASTIC_RESTART_COUNT", b"-1"))
+            except ValueError:
+                continue
+            if rank in suspects and restart == attempt:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+                print(f"hetcomm launch: rank {rank} (pid {pid}) is stopped (state T) and attempt {attempt}'s other "
+                      "ranks failed naming it: SIGKILLed so that torchrun restarts now (its SIGTERM would wait "
+                      "30 s)", file=sys.stderr, flush=True)
+
+    return watch
+
+
+def _phase(cmd: List[str], env: dict, what: str, watch: Optional[Callable[[], None]] = None) -> int:
     """Run one torchrun phase supervised; a signal to the launcher stops it and ends the launch."""
     from hetcomm.ops.supervise import run_supervised
 
-    done = run_supervised(cmd, env)
+    done = run_supervised(cmd, env, watch=watch)
     if done.signum is not None:
-        import signal
-
         name = signal.Signals(done.signum).name
         extra = f"; SIGKILLed after the grace: pids {', '.join(map(str, done.killed))}" if done.killed else ""
         print(f"hetcomm launch: {name} received during the {what}; stopped torchrun and every worker{extra}",
@@ -348,7 +416,7 @@ def _run(args: argparse.Namespace, made: List[str], jobs: List[Tuple[str, str]])
     if os.path.exists(exit_file):
         os.unlink(exit_file)
     clear_marks(work, "job")
-    code = _phase(cmd, env, "job")
+    code = _phase(cmd, env, "job", _kill_stopped_culprits(work, cluster.num_ranks))
     if code != 0:
         # torchrun gave up: a worker kept failing after this node's agent spent its restarts.
         world = nproc if args.node is None else None

@@ -19,6 +19,13 @@ pair median of ``r`` towards ranks on other nodes (all ranks on a one-node job).
 when ``score(r) > threshold * median(scores)``, a node when the median score of its ranks is
 (default threshold 3). With two nodes a slow link between them cannot be blamed on either side,
 and nothing is reported.
+
+Each pair's median is first divided by what its **declared link class** makes it take
+(:func:`expected_pair_seconds`, the report's ``pair_expected``): a node the cluster YAML reaches
+only over a slower class (a 910B behind the cross-vendor bridge at 100 Gb/s + 30 us, beside
+200 Gb/s RoCE) takes longer by design and is not slow for it; compared class-blind it was judged
+slow and ``--eject`` left a healthy node out. The expectation is the class's rate, not each
+port's: a node whose own port is slower than the rest of its class still stands out.
 """
 
 from __future__ import annotations
@@ -29,11 +36,11 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Verdict", "judge", "render_report", "run_probes", "main", "is_local_address"]
+__all__ = ["Verdict", "judge", "render_report", "run_probes", "main", "is_local_address", "expected_pair_seconds"]
 
 
 def is_local_address(host: str) -> bool:
@@ -85,6 +92,40 @@ def compute_probe(seconds: float) -> float:
         elapsed = time.perf_counter() - t0
         if elapsed >= seconds:
             return elapsed / n
+
+
+def expected_pair_seconds(cluster, world: int, size_bytes: int,
+                          rate_scale: Optional[float] = None) -> List[List[Optional[float]]]:
+    """Seconds each pair's exchange of ``size_bytes`` is expected to take by its declared link
+    class: ``size / rate + latency``, the rate being the cross-vendor bridge's (and its latency)
+    for a bridged pair, else the best rate the cluster declares for pairs of that class.
+
+    ``rate_scale``: the emulation's (``hetcomm emulate``: every rate times it on the wire, and no
+    bridge latency added), so that rates and latency keep their real proportion."""
+    bridged: Dict[Tuple[int, int], bool] = {}
+    classes: Dict[Tuple[int, int], Any] = {}
+    rates: Dict[Tuple[int, int], float] = {}
+    best: Dict[Any, float] = {}
+    for a in range(world):
+        for b in range(world):
+            if a == b:
+                continue
+            va, vb = cluster.rank(a).vendor, cluster.rank(b).vendor
+            bridged[a, b] = va != vb and "cpu" not in (va, vb)  # cluster.link_class's own rule
+            classes[a, b] = cluster.link_class(a, b)
+            rates[a, b] = cluster.link_gbps(a, b)
+            if not bridged[a, b]:
+                best[classes[a, b]] = max(best.get(classes[a, b], 0.0), rates[a, b])
+    out: List[List[Optional[float]]] = [[None] * world for _ in range(world)]
+    for (a, b), cls in classes.items():
+        if bridged[a, b]:
+            rate, latency = rates[a, b], cluster.interconnect.cross_vendor_latency_us * 1e-6
+        else:
+            rate, latency = best[cls], 0.0
+        if rate_scale:
+            rate, latency = rate * rate_scale, 0.0
+        out[a][b] = size_bytes * 8 / (rate * 1e9) + latency
+    return out
 
 
 def run_probes(size_bytes: int, iters: int, cluster, node_of_rank: Sequence[str],
@@ -167,7 +208,12 @@ def run_probes(size_bytes: int, iters: int, cluster, node_of_rank: Sequence[str]
             "classes": cls_list[r],
         })
     matrix = [[None if x != x else x for x in gathered[r].tolist()[5:]] for r in range(world)]
-    return {"world_size": world, "size_bytes": size_bytes, "iters": iters, "ranks": ranks, "pair_p50": matrix}
+    report = {"world_size": world, "size_bytes": size_bytes, "iters": iters, "ranks": ranks, "pair_p50": matrix}
+    if cluster is not None:
+        from hetcomm import settings
+
+        report["pair_expected"] = expected_pair_seconds(cluster, world, size_bytes, settings.EMULATE_SCALE.get())
+    return report
 
 
 @dataclass(frozen=True)
@@ -175,11 +221,14 @@ class Verdict:
     """What :func:`judge` found.
 
     Attributes:
-        scores: per rank, its best pair median towards other nodes (seconds).
+        scores: per rank, its best pair median towards other nodes, divided by that pair's
+            expected time when the report has one (``by_class``), else in seconds.
         median: the median score.
         slow_ranks: ranks whose score exceeds ``threshold * median``.
         slow_nodes: nodes whose ranks' median score does (only with >= 3 nodes).
         threshold: the factor used.
+        by_class: scores are times over each pair's link-class expectation (unitless).
+        best_s: per rank, the measured median (seconds) of the pair its score comes from.
     """
 
     scores: List[float]
@@ -187,6 +236,8 @@ class Verdict:
     slow_ranks: List[int]
     slow_nodes: List[str]
     threshold: float
+    by_class: bool = False
+    best_s: List[float] = field(default_factory=list)
 
 
 def judge(report: Dict[str, Any], threshold: float = 3.0) -> Verdict:
@@ -194,12 +245,16 @@ def judge(report: Dict[str, Any], threshold: float = 3.0) -> Verdict:
     ranks = report["ranks"]
     nodes = [r["node"] for r in ranks]
     m = report["pair_p50"]
-    scores = []
+    expected = report.get("pair_expected")  # absent: a report of an older hetcomm, judged class-blind
+    scores, best_s = [], []
     for r, row in enumerate(m):
-        other = [row[p] for p in range(len(row)) if p != r and row[p] is not None and nodes[p] != nodes[r]]
-        if not other:
-            other = [row[p] for p in range(len(row)) if p != r and row[p] is not None]
-        scores.append(min(other) if other else float("nan"))
+        # (time over its class's expectation, measured time) of every pair with a measurement
+        pairs = {p: (row[p] / expected[r][p] if expected and expected[r][p] else row[p], row[p])
+                 for p in range(len(row)) if p != r and row[p] is not None}
+        other = [v for p, v in pairs.items() if nodes[p] != nodes[r]] or list(pairs.values())
+        score, raw = min(other) if other else (float("nan"), float("nan"))
+        scores.append(score)
+        best_s.append(raw)
     valid = [s for s in scores if s == s]
     med = statistics.median(valid) if valid else float("nan")
     slow_ranks = [r for r, s in enumerate(scores) if len(valid) >= 3 and s == s and s > threshold * med]
@@ -207,7 +262,7 @@ def judge(report: Dict[str, Any], threshold: float = 3.0) -> Verdict:
     node_scores = {n: statistics.median([scores[r] for r in range(len(scores)) if nodes[r] == n]) for n in node_names}
     nmed = statistics.median(node_scores.values()) if node_scores else float("nan")
     slow_nodes = [n for n in node_names if len(node_names) >= 3 and node_scores[n] > threshold * nmed]
-    return Verdict(scores, med, slow_ranks, slow_nodes, threshold)
+    return Verdict(scores, med, slow_ranks, slow_nodes, threshold, bool(expected), best_s)
 
 
 def render_report(report: Dict[str, Any], verdict: Verdict) -> str:
@@ -220,22 +275,26 @@ def render_report(report: Dict[str, Any], verdict: Verdict) -> str:
             return f"{d['p50'] * 1e3:.2f}/{d['p99'] * 1e3:.2f}" if d else "-"
 
         flag = "  SLOW" if r["rank"] in verdict.slow_ranks else ""
+        best = (f"{verdict.best_s[r['rank']] * 1e3:.2f} ({s:.2f}x its class)" if verdict.by_class
+                else f"{s * 1e3:.2f}")
         rows.append([str(r["rank"]), r["node"], pp(r["allreduce"]), pp(r["alltoall"])]
-                    + [pp(r["classes"].get(c)) for c in classes] + [f"{s * 1e3:.2f}{flag}"])
+                    + [pp(r["classes"].get(c)) for c in classes] + [best + flag])
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     lines = [
         f"health check: {report['world_size']} ranks, {report['size_bytes']} B probes x {report['iters']}",
         "  " + "  ".join(h.ljust(w) for h, w in zip(head, widths)),
     ]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    median = (f"{verdict.median:.2f}x its link class's expected time" if verdict.by_class
+              else f"{verdict.median * 1e3:.2f} ms")
     if verdict.slow_nodes or verdict.slow_ranks:
         lines.append(
-            f"slow (best-peer time > {verdict.threshold:g}x the median {verdict.median * 1e3:.2f} ms): "
+            f"slow (best-peer time > {verdict.threshold:g}x the median {median}): "
             + (f"nodes {', '.join(verdict.slow_nodes)}; " if verdict.slow_nodes else "")
             + f"ranks {', '.join(map(str, verdict.slow_ranks))}"
         )
     else:
-        lines.append(f"no rank or node above {verdict.threshold:g}x the median best-peer time ({verdict.median * 1e3:.2f} ms)")
+        lines.append(f"no rank or node above {verdict.threshold:g}x the median best-peer time ({median})")
     return "\n".join(lines)
 
 
@@ -279,6 +338,13 @@ def _probe_main(args: argparse.Namespace) -> int:
         world = dist.get_world_size()
         nodes = [cluster.node_of(r).name if cluster is not None else "local" for r in range(world)]
         report = run_probes(args.size, args.iters, cluster, nodes, compute_s=args.compute_s)
+        # Whether each rank's device kind is only a label (the process lacks that device, e.g.
+        # the demo's A100/H800/910B on one CPU machine): its GEMM probe then measures this CPU,
+        # not the device, and the launch judges compute against the measured CPU.
+        from hetcomm.backends import hetcomm_group
+
+        for place, entry in zip(hetcomm_group().placement.ranks, report["ranks"]):
+            entry["label_only"] = bool(place.label_only)
         if args.rdzv_host is not None:
             hosts = [None] * world
             dist.all_gather_object(hosts, is_local_address(args.rdzv_host))

@@ -30,7 +30,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Set, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from hetcomm.launcher import libc_prctl
 
@@ -159,7 +159,8 @@ def _stop_tree(seen: Dict[int, int], first: Optional[int], kill_grace_s: float,
     return tuple(sorted(killed))
 
 
-def run_supervised(cmd: List[str], env: Mapping[str, str], *, kill_grace_s: float = 15.0) -> SupervisedExit:
+def run_supervised(cmd: List[str], env: Mapping[str, str], *, kill_grace_s: float = 15.0,
+                   watch: Optional[Callable[[], None]] = None, watch_every_s: float = 0.5) -> SupervisedExit:
     """Run ``cmd`` (a torchrun) to its end, forwarding SIGTERM/SIGINT; see the module docstring.
 
     Args:
@@ -167,6 +168,8 @@ def run_supervised(cmd: List[str], env: Mapping[str, str], *, kill_grace_s: floa
         env: its environment.
         kill_grace_s: seconds between the forwarded signal and SIGKILL of what is left
             (torchrun's agent gives its workers 30 s by default; ours is the bound).
+        watch: called every ``watch_every_s`` while torchrun runs (``hetcomm launch``: a
+            stopped worker the survivors named is SIGKILLed there); it must not raise.
     """
     prctl = libc_prctl()
     main_thread = threading.current_thread() is threading.main_thread()
@@ -189,8 +192,12 @@ def run_supervised(cmd: List[str], env: Mapping[str, str], *, kill_grace_s: floa
     try:
         proc = subprocess.Popen(cmd, env=dict(env), start_new_session=True, preexec_fn=in_child)
         seen: Dict[int, int] = {}
+        watched_at = time.monotonic()
         while True:
             code = proc.poll()
+            if watch is not None and code is None and not received and time.monotonic() - watched_at >= watch_every_s:
+                watched_at = time.monotonic()
+                watch()
             if received:
                 sig = received[0]
                 seen.update(descendants(os.getpid(), before))

@@ -24,6 +24,7 @@ from hetcomm.errors import ConfigError
 from hetcomm.topo.cluster import CLUSTER_ENV, load_cluster
 from hetcomm.wire_dtypes import LAYER_SPELLINGS, parse_wire_dtype
 from hetcomm.moe.placement.state import LayerPlacements
+from hetcomm.train import elastic
 from hetcomm.train.cold import ColdMoves
 from hetcomm.train.data import MarkovTask
 from hetcomm.train.lm import LMConfig, MoETransformerLM
@@ -539,13 +540,14 @@ def _refresh_and_rebalance(job: _Rank, step: int, loss: torch.Tensor) -> Tuple[t
 def _save(job: _Rank, step: int) -> None:
     """The step's checkpoint when due (after a membership record), and its snapshot."""
     from hetcomm.ops import hooks
+    from hetcomm.ops.membership import after_checkpoint
 
     cfg, model = job.cfg, job.model
     if cfg.page_budget > 0 and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
         for m in model.moe_layers:
             m.sync_pages()  # the checkpoint reads the experts: no write-back half done
     if hooks.maybe_checkpoint(cfg, step, model, job.opt, job.gen, job.mc, job.extras or None):
-        _elastic_after_checkpoint(cfg, job.rank, job.world_size, job.cluster, model)
+        after_checkpoint(cfg, job.rank, job.world_size, job.cluster, model)  # the membership record
     hooks.maybe_snapshot(cfg, job.snap, step, model, job.opt, job.gen, job.extras or None, job.mc)
 
 
@@ -578,7 +580,7 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
     # Before the model: the in-memory snapshots' headers carry the measured speeds a restore onto
     # another membership places the experts by when no checkpoint directory records them.
     snap = hooks.snapshotter(cfg, rank, world_size, cluster)  # in-memory snapshots (hetcomm.ops.snapshot)
-    elastic_weights, placement_from, snap_record = _elastic_placement(cfg, cluster, world_size, snap)
+    elastic_weights, placement_from, snap_record = elastic.placement(cfg, cluster, world_size, snap)
     if snap is not None:
         snap.weights = elastic_weights  # carried in each header: a restart on this membership keeps it
 
@@ -606,7 +608,7 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
             # --powersgd-experts: compression starts where the dense one does (make_powersgd).
             replicate_powersgd=cfg.powersgd_experts,
             replicate_powersgd_start=max(10, cfg.steps // 10),
-            **_placement_kwargs(elastic_weights, cfg.experts, world_size),
+            **elastic.placement_kwargs(elastic_weights, cfg.experts, world_size),
         )
 
     torch.manual_seed(cfg.seed)  # dense weights identical on every rank
@@ -698,14 +700,16 @@ def _start(job: _Rank, start_step: int, resumed_from: Optional[str]) -> None:
     hetcomm.reset_stats()
     job.progress = Progress(rank == 0, cfg, world_size, cluster, job.balancer, detected=cfg.cluster == DETECT)
     job.mc = hooks.metrics_collector(cfg, rank, world_size, cluster, model, start_step, resumed_from)
-    job.change, job.probe = _elastic_start(cfg, rank, world_size, cluster, model, start_step, job.mc,
-                                           job.placement_from, job.snap_record, job.snap)
+    job.change, job.probe = elastic.start(cfg, rank, world_size, cluster, model, start_step, job.mc,
+                                          job.placement_from, job.snap_record, job.snap)
 
 
 def _finish(job: _Rank, t0: float) -> int:
     """The end of training: pending checkpoints and snapshots closed, the summary (collective)
     printed by rank 0. Returns the exit code of the loss verdict."""
     from hetcomm.ops import hooks
+    from hetcomm.ops.membership import expert_census
+    from hetcomm.ops.membership import summary_rows as membership_rows
     from hetcomm.train.het_defaults import MoETimeTracker
 
     cfg, rank, world_size, model = job.cfg, job.rank, job.world_size, job.model
@@ -723,7 +727,7 @@ def _finish(job: _Rank, t0: float) -> int:
                 ("token split (per step, by measured speed)", "on" if job.split_on else "off"),
                 ("cold experts (coldest by global load on measured-slow ranks)", job.cold.summary()),
                 ("per-rank MoE time max/mean", MoETimeTracker.summary(job.moe_time.gather(world_size))), *snap_rows,
-                *_elastic_summary_rows(job.change, model)]
+                *membership_rows(job.change, expert_census(model))]  # collective: the census
     compression = compression_per_rank(job.psgd, model, cfg, rank, world_size)  # collective
     summary = summarise(rank, world_size, cfg, job.cluster, job.task, model, job.losses, elapsed,
                         job.tokens_per_step, job.balancer, job.psgd, het_rows, detected=cfg.cluster == DETECT)
@@ -734,64 +738,6 @@ def _finish(job: _Rank, t0: float) -> int:
         job.progress.close()
         print(summary["text"])
     return 0 if summary["ok"] else 1
-
-
-# -- elastic membership and the in-training probe (hetcomm.ops.membership, hetcomm.ops.probe) --
-
-
-def _elastic_placement(cfg: TrainConfig, cluster, world_size: int, snap=None):
-    """Placement weights for a resume onto other ranks (measured speeds), or (None, "datasheet"):
-    the checkpoint directory's ``membership.json`` first, else the headers of the in-memory
-    snapshots the restore will read (collective when ``snap`` is on). Returns ``(weights, how,
-    record)``: ``record`` is those snapshots' placement record (None: none), which also names
-    the previous membership when no ``membership.json`` does (:func:`_elastic_start`)."""
-    from hetcomm.ops import hooks
-    from hetcomm.ops.membership import placement_weights, snapshot_placement
-
-    weights, how = placement_weights(cfg, cluster, world_size)
-    if snap is None:
-        return weights, how, None
-    record = snap.placement_record(not_before=hooks.disk_step(cfg), below=cfg.steps)  # every rank: collective
-    if weights is not None or record is None:
-        return weights, how, record
-    got, from_snap = snapshot_placement(record, cluster, world_size)
-    return (got, from_snap, record) if got is not None or how == "datasheet" else (None, how, record)
-
-
-def _placement_kwargs(weights, experts: int, world_size: int) -> Dict[str, Any]:
-    """``MoELayer`` keyword arguments placing the experts by ``weights`` (none: the layer's own)."""
-    if weights is None:
-        return {}
-    from hetcomm.moe.placement import place_experts
-
-    return {"placement": place_experts(experts, world_size, rank_weights=weights)}
-
-
-def _elastic_start(cfg: TrainConfig, rank: int, world_size: int, cluster, model, start_step: int, mc,
-                   placement_from: str, snap_record=None, snap=None):
-    """After the resume: the membership record/change (collective with a checkpoint directory or
-    a restore from snapshots of another membership) and the job's probe."""
-    from hetcomm.ops.membership import on_start
-    from hetcomm.ops.probe import probe_for
-
-    restored = snap.restored if snap is not None else None
-    lost = restored.lost if restored is not None and restored.step == start_step else None
-    change = on_start(cfg, rank, world_size, cluster, model, start_step, mc, placement_from,
-                      snapshots=snap_record, snapshot_lost=lost)
-    return change, probe_for(cfg, rank, world_size, cluster, model)
-
-
-def _elastic_after_checkpoint(cfg: TrainConfig, rank: int, world_size: int, cluster, model) -> None:
-    from hetcomm.ops.membership import after_checkpoint
-
-    after_checkpoint(cfg, rank, world_size, cluster, model)
-
-
-def _elastic_summary_rows(change, model) -> List[tuple]:
-    """The summary's experts-present row (collective: the census) and the membership change."""
-    from hetcomm.ops.membership import expert_census, summary_rows
-
-    return summary_rows(change, expert_census(model))
 
 
 # -- reporting ------------------------------------------------------------------------------

@@ -248,6 +248,11 @@ class TokenSwitch(_TorchTokenSwitch):
         max_recv_tokens_per_rank: most receive slots any rank may need under a routing; a
             routing over it raises :class:`~hetcomm.errors.RecvCapacityError` on every rank.
         max_token_bytes: most bytes of one token row (``H * tokens.element_size()``).
+        wire_dtype: wire-dtype policy of the token rows (hetcomm's; torch has none): a name of
+            :data:`hetcomm.backends.options.WIRE_DTYPES`, as ``Communicator.dispatch`` takes it;
+            None = the group's own (``HETCOMM_WIRE_DTYPE``, default ``exact``; ``cluster`` gives
+            each link its cluster YAML's wire dtype, e.g. fp16 over a cross-vendor bridge).
+            Weights and ids always travel exactly.
 
     Usage (collective; every rank, same order)::
 
@@ -269,6 +274,8 @@ class TokenSwitch(_TorchTokenSwitch):
         max_dispatch_tokens_per_rank: int,
         max_recv_tokens_per_rank: int,
         max_token_bytes: int,
+        *,
+        wire_dtype: Optional[str] = None,
     ) -> None:
         import hetcomm
 
@@ -280,6 +287,7 @@ class TokenSwitch(_TorchTokenSwitch):
         self.max_dispatch_tokens_per_rank = max_dispatch_tokens_per_rank
         self._max_recv_tokens_per_rank = max_recv_tokens_per_rank  # torch's attribute name
         self.max_token_bytes = max_token_bytes
+        self.wire_dtype = wire_dtype
         args = [num_experts, max_dispatch_tokens_per_rank, max_recv_tokens_per_rank, max_token_bytes]
         names = ["num_experts", "max_dispatch_tokens_per_rank", "max_recv_tokens_per_rank", "max_token_bytes"]
         bad = [f"{n}={v!r}" for n, v in zip(names, args) if isinstance(v, bool) or not isinstance(v, int) or v < 0]
@@ -441,7 +449,7 @@ class TokenSwitch(_TorchTokenSwitch):
         self._check_room("dispatch", st.recv, rooms_l, f"each rank's {what}",
                          f"pass max_recv_tokens (or out= buffers with rows) >= routing.num_recv_tokens on every rank")
         plan, recv_w, recv_counts, _bounds, meta_bytes, _per_source = _plan(
-            self.comm, st.idx, topk_weights, self._owners, 1, tokens.dtype, tokens.size(1)
+            self.comm, st.idx, topk_weights, self._owners, 1, tokens.dtype, tokens.size(1), self.wire_dtype
         )
         _counters["meta_bytes_sent"] += meta_bytes
         _counters["calls"] += 1
@@ -488,7 +496,7 @@ class TokenSwitch(_TorchTokenSwitch):
             # the weights are not needed for a combine.
             w = torch.zeros(st.idx.shape, dtype=torch.float32, device=st.idx.device)
             plan, recv_w, recv_counts, _b, _m, _p = _plan(
-                self.comm, st.idx, w, self._owners, 1, expert_tokens.dtype, expert_tokens.size(1)
+                self.comm, st.idx, w, self._owners, 1, expert_tokens.dtype, expert_tokens.size(1), self.wire_dtype
             )
             st.ex = _Exchange(self.comm, plan, recv_w, recv_counts, st.layout)
         ex = st.ex

@@ -40,6 +40,9 @@ IMPLS = [
     ),
 ]
 
+#: The group's per-link wire dtypes from the cluster YAML (mixed-mini: fp16 over the bridge).
+CLUSTER_WIRE = {"HETCOMM_WIRE_DTYPE": "cluster"}
+
 MAX_N = 32  # tokens per rank at most: column 0 of an "exact" token encodes (source, token)
 
 
@@ -167,7 +170,12 @@ def _expected_slots(data, rank: int, L: int, layout: str):
 # The rank programs
 
 
-def _conformance(rank, W, impl, layout, exact, ns, skip_rank, seed):
+def _conformance(rank, W, impl, layout, modes, ns, skip_rank, seed):
+    """:func:`_conform` once per data mode (one launch of ranks for all)."""
+    return [_conform(rank, W, impl, layout, exact, ns, skip_rank, seed) for exact in modes]
+
+
+def _conform(rank, W, impl, layout, exact, ns, skip_rank, seed):
     """Dispatch, check the slots, experts, combine and backward against the reference; again
     with out= buffers. Raises AssertionError on any difference."""
     E, K, H = 2 * W, min(3, 2 * W), 8
@@ -316,28 +324,28 @@ def test_conformance(impl, layout, W, ns, skip, cluster):
         __import__("torch.distributed._token_switch", fromlist=["x"]).TokenSwitch.create_routing
     ).parameters:
         pytest.skip("this torch's TokenSwitch has one layout")
-    for exact in (True, False):
-        got = run_ranks(_conformance, world_size=W, backend=_backend(impl), cluster=cluster, timeout=60,
-                        args=(impl, layout, exact, ns, skip, 11 + W))
-        assert sum(got) > 0
+    got = run_ranks(_conformance, world_size=W, backend=_backend(impl), cluster=cluster, timeout=60,
+                    args=(impl, layout, (True, False), ns, skip, 11 + W))
+    assert sum(sum(g) for g in got) > 0
 
 
 @pytest.mark.parametrize("layout", ["flat", "expert_major"])
 def test_conformance_over_the_bridge(layout):
-    # mixed-mini: rank 3 (Ascend) reaches the others over the host bridge in fp16; integer
-    # tokens and dyadic weights are exact in fp16, so the bridge pair is compared bit for bit.
-    run_ranks(_conformance, world_size=4, cluster=MIXED_MINI, timeout=60,
-              args=("hetcomm", layout, True, [4, 6, 0, 5], None, 5))
+    # mixed-mini: rank 3 (Ascend) reaches the others over the host bridge in fp16 (wire policy
+    # "cluster"); integer tokens and dyadic weights are exact in fp16, so the bridge pairs are
+    # compared bit for bit too.
+    run_ranks(_conformance, world_size=4, cluster=MIXED_MINI, timeout=60, env=CLUSTER_WIRE,
+              args=("hetcomm", layout, (True,), [4, 6, 0, 5], None, 5))
 
 
 def test_per_link_wire_dtypes():
-    wires = run_ranks(_bridge_wire, world_size=4, cluster=MIXED_MINI, timeout=60)
+    wires = run_ranks(_bridge_wire, world_size=4, cluster=MIXED_MINI, timeout=60, env=CLUSTER_WIRE)
     assert "torch.float16" in wires[3].values(), f"expected an fp16 bridge pair at rank 3, got {wires}"
 
 
 def test_wrong_implementation_is_caught():
     outs = run_ranks_outcomes(_conformance, world_size=2, timeout=60,
-                              args=("weighted-combine", "flat", True, [6, 5], None, 3))
+                              args=("weighted-combine", "flat", (True,), [6, 5], None, 3))
     assert not all(o.ok for o in outs), "a combine that weights its slots passed the conformance suite"
     assert any(o.error_type == "AssertionError" and "combine" in (o.error or "") for o in outs), [o.describe() for o in outs]
 

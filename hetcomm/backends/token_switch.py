@@ -295,6 +295,7 @@ class TokenSwitch(_TorchTokenSwitch):
             bad.append(f"num_experts={num_experts} (must be a positive multiple of the {self.world_size} ranks)")
         # One agreement at construction: the lowest and highest value of every argument (and of
         # a local error flag), so that a rank with other arguments fails every rank, not a hang.
+        # host: no tensor exists yet to name a device; the hetcomm and gloo groups reduce host tensors
         vec = torch.tensor([1 if bad else 0] + [int(v) if not bad else 0 for v in args], dtype=torch.int64)
         lo, hi = vec.clone(), vec.clone()
         if self.world_size > 1:
@@ -377,7 +378,11 @@ class TokenSwitch(_TorchTokenSwitch):
         self._check_room("create_routing", recv, [self._max_recv_tokens_per_rank] * W, "max_recv_tokens_per_rank",
                          f"construct the TokenSwitch with max_recv_tokens_per_rank >= {max(recv)}")
         if per_expert_token_counts is not None:
-            mine = torch.tensor(per_expert[self.rank * L : (self.rank + 1) * L], dtype=per_expert_token_counts.dtype)
+            mine = torch.tensor(
+                per_expert[self.rank * L : (self.rank + 1) * L],
+                dtype=per_expert_token_counts.dtype,
+                device=per_expert_token_counts.device,
+            )
             per_expert_token_counts[:L].copy_(mine)
         state = _RoutingState(self, idx, recv, layout)
         return Routing(handle=state, topk_idx=topk_idx, layout=layout)

@@ -1,4 +1,4 @@
-"""``hetcomm.TokenSwitch``: torch's expert-parallel ``TokenSwitch`` contract on hetcomm's token engine.
+"""``hetcomm.TokenSwitch``: torch's expert-parallel ``TokenSwitch`` over hetcomm's token engine.
 
 torch 2.14 standardised expert-parallel dispatch/combine as
 ``torch.distributed._token_switch.TokenSwitch`` (``create_routing`` -> ``dispatch`` -> expert
@@ -38,7 +38,14 @@ import torch
 import torch.distributed as dist
 
 from hetcomm.backends.token_exchange import _counters
-from hetcomm.backends.token_flow import _CombineState, _count_rows, _DispatchState, _Pieces, _Return, _Send
+from hetcomm.backends.token_flow import (
+    _CombineState,
+    _count_rows,
+    _DispatchState,
+    _Pieces,
+    _Return,
+    _Send,
+)
 from hetcomm.backends.token_plan import _Plan, _plan
 from hetcomm.errors import RecvCapacityError, UsageError
 
@@ -66,11 +73,15 @@ except ImportError:  # torch 2.13: a base of the same shape
         :class:`TokenSwitch` supplies ``dispatch``/``combine`` itself on both torch versions."""
 
         @abc.abstractmethod
-        def create_routing(self, topk_idx: torch.Tensor, per_expert_token_counts: Optional[torch.Tensor] = None) -> Any:
+        def create_routing(
+            self, topk_idx: torch.Tensor, per_expert_token_counts: Optional[torch.Tensor] = None
+        ) -> Any:
             raise NotImplementedError
 
         @abc.abstractmethod
-        def _dispatch(self, routing, tokens, topk_weights, out_tokens, out_topk_weights, out_topk_idx) -> None:
+        def _dispatch(
+            self, routing, tokens, topk_weights, out_tokens, out_topk_weights, out_topk_idx
+        ) -> None:
             raise NotImplementedError
 
         @abc.abstractmethod
@@ -101,10 +112,17 @@ class Routing(_TorchRouting):
         return list(self.handle.recv)  # type: ignore[attr-defined]
 
 
+def _desc(t: Any) -> str:
+    """``shape dtype`` of a tensor, the type of anything else (for error messages)."""
+    return f"{tuple(t.shape)} {t.dtype}" if torch.is_tensor(t) else type(t).__name__
+
+
 class _RoutingState:
     """The mutable part of a :class:`Routing`: counts agreed at creation, the latest plan."""
 
-    def __init__(self, switch: "TokenSwitch", idx: torch.Tensor, recv: List[int], layout: str) -> None:
+    def __init__(
+        self, switch: "TokenSwitch", idx: torch.Tensor, recv: List[int], layout: str
+    ) -> None:
         self.switch = switch
         self.rank = switch.rank
         self.idx = idx  # [N, K] int64 (the engine's index dtype)
@@ -117,13 +135,16 @@ class _Exchange:
     """One planned exchange (one engine plan) and the slot layout over it; dispatch, combine and
     both backwards of one routing read it without planning again."""
 
-    def __init__(self, comm: Any, plan: _Plan, recv_w: torch.Tensor, recv_counts: Sequence[int], layout: str) -> None:
+    def __init__(
+        self, comm: Any, plan: _Plan, recv_w: torch.Tensor, recv_counts: Sequence[int], layout: str
+    ) -> None:
         self.comm, self.plan, self.layout = comm, plan, layout
         self.recv_w = recv_w  # [R] float32, expert-major
         dev = recv_w.device
         counts = torch.tensor(list(recv_counts), dtype=torch.int64, device=dev)
         # Local expert of every expert-major row (the engine groups rows by local expert).
-        self.row_expert = torch.repeat_interleave(torch.arange(len(recv_counts), device=dev), counts)
+        experts = torch.arange(len(recv_counts), device=dev)
+        self.row_expert = torch.repeat_interleave(experts, counts)
         self.R = sum(plan.chunk_rows)
         self.Ur = sum(plan.recv_splits[0])
         self.Us = plan.send_token[0].numel() - plan.num_own[0]
@@ -288,31 +309,45 @@ class TokenSwitch(_TorchTokenSwitch):
         self._max_recv_tokens_per_rank = max_recv_tokens_per_rank  # torch's attribute name
         self.max_token_bytes = max_token_bytes
         self.wire_dtype = wire_dtype
+        W = self.world_size
         args = [num_experts, max_dispatch_tokens_per_rank, max_recv_tokens_per_rank, max_token_bytes]
-        names = ["num_experts", "max_dispatch_tokens_per_rank", "max_recv_tokens_per_rank", "max_token_bytes"]
-        bad = [f"{n}={v!r}" for n, v in zip(names, args) if isinstance(v, bool) or not isinstance(v, int) or v < 0]
-        if not bad and (num_experts < 1 or num_experts % self.world_size):
-            bad.append(f"num_experts={num_experts} (must be a positive multiple of the {self.world_size} ranks)")
+        names = [
+            "num_experts", "max_dispatch_tokens_per_rank", "max_recv_tokens_per_rank", "max_token_bytes"
+        ]
+        bad = [
+            f"{n}={v!r} (must be an integer >= 0)"
+            for n, v in zip(names, args)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0
+        ]
+        if not bad and (num_experts < 1 or num_experts % W):
+            bad.append(f"num_experts={num_experts} (must be a positive multiple of the {W} ranks)")
         # One agreement at construction: the lowest and highest value of every argument (and of
         # a local error flag), so that a rank with other arguments fails every rank, not a hang.
-        # host: no tensor exists yet to name a device; the hetcomm and gloo groups reduce host tensors
-        vec = torch.tensor([1 if bad else 0] + [int(v) if not bad else 0 for v in args], dtype=torch.int64)
+        # host: no tensor exists yet to name a device; hetcomm and gloo groups reduce host tensors
+        vals = [1 if bad else 0] + [0 if bad else int(v) for v in args]
+        vec = torch.tensor(vals, dtype=torch.int64)  # host: see above
         lo, hi = vec.clone(), vec.clone()
         if self.world_size > 1:
             lo.neg_()
             dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=self.group)
             lo.neg_()
             dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
-        where = f"rank {self.rank} of {self.world_size}"
+        where = f"rank {self.rank} of {W}"
         if bad:
-            raise UsageError(f"TokenSwitch: bad arguments {', '.join(bad)} ({where}); use non-negative integers")
+            raise UsageError(f"TokenSwitch: bad arguments: {'; '.join(bad)} ({where})")
         if int(hi[0]):
-            raise UsageError(f"TokenSwitch: another rank rejected its arguments ({where}); see that rank's error")
-        differ = [f"{n} ranges {int(lo[i + 1])}..{int(hi[i + 1])}" for i, n in enumerate(names) if lo[i + 1] != hi[i + 1]]
+            raise UsageError(
+                f"TokenSwitch: another rank rejected its arguments ({where}); see that rank's error"
+            )
+        differ = [
+            f"{n} ranges {int(lo[i + 1])}..{int(hi[i + 1])}"
+            for i, n in enumerate(names)
+            if lo[i + 1] != hi[i + 1]
+        ]
         if differ:
             raise UsageError(
-                f"TokenSwitch: the ranks were constructed with different arguments: {'; '.join(differ)} "
-                f"({where}); construct it with the same values on every rank"
+                f"TokenSwitch: the ranks were constructed with different arguments: "
+                f"{'; '.join(differ)} ({where}); construct it with the same values on every rank"
             )
         self.num_local_experts = num_experts // self.world_size
         self._owners = [e // self.num_local_experts for e in range(num_experts)]
@@ -375,8 +410,10 @@ class TokenSwitch(_TorchTokenSwitch):
             recv = counts[E : E + W]
         else:
             recv = [sum(per_expert[r * L : (r + 1) * L]) for r in range(W)]
-        self._check_room("create_routing", recv, [self._max_recv_tokens_per_rank] * W, "max_recv_tokens_per_rank",
-                         f"construct the TokenSwitch with max_recv_tokens_per_rank >= {max(recv)}")
+        self._check_room(
+            "create_routing", recv, [self._max_recv_tokens_per_rank] * W, "max_recv_tokens_per_rank",
+            f"construct the TokenSwitch with max_recv_tokens_per_rank >= {max(recv)}",
+        )
         if per_expert_token_counts is not None:
             mine = torch.tensor(
                 per_expert[self.rank * L : (self.rank + 1) * L],
@@ -390,27 +427,33 @@ class TokenSwitch(_TorchTokenSwitch):
     def _check_routing_args(self, topk_idx, counts, layout) -> Optional[str]:
         if layout not in LAYOUTS:
             return f"layout must be one of {LAYOUTS}, got {layout!r}"
-        if not torch.is_tensor(topk_idx) or topk_idx.dim() != 2 or topk_idx.dtype not in (torch.int64, torch.int32):
-            got = f"{tuple(topk_idx.shape)} {topk_idx.dtype}" if torch.is_tensor(topk_idx) else type(topk_idx).__name__
-            return f"topk_idx must be a [num_tokens, k] int64 or int32 tensor, got {got}"
+        if (
+            not torch.is_tensor(topk_idx)
+            or topk_idx.dim() != 2
+            or topk_idx.dtype not in (torch.int64, torch.int32)
+        ):
+            return f"topk_idx must be a [num_tokens, k] int64 or int32 tensor, got {_desc(topk_idx)}"
         if topk_idx.size(0) > self.max_dispatch_tokens_per_rank:
             return (
                 f"topk_idx routes {topk_idx.size(0)} tokens, over max_dispatch_tokens_per_rank="
                 f"{self.max_dispatch_tokens_per_rank}; construct the TokenSwitch with a larger one"
             )
         if topk_idx.numel():
-            lo, hi = int(topk_idx.min()), int(topk_idx.max())
+            lo, hi = int(topk_idx.min()), int(topk_idx.max())  # host synchronisation (validation)
             if lo < -1 or hi >= self.num_experts:
-                return f"topk_idx holds expert {lo if lo < -1 else hi}, outside -1..{self.num_experts - 1}"
-        if counts is not None:
-            if not torch.is_tensor(counts) or counts.dim() != 1 or counts.numel() < self.num_local_experts or (
-                counts.is_floating_point() or counts.is_complex()
-            ):
-                got = f"{tuple(counts.shape)} {counts.dtype}" if torch.is_tensor(counts) else type(counts).__name__
-                return (
-                    f"per_expert_token_counts must be a 1-D integer tensor of length >= "
-                    f"{self.num_local_experts} (the local experts), got {got}"
-                )
+                bad = lo if lo < -1 else hi
+                return f"topk_idx holds expert {bad}, outside -1..{self.num_experts - 1}"
+        if counts is not None and (
+            not torch.is_tensor(counts)
+            or counts.dim() != 1
+            or counts.numel() < self.num_local_experts
+            or counts.is_floating_point()
+            or counts.is_complex()
+        ):
+            return (
+                f"per_expert_token_counts must be a 1-D integer tensor of length >= "
+                f"{self.num_local_experts} (the local experts), got {_desc(counts)}"
+            )
         return None
 
     def _check_room(self, verb: str, recv: List[int], room: List[int], what: str, fix: str) -> None:
@@ -420,7 +463,10 @@ class TokenSwitch(_TorchTokenSwitch):
             raise RecvCapacityError(
                 f"TokenSwitch.{verb}: receive slots over {what}: {detail} (rank {self.rank} of "
                 f"{self.world_size}; nothing was sent); {fix}",
-                rank=self.rank, ranks=over, needed=[recv[r] for r in over], room=[room[r] for r in over],
+                rank=self.rank,
+                ranks=over,
+                needed=[recv[r] for r in over],
+                room=[room[r] for r in over],
             )
 
     # -- the exchanges -------------------------------------------------------------------------
@@ -428,52 +474,77 @@ class TokenSwitch(_TorchTokenSwitch):
         st = getattr(routing, "handle", None)
         if not isinstance(st, _RoutingState) or st.switch is not self:
             raise UsageError(
-                f"TokenSwitch.{verb}: the routing was not made by this TokenSwitch's create_routing "
-                f"(rank {self.rank}); call ts.create_routing(topk_idx) on the same switch"
+                f"TokenSwitch.{verb}: the routing was not made by this TokenSwitch's "
+                f"create_routing (rank {self.rank}); call ts.create_routing(topk_idx) on it"
             )
         return st
 
-    def _prepare_dispatch(self, routing: Routing, tokens, topk_weights, room: Optional[int], out) -> _Exchange:
-        """Check the arguments and every rank's room (collective), then plan with the engine."""
-        st = self._state(routing, "dispatch")
-        W = self.world_size
-        problem = self._check_dispatch_args(st, tokens, topk_weights, room, out)
-        rooms = torch.zeros(W, dtype=torch.int64, device=st.idx.device)
-        # -1 = this rank rejected its arguments: the others raise too instead of waiting for it.
-        rooms[self.rank] = -1 if problem is not None else (out[0].size(0) if out is not None else room)
-        if W > 1:
-            dist.all_reduce(rooms, group=self.group)
-        rooms_l = rooms.tolist()
-        where = f"rank {self.rank} of {W}"
-        if problem is not None:
-            raise UsageError(f"TokenSwitch.dispatch: {problem} ({where})")
-        failed = [r for r in range(W) if rooms_l[r] < 0]
-        if failed:
-            raise UsageError(f"TokenSwitch.dispatch: rank(s) {failed} rejected their arguments ({where}); see their errors")
-        what = "the output buffers' rows (out=)" if out is not None else "max_recv_tokens"
-        self._check_room("dispatch", st.recv, rooms_l, f"each rank's {what}",
-                         f"pass max_recv_tokens (or out= buffers with rows) >= routing.num_recv_tokens on every rank")
+    def _make_plan(self, st: _RoutingState, weights, dtype: torch.dtype, hidden: int) -> _Exchange:
+        """The engine's plan of this routing (collective: its count and metadata exchanges)."""
         plan, recv_w, recv_counts, _bounds, meta_bytes, _per_source = _plan(
-            self.comm, st.idx, topk_weights, self._owners, 1, tokens.dtype, tokens.size(1), self.wire_dtype
+            self.comm, st.idx, weights, self._owners, 1, dtype, hidden, self.wire_dtype
         )
         _counters["meta_bytes_sent"] += meta_bytes
         _counters["calls"] += 1
         st.ex = _Exchange(self.comm, plan, recv_w, recv_counts, st.layout)
         return st.ex
 
+    def _prepare_dispatch(self, routing: Routing, tokens, topk_weights, room, out) -> _Exchange:
+        """Check the arguments and every rank's room (collective), then plan with the engine."""
+        st = self._state(routing, "dispatch")
+        W = self.world_size
+        problem = self._check_dispatch_args(st, tokens, topk_weights, room, out)
+        rooms = torch.zeros(W, dtype=torch.int64, device=st.idx.device)
+        # -1 = this rank rejected its arguments: the others raise too instead of waiting for it.
+        if problem is not None:
+            rooms[self.rank] = -1
+        else:
+            rooms[self.rank] = out[0].size(0) if out is not None else room
+        if W > 1:
+            dist.all_reduce(rooms, group=self.group)
+        rooms_l = rooms.tolist()  # host synchronisation: the check below is a host decision
+        where = f"rank {self.rank} of {W}"
+        if problem is not None:
+            raise UsageError(f"TokenSwitch.dispatch: {problem} ({where})")
+        failed = [r for r in range(W) if rooms_l[r] < 0]
+        if failed:
+            raise UsageError(
+                f"TokenSwitch.dispatch: rank(s) {failed} rejected their arguments ({where}); "
+                f"see their errors"
+            )
+        what = "the output buffers' rows (out=)" if out is not None else "max_recv_tokens"
+        self._check_room(
+            "dispatch", st.recv, rooms_l, f"each rank's {what}",
+            "pass max_recv_tokens (or out= buffers with rows) >= routing.num_recv_tokens on every rank",
+        )
+        return self._make_plan(st, topk_weights, tokens.dtype, tokens.size(1))
+
     def _check_dispatch_args(self, st: _RoutingState, tokens, topk_weights, room, out) -> Optional[str]:
         N, K = st.idx.shape
-        if not torch.is_tensor(tokens) or tokens.dim() != 2 or tokens.size(0) != N or not tokens.is_floating_point():
-            got = f"{tuple(tokens.shape)} {tokens.dtype}" if torch.is_tensor(tokens) else type(tokens).__name__
-            return f"tokens must be a float [{N}, hidden] tensor (one row per routed token), got {got}"
+        if (
+            not torch.is_tensor(tokens)
+            or tokens.dim() != 2
+            or tokens.size(0) != N
+            or not tokens.is_floating_point()
+        ):
+            return f"tokens must be a float [{N}, hidden] tensor (a row per routed token), got {_desc(tokens)}"
         nbytes = tokens.size(1) * tokens.element_size()
         if nbytes > self.max_token_bytes:
-            return f"a token row is {nbytes} bytes, over max_token_bytes={self.max_token_bytes}; construct the TokenSwitch with a larger one"
-        if not torch.is_tensor(topk_weights) or tuple(topk_weights.shape) != (N, K) or not topk_weights.is_floating_point():
-            got = f"{tuple(topk_weights.shape)} {topk_weights.dtype}" if torch.is_tensor(topk_weights) else type(topk_weights).__name__
-            return f"topk_weights must be a float [{N}, {K}] tensor (like topk_idx), got {got}"
+            return (
+                f"a token row is {nbytes} bytes, over max_token_bytes={self.max_token_bytes}; "
+                f"construct the TokenSwitch with a larger one"
+            )
+        if (
+            not torch.is_tensor(topk_weights)
+            or tuple(topk_weights.shape) != (N, K)
+            or not topk_weights.is_floating_point()
+        ):
+            return f"topk_weights must be a float [{N}, {K}] tensor (like topk_idx), got {_desc(topk_weights)}"
         if tokens.device != st.idx.device or topk_weights.device != st.idx.device:
-            return f"tokens, topk_weights and topk_idx must be on one device, got {tokens.device}, {topk_weights.device}, {st.idx.device}"
+            return (
+                f"tokens, topk_weights and topk_idx must be on one device, got {tokens.device}, "
+                f"{topk_weights.device}, {st.idx.device}; move them with .to()"
+            )
         if out is None:
             if room is None:
                 return "max_recv_tokens is required when out= is not provided"
@@ -483,33 +554,35 @@ class TokenSwitch(_TorchTokenSwitch):
         if not isinstance(out, (tuple, list)) or len(out) != 3 or not all(torch.is_tensor(t) for t in out):
             return "out= must be a tuple (out_tokens, out_topk_weights, out_topk_idx) of tensors"
         ot, ow, oi = out
-        M = ot.size(0) if ot.dim() == 2 else -1
-        if ot.dim() != 2 or ot.size(1) != tokens.size(1) or ot.dtype != tokens.dtype:
-            return f"out_tokens must be [rows, {tokens.size(1)}] {tokens.dtype}, got {tuple(ot.shape)} {ot.dtype}"
+        H = tokens.size(1)
+        if ot.dim() != 2 or ot.size(1) != H or ot.dtype != tokens.dtype:
+            return f"out_tokens must be [rows, {H}] {tokens.dtype}, got {_desc(ot)}"
+        M = ot.size(0)
         if tuple(ow.shape) != (M, K) or not ow.is_floating_point():
-            return f"out_topk_weights must be a float [{M}, {K}] tensor, got {tuple(ow.shape)} {ow.dtype}"
+            return f"out_topk_weights must be a float [{M}, {K}] tensor, got {_desc(ow)}"
         if tuple(oi.shape) != (M, K) or oi.is_floating_point():
-            return f"out_topk_idx must be an integer [{M}, {K}] tensor, got {tuple(oi.shape)} {oi.dtype}"
+            return f"out_topk_idx must be an integer [{M}, {K}] tensor, got {_desc(oi)}"
         if any(t.device != tokens.device for t in out):
             return f"out= buffers must be on {tokens.device}, got {[str(t.device) for t in out]}"
         return None
 
     def _exchange_of(self, routing: Routing, expert_tokens: torch.Tensor) -> _Exchange:
         st = self._state(routing, "combine")
-        if st.ex is None:
-            # A combine without a dispatch before it: plan now (collective like every plan);
-            # the weights are not needed for a combine.
-            w = torch.zeros(st.idx.shape, dtype=torch.float32, device=st.idx.device)
-            plan, recv_w, recv_counts, _b, _m, _p = _plan(
-                self.comm, st.idx, w, self._owners, 1, expert_tokens.dtype, expert_tokens.size(1), self.wire_dtype
-            )
-            st.ex = _Exchange(self.comm, plan, recv_w, recv_counts, st.layout)
         ex = st.ex
-        where = f"rank {self.rank} of {self.world_size}"
-        if expert_tokens.dim() != 2 or expert_tokens.size(0) < ex.used or not expert_tokens.is_floating_point():
+        if ex is None:
+            # A combine without a dispatch before it: plan now (collective like every plan);
+            # a combine needs no weights.
+            w = torch.zeros(st.idx.shape, dtype=torch.float32, device=st.idx.device)
+            ex = self._make_plan(st, w, expert_tokens.dtype, expert_tokens.size(1))
+        if (
+            expert_tokens.dim() != 2
+            or expert_tokens.size(0) < ex.used
+            or not expert_tokens.is_floating_point()
+        ):
             raise UsageError(
-                f"TokenSwitch.combine: expert_tokens must be a float [rows >= {ex.used}, hidden] tensor "
-                f"(this rank's used receive slots), got {tuple(expert_tokens.shape)} {expert_tokens.dtype} ({where})"
+                f"TokenSwitch.combine: expert_tokens must be a float [rows >= {ex.used}, hidden] "
+                f"tensor (this rank's used receive slots), got {_desc(expert_tokens)} "
+                f"(rank {self.rank} of {self.world_size})"
             )
         return ex
 
@@ -527,8 +600,8 @@ class TokenSwitch(_TorchTokenSwitch):
         N = self._state(routing, "combine").idx.size(0)
         if tuple(out_tokens.shape) != (N, expert_tokens.size(1)):
             raise UsageError(
-                f"TokenSwitch.combine: out must be [{N}, {expert_tokens.size(1)}], got {tuple(out_tokens.shape)} "
-                f"(rank {self.rank} of {self.world_size})"
+                f"TokenSwitch.combine: out must be [{N}, {expert_tokens.size(1)}], got "
+                f"{_desc(out_tokens)} (rank {self.rank} of {self.world_size})"
             )
         with torch.no_grad():
             ex.gather(expert_tokens.detach(), out_tokens)
@@ -564,7 +637,10 @@ class TokenSwitch(_TorchTokenSwitch):
             self._dispatch(routing, tokens, topk_weights, *out)
             return out
         ex = self._prepare_dispatch(routing, tokens, topk_weights, max_recv_tokens, None)
-        return _SwitchDispatch.apply(ex, tokens, topk_weights, routing.topk_idx.dtype, max_recv_tokens)  # type: ignore[return-value]
+        idx_dtype = routing.topk_idx.dtype
+        return _SwitchDispatch.apply(  # type: ignore[return-value]
+            ex, tokens, topk_weights, idx_dtype, max_recv_tokens
+        )
 
     def combine(  # type: ignore[override]
         self,
@@ -590,10 +666,11 @@ class TokenSwitch(_TorchTokenSwitch):
             self._combine(routing, expert_tokens, out)
             return out
         ex = self._exchange_of(routing, expert_tokens)
-        return _SwitchCombine.apply(ex, expert_tokens, routing.handle.idx.size(0))  # type: ignore[return-value]
+        N = routing.handle.idx.size(0)  # type: ignore[attr-defined]
+        return _SwitchCombine.apply(ex, expert_tokens, N)  # type: ignore[return-value]
 
     def __repr__(self) -> str:
         return (
-            f"hetcomm.TokenSwitch(rank={self.rank}, world_size={self.world_size}, num_experts={self.num_experts}, "
-            f"max_recv_tokens_per_rank={self._max_recv_tokens_per_rank})"
+            f"hetcomm.TokenSwitch(rank={self.rank}, world_size={self.world_size}, "
+            f"num_experts={self.num_experts}, max_recv_tokens_per_rank={self._max_recv_tokens_per_rank})"
         )

@@ -298,9 +298,9 @@ class TokenSwitch(_TorchTokenSwitch):
         *,
         wire_dtype: Optional[str] = None,
     ) -> None:
-        import hetcomm
+        from hetcomm.backends.communicator import communicator  # lazy: rails, executor
 
-        self.comm = hetcomm.communicator(process_group)
+        self.comm = communicator(process_group)
         self.group = self.comm.group
         self.rank: int = self.comm.rank
         self.world_size: int = self.comm.world_size

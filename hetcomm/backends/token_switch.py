@@ -262,7 +262,7 @@ class TokenSwitch(_TorchTokenSwitch):
     Args:
         process_group: the expert-parallel group (None: the default group); every rank of it
             constructs the switch, with the same arguments (checked: a difference raises
-            :class:`~hetcomm.errors.CrossRankMismatch`-style :class:`UsageError` on every rank).
+            :class:`~hetcomm.errors.UsageError` on every rank, naming each argument's range).
         num_experts: ``E``, a multiple of the group size; rank ``r`` owns experts
             ``r*E/W .. (r+1)*E/W - 1``.
         max_dispatch_tokens_per_rank: most tokens (``N``) one rank routes per call.

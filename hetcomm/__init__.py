@@ -30,6 +30,7 @@ __all__ = [
     "reset_stats",
     "Communicator",
     "communicator",
+    "TokenSwitch",
 ]
 
 
@@ -40,6 +41,11 @@ def __getattr__(name: str):
         from hetcomm.backends.communicator import Communicator
 
         return Communicator
+    if name == "TokenSwitch":
+        # torch's expert-parallel TokenSwitch contract over the same token engine.
+        from hetcomm.backends.token_switch import TokenSwitch
+
+        return TokenSwitch
     raise AttributeError(f"module 'hetcomm' has no attribute {name!r}")
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "GroupStoppedWaiting",
     "UsageError",
     "CrossRankMismatch",
+    "RecvCapacityError",
     "UnsafePathError",
     "CheckpointError",
 ]
@@ -56,6 +57,28 @@ class CrossRankMismatch(UsageError):
         self.rank = rank
         self.ranks = list(ranks)
         self.field = field
+        super().__init__(message)
+
+
+class RecvCapacityError(UsageError):
+    """A token exchange would deliver more rows to some rank than that rank has room for
+    (``hetcomm.TokenSwitch``'s ``max_recv_tokens_per_rank``, or a dispatch's ``max_recv_tokens`` /
+    ``out=`` buffers). Raised on every rank of the group, from the exchanged counts, before any
+    row moves; the group stays usable.
+
+    Args:
+        message: every rank over its room, with its rows and its room, and the fix.
+        rank: the rank that raised.
+        ranks: the ranks that would overflow.
+        needed: rows each of ``ranks`` would receive.
+        room: the room each of ``ranks`` has.
+    """
+
+    def __init__(self, message: str, *, rank: int, ranks: "list[int]", needed: "list[int]", room: "list[int]") -> None:
+        self.rank = rank
+        self.ranks = list(ranks)
+        self.needed = list(needed)
+        self.room = list(room)
         super().__init__(message)
 
 

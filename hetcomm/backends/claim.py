@@ -1,4 +1,4 @@
-"""One process per rank of a store: refuse to join another job's store (issue 21.13).
+"""One process per rank of a store: refuse to join another job's store.
 
 A second job started with a running job's ``MASTER_ADDR:MASTER_PORT`` has its rank 0 fail to
 bind the port, but its other ranks connect to the *first* job's store as clients, read that job's

@@ -462,7 +462,7 @@ class DelegatedCollectives:
         return self._run(call, lambda: self.gloo.allreduce(staged, o), list(tensors), st, _is_async(opts), after)
 
     def _sparse_allreduce(self, tensors, o, name: str, opts):
-        """``all_reduce`` of a sparse COO tensor (issue 23.2): gloo's own sparse all-reduce (it
+        """``all_reduce`` of a sparse COO tensor: gloo's own sparse all-reduce (it
         gathers every rank's indices and values and sums them; the result, coalesced, replaces
         the caller's tensor), after the same cross-rank check on the dense shape. No staging: a
         sparse tensor has no strided layout to copy into. SUM, and AVG as SUM then divide; gloo

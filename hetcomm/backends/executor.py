@@ -333,7 +333,7 @@ class Executor:
     so that every pair's transfers stay in step on every rank. A blocking call with nothing
     queued runs inline on the caller's thread instead (saves two thread hand-offs).
 
-    Completion callbacks (issue 23.1): a Work's torch-future callbacks run where the Work is
+    Completion callbacks: a Work's torch-future callbacks run where the Work is
     completed, and torch's communication hooks (``powerSGD_hook``) start further collectives
     there and wait for them. So a job's Works are completed only after the job has released the
     executor (:meth:`complete` defers completions made inside a job), and when a completed Work

@@ -101,7 +101,7 @@ def release_frames(exc: BaseException) -> BaseException:
     and gloo groups, the process group itself. That is a reference cycle (work -> error -> frames
     -> work), so after a failure or a cross-rank mismatch the whole group outlived
     ``destroy_process_group`` until the cyclic GC ran: at interpreter exit, or on any thread, e.g.
-    a gloo thread whose group destructor then joins itself (issue 14, item 5).
+    a gloo thread whose group destructor then joins itself.
 
     hetcomm's own errors (:class:`~hetcomm.errors.HetcommError`) say what, where and how to fix in
     their message and fields, so their tracebacks (and their causes', e.g. gloo's text) are
@@ -181,7 +181,7 @@ class FaultDiagnosis:
     def culprits(self, seq: int, waited_for: Optional[Sequence[int]] = None) -> Tuple[List[int], str]:
         """``(ranks, text)``: the ranks provably at fault for the failure of collective ``seq``.
 
-        Only two kinds of rank are named (issue 14, item 14):
+        Only two kinds of rank are named:
 
         * **dead**: a peer on this host whose process is gone and that left no failure mark in
           the store. Survivors mark the store before anything else, so one that failed like this
@@ -249,7 +249,7 @@ class FaultDiagnosis:
 
     def stopped_waiting_for_me(self, seq: int) -> Optional[Tuple[int, int]]:
         """``(rank, its collective)`` of a peer that timed out waiting for *this* rank and left,
-        or None (issue 21.17). Read from the peers' ``hetcomm/diag/gave-up/<rank>`` marks
+        or None. Read from the peers' ``hetcomm/diag/gave-up/<rank>`` marks
         (``"<seq>:<ranks it stopped waiting for>"``), left by :meth:`culprits`."""
         for r in range(self.size):
             if r == self.rank:

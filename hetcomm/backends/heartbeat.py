@@ -1,4 +1,4 @@
-"""Heartbeats: a dead or hung peer named on every survivor within a second (issue 20, item 3).
+"""Heartbeats: a dead or hung peer named on every survivor within a second.
 
 Without them a survivor learns of a lost peer only when a transfer to it breaks (a killed
 process's sockets close: fast) or when the group timeout expires (a hung peer: minutes). One

@@ -1,4 +1,4 @@
-"""Point-to-point ``send``/``recv`` with a size check (issue 21.21).
+"""Point-to-point ``send``/``recv`` with a size check.
 
 gloo matches a send and a receive by peer and tag only, and when their sizes differ the
 receiving process dies with SIGABRT inside gloo (an enforce on the message length). Here every

@@ -54,7 +54,7 @@ def _fresh(exc: BaseException) -> BaseException:
     Raising the stored object itself would attach the caller's frames to it, and the caller's
     frame holds this Work (c10d's ``work.wait()``): a reference cycle that keeps the Work, and
     through the caller's frames the process group, alive after ``destroy_process_group`` until
-    the cyclic GC runs (issue 14.5; see :func:`hetcomm.backends.faults.release_frames`).
+    the cyclic GC runs (see :func:`hetcomm.backends.faults.release_frames`).
     """
     new = type(exc).__new__(type(exc))
     new.__dict__.update(exc.__dict__)

@@ -1,6 +1,6 @@
 """Measurement code behind ``hetcomm bench``: sizes, data patterns, timing loop, table, JSON.
 
-Split along its seams (issue 23.5): :mod:`._bench_config` (flags -> :class:`BenchConfig`,
+Split along its seams: :mod:`._bench_config` (flags -> :class:`BenchConfig`,
 sizes), :mod:`._bench_workload` (data patterns, timed calls, #wrong), :mod:`._bench_measure`
 (one rank's run, the merge), :mod:`._bench_table` (the table); this module launches local ranks
 and re-exports the public names, so ``from hetcomm.cli import _benchlib as lib`` keeps working.

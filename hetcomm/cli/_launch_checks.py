@@ -1,7 +1,7 @@
 """Checks of ``hetcomm launch``'s options and of the job after ``--``, before torchrun starts.
 
 Anything found only inside torchrun's workers is counted as a worker failure and restarted
-``--max-restarts`` times before an exit 1 (issue 21, items 11 and 16). Every check here raises
+``--max-restarts`` times before an exit 1. Every check here raises
 :class:`~hetcomm.errors.UsageError` (exit 2, one line) in the launcher, within a second.
 """
 
@@ -85,7 +85,7 @@ def _parse_job(job: List[str], shown: List[str]) -> argparse.Namespace:
 
 
 def job_cluster(launch_cluster: Optional[str], job: List[str], default: str) -> str:
-    """The one cluster YAML of the job (issue 21, item 10): launch's ``--cluster``, the job's
+    """The one cluster YAML of the job: launch's ``--cluster``, the job's
     ``--cluster``, the train config's ``cluster:``, or ``default``; two that differ are an error."""
     from hetcomm.cli.train import repo_path
 

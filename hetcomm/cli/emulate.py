@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         args.state_dir = DEFAULT_STATE_DIR
     if action != "status":
         check_prerequisites()
-    # What `down` deletes as root comes from this directory: it must be private (issue 14.1).
+    # What `down` deletes as root comes from this directory: it must be private.
     args.state_dir = (
         secure_state_dir(args.state_dir, create=action in ("up", "run")) or args.state_dir
     )
@@ -205,11 +205,11 @@ def _down(args: argparse.Namespace) -> int:
         try:
             states.append(load_state(p))
         except ConfigError as e:
-            # Nothing of a state file that fails its checks is acted on (issue 14.1).
+            # Nothing of a state file that fails its checks is acted on.
             refused += 1
             _log(f"emulate: refusing {p}, nothing of it removed: {e}")
     if rid is not None and not paths and not args.sweep:
-        # Issue 14.15: without its state file, nothing proves the names are this run's.
+        # Without its state file, nothing proves the names are this run's.
         found = leftovers(rid)
         if not found:
             _log(f"emulate: no emulation hc{rid} in {args.state_dir}; nothing to remove")

@@ -131,7 +131,7 @@ def torchrun_command(
 def eject_plan(report: dict, verdict) -> Tuple[List[str], List[str]]:
     """``(ejected, kept)``: the slow nodes ``--eject`` leaves out, and those it must keep because
     they host the rendezvous store (ejecting that node leaves the others with no store:
-    torchrun's RendezvousConnectionError after ~100 s and no step, issue 21 item 14). Decided from
+    torchrun's RendezvousConnectionError after ~100 s and no step). Decided from
     the health report, which is the same on every node, so every node's launch agrees."""
     hosts = {r["node"] for r in report["ranks"] if r.get("hosts_rendezvous")}
     kept = [n for n in verdict.slow_nodes if n in hosts]
@@ -284,7 +284,7 @@ def _run(args: argparse.Namespace, made: List[str], jobs: List[Tuple[str, str]])
     from hetcomm.topo.cluster import CLUSTER_ENV, load_cluster
 
     # Everything is checked here, before torchrun starts: a bad value is exit 2 in a second,
-    # not a worker failure restarted --max-restarts times (issue 21, items 10, 11, 16).
+    # not a worker failure restarted --max-restarts times.
     probe_bytes = check_options(args)
     job = list(args.job)
     if job and job[0] == "--":

@@ -1,9 +1,9 @@
 """Which ``hc<id>-*`` objects on this machine no emulation owns any more, provably.
 
-``hetcomm emulate down --sweep`` removes them and ``hetcomm emulate status`` lists them. Before
-issue 14 item 2 every ``hc<6 hex>-*`` name that the *current* state directory did not list
-counted as an orphan, so a sweep destroyed emulations recorded in other state directories, live
-ranks included. Now a run's objects (namespaces, ``/dev/shm`` entries, cpu cgroups) are a
+``hetcomm emulate down --sweep`` removes them and ``hetcomm emulate status`` lists them. Counting
+every ``hc<6 hex>-*`` name that the *current* state directory did not list
+as an orphan would make a sweep destroy emulations recorded in other state directories, live
+ranks included. So a run's objects (namespaces, ``/dev/shm`` entries, cpu cgroups) are a
 *provable orphan* only when both hold:
 
 - no state file records the run anywhere hetcomm knows of: the state directory in use, the

@@ -6,8 +6,8 @@ for rank logs. Every namespace, shared-memory directory and cgroup is listed in 
 the first ``ip netns add``, and every rank process id before ``down`` could need it, so ``hetcomm
 emulate down`` can remove everything even when the process that built it was killed.
 
-``down`` runs as root and deletes what the file names, so the file is an attack surface (issue 14
-item 1). Three layers keep it from being one:
+``down`` runs as root and deletes what the file names, so the file is an attack surface.
+Three layers keep it from being one:
 
 - the state directory must be private: a real directory (not a symbolic link) owned by the
   caller, not writable by group or others, under ancestors that only root or the caller can

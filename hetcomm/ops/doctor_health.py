@@ -1,4 +1,4 @@
-"""``hetcomm doctor``'s rules over the job's health records (issue 20, item 4).
+"""``hetcomm doctor``'s rules over the job's health records.
 
 The records (:mod:`hetcomm.ops.ops_records`) come from the launch health check, the in-training
 probe (:mod:`hetcomm.ops.probe`) and the membership changes at a resume

@@ -1,4 +1,4 @@
-"""Health judged per device class (issue 20, item 4): a 910B is not slow for being a 910B.
+"""Health judged per device class: a 910B is not slow for being a 910B.
 
 The launch health check's :func:`hetcomm.ops.health.judge` compares each rank's best link with
 the global median; a straggler test of Megatron's kind (outlier > 1 sigma and > 10 % from the

@@ -1,4 +1,4 @@
-"""Membership of a fault-tolerant job: who trained, who left at a restart, what it cost (issue 20, item 2).
+"""Membership of a fault-tolerant job: who trained, who left at a restart, what it cost.
 
 Under ``hetcomm launch --nnodes MIN:MAX`` a node that does not come back is simply absent from
 torchrun's next rendezvous: the survivors' workers write the job's cluster YAML without it

@@ -1,4 +1,4 @@
-"""The periodic in-training health probe: every N steps, each rank judged against its own class (issue 20, item 4).
+"""The periodic in-training health probe: every N steps, each rank judged against its own class.
 
 The launch health check (:mod:`hetcomm.ops.health`, :mod:`hetcomm.ops.health_class`) runs once,
 before the job; a GPU that throttles or a link that degrades an hour in is only seen by a probe

@@ -1,8 +1,7 @@
 """Per-rank end marks in the launch directory: who finished, who failed (and blamed whom), who died.
 
 torchrun reports a failed phase as "exit 1", and its root cause is the first worker to *exit*
-non-zero, which is usually a survivor that raised after the real culprit died (issue 21, item
-16). Each worker of a ``hetcomm launch`` phase therefore leaves one mark when it ends,
+non-zero, which is usually a survivor that raised after the real culprit died. Each worker of a ``hetcomm launch`` phase therefore leaves one mark when it ends,
 ``<phase>-<attempt>-rank<r>.json`` in the launch directory:
 
 * ``{"status": "done"}`` — it finished;

@@ -2,7 +2,7 @@
 
 ``subprocess.call`` handled no signal: SIGTERM (what a scheduler, systemd or ``kill PID`` sends)
 or SIGINT to the launcher's pid killed the launcher alone, and torchrun's agent with every
-worker kept running (issue 21, item 9). :func:`run_supervised` instead:
+worker kept running. :func:`run_supervised` instead:
 
 * starts the command in a session of its own (a terminal's Ctrl-C reaches the launcher only;
   the launcher decides what the job gets) and with a parent-death signal (SIGTERM: if the

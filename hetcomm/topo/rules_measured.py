@@ -1,6 +1,6 @@
 """The audit's rules that compare what was measured and installed with what was expected.
 
-``bandwidth-shortfall`` (issue #22): a machine whose topology looks right and whose bandwidth
+``bandwidth-shortfall``: a machine whose topology looks right and whose bandwidth
 is not. For each measured run (nccl-tests or ``hetcomm bench`` rows), the out-of-place bus
 bandwidth at the largest measured size is compared with the nominal per-rank bandwidth of the
 link class that bounds it: one node, the slowest accelerator-to-accelerator class observed (an
@@ -25,7 +25,7 @@ from hetcomm.topo.rules import RuleContext
 
 __all__ = ["measured_rules", "SHORTFALL_THRESHOLDS", "KNOWN_BAD_VERSIONS", "KnownBadVersion"]
 
-#: Fraction of nominal below which a class is short (issue #22).
+#: Fraction of nominal below which a class is short.
 SHORTFALL_THRESHOLDS: Dict[str, float] = {"fabric": 0.70, "pcie": 0.60, "network": 0.60}
 
 _CAUSES: Dict[str, List[Tuple[str, str]]] = {

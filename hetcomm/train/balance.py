@@ -298,7 +298,7 @@ def make_powersgd(cluster, world_size: int, matrix_rank: int, seed: int, steps: 
     """The dense-gradient averager of ``hetcomm train --powersgd RANK`` (collective).
 
     Its node and leader groups use the job's backend (hetcomm): collectives started from
-    completion callbacks, as torch's PowerSGD hook does, run on hetcomm groups (issue 23.1), so
+    completion callbacks, as torch's PowerSGD hook does, run on hetcomm groups, so
     the compressed bytes travel on hetcomm's rails and count in ``hetcomm.stats()``.
     """
     # Compression starts after the first 10% of the run (at least 10 steps), as torch advises

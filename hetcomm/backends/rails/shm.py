@@ -64,7 +64,7 @@ _HDR_BYTES = 16
 _LIVENESS_AFTER_S = 0.2
 
 
-# What a hetcomm peer creates in SHM_DIR, and nothing else (issue 14 item 3): segments
+# What a hetcomm peer creates in SHM_DIR, and nothing else: segments
 # ``hetcomm-<pid>-<12 hex>`` (map_segment) and doorbell FIFOs ``hetcomm-bell-<pid>-<12 hex>``.
 _PEER_NAMES = {
     "segment": re.compile(re.escape(SHM_PREFIX) + r"[0-9]+-[0-9a-f]{12}"),

@@ -26,7 +26,7 @@ __all__ = ["ExpertPlacement", "place_experts", "split_by_weight", "check_adopted
            "SLOW_SPREAD"]
 
 #: A rank is "slow" (it gets the coldest experts) when the fastest rank is more than this
-#: fraction faster (max / speed - 1 > 0.10, the "speeds differ" threshold of issue 19).
+#: fraction faster (max / speed - 1 > 0.10).
 SLOW_SPREAD = 0.10
 
 

@@ -380,12 +380,12 @@ class HotExpertReplicator:
         Args:
             force: refresh whether or not anything changed. Every rank must pass the same value:
                 forced, the group skips the all-reduce that asks whether any rank changed (its
-                answer could only be yes), one small collective fewer per call (issue 19: the
+                answer could only be yes), one small collective fewer per call (the
                 training loop refreshes after every optimizer step, when the owners' weights
                 have moved anyway). A refresh of unchanged weights copies the same values.
             carry: float32 tensors (passed by every rank, in the same shapes) to sum over the
                 whole group in the refresh's all-reduce instead of one of their own (the training
-                loop's loss, issue 19). Only a refresh that runs over the layer's whole group takes
+                loop's loss). Only a refresh that runs over the layer's whole group takes
                 them; it sums them in place and empties the list, so the caller reduces what is
                 left itself. Every element of the refresh buffer is one owner's value plus
                 zeros, exact in any order, so its values do not depend on the extra length.

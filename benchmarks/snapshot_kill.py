@@ -1,10 +1,12 @@
-"""Issue 20's first "Done when", full size: kill -9 one rank of a 200-step `hetcomm launch -- train`.
+"""Recovery of the default job, full size: kill -9 (or SIGSTOP) one rank of a 200-step `hetcomm launch -- train`.
 
-    python benchmarks/snapshot_kill.py [--steps 200] [--seed S] [--rank 2] [--out DIR] [--reference M.jsonl]
+    python benchmarks/snapshot_kill.py [--steps 200] [--seed S | --at STEP] [--rank 2] [--signal KILL|STOP]
+                                       [--out DIR] [--reference M.jsonl]
 
 4 ranks of mixed-mini (the demo's defaults; in-memory snapshots every step, their default under
-`hetcomm launch`), one rank SIGKILLed at a random step in [30, 170] (seeded), and an uninterrupted
-run of the same job for reference (or `--reference` a metrics file of one). Prints one JSON line:
+`hetcomm launch`), one rank signalled once rank 0 recorded step ``--at`` (default: a random step
+in [30, 170], seeded), and an uninterrupted run of the same job for reference (or `--reference` a
+metrics file of one). Prints one JSON line:
 exit code, kill step, the step restored, steps lost (the summary's count and the metrics'),
 recovery time (the kill to the first step completed after the restore), the largest relative loss
 difference to the reference at the same step after the restore, and what is left in /dev/shm.
@@ -79,11 +81,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=int(time.time()))
     ap.add_argument("--rank", type=int, default=2)
+    ap.add_argument("--at", type=int, default=None, help="signal the rank once rank 0 recorded this step")
+    ap.add_argument("--signal", choices=("KILL", "STOP"), default="KILL")
     ap.add_argument("--out", default="/tmp/hetcomm-snapshot-kill")
     ap.add_argument("--reference", default=None, help="metrics of an uninterrupted run of the same job")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    kill_at = random.Random(args.seed).randint(30, min(170, args.steps - 10))
+    kill_at = args.at if args.at is not None else random.Random(args.seed).randint(30, min(170, args.steps - 10))
     hetcomm = [sys.executable, "-m", "hetcomm.cli.main"]
     ref = args.reference
     if ref is None:
@@ -110,7 +114,7 @@ def main() -> int:
         if t_kill is None and last >= kill_at:
             pid = _worker_pid(work, args.rank)
             if pid is not None:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, getattr(signal, f"SIG{args.signal}"))
                 t_kill, killed_step = time.time(), last
         elif t_kill is not None and recovered_s is None:
             try:
@@ -138,7 +142,8 @@ def main() -> int:
         attempt = last_attempt(work, "job")
         parts = recovery_parts(t_kill, t_recovered, resumes[-1].marks, mark_times(work, "job", max(0, attempt - 1), 4))
     rec = {
-        "exit": proc.returncode, "steps": args.steps, "seed": args.seed, "kill_at_step": killed_step,
+        "exit": proc.returncode, "steps": args.steps, "seed": args.seed, "signal": args.signal, "rank": args.rank,
+        "kill_at_step": killed_step,
         "restored_after_step": at, "resume": resumes[-1].detail if resumes else None, "lost_metrics": lost,
         "summary_row": summary.strip(), "recovery_s": None if recovered_s is None else round(recovered_s, 1),
         "recovery_parts": parts,

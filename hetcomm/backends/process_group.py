@@ -128,7 +128,9 @@ class HetcommProcessGroup(dist.ProcessGroup):
         self._routed = routed
         self._delegated = DelegatedCollectives(routed.rails.gloo, rank, size, routed.faults, routed)
         self._p2p = PointToPoint(routed.rails.gloo, rank, size, self.communicator.timeout, self._delegated.in_flight)
-        # C++ callers of methods the 2.13 trampoline does not forward land on this backend.
+        # C++ callers of methods the 2.13 trampoline does not forward land on this backend. 2.14's
+        # trampoline also forwards all_gather_single, reduce_scatter_single, reduce, alltoall,
+        # gather and scatter to the methods below; the rest still land here.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, routed.rails.gloo)
         if torch.cuda.device_count() > 0:  # NVML first: no CUDA initialisation (registry.py)
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.CUSTOM, routed.rails.gloo)

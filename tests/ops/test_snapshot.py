@@ -118,27 +118,32 @@ def test_restore_from_memory_and_from_a_peer_copy_exactly(tmp_path):
     assert not glob.glob(str(tmp_path / "*" / "hetcomm-*")), os.listdir(tmp_path)
 
 
-def test_kill_one_rank_restores_from_memory_loses_at_most_one_step(tmp_path, demo_run):
-    ref_loss = {s.step: s.loss for s in read_metrics(demo_run[1]).steps}  # uninterrupted, same job
+def _launch_and_kill(tmp_path, job_prefix: str, train_args, kill_after: int, rank: int, *, on_poll=None,
+                     after_kill=None, limit_s: float = 240):
+    """``hetcomm launch -- train TRAIN_ARGS --metrics M`` (no health check, 2 restarts) whose
+    ``rank`` is SIGKILLed once rank 0 recorded step ``kill_after``. ``on_poll(done, work)`` runs at
+    every poll before the kill, ``after_kill(shm)`` right after it. Returns ``(returncode, output,
+    metrics path, the job's /dev/shm directory, killed pid or None)``."""
     work, metrics = str(tmp_path / "work"), str(tmp_path / "m.jsonl")
-    job = f"snaptest{uuid.uuid4().hex[:8]}"
+    job = f"{job_prefix}{uuid.uuid4().hex[:8]}"
     shm = f"/dev/shm/hetcomm-{os.getuid()}-{job}"
-    cmd = [
-        sys.executable, "-m", "hetcomm.cli.main", "launch", "--no-health", "--max-restarts", "2", "--work-dir", work,
-        "--rdzv-id", job, "--", "train", "--config", TINY, "--steps", str(STEPS), "--metrics", metrics,
-    ]
+    cmd = [sys.executable, "-m", "hetcomm.cli.main", "launch", "--no-health", "--max-restarts", "2", "--work-dir", work,
+           "--rdzv-id", job, "--", "train", *train_args, "--metrics", metrics]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed = None
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline and proc.poll() is None:
-            if _last_step(metrics) >= 9:  # mid-run: snapshots of several steps exist
-                pid = _worker_pid(work, 2)
+            done = _last_step(metrics)
+            if on_poll is not None:
+                on_poll(done, work)
+            if done >= kill_after:
+                pid = _worker_pid(work, rank)
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     killed = pid
-                    for f in glob.glob(os.path.join(shm, "r2-*.snap")):  # its own memory too: only
-                        os.unlink(f)  # the peer copy on rank 3 is left
+                    if after_kill is not None:
+                        after_kill(shm)
                     break
             time.sleep(0.05)
         out, _ = proc.communicate(timeout=max(10, deadline - time.monotonic()))
@@ -146,10 +151,23 @@ def test_kill_one_rank_restores_from_memory_loses_at_most_one_step(tmp_path, dem
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    return proc.returncode, out, metrics, shm, killed
+
+
+def test_kill_one_rank_restores_from_memory_loses_at_most_one_step(tmp_path, demo_run):
+    ref_loss = {s.step: s.loss for s in read_metrics(demo_run[1]).steps}  # uninterrupted, same job
+
+    def own_memory_gone(shm: str) -> None:  # only the peer copy on rank 3 is left
+        for f in glob.glob(os.path.join(shm, "r2-*.snap")):
+            os.unlink(f)
+
+    # mid-run: snapshots of several steps exist
+    code, out, metrics, shm, killed = _launch_and_kill(tmp_path, "snaptest", ["--config", TINY, "--steps", str(STEPS)],
+                                                       9, 2, after_kill=own_memory_gone)
     assert killed is not None, "the job ended before rank 2 could be killed"
     # Exit code = the tiny job's loss verdict (24 steps do not reach the demo's target), not a crash.
     verdict_pass = "verdict" in out and "PASS:" in out
-    assert proc.returncode == (0 if verdict_pass else 1), out[-4000:]
+    assert code == (0 if verdict_pass else 1), out[-4000:]
     assert "failed for good" not in out, out[-4000:]
     assert "peer 2" in out or "local_rank: 2" in out, out[-4000:]
     log = read_metrics(metrics)
@@ -257,40 +275,24 @@ def test_default_job_recovers_a_rank_killed_after_its_experts_moved(tmp_path):
     # snapshots, every restart after that move refused them ("taken by another model") and the
     # job failed for good.
     steps = 40
-    work, metrics = str(tmp_path / "work"), str(tmp_path / "m.jsonl")
-    job = f"coldkill{uuid.uuid4().hex[:8]}"
-    shm = f"/dev/shm/hetcomm-{os.getuid()}-{job}"
-    cmd = [sys.executable, "-m", "hetcomm.cli.main", "launch", "--no-health", "--max-restarts", "2", "--work-dir", work,
-           "--rdzv-id", job, "--", "train", "--steps", str(steps), "--metrics", metrics]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    killed = reniced = None
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            done = _last_step(metrics)
-            if reniced is None and done >= 2:
-                reniced = _worker_pid(work, 3)
-                if reniced is not None:
-                    _renice_all_threads(reniced, 19)
-            if done >= 14:
-                pid = _worker_pid(work, 1)
-                if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
-                    killed = pid
-                    break
-            time.sleep(0.05)
-        out, _ = proc.communicate(timeout=max(10, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    reniced = []
+
+    def slow_rank_3(done: int, work: str) -> None:
+        if not reniced and done >= 2:
+            pid = _worker_pid(work, 3)
+            if pid is not None:
+                _renice_all_threads(pid, 19)
+                reniced.append(pid)
+
+    code, out, metrics, shm, killed = _launch_and_kill(tmp_path, "coldkill", ["--steps", str(steps)], 14, 1,
+                                                       on_poll=slow_rank_3, limit_s=300)
     assert killed is not None, "the job ended before rank 1 could be killed"
     log = read_metrics(metrics)
     moves = [e for e in log.events if e.event == "migration" and e.step <= 14]
     assert moves, "no expert moved before the kill: this test covers a restore after a run-time placement change"
     assert "failed for good" not in out and "taken by another model" not in out, out[-4000:]
     verdict_pass = "verdict" in out and "PASS:" in out
-    assert proc.returncode == (0 if verdict_pass else 1), out[-4000:]
+    assert code == (0 if verdict_pass else 1), out[-4000:]
     resumes = [e for e in log.events if e.event == "resume"]
     assert len(resumes) == 1 and resumes[0].detail.startswith("from memory"), [e.detail for e in resumes]
     assert resumes[0].step >= 13, resumes[0].step  # after the move: at most one step lost
@@ -339,30 +341,12 @@ def test_a_rank_whose_own_and_buddy_snapshots_are_lost_restarts_from_zero_and_sa
     # Rank 2's own snapshots and its buddy's copies both gone: no step is complete in memory, no
     # disk checkpoint. The job starts again from step 0 and reports the steps it redoes (it said
     # "steps lost 0").
-    work, metrics = str(tmp_path / "work"), str(tmp_path / "m.jsonl")
-    job = f"lostall{uuid.uuid4().hex[:8]}"
-    shm = f"/dev/shm/hetcomm-{os.getuid()}-{job}"
-    cmd = [sys.executable, "-m", "hetcomm.cli.main", "launch", "--no-health", "--max-restarts", "2", "--work-dir", work,
-           "--rdzv-id", job, "--", "train", "--config", TINY, "--steps", str(STEPS), "--metrics", metrics]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    killed = None
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            if _last_step(metrics) >= 9:
-                pid = _worker_pid(work, 2)
-                if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
-                    killed = pid
-                    for f in glob.glob(os.path.join(shm, "[rp]2-*.snap")):
-                        os.unlink(f)
-                    break
-            time.sleep(0.05)
-        out, _ = proc.communicate(timeout=max(10, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    def all_copies_gone(shm: str) -> None:
+        for f in glob.glob(os.path.join(shm, "[rp]2-*.snap")):
+            os.unlink(f)
+
+    _, out, metrics, shm, killed = _launch_and_kill(tmp_path, "lostall", ["--config", TINY, "--steps", str(STEPS)],
+                                                    9, 2, after_kill=all_copies_gone)
     assert killed is not None, "the job ended before rank 2 could be killed"
     assert "failed for good" not in out, out[-4000:]
     log = read_metrics(metrics)

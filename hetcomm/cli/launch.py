@@ -44,6 +44,7 @@ import json
 import os
 import signal
 import sys
+import time
 import uuid
 from typing import Callable, List, Optional, Tuple
 
@@ -171,6 +172,11 @@ def _judge_by_class(report: dict, cluster, work: str):
     return verdict
 
 
+#: Longest wait, after a failure mark first names a stopped rank, for the attempt's other ranks
+#: to end before the launcher kills it (they end within the heartbeat interval, about a second).
+_CULPRIT_GRACE_S = 5.0
+
+
 def _kill_stopped_culprits(work: str, world: int) -> Callable[[], None]:
     """A watch for the job phase: SIGKILL a worker that is stopped (SIGSTOP, a debugger: state T)
     while the survivors of its attempt failed naming it (their end marks' ``peer``).
@@ -178,11 +184,15 @@ def _kill_stopped_culprits(work: str, world: int) -> Callable[[], None]:
     Why: the survivors raise and exit within a second, but torchrun's agent then stops the attempt
     with SIGTERM, which a stopped process does not act on, and only SIGKILLs it after its 30 s
     grace; the restart waits for that. Only a rank both stopped and named is killed (torchrun
-    would kill it anyway); the line names it (rank, pid, attempt)."""
+    would kill it anyway), and only once every other rank of the attempt has ended, or
+    :data:`_CULPRIT_GRACE_S` after the first naming: the stopped rank hosts the attempt's store,
+    and a survivor still naming it when it dies meets a reset connection instead; the line names
+    it (rank, pid, attempt)."""
     from hetcomm.ops.rank_marks import read_marks
     from hetcomm.ops.supervise import descendants
 
     killed: set = set()
+    named_at: dict = {}  # attempt -> when its marks first named a culprit
 
     def watch() -> None:
         try:
@@ -197,6 +207,10 @@ def _kill_stopped_culprits(work: str, world: int) -> Callable[[], None]:
         suspects = {r for r in named if marks.get(r) is None or marks[r].status == "started"}
         if not suspects:
             return
+        first = named_at.setdefault(attempt, time.monotonic())
+        pending = [r for r in range(world) if r not in suspects and (marks.get(r) is None or marks[r].status == "started")]
+        if pending and time.monotonic() - first < _CULPRIT_GRACE_S:
+            return  # the other survivors are still failing: let them name it first
         for pid in descendants(os.getpid()):
             if pid in killed:
                 continue

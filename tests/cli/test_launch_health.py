@@ -23,7 +23,10 @@ def test_probe_compute_on_cpu_labels_calls_no_healthy_rank_slow(tmp_path):
     env.pop("HETCOMM_EMULATE_COMPUTE", None)
     proc = subprocess.run(
         [sys.executable, "-m", "hetcomm.cli.main", "launch", "--health-only", "--probe-compute", "1",
-         "--probe-size", "64K", "--probe-iters", "3", "--work-dir", str(work)],
+         "--probe-size", "64K", "--probe-iters", "3", "--work-dir", str(work),
+         # the network verdict is not under test: on a loaded machine a node's probes can take 3x
+         # the median, and --health-only would exit 1 for that
+         "--threshold", "1e6"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
     out = proc.stdout + proc.stderr
     assert "slow in its class" not in out, out[-4000:]

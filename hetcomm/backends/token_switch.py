@@ -415,12 +415,9 @@ class TokenSwitch(_TorchTokenSwitch):
             f"construct the TokenSwitch with max_recv_tokens_per_rank >= {max(recv)}",
         )
         if per_expert_token_counts is not None:
-            mine = torch.tensor(
-                per_expert[self.rank * L : (self.rank + 1) * L],
-                dtype=per_expert_token_counts.dtype,
-                device=per_expert_token_counts.device,
-            )
-            per_expert_token_counts[:L].copy_(mine)
+            counts = per_expert_token_counts
+            mine = torch.tensor(per_expert[self.rank * L : (self.rank + 1) * L], dtype=counts.dtype, device=counts.device)
+            counts[:L].copy_(mine)
         state = _RoutingState(self, idx, recv, layout)
         return Routing(handle=state, topk_idx=topk_idx, layout=layout)
 

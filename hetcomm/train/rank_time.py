@@ -223,8 +223,8 @@ class ProcessClock:
     :class:`~hetcomm.train.het_defaults.BatchSplit` turns it into wall seconds with the dilation
     of the rank's dense compute (as it does the main thread's), once per agreement window.
 
-    Two other conversions were tried and measured useless on the emulation (2026-12-02
-    19:40 UTC): ``run + ready`` summed over threads (with ~15 threads runnable side by side
+    Two other conversions were tried and measured useless on the emulation:
+    ``run + ready`` summed over threads (with ~15 threads runnable side by side
     every rank summed to 108-144 % of the wall step), and the CPU over the cgroup's quota (a
     rank started by ``ip netns exec`` sees a fresh sysfs without the cgroup mounts, so the
     quota cannot be read from inside it).

@@ -21,6 +21,8 @@ import sys
 import time
 import uuid
 
+import pytest
+
 from hetcomm.ops.metrics import read_metrics
 from hetcomm.ops.snapshot import buddies
 from tests.backends.ranks import run_ranks
@@ -302,16 +304,13 @@ def test_default_job_recovers_a_rank_killed_after_its_experts_moved(tmp_path):
     assert not os.path.exists(shm), os.listdir(shm)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
 def test_a_full_shared_memory_skips_snapshots_with_one_warning(tmp_path):
     # A real tmpfs, filled up: the job runs on (its disk checkpoints still stand), says so once,
     # and counts the skipped files in the summary and the metrics.
-    import pytest
-
     mnt = tmp_path / "shm"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=1777", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=1777", "tmpfs", str(mnt)], check=True)
     try:
         with open(mnt / "filler", "wb", buffering=0) as f:  # every page taken
             try:

@@ -413,8 +413,8 @@ class HotExpertReplicator:
         distributed = dist.is_initialized() and self.placement.world_size > 1
         riders = list(carry) if carry and distributed and group is self.group else []
         # One buffer for the weights and the riders' tail: the riders cost no copy of the weights.
-        flat = torch.zeros(len(self.hot) * P + sum(t.numel() for t in riders), dtype=torch.float32,
-                           device=self.device)
+        size = len(self.hot) * P + sum(t.numel() for t in riders)
+        flat = torch.zeros(size, dtype=torch.float32, device=self.device)
         buf = flat[: len(self.hot) * P].view(len(self.hot), P)
         for i, e in enumerate(self.hot):
             if e in self.owned:

@@ -66,9 +66,9 @@ class LayerPlacements:
         self.restored: List[int] = []
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
+        owners = [list(layer.placement.owner) for layer in self.layers]
         # host: the maps are host decisions, saved beside the other host state
-        return {f"owner{i}": torch.tensor(list(layer.placement.owner), dtype=torch.int64)
-                for i, layer in enumerate(self.layers)}
+        return {f"owner{i}": torch.tensor(owner, dtype=torch.int64) for i, owner in enumerate(owners)}  # host
 
     def load_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
         """Re-place every layer as saved (:func:`restore_placement`).

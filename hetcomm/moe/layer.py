@@ -11,11 +11,13 @@ One forward:
     rank once; async, per chunk, per-pair wire dtype)  ->  local experts on each arrived chunk
     ->  ``token_dispatch.combine`` (weighted sums per token row, back once per rank)
 
-With ``page_budget > 0`` the local experts are paged (:mod:`hetcomm.moe.paging`): once the
-dispatch's count exchange tells which local experts receive rows, the pager starts their loads
-(overlapping the rows' transfer) and the experts run resident-first, faults as their loads land;
-a training step whose experts do not fit the budget streams them in waves (backward pages each
-in again). See ``docs/MOE.md``.
+The local experts are the layer's ``experts`` (an :class:`~hetcomm.moe.expert_store.ExpertStore`,
+chosen by ``page_budget``): resident (:class:`~hetcomm.moe.expert_store.ResidentExperts`) or
+paged (:class:`~hetcomm.moe.paged_experts.PagedExperts`: once the dispatch's count exchange tells
+which local experts receive rows, the pager starts their loads, overlapping the rows' transfer,
+and the experts run resident-first, faults as their loads land; a training step whose experts
+do not fit the budget streams them in waves). The group's ranks, cluster, speeds and
+communicator come from :mod:`hetcomm.moe.layer_group`. See ``docs/MOE.md``.
 
 With one process (no ``torch.distributed``, or a group of one) it runs locally: same routing,
 no collectives. Experts per rank may differ (strong devices hold more, see
@@ -25,9 +27,8 @@ no collectives. Experts per rank may differ (strong devices hold more, see
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import fields, replace
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -37,13 +38,13 @@ from hetcomm.backends import token_dispatch
 from hetcomm.errors import ConfigError
 from hetcomm.moe.gate_calibration import LoadCalibrator
 from hetcomm.moe.routing import ChunkLayout, gather_rows, route_tokens, weighted_combine
-from hetcomm.moe.experts import ExpertBank, ExpertSpec, build_expert
+from hetcomm.moe.experts import ExpertSpec, build_expert
+from hetcomm.moe.expert_store import ExpertStore, auto_budget, build_expert_store
 from hetcomm.moe.gate import TopKGate
 from hetcomm.moe.routing_metrics import MetricsAccumulator, routing_metrics
 from hetcomm.moe.overlap import PipelineTimes
 from hetcomm.moe.layer_config import MoEConfig
-from hetcomm.moe.layer_paging import PagedExperts
-from hetcomm.moe.paging import ExpertPager
+from hetcomm.moe.layer_group import group_info, group_speeds, layer_communicator, resolve_cluster
 from hetcomm.moe.placement.assign import ExpertPlacement, check_adopted_map, place_experts
 from hetcomm.moe.placement.replicate import HotExpertReplicator
 from hetcomm.moe.powersgd import node_ids_of
@@ -68,68 +69,7 @@ class _EndOfBackward(torch.autograd.Function):
         return grad, None
 
 
-def _group_info(group: Optional[dist.ProcessGroup]):
-    """(world_size, rank, global ranks) of ``group``; (1, 0, [0]) without torch.distributed."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1, 0, [0]
-    W = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    if group is None:
-        ranks = list(range(W))
-    else:
-        ranks = [dist.get_global_rank(group, r) for r in range(W)]
-    return W, rank, ranks
-
-
-def _layer_communicator(group, cluster, world_size: int, rank: int) -> token_dispatch.DispatchComm:
-    """The communicator a layer's tokens travel through: the group's :class:`Communicator`
-    (a ``hetcomm`` group's own), one over ``cluster`` when the layer names another cluster
-    than the group's (a gloo group), or a local one when the group has one rank.
-
-    Raises:
-        ConfigError: the layer names another cluster than its ``hetcomm`` group uses (one
-            wire rule per group: give the backend the same file).
-    """
-    if world_size == 1:
-        return token_dispatch.GroupComm(None, 0, 1)
-    from hetcomm.backends.communicator import Communicator, communicator
-
-    comm = communicator(group)
-    if cluster is None or _same_cluster(cluster, comm.cluster):
-        return comm
-    if comm.routed is not None:
-        raise ConfigError(
-            f"MoELayer (rank {rank}) was given cluster '{cluster.name}' but its hetcomm group uses "
-            f"{comm.cluster.name if comm.cluster is not None else 'none'!r}; pass the same cluster to "
-            f"the backend (HetcommOptions.cluster / pg_options, or HETCOMM_CLUSTER) or drop cluster=",
-            key="moe.cluster",
-            path=cluster.path,
-        )
-    key = (id(comm.group), cluster.path or cluster.name)
-    hit = _CLUSTER_COMMS.get(key)
-    if hit is None or hit[0]() is not comm.group:
-        hit = _CLUSTER_COMMS[key] = (weakref.ref(comm.group), Communicator(comm.group, cluster=cluster))
-    return hit[1]
-
-
-#: Communicators over non-hetcomm groups for layers that name their own cluster, by (group,
-#: file); the group held weakly (a destroyed group must not live on until the interpreter exits).
-_CLUSTER_COMMS: Dict[Any, Any] = {}
-
-
-def _same_cluster(a, b) -> bool:
-    if a is b:
-        return True
-    if a is None or b is None:
-        return False
-    import os
-
-    if a.path and b.path:
-        return os.path.realpath(a.path) == os.path.realpath(b.path)
-    return a == b
-
-
-class MoELayer(PagedExperts, nn.Module):
+class MoELayer(nn.Module):
     """Mixture-of-Experts layer (Tutel/DeepSpeed shape) over any process group.
 
     Args:
@@ -178,53 +118,20 @@ class MoELayer(PagedExperts, nn.Module):
         self.config = MoEConfig(model_dim=model_dim, num_experts=num_experts, k=k, capacity_factor=capacity_factor, **kwargs)
         cfg = self.config
         self.group = group
-        self.world_size, self.rank, self.global_ranks = _group_info(group)
+        self.world_size, self.rank, self.global_ranks = group_info(group)
         W = self.world_size
-
-        if isinstance(cluster, str):
-            from hetcomm.topo.cluster import load_cluster
-
-            cluster = load_cluster(cluster)
-        elif cluster is None:
-            from hetcomm.topo.cluster import cluster_from_env
-
-            cluster = cluster_from_env() if W > 1 else None
-        self.cluster = cluster
-        if cluster is not None and max(self.global_ranks) >= cluster.num_ranks:
-            raise ConfigError(
-                f"global rank {max(self.global_ranks)} is in the MoE group but cluster "
-                f"'{cluster.name}' has only {cluster.num_ranks} ranks; launch {cluster.num_ranks} "
-                f"ranks or pass the matching cluster file",
-                path=cluster.path,
-            )
-        # Dense FP16 TFLOPS of each group rank's device (hetcomm.topo.compute; YAML device.tflops
-        # overrides), equal without a cluster.
-        self.rank_tflops: List[float] = [1.0] * W
-        if cluster is not None:
-            from hetcomm.topo.compute import rank_speeds, strong_by_throughput
-
-            strong_global = set(cluster.strong_ranks)
-            self.strong_ranks = [r for r in range(W) if self.global_ranks[r] in strong_global]
-            #: Ranks allowed to hold replicas (the YAML's strong flag); which of them do is
-            #: re-chosen by measured speed (:func:`~hetcomm.moe.placement.replicate.choose_holders`).
-            self.replica_candidates: List[int] = list(self.strong_ranks)
-            self.rank_tflops = rank_speeds(cluster, self.global_ranks)
-            if cfg.rank_weights == "throughput":
-                # Replica holders are the fastest ranks: the strong ones within STRONG_FRACTION of
-                # the fastest device (a replica on a slow rank adds work where time is short).
-                fast = set(strong_by_throughput(self.rank_tflops))
-                self.strong_ranks = [r for r in self.strong_ranks if r in fast] or sorted(fast)
-        else:
-            self.strong_ranks = list(range(W))
-            self.replica_candidates = list(range(W))
-
-        if cfg.rank_weights == "throughput":
-            weights = list(self.rank_tflops)  # experts in proportion to compute speed
-        else:
-            weights = [cfg.strong_expert_weight if r in self.strong_ranks else 1.0 for r in range(W)]
+        self.cluster = resolve_cluster(cluster, self.global_ranks)
+        speeds = group_speeds(self.cluster, self.global_ranks, cfg.rank_weights, cfg.strong_expert_weight)
+        self.strong_ranks: List[int] = speeds.strong_ranks
+        #: Ranks allowed to hold replicas (the YAML's strong flag); which of them do is
+        #: re-chosen by measured speed (:func:`~hetcomm.moe.placement.replicate.choose_holders`).
+        self.replica_candidates: List[int] = speeds.replica_candidates
+        #: ``[W]`` dense FP16 TFLOPS of each rank's device (1.0 each without a cluster).
+        self.rank_tflops: List[float] = speeds.rank_tflops
         #: ``[W]`` relative speed of each rank: the initial assignment's weights and the
         #: placement policy's speeds (:meth:`rebalance`).
-        self.rank_weights: List[float] = weights
+        self.rank_weights: List[float] = speeds.rank_weights
+        weights = self.rank_weights
         if placement is None:
             placement = place_experts(num_experts, W, rank_weights=weights)
         elif placement.world_size != W or placement.num_experts != num_experts:
@@ -250,8 +157,15 @@ class MoELayer(PagedExperts, nn.Module):
             )
         self._expert_spec = expert
         local_ids = placement.experts_of(self.rank)
-        self.local_expert_ids = tuple(local_ids)
-        self.experts = ExpertBank([build_expert(expert, model_dim, e, cfg.seed) for e in local_ids])
+        modules = [build_expert(expert, model_dim, e, cfg.seed) for e in local_ids]
+        # page_budget="auto" (hetcomm.moe.paging_rule): page only when the experts do not fit the
+        # device they were built on; decided here, the config then holds the fraction.
+        self.page_budget_auto = cfg.page_budget == "auto"
+        if self.page_budget_auto:
+            self.config = cfg = replace(cfg, page_budget=auto_budget(modules))
+        #: This rank's experts and how they run: resident, or paged with ``page_budget > 0``.
+        self.experts: ExpertStore = build_expert_store(modules, local_ids, cfg.page_budget, cfg.paging, self.rank,
+                                                       self.rank_tflops[self.rank] * 1e12)
         for p in self.experts.parameters():
             # Like DeepSpeed's ``allreduce = False``: data-parallel gradient averaging must skip
             # these (each rank holds different experts); see :meth:`expert_parameters`.
@@ -290,27 +204,7 @@ class MoELayer(PagedExperts, nn.Module):
         self._load_observers: List[Any] = []
         self._fast_topk: Optional[int] = None
 
-        # Expert paging (config.page_budget > 0): the pager is built at the first forward, on
-        # the input's device, over this rank's experts in dispatch order (ascending id).
-        self.pager: Optional[ExpertPager] = None
-        self._page_optimizer: Optional[torch.optim.Optimizer] = None
-        self._page_open = False            # a step began and end_page_step has not closed it
-        self._page_mark: Dict[str, float] = {}
-        self._page_retired: Dict[str, float] = {}  # counters of pagers replaced by a placement change
-        self._page_last: Dict[str, Any] = {}
         self._migrations: Optional[int] = None  # experts landed here by apply_placement, since the last forward
-        # page_budget="auto" (hetcomm.moe.paging_rule): page only when the experts do not fit the
-        # device they were built on; decided here, the config then holds the fraction.
-        self.page_budget_auto = cfg.page_budget == "auto"
-        if self.page_budget_auto:
-            from hetcomm.moe import paging_rule
-
-            dev = next(self.experts.parameters()).device if len(self.experts) else torch.device("cpu")
-            nbytes = sum(p.numel() * p.element_size() for p in self.experts.parameters())
-            budget = paging_rule.auto_page_budget(nbytes, len(self.experts), paging_rule.free_device_bytes(dev))
-            self.config = cfg = replace(cfg, page_budget=budget)
-        self._h2d_bytes_per_s: Optional[float] = None  # measured when a pager is built on a device
-        self._check_page_budget()
         # Measured speed (hetcomm.moe.speed): the datasheet TFLOPS are the prior.
         # Room for replicas (agreed with the speeds): allowed to hold them, and not paging its own
         # experts (a rank whose experts do not fit its device has no memory for extra copies).
@@ -333,7 +227,7 @@ class MoELayer(PagedExperts, nn.Module):
         move the tokens, its ``wire_dtype`` decides each pair's wire dtype), built on first use
         (collective when the group has none yet); a local one with a group of one."""
         if self._comm is None:
-            self._comm = _layer_communicator(self.group, self.cluster, self.world_size, self.rank)
+            self._comm = layer_communicator(self.group, self.cluster, self.world_size, self.rank)
         return self._comm
 
     def add_load_observer(self, observer, fast_topk: Optional[int] = None) -> None:
@@ -360,12 +254,7 @@ class MoELayer(PagedExperts, nn.Module):
         """Global ids of the experts the pager asked to move since the last call (its L2 level:
         an expert that keeps faulting when pinning it would exceed the pin budget,
         :mod:`hetcomm.moe.degrade`); the balancer reads them. Empty without paging."""
-        if self.pager is None or not self.pager.migration_requests:
-            return []
-        ids = self._sorted_local_ids()
-        out = [ids[l] for l in self.pager.migration_requests]
-        self.pager.migration_requests.clear()
-        return out
+        return self.experts.take_migration_requests()
 
     def wire_dtype(self, peer: int, dtype: torch.dtype = torch.float32) -> torch.dtype:
         """The dtype ``dtype`` rows of this layer travel in to/from group rank ``peer`` (the
@@ -402,14 +291,65 @@ class MoELayer(PagedExperts, nn.Module):
         self.config = replace(self.config, num_chunks=num_chunks)  # validated by MoEConfig
         self._adopt_layout(self.placement)
 
-    def _sorted_local_ids(self) -> List[int]:
-        """This rank's experts' global ids in ascending order (the dispatch's local order)."""
-        return sorted(self.local_expert_ids)
+    @property
+    def local_expert_ids(self) -> Tuple[int, ...]:
+        """Global ids of this rank's experts in local order (``experts.experts[i]`` is expert
+        ``local_expert_ids[i]``)."""
+        return self.experts.ids
 
-    def _modules_by_id(self) -> List[nn.Module]:
-        """This rank's experts in ascending global id (the dispatch's local-expert order)."""
-        ids = self.placement.experts_of(self.rank)
-        return [self.experts.experts[i] for i in sorted(range(len(ids)), key=lambda i: ids[i])]
+    # -- paging (the store's; no-ops without paging) -----------------------------------------
+    @property
+    def pager(self):
+        """The :class:`~hetcomm.moe.paging.ExpertPager` over this rank's experts (built at the
+        first forward), or None without paging."""
+        return self.experts.pager
+
+    def page_stats(self) -> Dict[str, float]:
+        """This rank's pager counters since the layer was built (the pager's ``stats_total``
+        keys: ``hits``, ``waits``, ``stall_s``, ``loads``, ``evictions``, ``prefetches``,
+        ``reacquires``, ...), summed over the pagers a placement change replaced, plus
+        ``slots`` and ``experts`` of the current one. Empty without paging."""
+        return self.experts.page_stats()
+
+    def attach_optimizer(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Page ``optimizer``'s per-element state of the experts with their weights (Adam's
+        moments move with each expert). Call it once the optimizer exists, before its first
+        step; without it, a paged layer's optimizer state stays where the optimizer made it,
+        which is only correct when host and device are the same memory (CPU)."""
+        self.experts.attach_optimizer(optimizer)
+
+    def end_page_step(self) -> None:
+        """Close the paging step (after ``optimizer.step()``): the pager updates its
+        predictor, evicts down to its watermark and starts soft prefetches. The next forward
+        calls it when the loop did not; a training loop with more than one forward per
+        optimizer step (gradient accumulation) must call it after each ``optimizer.step()``."""
+        self.experts.end_step()
+
+    def sync_pages(self) -> None:
+        """Wait for every page transfer in flight (before reading expert weights outside a
+        step: a checkpoint, a replica refresh, a comparison). No-op without paging."""
+        self.experts.sync()
+
+    def warm_pages(self, expert_share: torch.Tensor) -> List[int]:
+        """Seed the pager from a known routing (``hetcomm launch --warmup-from``: a previous
+        run's per-expert load): hint the predictor and page in this rank's hottest experts, as
+        many as the free slots take. Builds the pager on the experts' device if the first
+        forward has not. No-op without paging.
+
+        Args:
+            expert_share: ``[E]`` float, any device: each global expert's share of the load.
+        Returns:
+            Global ids of the experts resident afterwards because of it, hottest first.
+        Raises:
+            ConfigError: ``expert_share`` is not ``[E]`` (``key='moe.page_budget'``).
+        """
+        E = self.config.num_experts
+        if tuple(expert_share.shape) != (E,):
+            raise ConfigError(
+                f"expert_share has shape {tuple(expert_share.shape)}; expected ({E},), one share per global expert",
+                key="moe.page_budget",
+            )
+        return self.experts.warm(expert_share)
 
     def make_expert(self, expert_id: int) -> nn.Module:
         """A fresh module of expert ``expert_id`` as this layer builds it (its initial weights
@@ -420,11 +360,9 @@ class MoELayer(PagedExperts, nn.Module):
 
     def _set_placement(self, placement: ExpertPlacement, modules: Sequence[nn.Module]) -> None:
         """Adopt ``placement`` with ``modules`` as this rank's experts, in local order."""
-        self._drop_pager()  # its slots index the old local experts; the next forward builds one
         self.placement = placement
         self._adopt_layout(placement)
-        self.local_expert_ids = tuple(placement.experts_of(self.rank))
-        self.experts.experts = nn.ModuleList(modules)
+        self.experts.adopt(modules, placement.experts_of(self.rank))  # a paged store drops its pager
         if self.replicator is not None:
             self.replicator.adopt_placement(
                 placement, {e: self.experts.experts[i] for i, e in enumerate(self.local_expert_ids)}
@@ -533,7 +471,7 @@ class MoELayer(PagedExperts, nn.Module):
         ``force`` / ``carry``: ``HotExpertReplicator.sync`` (the training loop passes both)."""
         if self.replicator is None:
             return False
-        self.sync_pages()  # the refresh reads owned experts' weights: no write-back half done
+        self.experts.sync()  # the refresh reads owned experts' weights: no write-back half done
         return self.replicator.sync(force, carry)
 
     # -- forward -----------------------------------------------------------------------------
@@ -560,14 +498,11 @@ class MoELayer(PagedExperts, nn.Module):
         T = x2.size(0)
         E = cfg.num_experts
         rep = self.replicator
-        pager = None
-        if cfg.page_budget > 0:
-            self.end_page_step()  # the previous step's, when the loop did not close it
-            pager = self._ensure_pager(x2.device)
+        self.experts.begin_forward(x2.device)  # paged: closes the previous step, builds the pager
+        paged = self.experts.pager is not None
         if rep is not None:
             rep.device = x2.device
-            if pager is not None:
-                pager.sync()  # a refresh reads owned experts' weights: no write-back half done
+            self.experts.sync()  # a refresh reads owned experts' weights: no write-back half done
             rep.sync()  # collective when distributed: every rank calls it here
 
         g = self.gate(x2)
@@ -575,7 +510,7 @@ class MoELayer(PagedExperts, nn.Module):
         replica_here = rep.replica_here() if rep is not None and rep.replicas else None
         # Per-step split among copies (hetcomm.moe.token_split): every kept copy travels (a
         # holder's own rows stay local inside the dispatch), none is set aside for a replica.
-        splitter = self.splitter if self.splitter is not None and rep is not None and rep.hot and pager is None else None
+        splitter = self.splitter if self.splitter is not None and rep is not None and rep.hot and not paged else None
         if splitter is not None:
             replica_here = None
         # The only routing step: capacity, then the copies for local replicas set aside; the
@@ -631,24 +566,14 @@ class MoELayer(PagedExperts, nn.Module):
             self.speed.end(mark, xs.size(0))
             times.expert_s += time.perf_counter() - te
 
-        if pager is not None:
-            # This rank's own tokens are sure to reach its experts: page those in before the
-            # count exchange tells what the other ranks send.
-            # Only into free slots: an eviction here could push out an expert the other ranks
-            # route to, which the counts would have said a moment later.
-            free = pager.free_slots()
-            own = route.send_counts[list(self._sorted_local_ids())].tolist()
-            for l, n in enumerate(own):
-                if not free:
-                    break
-                if n and pager.slot_of[l] is None and pager.prefetch(l):
-                    free -= 1
+        # This rank's own tokens are sure to reach its experts: a paged store starts their
+        # loads before the count exchange tells what the other ranks send.
+        self.experts.prefetch_own(route.send_counts)
 
-        # gate -> dispatch -> experts (chunk by chunk, as each arrives) -> combine.
-        # Unpaged, the rows arrive as one piece per local expert and the outputs go to the
-        # combine as they come: no [R, D] concatenation of rows or gradients. A rank without
-        # experts takes the whole (empty) block, which keeps x in its backward's graph.
-        mods = self._modules_by_id() + split_mods if pager is None else []
+        # gate -> dispatch -> experts (chunk by chunk, as each arrives) -> combine. The store
+        # says whether the rows arrive as one piece per local expert (resident: no [R, D]
+        # concatenation of rows or gradients) or as one block (paged).
+        mods = self.experts.dispatch_modules(split_mods)
         res = self.comm.dispatch(
             x2,
             idx_send,
@@ -659,22 +584,9 @@ class MoELayer(PagedExperts, nn.Module):
             split_by_expert=bool(mods),
             wire_dtype=cfg.wire_dtype,
         )
-        recv_x, counts, handle, work = res.recv_x, res.recv_counts, res.handle, res.work
+        counts, handle, work = res.recv_counts, res.handle, res.work
         compute_local()
-        if pager is not None:
-            y_recv = self._paged_experts(recv_x, counts, handle, work, times)
-        elif mods:
-            y_recv = []
-            for c, (lo, hi) in enumerate(handle.chunk_experts):
-                work.wait_chunk(c)
-                te = time.perf_counter()
-                mark = self.speed.begin(x2.device)
-                y_recv += self.experts.forward_pieces(recv_x[lo:hi], modules=mods[lo:hi])
-                self.speed.end(mark, sum(counts[lo:hi]))
-                times.expert_s += time.perf_counter() - te
-        else:
-            work.wait()
-            y_recv = recv_x * 0
+        y_recv = self.experts.compute(res, mods, times, self.speed, x2.device)
         tw = time.perf_counter()
         out = self.comm.combine(y_recv, handle)
         times.comm_exposed_s = work.exposed_s + time.perf_counter() - tw
@@ -694,10 +606,9 @@ class MoELayer(PagedExperts, nn.Module):
             # the end of the whole backward pass. The hook sits on the layer's output, which
             # every backward through this layer starts from (the gate may be frozen).
             out = _EndOfBackward.apply(out, rep.grad_reducer())
-        if pager is not None and self._page_last.get("page_waves") and out.requires_grad:
-            # Backward of a wave step evicts experts with write-backs in flight, whose host
-            # copies the optimizer step then updates: land them first.
-            out = _EndOfBackward.apply(out, pager.sync)
+        after = self.experts.backward_callback()  # a paged wave step's: land the write-backs
+        if after is not None and out.requires_grad:
+            out = _EndOfBackward.apply(out, after)
 
         # Statistics, after the experts so that the all-reduce was hidden behind them.
         if update:
@@ -778,8 +689,7 @@ class MoELayer(PagedExperts, nn.Module):
             global_min_expert_rate=gm.min_expert_rate if gm is not None else None,
             calibration_lag=self.gate.calibrator.lag_factor() if self.gate.calibrator is not None else None,
             migrations=migrations,
-            **self._page_step_stats(),
-            **self._page_hide_stats(times.rows_per_expert),
+            **self.experts.step_stats(times.rows_per_expert),
             **self.speed.record(),
             **(splitter.record() if splitter is not None else {}),
         )

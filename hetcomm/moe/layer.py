@@ -41,7 +41,8 @@ from hetcomm.moe.routing import ChunkLayout, gather_rows, route_tokens, weighted
 from hetcomm.moe.experts import ExpertSpec, build_expert
 from hetcomm.moe.expert_store import ExpertStore, auto_budget, build_expert_store
 from hetcomm.moe.gate import TopKGate
-from hetcomm.moe.routing_metrics import MetricsAccumulator, routing_metrics
+from hetcomm.moe.routing_metrics import MetricsAccumulator
+from hetcomm.moe.load_observer import LoadObserver
 from hetcomm.moe.overlap import PipelineTimes
 from hetcomm.moe.layer_config import MoEConfig
 from hetcomm.moe.layer_group import group_info, group_speeds, layer_communicator, resolve_cluster
@@ -49,7 +50,7 @@ from hetcomm.moe.placement.assign import ExpertPlacement, check_adopted_map, pla
 from hetcomm.moe.placement.replicate import HotExpertReplicator
 from hetcomm.moe.powersgd import node_ids_of
 from hetcomm.moe.speed import SpeedMeter, speed_classes
-from hetcomm.moe.step_stats import StepStats
+from hetcomm.moe.step_stats import StepStats, forward_record, replica_saved_bytes
 from hetcomm.moe.token_split import TokenSplitter
 
 __all__ = ["MoEConfig", "MoELayer"]
@@ -191,7 +192,7 @@ class MoELayer(nn.Module):
                 policy=cfg.replicate_policy,
                 powersgd_rank=cfg.replicate_powersgd,
                 powersgd_start=cfg.replicate_powersgd_start,
-                node_ids=node_ids_of(cluster, cluster.num_ranks) if cluster is not None and cfg.replicate_powersgd else None,
+                node_ids=node_ids_of(self.cluster, self.cluster.num_ranks) if self.cluster is not None and cfg.replicate_powersgd else None,
                 initial_holders=self.strong_ranks,  # the datasheet's choice: the prior
                 # The agreed speed vector and room flags (self.speed is built below; read lazily).
                 measured=lambda: (self.speed.speeds, self.speed.room) if self.speed.measured else None,
@@ -199,10 +200,9 @@ class MoELayer(nn.Module):
         self.l_aux: torch.Tensor = torch.zeros((), device="cpu")  # replaced by the first forward
         self.last_stats: Optional[StepStats] = None  # set by every forward
         self.metrics = MetricsAccumulator()
-        # The one load observer's subscribers (add_load_observer): each training forward's
-        # global statistics, all-reduced once, go to the calibrator, the replicator and these.
-        self._load_observers: List[Any] = []
-        self._fast_topk: Optional[int] = None
+        # The one load observer (add_load_observer): each training forward's global
+        # statistics, all-reduced once, go to the calibrator, the replicator and its subscribers.
+        self._load = LoadObserver()
 
         self._migrations: Optional[int] = None  # experts landed here by apply_placement, since the last forward
         # Measured speed (hetcomm.moe.speed): the datasheet TFLOPS are the prior.
@@ -240,15 +240,7 @@ class MoELayer(nn.Module):
         probabilities over their top ``fast_topk``, or None when no observer asked for it).
         The calibrator and the replicator read the same numbers; the balancer
         (:mod:`hetcomm.train.balance`) subscribes here."""
-        if fast_topk is not None:
-            if self._fast_topk and self._fast_topk != fast_topk:
-                raise ConfigError(
-                    f"the layer's load observer already computes the fast signal over the top {self._fast_topk}; "
-                    f"got another observer asking for {fast_topk}",
-                    key="moe.load_observer",
-                )
-            self._fast_topk = int(fast_topk)
-        self._load_observers.append(observer)
+        self._load.add(observer, fast_topk)
 
     def take_migration_requests(self) -> List[int]:
         """Global ids of the experts the pager asked to move since the last call (its L2 level:
@@ -407,49 +399,18 @@ class MoELayer(nn.Module):
         return arrived
 
     def rebalance(self, expert_load: Optional[Sequence[float]] = None, optimizer=None) -> List[int]:
-        """Re-place experts by load, now (collective), with the one placement policy.
-
-        The map comes from :class:`~hetcomm.moe.placement.balancer.ExpertBalancer` (the policy
-        of ``hetcomm train --balance``: capacity-aware packing by rank speed, refined, moves
-        only where they shorten the slowest rank's step), fed this one load; every rank keeps
-        its number of experts; the moves are carried out by
-        :func:`~hetcomm.moe.placement.migration.migrate_now` (parameters, optimizer state and
-        gradients travel with each expert), so training continues unchanged.
-
-        Args:
-            expert_load: ``[E]`` load per expert, identical on every rank (default: the
-                replication EMA of global token counts, which is).
-            optimizer: the optimizer holding this layer's parameters, or None.
-        Returns:
-            Global ids of the experts that moved.
+        """Re-place experts by load, now (collective), with the one placement policy, moving
+        parameters, optimizer state and gradients with them
+        (:func:`~hetcomm.moe.placement.migration.rebalance`). ``expert_load``: ``[E]`` load per
+        expert, identical on every rank (default: the replication EMA of global token counts).
+        Returns the global ids of the experts that moved.
 
         Raises:
             ConfigError: no load given and replication off.
         """
-        from hetcomm.moe.placement.balancer import BalancerConfig, ExpertBalancer, ExpertMap
-        from hetcomm.moe.placement.migration import migrate_now
+        from hetcomm.moe.placement.migration import rebalance
 
-        if expert_load is None:
-            if self.replicator is None:
-                raise ConfigError(
-                    "rebalance() needs expert_load=[E loads] when replication is off (the "
-                    "replication EMA is the default load)",
-                    key="moe.rebalance",
-                )
-            expert_load = self.replicator.ema.tolist()
-        E, W = self.config.num_experts, self.world_size
-        balancer = ExpertBalancer(
-            E,
-            self.speed.speeds if self.speed.measured else self.rank_weights,  # measured once agreed
-            BalancerConfig(window=1, every=1, cooldown=1),
-            slots=list(self.placement.num_local_experts_per_rank),
-            initial=ExpertMap.from_lists([[r] for r in self.placement.owner], W),
-        )
-        balancer.observe(torch.tensor([float(v) for v in expert_load], dtype=torch.float64))  # host: planning state
-        plan = balancer.propose()
-        if not plan.adopted:
-            return []
-        return migrate_now(self, plan.new_map.owner(), optimizer)
+        return rebalance(self, expert_load, optimizer)
 
     def cold_placement_due(self) -> bool:
         """Whether :meth:`place_cold_on_slow` has what it needs (identical on every rank;
@@ -518,26 +479,13 @@ class MoELayer(nn.Module):
         route = route_tokens(g.topk_idx, self._key_of_expert, g.capacity, replica_here)
 
         # Global statistics for calibration and replication, summed over ranks: one all-reduce
-        # of [probs (E), picks (E), tokens (1)], launched now and awaited after the experts.
-        update = self.training and (self.gate.calibrator is not None or rep is not None or bool(self._load_observers))
-        stat_vec = stat_work = split_table = None
+        # (hetcomm.moe.load_observer), launched now and awaited after the experts.
+        update = self.training and (self.gate.calibrator is not None or rep is not None or bool(self._load.observers))
+        pending = split_table = None
         if update:
-            parts = [g.probs.detach().sum(0).double(), route.picks.double(), torch.tensor([float(T)], dtype=torch.float64, device=x2.device)]
-            if self._fast_topk:  # the balancer's fast timescale (add_load_observer(fast_topk=...))
-                from hetcomm.moe.placement.balancer import fast_signal
-
-                parts.append(fast_signal(torch.log(g.probs.detach().clamp_min(1e-30)), self._fast_topk).to(torch.float64))
-            n_stat = sum(int(p.numel()) for p in parts)
-            if splitter is not None:  # the split's [W, E + 1] count table rides in the same all-reduce
-                parts.append(splitter.table_row(route.send_counts).reshape(-1))
-            stat_vec = torch.cat(parts)
-            if self.distributed:
-                # Blocking when the split needs its table before the dispatch (one small collective
-                # instead of two: a checked hetcomm all-reduce costs ~3x gloo's at this size).
-                stat_work = dist.all_reduce(stat_vec, group=self.group, async_op=splitter is None)
-            if splitter is not None:
-                split_table = stat_vec[n_stat:].view(self.world_size, E + 1).tolist()
-                stat_vec = stat_vec[:n_stat]
+            pending, split_table = self._load.launch(
+                g.probs, route.picks, T, self.group, self.distributed, world_size=self.world_size,
+                split_row=splitter.table_row(route.send_counts) if splitter is not None else None)
 
         weights_flat = g.topk_weights.t().reshape(-1)  # [A], choice-major like assignments
         idx_send = route.send_idx
@@ -595,7 +543,9 @@ class MoELayer(nn.Module):
         # Combine sends back exactly what dispatch received, in the same wire dtypes.
         times.bytes_sent = times.bytes_recv = handle.bytes_sent + handle.bytes_recv
         times.total_s = time.perf_counter() - t_start
-        saved = self._replica_saved_bytes(g.topk_idx, route, x2.dtype)
+        saved = replica_saved_bytes(g.topk_idx, route, self.placement.owner, rank=self.rank, world_size=self.world_size,
+                                    k=cfg.k, num_chunks=cfg.num_chunks, model_dim=D, dtype=x2.dtype,
+                                    wire_dtype=self.wire_dtype)
 
         if local_out:
             w_loc = weights_flat.index_select(0, route.local_assign)
@@ -611,89 +561,21 @@ class MoELayer(nn.Module):
             out = _EndOfBackward.apply(out, after)
 
         # Statistics, after the experts so that the all-reduce was hidden behind them.
-        if update:
-            if stat_work is not None:
-                stat_work.wait()
-            gp, gpicks, gT = stat_vec[:E], stat_vec[E : 2 * E], float(stat_vec[2 * E])
-            if self.gate.calibrator is not None:
-                self.gate.calibrator.update(gp, gT)
-            if rep is not None:
-                rep.observe(gpicks, row_bytes=D * x2.element_size())
-            gfast = stat_vec[2 * E + 1 :] if self._fast_topk else None
-            for observer in self._load_observers:
-                observer(gpicks, gp, gT, gfast)
+        global_picks = self._load.deliver(pending, self.gate.calibrator, rep, D * x2.element_size()) if update else None
         self.speed.finish_step()  # collective every speed_every forwards (the agreement)
         if self.splitter is not None:
             self.splitter.last_expert_s = times.expert_s
-        self._record(route, times, t_start, saved, global_picks=stat_vec[E : 2 * E] if update else None,
-                     splitter=splitter)
+        migrations, self._migrations = self._migrations, (0 if self._migrations is not None else None)
+        extra = {**self.experts.step_stats(times.rows_per_expert), **self.speed.record(),
+                 **(splitter.record() if splitter is not None else {})}
+        self.last_stats = forward_record(
+            route, times, rank=self.rank, k=cfg.k, local_expert_ids=self.local_expert_ids, metrics=self.metrics,
+            replicator=rep, l_aux=self.l_aux, calibrator=self.gate.calibrator, saved_bytes=saved,
+            forward_s=lambda: time.perf_counter() - t_start, global_picks=global_picks, migrations=migrations,
+            extra=extra)
         return out.to(x.dtype).reshape(shape)
 
-    def _replica_saved_bytes(self, topk_idx, route, dtype: torch.dtype) -> int:
-        """Forward bytes (dispatch + combine) the copies computed on local replicas would have
-        cost: the token rows with them minus the token rows without them, per destination."""
-        if route.local_assign.numel() == 0:
-            return 0
-        cfg = self.config
-        T = topk_idx.size(0)
-        idx_cm = route.send_idx.t().reshape(-1)
-        with_rep = idx_cm.clone()
-        with_rep[route.local_assign] = topk_idx.t().reshape(-1)[route.local_assign]
-        rows = [
-            token_dispatch.count_token_rows(i.view(cfg.k, T).t(), self.placement.owner, self.world_size, cfg.num_chunks)
-            for i in (with_rep, idx_cm)
-        ]
-        extra = (rows[0] - rows[1]).tolist()
-        saved = 0
-        for d, n in enumerate(extra):
-            if d != self.rank and n:
-                wd = self.comm.wire_dtype(d, dtype, cfg.wire_dtype) or dtype
-                # Sent once by dispatch, once more by combine (summed over ranks, what comes back
-                # to one rank is what another sends).
-                saved += 2 * n * cfg.model_dim * wd.itemsize
-        return saved
-
     # -- stats -------------------------------------------------------------------------------
-    def _record(self, route, times: PipelineTimes, t_start: float, saved: int, global_picks=None, splitter=None) -> None:
-        kept = route.num_assign - route.num_dropped
-        own = [e for e in self.local_expert_ids]
-        num_self = int(route.send_counts[list(own)].sum()) if own else 0
-        num_local = num_self + int(route.local_assign.numel())
-        self.metrics.add(route.picks, route.num_dropped, num_local, kept)
-        m = routing_metrics(route.picks, route.num_dropped, num_local, kept)
-        gm = routing_metrics(global_picks, 0, 0) if global_picks is not None else None
-        rep = self.replicator
-        migrations, self._migrations = self._migrations, (0 if self._migrations is not None else None)
-        self.last_stats = StepStats(
-            rank=self.rank,
-            tokens=route.num_assign // max(1, self.config.k),
-            copies=route.num_assign,
-            dropped=route.num_dropped,
-            overflow_rate=m.overflow_rate,
-            top5_share=m.top5_share,
-            min_expert_rate=m.min_expert_rate,
-            local_fraction=m.local_fraction,
-            a2a_bytes_sent=times.bytes_sent,
-            a2a_bytes_recv=times.bytes_recv,
-            a2a_bytes_sent_without_replication=times.bytes_sent + saved,
-            comm_exposed_s=times.comm_exposed_s,
-            expert_s=times.expert_s,
-            forward_s=time.perf_counter() - t_start,
-            num_chunks=times.num_chunks,
-            rows_per_expert=tuple(times.rows_per_expert),
-            replicas=tuple(rep.replicas) if rep else (),
-            hot_experts=tuple(rep.hot) if rep else (),
-            replica_extra_bytes=rep.extra_bytes if rep else 0,
-            l_aux=float(self.l_aux.detach()),
-            global_top5_share=gm.top5_share if gm is not None else None,
-            global_min_expert_rate=gm.min_expert_rate if gm is not None else None,
-            calibration_lag=self.gate.calibrator.lag_factor() if self.gate.calibrator is not None else None,
-            migrations=migrations,
-            **self.experts.step_stats(times.rows_per_expert),
-            **self.speed.record(),
-            **(splitter.record() if splitter is not None else {}),
-        )
-
     def step_stats(self) -> StepStats:
         """What the last forward did on this rank: a :class:`~hetcomm.moe.step_stats.StepStats`
         (frozen; its fields are documented there). It also reads like the dict of earlier

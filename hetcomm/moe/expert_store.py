@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hetcomm.backends import token_dispatch
+from hetcomm.errors import ConfigError
 from hetcomm.moe.experts import ExpertBank
 from hetcomm.moe.overlap import PipelineTimes
 
@@ -117,10 +118,31 @@ class ExpertStore(ExpertBank, metaclass=abc.ABCMeta):
     def page_stats(self) -> Dict[str, float]:
         """Cumulative paging counters since the layer was built (empty for a resident store)."""
 
+    def warm(self, expert_share: torch.Tensor, num_experts: int) -> List[int]:
+        """Bring in the experts a known routing uses most (``hetcomm launch --warmup-from``: a
+        previous run's per-expert load; a paged store hints its predictor and pages in this
+        rank's hottest experts, as many as the free slots take, building the pager on the
+        experts' device if the first forward has not).
+
+        Args:
+            expert_share: ``[num_experts]`` float, any device: each global expert's share of the load.
+        Returns:
+            Global ids of the experts resident afterwards because of it, hottest first (none
+            for a resident store).
+        Raises:
+            ConfigError: ``expert_share`` is not ``[num_experts]`` (``key='moe.page_budget'``).
+        """
+        if tuple(expert_share.shape) != (num_experts,):
+            raise ConfigError(
+                f"expert_share has shape {tuple(expert_share.shape)}; expected ({num_experts},), one share per "
+                f"global expert",
+                key="moe.page_budget",
+            )
+        return self._warm(expert_share)
+
     @abc.abstractmethod
-    def warm(self, expert_share: torch.Tensor) -> List[int]:
-        """Bring in the experts a known routing (``[E]`` share per global expert) uses most;
-        returns their global ids, hottest first."""
+    def _warm(self, expert_share: torch.Tensor) -> List[int]:
+        """:meth:`warm` once the shape is checked."""
 
     @abc.abstractmethod
     def take_migration_requests(self) -> List[int]:
@@ -183,7 +205,7 @@ class ResidentExperts(ExpertStore):
     def page_stats(self) -> Dict[str, float]:
         return {}
 
-    def warm(self, expert_share: torch.Tensor) -> List[int]:
+    def _warm(self, expert_share: torch.Tensor) -> List[int]:
         return []
 
     def take_migration_requests(self) -> List[int]:

@@ -11,13 +11,11 @@ One forward:
     rank once; async, per chunk, per-pair wire dtype)  ->  local experts on each arrived chunk
     ->  ``token_dispatch.combine`` (weighted sums per token row, back once per rank)
 
-The local experts are the layer's ``experts`` (an :class:`~hetcomm.moe.expert_store.ExpertStore`,
-chosen by ``page_budget``): resident (:class:`~hetcomm.moe.expert_store.ResidentExperts`) or
-paged (:class:`~hetcomm.moe.paged_experts.PagedExperts`: once the dispatch's count exchange tells
-which local experts receive rows, the pager starts their loads, overlapping the rows' transfer,
-and the experts run resident-first, faults as their loads land; a training step whose experts
-do not fit the budget streams them in waves). The group's ranks, cluster, speeds and
-communicator come from :mod:`hetcomm.moe.layer_group`. See ``docs/MOE.md``.
+The layer composes its parts: the group's ranks, speeds and communicator
+(:mod:`hetcomm.moe.layer_group`), the local experts (``layer.experts``, an
+:class:`~hetcomm.moe.expert_store.ExpertStore`: resident, or paged with ``page_budget > 0``),
+the replicator, the speed meter, the load observer (:mod:`hetcomm.moe.load_observer`) and the
+step record (:mod:`hetcomm.moe.step_stats`). See ``docs/MOE.md``.
 
 With one process (no ``torch.distributed``, or a group of one) it runs locally: same routing,
 no collectives. Experts per rank may differ (strong devices hold more, see
@@ -27,7 +25,7 @@ no collectives. Experts per rank may differ (strong devices hold more, see
 from __future__ import annotations
 
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -37,7 +35,7 @@ from torch import nn
 from hetcomm.backends import token_dispatch
 from hetcomm.errors import ConfigError
 from hetcomm.moe.gate_calibration import LoadCalibrator
-from hetcomm.moe.routing import ChunkLayout, gather_rows, route_tokens, weighted_combine
+from hetcomm.moe.routing import ChunkLayout, route_tokens, weighted_combine
 from hetcomm.moe.experts import ExpertSpec, build_expert
 from hetcomm.moe.expert_store import ExpertStore, auto_budget, build_expert_store
 from hetcomm.moe.gate import TopKGate
@@ -46,9 +44,9 @@ from hetcomm.moe.load_observer import LoadObserver
 from hetcomm.moe.overlap import PipelineTimes
 from hetcomm.moe.layer_config import MoEConfig
 from hetcomm.moe.layer_group import group_info, group_speeds, layer_communicator, resolve_cluster
-from hetcomm.moe.placement.assign import ExpertPlacement, check_adopted_map, place_experts
+from hetcomm.moe.placement import migration
+from hetcomm.moe.placement.assign import ExpertPlacement, check_adopted_map, check_placement, place_experts
 from hetcomm.moe.placement.replicate import HotExpertReplicator
-from hetcomm.moe.powersgd import node_ids_of
 from hetcomm.moe.speed import SpeedMeter, speed_classes
 from hetcomm.moe.step_stats import StepStats, forward_record, replica_saved_bytes
 from hetcomm.moe.token_split import TokenSplitter
@@ -109,39 +107,22 @@ class MoELayer(nn.Module):
         **kwargs: Any,
     ) -> None:
         super().__init__()
-        names = {f.name for f in fields(MoEConfig)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise ConfigError(
-                f"unknown MoELayer option(s) {unknown}; valid options: {sorted(names - {'model_dim', 'num_experts', 'k', 'capacity_factor'})}",
-                key="moe",
-            )
-        self.config = MoEConfig(model_dim=model_dim, num_experts=num_experts, k=k, capacity_factor=capacity_factor, **kwargs)
+        self.config = MoEConfig.for_layer(model_dim, num_experts, k, capacity_factor, kwargs)
         cfg = self.config
         self.group = group
         self.world_size, self.rank, self.global_ranks = group_info(group)
         W = self.world_size
         self.cluster = resolve_cluster(cluster, self.global_ranks)
+        # Strong ranks, replica candidates, device TFLOPS and placement weights of each rank
+        # (layer_group.GroupSpeeds documents them).
         speeds = group_speeds(self.cluster, self.global_ranks, cfg.rank_weights, cfg.strong_expert_weight)
         self.strong_ranks: List[int] = speeds.strong_ranks
-        #: Ranks allowed to hold replicas (the YAML's strong flag); which of them do is
-        #: re-chosen by measured speed (:func:`~hetcomm.moe.placement.replicate.choose_holders`).
         self.replica_candidates: List[int] = speeds.replica_candidates
-        #: ``[W]`` dense FP16 TFLOPS of each rank's device (1.0 each without a cluster).
         self.rank_tflops: List[float] = speeds.rank_tflops
-        #: ``[W]`` relative speed of each rank: the initial assignment's weights and the
-        #: placement policy's speeds (:meth:`rebalance`).
         self.rank_weights: List[float] = speeds.rank_weights
-        weights = self.rank_weights
         if placement is None:
-            placement = place_experts(num_experts, W, rank_weights=weights)
-        elif placement.world_size != W or placement.num_experts != num_experts:
-            raise ConfigError(
-                f"placement is for {placement.num_experts} experts on {placement.world_size} ranks "
-                f"but the layer has {num_experts} experts on a group of {W}",
-                key="moe.placement",
-            )
-        self.placement = placement
+            placement = place_experts(num_experts, W, rank_weights=self.rank_weights)
+        self.placement = placement = check_placement(placement, num_experts, W)
         # The group's Communicator, resolved at the first forward (a collective over a group
         # that has none yet; construction of the layer stays local).
         self._comm: Optional[token_dispatch.DispatchComm] = None
@@ -153,9 +134,7 @@ class MoELayer(nn.Module):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             calibrator = LoadCalibrator(num_experts, strength=cfg.calibration_strength, enabled=cfg.calibrate)
-            self.gate = TopKGate(
-                model_dim, num_experts, k, capacity_factor, cfg.dropless, cfg.normalize_topk, calibrator
-            )
+            self.gate = TopKGate(model_dim, num_experts, k, capacity_factor, cfg.dropless, cfg.normalize_topk, calibrator)
         self._expert_spec = expert
         local_ids = placement.experts_of(self.rank)
         modules = [build_expert(expert, model_dim, e, cfg.seed) for e in local_ids]
@@ -174,29 +153,11 @@ class MoELayer(nn.Module):
 
         self.replicator: Optional[HotExpertReplicator] = None
         if cfg.replicate:
-            owned = {e: self.experts.experts[i] for i, e in enumerate(local_ids)}
-            self.replicator = HotExpertReplicator(
-                placement,
-                self.rank,
-                # Copies on strong ranks only, with or without the per-step split: their
-                # weight and gradient reductions then run over the candidates' group and never
-                # cross a weak rank's (often cross-vendor) link; the split balances among them.
-                # Which strong ranks hold them follows the measured speed once agreed.
-                self.replica_candidates,
-                lambda e: build_expert(self._expert_spec, model_dim, e, cfg.seed),
-                owned,
-                group,
-                num_hot=cfg.replicate_top,
-                every=cfg.replicate_every,
-                alpha=cfg.replicate_alpha,
-                policy=cfg.replicate_policy,
-                powersgd_rank=cfg.replicate_powersgd,
-                powersgd_start=cfg.replicate_powersgd_start,
-                node_ids=node_ids_of(self.cluster, self.cluster.num_ranks) if self.cluster is not None and cfg.replicate_powersgd else None,
-                initial_holders=self.strong_ranks,  # the datasheet's choice: the prior
+            self.replicator = HotExpertReplicator.for_layer(
+                cfg, placement, self.rank, self.replica_candidates, self.make_expert,
+                dict(zip(local_ids, self.experts.experts)), group, self.cluster, initial_holders=self.strong_ranks,
                 # The agreed speed vector and room flags (self.speed is built below; read lazily).
-                measured=lambda: (self.speed.speeds, self.speed.room) if self.speed.measured else None,
-            )
+                measured=lambda: (self.speed.speeds, self.speed.room) if self.speed.measured else None)
         self.l_aux: torch.Tensor = torch.zeros((), device="cpu")  # replaced by the first forward
         self.last_stats: Optional[StepStats] = None  # set by every forward
         self.metrics = MetricsAccumulator()
@@ -212,9 +173,7 @@ class MoELayer(nn.Module):
         classes = speed_classes(self.rank_tflops) if cfg.speed_pool == "device" else None  # one per datasheet speed
         self.speed = SpeedMeter(W, self.rank, self.rank_tflops, group, every=cfg.speed_every, alpha=cfg.speed_alpha,
                                 room=room, classes=classes)
-        self.splitter: Optional[TokenSplitter] = (
-            TokenSplitter(W, self.rank, group, num_experts) if cfg.token_split and W > 1 else None
-        )
+        self.splitter: Optional[TokenSplitter] = TokenSplitter(W, self.rank, group, num_experts) if cfg.token_split and W > 1 else None
 
     # -- helpers -----------------------------------------------------------------------------
     @property
@@ -289,7 +248,7 @@ class MoELayer(nn.Module):
         ``local_expert_ids[i]``)."""
         return self.experts.ids
 
-    # -- paging (the store's; no-ops without paging) -----------------------------------------
+    # -- paging (the store's, :mod:`hetcomm.moe.paged_experts`; no-ops without paging) -------
     @property
     def pager(self):
         """The :class:`~hetcomm.moe.paging.ExpertPager` over this rank's experts (built at the
@@ -297,51 +256,33 @@ class MoELayer(nn.Module):
         return self.experts.pager
 
     def page_stats(self) -> Dict[str, float]:
-        """This rank's pager counters since the layer was built (the pager's ``stats_total``
-        keys: ``hits``, ``waits``, ``stall_s``, ``loads``, ``evictions``, ``prefetches``,
-        ``reacquires``, ...), summed over the pagers a placement change replaced, plus
-        ``slots`` and ``experts`` of the current one. Empty without paging."""
+        """This rank's pager counters since the layer was built, plus ``slots`` and ``experts``
+        (:meth:`PagedExperts.page_stats <hetcomm.moe.paged_experts.PagedExperts.page_stats>`)."""
         return self.experts.page_stats()
 
     def attach_optimizer(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
-        """Page ``optimizer``'s per-element state of the experts with their weights (Adam's
-        moments move with each expert). Call it once the optimizer exists, before its first
-        step; without it, a paged layer's optimizer state stays where the optimizer made it,
-        which is only correct when host and device are the same memory (CPU)."""
+        """Page ``optimizer``'s per-element state (Adam's moments) with the experts; call it
+        before the optimizer's first step (without it the state stays where it was made)."""
         self.experts.attach_optimizer(optimizer)
 
     def end_page_step(self) -> None:
-        """Close the paging step (after ``optimizer.step()``): the pager updates its
-        predictor, evicts down to its watermark and starts soft prefetches. The next forward
-        calls it when the loop did not; a training loop with more than one forward per
-        optimizer step (gradient accumulation) must call it after each ``optimizer.step()``."""
+        """Close the paging step, after ``optimizer.step()`` (the next forward does it when the
+        loop did not; with gradient accumulation call it after each optimizer step)."""
         self.experts.end_step()
 
     def sync_pages(self) -> None:
         """Wait for every page transfer in flight (before reading expert weights outside a
-        step: a checkpoint, a replica refresh, a comparison). No-op without paging."""
+        step: a checkpoint, a replica refresh, a comparison)."""
         self.experts.sync()
 
     def warm_pages(self, expert_share: torch.Tensor) -> List[int]:
-        """Seed the pager from a known routing (``hetcomm launch --warmup-from``: a previous
-        run's per-expert load): hint the predictor and page in this rank's hottest experts, as
-        many as the free slots take. Builds the pager on the experts' device if the first
-        forward has not. No-op without paging.
+        """Seed the pager from a known routing (``[E]`` share per global expert; ``hetcomm
+        launch --warmup-from``): returns the experts paged in, hottest first.
 
-        Args:
-            expert_share: ``[E]`` float, any device: each global expert's share of the load.
-        Returns:
-            Global ids of the experts resident afterwards because of it, hottest first.
         Raises:
             ConfigError: ``expert_share`` is not ``[E]`` (``key='moe.page_budget'``).
         """
-        E = self.config.num_experts
-        if tuple(expert_share.shape) != (E,):
-            raise ConfigError(
-                f"expert_share has shape {tuple(expert_share.shape)}; expected ({E},), one share per global expert",
-                key="moe.page_budget",
-            )
-        return self.experts.warm(expert_share)
+        return self.experts.warm(expert_share, self.config.num_experts)
 
     def make_expert(self, expert_id: int) -> nn.Module:
         """A fresh module of expert ``expert_id`` as this layer builds it (its initial weights
@@ -349,16 +290,6 @@ class MoELayer(nn.Module):
         return build_expert(self._expert_spec, self.config.model_dim, expert_id, self.config.seed)
 
     _make_expert = make_expert
-
-    def _set_placement(self, placement: ExpertPlacement, modules: Sequence[nn.Module]) -> None:
-        """Adopt ``placement`` with ``modules`` as this rank's experts, in local order."""
-        self.placement = placement
-        self._adopt_layout(placement)
-        self.experts.adopt(modules, placement.experts_of(self.rank))  # a paged store drops its pager
-        if self.replicator is not None:
-            self.replicator.adopt_placement(
-                placement, {e: self.experts.experts[i] for i, e in enumerate(self.local_expert_ids)}
-            )
 
     def apply_placement(
         self,
@@ -388,11 +319,15 @@ class MoELayer(nn.Module):
         """
         E, W = self.config.num_experts, self.world_size
         owner = list(expert_to_rank.owner) if isinstance(expert_to_rank, ExpertPlacement) else [int(r) for r in expert_to_rank]
-        ref = self.experts.experts[0] if len(self.experts) else self._make_expert(0)
+        ref = self.experts.experts[0] if len(self.experts) else self.make_expert(0)
         mine = check_adopted_map(owner, modules, num_experts=E, world_size=W, rank=self.rank, reference=ref)
         before = set(self.local_expert_ids)
-        placement = ExpertPlacement(tuple(owner), W)
-        self._set_placement(placement, [modules[e] for e in placement.experts_of(self.rank)])
+        self.placement = placement = ExpertPlacement(tuple(owner), W)
+        self._adopt_layout(placement)
+        # A paged store drops its pager (its slots index the old experts); the next forward builds one.
+        self.experts.adopt([modules[e] for e in placement.experts_of(self.rank)], placement.experts_of(self.rank))
+        if self.replicator is not None:
+            self.replicator.adopt_placement(placement, dict(zip(self.local_expert_ids, self.experts.experts)))
         arrived = [e for e in mine if e not in before]
         # A restored map is still a placement change (the stat reads 0, not None, from here on).
         self._migrations = (self._migrations or 0) + (len(arrived) if migrated else 0)
@@ -408,24 +343,18 @@ class MoELayer(nn.Module):
         Raises:
             ConfigError: no load given and replication off.
         """
-        from hetcomm.moe.placement.migration import rebalance
-
-        return rebalance(self, expert_load, optimizer)
+        return migration.rebalance(self, expert_load, optimizer)
 
     def cold_placement_due(self) -> bool:
         """Whether :meth:`place_cold_on_slow` has what it needs (identical on every rank;
         :func:`~hetcomm.moe.placement.migration.cold_placement_due`)."""
-        from hetcomm.moe.placement.migration import cold_placement_due
-
-        return cold_placement_due(self)
+        return migration.cold_placement_due(self)
 
     def place_cold_on_slow(self, optimizer=None) -> List[int]:
         """Move the coldest experts by global load onto the measured-slow ranks, now (collective;
         between steps; :func:`~hetcomm.moe.placement.migration.place_cold_on_slow`). Returns the
         experts that moved."""
-        from hetcomm.moe.placement.migration import place_cold_on_slow
-
-        return place_cold_on_slow(self, optimizer)
+        return migration.place_cold_on_slow(self, optimizer)
 
     def sync_replicas(self, force: bool = False, carry: Optional[List[torch.Tensor]] = None) -> bool:
         """Refresh replicas from their owners now (collective). Returns True if weights moved.
@@ -505,13 +434,8 @@ class MoELayer(nn.Module):
                 return
             te = time.perf_counter()
             mark = self.speed.begin(x2.device)
-            xs = gather_rows(x2, route.local_assign % T)
-            counts = torch.bincount(route.local_expert, minlength=E)
-            order = sorted(set(route.local_expert.tolist()), key=lambda e: int(self.layout.key_of_expert[e]))
-            mods = rep.local_modules(order)
-            y = self.experts.forward_sorted(xs, [int(counts[e]) for e in order], modules=mods)
-            local_out.append(y)
-            self.speed.end(mark, xs.size(0))
+            local_out.append(rep.compute_local(x2, route, self.layout.key_of_expert, self.experts))
+            self.speed.end(mark, int(route.local_assign.numel()))
             times.expert_s += time.perf_counter() - te
 
         # This rank's own tokens are sure to reach its experts: a paged store starts their
@@ -522,16 +446,8 @@ class MoELayer(nn.Module):
         # says whether the rows arrive as one piece per local expert (resident: no [R, D]
         # concatenation of rows or gradients) or as one block (paged).
         mods = self.experts.dispatch_modules(split_mods)
-        res = self.comm.dispatch(
-            x2,
-            idx_send,
-            g.topk_weights,
-            expert_to_rank=owner_map,
-            async_op=True,
-            num_chunks=cfg.num_chunks,
-            split_by_expert=bool(mods),
-            wire_dtype=cfg.wire_dtype,
-        )
+        res = self.comm.dispatch(x2, idx_send, g.topk_weights, expert_to_rank=owner_map, async_op=True,
+                                 num_chunks=cfg.num_chunks, split_by_expert=bool(mods), wire_dtype=cfg.wire_dtype)
         counts, handle, work = res.recv_counts, res.handle, res.work
         compute_local()
         y_recv = self.experts.compute(res, mods, times, self.speed, x2.device)

@@ -234,12 +234,8 @@ class PagedExperts(ResidentExperts):
             self.pager.end_step()
         self._page_open = False
 
-    def warm(self, expert_share: torch.Tensor) -> List[int]:
-        """Seed the pager from a known routing (``expert_share``: ``[E]`` float, any device,
-        each global expert's share of the load): hint the predictor and page in this rank's
-        hottest experts, as many as the free slots take. Builds the pager on the experts'
-        device if the first forward has not. Returns the global ids of the experts resident
-        afterwards because of it, hottest first."""
+    def _warm(self, expert_share: torch.Tensor) -> List[int]:
+        """Hint the predictor with ``expert_share`` and page in this rank's hottest experts."""
         if not len(self.experts):
             return []
         pager = self._ensure_pager(next(self.experts.parameters()).device)

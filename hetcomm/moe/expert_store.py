@@ -215,7 +215,8 @@ class ResidentExperts(ExpertStore):
 def build_expert_store(experts: Sequence[nn.Module], ids: Sequence[int], page_budget: float, paging: Any,
                        rank: int, peak_flops: float) -> ExpertStore:
     """The store a layer's ``page_budget`` asks for: :class:`ResidentExperts` at 0, otherwise
-    :class:`~hetcomm.moe.paged_experts.PagedExperts` with that budget.
+    :class:`~hetcomm.moe.paged_experts.PagedExperts` with that budget. Marks every parameter
+    ``p.hetcomm_expert = True`` (rank-local).
 
     Args:
         experts: the local experts, in local order; ``ids`` their global ids.
@@ -229,8 +230,14 @@ def build_expert_store(experts: Sequence[nn.Module], ids: Sequence[int], page_bu
     if page_budget > 0:
         from hetcomm.moe.paged_experts import PagedExperts
 
-        return PagedExperts(experts, ids, page_budget, paging, rank=rank, peak_flops=peak_flops)
-    return ResidentExperts(experts, ids)
+        store: ExpertStore = PagedExperts(experts, ids, page_budget, paging, rank=rank, peak_flops=peak_flops)
+    else:
+        store = ResidentExperts(experts, ids)
+    for p in store.parameters():
+        # Like DeepSpeed's ``allreduce = False``: data-parallel gradient averaging must skip
+        # these (each rank holds different experts); see ``MoELayer.expert_parameters``.
+        p.hetcomm_expert = True
+    return store
 
 
 def auto_budget(experts: Sequence[nn.Module]) -> float:

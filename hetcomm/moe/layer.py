@@ -93,19 +93,9 @@ class MoELayer(nn.Module):
         metrics: a :class:`MetricsAccumulator` over forwards (reset it per window).
     """
 
-    def __init__(
-        self,
-        model_dim: int,
-        num_experts: int,
-        k: int = 2,
-        capacity_factor: float = 1.25,
-        expert: ExpertSpec = None,
-        group: Optional[dist.ProcessGroup] = None,
-        *,
-        cluster: Any = None,
-        placement: Optional[ExpertPlacement] = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, model_dim: int, num_experts: int, k: int = 2, capacity_factor: float = 1.25,
+                 expert: ExpertSpec = None, group: Optional[dist.ProcessGroup] = None, *, cluster: Any = None,
+                 placement: Optional[ExpertPlacement] = None, **kwargs: Any) -> None:
         super().__init__()
         self.config = MoEConfig.for_layer(model_dim, num_experts, k, capacity_factor, kwargs)
         cfg = self.config
@@ -146,10 +136,6 @@ class MoELayer(nn.Module):
         #: This rank's experts and how they run: resident, or paged with ``page_budget > 0``.
         self.experts: ExpertStore = build_expert_store(modules, local_ids, cfg.page_budget, cfg.paging, self.rank,
                                                        self.rank_tflops[self.rank] * 1e12)
-        for p in self.experts.parameters():
-            # Like DeepSpeed's ``allreduce = False``: data-parallel gradient averaging must skip
-            # these (each rank holds different experts); see :meth:`expert_parameters`.
-            p.hetcomm_expert = True
 
         self.replicator: Optional[HotExpertReplicator] = None
         if cfg.replicate:
@@ -191,19 +177,13 @@ class MoELayer(nn.Module):
 
     def add_load_observer(self, observer, fast_topk: Optional[int] = None) -> None:
         """Subscribe ``observer(global_picks, global_probs, num_tokens, global_fast)`` to the
-        layer's one load observer: called after every training forward with the statistics the
-        layer all-reduces anyway, in the same all-reduce (``global_picks`` ``[E]`` float64 picks
-        per expert summed over the group, dropped ones included; ``global_probs`` ``[E]``
-        float64 summed router probabilities; ``num_tokens`` the group's tokens;
-        ``global_fast`` ``[E]`` float64 the summed ``fast_signal`` of the router's log
-        probabilities over their top ``fast_topk``, or None when no observer asked for it).
-        The calibrator and the replicator read the same numbers; the balancer
-        (:mod:`hetcomm.train.balance`) subscribes here."""
+        layer's one load observer, called after every training forward with the statistics the
+        layer all-reduces anyway (:meth:`LoadObserver.add <hetcomm.moe.load_observer.LoadObserver.add>`
+        documents them); the balancer (:mod:`hetcomm.train.balance`) subscribes here."""
         self._load.add(observer, fast_topk)
 
     def take_migration_requests(self) -> List[int]:
-        """Global ids of the experts the pager asked to move since the last call (its L2 level:
-        an expert that keeps faulting when pinning it would exceed the pin budget,
+        """Global ids of the experts the pager asked to move since the last call (its L2 level,
         :mod:`hetcomm.moe.degrade`); the balancer reads them. Empty without paging."""
         return self.experts.take_migration_requests()
 
@@ -214,12 +194,10 @@ class MoELayer(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return (
-            f"model_dim={c.model_dim}, num_experts={c.num_experts}, k={c.k}, capacity_factor="
-            f"{c.capacity_factor}, dropless={c.dropless}, world_size={self.world_size}, rank={self.rank}, "
-            f"local_experts={list(self.local_expert_ids)}, wire_dtype={c.wire_dtype}, "
-            f"num_chunks={c.num_chunks}, replicate={c.replicate}"
-        )
+        return (f"model_dim={c.model_dim}, num_experts={c.num_experts}, k={c.k}, capacity_factor="
+                f"{c.capacity_factor}, dropless={c.dropless}, world_size={self.world_size}, rank={self.rank}, "
+                f"local_experts={list(self.local_expert_ids)}, wire_dtype={c.wire_dtype}, "
+                f"num_chunks={c.num_chunks}, replicate={c.replicate}")
 
     def expert_parameters(self) -> Iterator[nn.Parameter]:
         """Parameters of the experts this rank owns (rank-local: never average them across the
@@ -277,11 +255,8 @@ class MoELayer(nn.Module):
 
     def warm_pages(self, expert_share: torch.Tensor) -> List[int]:
         """Seed the pager from a known routing (``[E]`` share per global expert; ``hetcomm
-        launch --warmup-from``): returns the experts paged in, hottest first.
-
-        Raises:
-            ConfigError: ``expert_share`` is not ``[E]`` (``key='moe.page_budget'``).
-        """
+        launch --warmup-from``): returns the experts paged in, hottest first
+        (:meth:`ExpertStore.warm <hetcomm.moe.expert_store.ExpertStore.warm>`)."""
         return self.experts.warm(expert_share, self.config.num_experts)
 
     def make_expert(self, expert_id: int) -> nn.Module:
@@ -291,13 +266,8 @@ class MoELayer(nn.Module):
 
     _make_expert = make_expert
 
-    def apply_placement(
-        self,
-        expert_to_rank: Union[ExpertPlacement, Sequence[int]],
-        modules: Mapping[int, nn.Module],
-        *,
-        migrated: bool = True,
-    ) -> List[int]:
+    def apply_placement(self, expert_to_rank: Union[ExpertPlacement, Sequence[int]], modules: Mapping[int, nn.Module],
+                        *, migrated: bool = True) -> List[int]:
         """Adopt a new expert -> rank map whose parameters have already moved (a balancer's
         migration, :mod:`hetcomm.train.balance`). Local, not collective: every rank of the group
         calls it with the same map, each with its own modules.
@@ -311,7 +281,6 @@ class MoELayer(nn.Module):
                 a checkpoint's placement being restored (nothing moved between ranks).
         Returns:
             Global ids of the experts that arrived on this rank.
-
         Raises:
             ConfigError: (``key='moe.placement'``) a map of the wrong length or with an owner
                 outside the group, a module missing or extra for an expert, or one whose
@@ -334,15 +303,10 @@ class MoELayer(nn.Module):
         return arrived
 
     def rebalance(self, expert_load: Optional[Sequence[float]] = None, optimizer=None) -> List[int]:
-        """Re-place experts by load, now (collective), with the one placement policy, moving
-        parameters, optimizer state and gradients with them
-        (:func:`~hetcomm.moe.placement.migration.rebalance`). ``expert_load``: ``[E]`` load per
-        expert, identical on every rank (default: the replication EMA of global token counts).
-        Returns the global ids of the experts that moved.
-
-        Raises:
-            ConfigError: no load given and replication off.
-        """
+        """Re-place experts by ``expert_load`` (``[E]``, identical on every rank; default: the
+        replication EMA), now (collective), with the one placement policy; parameters, optimizer
+        state and gradients move with them (:func:`~hetcomm.moe.placement.migration.rebalance`).
+        Returns the global ids of the experts that moved."""
         return migration.rebalance(self, expert_load, optimizer)
 
     def cold_placement_due(self) -> bool:
@@ -366,14 +330,9 @@ class MoELayer(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Route ``x`` to its experts and combine their outputs.
-
-        Args:
-            x: ``[..., D]`` tokens, any float dtype.
-        Returns:
-            ``[..., D]``, same dtype. Copies dropped by capacity contribute zeros (the block's
-            residual carries those tokens). ``self.l_aux`` holds the auxiliary loss.
-        """
+        """Route ``x`` (``[..., D]`` tokens, any float dtype) to its experts and combine their
+        outputs: ``[..., D]``, same dtype. Copies dropped by capacity contribute zeros (the
+        block's residual carries those tokens). ``self.l_aux`` holds the auxiliary loss."""
         cfg = self.config
         D = cfg.model_dim
         if x.size(-1) != D:
@@ -386,7 +345,6 @@ class MoELayer(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, D)
         T = x2.size(0)
-        E = cfg.num_experts
         rep = self.replicator
         self.experts.begin_forward(x2.device)  # paged: closes the previous step, builds the pager
         paged = self.experts.pager is not None
@@ -426,18 +384,6 @@ class MoELayer(nn.Module):
             idx_send, owner_map, split_mods = sr.topk_idx, sr.expert_to_rank, sr.modules
 
         times = PipelineTimes()
-        local_out: List = []
-
-        def compute_local() -> None:
-            # Copies routed to local replicas: computed here, hidden behind the dispatch in flight.
-            if route.local_assign.numel() == 0:
-                return
-            te = time.perf_counter()
-            mark = self.speed.begin(x2.device)
-            local_out.append(rep.compute_local(x2, route, self.layout.key_of_expert, self.experts))
-            self.speed.end(mark, int(route.local_assign.numel()))
-            times.expert_s += time.perf_counter() - te
-
         # This rank's own tokens are sure to reach its experts: a paged store starts their
         # loads before the count exchange tells what the other ranks send.
         self.experts.prefetch_own(route.send_counts)
@@ -448,24 +394,24 @@ class MoELayer(nn.Module):
         mods = self.experts.dispatch_modules(split_mods)
         res = self.comm.dispatch(x2, idx_send, g.topk_weights, expert_to_rank=owner_map, async_op=True,
                                  num_chunks=cfg.num_chunks, split_by_expert=bool(mods), wire_dtype=cfg.wire_dtype)
-        counts, handle, work = res.recv_counts, res.handle, res.work
-        compute_local()
+        local_y = None
+        if route.local_assign.numel():  # copies routed to local replicas, hidden behind the dispatch in flight
+            te = time.perf_counter()
+            mark = self.speed.begin(x2.device)
+            local_y = rep.compute_local(x2, route, self.layout.key_of_expert, self.experts)
+            self.speed.end(mark, int(route.local_assign.numel()))
+            times.expert_s += time.perf_counter() - te
         y_recv = self.experts.compute(res, mods, times, self.speed, x2.device)
         tw = time.perf_counter()
-        out = self.comm.combine(y_recv, handle)
-        times.comm_exposed_s = work.exposed_s + time.perf_counter() - tw
-        times.num_chunks = cfg.num_chunks
-        times.rows_per_expert = list(counts)
-        # Combine sends back exactly what dispatch received, in the same wire dtypes.
-        times.bytes_sent = times.bytes_recv = handle.bytes_sent + handle.bytes_recv
-        times.total_s = time.perf_counter() - t_start
+        out = self.comm.combine(y_recv, res.handle)
+        times.record_exchange(res, cfg.num_chunks, tw, t_start)
         saved = replica_saved_bytes(g.topk_idx, route, self.placement.owner, rank=self.rank, world_size=self.world_size,
                                     k=cfg.k, num_chunks=cfg.num_chunks, model_dim=D, dtype=x2.dtype,
                                     wire_dtype=self.wire_dtype)
 
-        if local_out:
+        if local_y is not None:
             w_loc = weights_flat.index_select(0, route.local_assign)
-            out = out + weighted_combine(local_out[0], w_loc, route.local_assign % T, T)
+            out = out + weighted_combine(local_y, w_loc, route.local_assign % T, T)
 
         if rep is not None and rep.hot and out.requires_grad:
             # Every rank's backward must run the replica-gradient all-reduce at the same point:
@@ -494,13 +440,10 @@ class MoELayer(nn.Module):
     # -- stats -------------------------------------------------------------------------------
     def step_stats(self) -> StepStats:
         """What the last forward did on this rank: a :class:`~hetcomm.moe.step_stats.StepStats`
-        (frozen; its fields are documented there). It also reads like the dict of earlier
-        releases (``st["dropped"]``, ``"page_hits" in st``, ``dict(st)``).
-
-        Paging counters (``page_*``) cover this rank's pager since the previous forward, so a
-        step's end-of-step evictions and prefetches, and a wave step's backward reloads, show in
-        the next forward's stats; ``migrations`` counts the experts that landed on this rank
-        through :meth:`apply_placement` since the previous forward.
-        """
+        (frozen; its fields are documented there; it also reads like the dict of earlier
+        releases). Paging counters (``page_*``) cover this rank's pager since the previous
+        forward (a step's end-of-step evictions and prefetches, and a wave step's backward
+        reloads, show in the next forward's); ``migrations`` the experts that landed on this
+        rank through :meth:`apply_placement` since the previous forward."""
         return self.last_stats if self.last_stats is not None else StepStats.empty(self.rank)
 

@@ -46,7 +46,13 @@ class LoadObserver:
         self.fast_topk: Optional[int] = None
 
     def add(self, observer: Callable[..., None], fast_topk: Optional[int] = None) -> None:
-        """Subscribe ``observer`` (:meth:`~hetcomm.moe.MoELayer.add_load_observer`).
+        """Subscribe ``observer(global_picks, global_probs, num_tokens, global_fast)``, called
+        after every training forward (:meth:`~hetcomm.moe.MoELayer.add_load_observer`) with
+        ``global_picks`` ``[E]`` float64 picks per expert summed over the group, dropped ones
+        included; ``global_probs`` ``[E]`` float64 summed router probabilities; ``num_tokens``
+        the group's tokens; ``global_fast`` ``[E]`` float64 the summed ``fast_signal`` of the
+        router's log probabilities over their top ``fast_topk``, or None when no subscriber
+        asked for it. The calibrator and the replicator read the same numbers.
 
         Raises:
             ConfigError: another subscriber asked for the fast signal over another top-k

@@ -1,8 +1,8 @@
 """Where a :class:`hetcomm.moe.MoELayer`'s local experts live: the one interface the layer calls
 (:class:`ExpertStore`), its resident form (:class:`ResidentExperts`, every expert where its
 module put it) and the choice between it and the paged form
-(:class:`hetcomm.moe.paged_experts.PagedExperts`) from the layer's ``page_budget``
-(:func:`build_expert_store`).
+(:class:`hetcomm.moe.paged_experts.PagedExperts`); the layer holds one, chosen by its
+``page_budget``.
 
 A store is the layer's ``experts`` submodule: an :class:`~hetcomm.moe.experts.ExpertBank`, so
 the experts' state-dict keys stay ``experts.experts.<local index>.<name>`` (checkpoints,
@@ -23,7 +23,7 @@ from hetcomm.errors import ConfigError
 from hetcomm.moe.experts import ExpertBank
 from hetcomm.moe.overlap import PipelineTimes
 
-__all__ = ["ExpertStore", "ResidentExperts", "build_expert_store"]
+__all__ = ["ExpertStore", "ExpertOutput", "ResidentExperts"]
 
 #: What :meth:`ExpertStore.compute` returns for the combine: one ``[n_l, D]`` output per local
 #: expert (rows delivered split by expert) or ``[R, D]`` for all of them.
@@ -34,7 +34,8 @@ class ExpertStore(ExpertBank, metaclass=abc.ABCMeta):
     """This rank's experts and how the layer runs them: what every store does for the layer.
 
     Args:
-        experts: the local experts, in local-index order (the placement's order).
+        experts: the local experts, in local-index order (the placement's order); each
+            parameter is marked ``p.hetcomm_expert = True`` (rank-local).
         ids: their global ids, in the same order.
 
     Attributes:
@@ -44,6 +45,10 @@ class ExpertStore(ExpertBank, metaclass=abc.ABCMeta):
     def __init__(self, experts: Sequence[nn.Module], ids: Sequence[int]) -> None:
         super().__init__(experts)
         self.ids = tuple(int(e) for e in ids)
+        for p in self.parameters():
+            # Like DeepSpeed's ``allreduce = False``: data-parallel gradient averaging must skip
+            # these (each rank holds different experts); see ``MoELayer.expert_parameters``.
+            p.hetcomm_expert = True
 
     # -- the experts -------------------------------------------------------------------------
     def sorted_ids(self) -> List[int]:
@@ -210,42 +215,3 @@ class ResidentExperts(ExpertStore):
 
     def take_migration_requests(self) -> List[int]:
         return []
-
-
-def build_expert_store(experts: Sequence[nn.Module], ids: Sequence[int], page_budget: float, paging: Any,
-                       rank: int, peak_flops: float) -> ExpertStore:
-    """The store a layer's ``page_budget`` asks for: :class:`ResidentExperts` at 0, otherwise
-    :class:`~hetcomm.moe.paged_experts.PagedExperts` with that budget. Marks every parameter
-    ``p.hetcomm_expert = True`` (rank-local).
-
-    Args:
-        experts: the local experts, in local order; ``ids`` their global ids.
-        page_budget: the resolved fraction (``"auto"`` decided already, :func:`auto_budget`).
-        paging: the pager's other knobs (:class:`~hetcomm.moe.paging.PagingConfig` or None).
-        rank: this rank in the layer's group (for error messages).
-        peak_flops: this rank's device's dense FLOP/s (paging's "can the copies hide" rule).
-    Raises:
-        ConfigError: a budget that holds none of this rank's experts (``key='moe.page_budget'``).
-    """
-    if page_budget > 0:
-        from hetcomm.moe.paged_experts import PagedExperts
-
-        store: ExpertStore = PagedExperts(experts, ids, page_budget, paging, rank=rank, peak_flops=peak_flops)
-    else:
-        store = ResidentExperts(experts, ids)
-    for p in store.parameters():
-        # Like DeepSpeed's ``allreduce = False``: data-parallel gradient averaging must skip
-        # these (each rank holds different experts); see ``MoELayer.expert_parameters``.
-        p.hetcomm_expert = True
-    return store
-
-
-def auto_budget(experts: Sequence[nn.Module]) -> float:
-    """``page_budget="auto"`` (:mod:`hetcomm.moe.paging_rule`): page only when ``experts`` do
-    not fit the device they were built on; returns the fraction to keep there (0: off)."""
-    from hetcomm.moe import paging_rule
-
-    params = [p for m in experts for p in m.parameters()]
-    dev = params[0].device if params else torch.device("cpu")
-    nbytes = sum(p.numel() * p.element_size() for p in params)
-    return paging_rule.auto_page_budget(nbytes, len(experts), paging_rule.free_device_bytes(dev))

@@ -37,7 +37,9 @@ from hetcomm.errors import ConfigError
 from hetcomm.moe.gate_calibration import LoadCalibrator
 from hetcomm.moe.routing import ChunkLayout, route_tokens, weighted_combine
 from hetcomm.moe.experts import ExpertSpec, build_expert
-from hetcomm.moe.expert_store import ExpertStore, auto_budget, build_expert_store
+from hetcomm.moe import paging_rule
+from hetcomm.moe.expert_store import ExpertStore, ResidentExperts
+from hetcomm.moe.paged_experts import PagedExperts
 from hetcomm.moe.gate import TopKGate
 from hetcomm.moe.routing_metrics import MetricsAccumulator
 from hetcomm.moe.load_observer import LoadObserver
@@ -103,8 +105,7 @@ class MoELayer(nn.Module):
         self.world_size, self.rank, self.global_ranks = group_info(group)
         W = self.world_size
         self.cluster = resolve_cluster(cluster, self.global_ranks)
-        # Strong ranks, replica candidates, device TFLOPS and placement weights of each rank
-        # (layer_group.GroupSpeeds documents them).
+        # Strong ranks, replica candidates, device TFLOPS, placement weights: layer_group.GroupSpeeds.
         speeds = group_speeds(self.cluster, self.global_ranks, cfg.rank_weights, cfg.strong_expert_weight)
         self.strong_ranks: List[int] = speeds.strong_ranks
         self.replica_candidates: List[int] = speeds.replica_candidates
@@ -132,10 +133,10 @@ class MoELayer(nn.Module):
         # device they were built on; decided here, the config then holds the fraction.
         self.page_budget_auto = cfg.page_budget == "auto"
         if self.page_budget_auto:
-            self.config = cfg = replace(cfg, page_budget=auto_budget(modules))
+            self.config = cfg = replace(cfg, page_budget=paging_rule.auto_page_budget_of(modules))
         #: This rank's experts and how they run: resident, or paged with ``page_budget > 0``.
-        self.experts: ExpertStore = build_expert_store(modules, local_ids, cfg.page_budget, cfg.paging, self.rank,
-                                                       self.rank_tflops[self.rank] * 1e12)
+        self.experts: ExpertStore = ResidentExperts(modules, local_ids) if cfg.page_budget <= 0 else PagedExperts(
+            modules, local_ids, cfg.page_budget, cfg.paging, rank=self.rank, peak_flops=self.rank_tflops[self.rank] * 1e12)
 
         self.replicator: Optional[HotExpertReplicator] = None
         if cfg.replicate:

@@ -15,6 +15,8 @@ own tokens for them locally.
   rank. A replica on a slow rank adds work where time is already short. The inputs are agreed
   (all-reduced) values, so every rank computes the same holders without another message.
 
+- **Compute.** The layer sets aside the copies its gate routes to replicas held here (routing)
+  and :meth:`HotExpertReplicator.compute_local` runs them while the dispatch is in flight.
 - **Which experts.** An EMA (``alpha = 0.99``) of each expert's *global* token count (the
   all-reduced picks, identical on every rank, so every rank picks the same hot set without
   talking about it). Every ``M`` steps the top-``N`` become the hot set.

@@ -1,8 +1,7 @@
 """Where a :class:`hetcomm.moe.MoELayer`'s local experts live: the one interface the layer calls
-(:class:`ExpertStore`), its resident form (:class:`ResidentExperts`, every expert where its
-module put it) and the choice between it and the paged form
-(:class:`hetcomm.moe.paged_experts.PagedExperts`); the layer holds one, chosen by its
-``page_budget``.
+(:class:`ExpertStore`) and its resident form (:class:`ResidentExperts`, every expert where its
+module put it). The paged form is :class:`hetcomm.moe.paged_experts.PagedExperts`; the layer
+holds one store, chosen by its ``page_budget``.
 
 A store is the layer's ``experts`` submodule: an :class:`~hetcomm.moe.experts.ExpertBank`, so
 the experts' state-dict keys stay ``experts.experts.<local index>.<name>`` (checkpoints,

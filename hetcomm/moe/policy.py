@@ -35,8 +35,8 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from hetcomm.errors import ConfigError
 
-__all__ = ["Lever", "PolicyInputs", "Policy", "decide", "cluster_is_mixed", "speed_verdict", "LEVERS", "SPEEDS",
-           "MIXED_SPREAD"]
+__all__ = ["Lever", "PolicyInputs", "Policy", "decide", "policy_of_layers", "cluster_is_mixed", "cluster_kind",
+           "speed_verdict", "LEVERS", "SPEEDS", "MIXED_SPREAD"]
 
 #: Datasheet speeds further apart than this (``max / min - 1``) make a cluster mixed.
 MIXED_SPREAD = 0.10
@@ -272,10 +272,18 @@ def _cold(x: PolicyInputs, multi: bool, paging: bool) -> Lever:
     return Lever(False, "the agreed speeds are equal: nothing to move")
 
 
-def policy_of_layers(layers: Sequence[Any], balance: Union[bool, str] = "auto") -> Policy:
+def policy_of_layers(layers: Sequence[Any], balance: Union[bool, str] = "auto", speed: Optional[str] = None) -> Policy:
     """The policy the layers' own configuration implies (for a user's loop without flags):
     their cluster, group size, replication, paging, split, chunks and whether they measure
-    speed (``speed_every > 0``), with the agreed verdict so far."""
+    speed, with the agreed verdict so far.
+
+    Args:
+        layers: the model's :class:`~hetcomm.moe.MoELayer` s.
+        balance: as ``hetcomm train --balance`` (the migration balancer is ``hetcomm train``'s).
+        speed: one of :data:`SPEEDS`; None: ``measured`` when the layers measure
+            (``speed_every > 0``), else ``datasheet``. ``oracle``: the layers' prior (the cluster's
+            ``device.tflops``, kept with ``speed_every=0``) is the truth the speed levers act on.
+    """
     if not layers:
         raise ConfigError("no MoE layers to decide a policy for: pass the model that holds them", key="policy.layers")
     first = layers[0]
@@ -285,7 +293,7 @@ def policy_of_layers(layers: Sequence[Any], balance: Union[bool, str] = "auto") 
         world_size=first.world_size,
         cluster_kind=cluster_kind(first.cluster, first.world_size) if first.cluster is not None else "none",
         balance=balance,
-        speed="measured" if cfg.speed_every > 0 else "datasheet",
+        speed=speed if speed is not None else ("measured" if cfg.speed_every > 0 else "datasheet"),
         replicate=cfg.replicate,
         page_budget=cfg.page_budget,
         powersgd_experts=cfg.replicate_powersgd,

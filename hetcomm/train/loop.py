@@ -73,7 +73,9 @@ class TrainConfig:
         speed: where rank speeds come from: ``measured`` (default; the layers' expert rows/s and the
             batch split's busy time, measured on each rank) or ``datasheet`` (``hetcomm.topo.compute``
             only, no batch split: every decision then depends on the data alone, so a run repeats bit for bit,
-            e.g. a resumed one its uninterrupted twin).
+            e.g. a resumed one its uninterrupted twin) or ``oracle`` (the cluster's speeds given and taken as
+            true, as on an emulated cluster whose speeds are known: nothing measured, the speed levers act on them).
+            Which levers are on follows from this and ``balance`` (:mod:`hetcomm.moe.policy`).
         balance_every / balance_cooldown: steps between plan evaluations / before an expert
             that moved may move again.
         powersgd_rank: PowerSGD rank for the dense gradients on cross-node pairs (0: off).
@@ -166,8 +168,8 @@ class TrainConfig:
             raise ConfigError(f"must be a fraction within [0, 1] (0 = paging off), got {pb!r}", key="train.page_budget")
         if self.balance not in (True, False, "auto"):
             raise ConfigError(f"must be true, false or 'auto', got {self.balance!r}", key="train.balance")
-        if self.speed not in ("measured", "datasheet"):
-            raise ConfigError(f"must be 'measured' or 'datasheet', got {self.speed!r}", key="train.speed")
+        if self.speed not in ("measured", "datasheet", "oracle"):
+            raise ConfigError(f"must be 'measured', 'datasheet' or 'oracle', got {self.speed!r}", key="train.speed")
         if self.token_split not in (True, False, "auto"):
             raise ConfigError(f"must be true, false or 'auto', got {self.token_split!r}", key="train.token_split")
         se = self.snapshot_every

@@ -202,10 +202,10 @@ def decide(inputs: PolicyInputs) -> Policy:
     elif x.speed == "measured":
         holders = Lever(True, "hot experts copied onto the strong ranks with room, re-chosen by measured speed")
     else:
-        holders = Lever(True, f"hot experts copied onto the strong ranks the cluster names ({x.speed} speeds)")
+        holders = Lever(True, f"hot experts copied onto the strong ranks, chosen by the {x.speed} speeds")
 
     if x.token_split is False:
-        split = Lever(False, "off unless asked for (--token-split): at small expert sizes its exchange costs more")
+        split = Lever(False, "not asked for (--token-split): at small expert sizes its exchange costs more than it saves")
     elif not x.replicate or not multi:
         split = Lever(False, "needs replicas on more than one rank to split among")
     elif paging:

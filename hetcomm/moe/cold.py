@@ -57,7 +57,8 @@ class ColdMoves:
         return "not yet measured"
 
     def state_dict(self) -> Dict[str, object]:
-        return {"done": torch.tensor(self.done, dtype=torch.bool), "rows": list(self.rows)}
+        # host: which layers moved, a host decision saved beside the other host state
+        return {"done": torch.tensor(self.done, dtype=torch.bool), "rows": list(self.rows)}  # host
 
     def load_state_dict(self, state_dict: Dict[str, object]) -> None:
         done = state_dict["done"].tolist()  # type: ignore[attr-defined]

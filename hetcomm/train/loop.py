@@ -718,9 +718,8 @@ def _finish(job: _Rank, t0: float) -> int:
         job.balancer.finish_pending()
 
     elapsed = time.perf_counter() - t0
+    # Which levers were on opens the summary (the policy's rows); these say what they did.
     het_rows = [("batch split (by measured busy time)", job.batch_split.summary()),
-                *([] if job.balancer is not None
-                  else [("balancer", "off" + (" (--no-balance)" if cfg.balance is False else ""))]),
                 ("cold experts (coldest by global load on measured-slow ranks)", job.measured.cold.summary()),
                 ("per-rank MoE time max/mean", MoETimeTracker.summary(job.moe_time.gather(world_size))), *snap_rows,
                 *membership_rows(job.change, expert_census(model))]  # collective: the census

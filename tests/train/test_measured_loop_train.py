@@ -87,8 +87,16 @@ def _user_rank(rank: int, world_size: int, cluster: str, speed: str) -> Dict[str
         emas.append(layer.replicator.ema.tolist())  # the load the cold move ranks by, before it
         owners.append(list(layer.placement.owner))
         loop.after_step(step)
+    # A restart builds the layer with the initial placement; the loop's state re-places it (and
+    # remembers the move), so recovery never depends on the initial placement.
+    torch.manual_seed(0)
+    fresh = MoELayer(16, 4, k=2, cluster=cluster, replicate=True, speed_pool="device",
+                     speed_every=0 if speed == "oracle" else 10)
+    restarted = MeasuredLoop([fresh], None, policy=policy_of_layers([fresh], speed=speed))
+    restarted.load_state_dict(loop.state_dict())
+    restored = {"owner": list(fresh.placement.owner), "rows": list(restarted.cold.rows), "done": restarted.cold.done}
     return {"rows": list(loop.cold.rows), "line": loop.policy.line(), "owners": owners, "emas": emas,
-            "final": list(layer.placement.owner)}
+            "final": list(layer.placement.owner), "restored": restored}
 
 
 def _cold_lever(line: str) -> str:
@@ -120,6 +128,8 @@ def test_user_loop_and_hetcomm_train_take_the_same_placement_decisions(tmp_path)
         assert len(user[0]["rows"]) == 1 and user[0]["rows"][0].startswith("layer 0 at step 10: "), user[0]["rows"]
         assert "layer 0 at step 10: " in cold_row, cold_row  # the same step in hetcomm train
         before, after = user[0]["owners"][9], user[0]["owners"][10]  # around step 10's call
+        for u in user:
+            assert u["restored"] == {"owner": u["final"], "rows": u["rows"], "done": [True]}, u["restored"]
         if kind == "halfspeed":
             assert "cold_placement on (the agreed speeds differ" in events[-1].detail
             # the loop placed by the rule: the slow rank 1 now holds the coldest experts

@@ -3,6 +3,7 @@ the flags, the kind of cluster and the agreed speed verdict; every lever carries
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -68,6 +69,7 @@ def test_verdict_changes_only_the_cold_lever_and_says_so():
     assert changed == ["cold_placement"] and not q.cold_placement.on
     assert "equal" in q.cold_placement.reason and q.line().endswith("speed verdict: ranks equal")
     assert [n for n, _ in p.levers()] == list(LEVERS)
+    assert [f.name for f in dataclasses.fields(p)][1:1 + len(LEVERS)] == list(LEVERS)  # one field per lever
     assert [k for k, _ in p.rows()][0] == "policy: initial weights"
 
 

@@ -92,6 +92,8 @@ class PolicyInputs:
     differ: Optional[bool] = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ConfigError(f"must be a positive whole number, got {self.world_size!r}", key="policy.world_size")
         if self.balance not in (True, False, "auto"):
             raise ConfigError(f"must be true, false or 'auto', got {self.balance!r}", key="policy.balance")
         if self.speed not in SPEEDS:

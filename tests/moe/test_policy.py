@@ -75,9 +75,10 @@ def test_verdict_changes_only_the_cold_lever_and_says_so():
 
 def test_bad_inputs_name_the_key():
     for kw, key in ((dict(speed="guessed"), "policy.speed"), (dict(balance="sometimes"), "policy.balance"),
-                    (dict(token_split="maybe"), "policy.token_split"), (dict(cluster_kind="odd"), "policy.cluster_kind")):
+                    (dict(token_split="maybe"), "policy.token_split"), (dict(cluster_kind="odd"), "policy.cluster_kind"),
+                    (dict(world_size=0), "policy.world_size")):
         with pytest.raises(ConfigError) as ei:
-            PolicyInputs(4, **kw)
+            PolicyInputs(**{"world_size": 4, **kw})
         assert ei.value.key == key
 
 

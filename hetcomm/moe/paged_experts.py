@@ -63,8 +63,6 @@ class _StreamedExpert(torch.autograd.Function):
         return (gx, None, None, None) + tuple(grads[1 if ctx.needs_input_grad[0] else 0 :])
 
 
-
-
 class PagedExperts(ResidentExperts):
     """This rank's experts over an :class:`~hetcomm.moe.paging.ExpertPager` (``page_budget >
     0``). The pager is built at the first forward, on the input's device, over the experts in

@@ -21,9 +21,11 @@ it waits for:
 
 **Per rank.** A step's rows and seconds are folded into EMAs (``alpha``); this rank's speed is
 ``rows_ema / seconds_ema`` (rows/s). Its *noise* is the relative standard deviation of that
-estimate: an EMA of the squared relative deviation of each step's speed from the estimate,
-times ``sqrt((1 - alpha) / (1 + alpha))`` (the EMA's averaging of independent steps). It is
-known from the second measured step on.
+estimate: an EMA of the squared relative deviation of each step's speed from the estimate (in
+logarithms, ``ln(step / estimate)``: a step the scheduler stalled tenfold counts as much as one
+ten times faster, not a hundred times more), times ``sqrt((1 - alpha) / (1 + alpha))`` (the
+EMA's averaging of independent steps). It is
+known from the :data:`NOISE_MIN_STEPS`-th measured step on.
 
 **Agreed.** Every ``every`` steps each rank contributes one row ``(rows_ema, seconds_ema, room,
 noise, steps)`` to one all-reduce of a ``[W, 5]`` float64 table (zeros elsewhere: the sum is
@@ -62,13 +64,15 @@ import torch.distributed as dist
 
 from hetcomm.errors import ConfigError
 
-__all__ = ["NOISE_SIGMAS", "MIN_SPREAD", "differs", "slow_ranks", "speeds_differ", "speed_classes", "BusyClock",
+__all__ = ["NOISE_SIGMAS", "MIN_SPREAD", "NOISE_MIN_STEPS", "differs", "slow_ranks", "speeds_differ", "speed_classes", "BusyClock",
            "ComputeTimer", "CpuTimer", "EventTimer", "timer_for", "SpeedSnapshot", "SpeedMeter", "SCHEDSTAT"]
 
 #: Speeds differ only beyond this many standard deviations of their combined relative noise.
 NOISE_SIGMAS = 3.0
 #: ... and never below this relative spread (estimates of a few steps understate the noise).
 MIN_SPREAD = 0.05
+#: Measured steps before a rank's noise is known (two deviations from its running estimate).
+NOISE_MIN_STEPS = 3
 #: Per-thread scheduler statistics: ``run_ns ready_ns timeslices``.
 SCHEDSTAT = "/proc/thread-self/schedstat"
 #: Columns of the agreed table, one row per rank.
@@ -452,8 +456,9 @@ class SpeedMeter:
         return self._rows / self._secs
 
     def local_noise(self) -> Optional[float]:
-        """This rank's relative noise (see the module docstring), or None before two measured steps."""
-        if self._var_w <= 0:
+        """This rank's relative noise (see the module docstring), or None before
+        :data:`NOISE_MIN_STEPS` measured steps."""
+        if self._var_w <= 0 or self.measured_steps < NOISE_MIN_STEPS:
             return None
         a = self.alpha
         return math.sqrt(self._var / self._var_w * (1 - a) / (1 + a))
@@ -466,7 +471,7 @@ class SpeedMeter:
         a = self.alpha
         prev = self.local_speed()
         if prev is not None:
-            d = rows / seconds / prev - 1.0
+            d = math.log(rows / seconds / prev)
             self._var = a * self._var + (1 - a) * d * d
             self._var_w = a * self._var_w + (1 - a)
         self._rows = a * self._rows + (1 - a) * rows

@@ -23,8 +23,9 @@ it waits for:
 ``rows_ema / seconds_ema`` (rows/s). Its *noise* is the relative standard deviation of that
 estimate: an EMA of the squared relative deviation of each step's speed from the estimate (in
 logarithms, ``ln(step / estimate)``: a step the scheduler stalled tenfold counts as much as one
-ten times faster, not a hundred times more), times ``sqrt((1 - alpha) / (1 + alpha))`` (the
-EMA's averaging of independent steps). It is
+ten times faster, not a hundred times more), times the EMA's averaging of independent steps
+(``sqrt(sum of squared weights)`` of its bias-corrected weights: ``sqrt((1 - alpha) / (1 +
+alpha))`` after many steps, more after few). It is
 known from the :data:`NOISE_MIN_STEPS`-th measured step on.
 
 **Agreed.** Every ``every`` steps each rank contributes one row ``(rows_ema, seconds_ema, room,
@@ -388,6 +389,7 @@ class SpeedMeter:
         #: This step's ``(rows, busy seconds)`` on this rank (the health probe's window reads it).
         self.last_step: Tuple[int, float] = (0, 0.0)
         self._rows = self._secs = self._w = 0.0  # EMAs from 0 and their weight (bias correction)
+        self._w2 = 0.0  # sum of the EMA's squared step weights (its averaging of independent steps)
         self._var = self._var_w = 0.0
         self._timer: Optional[ComputeTimer] = None
         self._timer_device: Optional[torch.device] = None
@@ -460,8 +462,7 @@ class SpeedMeter:
         :data:`NOISE_MIN_STEPS` measured steps."""
         if self._var_w <= 0 or self.measured_steps < NOISE_MIN_STEPS:
             return None
-        a = self.alpha
-        return math.sqrt(self._var / self._var_w * (1 - a) / (1 + a))
+        return math.sqrt(self._var / self._var_w * self._w2) / self._w
 
     def observe(self, rows: float, seconds: float) -> None:
         """Fold one step's ``rows`` and busy ``seconds`` into the EMAs and the noise."""
@@ -477,6 +478,7 @@ class SpeedMeter:
         self._rows = a * self._rows + (1 - a) * rows
         self._secs = a * self._secs + (1 - a) * seconds
         self._w = a * self._w + (1 - a)
+        self._w2 = a * a * self._w2 + (1 - a) ** 2
         self.measured_steps += 1
 
     def finish_step(self) -> bool:

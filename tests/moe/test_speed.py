@@ -68,7 +68,8 @@ def test_meter_noise_is_the_ema_of_relative_deviations_in_logarithms():
     assert m.local_noise() == 0.0
     m.observe(150, 1.0)  # 50% above the estimate of 100 rows/s
     d2 = 0.5 * math.log(1.5) ** 2 / (1 - 0.5 ** 3)  # the deviations' EMA (three of them), bias-corrected
-    assert m.local_noise() == pytest.approx(math.sqrt(d2 * 0.5 / 1.5))
+    w, w2 = 1 - 0.5 ** 4, sum((0.5 * 0.5 ** k) ** 2 for k in range(4))  # four measured steps' weights
+    assert m.local_noise() == pytest.approx(math.sqrt(d2 * w2) / w)
     m.observe(0, 0.0)  # a step without rows measures nothing
     assert m.measured_steps == 4 and m.last_step == (0, 0.0)
     snap = m.agree()

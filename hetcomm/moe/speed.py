@@ -65,8 +65,9 @@ import torch.distributed as dist
 
 from hetcomm.errors import ConfigError
 
-__all__ = ["NOISE_SIGMAS", "MIN_SPREAD", "NOISE_MIN_STEPS", "differs", "slow_ranks", "speeds_differ", "speed_classes", "BusyClock",
-           "ComputeTimer", "CpuTimer", "EventTimer", "timer_for", "SpeedSnapshot", "SpeedMeter", "SCHEDSTAT"]
+__all__ = ["NOISE_SIGMAS", "MIN_SPREAD", "NOISE_MIN_STEPS", "differs", "slow_ranks", "speeds_differ",
+           "speed_classes", "BusyClock", "ComputeTimer", "CpuTimer", "EventTimer", "timer_for", "SpeedSnapshot",
+           "SpeedMeter", "agree_table", "SCHEDSTAT"]
 
 #: Speeds differ only beyond this many standard deviations of their combined relative noise.
 NOISE_SIGMAS = 3.0

@@ -280,7 +280,7 @@ class SpeedSnapshot:
             before the first agreement).
         noise: ``[W]`` each rank's relative noise (``inf``: no estimate yet; 0 for the prior).
         differ: whether some rank is slower than another beyond noise (:func:`slow_ranks`);
-            None before an agreement with a noise estimate.
+            None before an agreement with a noise estimate (given speeds, ``every == 0``: known from the start).
         measured: some rank has measured (else ``rows_per_s`` is the prior).
         agreements: agreements so far.
         own_rows_per_s: ``[W]`` each rank's own measured speed, unpooled (0: none yet).
@@ -383,7 +383,7 @@ class SpeedMeter:
         #: This rank's room flag (agreed into :attr:`SpeedSnapshot.room`).
         self.room_here = bool(room)
         #: The agreed snapshot every consumer reads (the prior until the first agreement).
-        self.agreed = SpeedSnapshot(self.prior, (0.0,) * world_size, None, room=(True,) * world_size)
+        self.agreed = self._prior_snapshot((True,) * world_size)
         self.steps = 0
         #: Steps that measured rows on this rank.
         self.measured_steps = 0
@@ -429,7 +429,13 @@ class SpeedMeter:
             )
         self.prior = tuple(float(s) for s in speeds)
         if not self.measured:
-            self.agreed = SpeedSnapshot(self.prior, (0.0,) * self.world_size, None, room=self.agreed.room)
+            self.agreed = self._prior_snapshot(self.agreed.room)
+
+    def _prior_snapshot(self, room: Tuple[bool, ...]) -> SpeedSnapshot:
+        """The prior as the snapshot in force: no verdict while measurements are to come; given
+        speeds (``every == 0``: never measured) are exact, and their verdict holds from the start."""
+        differ = speeds_differ(self.prior) if self.every == 0 else None
+        return SpeedSnapshot(self.prior, (0.0,) * self.world_size, differ, room=room)
 
     def begin(self, device: torch.device) -> Any:
         """Start timing one expert computation on ``device`` (returns the mark for :meth:`end`)."""

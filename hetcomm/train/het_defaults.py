@@ -1,52 +1,26 @@
-"""Heterogeneity by default in ``hetcomm train``: when the per-step token split is on, the
-chunk count, and the summary's per-rank MoE time.
+"""Heterogeneity in ``hetcomm train``: the per-rank MoE time the summary reports and the
+start-up chunk measurement. Which levers are on is decided by the policy record
+(:mod:`hetcomm.moe.policy`), not here; rank speeds come from the one source,
+:mod:`hetcomm.moe.speed`.
 
-- :func:`token_split_default`: ``TrainConfig.token_split`` ``auto`` turns the per-step,
-  time-proportional split (:mod:`hetcomm.moe.token_split`) on whenever the cluster is mixed --
-  more than one device model among the ranks, or datasheet speeds that differ by the one rule
-  (:func:`hetcomm.moe.speed.speeds_differ`, exact numbers: no noise) -- and replication is on
-  (the copies it splits among). The split itself reads the *measured* speeds
-  (:mod:`hetcomm.moe.speed`). The default is off (``False``): at the demo's size there is
-  nothing to balance, and the split's per-step count exchange and row moves cost more than they
-  save (docs/MOE.md). ``hetcomm train --no-balance`` turns it (and the migration balancer) off.
 - :func:`moe_time_summary`: the summary row ``per-rank MoE time max/mean``, from the one
   rank-speed source's agreed busy expert seconds per step (summed over layers; identical on
   every rank, no collective).
-- :func:`resolve_chunks` / :func:`measure_chunks`: ``--chunks auto`` is 1 on CPU ranks
-  (``docs/MOE.md``, Overlap: chunking is slower there, so nothing is measured); on CUDA/NPU a
-  short measurement at the start (1, 2, 4 chunks, 3 timed forward + backward steps each, the
-  group's slowest rank decides) picks the count.
+- :func:`measure_chunks`: ``--chunks auto`` on CUDA/NPU (the policy's ``chunks`` lever; 1 on
+  CPU ranks, where chunking was measured slower): a short measurement at the start (1, 2, 4
+  chunks, 3 timed forward + backward steps each, the group's slowest rank decides) picks the count.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["cluster_is_mixed", "token_split_default", "moe_time_summary", "resolve_chunks", "measure_chunks",
-           "CHUNK_CANDIDATES"]
-
-
-def cluster_is_mixed(cluster, world_size: int) -> bool:
-    """More than one device model among the ranks, or datasheet speeds that differ by the one
-    rule (:func:`hetcomm.moe.speed.speeds_differ`; datasheet figures are exact: no noise)."""
-    from hetcomm.moe.speed import speeds_differ
-    from hetcomm.topo.compute import rank_speeds
-
-    models = {cluster.rank(r).model for r in range(world_size)}
-    return len(models) > 1 or speeds_differ(rank_speeds(cluster, range(world_size)))
-
-
-def token_split_default(token_split: Union[bool, str, None], replicate: bool, cluster, world_size: int) -> bool:
-    """The split's setting for a run: explicit when True/False, else (``auto``, None) on for a
-    mixed cluster with replication and more than one rank."""
-    if isinstance(token_split, bool):
-        return token_split and replicate and world_size > 1
-    return replicate and world_size > 1 and cluster is not None and cluster_is_mixed(cluster, world_size)
+__all__ = ["moe_time_summary", "measure_chunks", "CHUNK_CANDIDATES"]
 
 
 def moe_time_summary(layers: Sequence[torch.nn.Module]) -> str:
@@ -62,15 +36,6 @@ def moe_time_summary(layers: Sequence[torch.nn.Module]) -> str:
     mean = sum(per_rank) / len(per_rank)
     return (f"{max_over_mean(per_rank):.2f} (busy expert seconds per step, agreed EMA; mean "
             f"{mean * 1e3:.1f} ms/step per rank)")
-
-
-def resolve_chunks(chunks: Union[int, str], device: torch.device) -> Tuple[Optional[int], str]:
-    """``(num_chunks, why)`` for ``--chunks N|auto``; ``(None, why)``: measure (:func:`measure_chunks`)."""
-    if chunks != "auto":
-        return int(chunks), "given"
-    if device.type == "cpu":
-        return 1, "auto: CPU ranks (chunking measured 18-23% slower, docs/MOE.md)"
-    return None, f"auto: measured on {device.type} at the start"
 
 
 #: Chunk counts ``--chunks auto`` tries on a device.

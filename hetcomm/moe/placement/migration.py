@@ -314,10 +314,11 @@ def migrate_now(layer, expert_to_rank: Sequence[int], optimizer=None, *, timeout
 
 def cold_placement_due(layer) -> bool:
     """Whether :func:`place_cold_on_slow` has what it needs for ``layer`` (a
-    :class:`~hetcomm.moe.MoELayer`): an agreed verdict on the measured speeds
-    (:attr:`hetcomm.moe.speed.SpeedSnapshot.differ` is not None) and a full hot-set window of
-    the replication EMA (the layer's global load), more than one rank, no paging. Identical on
-    every rank (agreed values and step counts)."""
+    :class:`~hetcomm.moe.MoELayer`): an agreed verdict on the speeds
+    (:attr:`hetcomm.moe.speed.SpeedSnapshot.differ` is not None: agreed measurements with a noise
+    estimate, or given speeds, ``speed_every=0``, whose verdict holds from the start) and a full
+    hot-set window of the replication EMA (the layer's global load), more than one rank, no
+    paging. Identical on every rank (agreed values and step counts)."""
     rep = layer.replicator
     return (rep is not None and layer.world_size > 1 and layer.speed.differ is not None and rep.steps >= rep.every
             and layer.config.page_budget == 0)

@@ -46,7 +46,7 @@ seconds; a class whose members differ keeps each rank's own, so a straggler insi
 seen. When no rank differs from another, every rank gets the group's pooled speed: consumers
 then see equal speeds and act on none of the noise.
 
-Knobs (``MoEConfig``): ``speed_every`` (steps between agreements, 0 = never measure: the prior is
+Knobs (``MoEConfig``): ``speed_every`` (steps between agreements, 0 = never agree: the prior is
 kept), ``speed_alpha`` (EMA decay), ``speed_pool`` (``"device"``; ``"rank"``: never pool).
 """
 
@@ -345,7 +345,7 @@ class SpeedMeter:
         world_size, rank: the group's size and this rank's index in it.
         prior: ``[W]`` speeds before the first measurement (datasheet TFLOPS; any unit).
         group: the process group of the agreement (None: the default group).
-        every: steps between agreements (one all-reduce); 0 = never measure (keep the prior).
+        every: steps between agreements (one all-reduce); 0 = never agree (keep the prior; the step is still timed).
         alpha: EMA decay per step.
         room: this rank has room for hot-expert replicas (allowed to hold them and its own
             experts fit its device, i.e. it does not page); agreed with the speeds into
@@ -433,14 +433,14 @@ class SpeedMeter:
 
     def _prior_snapshot(self, room: Tuple[bool, ...]) -> SpeedSnapshot:
         """The prior as the snapshot in force: no verdict while measurements are to come; given
-        speeds (``every == 0``: never measured) are exact, and their verdict holds from the start."""
+        speeds (``every == 0``: never agreed) are exact, and their verdict holds from the start."""
         differ = speeds_differ(self.prior) if self.every == 0 else None
         return SpeedSnapshot(self.prior, (0.0,) * self.world_size, differ, room=room)
 
     def begin(self, device: torch.device) -> Any:
-        """Start timing one expert computation on ``device`` (returns the mark for :meth:`end`)."""
-        if self.every == 0:
-            return None
+        """Start timing one expert computation on ``device`` (returns the mark for :meth:`end`).
+        Timed with ``every == 0`` too: the step's busy seconds (:attr:`last_step`) feed the
+        health probe and the metrics even when the speeds are given."""
         if self._timer is None or self._timer_device != device:
             self._timer, self._timer_device = timer_for(device), device
         return self._timer.begin()
@@ -490,12 +490,10 @@ class SpeedMeter:
 
     def finish_step(self) -> bool:
         """End of one forward: fold its timings in; every ``every`` steps agree the snapshot
-        (collective on the group: every rank calls this at the same forward). Returns True when
-        an agreement ran."""
-        if self.every == 0:
-            return False
+        (collective on the group: every rank calls this at the same forward; never with
+        ``every == 0``). Returns True when an agreement ran."""
         self.steps += 1
-        agree = self.steps % self.every == 0
+        agree = self.every > 0 and self.steps % self.every == 0
         rows = secs = 0.0
         if self._timer is not None:
             for r, s in self._timer.collect(wait=agree):

@@ -143,3 +143,17 @@ def test_four_equal_ranks_move_no_expert_and_agree_one_snapshot():
             assert r[key] == res[0][key], (key, r[key], res[0][key])  # identical on every rank
     assert res[0]["differ"] is False and len(set(res[0]["speeds"])) == 1
     assert all(0 < n < math.inf for n in res[0]["noise"])
+
+
+def test_given_speeds_have_their_verdict_and_are_still_timed():
+    m = SpeedMeter(2, 0, [100.0, 50.0], every=0)  # --speed datasheet / oracle: never agreed
+    assert m.differ is True and m.agreed.slow() == [1] and not m.measured
+    assert SpeedMeter(2, 0, [100.0, 97.0], every=0).differ is False  # exact figures within the floor
+    mark = m.begin(torch.device("cpu"))
+    spent = time.thread_time() + 0.01
+    while time.thread_time() < spent:
+        pass
+    m.end(mark, 10)
+    assert not m.finish_step()  # no agreement, no collective
+    assert m.last_step[0] == 10 and m.last_step[1] >= 0.01  # the probe's and the metrics' busy seconds
+    assert m.speeds == (100.0, 50.0)

@@ -21,12 +21,14 @@ it waits for:
 
 **Per rank.** A step's rows and seconds are folded into EMAs (``alpha``); this rank's speed is
 ``rows_ema / seconds_ema`` (rows/s). Its *noise* is the relative standard deviation of that
-estimate: an EMA of the squared relative deviation of each step's speed from the estimate (in
-logarithms, ``ln(step / estimate)``: a step the scheduler stalled tenfold counts as much as one
-ten times faster, not a hundred times more), times the EMA's averaging of independent steps
-(``sqrt(sum of squared weights)`` of its bias-corrected weights: ``sqrt((1 - alpha) / (1 +
-alpha))`` after many steps, more after few). It is
-known from the :data:`NOISE_MIN_STEPS`-th measured step on.
+estimate, the larger of two spreads: an EMA of the squared deviation of each step's speed from
+the estimate, in logarithms (``ln(step / estimate)``: a step the scheduler stalled tenfold counts
+as much as one ten times faster, not a hundred times more), times the EMA's averaging of
+independent steps (the square root of its bias-corrected weights' squared sum:
+``sqrt((1 - alpha) / (1 + alpha))`` after many steps, more after few); and the drift of the
+estimate between agreements (a load that comes and goes over many steps moves it more than the
+step-to-step spread says). It is known from the second agreement with measurements on, once
+:data:`NOISE_MIN_STEPS` steps were measured.
 
 **Agreed.** Every ``every`` steps each rank contributes one row ``(rows_ema, seconds_ema, room,
 noise, steps)`` to one all-reduce of a ``[W, 5]`` float64 table (zeros elsewhere: the sum is
@@ -392,6 +394,8 @@ class SpeedMeter:
         self._rows = self._secs = self._w = 0.0  # EMAs from 0 and their weight (bias correction)
         self._w2 = 0.0  # sum of the EMA's squared step weights (its averaging of independent steps)
         self._var = self._var_w = 0.0
+        self._agreed_local: Optional[float] = None  # this rank's estimate at the previous agreement
+        self._drift = self._drift_w = 0.0  # EMA of squared log-changes between agreements
         self._timer: Optional[ComputeTimer] = None
         self._timer_device: Optional[torch.device] = None
 
@@ -471,6 +475,25 @@ class SpeedMeter:
             return None
         return math.sqrt(self._var / self._var_w * self._w2) / self._w
 
+    def agreement_noise(self) -> Optional[float]:
+        """This rank's noise as it enters an agreement: the larger of :meth:`local_noise` and
+        its drift, the change of its estimate since the previous agreement (an EMA of squared
+        log-changes, halved: the variance of a difference of two estimates). A host whose load
+        comes and goes over many steps moves the estimate between agreements more than the
+        step-to-step spread says; equal ranks then read apart by that much. None until both are
+        known (from the second agreement with measurements, once :data:`NOISE_MIN_STEPS` steps
+        were measured). Call it once per agreement: it advances the drift."""
+        local, ema_noise = self.local_speed(), self.local_noise()
+        if local is not None and self._agreed_local is not None:
+            a, d = self.alpha, math.log(local / self._agreed_local)
+            self._drift = a * self._drift + (1 - a) * d * d
+            self._drift_w = a * self._drift_w + (1 - a)
+        if local is not None:
+            self._agreed_local = local
+        if ema_noise is None or self._drift_w <= 0:
+            return None
+        return max(ema_noise, math.sqrt(self._drift / self._drift_w / 2))
+
     def observe(self, rows: float, seconds: float) -> None:
         """Fold one step's ``rows`` and busy ``seconds`` into the EMAs and the noise."""
         self.last_step = (int(rows), float(seconds))
@@ -506,7 +529,7 @@ class SpeedMeter:
 
     def agree(self) -> SpeedSnapshot:
         """Exchange every rank's row of the ``[W, 5]`` table and set :attr:`agreed` (collective)."""
-        noise = self.local_noise()
+        noise = self.agreement_noise()
         mine = [self.rows_ema, self.seconds_ema, float(self.room_here), -1.0 if noise is None else noise,
                 float(self.measured_steps)]
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():

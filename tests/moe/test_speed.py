@@ -58,7 +58,7 @@ def test_agreed_verdict_and_equal_speeds_when_nothing_differs():
     assert agree_table([row(100, 1, -1), row(50, 1, -1)], [1.0, 1.0])[2] is None  # no noise yet: no verdict
 
 
-def test_meter_noise_is_the_ema_of_relative_deviations_in_logarithms():
+def test_meter_noise_is_the_larger_of_step_deviations_and_drift_between_agreements():
     m = SpeedMeter(1, 0, [1.0], every=1, alpha=0.5)
     assert m.differ is None and m.noise == (0.0,)  # before the first agreement: the prior, no verdict
     m.observe(100, 1.0)
@@ -73,8 +73,13 @@ def test_meter_noise_is_the_ema_of_relative_deviations_in_logarithms():
     m.observe(0, 0.0)  # a step without rows measures nothing
     assert m.measured_steps == 4 and m.last_step == (0, 0.0)
     snap = m.agree()
-    assert snap.differ is False and snap.noise == (pytest.approx(m.local_noise()),) and snap.agreements == 1
+    assert snap.differ is None and math.isinf(snap.noise[0])  # the drift needs a second agreement
     assert snap.seconds_per_step == (pytest.approx(m.seconds_ema),)
+    m.observe(100, 100 / m.local_speed() / 4)  # the estimate moves: four times faster this step
+    moved = math.log(m.local_speed() / snap.own_rows_per_s[0])
+    snap = m.agree()
+    assert snap.differ is False and snap.agreements == 2  # one rank: nothing differs
+    assert snap.noise == (pytest.approx(max(m.local_noise(), abs(moved) / math.sqrt(2))),)
 
 
 # -- the clock -------------------------------------------------------------------------------------

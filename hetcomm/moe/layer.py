@@ -279,8 +279,8 @@ class MoELayer(PagedExperts, nn.Module):
                 powersgd_start=cfg.replicate_powersgd_start,
                 node_ids=node_ids_of(cluster, cluster.num_ranks) if cluster is not None and cfg.replicate_powersgd else None,
                 initial_holders=self.strong_ranks,  # the datasheet's choice: the prior
-                # The agreed speed vector and room flags (self.speed is built below; read lazily).
-                measured=lambda: (self.speed.speeds, self.speed.room) if self.speed.measured else None,
+                # The agreed speeds, room flags and noise (self.speed is built below; read lazily).
+                measured=lambda: (self.speed.speeds, self.speed.room, self.speed.noise) if self.speed.measured else None,
             )
         self.l_aux: torch.Tensor = torch.zeros((), device="cpu")  # replaced by the first forward
         self.last_stats: Optional[StepStats] = None  # set by every forward
@@ -713,7 +713,7 @@ class MoELayer(PagedExperts, nn.Module):
                 observer(gpicks, gp, gT, gfast)
         self.speed.finish_step()  # collective every speed_every forwards (the agreement)
         if self.splitter is not None:
-            self.splitter.last_expert_s = times.expert_s
+            self.splitter.last_expert_s = self.speed.last_step[1]  # busy seconds: the speed's own clock
         self._record(route, times, t_start, saved, global_picks=stat_vec[E : 2 * E] if update else None,
                      splitter=splitter)
         return out.to(x.dtype).reshape(shape)

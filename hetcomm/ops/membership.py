@@ -50,6 +50,7 @@ from the checkpoint, so what is left to do here is recording and placement, not 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -405,7 +406,7 @@ def on_start(cfg, rank: int, world_size: int, cluster, model: torch.nn.Module, s
 
 def measured_speeds_by_model(model: torch.nn.Module, models: Sequence[str]) -> Optional[Dict[str, float]]:
     """The agreed measured expert speed per device model: the median over that model's ranks of
-    layer 0's :class:`~hetcomm.moe.speed.SpeedMeter` vector (rows/s), or None before it measured.
+    layer 0's agreed :class:`~hetcomm.moe.speed.SpeedMeter` vector (rows/s), or None before it measured.
 
     Args:
         model: a model with ``moe_layers`` (a model without MoE layers has no speeds).
@@ -418,6 +419,19 @@ def measured_speeds_by_model(model: torch.nn.Module, models: Sequence[str]) -> O
     for r, s in enumerate(layers[0].speed.speeds):
         by_model.setdefault(models[r], []).append(float(s))
     return {m: statistics.median(v) for m, v in by_model.items()}
+
+
+def agreed_speed_record(model: torch.nn.Module) -> Optional[Dict[str, Any]]:
+    """Layer 0's agreed speed snapshot (:class:`hetcomm.moe.speed.SpeedSnapshot`) as plain JSON:
+    ``{"rows_per_s": [W], "noise": [W] (None: no estimate yet), "differ": bool | None,
+    "agreements": int}``, or None before it measured (or without MoE layers)."""
+    layers = list(getattr(model, "moe_layers", []) or [])
+    if not layers or not layers[0].speed.measured:
+        return None
+    snap = layers[0].speed.agreed
+    return {"rows_per_s": [float(v) for v in snap.rows_per_s],
+            "noise": [None if math.isinf(n) else float(n) for n in snap.noise],
+            "differ": snap.differ, "agreements": int(snap.agreements)}
 
 
 def after_checkpoint(cfg, rank: int, world_size: int, cluster, model: torch.nn.Module) -> None:
@@ -433,6 +447,7 @@ def after_checkpoint(cfg, rank: int, world_size: int, cluster, model: torch.nn.M
         return
     rec["speeds_by_model"] = speeds
     rec["speeds_step"] = int(model.moe_layers[0].speed.agreements)
+    rec["speed"] = agreed_speed_record(model)
     try:
         write_membership(cfg.checkpoint_dir, rec)
     except Exception:  # noqa: BLE001 - advisory

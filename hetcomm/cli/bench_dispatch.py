@@ -206,7 +206,7 @@ def dispatch_rank_entry(payload: str, rank: int, world_size: int, store) -> Opti
     import torch.distributed as dist
 
     import hetcomm
-    from hetcomm.backends import token_dispatch
+    from hetcomm.backends import tokens
     from hetcomm.backends.options import HetcommOptions
 
     config = DispatchBenchConfig.from_json(payload)
@@ -229,7 +229,7 @@ def dispatch_rank_entry(payload: str, rank: int, world_size: int, store) -> Opti
             dist.barrier()
             if it == config.warmup_iters:  # the counters cover the timed iterations only
                 hetcomm.reset_stats()
-                token_dispatch.reset_counters()
+                tokens.reset_counters()
             xg = x.detach().requires_grad_(True)
             t = timer.start()
             recv_x, _counts, handle = comm.dispatch(xg, idx, gate, expert_to_rank=expert_to_rank)
@@ -251,7 +251,7 @@ def dispatch_rank_entry(payload: str, rank: int, world_size: int, store) -> Opti
         stats = hetcomm.stats()
         rail_sent = sum(int(v.get("bytes_sent", 0)) for v in stats.values() if isinstance(v, dict))
         rail_recv = sum(int(v.get("bytes_received", 0)) for v in stats.values() if isinstance(v, dict))
-        counters = token_dispatch.counters()
+        counters = tokens.counters()
         mine = {"rank": rank, "phases": {}, "rail_bytes_sent": rail_sent, "rail_bytes_received": rail_recv,
                 "dispatch_counters": counters}
         for phase in PHASES:

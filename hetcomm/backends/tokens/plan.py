@@ -1,12 +1,14 @@
 """Planning of one token dispatch: capacity, the token rows of every destination, the count and
-metadata exchanges (steps 1-3 of :mod:`hetcomm.backends.token_dispatch`'s notation).
+metadata exchanges (steps 1-3 of :mod:`hetcomm.backends.tokens`' notation).
 
-Everything here is decided once per dispatch; :class:`_Plan` holds the result, which the
-exchanges of the dispatch, its combine and both backwards read without planning again.
+Everything here is decided once per dispatch, for both faces (``Communicator.dispatch`` and
+``TokenSwitch.dispatch``): :func:`plan_dispatch` returns a :class:`Plan`, which the exchanges of
+the dispatch, its combine and both backwards read without planning again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
@@ -14,19 +16,25 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from hetcomm.backends.token_exchange import DispatchComm, _exchange_ints, _wires
+from hetcomm.backends.tokens.exchange import DispatchComm, exchange_ints, count_plan
+from hetcomm.backends.tokens.wire import decode_weights, dtype_code, dtype_name, encode_weights, row_wires
 from hetcomm.errors import CrossRankMismatch, UsageError
 
-__all__ = ["drop_over_capacity", "count_token_rows"]
+__all__ = ["Plan", "plan_dispatch", "drop_over_capacity", "count_token_rows"]
 
 
 @dataclass(frozen=True)
-class _Plan:
-    """Per-chunk layout of one dispatch, on both sides (see the module notation).
+class Plan:
+    """Per-chunk layout of one dispatch, on both sides (see the package notation).
 
     For chunk ``c``, this rank's *token rows* are, as a sender, the remote rows in send order
     (destination-major, then token) followed by the rows for its own experts; as a receiver,
     the rows received from every other rank (source-major) followed by those same own rows.
+
+    The *output rows* (``chunk_rows``, ``runs``, ``remote_src``, ``own_src``, ``own_expand``)
+    are the expert rows (one per (token, local expert), expert-major) of a plan from
+    :func:`plan_dispatch`, or the token rows themselves in one from :meth:`as_token_rows`. The
+    copies (``slot_index``, ``recv_weights``, ``recv_counts``) are the expert rows' in both.
     """
 
     num_tokens: int
@@ -48,8 +56,47 @@ class _Plan:
     runs: Tuple[Tuple[Tuple[int, int, int], ...], ...]
     remote_src: Tuple[Optional[torch.Tensor], ...]
     own_src: Tuple[Optional[torch.Tensor], ...]
-    chunk_rows: Tuple[int, ...]  # [C] R_c
+    chunk_rows: Tuple[int, ...]  # [C] R_c output rows
     wire: Tuple[torch.dtype, ...]  # [W] wire dtype per peer (the row dtype for self)
+    recv_weights: torch.Tensor  # [R] float32 combine weight of each expert row
+    recv_counts: Tuple[int, ...]  # [L] expert rows per local expert
+    recv_counts_per_source: Tuple[Tuple[int, ...], ...]  # [W][L] of those, per source rank
+    chunk_experts: Tuple[Tuple[int, int], ...]  # [C] (first, end) local experts of each chunk
+    meta_bytes: int  # bytes of the count and metadata exchanges sent to other ranks
+    token_rows: bool = False  # the output rows are the token rows (as_token_rows)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_rows)
+
+    def num_recv(self, c: int) -> int:
+        """Token rows chunk ``c`` receives from other ranks."""
+        return sum(self.recv_splits[c])
+
+    def num_remote_sent(self, c: int) -> int:
+        """Token rows chunk ``c`` sends to other ranks (the head of ``send_token[c]``)."""
+        return self.send_token[c].numel() - self.num_own[c]
+
+    def as_token_rows(self) -> "Plan":
+        """The same exchange with the token rows as output rows: no expansion per expert.
+
+        Chunk ``c``'s output rows are the rows received from other ranks (by source rank), then
+        this rank's own token rows: one run, read from the received block and from the tokens.
+        ``TokenSwitch``'s ``flat`` layout.
+        """
+        runs, remote_src, own_src, own_expand, rows = [], [], [], [], []
+        for c in range(self.num_chunks):
+            Ur, Us = self.num_recv(c), self.num_remote_sent(c)
+            own = self.send_token[c][Us:]
+            runs.append(((0, Ur, self.num_own[c]),))
+            remote_src.append(torch.arange(Ur, device=own.device) if Ur else None)
+            own_src.append(own)
+            own_expand.append(None if Ur else own)
+            rows.append(Ur + self.num_own[c])
+        return dataclasses.replace(
+            self, runs=tuple(runs), remote_src=tuple(remote_src), own_src=tuple(own_src),
+            own_expand=tuple(own_expand), chunk_rows=tuple(rows), token_rows=True,
+        )
 
 
 
@@ -153,25 +200,8 @@ def count_token_rows(
 # ----------------------------------------------------------------------------------------------
 # Agreement of the arguments that must match on every rank (a digest in the count exchange)
 
-#: Row dtypes by code (the digest carries the code; the message names the dtype).
-_DTYPES: Tuple[torch.dtype, ...] = tuple(
-    getattr(torch, n)
-    for n in (
-        "float32", "float16", "bfloat16", "float64",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-    )
-    if hasattr(torch, n)
-)
 _WIRE_BITS = 4  # bits per peer of the packed wire-dtype row (code + 1, 0 = unknown)
 _PEERS_PER_WORD = 60 // _WIRE_BITS
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
-
-
-def _dtype_name(code: int) -> str:
-    return str(_DTYPES[code]).replace("torch.", "") if 0 <= code < len(_DTYPES) else f"dtype #{code}"
 
 
 def _call_digest(hidden: int, dtype: torch.dtype, k: int, num_chunks: int, owners: List[int], wire) -> List[int]:
@@ -181,8 +211,8 @@ def _call_digest(hidden: int, dtype: torch.dtype, k: int, num_chunks: int, owner
     crc = zlib.crc32(b",".join(str(r).encode() for r in owners))
     words = [0] * ((len(wire) + _PEERS_PER_WORD - 1) // _PEERS_PER_WORD)
     for p, w in enumerate(wire):
-        words[p // _PEERS_PER_WORD] |= (_dtype_code(w) + 1) << (_WIRE_BITS * (p % _PEERS_PER_WORD))
-    return [int(hidden), _dtype_code(dtype), int(k), int(num_chunks), len(owners), crc] + words
+        words[p // _PEERS_PER_WORD] |= (dtype_code(w) + 1) << (_WIRE_BITS * (p % _PEERS_PER_WORD))
+    return [int(hidden), dtype_code(dtype), int(k), int(num_chunks), len(owners), crc] + words
 
 
 def _wire_of(digest: Sequence[int], peer: int) -> int:
@@ -200,7 +230,7 @@ def _check_digests(comm: DispatchComm, digests: List[List[int]]) -> None:
     W = comm.world_size
     fields = (
         ("hidden size", "x.size(1)", 0, str),
-        ("dtype", "x.dtype", 1, _dtype_name),
+        ("dtype", "x.dtype", 1, dtype_name),
         ("k", "topk_idx.size(1)", 2, str),
         ("num_chunks", "num_chunks", 3, str),
         ("num_experts", "len(expert_to_rank)", 4, str),
@@ -234,7 +264,7 @@ def _check_digests(comm: DispatchComm, digests: List[List[int]]) -> None:
                 if wa != wb:
                     odd.update((a, b))
                     problems.append(
-                        f"wire dtype of pair {a}-{b}: rank {a} sends {_dtype_name(wa)}, rank {b} sends {_dtype_name(wb)}"
+                        f"wire dtype of pair {a}-{b}: rank {a} sends {dtype_name(wa)}, rank {b} sends {dtype_name(wb)}"
                     )
                     first_field = first_field or "wire dtype"
     if problems:
@@ -254,8 +284,34 @@ def _check_digests(comm: DispatchComm, digests: List[List[int]]) -> None:
 # Planning with communication: counts and metadata (steps 1-3 of the module notation)
 
 
-def _plan(comm: DispatchComm, topk_idx, topk_weights, expert_to_rank, num_chunks: int, dtype: torch.dtype, hidden: int, wire_policy: Optional[str] = None):
-    """Returns ``(plan, recv_weights [R] float32, recv_counts [L], chunk bounds, metadata bytes sent)``."""
+def plan_dispatch(
+    comm: DispatchComm,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    expert_to_rank: Union[Sequence[int], torch.Tensor],
+    num_chunks: int,
+    dtype: torch.dtype,
+    hidden: int,
+    wire_policy: Optional[str] = None,
+) -> Plan:
+    """Plan one dispatch (collective: the count and the metadata exchanges).
+
+    Args:
+        comm: the communicator.
+        topk_idx: ``[T, k]`` int64 expert ids, ``-1`` = none (capacity already applied).
+        topk_weights: ``[T, k]`` float; they travel exactly (:mod:`~hetcomm.backends.tokens.wire`).
+        expert_to_rank: ``[E]`` owner of each expert.
+        num_chunks: ``C``.
+        dtype: the rows' dtype; hidden: ``D``: the call's digest (and the rows' wire dtypes).
+        wire_policy: the rows' wire-dtype policy (None: the communicator's own).
+
+    Returns:
+        The :class:`Plan` (expert rows as output rows); counted in :func:`counters`.
+
+    Raises:
+        CrossRankMismatch: the ranks' arguments differ (every rank raises).
+    """
     W, rank = comm.world_size, comm.rank
     T, k = topk_idx.shape
     C = num_chunks
@@ -283,14 +339,13 @@ def _plan(comm: DispatchComm, topk_idx, topk_weights, expert_to_rank, num_chunks
     U = key.numel()
     meta = torch.full((U, k, 2), -1, dtype=torch.int32, device=dev)
     if U:
-        w32 = topk_weights.detach().reshape(-1)[valid_pos].to(torch.float32).contiguous()
-        meta[row_of_copy, valid_pos % k, 0] = w32.view(torch.int32)
+        meta[row_of_copy, valid_pos % k, 0] = encode_weights(topk_weights.reshape(-1)[valid_pos])
         meta[row_of_copy, valid_pos % k, 1] = local[e].to(torch.int32)
 
     # 2. Counts, per destination: [the call's digest (H), its C token-row counts, its L_d copy
     # counts]. The digest rides in the count exchange (no extra collective): every rank sees
     # every other rank's arguments before any row moves, and all raise the same error.
-    wire = _wires(comm, dtype, wire_policy)
+    wire = row_wires(comm, dtype, wire_policy)
     digest = _call_digest(hidden, dtype, k, C, own, wire)
     H = len(digest)
     head = torch.tensor(digest, dtype=torch.int64, device=dev)
@@ -323,7 +378,7 @@ def _plan(comm: DispatchComm, topk_idx, topk_weights, expert_to_rank, num_chunks
     if W > 1:
         send_split = [sum(rows_to[d]) if d != rank else 0 for d in range(W)]
         recv_split = [sum(counts_from[s][:C]) if s != rank else 0 for s in range(W)]
-        rmeta = _exchange_ints(comm, meta[remote].reshape(-1, 2 * k), send_split, recv_split, 2 * k, "metadata")
+        rmeta = exchange_ints(comm, meta[remote].reshape(-1, 2 * k), send_split, recv_split, 2 * k, "metadata")
         rmeta = rmeta.view(-1, k, 2)
         meta_bytes += sum(send_split) * 2 * k * 4
     else:
@@ -347,7 +402,7 @@ def _plan(comm: DispatchComm, topk_idx, topk_weights, expert_to_rank, num_chunks
         parts.append(meta[in_c & ~remote])
         m = torch.cat(parts) if len(parts) > 1 else parts[0]  # [U_c, k, 2]
         loc = m[:, :, 1].reshape(-1).to(torch.int64)  # index row * k + slot
-        wts = m[:, :, 0].reshape(-1).contiguous().view(torch.float32)
+        wts = decode_weights(m[:, :, 0].reshape(-1))
         sel = (loc >= 0).nonzero().flatten()
         sidx = sel[torch.argsort(loc[sel], stable=True)]  # expert-major; inside: other sources in order, own rows last
         expand_index.append(sidx // k)
@@ -374,7 +429,8 @@ def _plan(comm: DispatchComm, topk_idx, topk_weights, expert_to_rank, num_chunks
         else:
             remote_src.append(None)
             own_src.append(own_expand[-1])  # every run is own rows: the same tokens, expert by expert
-    plan = _Plan(
+    count_plan(meta_bytes)
+    return Plan(
         num_tokens=T,
         num_topk=k,
         rank=rank,
@@ -391,8 +447,9 @@ def _plan(comm: DispatchComm, topk_idx, topk_weights, expert_to_rank, num_chunks
         own_src=tuple(own_src),
         chunk_rows=tuple(chunk_rows),
         wire=wire,
+        recv_weights=torch.cat(recv_w),
+        recv_counts=tuple(recv_counts),
+        recv_counts_per_source=tuple(tuple(counts_from[s][C:]) for s in range(W)),
+        chunk_experts=tuple(bounds),
+        meta_bytes=meta_bytes,
     )
-    per_source = tuple(tuple(counts_from[s][C:]) for s in range(W))
-    return plan, torch.cat(recv_w), recv_counts, bounds, meta_bytes, per_source
-
-

@@ -14,11 +14,12 @@ real ranks (``--nprocs N`` local processes, like ``hetcomm bench alltoall``):
   CPU, device events (``torch.cuda.Event``) on CUDA tensors;
 * ``--face``: ``communicator`` (``Communicator.dispatch``/``combine``, the default),
   ``tokenswitch`` (``TokenSwitch.create_routing`` + ``dispatch`` as the dispatch phase,
-  ``combine``; flat layout, ``max_recv_tokens`` = the routing's own slots), or both
-  (``communicator,tokenswitch``): the faces take turns inside every iteration (the order
+  ``combine``; the flat layout, ``max_recv_tokens`` = the routing's own slots),
+  ``tokenswitch-expert-major`` (the same in the expert_major layout: the communicator's rows),
+  or several, comma-separated: the faces take turns inside every iteration (the order
   alternates), on the same routing, bytes and ranks; per face the *step* (the four phases, the
   slowest rank's per iteration) gets its median and spread, and each face its ratio to the
-  first, also as the median of the per-iteration ratios (pairs of interleaved steps);
+  first, also as the median of the per-iteration ratios (interleaved steps);
 * per rank and phase: p50/p90/p99/p999 (nearest rank over the iterations) and the **logical
   bandwidth** as DeepEP defines it: the token-row bytes a rank receives (dispatch-shaped phases)
   or sends (combine-shaped phases) to or from *other* ranks, in their wire dtype, divided by the
@@ -47,7 +48,7 @@ __all__ = ["DispatchBenchConfig", "add_dispatch_args", "routing_weights", "run_d
 
 PHASES = ("dispatch", "combine", "combine-backward", "dispatch-backward")
 #: The faces of the token engine ``--face`` can time.
-FACES = ("communicator", "tokenswitch")
+FACES = ("communicator", "tokenswitch", "tokenswitch-expert-major")
 #: Phases shaped like a dispatch (rows travel to the experts' ranks): DeepEP counts the bytes a
 #: rank receives; the combine-shaped ones count what it sends.
 _RECEIVING = ("dispatch", "combine-backward")
@@ -98,7 +99,8 @@ def add_dispatch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wire-dtype", default="exact", help="hetcomm wire dtype between vendors: exact, cluster, fp32, fp16, bf16 (default exact)")
     g.add_argument("--face", default="communicator",
                    help="which face(s) of the token engine to time, comma-separated and interleaved: communicator "
-                        "(Communicator.dispatch/combine), tokenswitch (hetcomm.TokenSwitch) (default communicator)")
+                        "(Communicator.dispatch/combine), tokenswitch (hetcomm.TokenSwitch, flat layout), "
+                        "tokenswitch-expert-major (default communicator)")
 
 
 def routing_weights(spec: str, num_experts: int) -> List[float]:
@@ -310,15 +312,16 @@ def _face_step(face: str, comm, config: DispatchBenchConfig, expert_to_rank):
     import hetcomm
 
     itemsize = getattr(torch, config.dtype).itemsize
-    # Room for any routing (flat: a token reaches a rank at most once); each dispatch asks for
-    # exactly its routing's slots, so no face pays for zeroing unused rows.
-    ts = hetcomm.TokenSwitch(comm.group, config.experts, config.tokens, config.tokens * comm.world_size,
-                             config.hidden * itemsize)
+    layout = "flat" if face == "tokenswitch" else "expert_major"
+    # Room for any routing (a token reaches a rank at most once, an expert at most once); each
+    # dispatch asks for exactly its routing's slots, so no face pays for zeroing unused rows.
+    room = config.tokens * comm.world_size * (1 if layout == "flat" else config.topk)
+    ts = hetcomm.TokenSwitch(comm.group, config.experts, config.tokens, room, config.hidden * itemsize)
 
     def step(timer, x, idx, gate):
         xg = x.detach().requires_grad_(True)
         t = timer.start()
-        routing = ts.create_routing(idx)
+        routing = ts.create_routing(idx, layout=layout)
         out_tokens, _w, _i = ts.dispatch(routing, xg, gate, routing.num_recv_tokens)
         d_dispatch = timer.stop(t)
         y = out_tokens.detach().requires_grad_(True)
@@ -406,7 +409,7 @@ def format_dispatch_table(result: Dict[str, Any]) -> str:
         f"{c['iters']} iterations ({result['timing']} timing)",
         "# bytes per rank per call: to/from other ranks (wire dtype), local rows apart; GB/s = DeepEP's logical",
         "# bandwidth (received bytes for dispatch-shaped phases, sent bytes for combine-shaped ones) / p50",
-        "#  rank  face          phase               send(MB)  recv(MB) local(MB)    p50(us)    p90(us)    p99(us)   p999(us)    GB/s",
+        "#  rank  face                      phase               send(MB)  recv(MB) local(MB)    p50(us)    p90(us)    p99(us)   p999(us)    GB/s",
     ]
     faces = c.get("faces") or ["communicator"]
     for r in result["ranks"]:
@@ -414,18 +417,18 @@ def format_dispatch_table(result: Dict[str, Any]) -> str:
             for phase in PHASES:
                 p = r["faces"][face]["phases"][phase]
                 lines.append(
-                    f"  {r['rank']:>5}  {face:<13} {phase:<18} {p['send_bytes'] / 1e6:>9.3f} {p['recv_bytes'] / 1e6:>9.3f} "
+                    f"  {r['rank']:>5}  {face:<24} {phase:<18} {p['send_bytes'] / 1e6:>9.3f} {p['recv_bytes'] / 1e6:>9.3f} "
                     f"{p['local_bytes'] / 1e6:>9.3f} {p['p50_us']:>10.1f} {p['p90_us']:>10.1f} {p['p99_us']:>10.1f} "
                     f"{p['p999_us']:>10.1f} {p['logical_GBps']:>7.4f}"
                 )
     summary = result["faces"]
     lines.append(f"# step = the four phases, the slowest rank's, per iteration ({summary[faces[0]]['iterations']} "
                  f"iterations{', faces interleaved' if len(faces) > 1 else ''}); spread = (p90 - p10) / p50")
-    lines.append(f"#  face           step p50(us)  p10(us)     p90(us)  spread(%)  vs {faces[0]}: p50s  paired median")
+    lines.append(f"#  face                      step p50(us)  p10(us)     p90(us)  spread(%)  vs {faces[0]}: p50s  paired median")
     for face in faces:
         f = summary[face]
         lines.append(
-            f"#  {face:<13} {f['step_p50_us']:>13.1f} {f['step_p10_us']:>8.1f} {f['step_p90_us']:>11.1f} "
+            f"#  {face:<24} {f['step_p50_us']:>13.1f} {f['step_p10_us']:>8.1f} {f['step_p90_us']:>11.1f} "
             f"{f['spread_pct']:>10.1f} {f['ratio_p50']:>17.3f} {f['ratio_paired_median']:>14.3f}"
         )
     return "\n".join(lines) + "\n"

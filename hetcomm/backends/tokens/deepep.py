@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hetcomm.backends.tokens.exchange import DispatchComm, counters, reset_counters
 from hetcomm.backends.tokens.flow import CombineFn, CombineRun, CombineWork, DispatchFn, DispatchRun, DispatchWork
-from hetcomm.backends.tokens.plan import Plan, count_token_rows, drop_over_capacity, plan_dispatch
+from hetcomm.backends.tokens.plan import Plan, count_token_rows, drop_over_capacity, exchange_counts, plan_dispatch
 from hetcomm.backends.tokens.wire import link_wire_dtype
 from hetcomm.errors import UsageError
 
@@ -214,9 +214,9 @@ def dispatch(
     """Send every token to the ranks that own its experts, once per rank (collective).
 
     Every rank of ``comm.group`` must call it, in the same order as its other collectives, with
-    the same hidden size, dtype, ``k``, ``expert_to_rank`` and ``num_chunks``: a digest of them
-    rides in the count exchange, and a difference raises :class:`CrossRankMismatch` on every
-    rank before any row moves.
+    the same hidden size, dtype, ``k``, ``expert_to_rank`` and ``num_chunks``: digests of them
+    ride in the count and metadata exchanges, and a difference raises :class:`CrossRankMismatch`
+    on every rank before any row moves.
 
     Arguments:
         comm: a :class:`DispatchComm` (``hetcomm.Communicator``, or :class:`GroupComm`).
@@ -275,10 +275,8 @@ def dispatch(
     num_dropped = 0
     if capacity is not None:
         topk_idx, num_dropped = drop_over_capacity(topk_idx, owner_len, capacity)
-    plan = plan_dispatch(
-        comm, topk_idx, topk_weights, expert_to_rank=expert_to_rank, num_chunks=num_chunks,
-        dtype=x.dtype, hidden=x.size(1), wire_policy=wire_dtype,
-    )
+    counts = exchange_counts(comm, topk_idx, expert_to_rank=expert_to_rank, num_chunks=num_chunks)
+    plan = plan_dispatch(comm, counts, topk_weights, dtype=x.dtype, hidden=x.size(1), wire_policy=wire_dtype)
     recv_counts = plan.recv_counts
     state = DispatchRun(comm, plan, topk_weights.dtype)
     recv_weights, *outs = DispatchFn.apply(x, topk_weights, plan.recv_weights, state, list(recv_counts) if split_by_expert else None)

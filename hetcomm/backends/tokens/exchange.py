@@ -18,7 +18,7 @@ from hetcomm.backends.checks import splits_agreed
 from hetcomm.backends.tokens.wire import ALIGN, WireComm, exact_wires, segment_bytes
 from hetcomm.errors import CollectiveError, HetcommError
 
-__all__ = ["DispatchComm", "RowExchange", "exchange_ints", "count_rows", "count_meta", "count_plan", "counters", "reset_counters"]
+__all__ = ["DispatchComm", "RowExchange", "exchange_ints", "count_rows", "count_meta", "count_meta_bytes", "count_plan", "counters", "reset_counters"]
 
 
 _counters = {"calls": 0, "bytes_sent": 0, "bytes_recv": 0, "meta_bytes_sent": 0}
@@ -179,8 +179,13 @@ def count_meta(ex: RowExchange, rank: int) -> None:
     _counters["meta_bytes_sent"] += _remote_bytes(ex, rank)[0]
 
 
+def count_meta_bytes(nbytes: int) -> None:
+    """Add bytes of a count exchange sent to other ranks to :func:`counters`."""
+    _counters["meta_bytes_sent"] += nbytes
+
+
 def count_plan(meta_bytes: int) -> None:
-    """Add one planned dispatch and its count and metadata bytes to :func:`counters`."""
+    """Add one planned dispatch and its metadata bytes to :func:`counters`."""
     _counters["meta_bytes_sent"] += meta_bytes
     _counters["calls"] += 1
 

@@ -401,7 +401,11 @@ class DispatchFn(torch.autograd.Function):
         ctx.width, ctx.dtype, ctx.device = x.size(1), x.dtype, x.device
         recv_x = state.launch(x)
         outs = (recv_x,) if sizes is None else recv_x.split(sizes)
-        return (recv_w.view_as(recv_w),) + tuple(outs)
+        w_out = recv_w.view_as(recv_w)
+        if not ctx.needs_input_grad[1]:
+            # Weights without a gradient: a combine over them then skips the weight gradients.
+            ctx.mark_non_differentiable(w_out)
+        return (w_out,) + tuple(outs)
 
     @staticmethod
     def backward(ctx, grad_recv_w, *grads):  # type: ignore[override]

@@ -11,16 +11,16 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from hetcomm.backends.tokens.exchange import DispatchComm, exchange_ints, count_plan
+from hetcomm.backends.tokens.exchange import DispatchComm, count_meta_bytes, count_plan, exchange_ints
 from hetcomm.backends.tokens.wire import decode_weights, dtype_code, dtype_name, encode_weights, row_wires
 from hetcomm.errors import CrossRankMismatch, UsageError
 
-__all__ = ["Plan", "plan_dispatch", "drop_over_capacity", "count_token_rows"]
+__all__ = ["Plan", "Counts", "exchange_counts", "plan_dispatch", "drop_over_capacity", "count_token_rows"]
 
 
 @dataclass(frozen=True)
@@ -198,45 +198,65 @@ def count_token_rows(
 
 
 # ----------------------------------------------------------------------------------------------
-# Agreement of the arguments that must match on every rank (a digest in the count exchange)
+# Agreement of the arguments that must match on every rank: two digests, each riding in an
+# exchange the dispatch makes anyway (no extra collective). The routing's (k, C, E, owners, and
+# the rows and copies every rank sends) rides in the count exchange; the call's (hidden size,
+# dtype, wire dtypes, the caller's room) in the metadata exchange, ahead of the metadata rows.
 
 _WIRE_BITS = 4  # bits per peer of the packed wire-dtype row (code + 1, 0 = unknown)
 _PEERS_PER_WORD = 60 // _WIRE_BITS
+_ROUTE_FIELDS = 5  # flag, k, num_chunks, num_experts, crc of expert_to_rank
+_CALL_FIELDS = 4  # flag, room, hidden, dtype; then the wire words
 
 
-def _call_digest(hidden: int, dtype: torch.dtype, k: int, num_chunks: int, owners: List[int], wire) -> List[int]:
-    """``[H]`` host ints describing one dispatch's arguments (the same for every destination):
-    hidden size, row dtype, ``k``, ``num_chunks``, ``num_experts``, a CRC of ``expert_to_rank``
-    and this rank's wire dtype towards every peer (4 bits per peer, 15 peers per word)."""
+def _route_digest(flag: int, k: int, num_chunks: int, owners: List[int]) -> List[int]:
+    """The routing's digest: an error flag, ``k``, ``num_chunks``, ``num_experts`` and a CRC of
+    ``expert_to_rank``."""
     crc = zlib.crc32(b",".join(str(r).encode() for r in owners))
+    return [int(flag), int(k), int(num_chunks), len(owners), crc]
+
+
+def _call_digest(flag: int, room: int, hidden: int, dtype: torch.dtype, wire) -> List[int]:
+    """The call's digest: an error flag, the caller's room, hidden size, row dtype and this
+    rank's wire dtype towards every peer (4 bits per peer, 15 peers per word)."""
     words = [0] * ((len(wire) + _PEERS_PER_WORD - 1) // _PEERS_PER_WORD)
     for p, w in enumerate(wire):
         words[p // _PEERS_PER_WORD] |= (dtype_code(w) + 1) << (_WIRE_BITS * (p % _PEERS_PER_WORD))
-    return [int(hidden), dtype_code(dtype), int(k), int(num_chunks), len(owners), crc] + words
+    return [int(flag), int(room), int(hidden), dtype_code(dtype)] + words
 
 
 def _wire_of(digest: Sequence[int], peer: int) -> int:
-    word = digest[6 + peer // _PEERS_PER_WORD]
+    word = digest[_CALL_FIELDS + peer // _PEERS_PER_WORD]
     return ((word >> (_WIRE_BITS * (peer % _PEERS_PER_WORD))) & ((1 << _WIRE_BITS) - 1)) - 1
 
 
-def _check_digests(comm: DispatchComm, digests: List[List[int]]) -> None:
-    """Raise :class:`CrossRankMismatch` when the ranks' dispatch arguments differ.
+def _check_flags(comm: DispatchComm, digests: List[List[int]], problem: Optional[str], op: str) -> None:
+    """Raise :class:`UsageError` on every rank when some rank rejected its arguments (flag 1):
+    that rank with its own ``problem``, the others naming it."""
+    where = f"rank {comm.rank} of {comm.world_size}"
+    if problem is not None:
+        raise UsageError(f"{op}: {problem} ({where})")
+    failed = [r for r, d in enumerate(digests) if d[0]]
+    if failed:
+        raise UsageError(f"{op}: rank(s) {failed} rejected their arguments ({where}); see their errors")
 
-    ``digests[s]`` is rank ``s``'s :func:`_call_digest`, as the count exchange delivered it.
-    Every rank holds every rank's digest, so every rank decides the same and raises the same
-    message, before any row moves; the group stays usable (no exchange is left half done).
+
+#: (label, the argument it comes from, index in its digest, how to show it); label -> the
+#: CrossRankMismatch.field vocabulary.
+_ROUTE_CHECKS = (("k", "topk_idx.size(1)", 1, str), ("num_chunks", "num_chunks", 2, str), ("num_experts", "len(expert_to_rank)", 3, str))
+_CALL_CHECKS = (("hidden size", "x.size(1)", 2, str), ("dtype", "x.dtype", 3, dtype_name))
+_KIND = {"hidden size": "shape", "dtype": "dtype", "k": "shape", "wire dtype": "dtype"}
+
+
+def _check_digests(comm: DispatchComm, digests: List[List[int]], route: bool, op: str) -> None:
+    """Raise :class:`CrossRankMismatch` when the ranks' arguments differ.
+
+    ``digests[s]`` is rank ``s``'s routing digest (``route``) or call digest, as its exchange
+    delivered it. Every rank holds every rank's digest, so every rank decides the same and
+    raises the same message, before any row moves; the group stays usable (no exchange is left
+    half done).
     """
     W = comm.world_size
-    fields = (
-        ("hidden size", "x.size(1)", 0, str),
-        ("dtype", "x.dtype", 1, dtype_name),
-        ("k", "topk_idx.size(1)", 2, str),
-        ("num_chunks", "num_chunks", 3, str),
-        ("num_experts", "len(expert_to_rank)", 4, str),
-    )
-    # CrossRankMismatch.field's vocabulary for each label.
-    kind = {"hidden size": "shape", "dtype": "dtype", "k": "shape", "wire dtype": "dtype"}
     problems: List[str] = []
     odd: set = set()
     first_field = None
@@ -253,11 +273,11 @@ def _check_digests(comm: DispatchComm, digests: List[List[int]]) -> None:
         problems.append(f"{label} ({what}): " + "; ".join(f"ranks {g}: {v}" for v, g in groups.items()))
         first_field = first_field or label
 
-    for label, what, i, show in fields:
+    for label, what, i, show in _ROUTE_CHECKS if route else _CALL_CHECKS:
         differ(label, [show(d[i]) for d in digests], what)
-    if not problems:  # the same number of experts: compare the maps themselves
-        differ("expert_to_rank", [f"crc32 {d[5]:08x}" for d in digests], "the owner of each expert")
-    if not problems:
+    if route and not problems:  # the same number of experts: compare the maps themselves
+        differ("expert_to_rank", [f"crc32 {d[4]:08x}" for d in digests], "the owner of each expert")
+    if not route and not problems:
         for a in range(W):
             for b in range(a + 1, W):
                 wa, wb = _wire_of(digests[a], b), _wire_of(digests[b], a)
@@ -269,52 +289,86 @@ def _check_digests(comm: DispatchComm, digests: List[List[int]]) -> None:
                     first_field = first_field or "wire dtype"
     if problems:
         raise CrossRankMismatch(
-            f"dispatch: the ranks called with different arguments (rank {comm.rank} of {W}): "
+            f"{op}: the ranks called with different arguments (rank {comm.rank} of {W}): "
             + " | ".join(problems)
             + "; every rank must dispatch the same layer with the same hidden size, dtype, k, "
             "num_chunks and expert_to_rank (and a wire-dtype policy that both ends of a pair share)",
             op="dispatch",
             rank=comm.rank,
             ranks=sorted(odd),
-            field=kind.get(first_field or "", "arguments"),
+            field=_KIND.get(first_field or "", "arguments"),
         )
 
 
 # ----------------------------------------------------------------------------------------------
-# Planning with communication: counts and metadata (steps 1-3 of the module notation)
+# Planning with communication: counts (step 2), then metadata (step 3) and the layout
 
 
-def plan_dispatch(
+@dataclass(frozen=True)
+class Counts:
+    """What the count exchange of one routing decided (step 2 of the package notation); a
+    dispatch's :func:`plan_dispatch` needs nothing else of the routing.
+
+    Every rank holds the same ``recv_rows``/``recv_copies``: each rank sent every other rank
+    its token rows and copies towards every destination, so that a face can check every rank's
+    room on every rank (``TokenSwitch``) without another collective.
+    """
+
+    topk_idx: torch.Tensor  # [T, k] int64, -1 = none
+    num_chunks: int
+    per_rank: Tuple[int, ...]  # [W] experts per rank
+    local: torch.Tensor  # [E] int64 local index of each expert on its owner
+    valid_pos: torch.Tensor  # [V] int64 token-major positions of the valid copies
+    copy_expert: torch.Tensor  # [V] int64 expert of each valid copy
+    row_of_copy: torch.Tensor  # [V] int64 token row of each valid copy
+    row_cell: torch.Tensor  # [U] int64 dest * C + chunk of each token row
+    row_tok: torch.Tensor  # [U] int64 token of each token row
+    counts_from: Tuple[Tuple[int, ...], ...]  # [W][C + L] rows per chunk, copies per local expert, from each source
+    rows_to: Tuple[Tuple[int, ...], ...]  # [W][C] token rows this rank sends to each rank, per chunk
+    recv_rows: Tuple[int, ...]  # [W] token rows every rank receives (its own included)
+    recv_copies: Tuple[int, ...]  # [W] copies (expert rows) every rank receives
+    meta_bytes: int  # bytes of the count exchange sent to other ranks
+
+    @property
+    def copies_per_local_expert(self) -> List[int]:
+        """``[L]`` copies this rank's local experts receive (every source)."""
+        C = self.num_chunks
+        L = len(self.counts_from[0]) - C
+        return [sum(row[C + l] for row in self.counts_from) for l in range(L)]
+
+
+def exchange_counts(
     comm: DispatchComm,
-    topk_idx: torch.Tensor,
-    topk_weights: torch.Tensor,
+    topk_idx: Optional[torch.Tensor],
     *,
     expert_to_rank: Union[Sequence[int], torch.Tensor],
     num_chunks: int,
-    dtype: torch.dtype,
-    hidden: int,
-    wire_policy: Optional[str] = None,
-) -> Plan:
-    """Plan one dispatch (collective: the count and the metadata exchanges).
+    problem: Optional[str] = None,
+    op: str = "dispatch",
+    device: Optional[torch.device] = None,
+) -> Counts:
+    """Plan the token rows of a routing and exchange the counts (collective; steps 1-2).
 
     Args:
         comm: the communicator.
-        topk_idx: ``[T, k]`` int64 expert ids, ``-1`` = none (capacity already applied).
-        topk_weights: ``[T, k]`` float; they travel exactly (:mod:`~hetcomm.backends.tokens.wire`).
+        topk_idx: ``[T, k]`` int64 expert ids, ``-1`` = none (capacity already applied); None
+            with ``problem``.
         expert_to_rank: ``[E]`` owner of each expert.
         num_chunks: ``C``.
-        dtype: the rows' dtype; hidden: ``D``: the call's digest (and the rows' wire dtypes).
-        wire_policy: the rows' wire-dtype policy (None: the communicator's own).
-
-    Returns:
-        The :class:`Plan` (expert rows as output rows); counted in :func:`counters`.
+        problem: this rank rejected its arguments (the message): it takes part with nothing to
+            send, and every rank raises :class:`UsageError` after the exchange.
+        op: the verb named in errors.
+        device: where the tables live when ``topk_idx`` is None.
 
     Raises:
-        CrossRankMismatch: the ranks' arguments differ (every rank raises).
+        UsageError: ``problem`` on some rank (every rank raises).
+        CrossRankMismatch: ``k``, ``num_chunks`` or ``expert_to_rank`` differ (every rank raises).
     """
     W, rank = comm.world_size, comm.rank
-    T, k = topk_idx.shape
     C = num_chunks
+    if topk_idx is None:
+        topk_idx = torch.full((0, 1), -1, dtype=torch.int64, device=device)
+    T, k = topk_idx.shape
     dev = topk_idx.device
     owner, local, per_rank, own = _expert_tables(expert_to_rank, W, dev)
     chunk_of = _chunk_of_local(per_rank, C, own, dev)
@@ -328,27 +382,18 @@ def plan_dispatch(
     Tm = max(T, 1)
     cell = owner[e] * C + chunk_of[e]
     key, row_of_copy = torch.unique(cell * Tm + valid_pos // k, sorted=True, return_inverse=True)
-    row_cell = key // Tm
-    row_tok = key % Tm
-    rows_wc = torch.bincount(row_cell, minlength=W * C).view(W, C)
+    rows_wc = torch.bincount(key // Tm, minlength=W * C).view(W, C)
     first_slot = [sum(per_rank[:r]) for r in range(W)]
     slot = torch.tensor(first_slot, dtype=torch.int64, device=dev)[owner[e]] + local[e]
     copies_per_slot = torch.bincount(slot, minlength=E)  # rank-major expert order
+    copies_to = torch.bincount(owner[e], minlength=W)
 
-    # Metadata per token row, [U, k, 2] int32: (float32 bits of the weight, local expert or -1).
-    U = key.numel()
-    meta = torch.full((U, k, 2), -1, dtype=torch.int32, device=dev)
-    if U:
-        meta[row_of_copy, valid_pos % k, 0] = encode_weights(topk_weights.reshape(-1)[valid_pos])
-        meta[row_of_copy, valid_pos % k, 1] = local[e].to(torch.int32)
-
-    # 2. Counts, per destination: [the call's digest (H), its C token-row counts, its L_d copy
-    # counts]. The digest rides in the count exchange (no extra collective): every rank sees
-    # every other rank's arguments before any row moves, and all raise the same error.
-    wire = row_wires(comm, dtype, wire_policy)
-    digest = _call_digest(hidden, dtype, k, C, own, wire)
-    H = len(digest)
-    head = torch.tensor(digest, dtype=torch.int64, device=dev)
+    # 2. Counts, per destination: [the routing's digest, the rows and copies this rank sends to
+    # every rank (W + W), its C token-row counts, its L_d copy counts]. Every rank sees every
+    # other rank's arguments and sends before any row moves, and all raise the same error.
+    digest = _route_digest(problem is not None, k, C, own)
+    head = torch.cat([torch.tensor(digest, dtype=torch.int64, device=dev), rows_wc.sum(1), copies_to])
+    H = head.numel()
     send_counts = torch.cat(
         [torch.cat([head, rows_wc[d], copies_per_slot[first_slot[d] : first_slot[d] + per_rank[d]]]) for d in range(W)]
     )
@@ -361,29 +406,133 @@ def plan_dispatch(
         dist.all_to_all_single(got, send_counts, [H + C + L] * W, send_split, group=comm.group)
         meta_bytes += sum(send_split[d] for d in range(W) if d != rank) * 8
         rows_from = got.view(W, H + C + L).tolist()  # host synchronisation (the splits below)
-        _check_digests(comm, [r[:H] for r in rows_from])
-        counts_from = [r[H:] for r in rows_from]
-        rows_to = rows_wc.tolist()
     else:
-        counts_from = [send_counts[H:].tolist()]
-        rows_to = [counts_from[0][:C]]
+        rows_from = [send_counts.tolist()]
+    digests = [r[:_ROUTE_FIELDS] for r in rows_from]
+    _check_flags(comm, digests, problem, op)
+    _check_digests(comm, digests, True, op)
+    n = _ROUTE_FIELDS
+    count_meta_bytes(meta_bytes)
+    return Counts(
+        topk_idx=topk_idx,
+        num_chunks=C,
+        per_rank=tuple(per_rank),
+        local=local,
+        valid_pos=valid_pos,
+        copy_expert=e,
+        row_of_copy=row_of_copy,
+        row_cell=key // Tm,
+        row_tok=key % Tm,
+        counts_from=tuple(tuple(r[H:]) for r in rows_from),
+        rows_to=tuple(tuple(r) for r in rows_wc.tolist()),
+        recv_rows=tuple(sum(r[n + d] for r in rows_from) for d in range(W)),
+        recv_copies=tuple(sum(r[n + W + d] for r in rows_from) for d in range(W)),
+        meta_bytes=meta_bytes,
+    )
+
+
+def plan_dispatch(
+    comm: DispatchComm,
+    counts: Counts,
+    topk_weights: Optional[torch.Tensor],
+    *,
+    dtype: torch.dtype,
+    hidden: int,
+    wire_policy: Optional[str] = None,
+    room: int = 0,
+    check_rooms: Optional[Callable[[List[int]], None]] = None,
+    problem: Optional[str] = None,
+    op: str = "dispatch",
+) -> Plan:
+    """Plan one dispatch of a routing (collective: the metadata exchange; step 3 and the layout).
+
+    Args:
+        comm: the communicator.
+        counts: the routing's :func:`exchange_counts`.
+        topk_weights: ``[T, k]`` float; they travel exactly (:mod:`~hetcomm.backends.tokens.wire`);
+            None with ``problem``.
+        dtype: the rows' dtype; hidden: ``D``: the call's digest (and the rows' wire dtypes).
+        wire_policy: the rows' wire-dtype policy (None: the communicator's own).
+        room: this rank's receive room (a face's; ``check_rooms`` gets every rank's).
+        check_rooms: called with ``[W]`` every rank's ``room`` before any row moves (it raises
+            on every rank alike).
+        problem: this rank rejected its arguments (the message): it takes part, and every rank
+            raises :class:`UsageError`.
+        op: the verb named in errors.
+
+    Returns:
+        The :class:`Plan` (expert rows as output rows); counted in :func:`counters`.
+
+    Raises:
+        UsageError: ``problem`` on some rank (every rank raises).
+        CrossRankMismatch: the ranks' hidden sizes, dtypes or wire dtypes differ (every rank).
+    """
+    W, rank = comm.world_size, comm.rank
+    idx = counts.topk_idx
+    T, k = idx.shape
+    C = counts.num_chunks
+    dev = idx.device
+    per_rank = list(counts.per_rank)
+    L = per_rank[rank]
+    counts_from, rows_to = counts.counts_from, counts.rows_to
+    valid_pos, e, row_of_copy = counts.valid_pos, counts.copy_expert, counts.row_of_copy
+    row_cell, row_tok = counts.row_cell, counts.row_tok
+    if problem is not None or topk_weights is None:
+        topk_weights = torch.zeros((T, k), dtype=torch.float32, device=dev)
+
+    # Metadata per token row, [U, k, 2] int32: (float32 bits of the weight, local expert or -1).
+    U = row_cell.numel()
+    meta = torch.full((U, k, 2), -1, dtype=torch.int32, device=dev)
+    if U:
+        meta[row_of_copy, valid_pos % k, 0] = encode_weights(topk_weights.reshape(-1)[valid_pos])
+        meta[row_of_copy, valid_pos % k, 1] = counts.local[e].to(torch.int32)
+
     recv_rows = [[counts_from[s][c] if s != rank else 0 for s in range(W)] for c in range(C)]
     send_rows = [[rows_to[d][c] if d != rank else 0 for d in range(W)] for c in range(C)]
     num_own = [rows_to[rank][c] for c in range(C)]
     recv_counts = [sum(counts_from[s][C + l] for s in range(W)) for l in range(L)]
     bounds = _chunk_bounds(L, C)
 
-    # 3. Metadata of the remote rows (destination-major, then chunk, then token): one exchange.
+    # 3. Metadata of the remote rows (destination-major, then chunk, then token), each peer's
+    # block behind the call's digest: one exchange of int32 words.
+    wire = row_wires(comm, dtype, wire_policy)
+    digest = _call_digest(problem is not None, room, hidden, dtype, wire)
+    head = torch.tensor(digest, dtype=torch.int64, device=dev).view(torch.int32)  # [2H] words
+    Hw = head.numel()
     remote = (row_cell // C) != rank
+    meta_bytes = counts.meta_bytes
     if W > 1:
-        send_split = [sum(rows_to[d]) if d != rank else 0 for d in range(W)]
-        recv_split = [sum(counts_from[s][:C]) if s != rank else 0 for s in range(W)]
-        rmeta = exchange_ints(comm, meta[remote].reshape(-1, 2 * k), send_split, recv_split, 2 * k, "metadata")
-        rmeta = rmeta.view(-1, k, 2)
-        meta_bytes += sum(send_split) * 2 * k * 4
+        send_split = [sum(rows_to[d]) * 2 * k if d != rank else 0 for d in range(W)]
+        recv_split = [sum(counts_from[s][:C]) * 2 * k if s != rank else 0 for s in range(W)]
+        rows = meta[remote].reshape(-1)
+        parts, off = [], 0
+        for d in range(W):
+            if d != rank:
+                parts += [head, rows[off : off + send_split[d]]]
+            off += send_split[d]
+        got = exchange_ints(
+            comm, torch.cat(parts).view(-1, 1), [n + Hw if d != rank else 0 for d, n in enumerate(send_split)],
+            [n + Hw if s != rank else 0 for s, n in enumerate(recv_split)], 1, "metadata",
+        ).view(-1)
+        meta_bytes += (sum(send_split) + Hw * (W - 1)) * 4
+        digests, blocks, off = [], [], 0
+        for s in range(W):
+            if s == rank:
+                digests.append(digest)
+                continue
+            digests.append(got[off : off + Hw].clone().view(torch.int64).tolist())
+            blocks.append(got[off + Hw : off + Hw + recv_split[s]])
+            off += Hw + recv_split[s]
+        rmeta = torch.cat(blocks).view(-1, k, 2)
+        recv_split = [n // (2 * k) if k else 0 for n in recv_split]
     else:
+        digests = [digest]
         recv_split = [0]
         rmeta = meta[:0]
+    _check_flags(comm, digests, problem, op)
+    if check_rooms is not None:
+        check_rooms([d[1] for d in digests])
+    _check_digests(comm, digests, False, op)
     src_off = [sum(recv_split[:s]) for s in range(W)]
 
     row_chunk = row_cell % C
@@ -429,7 +578,7 @@ def plan_dispatch(
         else:
             remote_src.append(None)
             own_src.append(own_expand[-1])  # every run is own rows: the same tokens, expert by expert
-    count_plan(meta_bytes)
+    count_plan(meta_bytes - counts.meta_bytes)
     return Plan(
         num_tokens=T,
         num_topk=k,

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from hetcomm.backends.tokens.flow import CombineFn, CombineRun, DispatchFn, DispatchRun, Pieces
-from hetcomm.backends.tokens.plan import Plan, plan_dispatch
+from hetcomm.backends.tokens.plan import Counts, Plan, exchange_counts, plan_dispatch
 from hetcomm.errors import RecvCapacityError, UsageError
 
 __all__ = ["TokenSwitch", "Routing", "LAYOUTS", "HAS_TORCH_TOKEN_SWITCH"]
@@ -112,12 +112,11 @@ def _desc(t: Any) -> str:
 class _RoutingState:
     """The mutable part of a :class:`Routing`: counts agreed at creation, the latest plan."""
 
-    def __init__(
-        self, switch: "TokenSwitch", idx: torch.Tensor, recv: List[int], layout: str
-    ) -> None:
+    def __init__(self, switch: "TokenSwitch", counts: Counts, recv: List[int], layout: str) -> None:
         self.switch = switch
         self.rank = switch.rank
-        self.idx = idx  # [N, K] int64 (the engine's index dtype)
+        self.counts = counts  # the engine's count exchange of this routing
+        self.idx = counts.topk_idx  # [N, K] int64 (the engine's index dtype)
         self.recv = recv
         self.layout = layout
         self.ex: Optional[_Exchange] = None  # the latest dispatch's plan
@@ -219,9 +218,10 @@ class TokenSwitch(_TorchTokenSwitch):
         y = experts(x, w, idx)                                   # weights applied here
         out = ts.combine(routing, y)                             # [N, H], unweighted sum
 
-    Costs per step beyond the engine's own: one all_reduce of ``E + 2W`` int64 in
-    :meth:`create_routing` (the receive counts of every rank, so an overflow raises everywhere)
-    and one of ``W`` int64 in :meth:`dispatch` (every rank's room).
+    Costs: the engine's own exchanges, no more. :meth:`create_routing` makes the engine's count
+    exchange (with every rank's rows and copies towards every rank, so an overflow raises on
+    every rank), each :meth:`dispatch` its metadata exchange (with every rank's room) and the
+    rows, :meth:`combine` the return of the rows.
     """
 
     def __init__(
@@ -313,48 +313,27 @@ class TokenSwitch(_TorchTokenSwitch):
             RecvCapacityError: some rank would need more than ``max_recv_tokens_per_rank`` slots
                 (every rank raises, naming it).
         """
-        W, E, L = self.world_size, self.num_experts, self.num_local_experts
-        where = f"rank {self.rank} of {W}"
+        W, L = self.world_size, self.num_local_experts
         problem = self._check_routing_args(topk_idx, per_expert_token_counts, layout)
         dev = topk_idx.device if torch.is_tensor(topk_idx) else torch.device("cpu")
-        # [E copies per expert | W token rows per destination | W error flags]: summed over the
-        # group, every rank knows every rank's receive slots in both layouts.
-        vec = torch.zeros(E + 2 * W, dtype=torch.int64, device=dev)
-        if problem is None:
-            idx = topk_idx.to(torch.int64)
-            valid = idx >= 0
-            vec[:E] = torch.bincount(idx[valid], minlength=E)
-            dest = torch.where(valid, idx // L, torch.full_like(idx, W))
-            hit = torch.zeros((idx.size(0), W + 1), dtype=torch.bool, device=dev)
-            hit.scatter_(1, dest, True)
-            vec[E : E + W] = hit[:, :W].sum(0)
-        else:
-            vec[E + W + self.rank] = 1
-        if W > 1:
-            dist.all_reduce(vec, group=self.group)
-        counts = vec.tolist()  # host synchronisation: the checks below are host decisions
-        if problem is not None:
-            raise UsageError(f"TokenSwitch.create_routing: {problem} ({where})")
-        failed = [r for r in range(W) if counts[E + W + r]]
-        if failed:
-            raise UsageError(
-                f"TokenSwitch.create_routing: rank(s) {failed} rejected their arguments ({where}); "
-                f"see their errors"
-            )
-        per_expert = counts[:E]
-        if layout == "flat":
-            recv = counts[E : E + W]
-        else:
-            recv = [sum(per_expert[r * L : (r + 1) * L]) for r in range(W)]
+        # The engine's count exchange: every rank learns every rank's token rows (flat slots)
+        # and copies (expert_major slots), so an overflow raises on every rank; a rank that
+        # rejected its arguments takes part with nothing, and every rank raises.
+        counts = exchange_counts(
+            self.comm, topk_idx.to(torch.int64) if problem is None else None,
+            expert_to_rank=self._owners, num_chunks=1, problem=problem,
+            op="TokenSwitch.create_routing", device=dev,
+        )
+        recv = list(counts.recv_rows if layout == "flat" else counts.recv_copies)
         self._check_room(
             "create_routing", recv, [self._max_recv_tokens_per_rank] * W, "max_recv_tokens_per_rank",
             f"construct the TokenSwitch with max_recv_tokens_per_rank >= {max(recv)}",
         )
         if per_expert_token_counts is not None:
-            counts = per_expert_token_counts
-            mine = torch.tensor(per_expert[self.rank * L : (self.rank + 1) * L], dtype=counts.dtype, device=counts.device)
-            counts[:L].copy_(mine)
-        state = _RoutingState(self, idx, recv, layout)
+            dst = per_expert_token_counts
+            mine = torch.tensor(counts.copies_per_local_expert, dtype=dst.dtype, device=dst.device)
+            dst[:L].copy_(mine)
+        state = _RoutingState(self, counts, recv, layout)
         return Routing(handle=state, topk_idx=topk_idx, layout=layout)
 
     def _check_routing_args(self, topk_idx, counts, layout) -> Optional[str]:
@@ -412,44 +391,34 @@ class TokenSwitch(_TorchTokenSwitch):
             )
         return st
 
-    def _make_plan(self, st: _RoutingState, weights, dtype: torch.dtype, hidden: int) -> _Exchange:
-        """The engine's plan of this routing (collective: its count and metadata exchanges)."""
+    def _make_plan(self, st: _RoutingState, weights, dtype: torch.dtype, hidden: int, **checks) -> _Exchange:
+        """The engine's plan of this routing (collective: its metadata exchange)."""
         plan = plan_dispatch(
-            self.comm, st.idx, weights, expert_to_rank=self._owners, num_chunks=1, dtype=dtype,
-            hidden=hidden, wire_policy=self.wire_dtype,
+            self.comm, st.counts, weights, dtype=dtype, hidden=hidden, wire_policy=self.wire_dtype, **checks
         )
         st.ex = _Exchange(self.comm, plan, st.layout)
         return st.ex
 
     def _prepare_dispatch(self, routing: Routing, tokens, topk_weights, room, out) -> _Exchange:
-        """Check the arguments and every rank's room (collective), then plan with the engine."""
+        """Check the arguments, then plan with the engine; every rank's room and arguments ride
+        in the engine's metadata exchange, so a short room or a bad argument on one rank raises
+        on every rank before any row moves (collective)."""
         st = self._state(routing, "dispatch")
-        W = self.world_size
         problem = self._check_dispatch_args(st, tokens, topk_weights, room, out)
-        rooms = torch.zeros(W, dtype=torch.int64, device=st.idx.device)
-        # -1 = this rank rejected its arguments: the others raise too instead of waiting for it.
-        if problem is not None:
-            rooms[self.rank] = -1
-        else:
-            rooms[self.rank] = out[0].size(0) if out is not None else room
-        if W > 1:
-            dist.all_reduce(rooms, group=self.group)
-        rooms_l = rooms.tolist()  # host synchronisation: the check below is a host decision
-        where = f"rank {self.rank} of {W}"
-        if problem is not None:
-            raise UsageError(f"TokenSwitch.dispatch: {problem} ({where})")
-        failed = [r for r in range(W) if rooms_l[r] < 0]
-        if failed:
-            raise UsageError(
-                f"TokenSwitch.dispatch: rank(s) {failed} rejected their arguments ({where}); "
-                f"see their errors"
-            )
         what = "the output buffers' rows (out=)" if out is not None else "max_recv_tokens"
-        self._check_room(
-            "dispatch", st.recv, rooms_l, f"each rank's {what}",
-            "pass max_recv_tokens (or out= buffers with rows) >= routing.num_recv_tokens on every rank",
+
+        def check_rooms(rooms: List[int]) -> None:
+            self._check_room(
+                "dispatch", st.recv, rooms, f"each rank's {what}",
+                "pass max_recv_tokens (or out= buffers with rows) >= routing.num_recv_tokens on every rank",
+            )
+
+        if problem is not None:
+            return self._make_plan(st, None, torch.float32, 0, problem=problem, op="TokenSwitch.dispatch")
+        mine = out[0].size(0) if out is not None else room
+        return self._make_plan(
+            st, topk_weights, tokens.dtype, tokens.size(1), room=mine, check_rooms=check_rooms, op="TokenSwitch.dispatch"
         )
-        return self._make_plan(st, topk_weights, tokens.dtype, tokens.size(1))
 
     def _check_dispatch_args(self, st: _RoutingState, tokens, topk_weights, room, out) -> Optional[str]:
         N, K = st.idx.shape

@@ -56,20 +56,10 @@ sit on NCCL's ``all_to_all`` per copy; a cross-vendor group (gloo, the hetcomm b
 host bridge) needs the same semantics over ``all_to_all_single``.
 """
 
-from hetcomm.backends.tokens.deepep import (
-    CombineWork,
-    DispatchComm,
-    DispatchHandle,
-    DispatchResult,
-    DispatchWork,
-    GroupComm,
-    combine,
-    count_token_rows,
-    counters,
-    dispatch,
-    drop_over_capacity,
-    reset_counters,
-)
+from hetcomm.backends.tokens.deepep import DispatchHandle, DispatchResult, GroupComm, combine, dispatch
+from hetcomm.backends.tokens.exchange import DispatchComm, counters, reset_counters
+from hetcomm.backends.tokens.flow import CombineWork, DispatchWork
+from hetcomm.backends.tokens.plan import count_token_rows, drop_over_capacity
 
 __all__ = [
     "DispatchComm",

@@ -18,26 +18,13 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from hetcomm.backends.tokens.exchange import DispatchComm, counters, reset_counters
+from hetcomm.backends.tokens.exchange import DispatchComm
 from hetcomm.backends.tokens.flow import CombineFn, CombineRun, CombineWork, DispatchFn, DispatchRun, DispatchWork
-from hetcomm.backends.tokens.plan import Plan, count_token_rows, drop_over_capacity, exchange_counts, plan_dispatch
+from hetcomm.backends.tokens.plan import Plan, drop_over_capacity, exchange_counts, plan_dispatch
 from hetcomm.backends.tokens.wire import link_wire_dtype
 from hetcomm.errors import UsageError
 
-__all__ = [
-    "DispatchComm",
-    "GroupComm",
-    "DispatchHandle",
-    "DispatchResult",
-    "DispatchWork",
-    "CombineWork",
-    "dispatch",
-    "combine",
-    "drop_over_capacity",
-    "count_token_rows",
-    "counters",
-    "reset_counters",
-]
+__all__ = ["GroupComm", "DispatchHandle", "DispatchResult", "dispatch", "combine"]
 
 
 @dataclass(frozen=True)

@@ -248,6 +248,7 @@ def dispatch_rank_entry(payload: str, rank: int, world_size: int, store) -> Opti
         timer = _Timer(device)
         steps = {f: _face_step(f, comm, config, expert_to_rank) for f in config.faces}
         times: Dict[str, Dict[str, List[float]]] = {f: {p: [] for p in PHASES} for f in config.faces}
+        cpu: Dict[str, List[float]] = {f: [] for f in config.faces}
         for it in range(config.warmup_iters + config.iters):
             timed = it >= config.warmup_iters
             if it == config.warmup_iters:  # the counters cover the timed iterations only
@@ -258,8 +259,10 @@ def dispatch_rank_entry(payload: str, rank: int, world_size: int, store) -> Opti
             # on every face alike.
             for face in (config.faces if it % 2 == 0 else config.faces[::-1]):
                 dist.barrier()
+                c0 = time.process_time()  # this process's threads: the work, whatever the load
                 durations = steps[face](timer, x, idx, gate)
                 if timed:
+                    cpu[face].append(time.process_time() - c0)
                     for phase, d in zip(PHASES, durations):
                         times[face][phase].append(d)
         dist.barrier()
@@ -270,6 +273,7 @@ def dispatch_rank_entry(payload: str, rank: int, world_size: int, store) -> Opti
         faces = {face: {"phases": _phase_stats(times[face], logical)} for face in config.faces}
         for face in config.faces:
             faces[face]["step_s"] = [sum(ds) for ds in zip(*(times[face][p] for p in PHASES))]
+            faces[face]["cpu_s"] = cpu[face]
         mine = {"rank": rank, "phases": faces[config.faces[0]]["phases"], "faces": faces, "rail_bytes_sent": rail_sent,
                 "rail_bytes_received": rail_recv, "dispatch_counters": counters}
         gathered: List[Any] = [None] * world_size
@@ -354,12 +358,16 @@ def _phase_stats(times: Dict[str, List[float]], logical: Dict[str, Dict[str, int
 
 def face_summary(faces: Sequence[str], ranks: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
     """Per face: the step (four phases) of the slowest rank per iteration, its p10/p50/p90 (us)
-    and spread ((p90 - p10) / p50, %); per face after the first, the ratio of its p50 to the
-    first face's and the median of the per-iteration ratios (interleaved pairs)."""
-    per_face = {f: [max(r["faces"][f]["step_s"][i] for r in ranks) for i in range(len(ranks[0]["faces"][f]["step_s"]))]
-                for f in faces}
+    and spread ((p90 - p10) / p50, %); the ratio of its p50 to the first face's and the median
+    of the per-iteration ratios (interleaved pairs); the CPU seconds of a step summed over the
+    ranks (every thread of every rank process: the work, which a loaded machine delays but does
+    not change), its p50 and ratio likewise."""
+    n = len(ranks[0]["faces"][faces[0]]["step_s"])
+    per_face = {f: [max(r["faces"][f]["step_s"][i] for r in ranks) for i in range(n)] for f in faces}
+    cpu = {f: [sum(r["faces"][f]["cpu_s"][i] for r in ranks) for i in range(n)] for f in faces}
     out: Dict[str, Dict[str, float]] = {}
     base = per_face[faces[0]]
+    c50 = {f: _percentile(sorted(cpu[f]), 50) for f in faces}
     for f in faces:
         s = sorted(per_face[f])
         p10, p50, p90 = (_percentile(s, q) for q in (10, 50, 90))
@@ -369,6 +377,8 @@ def face_summary(faces: Sequence[str], ranks: Sequence[Dict[str, Any]]) -> Dict[
         row["ratio_p50"] = p50 / b50 if b50 > 0 else 0.0
         pairs = sorted(a / b for a, b in zip(per_face[f], base) if b > 0)
         row["ratio_paired_median"] = _percentile(pairs, 50) if pairs else 0.0
+        row["cpu_p50_us"] = c50[f] * 1e6
+        row["cpu_ratio_p50"] = c50[f] / c50[faces[0]] if c50[faces[0]] > 0 else 0.0
         out[f] = row
     return out
 
@@ -424,12 +434,14 @@ def format_dispatch_table(result: Dict[str, Any]) -> str:
     summary = result["faces"]
     lines.append(f"# step = the four phases, the slowest rank's, per iteration ({summary[faces[0]]['iterations']} "
                  f"iterations{', faces interleaved' if len(faces) > 1 else ''}); spread = (p90 - p10) / p50")
-    lines.append(f"#  face                      step p50(us)  p10(us)     p90(us)  spread(%)  vs {faces[0]}: p50s  paired median")
+    lines.append(f"# cpu = CPU time of a step, every thread of every rank; ratios: to {faces[0]}")
+    lines.append("#  face                      step p50(us)   p10(us)   p90(us) spread(%) ratio p50 paired  cpu p50(us) cpu ratio")
     for face in faces:
         f = summary[face]
         lines.append(
-            f"#  {face:<24} {f['step_p50_us']:>13.1f} {f['step_p10_us']:>8.1f} {f['step_p90_us']:>11.1f} "
-            f"{f['spread_pct']:>10.1f} {f['ratio_p50']:>17.3f} {f['ratio_paired_median']:>14.3f}"
+            f"#  {face:<24} {f['step_p50_us']:>13.1f} {f['step_p10_us']:>9.1f} {f['step_p90_us']:>9.1f} "
+            f"{f['spread_pct']:>9.1f} {f['ratio_p50']:>9.3f} {f['ratio_paired_median']:>6.3f} "
+            f"{f['cpu_p50_us']:>12.1f} {f['cpu_ratio_p50']:>9.3f}"
         )
     return "\n".join(lines) + "\n"
 

@@ -79,8 +79,9 @@ def test_bench_dispatch_faces_side_by_side_on_4_ranks():
     assert all(by[(r[0], "communicator", r[2])] == by[(r[0], "tokenswitch", r[2])] for r in rows)
     summary = {line.split()[1]: line.split()[2:] for line in proc.stdout.splitlines() if line.startswith("#  ") and line.split()[1] in faces}
     assert set(summary) == set(faces)
-    assert all(len(v) == 6 for v in summary.values()), summary
-    assert summary["communicator"][4:] == ["1.000", "1.000"]  # the first face is the yardstick
+    assert all(len(v) == 8 for v in summary.values()), summary
+    c = summary["communicator"]
+    assert c[4:6] == ["1.000", "1.000"] and c[7] == "1.000"  # the first face is the yardstick
     assert "5 iterations, faces interleaved" in proc.stdout
 
 
@@ -96,7 +97,7 @@ def test_bench_dispatch_faces_json():
         assert f["iterations"] == 5 and f["step_p10_us"] <= f["step_p50_us"] <= f["step_p90_us"] and f["spread_pct"] >= 0
     for r in doc["ranks"]:
         assert set(r["faces"]) == set(doc["faces"]) and r["phases"] == r["faces"]["tokenswitch-expert-major"]["phases"]
-        assert all(len(f["step_s"]) == 5 for f in r["faces"].values())
+        assert all(len(f["step_s"]) == 5 and len(f["cpu_s"]) == 5 for f in r["faces"].values())
 
 
 @pytest.mark.parametrize(

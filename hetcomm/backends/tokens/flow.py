@@ -451,9 +451,15 @@ class CombineFn(torch.autograd.Function):
         if gy is not None and rows > R:
             gy[R:].zero_()
         gw = torch.empty(R, dtype=torch.float32, device=grad_out.device) if need_w else None
-        sends = [_Send(comm, plan, c, grad_out, "combine-backward") for c in range(plan.num_chunks)]
+        wc = w.unsqueeze(1).to(grad_out.dtype) if w is not None else None
+        # Token rows, unweighted: the gradient rows from other ranks are the result, in place.
+        in_place = plan.token_rows and wc is None and gy is not None
+        sends, off = [], 0
+        for c in range(plan.num_chunks):
+            into = gy[off : off + plan.num_recv(c)] if in_place else None
+            sends.append(_Send(comm, plan, c, grad_out, "combine-backward", into))
+            off += plan.chunk_rows[c]
         dt, dev, D = grad_out.dtype, grad_out.device, grad_out.size(1)
-        wc = w.unsqueeze(1).to(dt) if w is not None else None
         # Per block of 256 copies: the gradient of each copy's token sum, gathered once into a
         # scratch that stays in cache, then both products.
         gb_all = torch.empty((_BLOCK_ROWS, D), dtype=dt, device=dev)
@@ -464,14 +470,14 @@ class CombineFn(torch.autograd.Function):
             snd.wait()
             for start, m, remote, idx in _segments(plan, c):
                 src = snd.full if remote else grad_out
+                if wc is None:  # unweighted: the gradient rows themselves
+                    if need_y and not (remote and in_place):
+                        torch.index_select(src, 0, idx, out=gy[off + start : off + start + m])
+                    continue
                 ym = y.rows(off + start, m) if need_w else None
                 for i in range(0, m, _BLOCK_ROWS):
                     j = min(m, i + _BLOCK_ROWS)
                     a, b = off + start + i, off + start + j
-                    if wc is None:  # unweighted: the gradient rows themselves
-                        if need_y:
-                            torch.index_select(src, 0, idx[i:j], out=gy[a:b])
-                        continue
                     gb = torch.index_select(src, 0, idx[i:j], out=gb_all[: j - i])
                     if need_w:
                         prod = torch.mul(gb, ym[i:j], out=prod_all[: j - i])

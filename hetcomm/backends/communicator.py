@@ -264,12 +264,12 @@ class Communicator:
             dtype: the tensor's dtype.
             policy: override of ``options.wire_dtype`` (e.g. the MoE layer's ``wire_dtype``).
         """
-        if peer == self.rank:
-            return None
-        return link_wire_dtype(
+        own = peer == self.rank  # one's own rows never travel; the policy is checked all the same
+        wire = link_wire_dtype(
             dtype, policy if policy is not None else self.options.wire_dtype,
-            lambda: self.placement.wire_dtype(self.rank, peer),
+            lambda: None if own else self.placement.wire_dtype(self.rank, peer),
         )
+        return None if own else wire
 
     # -- statistics ---------------------------------------------------------------------------
     def stats(self) -> Dict[str, Dict[str, float]]:

@@ -61,9 +61,8 @@ class GroupComm:
     def wire_dtype(self, peer: int, dtype: torch.dtype, policy: Optional[str] = None) -> Optional[torch.dtype]:
         """The wire rule towards ``peer``; a plain group has no cluster: under ``cluster`` (the
         default) every link's wire dtype is :attr:`wire`."""
-        if peer == self.rank:
-            return None
-        return link_wire_dtype(dtype, "cluster" if policy is None else policy, lambda: self.wire)
+        wire = link_wire_dtype(dtype, "cluster" if policy is None else policy, lambda: self.wire)
+        return None if peer == self.rank else wire
 
 
 @dataclass(frozen=True)

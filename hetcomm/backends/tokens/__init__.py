@@ -32,9 +32,15 @@ Layout of one dispatch (the same on every rank, decided by the exchanged counts)
        (destination-major, then chunk, then token) and, per copy, its token row;
     2. counts (one small int64 ``all_to_all_single``, then ``.tolist()``: the host
        synchronisation every dispatch needs, since the splits of the exchanges below are host
-       integers): per destination, its token rows per chunk and its copies per local expert;
+       integers): per destination, its token rows per chunk and its copies per local expert,
+       behind a head every rank sends every rank: the routing's digest (an error flag, ``k``,
+       ``C``, ``E``, a CRC of the owners) and the rows and copies it sends to each rank (so
+       every rank knows every rank's receive counts: ``TokenSwitch``'s room checks);
     3. metadata (one int32 all-to-all, ``[U, 2k]``): for each token row, the local expert
-       index and the float32 weight of each of its ``k`` slots (``-1`` = not for that rank);
+       index and the float32 weight of each of its ``k`` slots (``-1`` = not for that rank),
+       behind the call's digest (an error flag, the caller's room, hidden size, dtype, the
+       wire dtype towards every peer). A digest that differs raises on every rank before any
+       row moves;
     4. rows, one all-to-all per chunk over raw bytes, each peer's segment in that pair's wire
        dtype (:mod:`.wire`: ``comm.wire_dtype(peer, dtype)``), cast on the wire only. Rows for
        this rank's own experts never enter an exchange: they are read straight from ``x``.
@@ -47,9 +53,10 @@ Layout of one dispatch (the same on every rank, decided by the exchanged counts)
 (so a token's results cross back once per rank too), returns the sums, and the sender adds the
 returns of each token. No second count exchange: the plan (in ``DispatchHandle``) holds the layout.
 
-Host synchronisations per dispatch: the count exchange's ``.tolist()``, ``torch.unique``'s
-output size (a device sync on CUDA/NPU), and the number of dropped copies when ``capacity`` is
-set. Combine has none besides its exchange.
+Host synchronisations per dispatch: the count exchange's ``.tolist()``, the call digests'
+``.tolist()`` after the metadata exchange, ``torch.unique``'s output size (a device sync on
+CUDA/NPU), and the number of dropped copies when ``capacity`` is set. Combine has none besides
+its exchange.
 
 Why hand-written: DeepEP's kernels are CUDA-only (NVLink/RDMA), Megatron's token dispatchers
 sit on NCCL's ``all_to_all`` per copy; a cross-vendor group (gloo, the hetcomm backend with a

@@ -515,14 +515,14 @@ def plan_dispatch(
             [n + Hw if s != rank else 0 for s, n in enumerate(recv_split)], 1, "metadata",
         ).view(-1)
         meta_bytes += (sum(send_split) + Hw * (W - 1)) * 4
-        digests, blocks, off = [], [], 0
+        heads, blocks, off = [], [], 0
         for s in range(W):
-            if s == rank:
-                digests.append(digest)
-                continue
-            digests.append(got[off : off + Hw].clone().view(torch.int64).tolist())
-            blocks.append(got[off + Hw : off + Hw + recv_split[s]])
-            off += Hw + recv_split[s]
+            if s != rank:
+                heads.append(got[off : off + Hw])
+                blocks.append(got[off + Hw : off + Hw + recv_split[s]])
+                off += Hw + recv_split[s]
+        theirs = torch.stack(heads).view(torch.int64).tolist()  # host synchronisation (the checks)
+        digests = theirs[:rank] + [digest] + theirs[rank:]
         rmeta = torch.cat(blocks).view(-1, k, 2)
         recv_split = [n // (2 * k) if k else 0 for n in recv_split]
     else:

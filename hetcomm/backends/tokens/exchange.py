@@ -18,7 +18,10 @@ from hetcomm.backends.checks import splits_agreed
 from hetcomm.backends.tokens.wire import ALIGN, WireComm, exact_wires, segment_bytes
 from hetcomm.errors import CollectiveError, HetcommError
 
-__all__ = ["DispatchComm", "RowExchange", "exchange_ints", "count_rows", "count_meta", "count_meta_bytes", "count_plan", "counters", "reset_counters"]
+__all__ = [
+    "DispatchComm", "RowExchange", "exchange_ints", "count_rows", "count_meta", "count_meta_bytes",
+    "count_plan", "counters", "reset_counters",
+]
 
 
 _counters = {"calls": 0, "bytes_sent": 0, "bytes_recv": 0, "meta_bytes_sent": 0}

@@ -510,9 +510,11 @@ def plan_dispatch(
             if d != rank:
                 parts += [head, rows[off : off + send_split[d]]]
             off += send_split[d]
+        # Pairs of int32 words (every block is an even number of them): 8-byte rows, which the
+        # exchange sends and receives in place.
         got = exchange_ints(
-            comm, torch.cat(parts).view(-1, 1), [n + Hw if d != rank else 0 for d, n in enumerate(send_split)],
-            [n + Hw if s != rank else 0 for s, n in enumerate(recv_split)], 1, "metadata",
+            comm, torch.cat(parts).view(-1, 2), [(n + Hw) // 2 if d != rank else 0 for d, n in enumerate(send_split)],
+            [(n + Hw) // 2 if s != rank else 0 for s, n in enumerate(recv_split)], 2, "metadata",
         ).view(-1)
         meta_bytes += (sum(send_split) + Hw * (W - 1)) * 4
         heads, blocks, off = [], [], 0

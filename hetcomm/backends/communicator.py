@@ -3,7 +3,7 @@
 A communicator knows who is where (the :class:`~hetcomm.backends.rank_placement.Placement`), the
 effective :class:`~hetcomm.backends.options.HetcommOptions`, the wire-dtype policy and the
 statistics, and offers DeepEP-shaped :meth:`Communicator.dispatch` / :meth:`Communicator.combine`
-(implemented in :mod:`hetcomm.backends.token_dispatch`).
+(a face of the token engine, :mod:`hetcomm.backends.tokens`).
 
 Two kinds of group:
 
@@ -29,8 +29,8 @@ import torch
 from hetcomm.backends.agreement import agree, settings_of
 from hetcomm.backends.options import HetcommOptions, options_from_env
 from hetcomm.backends.rank_placement import Placement, build_placement
+from hetcomm.backends.tokens.wire import link_wire_dtype
 from hetcomm.errors import UsageError
-from hetcomm.wire_dtypes import WireDtype, parse_wire_dtype, wire_torch_dtype
 
 if TYPE_CHECKING:
     from hetcomm.backends.routed import RoutedCollectives
@@ -253,24 +253,23 @@ class Communicator:
         One vocabulary for the backend and the MoE layer (:mod:`hetcomm.wire_dtypes`):
         ``exact`` keeps every dtype; ``cluster`` (alias ``auto``) follows the cluster YAML's
         ``wire_dtype`` per link class (FP16 across vendors, FP32 elsewhere, by default);
-        ``fp32``/``fp16``/``bf16`` force one. Only floating-point tensors are cast, and a wire
-        never widens (an FP32 wire for FP16 tensors keeps FP16), so the answer is None whenever
-        the tensor already is at most as wide as the wire.
+        ``fp32``/``fp16``/``bf16`` force one. Only floating-point tensors are cast, and only to a
+        narrower dtype (an FP32 wire for FP16 tensors keeps FP16, an FP16 wire for BF16 tensors
+        keeps BF16), so the answer is None whenever the tensor already is at most as wide as the
+        wire. The rule itself is :func:`hetcomm.backends.tokens.wire.link_wire_dtype`, the one
+        every rail and both token faces follow.
 
         Args:
             peer: group rank of the other end (this rank: always None).
             dtype: the tensor's dtype.
             policy: override of ``options.wire_dtype`` (e.g. the MoE layer's ``wire_dtype``).
         """
-        name = parse_wire_dtype(policy if policy is not None else self.options.wire_dtype)
-        if peer == self.rank or not dtype.is_floating_point or name is WireDtype.EXACT:
-            return None
-        if name is WireDtype.CLUSTER:
-            name = self.placement.wire_dtype(self.rank, peer)
-        wire = wire_torch_dtype(name)
-        if wire == dtype or wire.itemsize > dtype.itemsize:
-            return None
-        return wire
+        own = peer == self.rank  # one's own rows never travel; the policy is checked all the same
+        wire = link_wire_dtype(
+            dtype, policy if policy is not None else self.options.wire_dtype,
+            lambda: None if own else self.placement.wire_dtype(self.rank, peer),
+        )
+        return None if own else wire
 
     # -- statistics ---------------------------------------------------------------------------
     def stats(self) -> Dict[str, Dict[str, float]]:
@@ -342,7 +341,7 @@ class Communicator:
             self.routed.executor.close(self.timeout.total_seconds())
             self.routed.rails.close()
 
-    # -- token dispatch (DeepEP-shaped; implemented in token_dispatch.py) ---------------------
+    # -- token dispatch (DeepEP-shaped; a face of the token engine, backends/tokens) -----------
     def dispatch(
         self,
         x: torch.Tensor,
@@ -371,13 +370,13 @@ class Communicator:
                 :meth:`wire_dtype`.
 
         Returns:
-            A :class:`~hetcomm.backends.token_dispatch.DispatchResult` (``recv_x [R, D]``,
+            A :class:`~hetcomm.backends.tokens.DispatchResult` (``recv_x [R, D]``,
             ``recv_counts`` per local expert, ``handle``, ``work``) — see
-            :func:`hetcomm.backends.token_dispatch.dispatch`.
+            :func:`hetcomm.backends.tokens.dispatch`.
         """
-        from hetcomm.backends import token_dispatch
+        from hetcomm.backends.tokens import deepep
 
-        return token_dispatch.dispatch(
+        return deepep.dispatch(
             self, x, topk_idx, topk_weights, expert_to_rank=expert_to_rank, capacity=capacity, async_op=async_op,
             num_chunks=num_chunks, split_by_expert=split_by_expert, wire_dtype=wire_dtype,
         )
@@ -385,11 +384,11 @@ class Communicator:
     def combine(self, y: torch.Tensor, handle, *, async_op: bool = False):
         """Return expert outputs to their tokens: ``y [R, D]`` -> ``[T, D]`` weighted sums.
 
-        See :func:`hetcomm.backends.token_dispatch.combine`.
+        See :func:`hetcomm.backends.tokens.combine`.
         """
-        from hetcomm.backends import token_dispatch
+        from hetcomm.backends.tokens import deepep
 
-        return token_dispatch.combine(self, y, handle, async_op=async_op)
+        return deepep.combine(self, y, handle, async_op=async_op)
 
     def __repr__(self) -> str:
         return (

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetcomm.backends import token_dispatch
+from hetcomm.backends import tokens as token_dispatch
 from hetcomm.errors import ConfigError
 from hetcomm.moe.gate_calibration import LoadCalibrator
 from hetcomm.moe.routing import ChunkLayout, gather_rows, route_tokens, weighted_combine

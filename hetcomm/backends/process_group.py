@@ -73,6 +73,14 @@ def _configure_logging() -> None:
 #: Groups not shut down yet (weakly: a destroyed group leaves by itself).
 _LIVE: "weakref.WeakSet[_HetcommFace]" = weakref.WeakSet()
 
+#: Each :class:`HetcommBackend`, kept alive by the ``ProcessGroup`` it serves (weak key, strong
+#: value: the backend holds the group weakly, so no cycle). Without it, under
+#: ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` the Python object died as soon as the creator returned:
+#: c10d registers the ``_ProcessGroupWrapper`` around it, which holds only the C++ trampoline,
+#: and every later call failed with "getBackendName is not implemented" (torch keeps a Python
+#: backend alive only when it registers that object itself).
+_KEEP_ALIVE: "weakref.WeakKeyDictionary[Any, HetcommBackend]" = weakref.WeakKeyDictionary()
+
 
 @atexit.register
 def _shutdown_live_groups() -> None:
@@ -198,6 +206,12 @@ class _HetcommFace:
     @property
     def timeout(self) -> timedelta:
         return self._timeout
+
+    def _get_sequence_number_for_group(self) -> int:
+        """c10d's per-group collective count: ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s wrapper asks
+        it before every collective and compares it across ranks (torch's default raises "does
+        not yet support sequence numbers"). Every rank counts the same collectives."""
+        return self._routed.last_seq
 
     def _log_routes(self) -> None:
         if not log.isEnabledFor(logging.INFO):
@@ -378,6 +392,7 @@ class HetcommBackend(_HetcommFace, _C10dBackend):
                 f"creator as opts.process_group); create groups with backend='hetcomm'"
             )
         self._init_face(store, rank, size, timeout, options, global_ranks, group_id, process_group)
+        _KEEP_ALIVE[process_group] = self
 
     def __repr__(self) -> str:
         return f"HetcommBackend(rank={self.rank()}, size={self.size()}, rails={self.rail_names('cpu')})"

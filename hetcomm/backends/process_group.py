@@ -392,7 +392,45 @@ class HetcommBackend(_HetcommFace, _C10dBackend):
                 f"creator as opts.process_group); create groups with backend='hetcomm'"
             )
         self._init_face(store, rank, size, timeout, options, global_ranks, group_id, process_group)
+        self._c10d_options = _C10dBackend.Options("hetcomm", timeout)
+        self._c10d_options.global_ranks_in_group = list(global_ranks)
         _KEEP_ALIVE[process_group] = self
+
+    # -- what c10d asks of a backend ---------------------------------------------------------
+    # torch 2.14.1's trampoline answers each of these C++ questions by looking the Python
+    # attribute up and calling it; without an override here that attribute is torch's own
+    # property, which asks the trampoline again: RecursionError (batch_isend_irecv reads
+    # supports_coalescing, shrink_group supports_shrinking, new_group's split path
+    # supports_splitting). Subclasses that add a capability override the one property.
+    @property
+    def options(self) -> "_C10dBackend.Options":
+        """torch's ``Backend.Options`` (backend ``"hetcomm"``, the group timeout, the group's
+        global ranks); the agreed :class:`HetcommOptions` are ``communicator.options``."""
+        return self._c10d_options
+
+    @property
+    def supports_splitting(self) -> bool:
+        return False
+
+    @property
+    def supports_coalescing(self) -> bool:
+        return False
+
+    @property
+    def supports_time_estimate(self) -> bool:
+        return False
+
+    @property
+    def supports_shrinking(self) -> bool:
+        return False
+
+    @property
+    def supports_reconfigure(self) -> bool:
+        return False
+
+    @property
+    def supports_window(self) -> bool:
+        return False
 
     def __repr__(self) -> str:
         return f"HetcommBackend(rank={self.rank()}, size={self.size()}, rails={self.rail_names('cpu')})"

@@ -190,3 +190,36 @@ def test_functional_collectives_match_gloo():
         assert r["hetcomm"].keys() == r["gloo"].keys()
         for op, v in r["hetcomm"].items():
             assert torch.equal(v, r["gloo"][op]), f"rank {rank}: {op} differs from gloo"
+
+
+# -- a torch 2.14 limit: dist.recv without src --------------------------------------------
+def recv_without_src(rank: int, n: int) -> dict:
+    import torch.distributed as dist
+
+    from hetcomm.backends import recv_any
+
+    out = {}
+    if rank == 1:
+        dist.send(torch.tensor([5.0]), 0, tag=2)
+        dist.send(torch.tensor([6.0]), 0, tag=2)
+    else:
+        buf = torch.zeros(1)
+        try:
+            out["src"] = dist.recv(buf, tag=2)
+        except RuntimeError as e:
+            out["error"] = str(e).splitlines()[0]
+        out["delivered"] = buf.item()
+        buf = torch.zeros(1)
+        out["recv_any"] = (recv_any(buf, tag=2), buf.item())
+    return out
+
+
+@needs_214
+@pytest.mark.timeout(120)
+def test_recv_without_src_needs_recv_any_on_the_backend_face():
+    # c10d hands a Python Backend's Work back in a C++ holder that forwards wait/get_future
+    # only: dist.recv(src=None) gets the data, then its work._source_rank() raises.
+    got = run_ranks(recv_without_src, world_size=2, timeout=90)[0]
+    assert got["error"].startswith("sourceRank() may only be called on work objects"), got
+    assert got["delivered"] == 5.0
+    assert got["recv_any"] == (1, 6.0)

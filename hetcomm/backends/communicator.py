@@ -188,7 +188,7 @@ class Communicator:
         group_id: str,
         group_ref: Callable[[], Any],
     ) -> "Communicator":
-        """The communicator of a :class:`~hetcomm.backends.process_group.HetcommProcessGroup`
+        """The communicator of a hetcomm group face (:mod:`hetcomm.backends.process_group`)
         under construction: places the ranks, agrees on the settings, builds the rails and the
         executor. ``group_ref()`` returns the group (held weakly: the group holds this object).
 

@@ -187,10 +187,14 @@ class Communicator:
         global_ranks: Sequence[int],
         group_id: str,
         group_ref: Callable[[], Any],
+        watch_peers: Optional[bool] = None,
     ) -> "Communicator":
         """The communicator of a :class:`~hetcomm.backends.process_group.HetcommProcessGroup`
         under construction: places the ranks, agrees on the settings, builds the rails and the
         executor. ``group_ref()`` returns the group (held weakly: the group holds this object).
+        ``watch_peers``: run the heartbeat, watching every peer (:mod:`hetcomm.backends.heartbeat`); None: for the
+        default group (no ``global_ranks``) only. A membership change of the default group
+        names its slots as ``global_ranks`` and asks for it (:mod:`hetcomm.backends.reconfigure`).
 
         Raises:
             ConfigError: settings differ between ranks (before any rail is built).
@@ -228,7 +232,7 @@ class Communicator:
             rails.close()
             raise
         comm.routed = RoutedCollectives(rails, executor, faults, opts, placement, rank, size, inner.total_seconds())
-        if not global_ranks:  # the default group: watch every peer (hetcomm.backends.heartbeat)
+        if watch_peers if watch_peers is not None else not global_ranks:  # the default group: watch every peer
             from hetcomm.backends import heartbeat
 
             # give_up_s: a survivor whose store host stopped exits within the group timeout.

@@ -38,6 +38,8 @@ from hetcomm.backends.delegated import DelegatedCollectives
 from hetcomm.backends.options import HetcommOptions
 from hetcomm.backends.p2p import HEADER_TAG_BASE, PointToPoint
 from hetcomm.backends.rank_placement import Placement
+from hetcomm.backends.reconfigure import Members, NotConfigured as _NotConfigured, done_work as _done
+from hetcomm.backends.reconfigure import supported as reconfigure_supported
 from hetcomm.backends.work import FutureWork, HetcommWork
 from hetcomm.errors import UsageError
 
@@ -103,6 +105,7 @@ class HetcommProcessGroup(dist.ProcessGroup):
         options: Optional[HetcommOptions] = None,
         global_ranks: Sequence[int] = (),
         group_id: str = "",
+        enable_reconfigure: bool = False,
     ):
         super().__init__(rank, size)  # the 3-arg (store, rank, size) ctor fails in 2.13
         _configure_logging()
@@ -116,26 +119,93 @@ class HetcommProcessGroup(dist.ProcessGroup):
         self._group_id = group_id
         self._timeout = timeout
         self._closed = False
-        #: The group's communicator (``hetcomm.communicator(group)`` returns it). It holds the
-        #: group weakly and the group holds it: no reference cycle, so the group (and its inner
-        #: gloo groups) die by reference counting on the thread that destroys them, never on a
-        #: gloo callback thread (whose ProcessGroupGloo destructor would join itself).
-        self.communicator: Communicator = Communicator._for_backend(
-            store, rank, size, timeout, options, global_ranks, group_id, weakref.ref(self)
-        )
-        routed = self.communicator.routed
+        #: What a membership change rebuilds from (:mod:`hetcomm.backends.reconfigure`).
+        self._members = Members(store, rank, size, options, list(global_ranks), group_id)
+        self._registered = False
+        if enable_reconfigure:
+            # torch's contract: no communicator until the first reconfigure() (a joining process
+            # creates its group of one this way and publishes nothing under the others' keys).
+            self._install(None)
+        else:
+            #: The group's communicator (``hetcomm.communicator(group)`` returns it). It holds the
+            #: group weakly and the group holds it: no reference cycle, so the group (and its
+            #: inner gloo groups) die by reference counting on the thread that destroys them,
+            #: never on a gloo callback thread (whose ProcessGroupGloo destructor would join itself).
+            self._install(Communicator._for_backend(store, rank, size, timeout, options, global_ranks, group_id,
+                                                    weakref.ref(self)))
+        _LIVE.add(self)
+
+    def _install(self, comm: Optional[Communicator]) -> None:
+        """Serve the c10d methods from ``comm`` (None: not configured yet, every call raises)."""
+        if comm is None:
+            self.communicator = None  # type: ignore[assignment]
+            self._routed = self._delegated = self._p2p = _NotConfigured(self._members.rank)  # type: ignore[assignment]
+            return
+        routed = comm.routed
         assert routed is not None
+        rank, size = comm.rank, comm.world_size
+        self.communicator = comm
         self._routed = routed
         self._delegated = DelegatedCollectives(routed.rails.gloo, rank, size, routed.faults, routed)
-        self._p2p = PointToPoint(routed.rails.gloo, rank, size, self.communicator.timeout, self._delegated.in_flight)
-        # C++ callers of methods the 2.13 trampoline does not forward land on this backend. 2.14's
-        # trampoline also forwards all_gather_single, reduce_scatter_single, reduce, alltoall,
-        # gather and scatter to the methods below; the rest still land here.
-        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, routed.rails.gloo)
-        if torch.cuda.device_count() > 0:  # NVML first: no CUDA initialisation (registry.py)
-            self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.CUSTOM, routed.rails.gloo)
+        self._p2p = PointToPoint(routed.rails.gloo, rank, size, comm.timeout, self._delegated.in_flight)
+        if not self._registered:
+            # C++ callers of methods the 2.13 trampoline does not forward land on this backend.
+            # 2.14's trampoline also forwards all_gather_single, reduce_scatter_single, reduce,
+            # alltoall, gather and scatter to the methods below; the rest still land here. c10d
+            # keeps the first backend registered for a device: after a membership change the
+            # methods it does not forward still reach the first membership's gloo (BACKEND.md).
+            self._registered = True
+            self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, routed.rails.gloo)
+            if torch.cuda.device_count() > 0:  # NVML first: no CUDA initialisation (registry.py)
+                self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.CUSTOM, routed.rails.gloo)
         self._log_routes()
-        _LIVE.add(self)
+
+    # -- membership (torch >= 2.14: dist._reconfigure; hetcomm.backends.reconfigure) -----------
+    def rank(self) -> int:
+        """This process's rank in the group's current membership."""
+        return self._members.rank
+
+    def size(self) -> int:
+        """The size of the group's current membership."""
+        return self._members.size
+
+    @property
+    def supports_reconfigure(self) -> bool:
+        """True where torch has the reconfigure API (>= 2.14)."""
+        return reconfigure_supported()
+
+    def get_reconfigure_handle(self) -> str:
+        """This process's handle for the next :meth:`reconfigure` (the same until then)."""
+        return self._members.handle(self.communicator).encode()
+
+    def reconfigure(self, opts) -> dist.Work:
+        """Move this group to the membership ``opts.handles`` names (``dist._reconfigure``).
+
+        Blocking: the returned Work is complete. On an error the group keeps its membership.
+
+        Raises:
+            UsageError: bad handles (damaged, repeated, this process's missing).
+            PeerTimeout: a member did not answer within ``opts.timeout`` (default: the group's).
+            ConfigError: the members passed different handles.
+        """
+        old = self.communicator
+        new = self._members.reconfigure(opts, old, self._timeout, weakref.ref(self), self._is_default())
+        self._swap(old, new)
+        return _done()
+
+    def _is_default(self) -> bool:
+        return dist.is_initialized() and dist.distributed_c10d._world.default_pg is self
+
+    def _swap(self, old: Optional[Communicator], new: Communicator) -> None:
+        """Serve from ``new`` and close ``old`` (its dead peers' waits end at once: nothing runs)."""
+        if old is not None:
+            self._delegated.in_flight.wait_idle(old.timeout.total_seconds())
+            self._p2p.close()
+        self._install(new)
+        if old is not None:
+            old.close()
+        if self._is_default():  # c10d's rank map of the default group follows the new numbering
+            dist.distributed_c10d._world.pg_group_ranks[self] = {r: r for r in range(new.world_size)}
 
     # -- what the communicator knows -----------------------------------------------------------
     @property
@@ -294,6 +364,8 @@ class HetcommProcessGroup(dist.ProcessGroup):
             return
         self._closed = True
         _LIVE.discard(self)
+        if self.communicator is None:  # never configured (enable_reconfigure=True)
+            return
         # Completions still running on gloo's threads finish first (delegated._InFlight): their
         # callbacks must not be left holding the last reference to a group being destroyed.
         self._delegated.in_flight.wait_idle(self.communicator.timeout.total_seconds())

@@ -52,6 +52,8 @@ def _create(opts, backend_options):
         options=backend_options,
         global_ranks=list(opts.global_ranks_in_group or []),
         group_id=str(opts.group_id),
+        # torch >= 2.14's init_process_group(enable_reconfigure=True); 2.13's options lack the field
+        enable_reconfigure=bool(getattr(opts, "enable_reconfigure", False)),
     )
 
 

@@ -1,0 +1,397 @@
+"""Membership change of a hetcomm group: ``dist.shrink_group`` and ``reconfigure`` (torch >= 2.14).
+
+torch 2.14 gave c10d two ways to change who is in a group without restarting the processes:
+
+* ``dist.shrink_group(ranks_to_exclude, group)``: the survivors call it (never the excluded
+  ranks); c10d asks the group's backend ``supports_shrinking`` and calls ``backend.shrink(...)``,
+  which returns a *new* backend over the survivors, numbered in their old order; c10d wraps it
+  in a new ProcessGroup and destroys the old one.
+* ``get_reconfigure_handle()`` / ``reconfigure(ReconfigureOptions{uuid, handles, timeout})``
+  (``dist._get_reconfigure_handle`` / ``dist._reconfigure``): every member of the *new*
+  membership, old or joining, passes the same fresh ``uuid`` and the same handles (exchanged
+  out of band, e.g. through a store); a list numbers the new ranks by position, a set lets the
+  backend choose. The group object stays; its rank and size become the new ones. A group
+  created with ``enable_reconfigure=True`` has no communicator until its first reconfigure
+  (a joining process creates a group of one that way, over the same store as the others).
+
+What a hetcomm group must do for either, in this order (:func:`change_communicator`):
+
+1. **Check the request** (:func:`shrink_change`, :func:`reconfigure_change`): excluding
+   oneself, a rank out of range, a duplicate, every rank, an unparsable handle or one's own
+   handle missing from the list is a :class:`~hetcomm.errors.UsageError` naming it, before
+   anything is published.
+2. **Agree on the new membership** (:func:`agree_change`): each new rank publishes the
+   membership it computed (new rank -> cluster slot and handle) under the change's own store
+   key and waits for every other new rank's, within the timeout; a rank that never answers is
+   a :class:`~hetcomm.errors.PeerTimeout` naming it by its *old* rank (shrink) or its handle's
+   host and pid (reconfigure), and a rank that computed another membership (another exclusion
+   list, another handle order) a :class:`~hetcomm.errors.ConfigError` naming the ranks and
+   both memberships. Nothing of the new communicator exists yet, so a failed change leaves the
+   group as it was.
+3. **Build a new communicator** over a store prefix of its own (``hetcomm/membership/<key>/``):
+   the placement (the cluster file's slot of each new rank: a survivor keeps its slot; a
+   joiner whose handle names none takes its position), the option agreement, the rails, the
+   inner gloo group and the heartbeat of a default group, exactly as at creation
+   (:meth:`~hetcomm.backends.communicator.Communicator._for_backend`). Nothing of the old
+   communicator is reused: its shm segments, rings and gloo pairs are laid out for the old
+   numbering, and a dead peer's end of them is gone.
+4. The caller (the group) swaps the new communicator in and closes the old one.
+
+The store is the group's own (the one c10d gave it), so it must outlive the change: a job whose
+store lived in the process that left cannot change its membership (the survivors' waits end at
+the timeout naming the store). The change's key depends only on what every new member knows
+(the group's change count and the survivors for a shrink, the ``uuid`` for a reconfigure), so
+no extra round trip is needed to agree on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+import uuid as uuid_mod
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
+
+from hetcomm.errors import ConfigError, PeerTimeout, UsageError
+
+__all__ = [
+    "HANDLE_PREFIX", "Handle", "Change", "new_handle", "shrink_change", "reconfigure_change",
+    "agree_change", "change_communicator", "supported", "Members", "NotConfigured", "done_work",
+]
+
+#: Every hetcomm reconfigure handle starts with this (the format's version after the colon).
+HANDLE_PREFIX = "hetcomm:1:"
+
+
+def supported() -> bool:
+    """Whether this torch has the membership-change API (``shrink_group``, ``ReconfigureOptions``):
+    torch >= 2.14. On 2.13 a hetcomm group reports ``supports_reconfigure`` / ``supports_shrinking``
+    False and membership changes go through a restart (``hetcomm launch``)."""
+    import torch.distributed as dist
+
+    return hasattr(dist, "shrink_group") and hasattr(dist, "_reconfigure")
+
+
+@dataclass(frozen=True)
+class Handle:
+    """What one process tells the others so that they can take it into a new membership.
+
+    Attributes:
+        token: unique per process and group generation (a new one after every change).
+        host / pid: where the process runs (for messages: "handle of pid 4711 on node-a").
+        slot: the cluster file's rank this process stands for; -1: unknown (a joiner, or a group
+            created with ``enable_reconfigure=True`` that has not been configured yet): it takes
+            its position in the new membership.
+    """
+
+    token: str
+    host: str
+    pid: int
+    slot: int = -1
+
+    def encode(self) -> str:
+        """The opaque string torch passes around (``hetcomm:1:{json}``)."""
+        return HANDLE_PREFIX + json.dumps({"token": self.token, "host": self.host, "pid": self.pid, "slot": self.slot},
+                                          sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def parse(cls, text: Any, *, rank: int, index: int) -> "Handle":
+        """Read one handle; ``rank`` (this process) and ``index`` (its place in the list) go in the error.
+
+        Raises:
+            UsageError: not a hetcomm handle (another backend's, or damaged).
+        """
+        if not isinstance(text, str) or not text.startswith(HANDLE_PREFIX):
+            raise UsageError(
+                f"hetcomm reconfigure (rank {rank}): handle {index} is {str(text)[:60]!r}, not a hetcomm handle "
+                f"(it starts with {HANDLE_PREFIX!r}); pass the strings dist._get_reconfigure_handle() returned on "
+                f"each member's hetcomm group"
+            )
+        try:
+            d = json.loads(text[len(HANDLE_PREFIX):])
+            return cls(str(d["token"]), str(d["host"]), int(d["pid"]), int(d.get("slot", -1)))
+        except (ValueError, KeyError, TypeError) as e:
+            raise UsageError(
+                f"hetcomm reconfigure (rank {rank}): handle {index} {text[:60]!r} is damaged ({e}); pass the "
+                f"strings dist._get_reconfigure_handle() returned, unchanged"
+            ) from None
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.host}" + (f" (cluster rank {self.slot})" if self.slot >= 0 else "")
+
+
+def new_handle(slot: int = -1) -> Handle:
+    """A fresh handle for this process (a new token each call)."""
+    return Handle(uuid_mod.uuid4().hex[:16], socket.gethostname(), os.getpid(), int(slot))
+
+
+@dataclass(frozen=True)
+class Change:
+    """One membership change as this process computed it (the same on every new member, or
+    :func:`agree_change` says who differs).
+
+    Attributes:
+        op: ``shrink_group`` or ``reconfigure`` (for messages).
+        key: the change's store key (unique per change of this group's lineage).
+        rank / size: this process's rank in the new membership, and its size.
+        slots: the cluster file's rank of each new rank (``[size]``).
+        labels: how to name each new rank in an error (its old rank, or its handle's process).
+        members: what must agree (the text every new rank publishes).
+    """
+
+    op: str
+    key: str
+    rank: int
+    size: int
+    slots: List[int]
+    labels: List[str]
+    members: str
+
+
+def shrink_change(rank: int, size: int, ranks_to_exclude: Iterable[int], slots: Sequence[int], generation: int) -> Change:
+    """The change ``shrink_group(ranks_to_exclude)`` asks of old rank ``rank`` of a group of ``size``.
+
+    Args:
+        slots: the cluster slot of every old rank (``[size]``).
+        generation: how many changes this group's lineage has seen (the same on every member).
+
+    Raises:
+        UsageError: ``ranks_to_exclude`` empty, with a rank out of range or twice, naming
+            ``rank`` itself (an excluded rank must not call shrink), or every rank.
+    """
+    excluded = list(ranks_to_exclude)
+    where = f"hetcomm shrink (rank {rank} of {size})"
+    if not excluded:
+        raise UsageError(f"{where}: ranks_to_exclude is empty; name the rank(s) that left, e.g. [3]")
+    for r in excluded:
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < size:
+            raise UsageError(f"{where}: rank {r!r} in ranks_to_exclude is not a rank of this group (0..{size - 1})")
+    dup = sorted({r for r in excluded if excluded.count(r) > 1})
+    if dup:
+        raise UsageError(f"{where}: rank {dup[0]} is in ranks_to_exclude more than once")
+    if rank in excluded:
+        raise UsageError(
+            f"{where}: rank {rank} excludes itself; only the ranks that stay call shrink_group (an excluded "
+            f"rank leaves: destroy_process_group() and exit)"
+        )
+    survivors = [r for r in range(size) if r not in excluded]
+    key = f"shrink/{generation}/" + "-".join(map(str, survivors))
+    new_slots = [int(slots[r]) for r in survivors]
+    members = json.dumps({"op": "shrink", "survivors": survivors, "slots": new_slots})
+    return Change("shrink_group", key, survivors.index(rank), len(survivors), new_slots,
+                  [f"rank {r} (old numbering)" for r in survivors], members)
+
+
+def reconfigure_change(handles: Union[Sequence[str], Iterable[str]], mine: Handle, uuid: int, rank: int) -> Change:
+    """The change ``reconfigure(uuid, handles)`` asks of the process whose handle is ``mine``.
+
+    A list numbers the new ranks by position; a set is ordered by (slot, handle text), so every
+    member orders it alike. A handle without a slot takes its position; two handles naming the
+    same slot are an error.
+
+    Args:
+        rank: this process's current rank (for messages; 0 in a group not configured yet).
+
+    Raises:
+        UsageError: an empty or damaged list, a handle twice, or ``mine`` not in it.
+        ConfigError: two members stand for the same cluster slot.
+    """
+    texts = list(handles)
+    if isinstance(handles, (set, frozenset)):
+        parsed = sorted(((Handle.parse(t, rank=rank, index=i), t) for i, t in enumerate(texts)),
+                        key=lambda ht: (ht[0].slot, ht[1]))
+        texts = [t for _, t in parsed]
+    if not texts:
+        raise UsageError(f"hetcomm reconfigure (rank {rank}): the handle list is empty; every member's handle goes in it")
+    parsed_list = [Handle.parse(t, rank=rank, index=i) for i, t in enumerate(texts)]
+    tokens = [h.token for h in parsed_list]
+    for i, t in enumerate(tokens):
+        if tokens.index(t) != i:
+            raise UsageError(f"hetcomm reconfigure (rank {rank}): handle {i} repeats handle {tokens.index(t)} "
+                             f"({parsed_list[i].describe()}); give each member's handle once")
+    if mine.token not in tokens:
+        raise UsageError(
+            f"hetcomm reconfigure (rank {rank}): this process's handle ({mine.describe()}) is not in the list of "
+            f"{len(tokens)}; every member passes the handles of all members, its own included (an old handle: "
+            f"handles change after every reconfigure, take fresh ones with dist._get_reconfigure_handle())"
+        )
+    slots = [h.slot if h.slot >= 0 else i for i, h in enumerate(parsed_list)]
+    for i, s in enumerate(slots):
+        if slots.index(s) != i:
+            j = slots.index(s)
+            raise ConfigError(
+                f"hetcomm reconfigure (rank {rank}): new ranks {j} ({parsed_list[j].describe()}) and {i} "
+                f"({parsed_list[i].describe()}) both stand for cluster rank {s}; order the handle list so that a "
+                f"joining process takes the place of the one that left"
+            )
+    members = json.dumps({"op": "reconfigure", "uuid": int(uuid), "tokens": tokens, "slots": slots})
+    return Change("reconfigure", f"reconfigure/{int(uuid)}", tokens.index(mine.token), len(tokens), slots,
+                  [f"new rank {i} ({h.describe()})" for i, h in enumerate(parsed_list)], members)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def agree_change(store, change: Change, timeout: timedelta) -> None:
+    """Publish this rank's view of ``change`` and wait for every new rank's; raise unless all agree.
+
+    Raises:
+        PeerTimeout: a new rank did not answer within ``timeout`` (named by ``change.labels``;
+            ``peer`` is its new rank).
+        ConfigError: the ranks computed different memberships (every rank raises the same).
+    """
+    if change.size <= 1:
+        return
+    base = f"hetcomm/membership/{change.key}/agree"
+    store.set(f"{base}/{change.rank}", change.members)
+    keys = [f"{base}/{r}" for r in range(change.size)]
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.002
+    while True:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            who = ", ".join(change.labels[r] for r in missing)
+            raise PeerTimeout(
+                f"{change.op}: {who} did not answer within {timeout.total_seconds():g} s (dead, hung, or not "
+                f"calling {change.op} with the same arguments); exclude it too, or raise the timeout",
+                op=change.op, rank=change.rank, peer=missing[0],
+            )
+        time.sleep(pause)
+        pause = min(0.05, pause * 2)
+    views = [store.get(k).decode() for k in keys]
+    if len(set(views)) > 1:
+        by_view: dict = {}
+        for r, v in enumerate(views):
+            by_view.setdefault(v, []).append(r)
+        parts = "; ".join(f"{', '.join(change.labels[r] for r in rs)}: {v} (#{_digest(v)})" for v, rs in by_view.items())
+        raise ConfigError(
+            f"hetcomm {change.op} (new rank {change.rank}): the members computed different memberships: {parts}. "
+            f"Every member must pass the same arguments (the same ranks_to_exclude; the same handles in the same order)",
+            key="membership",
+        )
+
+
+def change_communicator(store, change: Change, timeout: timedelta, options, group_id: str,
+                        group_ref: Callable[[], Any], default_group: bool):
+    """Agree on ``change`` and build the communicator of the new membership (steps 2 and 3 of
+    the module docstring). The old communicator is untouched: the caller closes it.
+
+    Args:
+        store: the group's store (c10d's prefixed store, the same object the group was built on).
+        options: the old group's :class:`~hetcomm.backends.options.HetcommOptions` (its explicit
+            fields; ``HETCOMM_*`` fill the rest, and the new members agree on them again).
+        default_group: whether the group is the job's default group (its communicator runs the
+            heartbeat; a shrunk default group stays the default group).
+
+    Returns:
+        The new :class:`~hetcomm.backends.communicator.Communicator`.
+    """
+    import torch.distributed as dist
+
+    from hetcomm.backends.communicator import Communicator
+
+    agree_change(store, change, timeout)
+    sub = dist.PrefixStore(f"hetcomm/membership/{change.key}/comm/", store)
+    # The slots go in as global ranks: the cluster file places each new rank by the slot it
+    # stands for (a subgroup's rule: the file may have more ranks than the new membership).
+    return Communicator._for_backend(sub, change.rank, change.size, timeout, options, change.slots,
+                                     group_id, group_ref, watch_peers=default_group)
+
+
+class Members:
+    """A hetcomm group's membership and what a change rebuilds from (one per group object).
+
+    Args:
+        store: the group's store (c10d's, prefixed per group).
+        rank / size: this process in the group as created.
+        options: the explicit ``pg_options`` (None: ``HETCOMM_*`` and defaults), reused by every change.
+        global_ranks: the group's global ranks (empty: the default group, cluster slot = rank).
+        group_id: c10d's id of the group (for logs).
+    """
+
+    def __init__(self, store, rank: int, size: int, options, global_ranks: List[int], group_id: str) -> None:
+        self.store = store
+        self.rank = rank
+        self.size = size
+        self.options = options
+        self.slots: List[int] = list(global_ranks) or list(range(size))
+        self.group_id = group_id
+        #: Changes this group's lineage has seen (a shrunk group continues its parent's count).
+        self.generation = 0
+        self._handle: Optional[Handle] = None
+        self._uuids: set = set()
+
+    def handle(self, comm) -> Handle:
+        """This process's handle until the next change (``comm`` None: not configured, no slot)."""
+        if self._handle is None:
+            self._handle = new_handle(self.slots[self.rank] if comm is not None else -1)
+        return self._handle
+
+    def reconfigure(self, opts, comm, group_timeout: timedelta, group_ref: Callable[[], Any], default_group: bool):
+        """Agree on ``opts`` (torch's ``ReconfigureOptions``) and build the new communicator;
+        this object then describes the new membership. ``comm``: the current communicator or None.
+
+        Raises:
+            UsageError: a ``uuid`` this group used before, or bad handles (:func:`reconfigure_change`).
+        """
+        uuid = int(opts.uuid)
+        if uuid in self._uuids:
+            raise UsageError(
+                f"hetcomm reconfigure (rank {self.rank}): uuid {uuid} was used by an earlier reconfigure of this "
+                f"group; pass a fresh uuid on every reconfigure (the same one on every member)"
+            )
+        change = reconfigure_change(opts.handles, self.handle(comm), uuid, self.rank)
+        timeout = opts.timeout if opts.timeout is not None else group_timeout
+        new = change_communicator(self.store, change, timeout, self.options, self.group_id, group_ref, default_group)
+        self._uuids.add(uuid)
+        self._moved(change)
+        return new
+
+    def shrink_change(self, ranks_to_exclude: Sequence[int]) -> Change:
+        """The change ``shrink(ranks_to_exclude)`` asks of this process (checked, not agreed yet)."""
+        return shrink_change(self.rank, self.size, ranks_to_exclude, self.slots, self.generation)
+
+    def _moved(self, change: Change) -> None:
+        self.rank, self.size, self.slots = change.rank, change.size, list(change.slots)
+        self.generation += 1
+        self._handle = None
+
+    def child(self, change: Change) -> "Members":
+        """The membership of the group a shrink returns (its lineage's count continues)."""
+        m = Members(self.store, change.rank, change.size, self.options, list(change.slots), self.group_id)
+        m.generation = self.generation + 1
+        return m
+
+
+class NotConfigured:
+    """Stands in for the collectives of a group created with ``enable_reconfigure=True`` until
+    its first reconfigure: every call raises naming the fix."""
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise UsageError(
+            f"hetcomm {name} (rank {self._rank}): this group was created with enable_reconfigure=True and has no "
+            f"members yet; call dist._reconfigure(uuid, handles, group) on every member first"
+        )
+
+
+def done_work():
+    """A completed ``dist.Work`` (a membership change is done when the call returns)."""
+    import torch
+
+    from hetcomm.backends.work import FutureWork
+
+    fut: "torch.futures.Future" = torch.futures.Future()
+    fut.set_result([])
+    return FutureWork(fut)

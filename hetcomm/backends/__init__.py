@@ -1,7 +1,8 @@
 """The ``hetcomm`` torch.distributed backend and its rails.
 
-``dist.init_process_group("hetcomm")`` builds a :class:`HetcommProcessGroup`; pass
-``pg_options=HetcommOptions(...)`` to choose rails, chunk size, plans and checks.
+``dist.init_process_group("hetcomm")`` builds a :class:`~.process_group.HetcommBackend` (torch's
+c10d ``Backend``, torch >= 2.14) or a :class:`~.process_group.HetcommProcessGroup` (torch 2.13);
+pass ``pg_options=HetcommOptions(...)`` to choose rails, chunk size, plans and checks.
 """
 
 from hetcomm.backends.checks import splits_agreed
@@ -13,17 +14,22 @@ __all__ = ["HetcommOptions", "register", "stats", "reset_stats", "hetcomm_group"
 
 
 def hetcomm_group(group=None):
-    """The :class:`HetcommProcessGroup` behind ``group`` (default: the default group).
+    """The hetcomm object behind ``group`` (default: the default group): its
+    :class:`~.process_group.HetcommBackend` on torch >= 2.14 (also under
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s wrapper), the group itself (a
+    :class:`~.process_group.HetcommProcessGroup`) on 2.13. Either has ``rail_names``,
+    ``placement``, ``run_plan`` and ``communicator``.
 
     Raises:
         UsageError: the group does not use backend ``hetcomm``.
     """
     import torch.distributed as dist
 
-    from hetcomm.backends.process_group import HetcommProcessGroup
+    from hetcomm.backends.process_group import face_of
     from hetcomm.errors import UsageError
 
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    if not isinstance(pg, HetcommProcessGroup):
+    face = face_of(pg)
+    if face is None:
         raise UsageError(f"group {pg!r} does not use backend 'hetcomm'; create it with backend='hetcomm'")
-    return pg
+    return face

@@ -52,6 +52,7 @@ import os
 import socket
 import time
 import uuid as uuid_mod
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
@@ -61,6 +62,7 @@ from hetcomm.errors import ConfigError, PeerTimeout, UsageError
 __all__ = [
     "HANDLE_PREFIX", "Handle", "Change", "new_handle", "shrink_change", "reconfigure_change",
     "agree_change", "change_communicator", "supported", "Members", "NotConfigured", "done_work",
+    "shrink_backend", "reconfigure_group",
 ]
 
 #: Every hetcomm reconfigure handle starts with this (the format's version after the colon).
@@ -306,10 +308,11 @@ def change_communicator(store, change: Change, timeout: timedelta, options, grou
 
 
 class Members:
-    """A hetcomm group's membership and what a change rebuilds from (one per group object).
+    """A hetcomm group's membership and what a change rebuilds from (one per group lineage).
 
     Args:
-        store: the group's store (c10d's, prefixed per group).
+        store: the group's store (c10d's, prefixed per group): every change's keys live under it,
+            so a process that joins must create its group over the same store and group name.
         rank / size: this process in the group as created.
         options: the explicit ``pg_options`` (None: ``HETCOMM_*`` and defaults), reused by every change.
         global_ranks: the group's global ranks (empty: the default group, cluster slot = rank).
@@ -334,9 +337,8 @@ class Members:
             self._handle = new_handle(self.slots[self.rank] if comm is not None else -1)
         return self._handle
 
-    def reconfigure(self, opts, comm, group_timeout: timedelta, group_ref: Callable[[], Any], default_group: bool):
-        """Agree on ``opts`` (torch's ``ReconfigureOptions``) and build the new communicator;
-        this object then describes the new membership. ``comm``: the current communicator or None.
+    def reconfigure_change(self, opts, comm) -> Change:
+        """The change torch's ``ReconfigureOptions`` ask of this process (checked, not agreed).
 
         Raises:
             UsageError: a ``uuid`` this group used before, or bad handles (:func:`reconfigure_change`).
@@ -347,43 +349,34 @@ class Members:
                 f"hetcomm reconfigure (rank {self.rank}): uuid {uuid} was used by an earlier reconfigure of this "
                 f"group; pass a fresh uuid on every reconfigure (the same one on every member)"
             )
-        change = reconfigure_change(opts.handles, self.handle(comm), uuid, self.rank)
-        timeout = opts.timeout if opts.timeout is not None else group_timeout
-        new = change_communicator(self.store, change, timeout, self.options, self.group_id, group_ref, default_group)
-        self._uuids.add(uuid)
-        self._moved(change)
-        return new
+        return reconfigure_change(opts.handles, self.handle(comm), uuid, self.rank)
 
     def shrink_change(self, ranks_to_exclude: Sequence[int]) -> Change:
-        """The change ``shrink(ranks_to_exclude)`` asks of this process (checked, not agreed yet)."""
+        """The change ``shrink(ranks_to_exclude)`` asks of this process (checked, not agreed)."""
         return shrink_change(self.rank, self.size, ranks_to_exclude, self.slots, self.generation)
 
-    def _moved(self, change: Change) -> None:
-        self.rank, self.size, self.slots = change.rank, change.size, list(change.slots)
-        self.generation += 1
-        self._handle = None
-
-    def child(self, change: Change) -> "Members":
-        """The membership of the group a shrink returns (its lineage's count continues)."""
+    def moved(self, change: Change) -> "Members":
+        """This lineage after ``change`` (a new object: the old group keeps describing itself)."""
         m = Members(self.store, change.rank, change.size, self.options, list(change.slots), self.group_id)
         m.generation = self.generation + 1
+        m._uuids = set(self._uuids) | ({int(change.key.split("/")[1])} if change.op == "reconfigure" else set())
         return m
 
 
 class NotConfigured:
-    """Stands in for the collectives of a group created with ``enable_reconfigure=True`` until
-    its first reconfigure: every call raises naming the fix."""
+    """Stands in for the collectives of a group without a communicator: created with
+    ``enable_reconfigure=True`` and not configured yet, or moved to a new ProcessGroup by a
+    reconfigure. Every call raises naming the fix."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, why: str = "") -> None:
         self._rank = rank
+        self._why = why or ("this group was created with enable_reconfigure=True and has no members yet; call "
+                            "dist._reconfigure(uuid, handles, group) on every member first")
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        raise UsageError(
-            f"hetcomm {name} (rank {self._rank}): this group was created with enable_reconfigure=True and has no "
-            f"members yet; call dist._reconfigure(uuid, handles, group) on every member first"
-        )
+        raise UsageError(f"hetcomm {name} (rank {self._rank}): {self._why}")
 
 
 def done_work():
@@ -395,3 +388,123 @@ def done_work():
     fut: "torch.futures.Future" = torch.futures.Future()
     fut.set_result([])
     return FutureWork(fut)
+
+
+def _c10d():
+    import torch.distributed as dist
+
+    return dist.distributed_c10d
+
+
+def shrink_backend(face, ranks_to_exclude: Sequence[int]):
+    """``Backend.shrink`` of a :class:`~hetcomm.backends.process_group.HetcommBackend`: agree, build
+    the survivors' communicator, and return a new backend serving it. c10d then wraps it in a
+    new ProcessGroup and destroys the old group (whose communicator closes then); the new
+    communicator finds that group at its first use (:class:`~hetcomm.backends.communicator.LateGroupRef`).
+
+    Raises:
+        UsageError / PeerTimeout / ConfigError: as :func:`shrink_change` and :func:`agree_change`;
+            the old group is untouched.
+    """
+    from hetcomm.backends.communicator import LateGroupRef
+
+    members = face._members
+    if face.communicator is None:
+        raise UsageError(f"hetcomm shrink_group (rank {members.rank}): this group has no members yet "
+                         f"(enable_reconfigure=True); reconfigure it first")
+    change = members.shrink_change(list(ranks_to_exclude))
+    old_pg = face._pg_ref()
+    default = old_pg is not None and old_pg is _c10d()._world.default_pg
+    box: List[Any] = []  # the new backend, weakly (it holds the reference: no cycle)
+    late = LateGroupRef(lambda pg: _face_serves(pg, box))
+    comm = change_communicator(members.store, change, face._timeout, members.options, members.group_id, late, default)
+    new = type(face)._adopt(comm, members.moved(change), face._timeout, members.group_id, late)
+    box.append(weakref.ref(new))
+    return new
+
+
+def _face_serves(pg, box: List[Any]) -> bool:
+    if not box or box[0]() is None:
+        return False
+    try:
+        return pg._get_backend(_cpu()) is box[0]()
+    except Exception:  # noqa: BLE001 - a group without a CPU backend, or one being destroyed
+        return False
+
+
+def _cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
+def reconfigure_group(face, opts):
+    """``reconfigure(opts)`` of a hetcomm face: agree, build the new membership's communicator, serve it.
+
+    Where the new membership keeps this process's rank and the group's size (a group created
+    with ``enable_reconfigure=True`` configured with the same ranks, or a membership renewed),
+    the group object serves it in place. Otherwise c10d's ``ProcessGroup`` cannot follow: it
+    reads a Python backend's rank and size once, from fields only C++ backends can change. The
+    default group is then replaced: a new ProcessGroup (named ``hetcomm-reconfigure-<uuid>`` on
+    every member) with a new backend serving the new communicator becomes the default group, so
+    ``dist.get_rank()``, ``dist.get_world_size()`` and every call with ``group=None`` (or
+    ``dist.group.WORLD``) follow; the old ProcessGroup object raises, naming the new one. A
+    non-default group whose rank or size would change is refused (:class:`UsageError`): there
+    is no name by which its callers would find the new group; shrink it or create a new group.
+
+    Returns:
+        A completed ``dist.Work`` (the change is done, or raised, when this returns).
+
+    Raises:
+        UsageError / PeerTimeout / ConfigError: bad handles, a silent member, differing views;
+            the group keeps its membership.
+    """
+    import torch.distributed as dist
+
+    members = face._members
+    old = face.communicator
+    change = members.reconfigure_change(opts, old)
+    timeout = opts.timeout if opts.timeout is not None else face._timeout
+    pg = face._pg_ref()
+    c10d = _c10d()
+    default = pg is not None and pg is c10d._world.default_pg
+    uuid = int(change.key.split("/")[1])
+    if (change.rank, change.size) == (members.rank, members.size):
+        comm = change_communicator(members.store, change, timeout, members.options, members.group_id, face._pg_ref, default)
+        face._members = members.moved(change)
+        _swap(face, comm)
+        return done_work()
+    if not default:
+        raise UsageError(
+            f"hetcomm reconfigure (rank {members.rank} of {members.size}): this is not the default group, and the "
+            f"new membership gives this process rank {change.rank} of {change.size}; c10d cannot renumber a Python "
+            f"backend's group in place (torch >= 2.14 reads its rank and size once). Use dist.shrink_group to "
+            f"shrink it, or create a new group with the new members"
+        )
+    name = f"hetcomm-reconfigure-{uuid}"
+    backend_name, c10d_store = c10d._world.pg_map[pg]
+    new_pg = dist.ProcessGroup(dist.PrefixStore(f"{name}/", c10d_store.clone()), change.rank, change.size)
+    ref = weakref.ref(new_pg)
+    comm = change_communicator(members.store, change, timeout, members.options, members.group_id, ref, True)
+    new = type(face)._adopt(comm, members.moved(change), face._timeout, members.group_id, ref)
+    new_pg._register_backend(_cpu(), dist.ProcessGroup.BackendType.CUSTOM, new)
+    new_pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+    new_pg._set_group_name(name)
+    new_pg._set_group_desc("default:reconfigured")
+    config = c10d._world.pg_backend_config.get(pg, "")
+    c10d._cleanup_process_group_global_state(pg)
+    c10d._update_default_pg(new_pg)
+    c10d._register_pg_in_world(pg=new_pg, backend_name=backend_name, store=c10d_store, group_name=name,
+                               backend_config=config, rank_mapping={r: r for r in range(change.size)})
+    _swap(face, None, why=f"a reconfigure moved this group to a new ProcessGroup ({name!r}, rank {change.rank} "
+                          f"of {change.size}); use dist.group.WORLD or group=None")
+    face._closed = True
+    return done_work()
+
+
+def _swap(face, comm, why: str = "") -> None:
+    """Serve ``comm`` from ``face`` and close the communicator it served before."""
+    old = face._release()
+    face._install(comm, why)
+    if old is not None:
+        old.close()

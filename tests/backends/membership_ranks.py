@@ -39,6 +39,14 @@ def collectives(tag: int) -> Dict[str, List[float]]:
             "broadcast": b.tolist()}
 
 
+def served_by() -> str:
+    """Which object serves the default group's CPU tensors, and over how many ranks its
+    communicator runs (``HetcommBackend/4``; gloo: ``ProcessGroupGloo``)."""
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    comm = getattr(backend, "communicator", None)
+    return type(backend).__name__ + (f"/{comm.world_size}" if comm is not None else "")
+
+
 def _handles(store, key: str, n: int) -> List[str]:
     return [store.get(f"{key}/{r}").decode() for r in range(n)]
 
@@ -71,6 +79,7 @@ def member(backend: str, rounds: int = 1, timeout_s: float = 20.0) -> Dict[str, 
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout, enable_reconfigure=True)
         out["seconds"]["grow"] = _change(store, "grow", 3, 3, 4, timeout)
         out["grown"] = collectives(2)
+        out["served"] = {"grown": served_by()}
         dist.destroy_process_group()
         return out
     dist.init_process_group(backend, store=store, rank=role, world_size=4, timeout=timeout, enable_reconfigure=True)
@@ -88,10 +97,12 @@ def member(backend: str, rounds: int = 1, timeout_s: float = 20.0) -> Dict[str, 
         _change(store, "shrink", 2, role, 3, timeout)
     out["seconds"]["shrink"] = time.perf_counter() - t0
     out["three"] = collectives(1)
+    out["served"] = {"three": served_by()}
     if role == 0:
         store.set("shrunk", "1")
     out["seconds"]["grow"] = _change(store, "grow", 3, role, 4, timeout)
     out["grown"] = collectives(2)
+    out["served"]["grown"] = served_by()
     dist.destroy_process_group()
     return out
 

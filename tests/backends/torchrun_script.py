@@ -13,7 +13,11 @@ dist.all_to_all_single(y, x)
 expect = torch.cat([torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) + 10 * j for j in range(n)])
 t = torch.ones(1) * rank
 dist.all_reduce(t)
-ok = torch.equal(y, expect) and t.item() == n * (n - 1) / 2 and type(dist.group.WORLD).__name__ == "HetcommProcessGroup"
+# torch >= 2.14: hetcomm's c10d Backend inside torch's ProcessGroup; 2.13: the group itself
+face = type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__
+ok = torch.equal(y, expect) and t.item() == n * (n - 1) / 2 and (
+    face == "HetcommBackend" if hasattr(dist.ProcessGroup, "shrink") or torch.__version__ >= "2.14" else type(dist.group.WORLD).__name__ == "HetcommProcessGroup"
+)
 print(f"rank {rank} {'OK' if ok else 'BAD'} {'hetcomm' in sys.modules}", flush=True)
 dist.destroy_process_group()
 sys.exit(0 if ok else 1)

@@ -1,0 +1,134 @@
+"""Membership change of a hetcomm group through torch 2.14's API (hetcomm/backends/reconfigure.py).
+
+Real processes over one store: four members and a joiner (tests/backends/membership_ranks.py).
+kill -9 of rank 3, ``dist.shrink_group([3])`` on the survivors, then a new process joins through
+``dist._reconfigure``; all_reduce, all_to_all_single and broadcast after each change equal
+gloo's on the same membership (gloo, which cannot shrink on torch 2.14, shrinks by a reconfigure
+over the survivors' handles). Bad requests raise naming the rank, and a silent member ends the
+wait at the group timeout, naming it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from hetcomm.backends.reconfigure import supported
+from hetcomm.launcher import launch
+from tests.backends.membership_ranks import collectives, member
+from tests.backends.ranks import run_ranks_outcomes
+
+needs_214 = pytest.mark.skipif(not supported(), reason="membership change needs torch >= 2.14 (shrink_group, _reconfigure)")
+
+
+def _run(backend: str):
+    out = launch(member, 5, args=(backend,), start="forkserver", store=True, timeout_s=120, grace_s=None,
+                 kill_grace_s=1.0, name="reconfigure")
+    return list(out.ranks)
+
+
+@needs_214
+def test_kill_shrink_grow_equals_gloo():
+    runs = {b: _run(b) for b in ("gloo", "hetcomm")}
+    for backend, ranks in runs.items():
+        assert ranks[3].exitcode == -9, f"{backend}: rank 3 was to die by SIGKILL: {ranks[3].describe()}"
+        bad = [o.describe() + "\n" + (o.traceback or "") for r, o in enumerate(ranks) if r != 3 and not o.ok]
+        assert not bad, f"{backend}: " + "\n".join(bad)
+    gloo, het = ([o.result for o in runs[b]] for b in ("gloo", "hetcomm"))
+    for r in (0, 1, 2):
+        for phase in ("four", "three", "grown"):
+            assert het[r][phase] == gloo[r][phase], (r, phase)
+        assert het[r]["three"]["size"] == [3.0] and het[r]["grown"]["size"] == [4.0]
+        # the shrunk and the grown group are hetcomm's, over their new membership
+        assert het[r]["served"] == {"three": "HetcommBackend/3", "grown": "HetcommBackend/4"}
+    assert het[4]["grown"] == gloo[4]["grown"] and het[4]["grown"]["rank"] == [3.0]
+    assert het[4]["served"] == {"grown": "HetcommBackend/4"}
+    assert gloo[0]["served"]["three"] == "ProcessGroupGloo"
+
+
+def bad_requests(rank: int, world_size: int) -> dict:
+    """Every member: requests refused before anything is published, then a shrink that rank 2
+    never joins (ranks 0 and 1 time out naming it), then the real shrink, then a collective."""
+    from hetcomm.backends import hetcomm_group
+    from hetcomm.backends.reconfigure import Handle
+    from hetcomm.errors import PeerTimeout, UsageError
+
+    store = dist.distributed_c10d._world.pg_map[dist.distributed_c10d._get_default_group()][1]
+    seen = {}
+    face = hetcomm_group()
+    for name, call in (
+        ("self", lambda: face.shrink([rank])),
+        ("range", lambda: face.shrink([7])),
+        ("torch-self", lambda: dist.shrink_group([rank])),
+        ("gloo-handle", lambda: dist._reconfigure(uuid=5, handles=["gloo:0:-1:0:127.0.0.1:1"])),
+        ("damaged", lambda: dist._reconfigure(uuid=6, handles=[face.get_reconfigure_handle() + "x"])),
+        ("not-mine", lambda: dist._reconfigure(uuid=7, handles=[Handle("elsewhere", "node-z", 1).encode()])),
+    ):
+        try:
+            call()
+            seen[name] = "no error"
+        except (UsageError, ValueError, RuntimeError) as e:
+            seen[name] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    if rank in (0, 1):  # rank 2 stays out of this shrink: 0 and 1 must name it, not hang
+        try:
+            dist.shrink_group([3])
+            seen["silent"] = "no error"
+        except PeerTimeout as e:
+            seen["silent"] = f"{type(e).__name__} peer={e.peer}: {e}"
+        store.set(f"test/silent-done/{rank}", "1")
+    else:  # the others wait for that outside any collective (whose timeout is as short)
+        store.wait(["test/silent-done/0", "test/silent-done/1"])
+    if rank == 3:
+        dist.barrier()  # the last collective of the four (after the failed shrink)
+        return seen
+    dist.barrier()
+    dist.shrink_group([3])
+    seen["after"] = collectives(1)
+    return seen
+
+
+@needs_214
+def test_bad_requests_name_the_rank_and_nothing_hangs():
+    outs = run_ranks_outcomes(bad_requests, 4, backend="hetcomm", pg_timeout=4.0, timeout=90)
+    assert all(o.ok for o in outs), "\n".join(o.describe() + "\n" + (o.traceback or "") for o in outs if not o.ok)
+    res = [o.result for o in outs]
+    for r in range(4):
+        assert f"rank {r} excludes itself" in res[r]["self"] and res[r]["self"].startswith("UsageError")
+        assert "rank 7 in ranks_to_exclude is not a rank of this group (0..3)" in res[r]["range"]
+        assert f"Current rank {r} is in the exclusion list" in res[r]["torch-self"]  # torch's own check first
+        assert "handle 0 is 'gloo:0" in res[r]["gloo-handle"] and res[r]["gloo-handle"].startswith("UsageError")
+        assert "handle 0" in res[r]["damaged"] and "is damaged" in res[r]["damaged"]
+        assert "this process's handle (pid" in res[r]["not-mine"] and "is not in the list of 1" in res[r]["not-mine"]
+    for r in (0, 1):
+        assert res[r]["silent"].startswith("PeerTimeout peer=2"), res[r]["silent"]
+        assert "rank 2 (old numbering) did not answer within 4 s" in res[r]["silent"]
+    # the refusals and the timeout left the group usable: the real shrink works afterwards
+    assert res[0]["after"]["size"] == [3.0] and res[0]["after"]["all_reduce"] == res[2]["after"]["all_reduce"]
+
+
+@pytest.mark.skipif(supported(), reason="what torch 2.13 says (no membership-change API there)")
+def test_torch_213_reports_no_support():
+    """On 2.13 hetcomm groups are Python ProcessGroups without the API: nothing claims support."""
+    outs = run_ranks_outcomes(_supports, 2, backend="hetcomm", timeout=60)
+    assert [o.result for o in outs] == [False, False]
+
+
+def _supports(rank: int, world_size: int) -> bool:
+    from hetcomm.backends import hetcomm_group
+
+    return bool(hetcomm_group().supports_reconfigure)
+
+
+@needs_214
+def test_supports_flags_are_truthful():
+    outs = run_ranks_outcomes(_flags, 2, backend="hetcomm", timeout=60)
+    assert [o.result for o in outs] == [{"reconfigure": True, "shrinking": True, "handle": "hetcomm:1:"}] * 2
+
+
+def _flags(rank: int, world_size: int) -> dict:
+    import torch
+
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return {"reconfigure": dist._supports_reconfigure(), "shrinking": bool(backend.supports_shrinking),
+            "handle": dist._get_reconfigure_handle()[:10]}

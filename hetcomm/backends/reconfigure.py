@@ -487,11 +487,20 @@ def reconfigure_group(face, opts):
     ref = weakref.ref(new_pg)
     comm = change_communicator(members.store, change, timeout, members.options, members.group_id, ref, True)
     new = type(face)._adopt(comm, members.moved(change), face._timeout, members.group_id, ref)
-    new_pg._register_backend(_cpu(), dist.ProcessGroup.BackendType.CUSTOM, new)
+    import torch
+
+    from hetcomm.backends.registry import supported_devices
+
+    for device in supported_devices():  # where c10d registered the old one (registry.register)
+        new_pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, new)
     new_pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     new_pg._set_group_name(name)
     new_pg._set_group_desc("default:reconfigured")
+    if getattr(pg, "bound_device_id", None) is not None:
+        new_pg.bound_device_id = pg.bound_device_id
     config = c10d._world.pg_backend_config.get(pg, "")
+    # As shrink_group does for the default group: the other groups were numbered by the old one.
+    c10d._destroy_all_other_groups(exclude_group=pg)
     c10d._cleanup_process_group_global_state(pg)
     c10d._update_default_pg(new_pg)
     c10d._register_pg_in_world(pg=new_pg, backend_name=backend_name, store=c10d_store, group_name=name,

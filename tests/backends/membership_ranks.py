@@ -41,10 +41,20 @@ def collectives(tag: int) -> Dict[str, List[float]]:
 
 def served_by() -> str:
     """Which object serves the default group's CPU tensors, and over how many ranks its
-    communicator runs (``HetcommBackend/4``; gloo: ``ProcessGroupGloo``)."""
-    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-    comm = getattr(backend, "communicator", None)
-    return type(backend).__name__ + (f"/{comm.world_size}" if comm is not None else "")
+    communicator runs (``HetcommBackend/4``; gloo: ``ProcessGroupGloo``). On hetcomm,
+    ``hetcomm.communicator()`` must be the backend's own communicator, serving this very group."""
+    import hetcomm
+
+    pg = dist.distributed_c10d._get_default_group()
+    backend = pg._get_backend(torch.device("cpu"))
+    if dist.get_backend() != "hetcomm":
+        return type(backend).__name__
+    comm = hetcomm.communicator()
+    if comm is not backend.communicator or comm.group is not pg:
+        return f"{type(backend).__name__}: hetcomm.communicator() is not the backend's, or serves another group"
+    from hetcomm.backends import hetcomm_group
+
+    return f"{type(backend).__name__}/{comm.world_size} " + ",".join(hetcomm_group().rail_names("cpu"))
 
 
 def _handles(store, key: str, n: int) -> List[str]:
@@ -60,12 +70,13 @@ def _change(store, key: str, uuid: int, mine: int, n: int, timeout: timedelta) -
     return time.perf_counter() - t0
 
 
-def member(backend: str, rounds: int = 1, timeout_s: float = 20.0) -> Dict[str, Any]:
-    """One process of the run (its role from ``RANK``: 0-3 members, 4 the joiner).
+def member(backend: str, timeout_s: float = 20.0) -> Dict[str, Any]:
+    """One process of the run (its role from ``RANK``: 0-3 members, 4 the joiner); ``timeout_s``
+    bounds every wait (the group's, the store's, each change's).
 
-    ``rounds`` > 1 (the benchmark) repeats kill-shrink-grow: the joiner of one round is the rank
-    3 of the next, which is killed again; a fresh joiner... is not possible in one launch, so a
-    round > 1 lets the *joiner* stay and the old rank 3 leave (see benchmarks/reconfigure_time.py).
+    Returns:
+        ``{"four" | "three" | "grown": collectives(...), "served": {...}, "seconds": {"shrink",
+        "grow"}}`` for the phases this process took part in.
     """
     role = int(os.environ["RANK"])
     timeout = timedelta(seconds=timeout_s)

@@ -16,14 +16,15 @@ import torch.distributed as dist
 from hetcomm.backends.reconfigure import supported
 from hetcomm.launcher import launch
 from tests.backends.membership_ranks import collectives, member
-from tests.backends.ranks import run_ranks_outcomes
+from tests.backends.ranks import MIXED_MINI, run_ranks_outcomes
 
 needs_214 = pytest.mark.skipif(not supported(), reason="membership change needs torch >= 2.14 (shrink_group, _reconfigure)")
 
 
 def _run(backend: str):
+    # mixed-mini: ranks 0-1 A100 on one node, 2 H800, 3 the 910B (rails shm, gloo, bridge)
     out = launch(member, 5, args=(backend,), start="forkserver", store=True, timeout_s=120, grace_s=None,
-                 kill_grace_s=1.0, name="reconfigure")
+                 kill_grace_s=1.0, name="reconfigure", env={"HETCOMM_CLUSTER": MIXED_MINI})
     return list(out.ranks)
 
 
@@ -39,10 +40,15 @@ def test_kill_shrink_grow_equals_gloo():
         for phase in ("four", "three", "grown"):
             assert het[r][phase] == gloo[r][phase], (r, phase)
         assert het[r]["three"]["size"] == [3.0] and het[r]["grown"]["size"] == [4.0]
-        # the shrunk and the grown group are hetcomm's, over their new membership
-        assert het[r]["served"] == {"three": "HetcommBackend/3", "grown": "HetcommBackend/4"}
+    # The shrunk and the grown group are hetcomm's (hetcomm.communicator() included), over their
+    # new membership, each rank placed where it stood in the cluster file: the joiner took the
+    # 910B's place (rank 3), reached over the bridge.
+    rails = {0: ("self,shm,gloo", "self,shm,gloo,bridge"), 1: ("shm,self,gloo", "shm,self,gloo,bridge"),
+             2: ("gloo,gloo,self", "gloo,gloo,self,bridge")}
+    for r, (three, grown) in rails.items():
+        assert het[r]["served"] == {"three": f"HetcommBackend/3 {three}", "grown": f"HetcommBackend/4 {grown}"}
     assert het[4]["grown"] == gloo[4]["grown"] and het[4]["grown"]["rank"] == [3.0]
-    assert het[4]["served"] == {"grown": "HetcommBackend/4"}
+    assert het[4]["served"] == {"grown": "HetcommBackend/4 bridge,bridge,bridge,self"}
     assert gloo[0]["served"]["three"] == "ProcessGroupGloo"
 
 

@@ -230,7 +230,7 @@ class Communicator:
         group_ref: Callable[[], Any],
         watch_peers: Optional[bool] = None,
     ) -> "Communicator":
-        """The communicator of a :class:`~hetcomm.backends.process_group.HetcommProcessGroup`
+        """The communicator of a hetcomm group face (:mod:`hetcomm.backends.process_group`)
         under construction: places the ranks, agrees on the settings, builds the rails and the
         executor. ``group_ref()`` returns the group (held weakly: the group holds this object).
         ``watch_peers``: run the heartbeat, watching every peer (:mod:`hetcomm.backends.heartbeat`); None: for the

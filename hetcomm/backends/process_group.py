@@ -432,6 +432,7 @@ class HetcommBackend(_HetcommFace, _C10dBackend):
                 f"creator as opts.process_group); create groups with backend='hetcomm'"
             )
         self._init_face(store, rank, size, timeout, options, global_ranks, group_id, process_group, enable_reconfigure)
+        self._c10d_options = _c10d_options(timeout, global_ranks)
         _KEEP_ALIVE[process_group] = self
 
     @classmethod
@@ -443,6 +444,7 @@ class HetcommBackend(_HetcommFace, _C10dBackend):
         _configure_logging()
         self._group_id, self._timeout, self._closed, self._members = group_id, timeout, False, members
         self._pg_ref = group_ref
+        self._c10d_options = _c10d_options(timeout, ())
         _LIVE.add(self)
         self._install(comm)
         group = group_ref() if not isinstance(group_ref, LateGroupRef) else None
@@ -450,10 +452,39 @@ class HetcommBackend(_HetcommFace, _C10dBackend):
             _KEEP_ALIVE[group] = self
         return self
 
+    # -- what c10d asks of a backend ---------------------------------------------------------
+    # torch 2.14.1's trampoline answers each of these C++ questions by looking the Python
+    # attribute up and calling it; without an override here that attribute is torch's own
+    # property, which asks the trampoline again: RecursionError (batch_isend_irecv reads
+    # supports_coalescing, shrink_group supports_shrinking, new_group's split path
+    # supports_splitting). Subclasses that add a capability override the one property.
+    # supports_reconfigure is the face's (True on torch >= 2.14).
+    @property
+    def options(self) -> "_C10dBackend.Options":
+        """torch's ``Backend.Options`` (backend ``"hetcomm"``, the group timeout, the group's
+        global ranks); the agreed :class:`HetcommOptions` are ``communicator.options``."""
+        return self._c10d_options
+
+    @property
+    def supports_splitting(self) -> bool:
+        return False
+
+    @property
+    def supports_coalescing(self) -> bool:
+        return False
+
+    @property
+    def supports_time_estimate(self) -> bool:
+        return False
+
     @property
     def supports_shrinking(self) -> bool:
-        """``dist.shrink_group`` works on hetcomm groups (torch >= 2.14)."""
+        """``dist.shrink_group`` works on hetcomm groups (:meth:`shrink`)."""
         return True
+
+    @property
+    def supports_window(self) -> bool:
+        return False
 
     def shrink(self, ranks_to_exclude: List[int], shrink_flags: int = 0, opts_override=None) -> "HetcommBackend":
         """``dist.shrink_group``'s backend step: a new backend over the survivors
@@ -515,6 +546,13 @@ class HetcommProcessGroup(_HetcommFace, dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"HetcommProcessGroup(rank={self.rank()}, size={self.size()}, rails={self.rail_names('cpu')})"
+
+
+def _c10d_options(timeout: timedelta, global_ranks: Sequence[int]) -> "_C10dBackend.Options":
+    """torch's ``Backend.Options`` of a hetcomm backend (what c10d's shrink and split read)."""
+    opts = _C10dBackend.Options("hetcomm", timeout)
+    opts.global_ranks_in_group = list(global_ranks)
+    return opts
 
 
 def _all_of(works: List[dist.Work]) -> dist.Work:

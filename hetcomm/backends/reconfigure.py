@@ -487,12 +487,8 @@ def reconfigure_group(face, opts):
     ref = weakref.ref(new_pg)
     comm = change_communicator(members.store, change, timeout, members.options, members.group_id, ref, True)
     new = type(face)._adopt(comm, members.moved(change), face._timeout, members.group_id, ref)
-    import torch
-
-    from hetcomm.backends.registry import supported_devices
-
-    for device in supported_devices():  # where c10d registered the old one (registry.register)
-        new_pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, new)
+    for device in pg._device_types or [_cpu()]:  # where c10d registered the old backend
+        new_pg._register_backend(device, dist.ProcessGroup.BackendType.CUSTOM, new)
     new_pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     new_pg._set_group_name(name)
     new_pg._set_group_desc("default:reconfigured")

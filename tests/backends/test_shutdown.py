@@ -4,7 +4,7 @@ An async delegated collective completes on a gloo thread, and its Work's future 
 caller's callbacks there (PowerSGD's hook chains three collectives that way). If the caller
 destroys its groups meanwhile, that thread may drop the last reference to a group and
 ``~ProcessGroupGloo`` joins its own thread: ``Resource deadlock avoided``, the process aborted
-(``tests/moe/test_powersgd.py`` once in CI). ``HetcommProcessGroup.shutdown`` therefore waits
+(``tests/moe/test_powersgd.py`` once in CI). The group face's ``shutdown`` therefore waits
 for those callbacks (``hetcomm.backends.delegated._InFlight``).
 """
 

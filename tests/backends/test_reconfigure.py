@@ -138,3 +138,40 @@ def _flags(rank: int, world_size: int) -> dict:
     backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     return {"reconfigure": dist._supports_reconfigure(), "shrinking": bool(backend.supports_shrinking),
             "handle": dist._get_reconfigure_handle()[:10]}
+
+
+def subgroup_changes(rank: int, world_size: int) -> dict:
+    """A hetcomm subgroup of ranks 0-2 (rank 3 outside it) shrinks to 0-1 (rank 2 leaves it);
+    a reconfigure that would renumber a non-default group is refused."""
+    import torch
+
+    from hetcomm.backends import hetcomm_group
+    from hetcomm.backends.reconfigure import Handle
+
+    sub = dist.new_group([0, 1, 2], backend="hetcomm")
+    out: dict = {}
+    if rank in (0, 1):
+        small = dist.shrink_group([2], group=sub)
+        t = torch.full((3,), float(rank + 1), device="cpu")  # host: CPU groups
+        dist.all_reduce(t, group=small)
+        out["sum"] = t.tolist()
+        out["size"] = small.size()
+        out["served"] = type(hetcomm_group(small)).__name__ + f"/{hetcomm_group(small).communicator.world_size}"
+        joiners = [Handle(f"elsewhere-{i}", "node-z", i + 1, slot=5 + i).encode() for i in range(2)]  # size 3 now
+        try:
+            dist._reconfigure(uuid=9, handles=[hetcomm_group(small).get_reconfigure_handle(), *joiners], group=small)
+            out["renumber"] = "no error"
+        except Exception as e:  # noqa: BLE001 - the test reads the type and message
+            out["renumber"] = f"{type(e).__name__}: {e}"
+    dist.barrier()  # the default group is untouched by the subgroup's changes
+    return out
+
+
+@needs_214
+def test_a_subgroup_shrinks_and_is_not_renumbered_by_reconfigure():
+    outs = run_ranks_outcomes(subgroup_changes, 4, backend="hetcomm", pg_timeout=20.0, timeout=90)
+    assert all(o.ok for o in outs), "\n".join(o.describe() + "\n" + (o.traceback or "") for o in outs if not o.ok)
+    for r in (0, 1):
+        res = outs[r].result
+        assert res["sum"] == [3.0, 3.0, 3.0] and res["size"] == 2 and res["served"] == "HetcommBackend/2"
+        assert res["renumber"].startswith("UsageError") and "not the default group" in res["renumber"], res["renumber"]

@@ -78,8 +78,8 @@ def main() -> int:
     for change, label in (("shrink", "shrink 4->3 after kill -9"), ("grow", "grow 3->4 (a new process joins)")):
         for b in backends:
             v = sorted(x * 1e3 for x in times[b][change])
-            how = "shrink_group" if (b == "hetcomm" or change == "grow") else "_reconfigure (gloo cannot shrink)"
-            print(f"| {label} | {b} ({how if change == 'shrink' else '_reconfigure'}) | {statistics.median(v):.1f} | "
+            how = {("shrink", "hetcomm"): "`shrink_group`", ("shrink", "gloo"): "`_reconfigure`: gloo cannot shrink"}
+            print(f"| {label} | {b} ({how.get((change, b), '`_reconfigure`')}) | {statistics.median(v):.1f} | "
                   f"{v[0]:.1f} - {v[-1]:.1f} |")
     return 0
 

@@ -10,9 +10,10 @@ torch 2.14 gave c10d two ways to change who is in a group without restarting the
   (``dist._get_reconfigure_handle`` / ``dist._reconfigure``): every member of the *new*
   membership, old or joining, passes the same fresh ``uuid`` and the same handles (exchanged
   out of band, e.g. through a store); a list numbers the new ranks by position, a set lets the
-  backend choose. The group object stays; its rank and size become the new ones. A group
-  created with ``enable_reconfigure=True`` has no communicator until its first reconfigure
-  (a joining process creates a group of one that way, over the same store as the others).
+  backend choose. On gloo the group object stays and its rank and size become the new ones; a
+  Python backend's cannot (:func:`reconfigure_group` says what hetcomm does). A group created
+  with ``enable_reconfigure=True`` has no communicator until its first reconfigure (a joining
+  process creates a group of one that way, over the same store as the others).
 
 What a hetcomm group must do for either, in this order (:func:`change_communicator`):
 
@@ -24,10 +25,14 @@ What a hetcomm group must do for either, in this order (:func:`change_communicat
    membership it computed (new rank -> cluster slot and handle) under the change's own store
    key and waits for every other new rank's, within the timeout; a rank that never answers is
    a :class:`~hetcomm.errors.PeerTimeout` naming it by its *old* rank (shrink) or its handle's
-   host and pid (reconfigure), and a rank that computed another membership (another exclusion
-   list, another handle order) a :class:`~hetcomm.errors.ConfigError` naming the ranks and
-   both memberships. Nothing of the new communicator exists yet, so a failed change leaves the
-   group as it was.
+   host and pid (reconfigure), and a rank that computed another membership under the same key
+   (another handle order) a :class:`~hetcomm.errors.ConfigError` naming the ranks and both
+   memberships; another exclusion list is another key, so its ranks are named as not answering.
+   Nothing of the new communicator exists yet, so a failed change leaves the group as it was.
+   Entries stay (a rank that timed out does not take its entry back: a slower peer would then
+   name it as silent): a retry of the same change counts them, so a rank that answered once and
+   died before the retry is found by the communicator's build instead, whose store waits end at
+   the timeout too.
 3. **Build a new communicator** over a store prefix of its own (``hetcomm/membership/<key>/``):
    the placement (the cluster file's slot of each new rank: a survivor keeps its slot; a
    joiner whose handle names none takes its position), the option agreement, the rails, the

@@ -160,7 +160,19 @@ def functional(rank: int, n: int) -> dict:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as fc
 
+    import hetcomm
+    from hetcomm.backends import HetcommOptions, hetcomm_group
+
     out = {}
+    # what the default group and a subgroup with pg_options are made of, under DETAIL's wrapper
+    sub = dist.new_group([0, 1], backend="hetcomm", pg_options=HetcommOptions(chunk_bytes=1 << 20))
+    out["faces"] = [
+        type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__,
+        type(hetcomm_group()).__name__,
+        hetcomm.communicator() is hetcomm_group().communicator,
+        dist.group.WORLD._get_backend(torch.device("cpu")).name(),
+        hetcomm.communicator(sub).options.chunk_bytes if rank < 2 else None,
+    ]
     groups = {"hetcomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     x = (torch.arange(n * 6, dtype=torch.float32).reshape(n * 2, 3) + 100 * rank) / 3.0
     splits_in = [(rank + j) % 3 for j in range(n)]
@@ -187,6 +199,7 @@ def test_functional_collectives_match_gloo():
     warnings.simplefilter("ignore", FutureWarning)
     got = run_ranks(functional, world_size=4, timeout=180, env=DETAIL, start_method="spawn")
     for rank, r in enumerate(got):
+        assert r["faces"] == ["_ProcessGroupWrapper", "HetcommBackend", True, "hetcomm", (1 << 20) if rank < 2 else None], r["faces"]
         assert r["hetcomm"].keys() == r["gloo"].keys()
         for op, v in r["hetcomm"].items():
             assert torch.equal(v, r["gloo"][op]), f"rank {rank}: {op} differs from gloo"

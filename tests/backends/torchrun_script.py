@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 dist.init_process_group("hetcomm")  # env:// from torchrun
+loaded = "hetcomm" in sys.modules  # by torch's entry point, never by this script
 rank, n = dist.get_rank(), dist.get_world_size()
 x = torch.arange(2 * n, dtype=torch.float32) + 10 * rank
 y = torch.empty_like(x)
@@ -14,10 +15,12 @@ expect = torch.cat([torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) + 
 t = torch.ones(1) * rank
 dist.all_reduce(t)
 # torch >= 2.14: hetcomm's c10d Backend inside torch's ProcessGroup; 2.13: the group itself
-face = type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__
-ok = torch.equal(y, expect) and t.item() == n * (n - 1) / 2 and (
-    face == "HetcommBackend" if hasattr(dist.ProcessGroup, "shrink") or torch.__version__ >= "2.14" else type(dist.group.WORLD).__name__ == "HetcommProcessGroup"
-)
-print(f"rank {rank} {'OK' if ok else 'BAD'} {'hetcomm' in sys.modules}", flush=True)
+faces = sys.modules["hetcomm.backends.process_group"] if loaded else None
+if faces is not None and faces.backend_subclassable():
+    face_ok = type(dist.group.WORLD._get_backend(torch.device("cpu"))) is faces.HetcommBackend
+else:
+    face_ok = faces is not None and type(dist.group.WORLD) is faces.HetcommProcessGroup
+ok = torch.equal(y, expect) and t.item() == n * (n - 1) / 2 and face_ok
+print(f"rank {rank} {'OK' if ok else 'BAD'} {loaded}", flush=True)
 dist.destroy_process_group()
 sys.exit(0 if ok else 1)

@@ -35,7 +35,7 @@ from hetcomm.errors import UsageError
 if TYPE_CHECKING:
     from hetcomm.backends.routed import RoutedCollectives
 
-__all__ = ["Communicator", "communicator"]
+__all__ = ["Communicator", "communicator", "LateGroupRef"]
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo groups
 
@@ -43,6 +43,45 @@ _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo groups
 #: keyed weakly by the group. ``Communicator(group)`` looks a group up here instead of importing
 #: its c10d face (``hetcomm.backends.process_group`` imports this module, not the other way).
 _GROUP_OWNED: "weakref.WeakKeyDictionary[Any, Communicator]" = weakref.WeakKeyDictionary()
+
+
+class LateGroupRef:
+    """The group of a communicator built before c10d made its ProcessGroup (``dist.shrink_group``:
+    the backend's ``shrink`` returns first, then c10d wraps it in a new group). Called like a
+    weak reference; it finds the group at the first call after c10d registered it (``serves``
+    recognises it) and then registers the communicator as that group's (``Communicator(group)``)."""
+
+    def __init__(self, serves: Callable[[Any], bool]) -> None:
+        self._serves = serves
+        self._ref: Optional[Callable[[], Any]] = None
+        self.comm: Optional["Communicator"] = None
+        _LATE.add(self)
+
+    def __call__(self):
+        if self._ref is not None:
+            return self._ref()
+        import torch.distributed as dist
+
+        for pg in list(dist.distributed_c10d._world.pg_map):
+            if self._serves(pg):
+                self._ref = weakref.ref(pg)
+                if self.comm is not None:
+                    _GROUP_OWNED[pg] = self.comm
+                _LATE.discard(self)
+                return pg
+        return None
+
+
+#: Late references not bound yet (weakly: one whose communicator died leaves by itself).
+_LATE: "weakref.WeakSet[LateGroupRef]" = weakref.WeakSet()
+
+
+def _bind_late(pg) -> Optional["Communicator"]:
+    """The communicator of ``pg`` when a :class:`LateGroupRef` serves it (binding it), else None."""
+    for late in list(_LATE):
+        if late() is pg:
+            return late.comm
+    return None
 
 
 def _resolve_group(group):
@@ -119,6 +158,8 @@ class Communicator:
     def __new__(cls, group=None, *, cluster=None, options: Optional[HetcommOptions] = None):
         pg = _resolve_group(group)
         comm = _GROUP_OWNED.get(pg)
+        if comm is None:
+            comm = _bind_late(pg)
         if comm is not None:  # a hetcomm group: it built its communicator when c10d created it
             if options is not None and options_from_env(options) != comm.options:
                 raise UsageError(
@@ -187,10 +228,14 @@ class Communicator:
         global_ranks: Sequence[int],
         group_id: str,
         group_ref: Callable[[], Any],
+        watch_peers: Optional[bool] = None,
     ) -> "Communicator":
         """The communicator of a hetcomm group face (:mod:`hetcomm.backends.process_group`)
         under construction: places the ranks, agrees on the settings, builds the rails and the
         executor. ``group_ref()`` returns the group (held weakly: the group holds this object).
+        ``watch_peers``: run the heartbeat, watching every peer (:mod:`hetcomm.backends.heartbeat`); None: for the
+        default group (no ``global_ranks``) only. A membership change of the default group
+        names its slots as ``global_ranks`` and asks for it (:mod:`hetcomm.backends.reconfigure`).
 
         Raises:
             ConfigError: settings differ between ranks (before any rail is built).
@@ -210,7 +255,10 @@ class Communicator:
         placement = build_placement(store, rank, size, global_ranks, opts.cluster, timeout)
         comm = super().__new__(cls)
         comm._setup(group_ref, rank, size, opts, placement, timeout)
-        _GROUP_OWNED[group_ref()] = comm  # the group dies with its construction if that fails below
+        if isinstance(group_ref, LateGroupRef):
+            group_ref.comm = comm  # registered in _GROUP_OWNED once c10d has made the group
+        else:
+            _GROUP_OWNED[group_ref()] = comm  # the group dies with its construction if that fails below
         # Before any rail: two ring layouts of one shared segment would corrupt each other.
         # plan_model: the cost model's rate scale, an input of every adaptive plan decision.
         agree(store, rank, size, settings_of(opts, placement, {"plan_model": plan_model()}), timeout)
@@ -228,7 +276,7 @@ class Communicator:
             rails.close()
             raise
         comm.routed = RoutedCollectives(rails, executor, faults, opts, placement, rank, size, inner.total_seconds())
-        if not global_ranks:  # the default group: watch every peer (hetcomm.backends.heartbeat)
+        if watch_peers if watch_peers is not None else not global_ranks:  # the default group: watch every peer
             from hetcomm.backends import heartbeat
 
             # give_up_s: a survivor whose store host stopped exits within the group timeout.

@@ -48,11 +48,13 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
 
 from hetcomm import settings
-from hetcomm.backends.communicator import Communicator
+from hetcomm.backends.communicator import Communicator, LateGroupRef
 from hetcomm.backends.delegated import DelegatedCollectives
 from hetcomm.backends.options import HetcommOptions
 from hetcomm.backends.p2p import HEADER_TAG_BASE, PointToPoint
 from hetcomm.backends.rank_placement import Placement
+from hetcomm.backends.reconfigure import Members, NotConfigured, reconfigure_group, shrink_backend
+from hetcomm.backends.reconfigure import supported as reconfigure_supported
 from hetcomm.backends.work import FutureWork, HetcommWork
 from hetcomm.errors import UsageError
 
@@ -164,8 +166,10 @@ class _HetcommFace:
         global_ranks: Sequence[int],
         group_id: str,
         group: Any,
+        enable_reconfigure: bool = False,
     ) -> None:
-        """Build the communicator; ``group`` is the torch ProcessGroup it serves (held weakly)."""
+        """Build the communicator; ``group`` is the torch ProcessGroup it serves (held weakly).
+        With ``enable_reconfigure`` there is none until the first :meth:`reconfigure` (torch's contract)."""
         _configure_logging()
         if options is not None and not isinstance(options, HetcommOptions):
             raise UsageError(
@@ -175,20 +179,42 @@ class _HetcommFace:
         self._group_id = group_id
         self._timeout = timeout
         self._closed = False
+        #: Who is in the group and what a membership change rebuilds from (.reconfigure).
+        self._members = Members(store, rank, size, options, list(global_ranks), group_id)
         # The communicator holds the group weakly and the face holds it: no reference cycle, so
         # the face (and its inner gloo groups) die by reference counting on the thread that
         # destroys them, never on a gloo callback thread (whose ProcessGroupGloo destructor
         # would join itself).
-        self.communicator: Communicator = Communicator._for_backend(
-            store, rank, size, timeout, options, global_ranks, group_id, weakref.ref(group)
-        )
-        routed = self.communicator.routed
+        self._pg_ref = weakref.ref(group)
+        _LIVE.add(self)
+        if enable_reconfigure:  # a joining process's group of one publishes nothing until then
+            self._install(None)
+            return
+        self._install(Communicator._for_backend(store, rank, size, timeout, options, global_ranks, group_id, self._pg_ref))
+
+    def _install(self, comm: Optional[Communicator], why: str = "") -> None:
+        """Serve every c10d method from ``comm`` (None: every call raises, saying ``why``)."""
+        self.communicator = comm  # type: ignore[assignment]
+        if comm is None:
+            self._routed = self._delegated = self._p2p = NotConfigured(self._members.rank, why)  # type: ignore[assignment]
+            return
+        routed = comm.routed
         assert routed is not None
         self._routed = routed
-        self._delegated = DelegatedCollectives(routed.rails.gloo, rank, size, routed.faults, routed)
-        self._p2p = PointToPoint(routed.rails.gloo, rank, size, self.communicator.timeout, self._delegated.in_flight)
+        self._delegated = DelegatedCollectives(routed.rails.gloo, comm.rank, comm.world_size, routed.faults, routed)
+        self._p2p = PointToPoint(routed.rails.gloo, comm.rank, comm.world_size, comm.timeout, self._delegated.in_flight)
         self._log_routes()
-        _LIVE.add(self)
+
+    def _release(self) -> Optional[Communicator]:
+        """Stop serving from the current communicator (finished work first) and hand it back."""
+        comm = self.communicator
+        if comm is not None:
+            # Completions still running on gloo's threads finish first (delegated._InFlight):
+            # their callbacks must not hold the last reference to what is being closed.
+            self._delegated.in_flight.wait_idle(comm.timeout.total_seconds())
+            # p2p lanes still waiting in gloo end now, not while the interpreter finalises (p2p.py)
+            self._p2p.close()
+        return comm
 
     # -- what the communicator knows -----------------------------------------------------------
     @property
@@ -329,6 +355,22 @@ class _HetcommFace:
         _check_user_tag(tag, self.communicator.rank)
         return self._p2p.recv(tensors, None, tag)
 
+    # -- membership (torch >= 2.14: dist.shrink_group, dist._reconfigure; .reconfigure) -------
+    @property
+    def supports_reconfigure(self) -> bool:
+        """True where torch has the reconfigure API (>= 2.14; the 2.13 face never gets the call)."""
+        return isinstance(self, _C10dBackend) and reconfigure_supported()
+
+    def get_reconfigure_handle(self) -> str:
+        """This process's handle for the next :meth:`reconfigure` (the same until then)."""
+        return self._members.handle(self.communicator).encode()
+
+    def reconfigure(self, opts) -> dist.Work:
+        """Move the group to the membership ``opts.handles`` names (``dist._reconfigure``):
+        :func:`hetcomm.backends.reconfigure.reconfigure_group`. Blocking: the Work returned is
+        complete; on an error the group keeps its membership."""
+        return reconfigure_group(self, opts)
+
     # -- lifetime ---------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop the executor and release the rails (shm segments, waiter threads)."""
@@ -336,12 +378,9 @@ class _HetcommFace:
             return
         self._closed = True
         _LIVE.discard(self)
-        # Completions still running on gloo's threads finish first (delegated._InFlight): their
-        # callbacks must not be left holding the last reference to a group being destroyed.
-        self._delegated.in_flight.wait_idle(self.communicator.timeout.total_seconds())
-        # p2p lanes still waiting in gloo end now, not while the interpreter finalises (p2p.py)
-        self._p2p.close()
-        self.communicator.close()
+        comm = self._release()
+        if comm is not None:
+            comm.close()
         # The inner gloo is not shut down explicitly: ProcessGroupGloo.shutdown() racing with
         # the completion callbacks of its last Works aborted processes ("Resource deadlock
         # avoided") in DDP tests. It is released with this object, which holds no reference
@@ -384,6 +423,7 @@ class HetcommBackend(_HetcommFace, _C10dBackend):
         global_ranks: Sequence[int] = (),
         group_id: str = "",
         process_group: Optional[dist.ProcessGroup] = None,
+        enable_reconfigure: bool = False,
     ):
         _C10dBackend.__init__(self, rank, size)
         if process_group is None:
@@ -391,10 +431,26 @@ class HetcommBackend(_HetcommFace, _C10dBackend):
                 f"HetcommBackend (rank {rank}): process_group is required (c10d passes it to the "
                 f"creator as opts.process_group); create groups with backend='hetcomm'"
             )
-        self._init_face(store, rank, size, timeout, options, global_ranks, group_id, process_group)
-        self._c10d_options = _C10dBackend.Options("hetcomm", timeout)
-        self._c10d_options.global_ranks_in_group = list(global_ranks)
+        self._init_face(store, rank, size, timeout, options, global_ranks, group_id, process_group, enable_reconfigure)
+        self._c10d_options = _c10d_options(timeout, global_ranks)
         _KEEP_ALIVE[process_group] = self
+
+    @classmethod
+    def _adopt(cls, comm: Communicator, members: Members, timeout: timedelta, group_id: str, group_ref) -> "HetcommBackend":
+        """A backend serving ``comm``, built by a membership change (no second communicator);
+        ``group_ref()`` is the ProcessGroup it serves (a :class:`LateGroupRef` for a shrink)."""
+        self = cls.__new__(cls)
+        _C10dBackend.__init__(self, comm.rank, comm.world_size)
+        _configure_logging()
+        self._group_id, self._timeout, self._closed, self._members = group_id, timeout, False, members
+        self._pg_ref = group_ref
+        self._c10d_options = _c10d_options(timeout, ())
+        _LIVE.add(self)
+        self._install(comm)
+        group = group_ref() if not isinstance(group_ref, LateGroupRef) else None
+        if group is not None:
+            _KEEP_ALIVE[group] = self
+        return self
 
     # -- what c10d asks of a backend ---------------------------------------------------------
     # torch 2.14.1's trampoline answers each of these C++ questions by looking the Python
@@ -402,6 +458,7 @@ class HetcommBackend(_HetcommFace, _C10dBackend):
     # property, which asks the trampoline again: RecursionError (batch_isend_irecv reads
     # supports_coalescing, shrink_group supports_shrinking, new_group's split path
     # supports_splitting). Subclasses that add a capability override the one property.
+    # supports_reconfigure is the face's (True on torch >= 2.14).
     @property
     def options(self) -> "_C10dBackend.Options":
         """torch's ``Backend.Options`` (backend ``"hetcomm"``, the group timeout, the group's
@@ -422,15 +479,18 @@ class HetcommBackend(_HetcommFace, _C10dBackend):
 
     @property
     def supports_shrinking(self) -> bool:
-        return False
-
-    @property
-    def supports_reconfigure(self) -> bool:
-        return False
+        """``dist.shrink_group`` works on hetcomm groups (:meth:`shrink`)."""
+        return True
 
     @property
     def supports_window(self) -> bool:
         return False
+
+    def shrink(self, ranks_to_exclude: List[int], shrink_flags: int = 0, opts_override=None) -> "HetcommBackend":
+        """``dist.shrink_group``'s backend step: a new backend over the survivors
+        (:func:`hetcomm.backends.reconfigure.shrink_backend`; ``shrink_flags`` and
+        ``opts_override`` are accepted and unused: nothing runs to abort, the options stay)."""
+        return shrink_backend(self, ranks_to_exclude)
 
     def __repr__(self) -> str:
         return f"HetcommBackend(rank={self.rank()}, size={self.size()}, rails={self.rail_names('cpu')})"
@@ -486,6 +546,13 @@ class HetcommProcessGroup(_HetcommFace, dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"HetcommProcessGroup(rank={self.rank()}, size={self.size()}, rails={self.rail_names('cpu')})"
+
+
+def _c10d_options(timeout: timedelta, global_ranks: Sequence[int]) -> "_C10dBackend.Options":
+    """torch's ``Backend.Options`` of a hetcomm backend (what c10d's shrink and split read)."""
+    opts = _C10dBackend.Options("hetcomm", timeout)
+    opts.global_ranks_in_group = list(global_ranks)
+    return opts
 
 
 def _all_of(works: List[dist.Work]) -> dist.Work:

@@ -55,7 +55,9 @@ def _create(opts, backend_options):
     args = (opts.store, opts.group_rank, opts.group_size, opts.timeout)
     kwargs = dict(options=backend_options, global_ranks=list(opts.global_ranks_in_group or []), group_id=str(opts.group_id))
     if backend_subclassable():
-        return HetcommBackend(*args, process_group=opts.process_group, **kwargs)
+        # init_process_group(enable_reconfigure=True): torch >= 2.14 only, where this face is used
+        return HetcommBackend(*args, process_group=opts.process_group, enable_reconfigure=bool(opts.enable_reconfigure),
+                              **kwargs)
     return HetcommProcessGroup(*args, **kwargs)
 
 

@@ -42,9 +42,12 @@ that change visible and places the experts for it:
   ``membership.json`` keeps: the record says they are unknown rather than guess them. Nothing
   is written: there is no directory to write ``membership.json`` to.
 
-Why not torchft: its quorum and reconfigurable process groups replace the process group per
-step and recover from live peers; this stack restarts the group through torchrun and restores
-from the checkpoint, so what is left to do here is recording and placement, not reconfiguration.
+Why a restart and not an in-place change: on torch >= 2.14 a hetcomm group itself can shrink
+(``dist.shrink_group``) and take a new process in (``dist._reconfigure``;
+:mod:`hetcomm.backends.reconfigure`), as torchft's reconfigurable groups do. ``hetcomm launch``
+still restarts the workers through torchrun, whose agent stops every worker of a node when one
+fails, and ``hetcomm train`` builds its world-size-shaped state once at start; so what is left to
+do here is recording and placement (docs/OPERATIONS.md, "In place or by restart").
 """
 
 from __future__ import annotations

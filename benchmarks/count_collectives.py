@@ -5,7 +5,7 @@ Every rank wraps the group-wide operations of the hetcomm backend — the delega
 and the routed ones (all_to_all_single, all_to_all, run_plan: :class:`~hetcomm.backends.routed.RoutedCollectives`)
 — and books each call to the first frame outside ``hetcomm/backends`` and torch (the hetcomm code
 that asked for it) and to the training step it ran in. The step is counted by wrapping
-``BatchSplit.begin_step`` (once per step in ``hetcomm.train.loop``); calls before the first
+``hetcomm.train.loop._step`` (once per step); calls before the first
 step are "startup", calls after the loop "end". The training itself is the unmodified
 ``train_worker`` with the demo config (``configs/train/demo.yaml``, mixed-mini, 4 ranks).
 
@@ -47,7 +47,7 @@ def _site() -> str:
 def _rank_main(cfg: Any) -> Dict[str, Any]:
     from hetcomm.backends.delegated import DelegatedCollectives
     from hetcomm.backends.routed import RoutedCollectives
-    from hetcomm.train import het_defaults, loop
+    from hetcomm.train import loop
     from hetcomm.ops import hooks
 
     state = {"step": "startup"}
@@ -66,13 +66,13 @@ def _rank_main(cfg: Any) -> Dict[str, Any]:
         wrap(DelegatedCollectives, name)
     for name in _ROUTED:
         wrap(RoutedCollectives, name)
-    orig_begin = het_defaults.BatchSplit.begin_step
+    orig_step = loop._step
 
-    def begin_step(self) -> None:
+    def one_step(job, step) -> None:
         state["step"] = 1 if state["step"] == "startup" else state["step"] + 1
-        orig_begin(self)
+        orig_step(job, step)
 
-    het_defaults.BatchSplit.begin_step = begin_step
+    loop._step = one_step
     orig_finish = hooks.finish_checkpoints
 
     def finish(mc) -> None:

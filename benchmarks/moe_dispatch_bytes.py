@@ -4,10 +4,10 @@ Real rank processes over the hetcomm backend (or gloo). Each rank routes ``T`` t
 ``E`` experts (uniform: ``k`` distinct experts drawn uniformly per token; experts evenly over the
 ranks) and runs one forward and backward step twice in the same processes:
 
-- **per-copy**: the exchange the MoE layer used before ``token_dispatch``: every (token, expert)
+- **per-copy**: the exchange the MoE layer used before the token engine (``hetcomm.backends.tokens``): every (token, expert)
   copy is a row of the all-to-all (``hetcomm.moe.routing.route_tokens``; its bytes follow from the counts),
   there and back, forward and backward (4 exchanges of ``S`` rows);
-- **dispatch**: ``hetcomm.backends.token_dispatch.dispatch``/``combine`` (4 exchanges of token rows),
+- **dispatch**: ``hetcomm.backends.tokens.dispatch``/``combine`` (4 exchanges of token rows),
   plus their metadata (counts, expert slots and weights, weight gradients) counted separately.
 
 Bytes are what each rank sends to *other* ranks, summed over ranks, counted by both code paths'
@@ -39,7 +39,7 @@ def _uniform_topk(T: int, E: int, k: int, seed: int) -> torch.Tensor:
 
 
 def rank_body(rank: int, world_size: int, E: int, ks, T: int, D: int):
-    from hetcomm.backends import token_dispatch as td
+    from hetcomm.backends import tokens as td
     from hetcomm.moe.placement import place_experts
     from hetcomm.moe.routing import ChunkLayout, route_tokens
 

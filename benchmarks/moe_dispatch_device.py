@@ -8,7 +8,7 @@ rank, ``k`` of ``E`` experts, uniform):
 
 - ``a2a per-copy``: ``all_to_all_single`` of the ``T * k`` per-copy rows, there and back
   (what a per-copy MoE exchange moves; the rows are gathered first, inside the timing);
-- ``dispatch+combine``: ``token_dispatch.dispatch`` then ``combine`` (forward only), experts
+- ``dispatch+combine``: ``hetcomm.backends.tokens.dispatch`` then ``combine`` (forward only), experts
   replaced by the identity.
 
 Times are medians over iterations of the slower rank, synchronised on the device. With
@@ -41,7 +41,7 @@ def _sync(dev: str) -> None:
 
 
 def rank_body(rank, world_size, device, T, D, E, k, iters, warmup):
-    from hetcomm.backends import token_dispatch as td
+    from hetcomm.backends import tokens as td
 
     dev = device if rank == 0 else "cpu"
     g = torch.Generator().manual_seed(rank)

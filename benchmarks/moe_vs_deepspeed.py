@@ -326,7 +326,7 @@ def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
     """Per-phase wall and CPU seconds of one step of ``v`` on this rank (median over ``steps``).
 
     Phases are timed by wrapping the functions each layer calls (hetcomm: gate, ``route_tokens``,
-    ``token_dispatch.dispatch``/``combine`` (their backwards included),
+    ``hetcomm.backends.tokens.deepep.dispatch``/``combine`` (their backwards included),
     ``ExpertBank.forward_pieces``/``forward_blocks``; DeepSpeed: gate,
     ``_route_slots``/``_sparse_encode``, ``_AllToAll``, experts, ``_sparse_decode`` in
     ``deepspeed.moe.sharded_moe``) and, in backward, by hooks on every expert module and on the
@@ -341,7 +341,8 @@ def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
     clock = _PhaseClock()
     m = v.module
     if v.kind == "hetcomm":
-        import hetcomm.backends.token_dispatch as TD
+        import hetcomm.backends.tokens.deepep as TD
+        import hetcomm.backends.tokens.flow as TF
         import hetcomm.moe.layer as L
 
         clock.wrap(m.gate, "forward", "gate")
@@ -352,8 +353,8 @@ def _profile_variant(v: _Variant, steps: int) -> Dict[str, Any]:
         clock.wrap(TD, "combine", "combine")
         clock.wrap(m.experts, "forward_blocks", "experts")
         clock.wrap(m.experts, "forward_pieces", "experts")
-        clock.wrap(TD._DispatchFn, "backward", "dispatch")
-        clock.wrap(TD._CombineFn, "backward", "combine")
+        clock.wrap(TF.DispatchFn, "backward", "dispatch")
+        clock.wrap(TF.CombineFn, "backward", "combine")
         experts = list(m.experts.experts) + (list(m.replicator.replicas.values()) if m.replicator else [])
     elif v.kind == "floor":
         experts = []  # nothing but expert math: the whole stage is its "experts" phase

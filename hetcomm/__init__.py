@@ -43,7 +43,7 @@ def __getattr__(name: str):
         return Communicator
     if name == "TokenSwitch":
         # torch's expert-parallel TokenSwitch contract over the same token engine.
-        from hetcomm.backends.token_switch import TokenSwitch
+        from hetcomm.backends.tokens.switch import TokenSwitch
 
         return TokenSwitch
     raise AttributeError(f"module 'hetcomm' has no attribute {name!r}")

@@ -3,7 +3,7 @@
 A communicator knows who is where (the :class:`~hetcomm.backends.rank_placement.Placement`), the
 effective :class:`~hetcomm.backends.options.HetcommOptions`, the wire-dtype policy and the
 statistics, and offers DeepEP-shaped :meth:`Communicator.dispatch` / :meth:`Communicator.combine`
-(implemented in :mod:`hetcomm.backends.token_dispatch`).
+(a face of the token engine, :mod:`hetcomm.backends.tokens`).
 
 Two kinds of group:
 
@@ -29,13 +29,13 @@ import torch
 from hetcomm.backends.agreement import agree, settings_of
 from hetcomm.backends.options import HetcommOptions, options_from_env
 from hetcomm.backends.rank_placement import Placement, build_placement
+from hetcomm.backends.tokens.wire import link_wire_dtype
 from hetcomm.errors import UsageError
-from hetcomm.wire_dtypes import WireDtype, parse_wire_dtype, wire_torch_dtype
 
 if TYPE_CHECKING:
     from hetcomm.backends.routed import RoutedCollectives
 
-__all__ = ["Communicator", "communicator"]
+__all__ = ["Communicator", "communicator", "LateGroupRef"]
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo groups
 
@@ -43,6 +43,45 @@ _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo groups
 #: keyed weakly by the group. ``Communicator(group)`` looks a group up here instead of importing
 #: its c10d face (``hetcomm.backends.process_group`` imports this module, not the other way).
 _GROUP_OWNED: "weakref.WeakKeyDictionary[Any, Communicator]" = weakref.WeakKeyDictionary()
+
+
+class LateGroupRef:
+    """The group of a communicator built before c10d made its ProcessGroup (``dist.shrink_group``:
+    the backend's ``shrink`` returns first, then c10d wraps it in a new group). Called like a
+    weak reference; it finds the group at the first call after c10d registered it (``serves``
+    recognises it) and then registers the communicator as that group's (``Communicator(group)``)."""
+
+    def __init__(self, serves: Callable[[Any], bool]) -> None:
+        self._serves = serves
+        self._ref: Optional[Callable[[], Any]] = None
+        self.comm: Optional["Communicator"] = None
+        _LATE.add(self)
+
+    def __call__(self):
+        if self._ref is not None:
+            return self._ref()
+        import torch.distributed as dist
+
+        for pg in list(dist.distributed_c10d._world.pg_map):
+            if self._serves(pg):
+                self._ref = weakref.ref(pg)
+                if self.comm is not None:
+                    _GROUP_OWNED[pg] = self.comm
+                _LATE.discard(self)
+                return pg
+        return None
+
+
+#: Late references not bound yet (weakly: one whose communicator died leaves by itself).
+_LATE: "weakref.WeakSet[LateGroupRef]" = weakref.WeakSet()
+
+
+def _bind_late(pg) -> Optional["Communicator"]:
+    """The communicator of ``pg`` when a :class:`LateGroupRef` serves it (binding it), else None."""
+    for late in list(_LATE):
+        if late() is pg:
+            return late.comm
+    return None
 
 
 def _resolve_group(group):
@@ -119,6 +158,8 @@ class Communicator:
     def __new__(cls, group=None, *, cluster=None, options: Optional[HetcommOptions] = None):
         pg = _resolve_group(group)
         comm = _GROUP_OWNED.get(pg)
+        if comm is None:
+            comm = _bind_late(pg)
         if comm is not None:  # a hetcomm group: it built its communicator when c10d created it
             if options is not None and options_from_env(options) != comm.options:
                 raise UsageError(
@@ -187,10 +228,14 @@ class Communicator:
         global_ranks: Sequence[int],
         group_id: str,
         group_ref: Callable[[], Any],
+        watch_peers: Optional[bool] = None,
     ) -> "Communicator":
-        """The communicator of a :class:`~hetcomm.backends.process_group.HetcommProcessGroup`
+        """The communicator of a hetcomm group face (:mod:`hetcomm.backends.process_group`)
         under construction: places the ranks, agrees on the settings, builds the rails and the
         executor. ``group_ref()`` returns the group (held weakly: the group holds this object).
+        ``watch_peers``: run the heartbeat, watching every peer (:mod:`hetcomm.backends.heartbeat`); None: for the
+        default group (no ``global_ranks``) only. A membership change of the default group
+        names its slots as ``global_ranks`` and asks for it (:mod:`hetcomm.backends.reconfigure`).
 
         Raises:
             ConfigError: settings differ between ranks (before any rail is built).
@@ -210,7 +255,10 @@ class Communicator:
         placement = build_placement(store, rank, size, global_ranks, opts.cluster, timeout)
         comm = super().__new__(cls)
         comm._setup(group_ref, rank, size, opts, placement, timeout)
-        _GROUP_OWNED[group_ref()] = comm  # the group dies with its construction if that fails below
+        if isinstance(group_ref, LateGroupRef):
+            group_ref.comm = comm  # registered in _GROUP_OWNED once c10d has made the group
+        else:
+            _GROUP_OWNED[group_ref()] = comm  # the group dies with its construction if that fails below
         # Before any rail: two ring layouts of one shared segment would corrupt each other.
         # plan_model: the cost model's rate scale, an input of every adaptive plan decision.
         agree(store, rank, size, settings_of(opts, placement, {"plan_model": plan_model()}), timeout)
@@ -228,7 +276,7 @@ class Communicator:
             rails.close()
             raise
         comm.routed = RoutedCollectives(rails, executor, faults, opts, placement, rank, size, inner.total_seconds())
-        if not global_ranks:  # the default group: watch every peer (hetcomm.backends.heartbeat)
+        if watch_peers if watch_peers is not None else not global_ranks:  # the default group: watch every peer
             from hetcomm.backends import heartbeat
 
             # give_up_s: a survivor whose store host stopped exits within the group timeout.
@@ -253,24 +301,23 @@ class Communicator:
         One vocabulary for the backend and the MoE layer (:mod:`hetcomm.wire_dtypes`):
         ``exact`` keeps every dtype; ``cluster`` (alias ``auto``) follows the cluster YAML's
         ``wire_dtype`` per link class (FP16 across vendors, FP32 elsewhere, by default);
-        ``fp32``/``fp16``/``bf16`` force one. Only floating-point tensors are cast, and a wire
-        never widens (an FP32 wire for FP16 tensors keeps FP16), so the answer is None whenever
-        the tensor already is at most as wide as the wire.
+        ``fp32``/``fp16``/``bf16`` force one. Only floating-point tensors are cast, and only to a
+        narrower dtype (an FP32 wire for FP16 tensors keeps FP16, an FP16 wire for BF16 tensors
+        keeps BF16), so the answer is None whenever the tensor already is at most as wide as the
+        wire. The rule itself is :func:`hetcomm.backends.tokens.wire.link_wire_dtype`, the one
+        every rail and both token faces follow.
 
         Args:
             peer: group rank of the other end (this rank: always None).
             dtype: the tensor's dtype.
             policy: override of ``options.wire_dtype`` (e.g. the MoE layer's ``wire_dtype``).
         """
-        name = parse_wire_dtype(policy if policy is not None else self.options.wire_dtype)
-        if peer == self.rank or not dtype.is_floating_point or name is WireDtype.EXACT:
-            return None
-        if name is WireDtype.CLUSTER:
-            name = self.placement.wire_dtype(self.rank, peer)
-        wire = wire_torch_dtype(name)
-        if wire == dtype or wire.itemsize > dtype.itemsize:
-            return None
-        return wire
+        own = peer == self.rank  # one's own rows never travel; the policy is checked all the same
+        wire = link_wire_dtype(
+            dtype, policy if policy is not None else self.options.wire_dtype,
+            lambda: None if own else self.placement.wire_dtype(self.rank, peer),
+        )
+        return None if own else wire
 
     # -- statistics ---------------------------------------------------------------------------
     def stats(self) -> Dict[str, Dict[str, float]]:
@@ -342,7 +389,7 @@ class Communicator:
             self.routed.executor.close(self.timeout.total_seconds())
             self.routed.rails.close()
 
-    # -- token dispatch (DeepEP-shaped; implemented in token_dispatch.py) ---------------------
+    # -- token dispatch (DeepEP-shaped; a face of the token engine, backends/tokens) -----------
     def dispatch(
         self,
         x: torch.Tensor,
@@ -371,13 +418,13 @@ class Communicator:
                 :meth:`wire_dtype`.
 
         Returns:
-            A :class:`~hetcomm.backends.token_dispatch.DispatchResult` (``recv_x [R, D]``,
+            A :class:`~hetcomm.backends.tokens.DispatchResult` (``recv_x [R, D]``,
             ``recv_counts`` per local expert, ``handle``, ``work``) — see
-            :func:`hetcomm.backends.token_dispatch.dispatch`.
+            :func:`hetcomm.backends.tokens.dispatch`.
         """
-        from hetcomm.backends import token_dispatch
+        from hetcomm.backends.tokens import deepep
 
-        return token_dispatch.dispatch(
+        return deepep.dispatch(
             self, x, topk_idx, topk_weights, expert_to_rank=expert_to_rank, capacity=capacity, async_op=async_op,
             num_chunks=num_chunks, split_by_expert=split_by_expert, wire_dtype=wire_dtype,
         )
@@ -385,11 +432,11 @@ class Communicator:
     def combine(self, y: torch.Tensor, handle, *, async_op: bool = False):
         """Return expert outputs to their tokens: ``y [R, D]`` -> ``[T, D]`` weighted sums.
 
-        See :func:`hetcomm.backends.token_dispatch.combine`.
+        See :func:`hetcomm.backends.tokens.combine`.
         """
-        from hetcomm.backends import token_dispatch
+        from hetcomm.backends.tokens import deepep
 
-        return token_dispatch.combine(self, y, handle, async_op=async_op)
+        return deepep.combine(self, y, handle, async_op=async_op)
 
     def __repr__(self) -> str:
         return (

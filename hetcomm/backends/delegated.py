@@ -216,8 +216,8 @@ class _InFlight:
     meanwhile, the callback thread would drop the last reference and ``~ProcessGroupGloo`` would
     join its own thread: ``std::system_error: Resource deadlock avoided``, the process aborted
     (seen once in ~1,500 tests: a gloo thread inside :meth:`_Completion.finish` while the main
-    thread was in ``destroy_process_group``). :meth:`HetcommProcessGroup.shutdown
-    <hetcomm.backends.process_group.HetcommProcessGroup.shutdown>` waits until none runs.
+    thread was in ``destroy_process_group``). The group face's :meth:`shutdown
+    <hetcomm.backends.process_group._HetcommFace.shutdown>` waits until none runs.
     """
 
     def __init__(self) -> None:

@@ -359,6 +359,9 @@ class Executor:
         self._pending_lock = threading.Lock()
         self._pending = 0
         self._closed = False
+        #: Threads that handed the queue over and still run a completion's callbacks: close()
+        #: waits for them too, so destroy_process_group returns after those callbacks.
+        self._retiring: "set[threading.Thread]" = set()
         self._local = _JobLocal()
         #: Device jobs run on these streams, ordered after the caller's (hetcomm.backends.devices).
         self.streams = RailStreams()
@@ -386,6 +389,8 @@ class Executor:
         """Called on the executor thread just before it runs a future's callbacks: a new thread
         takes the queue; this one leaves the loop once the callbacks returned."""
         if self.on_thread() and not self._closed:
+            with self._pending_lock:
+                self._retiring.add(threading.current_thread())
             self._start_thread()
 
     def _execute(self, fn: Callable[[HetcommWork], None], work: HetcommWork) -> None:
@@ -427,6 +432,8 @@ class Executor:
                 return
             self._execute(*job)
             if self._thread is not me:  # handed the queue over while completing: leave
+                with self._pending_lock:
+                    self._retiring.discard(me)
                 return
 
     def on_thread(self) -> bool:
@@ -447,11 +454,18 @@ class Executor:
         return work
 
     def close(self, timeout_s: float) -> None:
-        """Let queued jobs finish (each bounded by the group timeout), then stop the thread."""
+        """Let queued jobs finish (each bounded by the group timeout), then stop the thread, and
+        wait for retired threads still running completion callbacks (within ``timeout_s``)."""
         if self._closed:
             return
         self._closed = True
         self._jobs.put(None)
         thread = self._thread
+        deadline = time.monotonic() + timeout_s
         if thread is not threading.current_thread():
             thread.join(timeout=timeout_s)
+        # A callback that destroys its own group runs on one of these: it must not wait for itself.
+        with self._pending_lock:
+            retiring = [t for t in self._retiring if t is not threading.current_thread()]
+        for t in retiring:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))

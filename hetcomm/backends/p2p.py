@@ -108,7 +108,7 @@ class _P2PWork(HetcommWork):
 
     The completion runs inside the group's :class:`~hetcomm.backends.delegated._InFlight`, as the
     delegated collectives' do: a callback may destroy the group (``work.get_future().then(lambda
-    f: dist.destroy_process_group())``), and ``HetcommProcessGroup.shutdown`` then waits for the
+    f: dist.destroy_process_group())``), and the group face's ``shutdown`` then waits for the
     completions running on other threads but not for this one.
     """
 
@@ -402,7 +402,7 @@ class PointToPoint:
         return work
 
     def close(self) -> None:
-        """End the lanes' threads before the group goes away (``HetcommProcessGroup.shutdown``).
+        """End the lanes' threads before the group goes away (the group face's ``shutdown``).
 
         A lane still waiting for a header (a receive never matched, or cancelled and never
         followed by a message) would otherwise block in gloo until the process exits, and a gloo

@@ -107,7 +107,7 @@ class RailSet:
         global_ranks = [p.global_rank for p in placement.ranks]
         self.gloo_rail = GlooRail(self.gloo, rank, self.wakeup, timeout=inner_timeout, global_ranks=global_ranks)
         self.striped: Optional[StripedRail] = self._make_nic_rails()
-        # No reference cycles through self (see HetcommProcessGroup): the bridge holds us weakly.
+        # No reference cycles through self (see hetcomm.backends.process_group): the bridge holds us weakly.
         me = weakref.proxy(self)
         # Staging pieces of the agreed chunk size: both ends of a pair must cut alike.
         self.bridge = BridgeRail(rank, lambda peer: me.bridge_transport(peer), wire_dtype, chunk_bytes=options.chunk_bytes)

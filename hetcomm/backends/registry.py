@@ -2,9 +2,17 @@
 
 ``import hetcomm`` calls :func:`register`; so does torch itself at ``import torch`` through the
 ``torch.backends`` entry point (``hetcomm:_autoload``), so a script that never imports hetcomm can
-still call ``dist.init_process_group("hetcomm")``. The creator builds one
-:class:`~hetcomm.backends.process_group.HetcommProcessGroup` per group (default group and every
-``new_group(backend="hetcomm")``), with ``pg_options`` as its :class:`HetcommOptions`.
+still call ``dist.init_process_group("hetcomm")``. The creator (torch's extended API: it gets
+c10d's ``_DistributedBackendOptions`` and ``pg_options``) builds one face per group (default group
+and every ``new_group(backend="hetcomm")``), with ``pg_options`` as its :class:`HetcommOptions`:
+
+* torch >= 2.14: a :class:`~hetcomm.backends.process_group.HetcommBackend` (torch's c10d
+  ``Backend``). c10d registers it in the ``ProcessGroup`` it made (``opts.process_group``) for
+  every device of :func:`supported_devices` under ``BackendType.CUSTOM`` (``register_backend``
+  maps a plugin's name to CUSTOM), after wrapping it in a ``_ProcessGroupWrapper`` under
+  ``TORCH_DISTRIBUTED_DEBUG=DETAIL``;
+* torch 2.13: a :class:`~hetcomm.backends.process_group.HetcommProcessGroup` (a Python
+  ``ProcessGroup``), which c10d takes as the group itself.
 """
 
 from __future__ import annotations
@@ -42,17 +50,15 @@ def supported_devices() -> List[str]:
 
 def _create(opts, backend_options):
     """The extended-API creator: ``opts`` is c10d's ``_DistributedBackendOptions``."""
-    from hetcomm.backends.process_group import HetcommProcessGroup
+    from hetcomm.backends.process_group import HetcommBackend, HetcommProcessGroup, backend_subclassable
 
-    return HetcommProcessGroup(
-        opts.store,
-        opts.group_rank,
-        opts.group_size,
-        opts.timeout,
-        options=backend_options,
-        global_ranks=list(opts.global_ranks_in_group or []),
-        group_id=str(opts.group_id),
-    )
+    args = (opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    kwargs = dict(options=backend_options, global_ranks=list(opts.global_ranks_in_group or []), group_id=str(opts.group_id))
+    if backend_subclassable():
+        # init_process_group(enable_reconfigure=True): torch >= 2.14 only, where this face is used
+        return HetcommBackend(*args, process_group=opts.process_group, enable_reconfigure=bool(opts.enable_reconfigure),
+                              **kwargs)
+    return HetcommProcessGroup(*args, **kwargs)
 
 
 def register() -> None:

@@ -77,6 +77,11 @@ class RoutedCollectives:
         self._seq += 1
         return self._seq
 
+    @property
+    def last_seq(self) -> int:
+        """Sequence number of the group's latest collective (routed or delegated; 0 before any)."""
+        return self._seq
+
     # -- split check ------------------------------------------------------------------------
     def exchange_meta(self, op: str, seq: int, meta: torch.Tensor, unit: str, local_error: Optional[str] = None) -> checks.Meta:
         """Share this rank's metadata vector with every peer, get theirs, and check the whole

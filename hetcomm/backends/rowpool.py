@@ -1,6 +1,6 @@
 """Recycled row buffers for the token data path (dispatch/combine and the MoE layer).
 
-Lives in ``hetcomm.backends`` because :mod:`hetcomm.backends.token_dispatch` uses it and
+Lives in ``hetcomm.backends`` because :mod:`hetcomm.backends.tokens` uses it and
 dependencies flow topo -> sched -> backends -> moe; the MoE layer imports it from here.
 
 Every step the layer moves its ``[S, D]`` / ``[R, D]`` rows through a handful of full-size

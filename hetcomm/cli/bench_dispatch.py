@@ -1,4 +1,5 @@
-"""``hetcomm bench dispatch``: dispatch and combine, forward and backward, over the communicator.
+"""``hetcomm bench dispatch``: dispatch and combine, forward and backward, over either face of the
+token engine (``hetcomm.Communicator``'s DeepEP-shaped verbs, ``hetcomm.TokenSwitch``).
 
 What DeepEP's tests and Mooncake's EP benchmark measure for an MoE communication library, on
 real ranks (``--nprocs N`` local processes, like ``hetcomm bench alltoall``):
@@ -7,10 +8,18 @@ real ranks (``--nprocs N`` local processes, like ``hetcomm bench alltoall``):
   experts (experts dealt to ranks in contiguous blocks), drawn by ``--routing``:
   ``uniform``; ``hot:N:P`` (the N first experts take a fraction P of the picks); ``zipf:S``
   (expert i picked with weight ``1/(i+1)**S``) — k distinct experts per token, a seeded draw;
-* four timed phases per iteration, each a call of ``hetcomm.Communicator``'s public API:
-  ``dispatch`` (forward), ``combine`` (forward), combine's backward (a dispatch of the output
-  gradients) and dispatch's backward (a combine of the input gradients), with a barrier before
-  every iteration; host timers on CPU, device events (``torch.cuda.Event``) on CUDA tensors;
+* four timed phases per iteration, each a call of a face's public API: ``dispatch`` (forward),
+  ``combine`` (forward), combine's backward (a dispatch of the output gradients) and dispatch's
+  backward (a combine of the input gradients), with a barrier before every step; host timers on
+  CPU, device events (``torch.cuda.Event``) on CUDA tensors;
+* ``--face``: ``communicator`` (``Communicator.dispatch``/``combine``, the default),
+  ``tokenswitch`` (``TokenSwitch.create_routing`` + ``dispatch`` as the dispatch phase,
+  ``combine``; the flat layout, ``max_recv_tokens`` = the routing's own slots),
+  ``tokenswitch-expert-major`` (the same in the expert_major layout: the communicator's rows),
+  or several, comma-separated: the faces take turns inside every iteration (the order
+  alternates), on the same routing, bytes and ranks; per face the *step* (the four phases, the
+  slowest rank's per iteration) gets its median and spread, and each face its ratio to the
+  first, also as the median of the per-iteration ratios (interleaved steps);
 * per rank and phase: p50/p90/p99/p999 (nearest rank over the iterations) and the **logical
   bandwidth** as DeepEP defines it: the token-row bytes a rank receives (dispatch-shaped phases)
   or sends (combine-shaped phases) to or from *other* ranks, in their wire dtype, divided by the
@@ -38,6 +47,8 @@ from hetcomm.errors import UsageError
 __all__ = ["DispatchBenchConfig", "add_dispatch_args", "routing_weights", "run_dispatch", "dispatch_rank_entry", "format_dispatch_table"]
 
 PHASES = ("dispatch", "combine", "combine-backward", "dispatch-backward")
+#: The faces of the token engine ``--face`` can time.
+FACES = ("communicator", "tokenswitch", "tokenswitch-expert-major")
 #: Phases shaped like a dispatch (rows travel to the experts' ranks): DeepEP counts the bytes a
 #: rank receives; the combine-shaped ones count what it sends.
 _RECEIVING = ("dispatch", "combine-backward")
@@ -65,13 +76,16 @@ class DispatchBenchConfig:
     timeout_s: float
     cluster: Optional[str] = None
     seed: int = 0
+    faces: Tuple[str, ...] = ("communicator",)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> "DispatchBenchConfig":
-        return cls(**json.loads(text))
+        doc = json.loads(text)
+        doc["faces"] = tuple(doc.get("faces", ("communicator",)))
+        return cls(**doc)
 
 
 def add_dispatch_args(p: argparse.ArgumentParser) -> None:
@@ -83,6 +97,10 @@ def add_dispatch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--experts", type=int, default=None, help="experts in all, dealt to ranks in blocks (default 2 per rank)")
     g.add_argument("--routing", default="uniform", help="uniform | hot:N:P (N experts take fraction P) | zipf:S (default uniform)")
     g.add_argument("--wire-dtype", default="exact", help="hetcomm wire dtype between vendors: exact, cluster, fp32, fp16, bf16 (default exact)")
+    g.add_argument("--face", default="communicator",
+                   help="which face(s) of the token engine to time, comma-separated and interleaved: communicator "
+                        "(Communicator.dispatch/combine), tokenswitch (hetcomm.TokenSwitch, flat layout), "
+                        "tokenswitch-expert-major (default communicator)")
 
 
 def routing_weights(spec: str, num_experts: int) -> List[float]:
@@ -145,13 +163,16 @@ def config_from_args(args: argparse.Namespace, num_ranks: int) -> DispatchBenchC
 
     if args.wire_dtype not in WIRE_DTYPES:
         raise UsageError(f"--wire-dtype {args.wire_dtype!r}: choose from {', '.join(WIRE_DTYPES)}")
+    faces = tuple(f.strip() for f in str(args.face).split(","))
+    if not faces or any(f not in FACES for f in faces) or len(set(faces)) != len(faces):
+        raise UsageError(f"--face {args.face!r}: a comma-separated list of distinct faces from {', '.join(FACES)}")
     dtype = _DTYPES.get(args.datatype)
     if dtype is None:
         raise UsageError(f"-d/--datatype {args.datatype!r}: dispatch moves float rows: float, bf16 or half")
     return DispatchBenchConfig(
         tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=experts, routing=args.routing,
         wire_dtype=args.wire_dtype, dtype=dtype, iters=args.iters, warmup_iters=args.warmup_iters,
-        timeout_s=float(args.timeout), cluster=args.cluster,
+        timeout_s=float(args.timeout), cluster=args.cluster, faces=faces,
     )
 
 
@@ -180,6 +201,8 @@ def _logical_bytes(comm, config: DispatchBenchConfig, idx, expert_to_rank) -> Di
     import torch
     import torch.distributed as dist
 
+    from hetcomm.backends.tokens.wire import row_wires, segment_bytes
+
     n, me = comm.world_size, comm.rank
     dtype = getattr(torch, config.dtype)
     dest = expert_to_rank[idx]  # [T, k]
@@ -187,9 +210,9 @@ def _logical_bytes(comm, config: DispatchBenchConfig, idx, expert_to_rank) -> Di
     rows_from = torch.empty(n, dtype=torch.int64)
     dist.all_to_all_single(rows_from, torch.tensor(rows_to, dtype=torch.int64))
     rows_from_l = rows_from.tolist()
-    row = lambda peer: config.hidden * ((comm.wire_dtype(peer, dtype) or dtype).itemsize)
-    sent = sum(rows_to[p] * row(p) for p in range(n) if p != me)
-    recv = sum(rows_from_l[p] * row(p) for p in range(n) if p != me)
+    wire = row_wires(comm, dtype)  # the engine's own rule and segment sizes: its counters agree
+    sent = sum(segment_bytes(rows_to[p], config.hidden, wire[p]) for p in range(n) if p != me)
+    recv = sum(segment_bytes(rows_from_l[p], config.hidden, wire[p]) for p in range(n) if p != me)
     local = rows_to[me] * config.hidden * dtype.itemsize
     out = {}
     for phase in PHASES:
@@ -206,7 +229,7 @@ def dispatch_rank_entry(payload: str, rank: int, world_size: int, store) -> Opti
     import torch.distributed as dist
 
     import hetcomm
-    from hetcomm.backends import token_dispatch
+    from hetcomm.backends import tokens
     from hetcomm.backends.options import HetcommOptions
 
     config = DispatchBenchConfig.from_json(payload)
@@ -223,45 +246,36 @@ def dispatch_rank_entry(payload: str, rank: int, world_size: int, store) -> Opti
         expert_to_rank = torch.arange(config.experts, device=device) // per_rank
         logical = _logical_bytes(comm, config, idx, expert_to_rank)
         timer = _Timer(device)
-        times: Dict[str, List[float]] = {p: [] for p in PHASES}
+        steps = {f: _face_step(f, comm, config, expert_to_rank) for f in config.faces}
+        times: Dict[str, Dict[str, List[float]]] = {f: {p: [] for p in PHASES} for f in config.faces}
+        cpu: Dict[str, List[float]] = {f: [] for f in config.faces}
         for it in range(config.warmup_iters + config.iters):
             timed = it >= config.warmup_iters
-            dist.barrier()
             if it == config.warmup_iters:  # the counters cover the timed iterations only
+                dist.barrier()
                 hetcomm.reset_stats()
-                token_dispatch.reset_counters()
-            xg = x.detach().requires_grad_(True)
-            t = timer.start()
-            recv_x, _counts, handle = comm.dispatch(xg, idx, gate, expert_to_rank=expert_to_rank)
-            d_dispatch = timer.stop(t)
-            y = recv_x.detach().requires_grad_(True)  # the experts: identity, so the rows are known
-            t = timer.start()
-            out = comm.combine(y, handle)
-            d_combine = timer.stop(t)
-            t = timer.start()
-            (gy,) = torch.autograd.grad(out, y, torch.ones_like(out))
-            d_cbwd = timer.stop(t)
-            t = timer.start()
-            (gx,) = torch.autograd.grad(recv_x, xg, gy)
-            d_dbwd = timer.stop(t)
-            if timed:
-                for phase, d in zip(PHASES, (d_dispatch, d_combine, d_cbwd, d_dbwd)):
-                    times[phase].append(d)
+                tokens.reset_counters()
+            # Interleaved, the order alternating: drift and the first-after-barrier cost fall
+            # on every face alike.
+            for face in (config.faces if it % 2 == 0 else config.faces[::-1]):
+                dist.barrier()
+                c0 = time.process_time()  # this process's threads: the work, whatever the load
+                durations = steps[face](timer, x, idx, gate)
+                if timed:
+                    cpu[face].append(time.process_time() - c0)
+                    for phase, d in zip(PHASES, durations):
+                        times[face][phase].append(d)
         dist.barrier()
         stats = hetcomm.stats()
         rail_sent = sum(int(v.get("bytes_sent", 0)) for v in stats.values() if isinstance(v, dict))
         rail_recv = sum(int(v.get("bytes_received", 0)) for v in stats.values() if isinstance(v, dict))
-        counters = token_dispatch.counters()
-        mine = {"rank": rank, "phases": {}, "rail_bytes_sent": rail_sent, "rail_bytes_received": rail_recv,
-                "dispatch_counters": counters}
-        for phase in PHASES:
-            s = sorted(times[phase])
-            p50 = _percentile(s, 50)
-            moved = logical[phase]["recv_bytes" if phase in _RECEIVING else "send_bytes"]
-            mine["phases"][phase] = dict(
-                logical[phase], p50_us=p50 * 1e6, p90_us=_percentile(s, 90) * 1e6, p99_us=_percentile(s, 99) * 1e6,
-                p999_us=_percentile(s, 99.9) * 1e6, logical_GBps=(moved / p50 / 1e9) if p50 > 0 else 0.0,
-            )
+        counters = tokens.counters()
+        faces = {face: {"phases": _phase_stats(times[face], logical)} for face in config.faces}
+        for face in config.faces:
+            faces[face]["step_s"] = [sum(ds) for ds in zip(*(times[face][p] for p in PHASES))]
+            faces[face]["cpu_s"] = cpu[face]
+        mine = {"rank": rank, "phases": faces[config.faces[0]]["phases"], "faces": faces, "rail_bytes_sent": rail_sent,
+                "rail_bytes_received": rail_recv, "dispatch_counters": counters}
         gathered: List[Any] = [None] * world_size
         dist.all_gather_object(gathered, mine)
         if rank != 0:
@@ -269,9 +283,104 @@ def dispatch_rank_entry(payload: str, rank: int, world_size: int, store) -> Opti
         from hetcomm.cli._bench_measure import machine_description
 
         return {"benchmark": "dispatch", "config": asdict(config), "num_ranks": world_size,
-                "timing": timer.kind, "machine": machine_description(), "ranks": gathered}
+                "timing": timer.kind, "machine": machine_description(), "ranks": gathered,
+                "faces": face_summary(config.faces, gathered)}
     finally:
         dist.destroy_process_group()
+
+
+def _face_step(face: str, comm, config: DispatchBenchConfig, expert_to_rank):
+    """``step(timer, x, idx, gate) -> (dispatch, combine, combine-backward, dispatch-backward)``
+    seconds of one step over ``face`` (the experts: identity, so the rows are known)."""
+    import torch
+
+    if face == "communicator":
+
+        def step(timer, x, idx, gate):
+            xg = x.detach().requires_grad_(True)
+            t = timer.start()
+            res = comm.dispatch(xg, idx, gate, expert_to_rank=expert_to_rank)
+            d_dispatch = timer.stop(t)
+            y = res.recv_x.detach().requires_grad_(True)
+            t = timer.start()
+            out = comm.combine(y, res.handle)
+            d_combine = timer.stop(t)
+            t = timer.start()
+            (gy,) = torch.autograd.grad(out, y, torch.ones_like(out))
+            d_cbwd = timer.stop(t)
+            t = timer.start()
+            torch.autograd.grad(res.recv_x, xg, gy)
+            return d_dispatch, d_combine, d_cbwd, timer.stop(t)
+
+        return step
+    import hetcomm
+
+    itemsize = getattr(torch, config.dtype).itemsize
+    layout = "flat" if face == "tokenswitch" else "expert_major"
+    # Room for any routing (a token reaches a rank at most once, an expert at most once); each
+    # dispatch asks for exactly its routing's slots, so no face pays for zeroing unused rows.
+    room = config.tokens * comm.world_size * (1 if layout == "flat" else config.topk)
+    ts = hetcomm.TokenSwitch(comm.group, config.experts, config.tokens, room, config.hidden * itemsize)
+
+    def step(timer, x, idx, gate):
+        xg = x.detach().requires_grad_(True)
+        t = timer.start()
+        routing = ts.create_routing(idx, layout=layout)
+        out_tokens, _w, _i = ts.dispatch(routing, xg, gate, routing.num_recv_tokens)
+        d_dispatch = timer.stop(t)
+        y = out_tokens.detach().requires_grad_(True)
+        t = timer.start()
+        out = ts.combine(routing, y)
+        d_combine = timer.stop(t)
+        t = timer.start()
+        (gy,) = torch.autograd.grad(out, y, torch.ones_like(out))
+        d_cbwd = timer.stop(t)
+        t = timer.start()
+        torch.autograd.grad(out_tokens, xg, gy)
+        return d_dispatch, d_combine, d_cbwd, timer.stop(t)
+
+    return step
+
+
+def _phase_stats(times: Dict[str, List[float]], logical: Dict[str, Dict[str, int]]) -> Dict[str, Dict[str, float]]:
+    """Per phase: the logical bytes, p50/p90/p99/p999 (us) and DeepEP's logical GB/s."""
+    out = {}
+    for phase in PHASES:
+        s = sorted(times[phase])
+        p50 = _percentile(s, 50)
+        moved = logical[phase]["recv_bytes" if phase in _RECEIVING else "send_bytes"]
+        out[phase] = dict(
+            logical[phase], p50_us=p50 * 1e6, p90_us=_percentile(s, 90) * 1e6, p99_us=_percentile(s, 99) * 1e6,
+            p999_us=_percentile(s, 99.9) * 1e6, logical_GBps=(moved / p50 / 1e9) if p50 > 0 else 0.0,
+        )
+    return out
+
+
+def face_summary(faces: Sequence[str], ranks: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
+    """Per face: the step (four phases) of the slowest rank per iteration, its p10/p50/p90 (us)
+    and spread ((p90 - p10) / p50, %); the ratio of its p50 to the first face's and the median
+    of the per-iteration ratios (interleaved pairs); the CPU seconds of a step summed over the
+    ranks (every thread of every rank process: the work, which a loaded machine delays but does
+    not change), its p50 and ratio likewise."""
+    n = len(ranks[0]["faces"][faces[0]]["step_s"])
+    per_face = {f: [max(r["faces"][f]["step_s"][i] for r in ranks) for i in range(n)] for f in faces}
+    cpu = {f: [sum(r["faces"][f]["cpu_s"][i] for r in ranks) for i in range(n)] for f in faces}
+    out: Dict[str, Dict[str, float]] = {}
+    base = per_face[faces[0]]
+    c50 = {f: _percentile(sorted(cpu[f]), 50) for f in faces}
+    for f in faces:
+        s = sorted(per_face[f])
+        p10, p50, p90 = (_percentile(s, q) for q in (10, 50, 90))
+        row = {"iterations": len(s), "step_p10_us": p10 * 1e6, "step_p50_us": p50 * 1e6, "step_p90_us": p90 * 1e6,
+               "spread_pct": 100.0 * (p90 - p10) / p50 if p50 > 0 else 0.0}
+        b50 = _percentile(sorted(base), 50)
+        row["ratio_p50"] = p50 / b50 if b50 > 0 else 0.0
+        pairs = sorted(a / b for a, b in zip(per_face[f], base) if b > 0)
+        row["ratio_paired_median"] = _percentile(pairs, 50) if pairs else 0.0
+        row["cpu_p50_us"] = c50[f] * 1e6
+        row["cpu_ratio_p50"] = c50[f] / c50[faces[0]] if c50[faces[0]] > 0 else 0.0
+        out[f] = row
+    return out
 
 
 class _Timer:
@@ -310,16 +419,30 @@ def format_dispatch_table(result: Dict[str, Any]) -> str:
         f"{c['iters']} iterations ({result['timing']} timing)",
         "# bytes per rank per call: to/from other ranks (wire dtype), local rows apart; GB/s = DeepEP's logical",
         "# bandwidth (received bytes for dispatch-shaped phases, sent bytes for combine-shaped ones) / p50",
-        "#  rank  phase               send(MB)  recv(MB) local(MB)    p50(us)    p90(us)    p99(us)   p999(us)    GB/s",
+        "#  rank  face                      phase               send(MB)  recv(MB) local(MB)    p50(us)    p90(us)    p99(us)   p999(us)    GB/s",
     ]
+    faces = c.get("faces") or ["communicator"]
     for r in result["ranks"]:
-        for phase in PHASES:
-            p = r["phases"][phase]
-            lines.append(
-                f"  {r['rank']:>5}  {phase:<18} {p['send_bytes'] / 1e6:>9.3f} {p['recv_bytes'] / 1e6:>9.3f} "
-                f"{p['local_bytes'] / 1e6:>9.3f} {p['p50_us']:>10.1f} {p['p90_us']:>10.1f} {p['p99_us']:>10.1f} "
-                f"{p['p999_us']:>10.1f} {p['logical_GBps']:>7.4f}"
-            )
+        for face in faces:
+            for phase in PHASES:
+                p = r["faces"][face]["phases"][phase]
+                lines.append(
+                    f"  {r['rank']:>5}  {face:<24} {phase:<18} {p['send_bytes'] / 1e6:>9.3f} {p['recv_bytes'] / 1e6:>9.3f} "
+                    f"{p['local_bytes'] / 1e6:>9.3f} {p['p50_us']:>10.1f} {p['p90_us']:>10.1f} {p['p99_us']:>10.1f} "
+                    f"{p['p999_us']:>10.1f} {p['logical_GBps']:>7.4f}"
+                )
+    summary = result["faces"]
+    lines.append(f"# step = the four phases, the slowest rank's, per iteration ({summary[faces[0]]['iterations']} "
+                 f"iterations{', faces interleaved' if len(faces) > 1 else ''}); spread = (p90 - p10) / p50")
+    lines.append(f"# cpu = CPU time of a step, every thread of every rank; ratios: to {faces[0]}")
+    lines.append("#  face                      step p50(us)   p10(us)   p90(us) spread(%) ratio p50 paired  cpu p50(us) cpu ratio")
+    for face in faces:
+        f = summary[face]
+        lines.append(
+            f"#  {face:<24} {f['step_p50_us']:>13.1f} {f['step_p10_us']:>9.1f} {f['step_p90_us']:>9.1f} "
+            f"{f['spread_pct']:>9.1f} {f['ratio_p50']:>9.3f} {f['ratio_paired_median']:>6.3f} "
+            f"{f['cpu_p50_us']:>12.1f} {f['cpu_ratio_p50']:>9.3f}"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -68,10 +68,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="write the --checkpoint-every checkpoints in the background (DCP async_save)")
     p.add_argument("--warmup-from", metavar="METRICS.jsonl", default=None, help="seed calibrators and hot experts from a previous run's metrics")
     p.add_argument("--balance", action="store_true", default=None,
-                   help="also run the expert balancer: migrations by measured speed (default: only the per-rank "
-                   "batch split by measured busy time; docs/MOE.md)")
+                   help="also run the expert balancer: migrations by measured speed (default: only the one-time "
+                   "move of the coldest experts onto ranks measured slower beyond noise; docs/MOE.md)")
     p.add_argument("--no-balance", dest="no_balance", action="store_true", default=False,
-                   help="no balancing at all: no migrations, no batch split, no per-step token split")
+                   help="no balancing at all: no migrations, no cold move, no per-step token split")
     p.add_argument("--speed", choices=("measured", "datasheet"), default=None,
                    help="rank speeds for balancing: measured on the ranks (default) or the datasheet's "
                    "(decisions then depend on the data only: runs repeat bit for bit)")

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from hetcomm.backends import token_dispatch
+from hetcomm.backends import tokens as token_dispatch
 from hetcomm.errors import ConfigError
 from hetcomm.moe.experts import ExpertBank
 from hetcomm.moe.overlap import PipelineTimes

@@ -270,7 +270,7 @@ class ExpertBank(nn.Module):
         modules: Optional[Sequence[nn.Module]] = None,
     ) -> List[torch.Tensor]:
         """Run expert ``first + l`` on ``pieces[l]``: the per-expert form that
-        ``token_dispatch.dispatch(split_by_expert=True)`` delivers and ``combine`` takes.
+        ``hetcomm.backends.tokens.dispatch(split_by_expert=True)`` delivers and ``combine`` takes.
 
         Nothing is copied: each expert reads its piece and its output goes to the combine as
         it is (:meth:`forward_sorted` copies the outputs into one ``[R, D]`` block and, in

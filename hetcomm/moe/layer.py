@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetcomm.backends import token_dispatch
+from hetcomm.backends import tokens as token_dispatch
 from hetcomm.errors import ConfigError
 from hetcomm.moe.gate_calibration import LoadCalibrator
 from hetcomm.moe.routing import ChunkLayout, route_tokens, weighted_combine
@@ -143,8 +143,8 @@ class MoELayer(nn.Module):
             self.replicator = HotExpertReplicator.for_layer(
                 cfg, placement, self.rank, self.replica_candidates, self.make_expert,
                 dict(zip(local_ids, self.experts.experts)), group, self.cluster, initial_holders=self.strong_ranks,
-                # The agreed speed vector and room flags (self.speed is built below; read lazily).
-                measured=lambda: (self.speed.speeds, self.speed.room) if self.speed.measured else None)
+                # The agreed speeds, room flags and noise (self.speed is built below; read lazily).
+                measured=lambda: (self.speed.speeds, self.speed.room, self.speed.noise) if self.speed.measured else None)
         self.l_aux: torch.Tensor = torch.zeros((), device="cpu")  # replaced by the first forward
         self.last_stats: Optional[StepStats] = None  # set by every forward
         self.metrics = MetricsAccumulator()
@@ -427,7 +427,7 @@ class MoELayer(nn.Module):
         global_picks = self._load.deliver(pending, self.gate.calibrator, rep, D * x2.element_size()) if update else None
         self.speed.finish_step()  # collective every speed_every forwards (the agreement)
         if self.splitter is not None:
-            self.splitter.last_expert_s = times.expert_s
+            self.splitter.last_expert_s = self.speed.last_step[1]  # busy seconds: the speed's own clock
         migrations, self._migrations = self._migrations, (0 if self._migrations is not None else None)
         extra = {**self.experts.step_stats(times.rows_per_expert), **self.speed.record(),
                  **(splitter.record() if splitter is not None else {})}

@@ -61,10 +61,10 @@ class MoEConfig:
         speed_every: steps between agreements of the measured per-rank speed vector
             (:mod:`hetcomm.moe.speed`; 0 = keep the datasheet prior).
         speed_alpha: EMA decay of the measured rows and seconds.
-        speed_pool: ``"rank"`` (default): each rank's speed is its own measurement;
-            ``"device"``: ranks at one datasheet speed (the prior: ``device.tflops`` or the
-            model's) pool their measurements, so noise between equal devices moves nothing
-            (:mod:`hetcomm.moe.speed`).
+        speed_pool: ``"device"`` (default): ranks at one datasheet speed (the prior:
+            ``device.tflops`` or the model's) pool their measurements when these agree within
+            their noise (a straggler inside a class keeps its own speed); ``"rank"``: each
+            rank's speed is its own measurement (:mod:`hetcomm.moe.speed`).
         replicate_powersgd: PowerSGD rank of the replicas' gradient sums on cross-node pairs
             (:mod:`hetcomm.moe.placement.replicate`, torch's error feedback and warm start;
             exact inside a node). 0 (default): every sum exact. Needs ``replicate``, a cluster
@@ -96,7 +96,7 @@ class MoEConfig:
     token_split: bool = False
     speed_every: int = 10
     speed_alpha: float = 0.8
-    speed_pool: str = "rank"
+    speed_pool: str = "device"
     replicate_powersgd: int = 0
     replicate_powersgd_start: int = 10
 

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from hetcomm.backends import token_dispatch
+from hetcomm.backends import tokens as token_dispatch
 from hetcomm.errors import ConfigError
 
 __all__ = ["GroupSpeeds", "group_info", "group_speeds", "layer_communicator", "resolve_cluster"]

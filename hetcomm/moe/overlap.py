@@ -1,6 +1,6 @@
 """Per-forward timing of the MoE data path (:class:`PipelineTimes`).
 
-The pipelined dispatch itself lives in :mod:`hetcomm.backends.token_dispatch` (``num_chunks``:
+The pipelined dispatch itself lives in :mod:`hetcomm.backends.tokens` (``num_chunks``:
 chunk ``c`` carries, for every rank, the token rows of its ``c``-th group of local experts, so an
 arrived chunk is complete work); the layer waits chunk by chunk and records here the time
 blocked waiting for the network (``comm_exposed_s``) and the time in the experts.

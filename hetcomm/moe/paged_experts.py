@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from hetcomm.backends import token_dispatch
+from hetcomm.backends import tokens as token_dispatch
 from hetcomm.errors import ConfigError
 from hetcomm.moe.expert_store import ExpertOutput, ResidentExperts
 from hetcomm.moe.experts import cat_rows, split_rows

@@ -36,10 +36,8 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 from hetcomm.errors import ConfigError
 
 __all__ = ["Lever", "PolicyInputs", "Policy", "decide", "policy_of_layers", "cluster_is_mixed", "cluster_kind",
-           "speed_verdict", "LEVERS", "SPEEDS", "MIXED_SPREAD"]
+           "speed_verdict", "LEVERS", "SPEEDS"]
 
-#: Datasheet speeds further apart than this (``max / min - 1``) make a cluster mixed.
-MIXED_SPREAD = 0.10
 #: Where rank speeds come from: measured on each rank and agreed; the datasheet's, fixed (every
 #: decision depends on the data alone); given and taken as true (an emulation's known speeds).
 SPEEDS = ("measured", "datasheet", "oracle")
@@ -146,12 +144,13 @@ class Policy:
 
 def cluster_is_mixed(cluster: Any, world_size: int) -> bool:
     """More than one device model among the first ``world_size`` ranks, or datasheet speeds
-    (:func:`hetcomm.topo.compute.rank_speeds`) more than :data:`MIXED_SPREAD` apart."""
+    (:func:`hetcomm.topo.compute.rank_speeds`) that differ by the one rule
+    (:func:`hetcomm.moe.speed.speeds_differ`; datasheet figures are exact: no noise)."""
+    from hetcomm.moe.speed import speeds_differ
     from hetcomm.topo.compute import rank_speeds
 
     models = {cluster.rank(r).model for r in range(world_size)}
-    speeds = rank_speeds(cluster, range(world_size))
-    return len(models) > 1 or max(speeds) > (1 + MIXED_SPREAD) * min(speeds)
+    return len(models) > 1 or speeds_differ(rank_speeds(cluster, range(world_size)))
 
 
 def cluster_kind(cluster: Any, world_size: int) -> str:
@@ -165,20 +164,15 @@ def cluster_kind(cluster: Any, world_size: int) -> str:
 
 
 def speed_verdict(meters: Sequence[Any]) -> Optional[bool]:
-    """The agreed verdict of the layers' speed meters: None until every meter has an agreed
-    vector, then whether any of them names slow ranks (more than
-    :data:`~hetcomm.moe.placement.assign.SLOW_SPREAD` slower than the fastest, the rule the cold
-    move places by). A meter that never measures (``every == 0``) holds given speeds: its verdict
-    is theirs from the start. Identical on every rank (agreed vectors only).
-
-    The one place the verdict is read from the meters: a source that agrees a ``differ`` flag of
-    its own replaces this body, not its callers.
-    """
-    from hetcomm.moe.placement.assign import slow_ranks
-
-    if not meters or any(not m.measured and m.every != 0 for m in meters):
+    """The agreed verdict of the layers' speed meters: None until every meter has one
+    (:attr:`hetcomm.moe.speed.SpeedSnapshot.differ`: some rank slower than another beyond noise,
+    the one rule the cold move places by), then whether any of them says the ranks differ. A
+    meter that never measures (``every == 0``) holds given speeds: its verdict is theirs from the
+    start. Identical on every rank (agreed values only)."""
+    verdicts = [m.differ for m in meters]
+    if not verdicts or any(v is None for v in verdicts):
         return None
-    return any(bool(slow_ranks(m.speeds)) for m in meters)
+    return any(verdicts)
 
 
 def decide(inputs: PolicyInputs) -> Policy:

@@ -9,7 +9,7 @@ Notation (see also ``hetcomm.moe.placement``):
 
 No dense one-hot ``[T, E, capacity]`` tensor is ever built. The layer routes once
 (:func:`route_tokens`): the capacity check is one stable sort of the copies by expert
-(:func:`hetcomm.backends.token_dispatch.drop_over_capacity`, GShard's order), the copies for
+(:func:`hetcomm.backends.tokens.drop_over_capacity`, GShard's order), the copies for
 experts this rank holds a replica of are set aside, and what is left goes to
 ``Communicator.dispatch`` as its ``topk_idx`` (``-1`` in every dropped or replica slot), which
 plans the exchange itself (a token crosses to a rank once). :func:`gather_rows` and
@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 import torch
 
 from hetcomm.backends import rowpool as buffers
-from hetcomm.backends.token_dispatch import drop_over_capacity
+from hetcomm.backends.tokens import drop_over_capacity
 
 __all__ = [
     "Routing",

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 from typing import Dict
 
-from hetcomm.backends import token_dispatch
+from hetcomm.backends import tokens
 
 __all__ = ["counters", "reset_counters"]
 
 
 def counters() -> Dict[str, int]:
     """``a2a_calls`` (row exchanges), ``a2a_bytes_sent`` / ``a2a_bytes_recv`` (row bytes to and
-    from *other* ranks) of this process, from :func:`hetcomm.backends.token_dispatch.counters`."""
-    td = token_dispatch.counters()
+    from *other* ranks) of this process, from :func:`hetcomm.backends.tokens.counters`."""
+    td = tokens.counters()
     return {"a2a_calls": td["calls"], "a2a_bytes_sent": td["bytes_sent"], "a2a_bytes_recv": td["bytes_recv"]}
 
 
 def reset_counters() -> None:
     """Zero :func:`counters`."""
-    token_dispatch.reset_counters()
+    tokens.reset_counters()

@@ -1,44 +1,65 @@
-"""Measured expert speed of every rank, agreed across the expert-parallel group.
+"""Each rank's measured compute speed, agreed across the expert-parallel group: the one source.
 
 The datasheet (:mod:`hetcomm.topo.compute`) says what a device *should* do; CPU processes standing
 in for GPUs, a throttled GPU or a 910B on older firmware do something else. Every consumer of
-per-rank speed (the per-step token split, :mod:`hetcomm.moe.token_split`; placement weights; the
-balancer) reads one vector, measured:
+per-rank speed reads :class:`SpeedMeter` (``MoELayer.speed``): the initial placement of a
+restarted job (the speeds travel in the snapshot headers and the membership record), the
+replica holders, the per-step token split, the cold move, the migration balancer, the health
+probe, the step records and the training summary. Whether speeds differ is decided in one place,
+:func:`slow_ranks` (a noise test), for all of them.
 
-- **Per call.** Each expert computation of a forward is timed with the rows it processed. On
-  CPU ranks the experts run synchronously on the calling thread, so a host timer
-  (``time.perf_counter``) is the compute time. On CUDA/NPU the host only enqueues kernels, so the
-  timer records a pair of timing events on the current (compute) stream and reads them once they
-  have completed (``event.query()``, never a sync on the hot path): a measurement lands a step or
-  two late, which an EMA does not mind.
-- **Per step.** A step's rows and seconds are folded into exponential moving averages
-  (``alpha``): ``rows_ema``, ``seconds_ema``; this rank's speed is ``rows_ema / seconds_ema``
-  (rows per second: a fixed per-call overhead stays in, as it does in the step).
-- **Agreed.** Every ``every`` steps each rank contributes ``(rows_ema, seconds_ema, room)`` to
-  one all-reduce on the group (a ``[W, 3]`` float64 table each rank fills one row of; ``room`` is
-  1 when the rank has room for hot-expert replicas, :mod:`hetcomm.moe.placement.replicate`), so
-  every rank holds the identical vector (and room flags) afterwards: decisions taken from it (the split) are identical on every rank without
-  another message. Before the first agreement the vector is the *prior* (datasheet TFLOPS, or
-  equal speeds without a cluster), in arbitrary units; only ratios matter for a split. A rank that
-  has not measured anything yet (no expert received rows) is given the prior scaled by the median
-  measured/prior ratio of the ranks that have.
+**The clock.** A rank's expert computations are timed with what the rank *computes*, never what
+it waits for:
 
-- **Pooled by device (optional).** With ``classes`` (``MoEConfig.speed_pool="device"``: ranks with
-  one datasheet speed share a class), a class's speed is the sum of its ranks' ``rows_ema`` over
-  the sum of their ``seconds_ema``, the same number on each of them. Host timers of equal CPU
-  ranks sharing cores measured 211k-265k rows/s (25 % apart) on the emulated half-speed cluster,
-  and the balancer moved experts between equal ranks for that noise; pooled, only a class's
-  difference moves anything. The price: a straggler inside a class is not seen.
+- CPU ranks: :class:`BusyClock`, the thread's CPU time (``time.thread_time``) plus its run-queue
+  wait (``ready``, from ``/proc/thread-self/schedstat``: runnable but not running -- queued
+  behind other processes, or held back by a cgroup's CPU quota). A section of pure compute takes
+  ``run + ready`` of wall time; a sleep or a blocked wait in a collective is in neither.
+- CUDA/NPU ranks: :class:`EventTimer`, a pair of timing events on the compute stream, read once
+  they completed (``event.query()``, never a sync on the hot path): a measurement lands a step
+  or two late, which the EMA does not mind. ``torch_npu`` is imported only on an NPU rank.
 
-Knobs (``MoEConfig``): ``speed_every`` (steps between agreements, 0 = never measure: the prior is
-kept), ``speed_alpha`` (EMA decay), ``speed_pool`` (``"rank"``: each rank its own; ``"device"``).
+**Per rank.** A step's rows and seconds are folded into EMAs (``alpha``); this rank's speed is
+``rows_ema / seconds_ema`` (rows/s). Its *noise* is the relative standard deviation of that
+estimate, the larger of two spreads: an EMA of the squared deviation of each step's speed from
+the estimate, in logarithms (``ln(step / estimate)``: a step the scheduler stalled tenfold counts
+as much as one ten times faster, not a hundred times more), times the EMA's averaging of
+independent steps (the square root of its bias-corrected weights' squared sum:
+``sqrt((1 - alpha) / (1 + alpha))`` after many steps, more after few); and the drift of the
+estimate between agreements (a load that comes and goes over many steps moves it more than the
+step-to-step spread says). It is known from the second agreement with measurements on, once
+:data:`NOISE_MIN_STEPS` steps were measured.
+
+**Agreed.** Every ``every`` steps each rank contributes one row ``(rows_ema, seconds_ema, room,
+noise, steps)`` to one all-reduce of a ``[W, 5]`` float64 table (zeros elsewhere: the sum is
+exact), so every rank holds the identical :class:`SpeedSnapshot` afterwards and the decisions
+taken from it are identical without another message. Before the first agreement the vector is
+the *prior* (datasheet TFLOPS, or equal speeds without a cluster), in arbitrary units; a rank
+that measured nothing yet is given its prior times the median measured/prior ratio.
+
+**The rule.** Rank ``s`` is slower than rank ``f`` when ``speed_f / speed_s - 1`` exceeds
+``max(MIN_SPREAD, NOISE_SIGMAS * hypot(noise_f, noise_s))`` (:func:`differs`); the speeds of a
+group *differ* when any rank is slower than another (:func:`slow_ranks`). A rank without a
+noise estimate never differs.
+
+**Pooled.** Ranks of one device class (one prior speed: ``speed_pool="device"``, the default)
+whose measurements agree by the rule share one speed, their summed rows over their summed
+seconds; a class whose members differ keeps each rank's own, so a straggler inside a class is
+seen. When no rank differs from another, every rank gets the group's pooled speed: consumers
+then see equal speeds and act on none of the noise.
+
+Knobs (``MoEConfig``): ``speed_every`` (steps between agreements, 0 = never agree: the prior is
+kept), ``speed_alpha`` (EMA decay), ``speed_pool`` (``"device"``; ``"rank"``: never pool).
 """
 
 from __future__ import annotations
 
+import math
+import os
 import statistics
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -46,7 +67,56 @@ import torch.distributed as dist
 
 from hetcomm.errors import ConfigError
 
-__all__ = ["ComputeTimer", "HostTimer", "EventTimer", "timer_for", "SpeedMeter", "speed_classes"]
+__all__ = ["NOISE_SIGMAS", "MIN_SPREAD", "NOISE_MIN_STEPS", "differs", "slow_ranks", "speeds_differ",
+           "speed_classes", "BusyClock", "ComputeTimer", "CpuTimer", "EventTimer", "timer_for", "SpeedSnapshot",
+           "SpeedMeter", "agree_table", "SCHEDSTAT"]
+
+#: Speeds differ only beyond this many standard deviations of their combined relative noise.
+NOISE_SIGMAS = 3.0
+#: ... and never below this relative spread (estimates of a few steps understate the noise).
+MIN_SPREAD = 0.05
+#: Measured steps before a rank's noise is known (two deviations from its running estimate).
+NOISE_MIN_STEPS = 3
+#: Per-thread scheduler statistics: ``run_ns ready_ns timeslices``.
+SCHEDSTAT = "/proc/thread-self/schedstat"
+#: Columns of the agreed table, one row per rank.
+TABLE_COLUMNS = ("rows_ema", "seconds_ema", "room", "noise", "steps")
+
+
+# -- the rule ------------------------------------------------------------------------------------
+def differs(fast: float, fast_noise: float, slow: float, slow_noise: float) -> bool:
+    """Whether ``slow`` is slower than ``fast`` beyond noise: ``fast / slow - 1`` exceeds
+    ``max(MIN_SPREAD, NOISE_SIGMAS * hypot(fast_noise, slow_noise))``.
+
+    Args:
+        fast, slow: two speeds (any positive unit).
+        fast_noise, slow_noise: their relative standard deviations (0 for exact numbers such as
+            datasheet figures; ``inf`` when unknown: then nothing differs).
+    """
+    if not (fast > 0 and slow > 0) or math.isinf(fast_noise) or math.isinf(slow_noise):
+        return False
+    return fast / slow - 1.0 > max(MIN_SPREAD, NOISE_SIGMAS * math.hypot(fast_noise, slow_noise))
+
+
+def slow_ranks(speeds: Sequence[float], noise: Optional[Sequence[float]] = None) -> List[int]:
+    """Ranks slower than some other rank by :func:`differs`, ascending; none when the speeds agree
+    within their noise (equal ranks).
+
+    Args:
+        speeds: ``[W]`` speed of each rank (the agreed vector, or datasheet figures).
+        noise: ``[W]`` relative noise of each (:attr:`SpeedSnapshot.noise`); None: exact numbers.
+    """
+    n = [0.0] * len(speeds) if noise is None else [float(v) for v in noise]
+    if len(n) != len(speeds):
+        raise ConfigError(f"{len(speeds)} speeds but {len(n)} noise figures; give one of each per rank",
+                          key="moe.speed_noise")
+    sp = [float(v) for v in speeds]
+    return [s for s in range(len(sp)) if any(differs(sp[f], n[f], sp[s], n[s]) for f in range(len(sp)) if f != s)]
+
+
+def speeds_differ(speeds: Sequence[float], noise: Optional[Sequence[float]] = None) -> bool:
+    """Some rank is slower than another beyond noise (:func:`slow_ranks` is not empty)."""
+    return bool(slow_ranks(speeds, noise))
 
 
 def speed_classes(speeds: Sequence[float]) -> List[int]:
@@ -54,6 +124,66 @@ def speed_classes(speeds: Sequence[float]) -> List[int]:
     appearance (``[100, 100, 50]`` -> ``[0, 0, 1]``)."""
     first: Dict[float, int] = {}
     return [first.setdefault(float(s), len(first)) for s in speeds]
+
+
+# -- the clock -----------------------------------------------------------------------------------
+class BusyClock:
+    """``run_s + ready_s`` of the thread that created it, monotonic (seconds).
+
+    ``run_s`` from ``time.thread_time()`` (schedstat's run field is brought up to date only at
+    scheduler ticks, so a short section would read 0); ``ready_s`` from schedstat through a
+    descriptor opened once (``/proc/self/task/TID/schedstat`` on kernels without
+    ``thread-self``). A thread that reads it is running, so every wait for a CPU it had is
+    already added. Without schedstat (other systems, a kernel without ``CONFIG_SCHEDSTATS``)
+    ``ready_s`` stays 0 (:attr:`source` says ``thread_time``).
+
+    Args:
+        path: the schedstat file (tests pass a fake one).
+    """
+
+    def __init__(self, path: Optional[str] = None) -> None:
+        self._fd: Optional[int] = None
+        for candidate in ([path] if path else [SCHEDSTAT, f"/proc/self/task/{threading.get_native_id()}/schedstat"]):
+            try:
+                fd = os.open(candidate, os.O_RDONLY)
+            except OSError:
+                continue
+            if self._ready(fd) is not None:
+                self._fd = fd
+                break
+            os.close(fd)
+        #: ``schedstat`` or ``thread_time``: where the numbers come from.
+        self.source = "schedstat" if self._fd is not None else "thread_time"
+
+    @staticmethod
+    def _ready(fd: int) -> Optional[float]:
+        try:
+            parts = os.pread(fd, 128, 0).split()
+            int(parts[0])
+            return int(parts[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def parts(self) -> Tuple[float, float]:
+        """``(run_s, ready_s)`` so far; call it on the thread it measures (the creating one)."""
+        ready = self._ready(self._fd) if self._fd is not None else None
+        return time.thread_time(), (ready or 0.0)
+
+    def read(self) -> float:
+        """Busy seconds so far: ``run_s + ready_s``."""
+        run, ready = self.parts()
+        return run + ready
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:  # a descriptor per clock: give it back
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (interpreter shutdown)
+            pass
 
 
 class ComputeTimer:
@@ -70,17 +200,26 @@ class ComputeTimer:
         raise NotImplementedError
 
 
-class HostTimer(ComputeTimer):
-    """``time.perf_counter`` around the call: right where compute is synchronous (CPU ranks)."""
+class CpuTimer(ComputeTimer):
+    """:class:`BusyClock` around the call, one clock per calling thread: right where compute is
+    synchronous on the calling thread (CPU ranks)."""
 
     def __init__(self) -> None:
         self._done: List[Tuple[int, float]] = []
+        self._local = threading.local()
+
+    def clock(self) -> BusyClock:
+        """The calling thread's clock (made at its first use)."""
+        c = getattr(self._local, "clock", None)
+        if c is None:
+            c = self._local.clock = BusyClock()
+        return c
 
     def begin(self) -> float:
-        return time.perf_counter()
+        return self.clock().read()
 
     def end(self, mark: float, rows: int) -> None:
-        self._done.append((int(rows), time.perf_counter() - mark))
+        self._done.append((int(rows), max(0.0, self.clock().read() - mark)))
 
     def collect(self, wait: bool = False) -> List[Tuple[int, float]]:
         done, self._done = self._done, []
@@ -123,40 +262,98 @@ class EventTimer(ComputeTimer):
 
 
 def timer_for(device: torch.device) -> ComputeTimer:
-    """The timer that measures compute on ``device``: events on CUDA/NPU, the host clock on CPU."""
+    """The timer that measures compute on ``device``: events on CUDA/NPU, the busy clock on CPU."""
     if device.type == "cuda":
         return EventTimer(torch.cuda, device)
     if device.type == "npu":
         import torch_npu  # noqa: F401  (registers torch.npu)
 
         return EventTimer(torch.npu, device)  # type: ignore[attr-defined]
-    return HostTimer()
+    return CpuTimer()
 
 
+# -- the agreed snapshot -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SpeedSnapshot:
-    """What the step record shows: the agreed vector and where it came from."""
+    """The group's agreed speeds: identical on every rank after each agreement.
+
+    Attributes:
+        rows_per_s: ``[W]`` the speed every consumer reads (pooled as the module says; the prior
+            before the first agreement).
+        noise: ``[W]`` each rank's relative noise (``inf``: no estimate yet; 0 for the prior).
+        differ: whether some rank is slower than another beyond noise (:func:`slow_ranks`);
+            None before an agreement with a noise estimate (given speeds, ``every == 0``: known from the start).
+        measured: some rank has measured (else ``rows_per_s`` is the prior).
+        agreements: agreements so far.
+        own_rows_per_s: ``[W]`` each rank's own measured speed, unpooled (0: none yet).
+        seconds_per_step: ``[W]`` each rank's EMA of busy expert seconds per measured step.
+        room: ``[W]`` the rank has room for hot-expert replicas.
+    """
 
     rows_per_s: Tuple[float, ...]
-    measured: bool
-    agreements: int
-    local_rows_per_s: Optional[float]
+    noise: Tuple[float, ...]
+    differ: Optional[bool]
+    measured: bool = False
+    agreements: int = 0
+    own_rows_per_s: Tuple[float, ...] = ()
+    seconds_per_step: Tuple[float, ...] = ()
+    room: Tuple[bool, ...] = field(default=())
+
+    def slow(self) -> List[int]:
+        """The slow ranks by the rule (:func:`slow_ranks`): none before a verdict."""
+        return slow_ranks(self.rows_per_s, self.noise) if self.differ else []
 
 
+def agree_table(rows: Sequence[Sequence[float]], prior: Sequence[float],
+                classes: Optional[Sequence[int]] = None) -> Tuple[Tuple[float, ...], Tuple[float, ...], Optional[bool]]:
+    """``(speeds, noise, differ)`` from the agreed ``[W, 5]`` table (:data:`TABLE_COLUMNS`).
+
+    Measured ranks get ``rows_ema / seconds_ema``; with ``classes``, the members of a class whose
+    measurements agree (:func:`speeds_differ` is False among them) get the class's summed rows
+    over summed seconds, members that measured nothing included; ranks still without a speed get
+    their prior times the median measured/prior ratio. When no rank is slower than another by
+    the rule, every rank gets the group's summed rows over summed seconds. ``differ`` is None
+    while no rank has a noise estimate."""
+    W = len(prior)
+    meas = [r[0] > 0 and r[1] > 0 for r in rows]
+    if not any(meas):
+        return tuple(float(p) for p in prior), (0.0,) * W, None
+    noise = [float(r[3]) if m and r[3] >= 0 else math.inf for m, r in zip(meas, rows)]
+    own: List[Optional[float]] = [r[0] / r[1] if m else None for m, r in zip(meas, rows)]
+    speed = list(own)
+    for c in sorted(set(classes)) if classes is not None else ():
+        members = [i for i in range(W) if classes[i] == c and meas[i]]
+        if members and not speeds_differ([own[i] for i in members], [noise[i] for i in members]):
+            pooled = sum(rows[i][0] for i in members) / sum(rows[i][1] for i in members)
+            for i in range(W):
+                if classes[i] == c:
+                    speed[i] = pooled
+    ratios = [speed[i] / prior[i] for i in range(W) if speed[i] is not None]
+    scale = statistics.median(ratios)
+    full = [s if s is not None else prior[i] * scale for i, s in enumerate(speed)]
+    if all(math.isinf(n) for n in noise):
+        return tuple(full), tuple(noise), None
+    if speeds_differ(full, noise):
+        return tuple(full), tuple(noise), True
+    group = sum(r[0] for r, m in zip(rows, meas) if m) / sum(r[1] for r, m in zip(rows, meas) if m)
+    return (group,) * W, tuple(noise), False
+
+
+# -- the meter -----------------------------------------------------------------------------------
 class SpeedMeter:
-    """This rank's EMA of expert rows and seconds, and the group's agreed speed vector.
+    """This rank's EMA of expert rows, busy seconds and noise, and the group's agreed snapshot.
 
     Args:
         world_size, rank: the group's size and this rank's index in it.
         prior: ``[W]`` speeds before the first measurement (datasheet TFLOPS; any unit).
         group: the process group of the agreement (None: the default group).
-        every: steps between agreements (one all-reduce); 0 = never measure (keep the prior).
+        every: steps between agreements (one all-reduce); 0 = never agree (keep the prior; the step is still timed).
         alpha: EMA decay per step.
         room: this rank has room for hot-expert replicas (allowed to hold them and its own
             experts fit its device, i.e. it does not page); agreed with the speeds into
             :attr:`room`, which the replica holders' choice reads.
-        classes: ``[W]`` class id per rank: ranks of one class pool their measurements
-            (:meth:`combine`); None: every rank its own.
+        classes: ``[W]`` class id per rank: ranks of one class pool their measurements when they
+            agree (:func:`agree_table`); None: every rank its own.
     """
 
     def __init__(
@@ -185,21 +382,47 @@ class SpeedMeter:
         self.world_size, self.rank, self.group = world_size, rank, group
         self.every, self.alpha = every, alpha
         self.prior: Tuple[float, ...] = tuple(float(s) for s in prior)
-        self.speeds: Tuple[float, ...] = self.prior
-        self.measured = False
-        #: This rank's room flag, and every rank's as agreed (identical on every rank; all True
-        #: before the first agreement, when no rank knows the others' flags).
+        #: This rank's room flag (agreed into :attr:`SpeedSnapshot.room`).
         self.room_here = bool(room)
-        self.room: Tuple[bool, ...] = (True,) * world_size
-        self.agreements = 0
+        #: The agreed snapshot every consumer reads (the prior until the first agreement).
+        self.agreed = self._prior_snapshot((True,) * world_size)
         self.steps = 0
-        self.rows_ema = 0.0
-        self.seconds_ema = 0.0
-        self._weight = 0.0  # bias correction of the EMAs (they start at 0)
-        self._step_rows = 0
-        self._step_seconds = 0.0
+        #: Steps that measured rows on this rank.
+        self.measured_steps = 0
+        #: This step's ``(rows, busy seconds)`` on this rank (the health probe's window reads it).
+        self.last_step: Tuple[int, float] = (0, 0.0)
+        self._rows = self._secs = self._w = 0.0  # EMAs from 0 and their weight (bias correction)
+        self._w2 = 0.0  # sum of the EMA's squared step weights (its averaging of independent steps)
+        self._var = self._var_w = 0.0
+        self._agreed_local: Optional[float] = None  # this rank's estimate at the previous agreement
+        self._drift = self._drift_w = 0.0  # EMA of squared log-changes between agreements
         self._timer: Optional[ComputeTimer] = None
         self._timer_device: Optional[torch.device] = None
+
+    # -- the agreed view (attributes the consumers read) --------------------------------------
+    @property
+    def speeds(self) -> Tuple[float, ...]:
+        return self.agreed.rows_per_s
+
+    @property
+    def noise(self) -> Tuple[float, ...]:
+        return self.agreed.noise
+
+    @property
+    def differ(self) -> Optional[bool]:
+        return self.agreed.differ
+
+    @property
+    def measured(self) -> bool:
+        return self.agreed.measured
+
+    @property
+    def agreements(self) -> int:
+        return self.agreed.agreements
+
+    @property
+    def room(self) -> Tuple[bool, ...]:
+        return self.agreed.room
 
     # -- measuring ---------------------------------------------------------------------------
     def set_prior(self, speeds: Sequence[float]) -> None:
@@ -210,12 +433,18 @@ class SpeedMeter:
             )
         self.prior = tuple(float(s) for s in speeds)
         if not self.measured:
-            self.speeds = self.prior
+            self.agreed = self._prior_snapshot(self.agreed.room)
+
+    def _prior_snapshot(self, room: Tuple[bool, ...]) -> SpeedSnapshot:
+        """The prior as the snapshot in force: no verdict while measurements are to come; given
+        speeds (``every == 0``: never agreed) are exact, and their verdict holds from the start."""
+        differ = speeds_differ(self.prior) if self.every == 0 else None
+        return SpeedSnapshot(self.prior, (0.0,) * self.world_size, differ, room=room)
 
     def begin(self, device: torch.device) -> Any:
-        """Start timing one expert computation on ``device`` (returns the mark for :meth:`end`)."""
-        if self.every == 0:
-            return None
+        """Start timing one expert computation on ``device`` (returns the mark for :meth:`end`).
+        Timed with ``every == 0`` too: the step's busy seconds (:attr:`last_step`) feed the
+        health probe and the metrics even when the speeds are given."""
         if self._timer is None or self._timer_device != device:
             self._timer, self._timer_device = timer_for(device), device
         return self._timer.begin()
@@ -225,86 +454,116 @@ class SpeedMeter:
         if mark is not None and self._timer is not None:
             self._timer.end(mark, rows)
 
+    @property
+    def rows_ema(self) -> float:
+        return self._rows / self._w if self._w > 0 else 0.0
+
+    @property
+    def seconds_ema(self) -> float:
+        return self._secs / self._w if self._w > 0 else 0.0
+
     def local_speed(self) -> Optional[float]:
         """This rank's measured rows/s (EMA), or None before any measured row."""
-        if self.rows_ema <= 0 or self.seconds_ema <= 0:
+        if self._rows <= 0 or self._secs <= 0:
             return None
-        return self.rows_ema / self.seconds_ema
+        return self._rows / self._secs
+
+    def local_noise(self) -> Optional[float]:
+        """This rank's relative noise (see the module docstring), or None before
+        :data:`NOISE_MIN_STEPS` measured steps."""
+        if self._var_w <= 0 or self.measured_steps < NOISE_MIN_STEPS:
+            return None
+        return math.sqrt(self._var / self._var_w * self._w2) / self._w
+
+    def agreement_noise(self) -> Optional[float]:
+        """This rank's noise as it enters an agreement: the larger of :meth:`local_noise` and
+        its drift, the change of its estimate since the previous agreement (an EMA of squared
+        log-changes, halved: the variance of a difference of two estimates). A host whose load
+        comes and goes over many steps moves the estimate between agreements more than the
+        step-to-step spread says; equal ranks then read apart by that much. None until both are
+        known (from the second agreement with measurements, once :data:`NOISE_MIN_STEPS` steps
+        were measured). Call it once per agreement: it advances the drift."""
+        local, ema_noise = self.local_speed(), self.local_noise()
+        if local is not None and self._agreed_local is not None:
+            a, d = self.alpha, math.log(local / self._agreed_local)
+            self._drift = a * self._drift + (1 - a) * d * d
+            self._drift_w = a * self._drift_w + (1 - a)
+        if local is not None:
+            self._agreed_local = local
+        if ema_noise is None or self._drift_w <= 0:
+            return None
+        return max(ema_noise, math.sqrt(self._drift / self._drift_w / 2))
+
+    def observe(self, rows: float, seconds: float) -> None:
+        """Fold one step's ``rows`` and busy ``seconds`` into the EMAs and the noise."""
+        self.last_step = (int(rows), float(seconds))
+        if rows <= 0 or seconds <= 0:
+            return
+        a = self.alpha
+        prev = self.local_speed()
+        if prev is not None:
+            d = math.log(rows / seconds / prev)
+            self._var = a * self._var + (1 - a) * d * d
+            self._var_w = a * self._var_w + (1 - a)
+        self._rows = a * self._rows + (1 - a) * rows
+        self._secs = a * self._secs + (1 - a) * seconds
+        self._w = a * self._w + (1 - a)
+        self._w2 = a * a * self._w2 + (1 - a) ** 2
+        self.measured_steps += 1
 
     def finish_step(self) -> bool:
-        """End of one forward: fold its timings into the EMA; every ``every`` steps agree the
-        vector (collective on the group: every rank calls this at the same forward). Returns
-        True when an agreement ran."""
-        if self.every == 0:
-            return False
+        """End of one forward: fold its timings in; every ``every`` steps agree the snapshot
+        (collective on the group: every rank calls this at the same forward; never with
+        ``every == 0``). Returns True when an agreement ran."""
         self.steps += 1
-        agree = self.steps % self.every == 0
-        timer = self._timer
+        agree = self.every > 0 and self.steps % self.every == 0
         rows = secs = 0.0
-        if timer is not None:
-            for r, s in timer.collect(wait=agree):
+        if self._timer is not None:
+            for r, s in self._timer.collect(wait=agree):
                 rows += r
                 secs += s
-        if rows > 0 and secs > 0:
-            a = self.alpha
-            self.rows_ema = a * self.rows_ema + (1 - a) * rows
-            self.seconds_ema = a * self.seconds_ema + (1 - a) * secs
+        self.observe(rows, secs)
         if agree:
             self.agree()
         return agree
 
-    def agree(self) -> Tuple[float, ...]:
-        """Exchange every rank's ``(rows_ema, seconds_ema, room)`` and set the vector (collective)."""
-        mine = torch.tensor([self.rows_ema, self.seconds_ema, float(self.room_here)], dtype=torch.float64, device="cpu")  # host: three scalars
+    def agree(self) -> SpeedSnapshot:
+        """Exchange every rank's row of the ``[W, 5]`` table and set :attr:`agreed` (collective)."""
+        noise = self.agreement_noise()
+        mine = [self.rows_ema, self.seconds_ema, float(self.room_here), -1.0 if noise is None else noise,
+                float(self.measured_steps)]
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             dev = self._timer_device if self._timer_device is not None else torch.device("cpu")
             if dist.get_backend(self.group) == "nccl" and dev.type == "cpu":
                 dev = torch.device("cuda", torch.cuda.current_device())
-            # All-reduce of a [W, 3] table each rank fills one row of (exact: zeros elsewhere).
-            buf = torch.zeros(self.world_size, 3, dtype=torch.float64, device=dev)
-            buf[self.rank] = mine.to(dev)
+            # Each rank fills its row; zeros elsewhere make the sum exact.
+            buf = torch.zeros(self.world_size, len(TABLE_COLUMNS), dtype=torch.float64, device=dev)
+            buf[self.rank] = torch.tensor(mine, dtype=torch.float64, device=dev)
             dist.all_reduce(buf, group=self.group)
-            rows3 = buf.tolist()
+            table = buf.tolist()
         else:
-            rows3 = [mine.tolist()]
-        table = [(float(r), float(t)) for r, t, _ in rows3]
-        self.room = tuple(float(f) > 0.5 for _, _, f in rows3)
-        self.speeds = self.combine(table, self.prior, self.classes)
-        self.measured = any(r > 0 and s > 0 for r, s in table)
-        self.agreements += 1
-        return self.speeds
-
-    @staticmethod
-    def combine(table: Sequence[Tuple[float, float]], prior: Sequence[float],
-                classes: Optional[Sequence[int]] = None) -> Tuple[float, ...]:
-        """The agreed vector from every rank's ``(rows_ema, seconds_ema)``: measured rows/s, and
-        for a rank without a measurement its prior times the median measured/prior ratio (the
-        prior itself when nobody measured). With ``classes``, each rank's pair is first replaced
-        by its class's sums over the ranks that measured (a class where nobody measured stays
-        unmeasured)."""
-        if classes is not None:
-            sums: Dict[int, List[float]] = {}
-            for c, (r, s) in zip(classes, table):
-                if r > 0 and s > 0:
-                    acc = sums.setdefault(c, [0.0, 0.0])
-                    acc[0] += r
-                    acc[1] += s
-            table = [tuple(sums.get(c, (0.0, 0.0))) for c in classes]
-        measured = {i: r / s for i, (r, s) in enumerate(table) if r > 0 and s > 0}
-        if not measured:
-            return tuple(float(p) for p in prior)
-        scale = statistics.median(measured[i] / prior[i] for i in measured)
-        return tuple(measured.get(i, prior[i] * scale) for i in range(len(table)))
+            table = [mine]
+        speeds, noise_v, differ = agree_table(table, self.prior, self.classes)
+        self.agreed = SpeedSnapshot(
+            speeds, noise_v, differ, measured=any(r[0] > 0 and r[1] > 0 for r in table),
+            agreements=self.agreements + 1,
+            own_rows_per_s=tuple(r[0] / r[1] if r[0] > 0 and r[1] > 0 else 0.0 for r in table),
+            seconds_per_step=tuple(float(r[1]) for r in table), room=tuple(float(r[2]) > 0.5 for r in table))
+        return self.agreed
 
     def snapshot(self) -> SpeedSnapshot:
-        return SpeedSnapshot(tuple(self.speeds), self.measured, self.agreements, self.local_speed())
+        """The agreed snapshot (identical on every rank)."""
+        return self.agreed
 
     def record(self) -> Dict[str, Any]:
-        """The step-record keys: ``speed_rows_per_s`` (agreed vector), ``speed_measured``,
-        ``speed_agreements``, ``speed_local_rows_per_s``, ``speed_max_over_min``."""
+        """The step-record keys: ``speed_rows_per_s`` (agreed vector), ``speed_noise`` (None where
+        unknown), ``speed_differ``, ``speed_measured``, ``speed_agreements``,
+        ``speed_local_rows_per_s``, ``speed_max_over_min``."""
         s = self.speeds
         return {
             "speed_rows_per_s": tuple(s),
+            "speed_noise": tuple(None if math.isinf(n) else n for n in self.noise),
+            "speed_differ": self.differ,
             "speed_measured": self.measured,
             "speed_agreements": self.agreements,
             "speed_local_rows_per_s": self.local_speed(),

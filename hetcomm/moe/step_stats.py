@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
-from hetcomm.backends import token_dispatch
+from hetcomm.backends import tokens as token_dispatch
 from hetcomm.moe.overlap import PipelineTimes
 from hetcomm.moe.routing import Routing
 from hetcomm.moe.routing_metrics import MetricsAccumulator, routing_metrics
@@ -72,7 +72,8 @@ class StepStats(Mapping):
         speed_rows_per_s: the group's agreed per-rank expert speed (:mod:`hetcomm.moe.speed`),
             rows/s once measured (``speed_measured``), the datasheet prior before;
             ``speed_agreements``, ``speed_local_rows_per_s`` (this rank's EMA),
-            ``speed_max_over_min``.
+            ``speed_max_over_min``, ``speed_noise`` (each rank's relative noise, None where
+            unknown) and ``speed_differ`` (the agreed verdict of the one rule; None before it).
         split_experts / moe_rows / moe_time_predicted / moe_time_measured_s: the per-step split
             (:mod:`hetcomm.moe.token_split`): experts split among copies, rows per rank, predicted
             expert time per rank (rows / speed) and each rank's measured forward expert seconds
@@ -129,6 +130,8 @@ class StepStats(Mapping):
     speed_agreements: Optional[int] = None
     speed_local_rows_per_s: Optional[float] = None
     speed_max_over_min: Optional[float] = None
+    speed_noise: Optional[Tuple[Optional[float], ...]] = None
+    speed_differ: Optional[bool] = None
     # Per-step split (hetcomm.moe.token_split; None when no split ran this forward).
     split_experts: Optional[Tuple[int, ...]] = None
     moe_rows: Optional[Tuple[int, ...]] = None

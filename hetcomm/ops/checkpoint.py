@@ -24,7 +24,7 @@ Loading asks DCP for the keys the *new* job holds: each rank requests the expert
 under its own placement, wherever they were saved (resharding); a world size that differs from
 the saved one keeps the saved data streams of the ranks that exist on both sides and seeds the
 rest fresh, and starts the ``extras`` afresh (their state is per rank of the saved world: the
-balancer's maps over its ranks, the batch split's size per rank, PowerSGD's blob per rank), as a
+balancer's maps over its ranks, PowerSGD's blob per rank), as a
 restore of the in-memory snapshots does (:mod:`hetcomm.ops.snapshot_reshard`). Replicas are not saved (they are copies of owners); the replicated set is restored
 and refreshed from the owners at the next forward.
 
@@ -100,7 +100,6 @@ class PerRank:
 #: The flag that adds an extra's state to a job (for the missing-state error).
 _ADDED_BY = {
     "balancer": "--balance, or the default balancing on a mixed cluster: --no-balance resumes without it",
-    "batch_split": "--balance, or the default balancing on a mixed cluster: --no-balance resumes without it",
 }
 
 

@@ -42,14 +42,18 @@ that change visible and places the experts for it:
   ``membership.json`` keeps: the record says they are unknown rather than guess them. Nothing
   is written: there is no directory to write ``membership.json`` to.
 
-Why not torchft: its quorum and reconfigurable process groups replace the process group per
-step and recover from live peers; this stack restarts the group through torchrun and restores
-from the checkpoint, so what is left to do here is recording and placement, not reconfiguration.
+Why a restart and not an in-place change: on torch >= 2.14 a hetcomm group itself can shrink
+(``dist.shrink_group``) and take a new process in (``dist._reconfigure``;
+:mod:`hetcomm.backends.reconfigure`), as torchft's reconfigurable groups do. ``hetcomm launch``
+still restarts the workers through torchrun, whose agent stops every worker of a node when one
+fails, and ``hetcomm train`` builds its world-size-shaped state once at start; so what is left to
+do here is recording and placement (docs/OPERATIONS.md, "In place or by restart").
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -405,7 +409,7 @@ def on_start(cfg, rank: int, world_size: int, cluster, model: torch.nn.Module, s
 
 def measured_speeds_by_model(model: torch.nn.Module, models: Sequence[str]) -> Optional[Dict[str, float]]:
     """The agreed measured expert speed per device model: the median over that model's ranks of
-    layer 0's :class:`~hetcomm.moe.speed.SpeedMeter` vector (rows/s), or None before it measured.
+    layer 0's agreed :class:`~hetcomm.moe.speed.SpeedMeter` vector (rows/s), or None before it measured.
 
     Args:
         model: a model with ``moe_layers`` (a model without MoE layers has no speeds).
@@ -418,6 +422,19 @@ def measured_speeds_by_model(model: torch.nn.Module, models: Sequence[str]) -> O
     for r, s in enumerate(layers[0].speed.speeds):
         by_model.setdefault(models[r], []).append(float(s))
     return {m: statistics.median(v) for m, v in by_model.items()}
+
+
+def agreed_speed_record(model: torch.nn.Module) -> Optional[Dict[str, Any]]:
+    """Layer 0's agreed speed snapshot (:class:`hetcomm.moe.speed.SpeedSnapshot`) as plain JSON:
+    ``{"rows_per_s": [W], "noise": [W] (None: no estimate yet), "differ": bool | None,
+    "agreements": int}``, or None before it measured (or without MoE layers)."""
+    layers = list(getattr(model, "moe_layers", []) or [])
+    if not layers or not layers[0].speed.measured:
+        return None
+    snap = layers[0].speed.agreed
+    return {"rows_per_s": [float(v) for v in snap.rows_per_s],
+            "noise": [None if math.isinf(n) else float(n) for n in snap.noise],
+            "differ": snap.differ, "agreements": int(snap.agreements)}
 
 
 def after_checkpoint(cfg, rank: int, world_size: int, cluster, model: torch.nn.Module) -> None:
@@ -433,6 +450,7 @@ def after_checkpoint(cfg, rank: int, world_size: int, cluster, model: torch.nn.M
         return
     rec["speeds_by_model"] = speeds
     rec["speeds_step"] = int(model.moe_layers[0].speed.agreements)
+    rec["speed"] = agreed_speed_record(model)
     try:
         write_membership(cfg.checkpoint_dir, rec)
     except Exception:  # noqa: BLE001 - advisory

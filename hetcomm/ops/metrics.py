@@ -135,10 +135,15 @@ class StepRecord:
         page_stall_s: seconds expert computations waited for page loads, summed over layers
             and ranks (:data:`LAYER_SECONDS`), or None without paging.
         max_rss_bytes: largest resident set size among the ranks so far.
-        expert_s_by_rank: ``[world_size]`` each rank's MoE expert seconds (forward, all layers):
-            ``hetcomm report``'s per-rank MoE time max/mean.
+        expert_s_by_rank: ``[world_size]`` each rank's busy expert seconds of the step (forward,
+            all layers; the speed meter's clock, :mod:`hetcomm.moe.speed`): ``hetcomm report``'s
+            per-rank MoE time max/mean.
         speed_rows_per_s: layer 0's agreed per-rank expert speed (:mod:`hetcomm.moe.speed`;
             rows/s once measured, the datasheet prior before).
+        speed_noise: layer 0's agreed per-rank relative noise of those speeds (None where a
+            rank has no estimate yet).
+        speed_differ: layer 0's agreed verdict: some rank is slower than another beyond noise
+            (None before one).
     """
 
     step: int
@@ -160,6 +165,8 @@ class StepRecord:
     page_stall_s: Optional[float] = None
     expert_s_by_rank: Optional[List[float]] = None
     speed_rows_per_s: Optional[List[float]] = None
+    speed_noise: Optional[List[Optional[float]]] = None
+    speed_differ: Optional[bool] = None
 
 
 @dataclass(frozen=True)
@@ -391,6 +398,8 @@ class MetricsCollector:
         self._class_names: List[str] = []
         self._last_picks: Dict[int, torch.Tensor] = {}
         self._speed: Optional[List[float]] = None  # layer 0's agreed speed vector (rank 0's view)
+        self._speed_noise: Optional[List[Optional[float]]] = None
+        self._speed_differ: Optional[bool] = None
 
     def _write(self, entry: Entry) -> None:
         assert self._file is not None
@@ -437,6 +446,9 @@ class MetricsCollector:
         stats = [m.step_stats() for m in self.layers]
         speed = stats[0].speed_rows_per_s if stats else None
         self._speed = [float(v) for v in speed] if speed is not None else None
+        agreed = self.layers[0].speed.agreed if self.layers else None
+        self._speed_noise = None if agreed is None else [None if math.isinf(n) else float(n) for n in agreed.noise]
+        self._speed_differ = None if agreed is None else agreed.differ
         loads: List[float] = []
         for li, (m, E) in enumerate(zip(self.layers, self.num_experts)):
             # The layer's accumulator sums picks over forwards; this step's are the difference.
@@ -452,7 +464,7 @@ class MetricsCollector:
         vec = torch.tensor(
             [step_s]
             + [self._phase.get(p, 0.0) for p in PHASES]
-            + [sum(st.comm_exposed_s for st in stats), sum(st.expert_s for st in stats)]
+            + [sum(st.comm_exposed_s for st in stats), sum(m.speed.last_step[1] for m in self.layers)]
             + [float(delta.get(r, 0)) for r in RAILS]
             + by_class
             + loads
@@ -517,6 +529,8 @@ class MetricsCollector:
             max_rss_bytes=rss,
             expert_s_by_rank=allv[:, 1 + P + 1].tolist(),
             speed_rows_per_s=self._speed,
+            speed_noise=self._speed_noise,
+            speed_differ=self._speed_differ,
             **counters,
         )
         self._write(rec)

@@ -4,10 +4,11 @@ The launch health check (:mod:`hetcomm.ops.health`, :mod:`hetcomm.ops.health_cla
 before the job; a GPU that throttles or a link that degrades an hour in is only seen by a probe
 that keeps running. This one measures what training already does, so it adds no work to a step:
 
-* **compute** — each rank's forward expert time per expert row (the MoE layers' ``expert_s`` and
-  ``rows_per_expert`` step stats, summed over layers): its step compute, without the waits for
-  the all-to-all; the window's measurement is the median over its steps (a step the scheduler
-  stalled does not make a rank slow). Judged per device model by
+* **compute** — each rank's busy expert seconds per expert row of each step, summed over the MoE
+  layers: the one rank-speed source's clock and rows (``MoELayer.speed.last_step``,
+  :mod:`hetcomm.moe.speed`: compute, never the waits for the all-to-all); the window's
+  measurement is the median over its steps (a step the scheduler stalled does not make a rank
+  slow). Judged per device model by
   :func:`hetcomm.ops.health_class.judge_by_class` (time normalised by the rank's declared speed;
   class median with >= 3 ranks, else the speed-scaled median of all ranks; over the threshold above
   ``COMPUTE_THRESHOLD`` = 1.6x: a half-speed throttle is 2x; the launch check's GEMM probe uses
@@ -213,12 +214,10 @@ class TrainingProbe:
             self._rails0 = self._rail_counters()
             return
         rows = secs = 0.0
-        for m in layers:
-            st = m.last_stats
-            if st is None:
-                continue
-            rows += float(sum(st.get("rows_per_expert") or ()))
-            secs += float(st.get("expert_s", 0.0) or 0.0)
+        for m in layers:  # the speed meter's step: rows and busy seconds (hetcomm.moe.speed)
+            r, sec = m.speed.last_step
+            rows += float(r)
+            secs += float(sec)
         if rows > 0 and secs > 0:
             self._per_row.append(secs / rows)
         if step % self.every:

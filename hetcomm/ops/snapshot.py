@@ -408,10 +408,11 @@ class Snapshotter:
         """The header's ``placement`` (:mod:`hetcomm.ops.snapshot_format`), None without ``models``."""
         if self.models is None:
             return None
-        from hetcomm.ops.membership import measured_speeds_by_model
+        from hetcomm.ops.membership import agreed_speed_record, measured_speeds_by_model
 
         return {"models": self.models, "weights": self.weights,
-                "speeds_by_model": measured_speeds_by_model(model, self.models)}
+                "speeds_by_model": measured_speeds_by_model(model, self.models),
+                "speed": agreed_speed_record(model)}
 
     def _write(self, path: str, data: bytes) -> bool:
         """Write one of this node's snapshot files; False when the file system is full.

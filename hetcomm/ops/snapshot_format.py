@@ -12,7 +12,9 @@ every tensor's bytes back to back.
 speeds travel with the snapshots, ``placement``: ``{"models": each rank's device model,
 "weights": the placement weights the job's experts were built with (None: the datasheet),
 "speeds_by_model": the agreed measured expert speed per device model, rows/s (None: not measured
-yet)}`` (:func:`hetcomm.ops.membership.snapshot_placement` places by it;
+yet), "speed": layer 0's agreed speed snapshot -- speeds, noise, the ``differ`` verdict
+(:func:`hetcomm.ops.membership.agreed_speed_record`; None: not measured yet)}``
+(:func:`hetcomm.ops.membership.snapshot_placement` places by it;
 :func:`~hetcomm.ops.membership.snapshot_members` takes the previous membership from it). A
 snapshot of an older hetcomm has no ``placement``: it still restores, the new world's experts
 are placed by the datasheet, and no membership change is recorded from it.

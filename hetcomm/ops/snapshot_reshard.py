@@ -33,8 +33,7 @@ same state, bit for bit, and the same losses after it, for 4 -> 3 and 3 -> 4 ran
 
 **Re-initialised, because it is per rank of the old world and has no meaning on the new one**:
 the balancer (``--balance``: per-layer maps and a placement over the old ranks; its fresh state
-is the placement the model was built with), the batch split (one size per old rank: an even
-split until it measures again) and PowerSGD's error feedback and warm-start factors
+is the placement the model was built with) and PowerSGD's error feedback and warm-start factors
 (:class:`~hetcomm.ops.checkpoint.PerRank`: one blob per old rank, keyed by buckets of the old
 group; compression starts again from its warm-up). Each starts as on a fresh job; the next
 snapshot holds the new state. (DCP's reshard loads such state by rank number where the shapes

@@ -19,7 +19,9 @@ Per step (every rank, in the same order):
 
 Rank capacities are the datasheet's (``rank_speeds``) until the layers' measured speed vector
 (:mod:`hetcomm.moe.speed`: forward expert rows/s, agreed identically on every rank every
-``speed_every`` steps) exists; from then on each plan packs by the measured vector, so expert
+``speed_every`` steps) exists; from then on each plan packs by the measured vector (equal on
+every rank while no rank is slower than another beyond noise: the one rule,
+:func:`hetcomm.moe.speed.slow_ranks`, so noise between equal ranks moves nothing), so expert
 shares follow what the ranks do, and the coldest experts (by the group's load) end up where the
 slowest ranks' time is short: LPT places copies hottest first, each on the rank that finishes it
 soonest, and the refinement moves load off the slowest rank.

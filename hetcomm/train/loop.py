@@ -63,16 +63,14 @@ class TrainConfig:
         keep_checkpoints: committed checkpoints kept in ``checkpoint_dir``; older ones are deleted
             once a newer one is complete (0: keep all).
         resume: continue from ``checkpoint_dir``'s latest checkpoint when there is one.
-        balance: heterogeneity balancing (:mod:`hetcomm.train.het_defaults`). ``auto`` (default):
-            the per-rank batch split by measured busy time (it re-deals only when per-sequence
-            speeds differ by >10% and that pays in two agreements in a row, and keeps a deal only
-            when the step got 3% shorter), and once per layer the coldest experts by global load
-            onto the ranks measured >10% slower (``MoELayer.place_cold_on_slow``); True
-            (``--balance``): the batch split and the expert balancer's migrations by measured
-            speed (:mod:`hetcomm.train.balance`); False: none of them.
-        speed: where rank speeds come from: ``measured`` (default; the layers' expert rows/s and the
-            batch split's busy time, measured on each rank) or ``datasheet`` (``hetcomm.topo.compute``
-            only, no batch split: every decision then depends on the data alone, so a run repeats bit for bit,
+        balance: heterogeneity balancing. ``auto`` (default): once per layer the coldest experts
+            by global load onto the ranks measured slower beyond noise
+            (``MoELayer.place_cold_on_slow``, :func:`hetcomm.moe.speed.slow_ranks`); True
+            (``--balance``): the expert balancer's migrations by measured speed
+            (:mod:`hetcomm.train.balance`); False: none of them.
+        speed: where rank speeds come from: ``measured`` (default; the layers' one rank-speed
+            source, :mod:`hetcomm.moe.speed`) or ``datasheet`` (``hetcomm.topo.compute`` only:
+            every decision then depends on the data alone, so a run repeats bit for bit,
             e.g. a resumed one its uninterrupted twin) or ``oracle`` (the cluster's speeds given and taken as
             true, as on an emulated cluster whose speeds are known: nothing measured, the speed levers act on them).
             Which levers are on follows from this and ``balance`` (:mod:`hetcomm.moe.policy`).
@@ -86,7 +84,7 @@ class TrainConfig:
         page_budget: expert paging (``MoEConfig.page_budget``): the fraction of each rank's
             experts kept on the device, the rest paged in from a host pool as routed (0: off).
         token_split: per-step, time-proportional split of hot experts' rows among their copies
-            by measured speed (:mod:`hetcomm.train.het_defaults`): False (default), True, or
+            by measured speed (:mod:`hetcomm.moe.policy`): False (default), True, or
             ``auto`` (on for a mixed cluster).
         chunks: pipelined dispatch chunks (``MoEConfig.num_chunks``), or ``auto``.
         snapshot_every: steps between in-memory snapshots (:mod:`hetcomm.ops.snapshot`; 0: none),
@@ -406,9 +404,8 @@ class _Rank:
             spare slots among the experts).
         extras: the ``Stateful`` objects checkpoints and snapshots carry beside the model.
         policy: which heterogeneity levers are on and why (:mod:`hetcomm.moe.policy`).
-        batch_split, measured, balancer, psgd: the batch split, the measured loop (replica
-            refresh, paging step end, cold move, the balancer's plans), the balancer and
-            PowerSGD (:func:`_add_levers`).
+        measured, balancer, psgd: the measured loop (replica refresh, paging step end, cold
+            move, the balancer's plans), the balancer and PowerSGD (:func:`_add_levers`).
     """
 
     cfg: TrainConfig
@@ -423,14 +420,12 @@ class _Rank:
     expert: List[torch.nn.Parameter]
     extras: Dict[str, Any]
     policy: Any = None
-    batch_split: Any = None
     measured: Any = None
     balancer: Any = None
     psgd: Any = None
     snap: Any = None
     snap_record: Any = None
     placement_from: str = "datasheet"
-    moe_time: Any = None
     losses: List[float] = field(default_factory=list)
     mc: Any = None
     progress: Any = None
@@ -439,7 +434,7 @@ class _Rank:
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens of one step on one rank (the batch split moves sequences, not their sum)."""
+        """Tokens of one step on one rank."""
         return self.cfg.batch_size * self.cfg.seq_len
 
 
@@ -463,9 +458,7 @@ def _step(job: _Rank, step: int) -> None:
     """One optimizer step; its parts in order, every collective at the same point on every rank."""
     cfg, model, mc = job.cfg, job.model, job.mc
     mc.start_step()
-    t_step = time.perf_counter()
-    job.batch_split.begin_step()  # the batch split's busy clock (run + ready time of this thread)
-    batch = job.task.sample(job.batch_split.mine, cfg.seq_len, job.gen)
+    batch = job.task.sample(cfg.batch_size, cfg.seq_len, job.gen)
     mc.mark("data")
     loss, aux = _forward(job, batch)
     mc.mark("forward")
@@ -481,7 +474,6 @@ def _step(job: _Rank, step: int) -> None:
     if carry:  # no refresh over the whole group this step (none hot yet, or holders only)
         dist.all_reduce(loss_slots)
     job.losses.append(_loss_sum(loss_slots) / job.world_size)
-    job.batch_split.maybe_agree(time.perf_counter() - t_step)  # collective every 10 steps: re-deal by measured speed
     mc.mark("loss_sync")
     mc.end_step(step, job.losses[-1], job.tokens_per_step * job.world_size)
     _save(job, step)
@@ -490,15 +482,9 @@ def _step(job: _Rank, step: int) -> None:
 
 
 def _forward(job: _Rank, batch: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The model's loss on ``batch`` (``[B, S+1]`` int64 tokens) scaled to the mean over all
-    ranks' sequences, and the MoE layers' auxiliary loss."""
-    split = job.batch_split
-    split.begin_forward()
+    """The model's loss on ``batch`` (``[B, S+1]`` int64 tokens) and the MoE layers' auxiliary loss."""
     _, loss = job.model(batch[:, :-1], batch[:, 1:])
-    split.end_forward()  # forward outside the MoE layers: local compute only
-    loss = loss * split.loss_scale()  # the mean over all ranks' sequences after the 1/W average
     aux = sum(m.l_aux for m in job.model.moe_layers)
-    job.moe_time.observe(job.model.moe_layers)
     return loss, aux
 
 
@@ -552,7 +538,6 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
     from hetcomm.moe import MoEConfig
     from hetcomm.moe.policy import PolicyInputs, cluster_kind, decide
     from hetcomm.ops import hooks
-    from hetcomm.train.het_defaults import MoETimeTracker
 
     task = MarkovTask(vocab_size=256, seed=1234 + cfg.seed)
     lm_cfg = LMConfig(
@@ -601,9 +586,6 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
             token_split=policy.token_split.on,
             num_chunks=num_chunks or 1,
             speed_every=MoEConfig.speed_every if cfg.speed == "measured" else 0,  # 0: the given prior stays
-            # The cluster file names the device classes; equal ranks pool their measurements, as
-            # the batch split does (BatchSplit: noise between equal CPU ranks is 25-50 %).
-            speed_pool="device" if cluster is not None else "rank",
             # The layer's default of 3 hot experts, but never more than the layer has (--experts 2).
             replicate_top=min(MoEConfig.replicate_top, cfg.experts),
             # --powersgd-experts: compression starts where the dense one does (make_powersgd).
@@ -632,33 +614,20 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
     job = _Rank(cfg, rank, world_size, cluster, task, model, opt,
                 gen=torch.Generator().manual_seed(cfg.seed * 7919 + rank), dense=dense, expert=expert, extras={},
                 policy=policy, snap=snap, snap_record=snap_record,
-                placement_from=placement_from, moe_time=MoETimeTracker())
-    _add_levers(job, device)
+                placement_from=placement_from)
+    _add_levers(job)
     return job
 
 
-def _add_levers(job: _Rank, device: torch.device) -> None:
+def _add_levers(job: _Rank) -> None:
     """The balancing levers the policy turned on and the state they checkpoint
-    (:mod:`hetcomm.moe.policy`, :mod:`hetcomm.moe.measured_loop`, :mod:`hetcomm.train.balance`,
-    :mod:`hetcomm.train.het_defaults`)."""
+    (:mod:`hetcomm.moe.policy`, :mod:`hetcomm.moe.measured_loop`, :mod:`hetcomm.train.balance`)."""
     from hetcomm.moe.measured_loop import MeasuredLoop
     from hetcomm.ops.checkpoint import PerRank
     from hetcomm.train.balance import ReplicaPowerSGD, TrainBalancer, make_powersgd
-    from hetcomm.train.het_defaults import BatchSplit, device_classes
-    from hetcomm.train.rank_time import busy_clock_for, process_clock_for
 
     cfg, rank, world_size, cluster, model = job.cfg, job.rank, job.world_size, job.cluster, job.model
-    # --speed datasheet: no batch split (it has nothing to measure; the demo's CPU ranks are not
-    # what the datasheet says), every decision from the data alone.
-    job.batch_split = BatchSplit(cfg.batch_size, world_size, rank,
-                                 enabled=cfg.balance is not False and cfg.speed == "measured",
-                                 clock=busy_clock_for(device), process_clock=process_clock_for(device),
-                                 classes=device_classes(cluster, world_size) if cluster is not None else None)
-    job.batch_split.attach(model.moe_layers)  # the MoE layers' busy time: the rest of the forward is dense
-    # The migration balancer runs with --balance only: on by default (auto, mixed cluster) it cost
-    # 0.68x of --no-balance on the plain demo (benchmarks/README.md, het_train_emulated.py): noisy
-    # measured speeds of equal CPU ranks drove 13 migrations in 200 steps. The batch split (its
-    # own gates: >10% apart, >3% gain, two agreements in a row) is on unless --no-balance.
+    # The migration balancer runs with --balance only (the policy's migrations lever).
     if job.policy.migrations.on:
         from hetcomm.moe.placement.balancer import BalancerConfig
         from hetcomm.topo.compute import rank_speeds
@@ -669,8 +638,6 @@ def _add_levers(job: _Rank, device: torch.device) -> None:
                                      flops_per_token=6 * 2 * cfg.model_dim * cfg.hidden_dim)
         job.extras["balancer"] = job.balancer
         job.expert = job.expert + job.balancer.spare_parameters()  # a spare may hold an expert later
-    if job.batch_split.enabled:
-        job.extras["batch_split"] = job.batch_split
     # The per-step work after the optimizer, as any loop runs it (the cold move when the policy
     # turned it on). A placement changed at run time travels with every checkpoint and snapshot:
     # a restore re-places the layers before their experts load (the balancer carries its own map).
@@ -707,7 +674,7 @@ def _finish(job: _Rank, t0: float) -> int:
     from hetcomm.ops import hooks
     from hetcomm.ops.membership import expert_census
     from hetcomm.ops.membership import summary_rows as membership_rows
-    from hetcomm.train.het_defaults import MoETimeTracker
+    from hetcomm.train.het_defaults import moe_time_summary
 
     cfg, rank, world_size, model = job.cfg, job.rank, job.world_size, job.model
     hooks.finish_checkpoints(job.mc)  # --checkpoint-async: the last one is committed before the summary
@@ -719,9 +686,8 @@ def _finish(job: _Rank, t0: float) -> int:
 
     elapsed = time.perf_counter() - t0
     # Which levers were on opens the summary (the policy's rows); these say what they did.
-    het_rows = [("batch split (by measured busy time)", job.batch_split.summary()),
-                ("cold experts (coldest by global load on measured-slow ranks)", job.measured.cold.summary()),
-                ("per-rank MoE time max/mean", MoETimeTracker.summary(job.moe_time.gather(world_size))), *snap_rows,
+    het_rows = [("cold experts (coldest by global load on measured-slow ranks)", job.measured.cold.summary()),
+                ("per-rank MoE time max/mean", moe_time_summary(model.moe_layers)), *snap_rows,
                 *membership_rows(job.change, expert_census(model))]  # collective: the census
     compression = compression_per_rank(job.psgd, model, cfg, rank, world_size)  # collective
     summary = summarise(rank, world_size, cfg, job.cluster, job.task, model, job.losses, elapsed,

@@ -29,7 +29,7 @@ from hetcomm.launcher import RankOutcome, launch
 
 __all__ = [
     "run_ranks", "run_ranks_outcomes", "RankOutcome", "RanksFailed", "MIXED_MINI",
-    "wait_until", "mark", "read_mark", "mark_done", "wait_done",
+    "wait_until", "mark", "read_mark", "mark_done", "wait_done", "recv_from_any",
 ]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -185,3 +185,15 @@ def wait_done(marks: str, ranks: Sequence[int], timeout_s: float = 45.0) -> None
         timeout_s,
     )
 
+
+
+def recv_from_any(buf, tag: int = 0) -> int:
+    """``dist.recv(buf, tag=tag)`` from any source where c10d can serve it (torch 2.13's
+    ProcessGroup face), ``hetcomm.backends.recv_any`` where it cannot (2.14's Backend face, see
+    tests/backends/test_c10d_backend.py); returns the sender's rank."""
+    import torch.distributed as dist
+
+    from hetcomm.backends import recv_any
+    from hetcomm.backends.process_group import backend_subclassable
+
+    return recv_any(buf, tag=tag) if backend_subclassable() else dist.recv(buf, tag=tag)

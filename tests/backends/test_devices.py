@@ -29,7 +29,7 @@ PAIR = os.path.join(REPO_ROOT, "tests", "gpu", "nvidia-ascend-2.yaml")  # NVIDIA
 def test_importing_hetcomm_touches_no_device_runtime():
     code = (
         "import sys, torch, hetcomm, hetcomm.backends.process_group, hetcomm.backends.devices, "
-        "hetcomm.backends.token_dispatch, hetcomm.moe; "
+        "hetcomm.backends.tokens, hetcomm.moe; "
         "assert 'torch_npu' not in sys.modules, 'torch_npu imported'; "
         "assert not torch.cuda.is_initialized(), 'CUDA initialised'"
     )
@@ -121,7 +121,7 @@ def _contract_body(rank, world_size):
     import torch.distributed as dist
 
     from hetcomm.backends import devices, hetcomm_group
-    from hetcomm.backends.token_dispatch import GroupComm, dispatch
+    from hetcomm.backends.tokens import GroupComm, dispatch
 
     hetcomm.reset_stats()
     marks = {}

@@ -1,4 +1,4 @@
-"""dispatch/combine (hetcomm.backends.token_dispatch) against a dense single-process reference.
+"""dispatch/combine (hetcomm.backends.tokens) against a dense single-process reference.
 
 1, 2 and 4 real rank processes; k in {1, 2, 4}; uneven placements (a rank without experts); a
 rank with zero tokens; every token routed to one rank; empty slots (-1) with capacity; chunks;
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetcomm.backends import token_dispatch as td
+from hetcomm.backends import tokens as td
 from hetcomm.errors import UsageError
 from tests.backends import token_cases
 from tests.backends.ranks import run_ranks
@@ -146,7 +146,7 @@ def test_dispatch_result_is_one_type_and_unpacks_the_old_way_with_a_warning():
 
 def _mismatched(rank, world_size, what):
     """Rank 1 dispatches with one argument different; every rank reports what it raised."""
-    from hetcomm.backends.token_dispatch import GroupComm, dispatch
+    from hetcomm.backends.tokens import GroupComm, dispatch
     from hetcomm.errors import CrossRankMismatch
 
     comm = GroupComm.of(None)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import hetcomm
-from hetcomm.backends import token_switch as ts_mod
+from hetcomm.backends.tokens import switch as ts_mod
 from tests.backends.ranks import MIXED_MINI, run_ranks, run_ranks_outcomes
 
 HAS_GPU = torch.cuda.is_available() and torch.cuda.device_count() >= 1

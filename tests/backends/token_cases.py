@@ -79,7 +79,7 @@ def dense_reference(x, idx, w, gy, weights, capacity: Optional[int] = None):
 
 def run_case(comm, case: Dict[str, Any], device="cpu") -> Dict[str, Any]:
     """dispatch -> experts -> combine on this rank; errors against the dense reference."""
-    from hetcomm.backends import token_dispatch as td
+    from hetcomm.backends import tokens as td
 
     rank = comm.rank
     owner = case["owner"]
@@ -165,7 +165,7 @@ def all_cases(world_size: int) -> List[Dict[str, Any]]:
 
 def run_all(rank: int, world_size: int, cases=None, device="cpu", wire=None) -> Dict[str, Dict[str, Any]]:
     """Every case on this rank over the default group (a run_ranks body)."""
-    from hetcomm.backends.token_dispatch import GroupComm
+    from hetcomm.backends.tokens import GroupComm
 
     comm = GroupComm.of(None, wire=wire)
     return {c["name"]: run_case(comm, c, device) for c in (cases or all_cases(world_size))}

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from hetcomm.cli.bench_dispatch import PHASES, routing_weights
+from hetcomm.cli.bench_dispatch import FACES, PHASES, routing_weights
 from hetcomm.cli.main import main
 from hetcomm.errors import UsageError
 
@@ -62,6 +62,44 @@ def test_bench_dispatch_table_on_2_ranks_with_hot_experts():
     assert "p999(us)" in proc.stdout and "routing hot:1:0.9" in proc.stdout
 
 
+@pytest.mark.timeout(300)
+def test_bench_dispatch_faces_side_by_side_on_4_ranks():
+    """--face: both faces of the token engine in one table, on the same bytes, and a summary line
+    per face (its step's median, spread and ratios); the shape, never the timings."""
+    faces = ["communicator", "tokenswitch"]
+    proc = _run(["--nprocs", "4", "--tokens", "48", "--hidden", "16", "--face", ",".join(faces), "-n", "5", "-w", "1"])
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if not line.startswith("#")]
+    assert len(rows) == 4 * len(faces) * len(PHASES)
+    for face in faces:
+        mine = [r for r in rows if r[1] == face]
+        assert sorted((int(r[0]), r[2]) for r in mine) == sorted((k, p) for k in range(4) for p in PHASES)
+    # the same bytes per rank and phase, whichever face moved them (send, recv, local)
+    by = {(r[0], r[1], r[2]): r[3:6] for r in rows}
+    assert all(by[(r[0], "communicator", r[2])] == by[(r[0], "tokenswitch", r[2])] for r in rows)
+    summary = {line.split()[1]: line.split()[2:] for line in proc.stdout.splitlines() if line.startswith("#  ") and line.split()[1] in faces}
+    assert set(summary) == set(faces)
+    assert all(len(v) == 8 for v in summary.values()), summary
+    c = summary["communicator"]
+    assert c[4:6] == ["1.000", "1.000"] and c[7] == "1.000"  # the first face is the yardstick
+    assert "5 iterations, faces interleaved" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_bench_dispatch_faces_json():
+    proc = _run(["--nprocs", "2", "--tokens", "32", "--hidden", "8", "--face", "tokenswitch-expert-major,communicator",
+                 "-n", "5", "-w", "0", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["config"]["faces"] == ["tokenswitch-expert-major", "communicator"]
+    assert set(doc["faces"]) == {"tokenswitch-expert-major", "communicator"}
+    for f in doc["faces"].values():
+        assert f["iterations"] == 5 and f["step_p10_us"] <= f["step_p50_us"] <= f["step_p90_us"] and f["spread_pct"] >= 0
+    for r in doc["ranks"]:
+        assert set(r["faces"]) == set(doc["faces"]) and r["phases"] == r["faces"]["tokenswitch-expert-major"]["phases"]
+        assert all(len(f["step_s"]) == 5 and len(f["cpu_s"]) == 5 for f in r["faces"].values())
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [
@@ -71,6 +109,8 @@ def test_bench_dispatch_table_on_2_ranks_with_hot_experts():
         (["--experts", "6"], "--experts 6: must be a multiple of the 4 ranks"),
         (["--topk", "9"], "--topk 9"),
         (["--wire-dtype", "fp8"], "--wire-dtype 'fp8'"),
+        (["--face", "deepep"], "--face 'deepep': a comma-separated list of distinct faces from " + ", ".join(FACES)),
+        (["--face", "communicator,communicator"], "--face 'communicator,communicator'"),
         (["--tokens", "0"], "--tokens 0"),
         (["-d", "int8"], "-d/--datatype 'int8'"),
         # A huge exponent used to overflow (i + 1) ** S: every weight but the first is 0.0 now.

@@ -119,7 +119,7 @@ def test_side_stream_work_is_ordered_before_the_bridge_and_results_are_ready_on_
 
 
 def _dispatch_body(rank, world_size, kind="cuda"):
-    from hetcomm.backends.token_dispatch import GroupComm, combine, dispatch
+    from hetcomm.backends.tokens import GroupComm, combine, dispatch
 
     T, D, E, k = 512, 128, 8, 2
     g = torch.Generator().manual_seed(rank)

@@ -245,10 +245,11 @@ def wire_exchange(rank: int, world_size: int) -> Dict[str, Any]:
     peer, what arrived vs what was sent. FP32 pairs must be bit-exact, FP16 pairs exactly the
     FP16 rounding."""
     import hetcomm
-    from hetcomm.backends.token_exchange import _Rows, _wires
+    from hetcomm.backends.tokens.exchange import RowExchange
+    from hetcomm.backends.tokens.wire import row_wires
 
     comm = hetcomm.communicator()
-    wire = _wires(comm, torch.float32, "auto")
+    wire = row_wires(comm, torch.float32, "auto")
     D = 5  # odd row width: segment sizes are not multiples of 8 bytes, padding is exercised
 
     def rows(src: int, dst: int) -> torch.Tensor:
@@ -260,7 +261,7 @@ def wire_exchange(rank: int, world_size: int) -> Dict[str, Any]:
     send_rows = [rows(rank, d).size(0) for d in range(world_size)]
     recv_rows = [rows(s, rank).size(0) for s in range(world_size)]
     out = torch.empty(sum(recv_rows), D)
-    ex = _Rows(comm, send_rows, recv_rows, wire, torch.float32, D, "wire-test")
+    ex = RowExchange(comm, send_rows, recv_rows, wire, torch.float32, D, "wire-test")
     ex.start(send, None, out)
     ex.wait()
     names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}

@@ -71,8 +71,9 @@ def split_vs_static(
 
 def speed_agreement(rank: int, world_size: int) -> Dict[str, Any]:
     """Layers measure their expert compute and agree one vector every 2 steps; rank 1's experts
-    are made slower (a sleep inside the expert), which the agreed vector must show. The hot set
-    (one expert, refreshed every 2 steps) then goes to the measured-fastest rank only."""
+    are made slower (the expert spins on the CPU: busy time, not a sleep, which the busy clock
+    rightly does not count), which the agreed vector must show. The hot set (one expert,
+    refreshed every 2 steps) then goes to the measured-fastest rank only."""
     import time
 
     from hetcomm.moe import MoELayer
@@ -84,26 +85,30 @@ def speed_agreement(rank: int, world_size: int) -> Dict[str, Any]:
             self.delay = delay
 
         def forward(self, x):
-            if x.size(0):
-                time.sleep(self.delay)
+            if x.size(0) and self.delay:
+                spent = time.thread_time() + self.delay
+                while time.thread_time() < spent:  # CPU seconds of this thread: compute, however loaded
+                    pass
             return self.lin(x)
 
-    delay = 0.1 if rank == 1 else 0.0
+    delay = 0.05 if rank == 1 else 0.0
     layer = MoELayer(16, 4, k=2, dropless=True, calibrate=False, speed_every=2, expert=lambda d: Slow(d, delay),
                      replicate=True, replicate_top=1, replicate_every=2)
     seen: List[Any] = []
-    for step in range(4):
-        x = torch.randn(64, 16, generator=torch.Generator().manual_seed(rank * 10 + step))
+    for step in range(6):
+        x = torch.randn(64, 16, generator=torch.Generator().manual_seed(rank * 10 + step + 3))
         layer(x).sum().backward()
         st = layer.step_stats()
         seen.append((st["speed_agreements"], st["speed_measured"], st["speed_rows_per_s"]))
-    layer.sync_replicas()  # collective: the refresh at step 4 (after the first agreement) lands
+    layer.sync_replicas()  # collective: the refresh at step 6 (after an agreement with a verdict) lands
     rep = layer.replicator
     before = list(layer.placement.owner)
     due = layer.cold_placement_due()
+    ema_at_move = rep.ema.tolist()  # the load the move reads (the forward below adds to it)
     moved = layer.place_cold_on_slow()  # collective: the coldest experts onto the slow rank 1
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(99))
     layer(x).sum().backward()  # the layer runs on the new map (replicas rebuilt from the new owners)
     return {"seen": seen, "local": layer.speed.local_speed(), "room": layer.speed.room, "holders": rep.holders,
+            "differ": layer.speed.differ, "noise": layer.speed.noise,
             "replicas": sorted(rep.replicas), "hot": rep.hot, "due": due, "moved": moved, "before": before,
-            "owner": list(layer.placement.owner), "ema": rep.ema.tolist()}
+            "owner": list(layer.placement.owner), "ema": rep.ema.tolist(), "ema_at_move": ema_at_move}

@@ -1,4 +1,4 @@
-"""Replica holders by measured speed: the fastest ranks with room (issue 19, Deliver 2).
+"""Replica holders by measured speed: the fastest ranks with room.
 
 Single process: the choice is a pure function of agreed numbers (the multi-rank agreement is in
 tests/moe/test_token_split.py::test_ranks_agree_one_measured_speed_vector)."""
@@ -23,6 +23,9 @@ def test_fastest_ranks_within_the_fraction_of_the_fastest():
     assert choose_holders([4.0, 1.0, 3.0, 2.0], [True] * 4) == (0, 2, 3)  # 1.0 < 0.5 x 4.0
     assert choose_holders([4.0, 1.0, 3.0, 2.0], [True] * 4, fraction=0.7) == (0, 2)
     assert STRONG_FRACTION == 0.5
+    # Below the fraction but not slower beyond its noise (the one rule): it keeps holding.
+    assert choose_holders([4.0, 1.0, 3.0, 2.0], [True] * 4, noise=[0.1, 1.0, 0.1, 0.1]) == (0, 1, 2, 3)
+    assert choose_holders([4.0, 1.0, 3.0, 2.0], [True] * 4, noise=[0.1, 0.2, 0.1, 0.1]) == (0, 2, 3)
 
 
 def test_ranks_without_room_are_skipped_and_the_fastest_with_room_sets_the_bar():
@@ -56,25 +59,25 @@ def test_hot_set_refresh_moves_replicas_to_the_measured_fastest_ranks():
     rep.sync()
     assert rep.holders == (0, 1, 2) and set(rep.replicas) == {3, 6}  # before any measurement: the prior
     # measured: rank 0 is the slowest candidate (datasheet-strong but throttled), 1 pages (no room)
-    agreed[0] = ([100.0, 900.0, 1000.0, 400.0], [True, False, True, True])
+    agreed[0] = ([100.0, 900.0, 1000.0, 400.0], [True, False, True, True], [0.01] * 4)
     rep.observe(picks)
     rep.sync()
     assert rep.holders == (2,)  # rank 3 is fast enough but no candidate; 0 is below 0.5 x 1000
     assert rep.replicas == {}  # rank 0 dropped its copies
     assert rep.holders_of_hot() == {3: (2, 3), 6: (2,)}
-    agreed[0] = ([1000.0, 900.0, 1000.0, 400.0], [True, True, True, True])  # rank 0 recovered
+    agreed[0] = ([1000.0, 900.0, 1000.0, 400.0], [True, True, True, True], [0.01] * 4)  # rank 0 recovered
     rep.observe(picks)
     rep.sync()
     assert rep.holders == (0, 1, 2) and set(rep.replicas) == {3, 6}
 
 
 def test_a_rank_measured_too_slow_stops_holding_replicas():
-    agreed = [([1.0, 1.0, 1.0, 1.0], [True, True, True, True])]
+    agreed = [([1.0, 1.0, 1.0, 1.0], [True, True, True, True], [0.01] * 4)]
     rep = _replicator(1, agreed)
     picks = torch.tensor([50, 1, 1, 1, 1, 1, 1, 1], dtype=torch.float64)  # hot: 0 (rank 0), 5 (rank 1)
     rep.observe(picks)
     assert rep._pending_holders == (0, 1, 2)
-    agreed[0] = ([1.0, 0.1, 1.0, 1.0], [True, True, True, True])
+    agreed[0] = ([1.0, 0.1, 1.0, 1.0], [True, True, True, True], [0.01] * 4)
     rep.observe(picks)
     rep.sync()
     assert rep.holders == (0, 2) and rep.replicas == {}  # rank 1 is too slow to hold copies

@@ -5,6 +5,7 @@ without copies on 1, 2 and 4 real rank processes."""
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import random
 import statistics
@@ -14,7 +15,7 @@ import torch
 
 from hetcomm.errors import ConfigError, UsageError
 from hetcomm.moe import MoELayer
-from hetcomm.moe.speed import HostTimer, SpeedMeter, timer_for
+from hetcomm.moe.speed import CpuTimer, SpeedMeter, agree_table, timer_for
 from hetcomm.moe.token_split import assign_rows, max_over_mean, plan_split
 from tests.backends.ranks import run_ranks
 from tests.moe import split_cases
@@ -91,25 +92,36 @@ def test_assign_rows_keeps_own_rows_local_first():
         assert sum(n for _, n in segs[s]) == c
 
 
-def test_speed_meter_combines_measured_and_prior():
+def _row(rows, secs, noise=0.01, room=1.0):
+    return [rows, secs, room, noise, 5.0]
+
+
+def test_agreed_table_fills_unmeasured_ranks_from_the_prior():
     # Rank 2 measured nothing: prior x the median measured/prior ratio (here 100).
-    v = SpeedMeter.combine([(100.0, 1.0), (50.0, 1.0), (0.0, 0.0)], [1.0, 1.0, 2.0])
-    assert v == (100.0, 50.0, 150.0)
-    assert SpeedMeter.combine([(0.0, 0.0)] * 2, [3.0, 1.0]) == (3.0, 1.0)
-    assert isinstance(timer_for(torch.device("cpu")), HostTimer)
+    speeds, noise, differ = agree_table([_row(100.0, 1.0), _row(50.0, 1.0), _row(0.0, 0.0, -1.0)], [1.0, 1.0, 2.0])
+    assert speeds == (100.0, 50.0, 150.0) and differ is True and math.isinf(noise[2])
+    assert agree_table([_row(0.0, 0.0, -1.0)] * 2, [3.0, 1.0]) == ((3.0, 1.0), (0.0, 0.0), None)
+    assert isinstance(timer_for(torch.device("cpu")), CpuTimer)
 
 
-def test_speed_meter_pools_ranks_of_one_device_class():
-    # Ranks 0 and 1 share a class: their rows and seconds are summed (300 rows in 2 s), so noise
-    # between them moves nothing; rank 2's class is its own; rank 3's class measured nothing.
-    table = [(100.0, 0.5), (200.0, 1.5), (50.0, 1.0), (0.0, 0.0)]
-    pooled = SpeedMeter.combine(table, [2.0, 2.0, 1.0, 1.0], classes=[0, 0, 1, 2])
-    assert pooled[:3] == (150.0, 150.0, 50.0)
-    assert pooled[3] == 1.0 * statistics.median([75.0, 75.0, 50.0])  # its prior x the median ratio
-    assert SpeedMeter.combine(table, [2.0, 2.0, 1.0, 1.0])[:2] == (200.0, 400.0 / 3)
+def test_agreed_table_pools_a_device_class_only_when_its_ranks_agree():
+    # Ranks 0 and 1 share a class and agree within their noise (150 and 133 rows/s, 10% noise
+    # each): their rows and seconds are summed (300 rows in 2.1 s); rank 2 is its own class.
+    table = [_row(150.0, 1.0, 0.1), _row(200.0, 1.5, 0.1), _row(50.0, 1.0, 0.01), _row(0.0, 0.0, -1.0)]
+    speeds, _, differ = agree_table(table, [2.0, 2.0, 1.0, 1.0], classes=[0, 0, 1, 2])
+    assert speeds[:3] == (350.0 / 2.5, 350.0 / 2.5, 50.0) and differ
+    assert speeds[3] == 1.0 * statistics.median([70.0, 70.0, 50.0])  # its prior x the median ratio
+    # Precise measurements: 150 vs 133 is a real difference, each keeps its own (a straggler in a class).
+    table[0][3] = table[1][3] = 0.01
+    speeds, _, _ = agree_table(table, [2.0, 2.0, 1.0, 1.0], classes=[0, 0, 1, 2])
+    assert speeds[:2] == (150.0, 200.0 / 1.5)
+    # Nobody slower than another beyond noise: every rank gets the group's pooled speed.
+    speeds, _, differ = agree_table([_row(100.0, 1.0, 0.1), _row(90.0, 1.0, 0.1)], [1.0, 1.0])
+    assert speeds == (95.0, 95.0) and differ is False
     # The layer derives the classes from the datasheet prior (device.tflops overrides).
-    layer = MoELayer(8, 4, speed_pool="device")
-    assert layer.speed.classes == (0,)
+    layer = MoELayer(8, 4)
+    assert layer.speed.classes == (0,) and layer.config.speed_pool == "device"
+    assert MoELayer(8, 4, speed_pool="rank").speed.classes is None
     with pytest.raises(ConfigError) as ei:
         MoELayer(8, 4, speed_pool="node")
     assert ei.value.key == "moe.speed_pool"
@@ -174,11 +186,12 @@ def test_ranks_agree_one_measured_speed_vector():
     res = run_ranks(split_cases.speed_agreement, world_size=2, backend="gloo", cluster=None, timeout=150, args=())
     for r in res:
         agreements, measured, speeds = r["seen"][-1]
-        assert agreements == 2 and measured
+        assert agreements == 3 and measured
         assert speeds == res[0]["seen"][-1][2]  # the identical vector on every rank
         assert r["seen"][0][1] is False  # before the first agreement: the prior
     speeds = res[0]["seen"][-1][2]
-    assert speeds[1] < speeds[0]  # rank 1's experts sleep 0.1 s per call
+    assert speeds[1] < speeds[0]  # rank 1's experts spin 0.05 s per call
+    assert all(r["differ"] for r in res) and res[0]["noise"] == res[1]["noise"]
     # Replica holders by the agreed measured speed (rank 1 is far below half of rank 0's): the
     # same choice on both ranks, and rank 1 keeps no copy.
     assert [r["room"] for r in res] == [(True, True)] * 2
@@ -186,11 +199,12 @@ def test_ranks_agree_one_measured_speed_vector():
     assert res[0]["hot"] == res[1]["hot"] and len(res[0]["hot"]) == 1
     assert res[1]["replicas"] == []
     # Cold experts onto the measured-slow rank 1, coldest by the global load EMA (not by id).
-    ema = res[0]["ema"]
-    assert res[1]["ema"] == ema and all(r["due"] for r in res)
+    ema = res[0]["ema_at_move"]
+    assert res[1]["ema"] == res[0]["ema"] and res[1]["ema_at_move"] == ema and all(r["due"] for r in res)
     assert res[0]["owner"] == res[1]["owner"] and res[0]["before"] == [0, 0, 1, 1]
     assert res[0]["moved"] == res[1]["moved"] != []  # by id rank 1 had 2 and 3; the load says otherwise
-    assert sorted(e for e, r in enumerate(res[0]["owner"]) if r == 1) == sorted(range(4), key=lambda e: (ema[e], e))[:2]
+    coldest = sorted(range(4), key=lambda e: (ema[e], e))[:2]
+    assert sorted(e for e, r in enumerate(res[0]["owner"]) if r == 1) == sorted(coldest)
 
 
 _GOOD = dict(counts=[[3, 1], [2, 2]], owner=[0, 1], holders={0: [0, 1]}, speeds=[1.0, 2.0])

@@ -61,7 +61,7 @@ def test_a_lost_node_leaves_the_job_on_three_ranks_with_every_expert(tmp_path, d
     yaml3 = tmp_path / "job-cluster.yaml"
     yaml3.write_text(job_cluster_yaml(MIXED_MINI, ["a100-0", "ascend-0"]))
 
-    # balance=False: as the reference run (tests/ops/conftest.py), whose checkpoints hold no batch split
+    # balance=False: as the reference run (tests/ops/conftest.py), whose checkpoints hold no cold-move state
     cfg = load_train_config(TINY, steps=STEPS, cluster=str(yaml3), metrics=metrics, checkpoint_dir=ck,
                             checkpoint_every=4, resume=True, balance=False)
     codes = run_ranks(_train_rank, 3, cluster=str(yaml3), args=(cfg, _free_port()), timeout=150)

@@ -19,8 +19,7 @@ a shared-memory root of its own:
 Both new jobs place their experts alike (the same membership record), so DCP's reshard is the
 reference: every rank's state right after the restore (dense weights, experts by global id,
 AdamW state, data stream) is equal bit for bit, every expert is owned exactly once, and the
-losses of the steps after are equal. The shrink runs the default balancing: the batch split's
-per-rank state starts afresh on both paths.
+losses of the steps after are equal. The shrink runs the default balancing.
 
 Below the loop (one MoE layer, the Snapshotter itself): 4 -> 3, and 4 -> 4 with the h800 node
 replaced by a new one (another expert map: a reshard too) give the 4-rank layer's outputs and
@@ -217,13 +216,12 @@ def test_shrink_four_to_three_restores_from_memory_as_dcp_reshards(tmp_path):
 
     three = tmp_path / "three.yaml"
     three.write_text(job_cluster_yaml(MIXED_MINI, ["a100-0", "ascend-0"]))
-    # balance="auto" (the default): the batch split's state (a size per old rank) starts afresh
-    # on both paths; it re-deals only after 10 measured steps, so the 4 steps after are exact.
+    # balance="auto" (the default): the cold moves' and placements' state travel on both paths.
     speeds = {"A100-SXM4-80GB": 1.0, "H800": 5.0, "910B": 3.0}  # rows/s; the H800 is gone
     runs = _reshard_vs_dcp(tmp_path, MIXED_MINI, str(three), 4, 3, lost_node="h800-0", balance="auto",
                            memory_only_speeds=speeds)
     _assert_same_as_dcp(runs, 3)
-    assert runs["memory"][0][0]["extras"] == ["batch_split", "cold_moves", "placement"], runs["memory"][0][0]["extras"]
+    assert runs["memory"][0][0]["extras"] == ["cold_moves", "placement"], runs["memory"][0][0]["extras"]
     what = runs["memory"][0][0]["what"]
     # Old rank 2 lived on the lost node: its state came from its buddy's copy (the 910B node).
     assert "resharded from 4 ranks" in what and "old ranks 2 from peer copies" in what, what
@@ -284,7 +282,7 @@ NODES4 = ["a100", "a100", "h800", "ascend"]
 
 
 class _Counter:
-    """A per-rank extra (as the batch split or PowerSGD's error feedback): restored whole on the
+    """A per-rank extra (as PowerSGD's error feedback): restored whole on the
     same membership, started afresh after a reshard."""
 
     def __init__(self, value: int) -> None:

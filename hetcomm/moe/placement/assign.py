@@ -21,13 +21,10 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 from torch import nn
 
 from hetcomm.errors import ConfigError
+from hetcomm.moe.speed import slow_ranks  # the one rule of "speeds differ" (re-exported)
 
-__all__ = ["ExpertPlacement", "place_experts", "split_by_weight", "check_placement", "check_adopted_map", "slow_ranks", "cold_on_slow",
-           "SLOW_SPREAD"]
-
-#: A rank is "slow" (it gets the coldest experts) when the fastest rank is more than this
-#: fraction faster (max / speed - 1 > 0.10).
-SLOW_SPREAD = 0.10
+__all__ = ["ExpertPlacement", "place_experts", "split_by_weight", "check_placement", "check_adopted_map", "slow_ranks",
+           "cold_on_slow"]
 
 
 @dataclass(frozen=True)
@@ -285,17 +282,6 @@ def check_adopted_map(
             raise ConfigError(f"expert {e}'s module has parameters {got} but this layer's experts have {want} "
                               f"(rank {rank})", key="moe.placement")
     return mine
-
-
-def slow_ranks(speeds: Sequence[float], spread: float = SLOW_SPREAD) -> List[int]:
-    """Ranks more than ``spread`` slower than the fastest (``speed * (1 + spread) < max``),
-    ascending; none when the speeds are within ``spread`` of each other (equal ranks).
-
-    Args:
-        speeds: ``[W]`` agreed speed of each rank (measured rows/s, or the datasheet prior).
-    """
-    top = max(float(v) for v in speeds)
-    return [r for r, v in enumerate(speeds) if float(v) * (1 + spread) < top]
 
 
 def cold_on_slow(owner: Sequence[int], expert_load: Sequence[float], slow: Sequence[int]) -> List[int]:

@@ -315,21 +315,22 @@ def migrate_now(layer, expert_to_rank: Sequence[int], optimizer=None, *, timeout
 
 def cold_placement_due(layer) -> bool:
     """Whether :func:`place_cold_on_slow` has what it needs for ``layer`` (a
-    :class:`~hetcomm.moe.MoELayer`): an agreed speed vector (measured, or given: a meter that
-    never measures, ``speed_every=0``, holds its prior as the final vector) and a full hot-set
-    window of the replication EMA (the layer's global load), more than one rank, no paging.
-    Identical on every rank (agreed values and step counts)."""
+    :class:`~hetcomm.moe.MoELayer`): an agreed verdict on the speeds
+    (:attr:`hetcomm.moe.speed.SpeedSnapshot.differ` is not None: agreed measurements with a noise
+    estimate, or given speeds, ``speed_every=0``, whose verdict holds from the start) and a full
+    hot-set window of the replication EMA (the layer's global load), more than one rank, no
+    paging. Identical on every rank (agreed values and step counts)."""
     rep = layer.replicator
-    agreed = layer.speed.measured or layer.speed.every == 0
-    return (rep is not None and layer.world_size > 1 and agreed and rep.steps >= rep.every
+    return (rep is not None and layer.world_size > 1 and layer.speed.differ is not None and rep.steps >= rep.every
             and layer.config.page_budget == 0)
 
 
 def place_cold_on_slow(layer, optimizer=None) -> List[int]:
     """Move ``layer``'s coldest experts onto the slowest ranks, now (collective; between steps).
 
-    Slow ranks: more than :data:`~hetcomm.moe.placement.assign.SLOW_SPREAD` (10%) slower than
-    the fastest by the agreed measured speed (``layer.speed``; the prior before it is measured);
+    Slow ranks: slower than another rank beyond noise by the agreed measured speed
+    (``layer.speed``; :func:`hetcomm.moe.speed.slow_ranks`, the one rule; none while the
+    snapshot has no verdict);
     coldest: by the replication EMA of global token counts (identical on every rank), not by
     expert id. Each rank keeps its number of experts and the fewest experts move
     (:func:`~hetcomm.moe.placement.assign.cold_on_slow`), through :func:`migrate_now`
@@ -340,12 +341,12 @@ def place_cold_on_slow(layer, optimizer=None) -> List[int]:
         layer: a :class:`~hetcomm.moe.MoELayer` with replication on.
         optimizer: the optimizer holding the layer's parameters, or None.
     Returns:
-        Global ids of the experts that moved (none when the agreed speeds are within 10%).
+        Global ids of the experts that moved (none when the agreed speeds agree within noise).
 
     Raises:
         ConfigError: replication is off (its EMA is the load).
     """
-    from hetcomm.moe.placement.assign import cold_on_slow, slow_ranks
+    from hetcomm.moe.placement.assign import cold_on_slow
 
     if layer.replicator is None:
         raise ConfigError("place_cold_on_slow() reads the replication EMA as the layer's global load; "
@@ -353,7 +354,7 @@ def place_cold_on_slow(layer, optimizer=None) -> List[int]:
     if layer.world_size == 1:
         return []
     owner = list(layer.placement.owner)
-    new = cold_on_slow(owner, layer.replicator.ema.tolist(), slow_ranks(layer.speed.speeds))
+    new = cold_on_slow(owner, layer.replicator.ema.tolist(), layer.speed.agreed.slow())
     if new == owner:
         return []
     return migrate_now(layer, new, optimizer)

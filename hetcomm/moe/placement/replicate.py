@@ -11,9 +11,10 @@ own tokens for them locally.
   fastest by datasheet). Once the speed vector is agreed (:mod:`hetcomm.moe.speed`), every
   hot-set refresh re-chooses them with :func:`choose_holders`: among the candidates *with room*
   (the agreed flag: the rank does not page its own experts, so extra copies would only push them
-  out), those whose measured speed is at least ``STRONG_FRACTION`` (0.5) of the fastest such
-  rank. A replica on a slow rank adds work where time is already short. The inputs are agreed
-  (all-reduced) values, so every rank computes the same holders without another message.
+  out), all but those below ``STRONG_FRACTION`` (0.5) of the fastest such rank *and* slower than
+  it beyond noise (:func:`hetcomm.moe.speed.differs`, the one rule). A replica on a slow rank adds
+  work where time is already short. The inputs are agreed (all-reduced) values, so every rank
+  computes the same holders without another message.
 
 - **Compute.** The layer sets aside the copies its gate routes to replicas held here (routing)
   and :meth:`HotExpertReplicator.compute_local` runs them while the dispatch is in flight.
@@ -71,6 +72,7 @@ def choose_holders(
     room: Sequence[bool],
     candidates: Optional[Sequence[int]] = None,
     *,
+    noise: Optional[Sequence[float]] = None,
     fraction: float = STRONG_FRACTION,
     limit: Optional[int] = None,
 ) -> Tuple[int, ...]:
@@ -80,8 +82,12 @@ def choose_holders(
         speeds: ``[W]`` agreed measured speed of each rank (rows/s, or any unit: only ratios count).
         room: ``[W]`` agreed flags: the rank has room for replicas (it does not page its experts).
         candidates: ranks allowed to hold replicas (the cluster's strong ranks); None: all.
-        fraction: keep ranks at least this fraction of the fastest eligible rank's speed (the
-            datasheet's strong-rank rule, :data:`hetcomm.topo.compute.STRONG_FRACTION`, on measured speed).
+        noise: ``[W]`` relative noise of each speed (:attr:`hetcomm.moe.speed.SpeedSnapshot.noise`);
+            None: exact numbers.
+        fraction: a rank below this fraction of the fastest eligible rank's speed (the
+            datasheet's strong-rank rule, :data:`hetcomm.topo.compute.STRONG_FRACTION`, on measured
+            speed) is left out, when it is slower beyond noise too
+            (:func:`hetcomm.moe.speed.differs`): noise never drops a holder.
         limit: at most this many holders (the fastest first); None: no limit.
     Returns:
         The holders, ascending. Ranks are taken in ``(-speed, rank)`` order, so equal speeds go
@@ -94,8 +100,13 @@ def choose_holders(
     eligible = [r for r in allowed if 0 <= r < len(speeds) and room[r] and float(speeds[r]) > 0]
     if not eligible:
         return ()
-    top = max(float(speeds[r]) for r in eligible)
-    order = sorted((r for r in eligible if float(speeds[r]) >= fraction * top), key=lambda r: (-float(speeds[r]), r))
+    from hetcomm.moe.speed import differs
+
+    n = [0.0] * len(speeds) if noise is None else [float(v) for v in noise]
+    top = max(eligible, key=lambda r: (float(speeds[r]), -r))
+    order = sorted((r for r in eligible if float(speeds[r]) >= fraction * float(speeds[top])
+                    or not differs(float(speeds[top]), n[top], float(speeds[r]), n[r])),
+                   key=lambda r: (-float(speeds[r]), r))
     if limit is not None:
         order = order[: max(0, int(limit))]
     return tuple(sorted(order))
@@ -121,7 +132,7 @@ class HotExpertReplicator:
         node_ids: ``[world]`` node index of every rank of the job
             (:func:`~hetcomm.moe.powersgd.node_ids_of`); needed when ``powersgd_rank > 0``.
         initial_holders: the holders before any measurement (default: all of ``holders``).
-        measured: ``measured()`` -> ``(speeds [W], room [W])`` once the group agreed its measured
+        measured: ``measured()`` -> ``(speeds [W], room [W], noise [W])`` once the group agreed its measured
             speed (identical on every rank), else None; each hot-set refresh then re-chooses the
             holders with :func:`choose_holders`. None: the holders never change.
     """
@@ -143,7 +154,7 @@ class HotExpertReplicator:
         powersgd_start: int = 10,
         node_ids: Optional[Sequence[int]] = None,
         initial_holders: Optional[Sequence[int]] = None,
-        measured: Optional[Callable[[], Optional[Tuple[Sequence[float], Sequence[bool]]]]] = None,
+        measured: Optional[Callable[[], Optional[Tuple[Sequence[float], Sequence[bool], Sequence[float]]]]] = None,
     ) -> None:
         if num_hot < 0 or num_hot > placement.num_experts:
             raise ConfigError(
@@ -293,8 +304,8 @@ class HotExpertReplicator:
             self._pending_hot = tuple(hot)
             agreed = self.measured() if self.measured is not None else None
             if agreed is not None:  # the fastest candidates with room, from agreed numbers
-                speeds, room = agreed
-                self._pending_holders = choose_holders(speeds, room, self.candidates)
+                speeds, room, noise = agreed
+                self._pending_holders = choose_holders(speeds, room, self.candidates, noise=noise)
 
     def _bytes_per_step(self, e: int, row_bytes: int) -> Tuple[float, float]:
         """``(saved, spent)``: all-to-all bytes a replica set of expert ``e`` saves per step, and

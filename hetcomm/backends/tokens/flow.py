@@ -1,9 +1,11 @@
-"""The two directions of a token dispatch, its in-flight state, its Works and its autograd
-functions (steps 4-5 of :mod:`hetcomm.backends.token_dispatch`'s notation, and ``combine``).
+"""The two directions of a token dispatch, its runs, its Works and its autograd functions
+(steps 4-5 of :mod:`hetcomm.backends.tokens`' notation, and ``combine``), for both faces.
 
 ``_Send`` moves chunk ``c``'s token rows from senders to receivers (dispatch, and the backward
 of combine); ``_Return`` moves them back, summed per token (combine, and the backward of
-dispatch). The plan (:mod:`hetcomm.backends.token_plan`) decides every split; nothing here plans.
+dispatch). :class:`DispatchRun` and :class:`CombineRun` put them together over the plan's
+output rows (expert rows, or the token rows of :meth:`Plan.as_token_rows`); the plan
+(:mod:`hetcomm.backends.tokens.plan`) decides every split, nothing here plans.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from hetcomm.backends import rowpool
-from hetcomm.backends.token_exchange import _BLOCK_ROWS, DispatchComm, _counters, _remote_bytes, _Rows
-from hetcomm.backends.token_plan import _Plan
+from hetcomm.backends.tokens.exchange import DispatchComm, RowExchange, count_meta, count_rows
+from hetcomm.backends.tokens.plan import Plan
+from hetcomm.backends.tokens.wire import WEIGHT_WIRE, exact_wires
 
-__all__ = ["DispatchWork", "CombineWork"]
+_BLOCK_ROWS = 256  # rows per block of the weighted sums (a block and its scratch stay in cache)
+
+__all__ = ["Pieces", "DispatchRun", "CombineRun", "DispatchWork", "CombineWork", "DispatchFn", "CombineFn"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -30,22 +35,22 @@ class _Send:
 
     Receiver side: ``full`` (``[U_recv, D]``) holds the rows from other ranks; None when nothing
     came from them. Own rows are never staged: readers take them from ``src`` (``own_src``).
+    ``into``: receive straight into these rows (``[U_recv, D]``, contiguous) instead of a
+    staging block.
     """
 
-    def __init__(self, comm: DispatchComm, plan: _Plan, c: int, src: torch.Tensor, wire, tag: str):
-        Ur = sum(plan.recv_splits[c])
-        own = plan.num_own[c]
-        tok = plan.send_token[c]
-        Us = tok.numel() - own
+    def __init__(self, comm: DispatchComm, plan: Plan, c: int, src: torch.Tensor, tag: str, into: Optional[torch.Tensor] = None):
+        Ur = plan.num_recv(c)
+        Us = plan.num_remote_sent(c)
         D = src.size(1)
         self.full = None
-        self.ex: Optional[_Rows] = None
+        self.ex: Optional[RowExchange] = None
         if Ur:
-            self.full = rowpool.empty((Ur, D), src.dtype, src.device)
+            self.full = into if into is not None else rowpool.empty((Ur, D), src.dtype, src.device)
         if plan.world_size > 1:  # a collective: every rank takes part, with or without rows
-            self.ex = _Rows(comm, plan.send_splits[c], plan.recv_splits[c], wire, src.dtype, D, tag)
+            self.ex = RowExchange(comm, plan.send_splits[c], plan.recv_splits[c], plan.wire, src.dtype, D, tag)
             out = self.full if self.full is not None else src.new_empty((0, D))
-            self.ex.start(src, tok[:Us], out)
+            self.ex.start(src, plan.send_token[c][:Us], out)
 
     def wait(self) -> None:
         if self.ex is not None:
@@ -57,17 +62,15 @@ class _Return:
     ``U_recv == 0``), back to their senders (combine direction), added into ``out [T, D]`` per
     token on :meth:`wait`. The caller adds the own rows' share itself."""
 
-    def __init__(self, comm: DispatchComm, plan: _Plan, c: int, full: Optional[torch.Tensor], out: torch.Tensor, wire, tag: str):
+    def __init__(self, comm: DispatchComm, plan: Plan, c: int, full: Optional[torch.Tensor], out: torch.Tensor, tag: str):
         self.plan, self.c, self.out = plan, c, out
-        Ur = sum(plan.recv_splits[c])
-        tok = plan.send_token[c]
-        self.Us = tok.numel() - plan.num_own[c]
-        self.ex: Optional[_Rows] = None
+        self.Us = plan.num_remote_sent(c)
+        self.ex: Optional[RowExchange] = None
         D = out.size(1)
         if plan.world_size > 1:
             self.back = rowpool.empty((self.Us, D), out.dtype, out.device)
             send = full if full is not None else out.new_empty((0, D))
-            self.ex = _Rows(comm, plan.recv_splits[c], plan.send_splits[c], wire, out.dtype, D, tag)
+            self.ex = RowExchange(comm, plan.recv_splits[c], plan.send_splits[c], plan.wire, out.dtype, D, tag)
             self.ex.start(send, None, self.back)
 
     def wait(self) -> None:
@@ -79,7 +82,7 @@ class _Return:
         self.ex = None
 
 
-def _segments(plan: _Plan, c: int):
+def _segments(plan: Plan, c: int):
     """``(start, n, from_remote, index)`` per run of chunk ``c``: rows ``start .. start + n - 1``
     of the chunk read ``remote[index]`` (the received block) or ``tokens[index]`` (own rows).
     Every run lies inside one local expert's rows (a piece of ``split_by_expert``)."""
@@ -93,13 +96,14 @@ def _segments(plan: _Plan, c: int):
         oo += n_own
 
 
-class _Pieces:
+class Pieces:
     """The ``[R, D]`` rows of one side of a dispatch, held as one tensor or as ``L`` per-expert
     pieces (``split_by_expert``): :meth:`rows` reads any run of rows inside one piece, so that
     expert outputs and their gradients never need a concatenation.
 
     Args:
-        parts: one ``[R, D]`` tensor, or ``L`` tensors ``[sizes[l], D]``.
+        parts: one ``[R', D]`` tensor (``R' >= R``: rows past the plan's are never read), or
+            ``L`` tensors ``[sizes[l], D]``.
         sizes: rows of each part.
     """
 
@@ -118,15 +122,6 @@ class _Pieces:
         return self.parts[i].narrow(0, a - self.starts[i], n)
 
 
-def _count_rows(ex: Optional[_Rows], rank: int) -> Tuple[int, int]:
-    if ex is None:
-        return 0, 0
-    sent, recv = _remote_bytes(ex, rank)
-    _counters["bytes_sent"] += sent
-    _counters["bytes_recv"] += recv
-    return sent, recv
-
-
 def _weighted_rows(y: torch.Tensor, wc: torch.Tensor, index: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:
     """``out[index[i]] += wc[i] * y[i]`` (``wc``: ``[S, 1]`` in ``y``'s dtype), block by block
     through ``scratch`` (``[_BLOCK_ROWS, D]``; a block stays in cache)."""
@@ -136,28 +131,28 @@ def _weighted_rows(y: torch.Tensor, wc: torch.Tensor, index: torch.Tensor, out: 
         out.index_add_(0, index[i:j], torch.mul(y[i:j], wc[i:j], out=scratch[: j - i]))
 
 
-def _slots_back(comm: DispatchComm, plan: _Plan, grad_w: torch.Tensor) -> torch.Tensor:
+def _slots_back(comm: DispatchComm, plan: Plan, grad_w: torch.Tensor) -> torch.Tensor:
     """``[R]`` float32 gradients of the received weights -> ``[T, k]`` float32, per slot."""
     T, k = plan.num_tokens, plan.num_topk
     dev = grad_w.device
-    gw = torch.zeros(T * k, dtype=torch.float32, device=dev)
+    gw = torch.zeros(T * k, dtype=WEIGHT_WIRE, device=dev)
     slots = torch.arange(k, dtype=torch.int64, device=dev)
     off = 0
-    for c, n in enumerate(plan.chunk_rows):
+    for c in range(plan.num_chunks):
+        n = int(plan.slot_index[c].numel())  # the expert rows of chunk c
         g = grad_w[off : off + n]
         off += n
-        Ur = sum(plan.recv_splits[c])
-        full = torch.zeros(((Ur + plan.num_own[c]) * k,), dtype=torch.float32, device=dev)
+        Ur = plan.num_recv(c)
+        full = torch.zeros(((Ur + plan.num_own[c]) * k,), dtype=WEIGHT_WIRE, device=dev)
         full.index_add_(0, plan.slot_index[c], g)
         tok = plan.send_token[c]
-        Us = tok.numel() - plan.num_own[c]
         rows = full.view(-1, k)
         if plan.world_size > 1:
-            back = torch.empty((Us, k), dtype=torch.float32, device=dev)
-            ex = _Rows(comm, plan.recv_splits[c], plan.send_splits[c], [torch.float32] * plan.world_size, torch.float32, k, "weights-backward")
+            back = torch.empty((plan.num_remote_sent(c), k), dtype=WEIGHT_WIRE, device=dev)
+            ex = RowExchange(comm, plan.recv_splits[c], plan.send_splits[c], exact_wires(comm, WEIGHT_WIRE), WEIGHT_WIRE, k, "weights-backward")
             ex.start(rows[:Ur], None, back)
             ex.wait()
-            _counters["meta_bytes_sent"] += _remote_bytes(ex, plan.rank)[0]
+            count_meta(ex, plan.rank)
             rows = torch.cat([back, rows[Ur:]])
         gw.index_add_(0, (tok.unsqueeze(1) * k + slots).reshape(-1), rows.reshape(-1))
     return gw.view(T, k)
@@ -175,33 +170,58 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     return a
 
 
-class _DispatchState:
-    """What a dispatch keeps between launch, the waits and backward."""
+class DispatchRun:
+    """One dispatch of rows over a plan: launched by :meth:`launch`, completed chunk by chunk
+    (:meth:`finish_chunk`); what it keeps for backward.
 
-    def __init__(self, comm: DispatchComm, plan: _Plan, weight_dtype: torch.dtype):
+    Args:
+        comm: the communicator.
+        plan: the plan; its output rows are what :meth:`launch` fills.
+        weight_dtype: the dtype of the routing weights (their gradient's dtype).
+        rows: rows of the output :meth:`launch` allocates (None: the plan's; more: the rows
+            past the plan's are zeros).
+        tag: names the exchange in errors.
+    """
+
+    def __init__(self, comm: DispatchComm, plan: Plan, weight_dtype: torch.dtype = WEIGHT_WIRE, rows: Optional[int] = None, tag: str = "dispatch"):
         self.comm, self.plan, self.weight_dtype = comm, plan, weight_dtype
+        self.rows, self.tag = rows, tag
         self.sends: List[Optional[_Send]] = []
         self.x: Optional[torch.Tensor] = None
         self.recv_x: Optional[torch.Tensor] = None
         self.bytes_sent = self.bytes_recv = 0
 
-    def launch(self, x: torch.Tensor) -> torch.Tensor:
+    def launch(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Start sending ``x [T, D]``'s rows; returns the output rows (``out`` if given:
+        ``[R' >= R, D]`` contiguous, rows past the plan's zeroed), valid per chunk after
+        :meth:`finish_chunk`."""
         plan = self.plan
         self.x = x
-        recv_x = rowpool.empty((sum(plan.chunk_rows), x.size(1)), x.dtype, x.device)
-        # Chunks are written after recv_x has left autograd's hands, while earlier chunks may
+        R = sum(plan.chunk_rows)
+        if out is None:
+            out = rowpool.empty((self.rows or R, x.size(1)), x.dtype, x.device)
+        if out.size(0) > R:
+            with torch.no_grad():
+                out[R:].zero_()
+        # Chunks are written after the output has left autograd's hands, while earlier chunks may
         # already be saved for backward by the experts: write through an alias with a version
         # counter of its own, or autograd would call those saved slices modified. Safe because
         # no row is read before its chunk's wait.
-        self.recv_x = _alias(recv_x)
-        self.sends = [_Send(self.comm, plan, c, x, plan.wire, "dispatch") for c in range(len(plan.chunk_rows))]
+        self.recv_x = _alias(out)
+        off = 0
+        for c, n in enumerate(plan.chunk_rows):
+            # Token rows as output rows: the rows from other ranks land in place, no staging.
+            into = self.recv_x[off : off + plan.num_recv(c)] if plan.token_rows else None
+            self.sends.append(_Send(self.comm, plan, c, x, self.tag, into))
+            off += n
         for snd in self.sends:
-            sent, recv = _count_rows(snd.ex, plan.rank)
+            sent, recv = count_rows(snd.ex, plan.rank)
             self.bytes_sent += sent
             self.bytes_recv += recv
-        return recv_x
+        return out
 
     def finish_chunk(self, c: int) -> None:
+        """Wait for chunk ``c``'s rows and put them in place (idempotent)."""
         snd = self.sends[c]
         if snd is None:
             return
@@ -215,10 +235,17 @@ class _DispatchState:
                     torch.index_select(self.x, 0, plan.own_expand[c], out=dst)
                 else:
                     for start, n, remote, idx in _segments(plan, c):
+                        if remote and plan.token_rows:
+                            continue  # received in place
                         torch.index_select(snd.full if remote else self.x, 0, idx, out=dst[start : start + n])
         self.sends[c] = None
         if all(v is None for v in self.sends):
             self.x = None  # do not keep the input alive past the last chunk
+
+    def finish(self) -> None:
+        """Every chunk (:meth:`finish_chunk`)."""
+        for c in range(len(self.sends)):
+            self.finish_chunk(c)
 
 
 class DispatchWork:
@@ -232,7 +259,7 @@ class DispatchWork:
         exposed_s: seconds spent blocked in waits so far.
     """
 
-    def __init__(self, state: _DispatchState) -> None:
+    def __init__(self, state: DispatchRun) -> None:
         self._state = state
         self._done = [False] * len(state.plan.chunk_rows)
         self.exposed_s = 0.0
@@ -261,34 +288,57 @@ class DispatchWork:
         return all(self._done)
 
 
-class _CombineState:
-    """What a combine keeps between launch and wait."""
+class CombineRun:
+    """One combine of rows over a plan: each receiver sums its output rows per token row
+    (weighted, or not), returns the sums, the sender adds them per token.
 
-    def __init__(self, comm: DispatchComm, plan: _Plan):
-        self.comm, self.plan = comm, plan
+    Args:
+        comm: the communicator.
+        plan: the plan whose output rows are summed.
+        tag: names the exchange in errors.
+    """
+
+    def __init__(self, comm: DispatchComm, plan: Plan, tag: str = "combine"):
+        self.comm, self.plan, self.tag = comm, plan, tag
         self.returns: List[_Return] = []
         self.bytes_sent = self.bytes_recv = 0
 
-    def launch(self, y: "_Pieces", w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-        """Start the combine of the expert outputs ``y`` (``[R, D]`` in pieces) weighted by
-        ``w [R]``; ``ref`` gives the output dtype, width and device. Returns the ``[T, D]``
-        output, complete after :meth:`finish`."""
+    def launch(self, y: Pieces, w: Optional[torch.Tensor], ref: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Start the combine of the output rows ``y`` (``[R, D]`` in pieces) weighted by
+        ``w [R]`` (None: unweighted); ``ref`` gives the output dtype, width and device.
+        Returns the ``[T, D]`` output (``out`` if given, overwritten), complete after
+        :meth:`finish`."""
         plan = self.plan
         D, dt, dev = ref.size(1), ref.dtype, ref.device
-        result = rowpool.zeros((plan.num_tokens, D), dt, dev)
-        out = _alias(result)  # returns are added after the fact (see _DispatchState.launch)
-        wc = w.unsqueeze(1).to(dt)
-        scratch = torch.empty((_BLOCK_ROWS, D), dtype=dt, device=dev)
+        if out is None:
+            result = rowpool.zeros((plan.num_tokens, D), dt, dev)
+        else:
+            result = out
+            with torch.no_grad():
+                result.zero_()
+        acc = _alias(result)  # returns are added after the fact (see DispatchRun.launch)
+        wc = None if w is None else w.unsqueeze(1).to(dt)
+        scratch = None if w is None else torch.empty((_BLOCK_ROWS, D), dtype=dt, device=dev)
         off = 0
         for c, n in enumerate(plan.chunk_rows):
-            Ur = sum(plan.recv_splits[c])
-            full = rowpool.zeros((Ur, D), dt, dev) if Ur else None
+            Ur = plan.num_recv(c)
+            full = None
+            if Ur and plan.token_rows and wc is None:
+                full = y.rows(off, Ur).contiguous()  # the token rows themselves go back
+            elif Ur:
+                full = rowpool.zeros((Ur, D), dt, dev)
             for start, m, remote, idx in _segments(plan, c):
+                if remote and full is not None and plan.token_rows and wc is None:
+                    continue
                 a = off + start
-                _weighted_rows(y.rows(a, m), wc[a : a + m], idx, full if remote else out, scratch)
+                dst = full if remote else acc
+                if wc is None:
+                    dst.index_add_(0, idx, y.rows(a, m))
+                else:
+                    _weighted_rows(y.rows(a, m), wc[a : a + m], idx, dst, scratch)
             off += n
-            ret = _Return(self.comm, plan, c, full, out, plan.wire, "combine")
-            sent, recv = _count_rows(ret.ex, plan.rank)
+            ret = _Return(self.comm, plan, c, full, acc, self.tag)
+            sent, recv = count_rows(ret.ex, plan.rank)
             self.bytes_sent += sent
             self.bytes_recv += recv
             self.returns.append(ret)
@@ -308,7 +358,7 @@ class CombineWork:
         exposed_s: seconds spent blocked in :meth:`wait`.
     """
 
-    def __init__(self, state: _CombineState) -> None:
+    def __init__(self, state: CombineRun) -> None:
         self._state = state
         self._done = False
         self.exposed_s = 0.0
@@ -335,7 +385,7 @@ class CombineWork:
 # Autograd functions
 
 
-class _DispatchFn(torch.autograd.Function):
+class DispatchFn(torch.autograd.Function):
     """``(x [T, D], topk_weights [T, k]) -> (recv_weights [R], recv_x [R, D])``, or with
     ``sizes`` ``(recv_weights, *pieces)``: ``recv_x`` split per local expert (views of one
     buffer), whose gradients then come back without a concatenation.
@@ -351,73 +401,84 @@ class _DispatchFn(torch.autograd.Function):
         ctx.width, ctx.dtype, ctx.device = x.size(1), x.dtype, x.device
         recv_x = state.launch(x)
         outs = (recv_x,) if sizes is None else recv_x.split(sizes)
-        return (recv_w.view_as(recv_w),) + tuple(outs)
+        w_out = recv_w.view_as(recv_w)
+        if not ctx.needs_input_grad[1]:
+            # Weights without a gradient: a combine over them then skips the weight gradients.
+            ctx.mark_non_differentiable(w_out)
+        return (w_out,) + tuple(outs)
 
     @staticmethod
     def backward(ctx, grad_recv_w, *grads):  # type: ignore[override]
-        st: _DispatchState = ctx.state
+        st: DispatchRun = ctx.state
         plan, comm = st.plan, st.comm
         gx = gw = None
         if ctx.needs_input_grad[0]:
-            dt = grads[0].dtype if grads else ctx.dtype
-            g = _Pieces([t.contiguous() for t in grads], ctx.sizes or [sum(plan.chunk_rows)])
-            gx = rowpool.zeros((plan.num_tokens, ctx.width), dt, ctx.device)
-            rets, off = [], 0
-            for c, n in enumerate(plan.chunk_rows):
-                Ur = sum(plan.recv_splits[c])
-                full = rowpool.zeros((Ur, ctx.width), dt, ctx.device) if Ur else None
-                for start, m, remote, idx in _segments(plan, c):
-                    (full if remote else gx).index_add_(0, idx, g.rows(off + start, m))
-                off += n
-                rets.append(_Return(comm, plan, c, full, gx, plan.wire, "dispatch-backward"))
-                _count_rows(rets[-1].ex, plan.rank)
-            for r in rets:
-                r.wait()
+            g = [t.contiguous() for t in grads]
+            ref = g[0].new_empty((0, ctx.width))
+            run = CombineRun(comm, plan, "dispatch-backward")
+            gx = run.launch(Pieces(g, ctx.sizes or [g[0].size(0)]), None, ref)
+            run.finish()
         if ctx.needs_input_grad[1]:
             gw = _slots_back(comm, plan, grad_recv_w.float()).to(st.weight_dtype)
         return gx, gw, None, None, None
 
 
-class _CombineFn(torch.autograd.Function):
-    """``(recv_weights [R], y [R, D] or its per-expert pieces) -> out [T, D]``, per token the
-    sum of ``w * y`` over its copies. Backward (a dispatch): ``grad_y = w * grad_out[token]``
-    (in the pieces' shapes, views of one buffer), ``grad_w = <grad_out[token], y>``."""
+class CombineFn(torch.autograd.Function):
+    """``(recv_weights [R] or None, y [R', D] or its per-expert pieces) -> out [T, D]``, per
+    token the sum of ``w * y`` (or of ``y``) over its output rows. Backward (a dispatch):
+    ``grad_y = w * grad_out[token]`` (in the pieces' shapes, views of one buffer; rows past the
+    plan's get zeros), ``grad_w = <grad_out[token], y>``."""
 
     @staticmethod
     def forward(ctx, recv_w, state, sizes, *ys):  # type: ignore[override]
         ctx.state, ctx.sizes = state, sizes
-        ctx.save_for_backward(recv_w, *ys)
-        return state.launch(_Pieces(ys, sizes or [ys[0].size(0)]), recv_w, ys[0])
+        ctx.weighted, ctx.num_parts, ctx.rows = recv_w is not None, len(ys), ys[0].size(0)
+        if recv_w is not None:  # the weight gradients read y; unweighted, nothing is kept
+            ctx.save_for_backward(recv_w, *ys)
+        return state.launch(Pieces(ys, sizes or [ys[0].size(0)]), recv_w, ys[0])
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        st: _CombineState = ctx.state
+        st: CombineRun = ctx.state
         plan, comm = st.plan, st.comm
-        w, *ys = ctx.saved_tensors
-        y = _Pieces(ys, ctx.sizes or [ys[0].size(0)])
+        w, *ys = ctx.saved_tensors if ctx.weighted else (None,)
+        y = Pieces(ys, ctx.sizes or [ctx.rows]) if ys else None
         grad_out = grad_out.contiguous()
-        need_w, need_y = ctx.needs_input_grad[0], any(ctx.needs_input_grad[3:])
+        need_w, need_y = ctx.weighted and ctx.needs_input_grad[0], any(ctx.needs_input_grad[3:])
         R = sum(plan.chunk_rows)
-        gy = rowpool.empty((R, grad_out.size(1)), grad_out.dtype, grad_out.device) if need_y else None
+        rows = R if ctx.sizes else max(R, ctx.rows)
+        gy = rowpool.empty((rows, grad_out.size(1)), grad_out.dtype, grad_out.device) if need_y else None
+        if gy is not None and rows > R:
+            gy[R:].zero_()
         gw = torch.empty(R, dtype=torch.float32, device=grad_out.device) if need_w else None
-        sends = [_Send(comm, plan, c, grad_out, plan.wire, "combine-backward") for c in range(len(plan.chunk_rows))]
+        wc = w.unsqueeze(1).to(grad_out.dtype) if w is not None else None
+        # Token rows, unweighted: the gradient rows from other ranks are the result, in place.
+        in_place = plan.token_rows and wc is None and gy is not None
+        sends, off = [], 0
+        for c in range(plan.num_chunks):
+            into = gy[off : off + plan.num_recv(c)] if in_place else None
+            sends.append(_Send(comm, plan, c, grad_out, "combine-backward", into))
+            off += plan.chunk_rows[c]
         dt, dev, D = grad_out.dtype, grad_out.device, grad_out.size(1)
-        wc = w.unsqueeze(1).to(dt)
         # Per block of 256 copies: the gradient of each copy's token sum, gathered once into a
         # scratch that stays in cache, then both products.
         gb_all = torch.empty((_BLOCK_ROWS, D), dtype=dt, device=dev)
         prod_all = torch.empty((_BLOCK_ROWS, D), dtype=dt, device=dev) if need_w else None
         off = 0
         for c, snd in enumerate(sends):
-            _count_rows(snd.ex, plan.rank)
+            count_rows(snd.ex, plan.rank)
             snd.wait()
             for start, m, remote, idx in _segments(plan, c):
                 src = snd.full if remote else grad_out
+                if wc is None:  # unweighted: the gradient rows themselves
+                    if need_y and not (remote and in_place):
+                        torch.index_select(src, 0, idx, out=gy[off + start : off + start + m])
+                    continue
                 ym = y.rows(off + start, m) if need_w else None
                 for i in range(0, m, _BLOCK_ROWS):
                     j = min(m, i + _BLOCK_ROWS)
-                    gb = torch.index_select(src, 0, idx[i:j], out=gb_all[: j - i])
                     a, b = off + start + i, off + start + j
+                    gb = torch.index_select(src, 0, idx[i:j], out=gb_all[: j - i])
                     if need_w:
                         prod = torch.mul(gb, ym[i:j], out=prod_all[: j - i])
                         torch.sum(prod, 1, dtype=torch.float32, out=gw[a:b])
@@ -425,9 +486,7 @@ class _CombineFn(torch.autograd.Function):
                         torch.mul(gb, wc[a:b], out=gy[a:b])
             off += plan.chunk_rows[c]
         if gy is None:
-            gys: Tuple[Optional[torch.Tensor], ...] = (None,) * len(ys)
+            gys: Tuple[Optional[torch.Tensor], ...] = (None,) * ctx.num_parts
         else:
             gys = (gy,) if ctx.sizes is None else tuple(gy.split(ctx.sizes))
         return (gw, None, None) + gys
-
-

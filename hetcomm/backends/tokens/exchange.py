@@ -1,10 +1,8 @@
-"""Row exchanges of the token dispatch: one ``all_to_all_single`` of rows over raw bytes, each
+"""Row exchanges of the token engine: one ``all_to_all_single`` of rows over raw bytes, each
 peer's segment in that pair's wire dtype, and the process's row counters.
 
-Part of :mod:`hetcomm.backends.token_dispatch` (its module docstring has the notation and the
-layout of one dispatch). ``all_to_all_single`` carries one dtype per call while the pairs of one
-rank may need different wire dtypes, so everything travels as ``torch.uint8``: each peer's
-segment is padded to 8 bytes so that it can be viewed as its own dtype in place, and the cast
+Part of :mod:`hetcomm.backends.tokens` (its docstring has the notation and the layout of one
+dispatch). The segments' dtypes and sizes are :mod:`hetcomm.backends.tokens.wire`'s; the cast
 into the packed buffer is the copy the exchange pays anyway.
 """
 
@@ -17,12 +15,14 @@ import torch.distributed as dist
 
 from hetcomm.backends import rowpool
 from hetcomm.backends.checks import splits_agreed
+from hetcomm.backends.tokens.wire import ALIGN, WireComm, exact_wires, segment_bytes
 from hetcomm.errors import CollectiveError, HetcommError
 
-__all__ = ["DispatchComm", "counters", "reset_counters"]
+__all__ = [
+    "DispatchComm", "RowExchange", "exchange_ints", "count_rows", "count_meta", "count_meta_bytes",
+    "count_plan", "counters", "reset_counters",
+]
 
-_ALIGN = 8  # bytes: every peer's segment starts 8-byte aligned, so it can be viewed as any dtype
-_BLOCK_ROWS = 256  # rows per block of the weighted sums (a block and its scratch stay in cache)
 
 _counters = {"calls": 0, "bytes_sent": 0, "bytes_recv": 0, "meta_bytes_sent": 0}
 
@@ -39,30 +39,22 @@ def reset_counters() -> None:
         _counters[key] = 0
 
 
-class DispatchComm(Protocol):
-    """What dispatch/combine use of a communicator (``hetcomm.Communicator`` provides it).
+class DispatchComm(WireComm, Protocol):
+    """What the token engine uses of a communicator (``hetcomm.Communicator`` provides it).
 
     Attributes:
         group: the torch ProcessGroup (gloo, hetcomm, ...); None with ``world_size == 1``.
         rank: this process's rank in ``group``.
         world_size: ``W``.
+        wire_dtype: ``(peer, dtype, policy=None)`` -> the wire rule's answer for that link
+            (:func:`hetcomm.backends.tokens.wire.link_wire_dtype`); both ends of a pair must
+            get the same answer (the dispatch checks it).
     """
 
     group: Optional[dist.ProcessGroup]
-    rank: int
-    world_size: int
-
-    def wire_dtype(self, peer: int, dtype: torch.dtype, policy: Optional[str] = None) -> Optional[torch.dtype]:
-        """The dtype ``dtype`` rows travel in between this rank and ``peer`` (None: unchanged),
-        under ``policy`` (a wire-dtype name, None = the communicator's own). Both ends of a pair
-        must get the same answer (the dispatch checks it)."""
 
 
-def _pad(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-class _Rows:
+class RowExchange:
     """One ``all_to_all_single`` of rows with uneven splits, each peer's segment in its wire dtype.
 
     Everything travels as ``torch.uint8`` so that every rank makes the same call whatever its
@@ -77,9 +69,9 @@ class _Rows:
         self.dtype, self.width = dtype, width
         self.wire = list(wire)
         row = width * dtype.itemsize
-        self.direct = row % _ALIGN == 0 and all(w == dtype for p, w in enumerate(self.wire) if p != comm.rank)
-        self.send_bytes = [_pad(n * width * self.wire[p].itemsize) for p, n in enumerate(self.send_splits)]
-        self.recv_bytes = [_pad(n * width * self.wire[p].itemsize) for p, n in enumerate(self.recv_splits)]
+        self.direct = row % ALIGN == 0 and all(w == dtype for p, w in enumerate(self.wire) if p != comm.rank)
+        self.send_bytes = [segment_bytes(n, width, self.wire[p]) for p, n in enumerate(self.send_splits)]
+        self.recv_bytes = [segment_bytes(n, width, self.wire[p]) for p, n in enumerate(self.recv_splits)]
         self.work = None
         self.finish = None
         self.keep = None
@@ -168,31 +160,43 @@ class _Rows:
         self.finish = self.keep = None
 
 
-def _remote_bytes(ex: _Rows, rank: int) -> Tuple[int, int]:
+def _remote_bytes(ex: RowExchange, rank: int) -> Tuple[int, int]:
     return (
         sum(b for p, b in enumerate(ex.send_bytes) if p != rank),
         sum(b for p, b in enumerate(ex.recv_bytes) if p != rank),
     )
 
 
-def _wires(comm: DispatchComm, dtype: torch.dtype, policy: Optional[str] = None) -> Tuple[torch.dtype, ...]:
-    out = []
-    for p in range(comm.world_size):
-        if p == comm.rank:
-            w = None
-        else:
-            w = comm.wire_dtype(p, dtype) if policy is None else comm.wire_dtype(p, dtype, policy)
-        # A wire never widens, and only floating-point rows are cast.
-        if w is None or not dtype.is_floating_point or w.itemsize >= dtype.itemsize:
-            w = dtype
-        out.append(w)
-    return tuple(out)
+def count_rows(ex: Optional[RowExchange], rank: int) -> Tuple[int, int]:
+    """Add a row exchange's bytes to and from other ranks to :func:`counters`; returns them."""
+    if ex is None:
+        return 0, 0
+    sent, recv = _remote_bytes(ex, rank)
+    _counters["bytes_sent"] += sent
+    _counters["bytes_recv"] += recv
+    return sent, recv
 
 
-def _exchange_ints(comm: DispatchComm, send: torch.Tensor, send_splits, recv_splits, width: int, tag: str) -> torch.Tensor:
+def count_meta(ex: RowExchange, rank: int) -> None:
+    """Add an exchange of exact metadata (weight gradients) to :func:`counters`."""
+    _counters["meta_bytes_sent"] += _remote_bytes(ex, rank)[0]
+
+
+def count_meta_bytes(nbytes: int) -> None:
+    """Add bytes of a count exchange sent to other ranks to :func:`counters`."""
+    _counters["meta_bytes_sent"] += nbytes
+
+
+def count_plan(meta_bytes: int) -> None:
+    """Add one planned dispatch and its metadata bytes to :func:`counters`."""
+    _counters["meta_bytes_sent"] += meta_bytes
+    _counters["calls"] += 1
+
+
+def exchange_ints(comm: DispatchComm, send: torch.Tensor, send_splits, recv_splits, width: int, tag: str) -> torch.Tensor:
     """Synchronous all-to-all of integer rows ``[S, width]`` (metadata); returns ``[sum(recv_splits), width]``."""
     out = torch.empty((sum(recv_splits), width), dtype=send.dtype, device=send.device)
-    ex = _Rows(comm, send_splits, recv_splits, [send.dtype] * comm.world_size, send.dtype, width, tag)
+    ex = RowExchange(comm, send_splits, recv_splits, exact_wires(comm, send.dtype), send.dtype, width, tag)
     ex.start(send.reshape(-1, width), None, out)
     ex.wait()
     return out

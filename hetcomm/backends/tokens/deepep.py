@@ -1,45 +1,12 @@
-"""Token dispatch and combine: DeepEP's two verbs over any process group, with torch's conventions.
+"""The DeepEP-shaped face of the token engine: ``dispatch``/``combine`` (``Communicator``'s verbs).
 
 ``dispatch`` sends each token to the ranks that own its experts and hands the receiver its rows
 grouped by local expert; ``combine`` brings the expert outputs back as the weighted sum over
 each token's ``k`` experts. Both are autograd functions (the backward of dispatch is a combine
 and the backward of combine is a dispatch) and run as plain functions under ``torch.no_grad()``.
-
-Notation:
-    T   tokens on this rank;  k  experts per token;  D  hidden size;  E  global experts
-    W   ranks in the group;  L  experts this rank owns;  C  chunks (default 1)
-    U   *token rows*: distinct ``(destination rank, chunk, token)`` triples. A token whose k
-        experts include several on one rank crosses to that rank ONCE; the receiver expands it
-        into one row per local expert (that is where the bytes go down: E=64, k=2 on 4 ranks
-        under uniform routing sends ~0.88x the rows of a per-copy exchange, k=8 ~0.46x)
-    R   rows this rank receives after expansion: one per (token, local expert), expert-major
-
-Layout of one dispatch (the same on every rank, decided by the exchanged counts):
-    1. plan (local, vectorised): capacity, one ``torch.unique`` over the keys
-       ``(dest * C + chunk) * T + token`` of the valid copies gives the token rows in send order
-       (destination-major, then chunk, then token) and, per copy, its token row;
-    2. counts (one small int64 ``all_to_all_single``, then ``.tolist()``: the host
-       synchronisation every dispatch needs, since the splits of the exchanges below are host
-       integers): per destination, its token rows per chunk and its copies per local expert;
-    3. metadata (one int32 all-to-all, ``[U, 2k]``): for each token row, the local expert
-       index and the float32 weight of each of its ``k`` slots (``-1`` = not for that rank);
-    4. rows, one all-to-all per chunk over raw bytes, each peer's segment in that pair's wire
-       dtype (``comm.wire_dtype(peer, dtype)``), cast on the wire only. Rows for this rank's
-       own experts never enter an exchange: they are read straight from ``x``.
-    5. expansion on arrival: ``recv_x[r] = token_rows[expand_index[r]]``, experts in local
-       order; inside an expert the rows from other ranks by source rank, then the own rows.
-
-``combine`` runs it backwards: each receiver sums ``w * y`` over the copies of one token row
-(so a token's results cross back once per rank too), returns the sums, and the sender adds the
-returns of each token. No second count exchange: the :class:`DispatchHandle` holds the layout.
-
-Host synchronisations per dispatch: the count exchange's ``.tolist()``, ``torch.unique``'s
-output size (a device sync on CUDA/NPU), and the number of dropped copies when ``capacity`` is
-set. Combine has none besides its exchange.
-
-Why hand-written: DeepEP's kernels are CUDA-only (NVLink/RDMA), Megatron's token dispatchers
-sit on NCCL's ``all_to_all`` per copy; a cross-vendor group (gloo, the hetcomm backend with a
-host bridge) needs the same semantics over ``all_to_all_single``.
+The notation and the layout of one dispatch: :mod:`hetcomm.backends.tokens`. Planning, flow and
+the wire rule are the engine's (``plan``, ``flow``, ``wire``); this module checks arguments and
+shapes the results.
 """
 
 from __future__ import annotations
@@ -51,26 +18,13 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from hetcomm.backends.token_exchange import DispatchComm, _counters, counters, reset_counters
-from hetcomm.backends.token_flow import CombineWork, DispatchWork, _CombineFn, _CombineState, _DispatchFn, _DispatchState
-from hetcomm.backends.token_plan import _Plan, _plan, count_token_rows, drop_over_capacity
+from hetcomm.backends.tokens.exchange import DispatchComm
+from hetcomm.backends.tokens.flow import CombineFn, CombineRun, CombineWork, DispatchFn, DispatchRun, DispatchWork
+from hetcomm.backends.tokens.plan import Plan, drop_over_capacity, exchange_counts, plan_dispatch
+from hetcomm.backends.tokens.wire import link_wire_dtype
 from hetcomm.errors import UsageError
-from hetcomm.wire_dtypes import WireDtype, parse_wire_dtype
 
-__all__ = [
-    "DispatchComm",
-    "GroupComm",
-    "DispatchHandle",
-    "DispatchResult",
-    "DispatchWork",
-    "CombineWork",
-    "dispatch",
-    "combine",
-    "drop_over_capacity",
-    "count_token_rows",
-    "counters",
-    "reset_counters",
-]
+__all__ = ["GroupComm", "DispatchHandle", "DispatchResult", "dispatch", "combine"]
 
 
 @dataclass(frozen=True)
@@ -105,17 +59,10 @@ class GroupComm:
         return combine(self, y, handle, async_op=async_op)
 
     def wire_dtype(self, peer: int, dtype: torch.dtype, policy: Optional[str] = None) -> Optional[torch.dtype]:
-        name = WireDtype.CLUSTER if policy is None else parse_wire_dtype(policy)
-        if name is WireDtype.CLUSTER:
-            return self.wire  # a plain group has no cluster: its one wire dtype
-        if name is WireDtype.EXACT or not dtype.is_floating_point:
-            return None
-        return name.torch_dtype()
-
-
-
-# ----------------------------------------------------------------------------------------------
-# Exchanges of rows over bytes, one wire dtype per peer
+        """The wire rule towards ``peer``; a plain group has no cluster: under ``cluster`` (the
+        default) every link's wire dtype is :attr:`wire`."""
+        wire = link_wire_dtype(dtype, "cluster" if policy is None else policy, lambda: self.wire)
+        return None if peer == self.rank else wire
 
 
 @dataclass(frozen=True)
@@ -158,7 +105,7 @@ class DispatchHandle:
     meta_bytes_sent: int
     dtype: torch.dtype
     device: torch.device
-    plan: _Plan = field(repr=False)
+    plan: Plan = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -253,9 +200,9 @@ def dispatch(
     """Send every token to the ranks that own its experts, once per rank (collective).
 
     Every rank of ``comm.group`` must call it, in the same order as its other collectives, with
-    the same hidden size, dtype, ``k``, ``expert_to_rank`` and ``num_chunks``: a digest of them
-    rides in the count exchange, and a difference raises :class:`CrossRankMismatch` on every
-    rank before any row moves.
+    the same hidden size, dtype, ``k``, ``expert_to_rank`` and ``num_chunks``: digests of them
+    ride in the count and metadata exchanges, and a difference raises :class:`CrossRankMismatch`
+    on every rank before any row moves.
 
     Arguments:
         comm: a :class:`DispatchComm` (``hetcomm.Communicator``, or :class:`GroupComm`).
@@ -314,14 +261,11 @@ def dispatch(
     num_dropped = 0
     if capacity is not None:
         topk_idx, num_dropped = drop_over_capacity(topk_idx, owner_len, capacity)
-    meta0 = _counters["meta_bytes_sent"]
-    plan, recv_w, recv_counts, bounds, meta_bytes, per_source = _plan(
-        comm, topk_idx, topk_weights, expert_to_rank, num_chunks, x.dtype, x.size(1), wire_dtype
-    )
-    _counters["meta_bytes_sent"] = meta0 + meta_bytes
-    _counters["calls"] += 1
-    state = _DispatchState(comm, plan, topk_weights.dtype)
-    recv_weights, *outs = _DispatchFn.apply(x, topk_weights, recv_w, state, list(recv_counts) if split_by_expert else None)
+    counts = exchange_counts(comm, topk_idx, expert_to_rank=expert_to_rank, num_chunks=num_chunks)
+    plan = plan_dispatch(comm, counts, topk_weights, dtype=x.dtype, hidden=x.size(1), wire_policy=wire_dtype)
+    recv_counts = plan.recv_counts
+    state = DispatchRun(comm, plan, topk_weights.dtype)
+    recv_weights, *outs = DispatchFn.apply(x, topk_weights, plan.recv_weights, state, list(recv_counts) if split_by_expert else None)
     recv_x = tuple(outs) if split_by_expert else outs[0]
     work = DispatchWork(state)
     if not async_op:
@@ -330,16 +274,16 @@ def dispatch(
         num_tokens=plan.num_tokens,
         num_topk=plan.num_topk,
         recv_counts=tuple(recv_counts),
-        recv_counts_per_source=per_source,
+        recv_counts_per_source=plan.recv_counts_per_source,
         send_rows=tuple(sum(plan.send_splits[c][d] for c in range(len(plan.chunk_rows))) for d in range(plan.world_size)),
         recv_rows=tuple(sum(plan.recv_splits[c][s] for c in range(len(plan.chunk_rows))) for s in range(plan.world_size)),
         chunk_rows=plan.chunk_rows,
-        chunk_experts=tuple(bounds),
+        chunk_experts=plan.chunk_experts,
         recv_weights=recv_weights,
         num_dropped=num_dropped,
         bytes_sent=state.bytes_sent,
         bytes_recv=state.bytes_recv,
-        meta_bytes_sent=meta_bytes,
+        meta_bytes_sent=plan.meta_bytes,
         dtype=x.dtype,
         device=x.device,
         plan=plan,
@@ -396,8 +340,8 @@ def combine(comm: DispatchComm, y: torch.Tensor, handle: DispatchHandle, *, asyn
                 f"{sorted({(str(p.dtype), str(p.device)) for p in parts})} (rank {comm.rank})"
             )
         parts, sizes = [p.contiguous() for p in parts], want
-    state = _CombineState(comm, handle.plan)
-    out = _CombineFn.apply(handle.recv_weights, state, sizes, *parts)
+    state = CombineRun(comm, handle.plan)
+    out = CombineFn.apply(handle.recv_weights, state, sizes, *parts)
     work = CombineWork(state)
     if async_op:
         return out, work

@@ -3,12 +3,12 @@
 torch 2.14 standardised expert-parallel dispatch/combine as
 ``torch.distributed._token_switch.TokenSwitch`` (``create_routing`` -> ``dispatch`` -> expert
 compute -> ``combine``). Where torch has it, :class:`TokenSwitch` is a subclass of it; on torch
-2.13 it is the same class over a same-shaped base of ours. Either way the rows move through the
-engine of ``Communicator.dispatch``/``combine`` (:mod:`hetcomm.backends.token_plan` plans,
-:mod:`hetcomm.backends.token_flow` moves), with the group's per-link wire dtypes, on whatever
-device the tensors are on.
+2.13 it is the same class over a same-shaped base of ours. Either way it is a face of the token
+engine that ``Communicator.dispatch``/``combine`` use too (:mod:`hetcomm.backends.tokens`: the
+same plan, runs, autograd functions and wire rule); this module adds torch's argument and room
+checks and the slots' metadata, on whatever device the tensors are on.
 
-Notation (as in :mod:`hetcomm.backends.token_dispatch`):
+Notation (as in :mod:`hetcomm.backends.tokens`):
     N   tokens on this rank (``topk_idx.shape[0]``);  K  experts per token;  H  hidden size
     E   ``num_experts``;  W  ranks;  L = E / W  experts per rank (rank ``r`` owns experts
         ``r*L .. r*L + L - 1``; local id = global id - r*L)
@@ -32,21 +32,13 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from hetcomm.backends.token_exchange import _counters
-from hetcomm.backends.token_flow import (
-    _CombineState,
-    _count_rows,
-    _DispatchState,
-    _Pieces,
-    _Return,
-    _Send,
-)
-from hetcomm.backends.token_plan import _Plan, _plan
+from hetcomm.backends.tokens.flow import CombineFn, CombineRun, DispatchFn, DispatchRun, Pieces
+from hetcomm.backends.tokens.plan import Counts, Plan, exchange_counts, plan_dispatch
 from hetcomm.errors import RecvCapacityError, UsageError
 
 __all__ = ["TokenSwitch", "Routing", "LAYOUTS", "HAS_TORCH_TOKEN_SWITCH"]
@@ -120,140 +112,83 @@ def _desc(t: Any) -> str:
 class _RoutingState:
     """The mutable part of a :class:`Routing`: counts agreed at creation, the latest plan."""
 
-    def __init__(
-        self, switch: "TokenSwitch", idx: torch.Tensor, recv: List[int], layout: str
-    ) -> None:
+    def __init__(self, switch: "TokenSwitch", counts: Counts, recv: List[int], layout: str) -> None:
         self.switch = switch
         self.rank = switch.rank
-        self.idx = idx  # [N, K] int64 (the engine's index dtype)
+        self.counts = counts  # the engine's count exchange of this routing
+        self.idx = counts.topk_idx  # [N, K] int64 (the engine's index dtype)
         self.recv = recv
         self.layout = layout
         self.ex: Optional[_Exchange] = None  # the latest dispatch's plan
 
 
 class _Exchange:
-    """One planned exchange (one engine plan) and the slot layout over it; dispatch, combine and
-    both backwards of one routing read it without planning again."""
+    """One engine plan of a routing and its slots; dispatch, combine and both backwards of the
+    routing read it without planning again.
 
-    def __init__(
-        self, comm: Any, plan: _Plan, recv_w: torch.Tensor, recv_counts: Sequence[int], layout: str
-    ) -> None:
-        self.comm, self.plan, self.layout = comm, plan, layout
-        self.recv_w = recv_w  # [R] float32, expert-major
-        dev = recv_w.device
-        counts = torch.tensor(list(recv_counts), dtype=torch.int64, device=dev)
-        # Local expert of every expert-major row (the engine groups rows by local expert).
-        experts = torch.arange(len(recv_counts), device=dev)
-        self.row_expert = torch.repeat_interleave(experts, counts)
-        self.R = sum(plan.chunk_rows)
-        self.Ur = sum(plan.recv_splits[0])
-        self.Us = plan.send_token[0].numel() - plan.num_own[0]
-        self.U = self.Ur + plan.num_own[0]
-        self.used = self.U if layout == "flat" else self.R
+    ``plan`` has the slots as output rows: the expert rows (``expert_major``) or the token rows
+    (``flat``, :meth:`Plan.as_token_rows`); ``used`` of them.
+    """
 
-    # -- rows ---------------------------------------------------------------------------------
-    def send(self, src: torch.Tensor, out: torch.Tensor) -> None:
-        """Rows of ``src [N, H]`` into the slots ``out[:used]`` (dispatch; combine's backward)."""
-        plan = self.plan
-        if self.layout == "expert_major":
-            st = _DispatchState(self.comm, plan, torch.float32)
-            rows = st.launch(src)
-            st.finish_chunk(0)
-            out[: self.R].copy_(rows)
-        else:
-            # The token rows before the engine's per-expert expansion: exactly the flat slots.
-            snd = _Send(self.comm, plan, 0, src, plan.wire, "token-switch")
-            _count_rows(snd.ex, plan.rank)
-            snd.wait()
-            if snd.full is not None:
-                out[: self.Ur].copy_(snd.full)
-            if self.U > self.Ur:
-                out[self.Ur : self.U].copy_(src.index_select(0, plan.send_token[0][self.Us :]))
-        out[self.used :].zero_()
+    def __init__(self, comm: Any, plan: Plan, layout: str) -> None:
+        self.comm, self.layout = comm, layout
+        self.copies = plan  # expert rows: each copy's weight, local expert and slot
+        self.plan = plan if layout == "expert_major" else plan.as_token_rows()
+        self.used = sum(self.plan.chunk_rows)
 
-    def gather(self, y: torch.Tensor, out: torch.Tensor) -> None:
-        """Unweighted sum of each token's slots ``y[:used]`` into ``out [N, H]`` (combine;
-        dispatch's backward)."""
-        plan = self.plan
-        if self.layout == "expert_major":
-            st = _CombineState(self.comm, plan)
-            ys = y[: self.R].contiguous()
-            # Weight 1.0 per row: the engine's weighted sum, exactly unweighted (x * 1.0 == x).
-            ones = torch.ones(self.R, dtype=torch.float32, device=y.device)
-            res = st.launch(_Pieces([ys], [self.R]), ones, ys)
-            st.finish()
-            out.copy_(res)
-        else:
-            acc = torch.zeros(out.shape, dtype=y.dtype, device=y.device)
-            if self.U > self.Ur:
-                acc.index_add_(0, plan.send_token[0][self.Us :], y[self.Ur : self.U])
-            full = y[: self.Ur].contiguous() if self.Ur else None
-            # The engine's return leg: each source's slots go back once and add per token.
-            ret = _Return(self.comm, plan, 0, full, acc, plan.wire, "token-switch-combine")
-            _count_rows(ret.ex, plan.rank)
-            ret.wait()
-            out.copy_(acc)
-
-    # -- routing metadata ----------------------------------------------------------------------
     def fill_meta(self, out_w: torch.Tensor, out_idx: torch.Tensor) -> None:
         """``out_topk_weights``/``out_topk_idx`` of the slots (see the module's layouts)."""
         M, K = out_idx.shape
-        idx = torch.full((M, K), -1, dtype=torch.int64, device=out_idx.device)
+        plan = self.copies
+        dev = out_idx.device
+        counts = torch.tensor(plan.recv_counts, dtype=torch.int64, device=dev)
+        # Local expert of every expert row (the engine groups rows by local expert).
+        row_expert = torch.repeat_interleave(torch.arange(len(plan.recv_counts), device=dev), counts)
+        idx = torch.full((M, K), -1, dtype=torch.int64, device=dev)
         w = torch.zeros((M, K), dtype=torch.float32, device=out_w.device)
+        R = row_expert.numel()
         if self.layout == "expert_major":
-            idx[: self.R, 0] = self.row_expert
-            w[: self.R, 0] = self.recv_w
+            idx[:R, 0] = row_expert
+            w[:R, 0] = plan.recv_weights
         else:
-            # slot_index: (token row * K + slot) of each expert-major copy.
-            si = self.plan.slot_index[0]
-            idx.view(-1)[si] = self.row_expert
-            w.view(-1)[si] = self.recv_w
+            # slot_index: (token row * K + slot) of each expert row.
+            si = plan.slot_index[0]
+            idx.view(-1)[si] = row_expert
+            w.view(-1)[si] = plan.recv_weights
         out_idx.copy_(idx)
         out_w.copy_(w)
 
-
-class _SwitchDispatch(torch.autograd.Function):
-    """``tokens [N, H] -> (out_tokens [M, H], out_topk_weights [M, K], out_topk_idx [M, K])``;
-    backward: the unweighted combine of ``grad_out_tokens`` over the same plan."""
-
-    @staticmethod
-    def forward(ctx, ex: _Exchange, tokens, topk_weights, idx_dtype, M):  # type: ignore[override]
-        N, H = tokens.shape
-        K = topk_weights.shape[1]
-        out_tokens = tokens.new_empty((M, H))
-        out_w = topk_weights.new_empty((M, K))
-        out_idx = torch.empty((M, K), dtype=idx_dtype, device=tokens.device)
-        with torch.no_grad():
-            ex.send(tokens.detach(), out_tokens)
-            ex.fill_meta(out_w, out_idx)
-        ctx.ex, ctx.N = ex, N
-        ctx.mark_non_differentiable(out_w, out_idx)  # routing metadata: no gradient
-        return out_tokens, out_w, out_idx
-
-    @staticmethod
-    def backward(ctx, g_tokens, g_w, g_idx):  # type: ignore[override]
-        gx = g_tokens.new_empty((ctx.N, g_tokens.size(1)))
-        ctx.ex.gather(g_tokens.contiguous(), gx)
-        return None, gx, None, None, None
-
-
-class _SwitchCombine(torch.autograd.Function):
-    """``expert_tokens [M, H] -> out [N, H]``; backward: a dispatch of ``grad_out`` over the same
-    plan (rows past the used slots get zeros)."""
-
-    @staticmethod
-    def forward(ctx, ex: _Exchange, expert_tokens, N):  # type: ignore[override]
-        out = expert_tokens.new_empty((N, expert_tokens.size(1)))
-        with torch.no_grad():
-            ex.gather(expert_tokens.detach(), out)
-        ctx.ex, ctx.M = ex, expert_tokens.size(0)
+    def dispatch(self, tokens: torch.Tensor, rows: int) -> torch.Tensor:
+        """``tokens [N, H]`` into ``[rows, H]`` slots (autograd: backward = the unweighted combine)."""
+        run = DispatchRun(self.comm, self.plan, rows=rows, tag="token-switch-dispatch")
+        # No topk_weights input: routing metadata, no gradient (torch's contract).
+        _, out = DispatchFn.apply(tokens, None, self.plan.recv_weights, run, None)
+        run.finish()
         return out
 
-    @staticmethod
-    def backward(ctx, g_out):  # type: ignore[override]
-        gy = g_out.new_empty((ctx.M, g_out.size(1)))
-        ctx.ex.send(g_out.contiguous(), gy)
-        return None, gy, None
+    def dispatch_into(self, tokens: torch.Tensor, out: torch.Tensor) -> None:
+        """``tokens [N, H]`` into the slots ``out [M, H]`` (no autograd)."""
+        run = DispatchRun(self.comm, self.plan, tag="token-switch-dispatch")
+        dst = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+        run.launch(tokens.detach(), dst)
+        run.finish()
+        if dst is not out:
+            out.copy_(dst)
+
+    def combine(self, expert_tokens: torch.Tensor) -> torch.Tensor:
+        """Unweighted sums of each token's slots ``expert_tokens [M, H]`` (autograd: backward =
+        a dispatch of the gradient; rows past the slots get zeros)."""
+        run = CombineRun(self.comm, self.plan, "token-switch-combine")
+        out = CombineFn.apply(None, run, None, expert_tokens)
+        run.finish()
+        return out
+
+    def combine_into(self, expert_tokens: torch.Tensor, out: torch.Tensor) -> None:
+        """The same into ``out [N, H]`` (no autograd)."""
+        run = CombineRun(self.comm, self.plan, "token-switch-combine")
+        y = expert_tokens.detach().contiguous()
+        run.launch(Pieces([y], [y.size(0)]), None, y, out)
+        run.finish()
 
 
 class TokenSwitch(_TorchTokenSwitch):
@@ -283,9 +218,10 @@ class TokenSwitch(_TorchTokenSwitch):
         y = experts(x, w, idx)                                   # weights applied here
         out = ts.combine(routing, y)                             # [N, H], unweighted sum
 
-    Costs per step beyond the engine's own: one all_reduce of ``E + 2W`` int64 in
-    :meth:`create_routing` (the receive counts of every rank, so an overflow raises everywhere)
-    and one of ``W`` int64 in :meth:`dispatch` (every rank's room).
+    Costs: the engine's own exchanges, no more. :meth:`create_routing` makes the engine's count
+    exchange (with every rank's rows and copies towards every rank, so an overflow raises on
+    every rank), each :meth:`dispatch` its metadata exchange (with every rank's room) and the
+    rows, :meth:`combine` the return of the rows.
     """
 
     def __init__(
@@ -377,48 +313,27 @@ class TokenSwitch(_TorchTokenSwitch):
             RecvCapacityError: some rank would need more than ``max_recv_tokens_per_rank`` slots
                 (every rank raises, naming it).
         """
-        W, E, L = self.world_size, self.num_experts, self.num_local_experts
-        where = f"rank {self.rank} of {W}"
+        W, L = self.world_size, self.num_local_experts
         problem = self._check_routing_args(topk_idx, per_expert_token_counts, layout)
         dev = topk_idx.device if torch.is_tensor(topk_idx) else torch.device("cpu")
-        # [E copies per expert | W token rows per destination | W error flags]: summed over the
-        # group, every rank knows every rank's receive slots in both layouts.
-        vec = torch.zeros(E + 2 * W, dtype=torch.int64, device=dev)
-        if problem is None:
-            idx = topk_idx.to(torch.int64)
-            valid = idx >= 0
-            vec[:E] = torch.bincount(idx[valid], minlength=E)
-            dest = torch.where(valid, idx // L, torch.full_like(idx, W))
-            hit = torch.zeros((idx.size(0), W + 1), dtype=torch.bool, device=dev)
-            hit.scatter_(1, dest, True)
-            vec[E : E + W] = hit[:, :W].sum(0)
-        else:
-            vec[E + W + self.rank] = 1
-        if W > 1:
-            dist.all_reduce(vec, group=self.group)
-        counts = vec.tolist()  # host synchronisation: the checks below are host decisions
-        if problem is not None:
-            raise UsageError(f"TokenSwitch.create_routing: {problem} ({where})")
-        failed = [r for r in range(W) if counts[E + W + r]]
-        if failed:
-            raise UsageError(
-                f"TokenSwitch.create_routing: rank(s) {failed} rejected their arguments ({where}); "
-                f"see their errors"
-            )
-        per_expert = counts[:E]
-        if layout == "flat":
-            recv = counts[E : E + W]
-        else:
-            recv = [sum(per_expert[r * L : (r + 1) * L]) for r in range(W)]
+        # The engine's count exchange: every rank learns every rank's token rows (flat slots)
+        # and copies (expert_major slots), so an overflow raises on every rank; a rank that
+        # rejected its arguments takes part with nothing, and every rank raises.
+        counts = exchange_counts(
+            self.comm, topk_idx.to(torch.int64) if problem is None else None,
+            expert_to_rank=self._owners, num_chunks=1, problem=problem,
+            op="TokenSwitch.create_routing", device=dev,
+        )
+        recv = list(counts.recv_rows if layout == "flat" else counts.recv_copies)
         self._check_room(
             "create_routing", recv, [self._max_recv_tokens_per_rank] * W, "max_recv_tokens_per_rank",
             f"construct the TokenSwitch with max_recv_tokens_per_rank >= {max(recv)}",
         )
         if per_expert_token_counts is not None:
-            counts = per_expert_token_counts
-            mine = torch.tensor(per_expert[self.rank * L : (self.rank + 1) * L], dtype=counts.dtype, device=counts.device)
-            counts[:L].copy_(mine)
-        state = _RoutingState(self, idx, recv, layout)
+            dst = per_expert_token_counts
+            mine = torch.tensor(counts.copies_per_local_expert, dtype=dst.dtype, device=dst.device)
+            dst[:L].copy_(mine)
+        state = _RoutingState(self, counts, recv, layout)
         return Routing(handle=state, topk_idx=topk_idx, layout=layout)
 
     def _check_routing_args(self, topk_idx, counts, layout) -> Optional[str]:
@@ -476,45 +391,34 @@ class TokenSwitch(_TorchTokenSwitch):
             )
         return st
 
-    def _make_plan(self, st: _RoutingState, weights, dtype: torch.dtype, hidden: int) -> _Exchange:
-        """The engine's plan of this routing (collective: its count and metadata exchanges)."""
-        plan, recv_w, recv_counts, _bounds, meta_bytes, _per_source = _plan(
-            self.comm, st.idx, weights, self._owners, 1, dtype, hidden, self.wire_dtype
+    def _make_plan(self, st: _RoutingState, weights, dtype: torch.dtype, hidden: int, **checks) -> _Exchange:
+        """The engine's plan of this routing (collective: its metadata exchange)."""
+        plan = plan_dispatch(
+            self.comm, st.counts, weights, dtype=dtype, hidden=hidden, wire_policy=self.wire_dtype, **checks
         )
-        _counters["meta_bytes_sent"] += meta_bytes
-        _counters["calls"] += 1
-        st.ex = _Exchange(self.comm, plan, recv_w, recv_counts, st.layout)
+        st.ex = _Exchange(self.comm, plan, st.layout)
         return st.ex
 
     def _prepare_dispatch(self, routing: Routing, tokens, topk_weights, room, out) -> _Exchange:
-        """Check the arguments and every rank's room (collective), then plan with the engine."""
+        """Check the arguments, then plan with the engine; every rank's room and arguments ride
+        in the engine's metadata exchange, so a short room or a bad argument on one rank raises
+        on every rank before any row moves (collective)."""
         st = self._state(routing, "dispatch")
-        W = self.world_size
         problem = self._check_dispatch_args(st, tokens, topk_weights, room, out)
-        rooms = torch.zeros(W, dtype=torch.int64, device=st.idx.device)
-        # -1 = this rank rejected its arguments: the others raise too instead of waiting for it.
-        if problem is not None:
-            rooms[self.rank] = -1
-        else:
-            rooms[self.rank] = out[0].size(0) if out is not None else room
-        if W > 1:
-            dist.all_reduce(rooms, group=self.group)
-        rooms_l = rooms.tolist()  # host synchronisation: the check below is a host decision
-        where = f"rank {self.rank} of {W}"
-        if problem is not None:
-            raise UsageError(f"TokenSwitch.dispatch: {problem} ({where})")
-        failed = [r for r in range(W) if rooms_l[r] < 0]
-        if failed:
-            raise UsageError(
-                f"TokenSwitch.dispatch: rank(s) {failed} rejected their arguments ({where}); "
-                f"see their errors"
-            )
         what = "the output buffers' rows (out=)" if out is not None else "max_recv_tokens"
-        self._check_room(
-            "dispatch", st.recv, rooms_l, f"each rank's {what}",
-            "pass max_recv_tokens (or out= buffers with rows) >= routing.num_recv_tokens on every rank",
+
+        def check_rooms(rooms: List[int]) -> None:
+            self._check_room(
+                "dispatch", st.recv, rooms, f"each rank's {what}",
+                "pass max_recv_tokens (or out= buffers with rows) >= routing.num_recv_tokens on every rank",
+            )
+
+        if problem is not None:
+            return self._make_plan(st, None, torch.float32, 0, problem=problem, op="TokenSwitch.dispatch")
+        mine = out[0].size(0) if out is not None else room
+        return self._make_plan(
+            st, topk_weights, tokens.dtype, tokens.size(1), room=mine, check_rooms=check_rooms, op="TokenSwitch.dispatch"
         )
-        return self._make_plan(st, topk_weights, tokens.dtype, tokens.size(1))
 
     def _check_dispatch_args(self, st: _RoutingState, tokens, topk_weights, room, out) -> Optional[str]:
         N, K = st.idx.shape
@@ -588,7 +492,7 @@ class TokenSwitch(_TorchTokenSwitch):
         out = (out_tokens, out_topk_weights, out_topk_idx)
         ex = self._prepare_dispatch(routing, tokens, topk_weights, None, out)
         with torch.no_grad():
-            ex.send(tokens.detach(), out_tokens)
+            ex.dispatch_into(tokens, out_tokens)
             ex.fill_meta(out_topk_weights, out_topk_idx)
 
     def _combine(self, routing, expert_tokens, out_tokens) -> None:
@@ -601,7 +505,7 @@ class TokenSwitch(_TorchTokenSwitch):
                 f"{_desc(out_tokens)} (rank {self.rank} of {self.world_size})"
             )
         with torch.no_grad():
-            ex.gather(expert_tokens.detach(), out_tokens)
+            ex.combine_into(expert_tokens, out_tokens)
 
     def dispatch(  # type: ignore[override]
         self,
@@ -634,10 +538,12 @@ class TokenSwitch(_TorchTokenSwitch):
             self._dispatch(routing, tokens, topk_weights, *out)
             return out
         ex = self._prepare_dispatch(routing, tokens, topk_weights, max_recv_tokens, None)
-        idx_dtype = routing.topk_idx.dtype
-        return _SwitchDispatch.apply(  # type: ignore[return-value]
-            ex, tokens, topk_weights, idx_dtype, max_recv_tokens
-        )
+        out_tokens = ex.dispatch(tokens, max_recv_tokens)
+        M, K = max_recv_tokens, topk_weights.size(1)
+        out_w = torch.empty((M, K), dtype=topk_weights.dtype, device=tokens.device)
+        out_idx = torch.empty((M, K), dtype=routing.topk_idx.dtype, device=tokens.device)
+        ex.fill_meta(out_w, out_idx)  # routing metadata: no gradient
+        return out_tokens, out_w, out_idx
 
     def combine(  # type: ignore[override]
         self,
@@ -662,9 +568,7 @@ class TokenSwitch(_TorchTokenSwitch):
         if out is not None:
             self._combine(routing, expert_tokens, out)
             return out
-        ex = self._exchange_of(routing, expert_tokens)
-        N = routing.handle.idx.size(0)  # type: ignore[attr-defined]
-        return _SwitchCombine.apply(ex, expert_tokens, N)  # type: ignore[return-value]
+        return self._exchange_of(routing, expert_tokens).combine(expert_tokens)
 
     def __repr__(self) -> str:
         return (

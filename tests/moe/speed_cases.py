@@ -1,0 +1,69 @@
+"""Rank functions of tests/moe/test_speed.py (module level: run_ranks forks them)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict
+
+import torch
+import torch.distributed as dist
+
+
+def _spin(cpu_s: float) -> None:
+    """Compute for ``cpu_s`` seconds of this thread's CPU time (the same work however loaded)."""
+    end = time.thread_time() + cpu_s
+    while time.thread_time() < end:
+        pass
+
+
+def wait_in_a_collective(rank: int, world_size: int) -> Dict[str, Any]:
+    """Both ranks time the same compute each step; rank 1's timed section also waits in a
+    barrier for rank 0, which sleeps 0.2 s before joining it. The busy clock must not count the
+    wait (a wall-clock timer would read rank 1 several times slower)."""
+    from hetcomm.moe.speed import SpeedMeter
+
+    meter = SpeedMeter(world_size, rank, [1.0] * world_size, every=4, alpha=0.8)
+    cpu = torch.device("cpu")
+    walls, busy = [], []
+    for _ in range(12):
+        t = time.perf_counter()
+        mark = meter.begin(cpu)
+        _spin(0.02)
+        if rank == 1:
+            dist.barrier()  # waits here for rank 0's sleep
+        meter.end(mark, 256)
+        walls.append(time.perf_counter() - t)
+        if rank == 0:
+            time.sleep(0.2)
+            dist.barrier()
+        meter.finish_step()
+        busy.append(meter.last_step[1])
+    snap = meter.snapshot()
+    return {"speeds": snap.rows_per_s, "own": snap.own_rows_per_s, "noise": snap.noise, "differ": snap.differ,
+            "wall": walls, "busy": busy}
+
+
+def equal_ranks_cold_move(rank: int, world_size: int) -> Dict[str, Any]:
+    """Equal ranks train one replicated MoE layer with the library's defaults (agreement every
+    10 steps, hot set every 10) until the cold move is due, then make it as ``hetcomm train``
+    does: nothing may move, and every rank holds the same agreed snapshot."""
+    from hetcomm.moe import MoELayer
+
+    torch.manual_seed(0)
+    layer = MoELayer(64, 8, k=2, dropless=True, calibrate=False, replicate=True)
+    opt = torch.optim.SGD(layer.parameters(), lr=1e-3)
+    moved, due_at = None, None
+    for step in range(1, 41):
+        x = torch.randn(512, 64, generator=torch.Generator().manual_seed(1000 * rank + step))
+        layer(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        layer.sync_replicas()
+        if layer.cold_placement_due():
+            due_at = step
+            moved = layer.place_cold_on_slow(opt)
+            break
+    snap = layer.speed.snapshot()
+    return {"moved": moved, "due_at": due_at, "speeds": snap.rows_per_s, "noise": snap.noise,
+            "differ": snap.differ, "own": snap.own_rows_per_s, "agreements": snap.agreements,
+            "owner": list(layer.placement.owner)}

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional
 
 from hetcomm.errors import ConfigError
 from hetcomm.moe.paging import PagingConfig
@@ -138,3 +138,21 @@ class MoEConfig:
         rs = self.replicate_powersgd_start
         if isinstance(rs, bool) or not isinstance(rs, int) or rs < 2:
             raise bad("replicate_powersgd_start", f"must be a whole number >= 2 (torch's error feedback needs it), got {rs!r}")
+
+    @classmethod
+    def for_layer(cls, model_dim: int, num_experts: int, k: int, capacity_factor: float,
+                  options: Mapping[str, Any]) -> "MoEConfig":
+        """The config of ``MoELayer(model_dim, num_experts, k, capacity_factor, **options)``.
+
+        Raises:
+            ConfigError: an option that is no field of this class (``key='moe'``, listing the
+                valid ones), or a bad value (``key='moe.<field>'``).
+        """
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ConfigError(
+                f"unknown MoELayer option(s) {unknown}; valid options: {sorted(names - {'model_dim', 'num_experts', 'k', 'capacity_factor'})}",
+                key="moe",
+            )
+        return cls(model_dim=model_dim, num_experts=num_experts, k=k, capacity_factor=capacity_factor, **options)

@@ -10,6 +10,7 @@ step (see ``docs/MOE.md`` and ``benchmarks/moe_layer.py``).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import List
 
@@ -36,3 +37,14 @@ class PipelineTimes:
     bytes_recv: int = 0
     num_chunks: int = 1
     rows_per_expert: List[int] = field(default_factory=list)
+
+    def record_exchange(self, res, num_chunks: int, t_combine: float, t_start: float) -> None:
+        """Fill in the exchange's part once the combine returned: ``res`` the forward's
+        ``token_dispatch.DispatchResult``, ``t_combine`` / ``t_start`` the ``perf_counter``
+        when the combine / the forward began."""
+        self.comm_exposed_s = res.work.exposed_s + time.perf_counter() - t_combine
+        self.num_chunks = num_chunks
+        self.rows_per_expert = list(res.recv_counts)
+        # Combine sends back exactly what dispatch received, in the same wire dtypes.
+        self.bytes_sent = self.bytes_recv = res.handle.bytes_sent + res.handle.bytes_recv
+        self.total_s = time.perf_counter() - t_start

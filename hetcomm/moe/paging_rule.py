@@ -20,14 +20,16 @@
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
+from torch import nn
 
 __all__ = [
     "MEMORY_FRACTION",
     "TRAINING_BYTES_PER_PARAM_BYTE",
     "auto_page_budget",
+    "auto_page_budget_of",
     "hide_threshold_tokens",
     "copies_can_hide",
     "measure_h2d_bytes_per_s",
@@ -80,6 +82,15 @@ def copies_can_hide(tokens_per_expert: float, peak_flops: float, h2d_bytes_per_s
     if h2d_bytes_per_s is None or h2d_bytes_per_s <= 0:
         return None
     return tokens_per_expert >= hide_threshold_tokens(peak_flops, h2d_bytes_per_s)
+
+
+def auto_page_budget_of(experts: Sequence[nn.Module]) -> float:
+    """:func:`auto_page_budget` of a rank's local ``experts`` on the device they were built on
+    (``MoEConfig(page_budget="auto")``; a rank without experts: 0)."""
+    params = [p for m in experts for p in m.parameters()]
+    dev = params[0].device if params else torch.device("cpu")
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    return auto_page_budget(nbytes, len(experts), free_device_bytes(dev))
 
 
 def measure_h2d_bytes_per_s(device: torch.device, num_bytes: int = 64 << 20, repeats: int = 3) -> Optional[float]:

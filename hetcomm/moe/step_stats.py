@@ -7,16 +7,25 @@ when absent.
 
 It also reads like the dict of earlier releases (``st["dropped"]``, ``"page_hits" in st``,
 ``st.get(...)``, ``dict(st)``): a key is present when its field is not None. New code reads the
-attributes.
+attributes. :func:`forward_record` makes one from a forward's routing and timings (the layer's
+own parts: :func:`replica_saved_bytes`; the expert store's, the speed meter's and the split's
+fields come as ``extra``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
-__all__ = ["StepStats"]
+import torch
+
+from hetcomm.backends import tokens as token_dispatch
+from hetcomm.moe.overlap import PipelineTimes
+from hetcomm.moe.routing import Routing
+from hetcomm.moe.routing_metrics import MetricsAccumulator, routing_metrics
+
+__all__ = ["StepStats", "forward_record", "replica_saved_bytes"]
 
 
 @dataclass(frozen=True, eq=True)
@@ -158,3 +167,97 @@ class StepStats(Mapping):
 
 _ORDER = tuple(f.name for f in fields(StepStats))
 _NAMES = frozenset(_ORDER)
+
+
+def forward_record(route: Routing, times: PipelineTimes, *, rank: int, k: int, local_expert_ids: Sequence[int],
+                   metrics: MetricsAccumulator, replicator: Any, l_aux: torch.Tensor, calibrator: Any,
+                   forward_s: Callable[[], float], saved_bytes: int, global_picks: Optional[torch.Tensor],
+                   migrations: Optional[int], extra: Dict[str, Any]) -> StepStats:
+    """The :class:`StepStats` of one forward of :class:`hetcomm.moe.MoELayer` on this rank; adds
+    its picks, drops and local copies to ``metrics`` too.
+
+    Args:
+        route: the forward's :class:`~hetcomm.moe.routing.Routing`.
+        times: its :class:`~hetcomm.moe.overlap.PipelineTimes`.
+        rank: this rank in the layer's group; ``k``: experts per token.
+        local_expert_ids: global ids of this rank's experts.
+        metrics: the layer's windowed accumulator.
+        replicator: the layer's :class:`~hetcomm.moe.placement.replicate.HotExpertReplicator`
+            or None; ``calibrator``: the gate's, or None.
+        l_aux: the auxiliary loss (scalar).
+        forward_s: seconds since the forward began (called last).
+        saved_bytes: forward bytes local replicas saved (:func:`replica_saved_bytes`).
+        global_picks: ``[E]`` picks summed over the group (training forwards), or None.
+        migrations: experts that landed since the previous forward, or None.
+        extra: the other fields (the expert store's ``page_*``, the speed meter's, the split's).
+    """
+    kept = route.num_assign - route.num_dropped
+    own = [e for e in local_expert_ids]
+    num_self = int(route.send_counts[list(own)].sum()) if own else 0
+    num_local = num_self + int(route.local_assign.numel())
+    metrics.add(route.picks, route.num_dropped, num_local, kept)
+    m = routing_metrics(route.picks, route.num_dropped, num_local, kept)
+    gm = routing_metrics(global_picks, 0, 0) if global_picks is not None else None
+    rep = replicator
+    return StepStats(
+        rank=rank,
+        tokens=route.num_assign // max(1, k),
+        copies=route.num_assign,
+        dropped=route.num_dropped,
+        overflow_rate=m.overflow_rate,
+        top5_share=m.top5_share,
+        min_expert_rate=m.min_expert_rate,
+        local_fraction=m.local_fraction,
+        a2a_bytes_sent=times.bytes_sent,
+        a2a_bytes_recv=times.bytes_recv,
+        a2a_bytes_sent_without_replication=times.bytes_sent + saved_bytes,
+        comm_exposed_s=times.comm_exposed_s,
+        expert_s=times.expert_s,
+        forward_s=forward_s(),
+        num_chunks=times.num_chunks,
+        rows_per_expert=tuple(times.rows_per_expert),
+        replicas=tuple(rep.replicas) if rep else (),
+        hot_experts=tuple(rep.hot) if rep else (),
+        replica_extra_bytes=rep.extra_bytes if rep else 0,
+        l_aux=float(l_aux.detach()),
+        global_top5_share=gm.top5_share if gm is not None else None,
+        global_min_expert_rate=gm.min_expert_rate if gm is not None else None,
+        calibration_lag=calibrator.lag_factor() if calibrator is not None else None,
+        migrations=migrations,
+        **extra,
+    )
+
+
+def replica_saved_bytes(topk_idx: torch.Tensor, route: Routing, owner: Sequence[int], *, rank: int, world_size: int,
+                        k: int, num_chunks: int, model_dim: int, dtype: torch.dtype,
+                        wire_dtype: Callable[[int, torch.dtype], torch.dtype]) -> int:
+    """Forward bytes (dispatch + combine) the copies computed on local replicas would have
+    cost: the token rows with them minus the token rows without them, per destination.
+
+    Args:
+        topk_idx: ``[T, k]`` int64 the gate's picks.
+        route: the forward's routing (``send_idx`` without the replica copies).
+        owner: ``[E]`` owner rank of each expert; ``rank``: this one of ``world_size``.
+        k: experts per token; ``num_chunks``: the dispatch's chunks.
+        model_dim: ``D``; ``dtype``: the rows' dtype.
+        wire_dtype: ``f(peer, dtype)``, the dtype rows travel in to/from ``peer``.
+    """
+    if route.local_assign.numel() == 0:
+        return 0
+    T = topk_idx.size(0)
+    idx_cm = route.send_idx.t().reshape(-1)
+    with_rep = idx_cm.clone()
+    with_rep[route.local_assign] = topk_idx.t().reshape(-1)[route.local_assign]
+    rows = [
+        token_dispatch.count_token_rows(i.view(k, T).t(), owner, world_size, num_chunks)
+        for i in (with_rep, idx_cm)
+    ]
+    extra = (rows[0] - rows[1]).tolist()
+    saved = 0
+    for d, n in enumerate(extra):
+        if d != rank and n:
+            wd = wire_dtype(d, dtype)
+            # Sent once by dispatch, once more by combine (summed over ranks, what comes back
+            # to one rank is what another sends).
+            saved += 2 * n * model_dim * wd.itemsize
+    return saved

@@ -23,7 +23,8 @@ from torch import nn
 from hetcomm.errors import ConfigError
 from hetcomm.moe.speed import slow_ranks  # the one rule of "speeds differ" (re-exported)
 
-__all__ = ["ExpertPlacement", "place_experts", "split_by_weight", "check_adopted_map", "slow_ranks", "cold_on_slow"]
+__all__ = ["ExpertPlacement", "place_experts", "split_by_weight", "check_placement", "check_adopted_map", "slow_ranks",
+           "cold_on_slow"]
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,22 @@ def place_experts(
         for _ in range(sizes[r]):
             owner_list[next(it)] = r
     return ExpertPlacement(tuple(owner_list), world_size)
+
+
+def check_placement(placement: ExpertPlacement, num_experts: int, world_size: int) -> ExpertPlacement:
+    """``placement``, checked against a layer of ``num_experts`` experts on a group of
+    ``world_size`` ranks.
+
+    Raises:
+        ConfigError: (``key='moe.placement'``) it is for another expert count or group size.
+    """
+    if placement.world_size != world_size or placement.num_experts != num_experts:
+        raise ConfigError(
+            f"placement is for {placement.num_experts} experts on {placement.world_size} ranks "
+            f"but the layer has {num_experts} experts on a group of {world_size}",
+            key="moe.placement",
+        )
+    return placement
 
 
 def check_adopted_map(

@@ -34,9 +34,10 @@ import torch.distributed as dist
 from torch import nn
 
 from hetcomm.errors import ConfigError, PeerTimeout
-from hetcomm.moe.placement.balancer import Move
+from hetcomm.moe.placement.balancer import BalancerConfig, ExpertBalancer, ExpertMap, Move
 
-__all__ = ["ExpertSlots", "ExpertMigrator", "migrate_now", "state_layout", "cold_placement_due", "place_cold_on_slow"]
+__all__ = ["ExpertSlots", "ExpertMigrator", "migrate_now", "state_layout", "cold_placement_due", "place_cold_on_slow",
+           "rebalance"]
 
 
 def state_layout(optimizer: Optional[torch.optim.Optimizer]) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
@@ -357,3 +358,47 @@ def place_cold_on_slow(layer, optimizer=None) -> List[int]:
     if new == owner:
         return []
     return migrate_now(layer, new, optimizer)
+
+
+def rebalance(layer, expert_load: Optional[Sequence[float]] = None, optimizer=None) -> List[int]:
+    """Re-place ``layer``'s experts by load, now (collective), with the one placement policy
+    (:meth:`hetcomm.moe.MoELayer.rebalance`).
+
+    The map comes from :class:`~hetcomm.moe.placement.balancer.ExpertBalancer` (the policy
+    of ``hetcomm train --balance``: capacity-aware packing by rank speed, refined, moves
+    only where they shorten the slowest rank's step), fed this one load; every rank keeps
+    its number of experts; the moves are carried out by :func:`migrate_now` (parameters,
+    optimizer state and gradients travel with each expert), so training continues unchanged.
+
+    Args:
+        layer: a :class:`~hetcomm.moe.MoELayer`.
+        expert_load: ``[E]`` load per expert, identical on every rank (default: the
+            replication EMA of global token counts, which is).
+        optimizer: the optimizer holding the layer's parameters, or None.
+    Returns:
+        Global ids of the experts that moved.
+
+    Raises:
+        ConfigError: no load given and replication off.
+    """
+    if expert_load is None:
+        if layer.replicator is None:
+            raise ConfigError(
+                "rebalance() needs expert_load=[E loads] when replication is off (the "
+                "replication EMA is the default load)",
+                key="moe.rebalance",
+            )
+        expert_load = layer.replicator.ema.tolist()
+    E, W = layer.config.num_experts, layer.world_size
+    balancer = ExpertBalancer(
+        E,
+        layer.speed.speeds if layer.speed.measured else layer.rank_weights,  # measured once agreed
+        BalancerConfig(window=1, every=1, cooldown=1),
+        slots=list(layer.placement.num_local_experts_per_rank),
+        initial=ExpertMap.from_lists([[r] for r in layer.placement.owner], W),
+    )
+    balancer.observe(torch.tensor([float(v) for v in expert_load], dtype=torch.float64))  # host: planning state
+    plan = balancer.propose()
+    if not plan.adopted:
+        return []
+    return migrate_now(layer, plan.new_map.owner(), optimizer)

@@ -16,6 +16,8 @@ own tokens for them locally.
   work where time is already short. The inputs are agreed (all-reduced) values, so every rank
   computes the same holders without another message.
 
+- **Compute.** The layer sets aside the copies its gate routes to replicas held here (routing)
+  and :meth:`HotExpertReplicator.compute_local` runs them while the dispatch is in flight.
 - **Which experts.** An EMA (``alpha = 0.99``) of each expert's *global* token count (the
   all-reduced picks, identical on every rank, so every rank picks the same hot set without
   talking about it). Every ``M`` steps the top-``N`` become the hot set.
@@ -59,7 +61,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetcomm.errors import ConfigError
-from hetcomm.moe.powersgd import SlowLinkPowerSGD, rail_bytes_sent
+from hetcomm.moe.powersgd import SlowLinkPowerSGD, node_ids_of, rail_bytes_sent
 from hetcomm.topo.compute import STRONG_FRACTION
 
 __all__ = ["HotExpertReplicator", "choose_holders"]
@@ -226,6 +228,37 @@ class HotExpertReplicator:
         if powersgd_rank:
             self._make_compressors(powersgd_rank, powersgd_start, node_ids, world)
 
+
+    @classmethod
+    def for_layer(cls, cfg, placement, rank: int, candidates: Sequence[int], make_expert: Callable[[int], nn.Module],
+                  owned: Dict[int, nn.Module], group: Optional[dist.ProcessGroup], cluster, *,
+                  initial_holders: Sequence[int],
+                  measured: Callable[[], Optional[Tuple[Sequence[float], Sequence[bool]]]]) -> "HotExpertReplicator":
+        """The replicator of a :class:`~hetcomm.moe.MoELayer` with ``cfg`` (its
+        :class:`~hetcomm.moe.layer_config.MoEConfig`): ``replicate_*`` options as the knobs,
+        ``cluster``'s nodes for PowerSGD (None: no cluster), the other arguments as for the
+        constructor."""
+        return cls(
+            placement,
+            rank,
+            # Copies on strong ranks only, with or without the per-step split: their
+            # weight and gradient reductions then run over the candidates' group and never
+            # cross a weak rank's (often cross-vendor) link; the split balances among them.
+            # Which strong ranks hold them follows the measured speed once agreed.
+            candidates,
+            make_expert,
+            owned,
+            group,
+            num_hot=cfg.replicate_top,
+            every=cfg.replicate_every,
+            alpha=cfg.replicate_alpha,
+            policy=cfg.replicate_policy,
+            powersgd_rank=cfg.replicate_powersgd,
+            powersgd_start=cfg.replicate_powersgd_start,
+            node_ids=node_ids_of(cluster, cluster.num_ranks) if cluster is not None and cfg.replicate_powersgd else None,
+            initial_holders=initial_holders,  # the datasheet's choice: the prior
+            measured=measured,
+        )
     def _make_compressors(self, rank: int, start: int, node_ids: Optional[Sequence[int]], world: int) -> None:
         """The SlowLinkPowerSGD of each candidate reduction group (collective, like new_group)."""
         if not dist.is_initialized() or world == 1:
@@ -547,3 +580,24 @@ class HotExpertReplicator:
     def local_modules(self, experts: Sequence[int]) -> List[nn.Module]:
         """The replica modules of ``experts`` (all must be replicated here)."""
         return [self.replicas[e] for e in experts]
+
+    def compute_local(self, x: torch.Tensor, route, key_of_expert: torch.Tensor, bank) -> torch.Tensor:
+        """Compute the token copies the layer routed to replicas held here.
+
+        Args:
+            x: ``[T, D]`` the layer's tokens, any float dtype.
+            route: the forward's :class:`~hetcomm.moe.routing.Routing`; its ``local_assign``
+                (``[n]`` int64 copy indices, grouped by expert in ``key_of_expert`` order) and
+                ``local_expert`` (``[n]`` their experts), ``n > 0``.
+            key_of_expert: ``[E]`` int64 the dispatch order of each expert.
+            bank: an :class:`~hetcomm.moe.experts.ExpertBank` (its ``forward_sorted`` runs them).
+        Returns:
+            ``[n, D]`` outputs in ``route.local_assign`` order, ``x.dtype``.
+        """
+        from hetcomm.moe.routing import gather_rows
+
+        T = x.size(0)
+        xs = gather_rows(x, route.local_assign % T)
+        counts = torch.bincount(route.local_expert, minlength=key_of_expert.numel())
+        order = sorted(set(route.local_expert.tolist()), key=lambda e: int(key_of_expert[e]))
+        return bank.forward_sorted(xs, [int(counts[e]) for e in order], modules=self.local_modules(order))

@@ -1,21 +1,25 @@
-"""The paged side of :class:`hetcomm.moe.MoELayer` (``page_budget > 0``): the pager's lifetime,
-the experts run over it (resident first, faults as their loads land, waves when a step's
-experts do not fit) and its per-step statistics. A mixin of the layer: it reads the layer's
-``config``, ``experts``, ``pager`` and local expert ids, and nothing else reads it.
+"""The paged expert store (``page_budget > 0``): a :class:`hetcomm.moe.MoELayer`'s local
+experts kept in a host pool and a device working set by an
+:class:`~hetcomm.moe.paging.ExpertPager`: the pager's lifetime, the experts run over it
+(resident first, faults as their loads land, waves when a step's experts do not fit) and its
+per-step statistics.
 
-See ``docs/MOE.md`` ("Paging in the layer") and :mod:`hetcomm.moe.paging`.
+See ``docs/MOE.md`` ("Paging in the layer"), :mod:`hetcomm.moe.expert_store` for the interface
+and :mod:`hetcomm.moe.paging` for the pager.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
+from hetcomm.backends import tokens as token_dispatch
 from hetcomm.errors import ConfigError
+from hetcomm.moe.expert_store import ExpertOutput, ResidentExperts
 from hetcomm.moe.experts import cat_rows, split_rows
 from hetcomm.moe.overlap import PipelineTimes
 from hetcomm.moe.paging import ExpertPager, Grant, PagingConfig
@@ -59,36 +63,113 @@ class _StreamedExpert(torch.autograd.Function):
         return (gx, None, None, None) + tuple(grads[1 if ctx.needs_input_grad[0] else 0 :])
 
 
+class PagedExperts(ResidentExperts):
+    """This rank's experts over an :class:`~hetcomm.moe.paging.ExpertPager` (``page_budget >
+    0``). The pager is built at the first forward, on the input's device, over the experts in
+    dispatch order (ascending global id); a placement change drops it and the next forward
+    builds another. Until then (and on a rank without experts) the experts run as resident.
 
+    Args:
+        experts: the local experts, in local order; ``ids`` their global ids.
+        page_budget: fraction of the local experts kept on the device, in ``(0, 1]``.
+        paging: the pager's other knobs (its ``budget_fraction`` is replaced), or None.
+        rank: this rank in the layer's group (error messages).
+        peak_flops: this rank's device's dense FLOP/s (the "can the copies hide" rule).
+    Raises:
+        ConfigError: the budget holds none of this rank's experts (``key='moe.page_budget'``).
+    """
 
-class PagedExperts:
-    """Paging methods of :class:`~hetcomm.moe.MoELayer` (a mixin; the layer sets the state)."""
-
-    def _check_page_budget(self) -> None:
-        """A budget that holds no expert of this rank is a configuration error (now, not at
-        the first forward)."""
-        L = len(self.local_expert_ids)
-        budget = self.config.page_budget
-        if budget > 0 and L and int(budget * L + 1e-9) < 1:
+    def __init__(self, experts: Sequence[nn.Module], ids: Sequence[int], page_budget: float,
+                 paging: Optional[PagingConfig], *, rank: int, peak_flops: float) -> None:
+        super().__init__(experts, ids)
+        self.page_budget = float(page_budget)
+        self.paging = paging
+        self.rank = rank
+        self.peak_flops = peak_flops
+        self._pager: Optional[ExpertPager] = None
+        self._page_optimizer: Optional[torch.optim.Optimizer] = None
+        self._page_open = False            # a step began and end_step has not closed it
+        self._page_mark: Dict[str, float] = {}
+        self._page_retired: Dict[str, float] = {}  # counters of pagers replaced by a placement change
+        self._page_last: Dict[str, Any] = {}
+        self._h2d_bytes_per_s: Optional[float] = None  # measured when a pager is built on a device
+        # A budget that holds no expert of this rank is a configuration error (now, not at
+        # the first forward).
+        L = len(self.ids)
+        if L and int(page_budget * L + 1e-9) < 1:
             raise ConfigError(
-                f"page_budget {budget} of rank {self.rank}'s {L} local experts holds no expert on the device; "
+                f"page_budget {page_budget} of rank {rank}'s {L} local experts holds no expert on the device; "
                 f"raise it to at least {1 / L:.3f}",
                 key="moe.page_budget",
             )
 
+    @property
+    def pager(self) -> Optional[ExpertPager]:
+        return self._pager
+
     def _ensure_pager(self, device: torch.device) -> Optional[ExpertPager]:
-        if self.pager is None and self.config.page_budget > 0 and len(self.experts):
+        if self._pager is None and len(self.experts):
             # At least one slot: checked at construction, and kept when a migration leaves this
             # rank fewer experts than the budget holds one of (a running job must not stop there).
-            budget = min(1.0, max(self.config.page_budget, 1.0 / len(self.experts)))
-            pcfg = replace(self.config.paging or PagingConfig(), budget_fraction=budget)
-            self.pager = ExpertPager(self._modules_by_id(), pcfg, device=device, optimizer=self._page_optimizer)
+            budget = min(1.0, max(self.page_budget, 1.0 / len(self.experts)))
+            pcfg = replace(self.paging or PagingConfig(), budget_fraction=budget)
+            self._pager = ExpertPager(self.modules_by_id(), pcfg, device=device, optimizer=self._page_optimizer)
             self._page_mark = self._page_counters()
             if self._h2d_bytes_per_s is None:
                 from hetcomm.moe.paging_rule import measure_h2d_bytes_per_s
 
                 self._h2d_bytes_per_s = measure_h2d_bytes_per_s(device)
-        return self.pager
+        return self._pager
+
+    # -- one forward -------------------------------------------------------------------------
+    def begin_forward(self, device: torch.device) -> None:
+        self.end_step()  # the previous step's, when the loop did not close it
+        self._ensure_pager(device)
+
+    def sync(self) -> None:
+        """Wait for every page transfer in flight. No-op before the pager is built."""
+        if self._pager is not None:
+            self._pager.sync()
+
+    def prefetch_own(self, send_counts: torch.Tensor) -> None:
+        """Page in the experts this rank's own tokens go to (sure to be used) before the count
+        exchange tells what the other ranks send. Only into free slots: an eviction here could
+        push out an expert the other ranks route to, which the counts would have said a moment
+        later."""
+        pager = self._pager
+        if pager is None:
+            return
+        free = pager.free_slots()
+        own = send_counts[list(self.sorted_ids())].tolist()
+        for l, n in enumerate(own):
+            if not free:
+                break
+            if n and pager.slot_of[l] is None and pager.prefetch(l):
+                free -= 1
+
+    def dispatch_modules(self, extra: Sequence[nn.Module]) -> List[nn.Module]:
+        # Over the pager the rows arrive as one block: the pager decides the experts' order.
+        return [] if self._pager is not None else super().dispatch_modules(extra)
+
+    def compute(self, res: token_dispatch.DispatchResult, mods: Sequence[nn.Module], times: PipelineTimes,
+                speed: Any, device: torch.device) -> ExpertOutput:
+        if self._pager is None:
+            return super().compute(res, mods, times, speed, device)
+        return self._paged_experts(res.recv_x, res.recv_counts, res.handle, res.work, times, speed)
+
+    def backward_callback(self) -> Optional[Callable[[], None]]:
+        # Backward of a wave step evicts experts with write-backs in flight, whose host copies
+        # the optimizer step then updates: land them first.
+        if self._pager is not None and self._page_last.get("page_waves"):
+            return self._pager.sync
+        return None
+
+    def step_stats(self, rows_per_expert: Sequence[int]) -> Dict[str, Any]:
+        return {**self._page_step_stats(), **self._page_hide_stats(rows_per_expert)}
+
+    def adopt(self, modules: Sequence[nn.Module], ids: Sequence[int]) -> None:
+        self._drop_pager()  # its slots index the old local experts; the next forward builds one
+        super().adopt(modules, ids)
 
     def _page_hide_stats(self, rows_per_expert: Sequence[int]) -> Dict[str, Any]:
         """Can paging's copies hide behind this step's compute (:mod:`hetcomm.moe.paging_rule`)?
@@ -99,7 +180,7 @@ class PagedExperts:
 
         used = [n for n in rows_per_expert if n]
         tokens = sum(used) / len(used) if used else 0.0
-        flops = self.rank_tflops[self.rank] * 1e12
+        flops = self.peak_flops
         bw = self._h2d_bytes_per_s
         return {
             "page_can_hide": copies_can_hide(tokens, flops, bw),
@@ -112,27 +193,25 @@ class PagedExperts:
         return {**self.pager.stats_total, **self.pager.counters.as_dict()}
 
     def _drop_pager(self) -> None:
-        if self.pager is not None:
+        if self._pager is not None:
             if self._page_open:
-                self.end_page_step()
-            self.pager.close()  # waits for write-backs: the modules' weights stay valid views
+                self.end_step()
+            self._pager.close()  # waits for write-backs: the modules' weights stay valid views
             for k, v in self._page_counters().items():
                 self._page_retired[k] = self._page_retired.get(k, 0) + v
-            self.pager = None
+            self._pager = None
 
     def page_stats(self) -> Dict[str, float]:
         """This rank's pager counters since the layer was built (the pager's ``stats_total``
         keys: ``hits``, ``waits``, ``stall_s``, ``loads``, ``evictions``, ``prefetches``,
         ``reacquires``, ...), summed over the pagers a placement change replaced, plus
-        ``slots`` and ``experts`` of the current one. Empty without paging."""
-        if self.config.page_budget <= 0:
-            return {}
+        ``slots`` and ``experts`` of the current one."""
         out = dict(self._page_retired)
         if self.pager is not None:
             for k, v in self._page_counters().items():
                 out[k] = out.get(k, 0) + v
         out["slots"] = self.pager.num_slots if self.pager is not None else 0
-        out["experts"] = len(self.local_expert_ids)
+        out["experts"] = len(self.ids)
         return out
 
     def attach_optimizer(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
@@ -144,7 +223,7 @@ class PagedExperts:
         if self.pager is not None:
             self.pager.optimizer = optimizer
 
-    def end_page_step(self) -> None:
+    def end_step(self) -> None:
         """Close the paging step (after ``optimizer.step()``): the pager updates its
         predictor, evicts down to its watermark and starts soft prefetches. The next forward
         calls it when the loop did not; a training loop with more than one forward per
@@ -153,36 +232,13 @@ class PagedExperts:
             self.pager.end_step()
         self._page_open = False
 
-    def sync_pages(self) -> None:
-        """Wait for every page transfer in flight (before reading expert weights outside a
-        step: a checkpoint, a replica refresh, a comparison). No-op without paging."""
-        if self.pager is not None:
-            self.pager.sync()
-
-    def warm_pages(self, expert_share: torch.Tensor) -> List[int]:
-        """Seed the pager from a known routing (``hetcomm launch --warmup-from``: a previous
-        run's per-expert load): hint the predictor and page in this rank's hottest experts, as
-        many as the free slots take. Builds the pager on the experts' device if the first
-        forward has not. No-op without paging.
-
-        Args:
-            expert_share: ``[E]`` float, any device: each global expert's share of the load.
-        Returns:
-            Global ids of the experts resident afterwards because of it, hottest first.
-        Raises:
-            ConfigError: ``expert_share`` is not ``[E]`` (``key='moe.page_budget'``).
-        """
-        E = self.config.num_experts
-        if tuple(expert_share.shape) != (E,):
-            raise ConfigError(
-                f"expert_share has shape {tuple(expert_share.shape)}; expected ({E},), one share per global expert",
-                key="moe.page_budget",
-            )
-        if self.config.page_budget <= 0 or not len(self.experts):
+    def _warm(self, expert_share: torch.Tensor) -> List[int]:
+        """Hint the predictor with ``expert_share`` and page in this rank's hottest experts."""
+        if not len(self.experts):
             return []
         pager = self._ensure_pager(next(self.experts.parameters()).device)
         assert pager is not None
-        ids = self._sorted_local_ids()
+        ids = self.sorted_ids()
         local = expert_share.detach().to("cpu", torch.float64)[ids]
         pager.hint(local / local.max().clamp_min(1e-12))  # hottest = certain to be used
         warmed = []
@@ -193,7 +249,8 @@ class PagedExperts:
         pager.sync()
         return warmed
 
-    def _paged_experts(self, recv_x: torch.Tensor, counts: Sequence[int], handle, work, times: PipelineTimes) -> torch.Tensor:
+    def _paged_experts(self, recv_x: torch.Tensor, counts: Sequence[int], handle, work, times: PipelineTimes,
+                       speed: Any) -> torch.Tensor:
         """The local experts over the pager: resident experts first, page faults as their
         loads land (loads started when the counts arrived, overlapping the token rows' transfer).
 
@@ -219,11 +276,11 @@ class PagedExperts:
             work.wait_chunk(c)
             lo, hi = handle.chunk_experts[c]
             te = time.perf_counter()
-            mark = self.speed.begin(recv_x.device)
+            mark = speed.begin(recv_x.device)
             for g in pager.grants([e for e in order if lo <= e < hi]):
                 outs[g.requested] = self._run_grant(g, pieces[g.requested], waves)
                 pager.release(g.requested)
-            self.speed.end(mark, sum(counts[lo:hi]))
+            speed.end(mark, sum(counts[lo:hi]))
             times.expert_s += time.perf_counter() - te
         return cat_rows(outs)
 
@@ -244,9 +301,7 @@ class PagedExperts:
         """This rank's paging counters since the previous forward (see :meth:`step_stats`)."""
         pager = self.pager
         if pager is None:
-            if self.config.page_budget > 0:
-                return {"page_hits": 0, "page_faults": 0, "page_stall_s": 0.0}  # a rank without experts
-            return {}
+            return {"page_hits": 0, "page_faults": 0, "page_stall_s": 0.0}  # a rank without experts
         now = self._page_counters()
         d = {k: now[k] - self._page_mark.get(k, 0) for k in now}
         self._page_mark = now
@@ -269,3 +324,13 @@ class PagedExperts:
             **self._page_last,
         }
 
+    def take_migration_requests(self) -> List[int]:
+        """Global ids of the experts the pager asked to move since the last call (its L2 level:
+        an expert that keeps faulting when pinning it would exceed the pin budget,
+        :mod:`hetcomm.moe.degrade`)."""
+        if self._pager is None or not self._pager.migration_requests:
+            return []
+        ids = self.sorted_ids()
+        out = [ids[l] for l in self._pager.migration_requests]
+        self._pager.migration_requests.clear()
+        return out

@@ -490,7 +490,7 @@ class BatchSplit:
         if not self.enabled:
             return "off"
         if self.fixed:
-            sp = "/".join(f"{s:,.0f}" for s in self.speeds) + " (datasheet)"
+            sp = "/".join(f"{s:,.3g}" for s in self.speeds) + " (given: datasheet or oracle)"
             return f"sequences per rank {self.sizes} (of {self.total}); speeds {sp}"
         if not self.measuring:
             return f"sequences per rank {self.sizes} (of {self.total}); no busy clock on this device"

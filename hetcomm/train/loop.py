@@ -71,11 +71,13 @@ class TrainConfig:
             when the step got 3% shorter), and once per layer the coldest experts by global load
             onto the ranks measured >10% slower (``MoELayer.place_cold_on_slow``); True
             (``--balance``): the batch split and the expert balancer's migrations by measured
-            speed (:mod:`hetcomm.train.balance`); False: none of them.
+            speed (:mod:`hetcomm.train.balance`); False: none of them, and no decision reads a speed
+            (equal contiguous placement, nothing measured: :mod:`hetcomm.train.speed_modes`).
         speed: where rank speeds come from: ``measured`` (default; the layers' expert rows/s and the
             batch split's busy time, measured on each rank) or ``datasheet`` (``hetcomm.topo.compute``
             only, no batch split: every decision then depends on the data alone, so a run repeats bit for bit,
-            e.g. a resumed one its uninterrupted twin).
+            e.g. a resumed one its uninterrupted twin), or ``oracle`` (the emulation's compute factors
+            from the cluster file, used wherever measured speeds would be: :mod:`hetcomm.train.speed_modes`).
         balance_every / balance_cooldown: steps between plan evaluations / before an expert
             that moved may move again.
         powersgd_rank: PowerSGD rank for the dense gradients on cross-node pairs (0: off).
@@ -168,8 +170,8 @@ class TrainConfig:
             raise ConfigError(f"must be a fraction within [0, 1] (0 = paging off), got {pb!r}", key="train.page_budget")
         if self.balance not in (True, False, "auto"):
             raise ConfigError(f"must be true, false or 'auto', got {self.balance!r}", key="train.balance")
-        if self.speed not in ("measured", "datasheet"):
-            raise ConfigError(f"must be 'measured' or 'datasheet', got {self.speed!r}", key="train.speed")
+        if self.speed not in ("measured", "datasheet", "oracle"):
+            raise ConfigError(f"must be 'measured', 'datasheet' or 'oracle', got {self.speed!r}", key="train.speed")
         if self.token_split not in (True, False, "auto"):
             raise ConfigError(f"must be true, false or 'auto', got {self.token_split!r}", key="train.token_split")
         se = self.snapshot_every
@@ -428,6 +430,7 @@ class _Rank:
     snap_record: Any = None
     placement_from: str = "datasheet"
     moe_time: Any = None
+    expert_clock: Any = None
     losses: List[float] = field(default_factory=list)
     mc: Any = None
     progress: Any = None
@@ -479,6 +482,7 @@ def _step(job: _Rank, step: int) -> None:
         dist.all_reduce(loss_slots)
     job.losses.append(_loss_sum(loss_slots) / job.world_size)
     job.batch_split.maybe_agree(time.perf_counter() - t_step)  # collective every 10 steps: re-deal by measured speed
+    job.expert_clock.end_step()
     mc.mark("loss_sync")
     mc.end_step(step, job.losses[-1], job.tokens_per_step * job.world_size)
     _save(job, step)
@@ -556,6 +560,8 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
     snapshots' placement record read first: collective when snapshots are on)."""
     from hetcomm.moe import MoEConfig
     from hetcomm.ops import hooks
+    from hetcomm.train import speed_modes
+    from hetcomm.train.expert_time import ExpertCpuClock
     from hetcomm.train.het_defaults import MoETimeTracker, resolve_chunks, token_split_default
 
     task = MarkovTask(vocab_size=256, seed=1234 + cfg.seed)
@@ -568,10 +574,12 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
         hidden_dim=cfg.hidden_dim,
     )
 
+    expert_clock = ExpertCpuClock()  # the experts' share of the rank's busy time (summary row)
+
     def expert_factory(dim: int) -> torch.nn.Module:
-        return torch.nn.Sequential(
+        return expert_clock.instrument(torch.nn.Sequential(
             torch.nn.Linear(dim, cfg.hidden_dim), torch.nn.GELU(), torch.nn.Linear(cfg.hidden_dim, dim)
-        )
+        ))
 
     split_on = token_split_default(cfg.token_split, cfg.replicate, cluster, world_size) and cfg.page_budget == 0
     device = torch.device("cpu")  # the demo LM runs on CPU ranks
@@ -583,6 +591,8 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
     elastic_weights, placement_from, snap_record = elastic.placement(cfg, cluster, world_size, snap)
     if snap is not None:
         snap.weights = elastic_weights  # carried in each header: a restart on this membership keeps it
+    # Speed-blind (--no-balance): equal weights; --speed oracle: the emulation's (speed_modes).
+    initial_weights = speed_modes.placement_weights(cfg, cluster, world_size, elastic_weights)
 
     def make_moe(layer_index: int):
         return MoELayer(
@@ -599,7 +609,7 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
             page_budget=cfg.page_budget,
             token_split=split_on,
             num_chunks=num_chunks or 1,
-            speed_every=MoEConfig.speed_every if cfg.speed == "measured" else 0,  # 0: the datasheet prior stays
+            speed_every=speed_modes.layer_speed_every(cfg, MoEConfig.speed_every),  # 0: the prior stays
             # The cluster file names the device classes; equal ranks pool their measurements, as
             # the batch split does (BatchSplit: noise between equal CPU ranks is 25-50 %).
             speed_pool="device" if cluster is not None else "rank",
@@ -608,11 +618,13 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
             # --powersgd-experts: compression starts where the dense one does (make_powersgd).
             replicate_powersgd=cfg.powersgd_experts,
             replicate_powersgd_start=max(10, cfg.steps // 10),
-            **elastic.placement_kwargs(elastic_weights, cfg.experts, world_size),
+            **elastic.placement_kwargs(initial_weights, cfg.experts, world_size),
         )
 
     torch.manual_seed(cfg.seed)  # dense weights identical on every rank
     model = MoETransformerLM(lm_cfg, make_moe)
+    if cfg.speed == "oracle":
+        speed_modes.apply_oracle(model.moe_layers, speed_modes.oracle_speeds(cluster, world_size))
     dense, expert = _split_parameters(model)
     if num_chunks is None:  # --chunks auto on a device: a short measurement decides (het_defaults)
         from hetcomm.train.het_defaults import measure_chunks
@@ -631,7 +643,7 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
     job = _Rank(cfg, rank, world_size, cluster, task, model, opt,
                 gen=torch.Generator().manual_seed(cfg.seed * 7919 + rank), dense=dense, expert=expert, extras={},
                 split_on=split_on, snap=snap, snap_record=snap_record,
-                placement_from=placement_from, moe_time=MoETimeTracker())
+                placement_from=placement_from, moe_time=MoETimeTracker(), expert_clock=expert_clock)
     _add_levers(job, device)
     return job
 
@@ -643,12 +655,15 @@ def _add_levers(job: _Rank, device: torch.device) -> None:
     from hetcomm.train.balance import ReplicaPowerSGD, TrainBalancer, make_powersgd
     from hetcomm.train.het_defaults import BatchSplit, device_classes
     from hetcomm.train.rank_time import busy_clock_for, process_clock_for
+    from hetcomm.train.speed_modes import batch_fixed_speeds
 
     cfg, rank, world_size, cluster, model = job.cfg, job.rank, job.world_size, job.cluster, job.model
     # --speed datasheet: no batch split (it has nothing to measure; the demo's CPU ranks are not
     # what the datasheet says), every decision from the data alone.
-    job.batch_split = BatchSplit(cfg.batch_size, world_size, rank,
-                                 enabled=cfg.balance is not False and cfg.speed == "measured",
+    # --speed oracle: dealt once by the emulation's speeds (speed_modes), nothing measured.
+    fixed = batch_fixed_speeds(cfg, cluster, world_size)
+    job.batch_split = BatchSplit(cfg.batch_size, world_size, rank, fixed_speeds=fixed,
+                                 enabled=cfg.balance is not False and (cfg.speed == "measured" or fixed is not None),
                                  clock=busy_clock_for(device), process_clock=process_clock_for(device),
                                  classes=device_classes(cluster, world_size) if cluster is not None else None)
     job.batch_split.attach(model.moe_layers)  # the MoE layers' busy time: the rest of the forward is dense
@@ -710,6 +725,7 @@ def _finish(job: _Rank, t0: float) -> int:
     from hetcomm.ops import hooks
     from hetcomm.ops.membership import expert_census
     from hetcomm.ops.membership import summary_rows as membership_rows
+    from hetcomm.train.expert_time import ExpertCpuClock
     from hetcomm.train.het_defaults import MoETimeTracker
 
     cfg, rank, world_size, model = job.cfg, job.rank, job.world_size, job.model
@@ -726,7 +742,9 @@ def _finish(job: _Rank, t0: float) -> int:
                   else [("balancer", "off" + (" (--no-balance)" if cfg.balance is False else ""))]),
                 ("token split (per step, by measured speed)", "on" if job.split_on else "off"),
                 ("cold experts (coldest by global load on measured-slow ranks)", job.cold.summary()),
-                ("per-rank MoE time max/mean", MoETimeTracker.summary(job.moe_time.gather(world_size))), *snap_rows,
+                ("per-rank MoE time max/mean", MoETimeTracker.summary(job.moe_time.gather(world_size))),
+                ("expert FFN share (fwd + bwd)", ExpertCpuClock.summary(job.expert_clock.gather(world_size))),
+                *snap_rows,
                 *membership_rows(job.change, expert_census(model))]  # collective: the census
     compression = compression_per_rank(job.psgd, model, cfg, rank, world_size)  # collective
     summary = summarise(rank, world_size, cfg, job.cluster, job.task, model, job.losses, elapsed,

@@ -727,6 +727,7 @@ def _finish(job: _Rank, t0: float) -> int:
     from hetcomm.ops.membership import summary_rows as membership_rows
     from hetcomm.train.expert_time import ExpertCpuClock
     from hetcomm.train.het_defaults import MoETimeTracker
+    from hetcomm.train.speed_modes import speed_record
 
     cfg, rank, world_size, model = job.cfg, job.rank, job.world_size, job.model
     hooks.finish_checkpoints(job.mc)  # --checkpoint-async: the last one is committed before the summary
@@ -749,7 +750,8 @@ def _finish(job: _Rank, t0: float) -> int:
     compression = compression_per_rank(job.psgd, model, cfg, rank, world_size)  # collective
     summary = summarise(rank, world_size, cfg, job.cluster, job.task, model, job.losses, elapsed,
                         job.tokens_per_step, job.balancer, job.psgd, het_rows, detected=cfg.cluster == DETECT)
-    summary.update(compression, losses=list(job.losses), process_groups=group_backends())
+    summary.update(compression, losses=list(job.losses), process_groups=group_backends(),
+                   speed_decisions=speed_record(model.moe_layers, job.batch_split, job.cold))
     _LAST_SUMMARY[:] = [summary]
     hooks.record_verdict(cfg, rank, summary)
     if rank == 0:
@@ -767,6 +769,6 @@ def last_summary() -> Optional[Dict[str, Any]]:
     """The summary of the last run this process trained (every rank keeps its own), for callers
     that run :func:`train_worker` in-process (tests, benchmarks): ``ok``, ``text``, ``first``,
     ``last``, ``losses`` (per step, the mean over ranks), ``process_groups`` (this rank's groups'
-    backends), ``powersgd_ranks`` with ``--powersgd`` and ``replica_grad_ranks`` with replication
+    backends), ``speed_decisions`` (:func:`hetcomm.train.speed_modes.speed_record`), ``powersgd_ranks`` with ``--powersgd`` and ``replica_grad_ranks`` with replication
     (one dict per rank, :func:`hetcomm.train.summary.compression_per_rank`)."""
     return _LAST_SUMMARY[0] if _LAST_SUMMARY else None

@@ -20,11 +20,12 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from hetcomm.errors import ConfigError
 
-__all__ = ["oracle_speeds", "placement_weights", "layer_speed_every", "batch_fixed_speeds", "apply_oracle"]
+__all__ = ["oracle_speeds", "placement_weights", "layer_speed_every", "batch_fixed_speeds", "apply_oracle",
+           "speed_record"]
 
 
 def oracle_speeds(cluster: Any, world_size: int) -> List[float]:
@@ -83,3 +84,21 @@ def apply_oracle(layers: Sequence[Any], speeds: Sequence[float]) -> None:
         if m.replicator is not None:
             room = [r in m.replicator.candidates for r in range(len(group_speeds))]
             m.replicator.set_hot(m.replicator.hot, holders=choose_holders(group_speeds, room, m.replicator.candidates))
+
+
+def speed_record(layers: Sequence[Any], batch_split: Any, cold: Any) -> Dict[str, Any]:
+    """What a run decided that a speed could have changed, for its summary (``last_summary()``):
+    per MoE layer the expert owners, the speed vector in force, whether it was measured and in
+    how many agreements, and the replica holders; the batch split's sizes and re-deals; whether
+    the cold move was on."""
+    return {
+        "owners": [list(m.placement.owner) for m in layers],
+        "speeds": [list(m.speed.speeds) for m in layers],
+        "measured": [bool(m.speed.measured) for m in layers],
+        "agreements": [int(m.speed.agreements) for m in layers],
+        "holders": [list(m.replicator.holders) if m.replicator is not None else [] for m in layers],
+        "batch_sizes": list(batch_split.sizes),
+        "batch_enabled": bool(batch_split.enabled),
+        "batch_changes": int(batch_split.changes),
+        "cold_enabled": bool(cold.enabled),
+    }

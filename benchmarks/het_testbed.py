@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -140,6 +141,8 @@ def main() -> int:
     ap.add_argument("--subnet-twin", default="10.222.0.0/16")
     ap.add_argument("--state-dir", default="/run/hetcomm/emulate-het-testbed")
     args = ap.parse_args()
+    # A SIGTERM (a kill, a session ending) still takes the emulations down (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     variants = {k: v for k, v in VARIANTS.items() if args.only is None or k in args.only}
     slow = _slow_ranks(args.cluster)
     rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

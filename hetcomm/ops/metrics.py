@@ -12,7 +12,7 @@ A metrics file is JSON lines. Every line is one object with a ``kind``:
           (:class:`StepRecord`; units in the field names: ``_s`` seconds, ``bytes``)
 
 ``event`` something that happened between steps: ``{"kind": "event", "step": 40, "event":
-          "checkpoint", "detail": "..."}`` (``checkpoint``, ``resume``)
+          "checkpoint", "detail": "..."}`` (``checkpoint``, ``resume``, ``migration``, ``policy``)
 
 Fields no layer reports (``page_hits``, ``page_faults``, ``page_stall_s`` without paging,
 ``migrations`` before the first placement change) are ``null``, never a fake 0; they are filled
@@ -166,7 +166,10 @@ class StepRecord:
 class Event:
     """An ``event`` line: ``checkpoint`` (saved after ``step``), ``resume`` (restarted at it),
     ``membership`` (that resume found other ranks: :meth:`hetcomm.ops.membership.MembershipChange.line`,
-    with or without a checkpoint directory) or ``snapshots`` (the in-memory snapshots' rows at the end).
+    with or without a checkpoint directory), ``snapshots`` (the in-memory snapshots' rows at the end),
+    ``migration`` (experts moved) or ``policy`` (which heterogeneity levers are on and why,
+    :meth:`hetcomm.moe.policy.Policy.line`: at the start, and again when the agreed speed verdict
+    changes a lever).
 
     ``marks``: for ``resume``, rank 0's startup marks (:func:`hetcomm.ops.rank_marks.startup_marks`:
     phase -> unix time), from which a recovery's parts are told apart."""

@@ -38,8 +38,8 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 
 def summarize(log: MetricsLog) -> str:
-    """The summary ``hetcomm report`` prints: steps, step time and its phases, bytes per link
-    class, expert load, loss, paging counters, checkpoints and resumes."""
+    """The summary ``hetcomm report`` prints: the policy's levers, steps, step time and its
+    phases, bytes per link class, expert load, loss, paging counters, checkpoints and resumes."""
     steps = log.steps
     if not steps:
         return f"{log.path}: no step records"
@@ -47,6 +47,9 @@ def summarize(log: MetricsLog) -> str:
     rows: List[tuple] = []
     if run is not None:
         rows.append(("job", f"{run.world_size} ranks on cluster '{run.cluster}'"))
+    policies = [e for e in log.events if e.event == "policy"]
+    if policies:  # the last record in force: the levers and why (hetcomm.moe.policy)
+        rows.append(("policy" + (f" (from step {policies[-1].step})" if policies[-1].step else ""), policies[-1].detail))
     rows.append(("steps", f"{steps[0].step}..{steps[-1].step} ({len(steps)} records)"))
     times = [s.step_s for s in steps]
     med = statistics.median(times)

@@ -1,25 +1,16 @@
-"""Heterogeneity by default in ``hetcomm train``: when the per-step token split is on, and the
-per-rank MoE time the summary reports.
+"""Heterogeneity in ``hetcomm train``: the batch split, the per-rank MoE time the summary
+reports and the start-up chunk measurement. Which levers are on is decided by the policy
+record (:mod:`hetcomm.moe.policy`), not here.
 
-- :func:`token_split_default`: ``TrainConfig.token_split`` ``auto`` turns the per-step,
-  time-proportional split (:mod:`hetcomm.moe.token_split`) on whenever the cluster is mixed --
-  more than one device model among the ranks, or datasheet speeds (``hetcomm.topo.compute``)
-  more than :data:`SPEED_SPREAD` apart -- and replication is on (the copies it splits among).
-  The split itself reads the *measured* speed vector (:mod:`hetcomm.moe.speed`). The default is
-  off (``False``): at the demo's size (8 experts of 64 x 128, ~5 ms of expert time in a ~600 ms
-  step) there is nothing to balance, and the split's per-step count exchange and row moves cost
-  11-16% of tokens/s on the emulated half-speed cluster (docs/MOE.md).
-  ``hetcomm train --no-balance`` turns it (and the migration balancer) off.
 - :class:`BatchSplit`: the per-rank sequences of a step, dealt by each rank's measured busy
   time (:mod:`hetcomm.train.rank_time`: what it computes, not what it waits) so that the
   predicted slowest rank finishes soonest; on unless ``--no-balance`` or ``--speed datasheet``.
 - :class:`MoETimeTracker`: each step's forward expert seconds of this rank, summed over layers;
   at the end one ``all_gather`` gives every step's per-rank vector, and the summary row
   ``per-rank MoE time max/mean`` is the median over steps of ``max / mean``.
-- :func:`resolve_chunks` / :func:`measure_chunks`: ``--chunks auto`` is 1 on CPU ranks
-  (``docs/MOE.md``, Overlap: chunking lost 18-23% there, so nothing is measured); on CUDA/NPU a
-  short measurement at the start (1, 2, 4 chunks, 3 timed forward + backward steps each, the
-  group's slowest rank decides) picks the count.
+- :func:`measure_chunks`: ``--chunks auto`` on CUDA/NPU (the policy's ``chunks`` lever; 1 on
+  CPU ranks, where chunking was measured slower): a short measurement at the start (1, 2, 4
+  chunks, 3 timed forward + backward steps each, the group's slowest rank decides) picks the count.
 """
 
 from __future__ import annotations
@@ -27,15 +18,15 @@ from __future__ import annotations
 import heapq
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from hetcomm.train.rank_time import LayerCpuTimer, ProcessClock, RankClock
 
-__all__ = ["SPEED_SPREAD", "NOISE_SIGMAS", "cluster_is_mixed", "token_split_default", "device_classes", "speeds_differ",
-           "BatchSplit", "BATCH_MIN_GAIN", "SATURATED", "MoETimeTracker", "resolve_chunks", "measure_chunks", "CHUNK_CANDIDATES"]
+__all__ = ["SPEED_SPREAD", "NOISE_SIGMAS", "device_classes", "speeds_differ",
+           "BatchSplit", "BATCH_MIN_GAIN", "SATURATED", "MoETimeTracker", "measure_chunks", "CHUNK_CANDIDATES"]
 
 #: Datasheet speeds further apart than this (max / min - 1) make a cluster "mixed".
 SPEED_SPREAD = 0.10
@@ -55,23 +46,6 @@ FWD_BWD = 3.0
 SATURATED = 0.5
 #: EMA weight of the previous windows' process busy time (one window = one agreement).
 PROCESS_ALPHA = 0.5
-
-
-def cluster_is_mixed(cluster, world_size: int) -> bool:
-    """More than one device model among the ranks, or speeds more than 10% apart."""
-    from hetcomm.topo.compute import rank_speeds
-
-    models = {cluster.rank(r).model for r in range(world_size)}
-    speeds = rank_speeds(cluster, range(world_size))
-    return len(models) > 1 or max(speeds) > (1 + SPEED_SPREAD) * min(speeds)
-
-
-def token_split_default(token_split: Union[bool, str, None], replicate: bool, cluster, world_size: int) -> bool:
-    """The split's setting for a run: explicit when True/False, else (``auto``, None) on for a
-    mixed cluster with replication and more than one rank."""
-    if isinstance(token_split, bool):
-        return token_split and replicate and world_size > 1
-    return replicate and world_size > 1 and cluster is not None and cluster_is_mixed(cluster, world_size)
 
 
 def device_classes(cluster, world_size: int) -> List[int]:
@@ -522,15 +496,6 @@ class BatchSplit:
         busy, fixed, per_seq, steps, self._step_s, calls, self._sq = sd["ema"].tolist()
         self._ema = [busy, fixed, per_seq]
         self._steps, self._calls = int(steps), int(calls)
-
-
-def resolve_chunks(chunks: Union[int, str], device: torch.device) -> Tuple[Optional[int], str]:
-    """``(num_chunks, why)`` for ``--chunks N|auto``; ``(None, why)``: measure (:func:`measure_chunks`)."""
-    if chunks != "auto":
-        return int(chunks), "given"
-    if device.type == "cpu":
-        return 1, "auto: CPU ranks (chunking measured 18-23% slower, docs/MOE.md)"
-    return None, f"auto: measured on {device.type} at the start"
 
 
 #: Chunk counts ``--chunks auto`` tries on a device.

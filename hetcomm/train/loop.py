@@ -23,9 +23,7 @@ from hetcomm._yaml import load_yaml, reject_unknown_keys
 from hetcomm.errors import ConfigError
 from hetcomm.topo.cluster import CLUSTER_ENV, load_cluster
 from hetcomm.wire_dtypes import LAYER_SPELLINGS, parse_wire_dtype
-from hetcomm.moe.placement.state import LayerPlacements
 from hetcomm.train import elastic
-from hetcomm.train.cold import ColdMoves
 from hetcomm.train.data import MarkovTask
 from hetcomm.train.lm import LMConfig, MoETransformerLM
 from hetcomm.train.summary import Progress, compression_per_rank, group_backends, summarise
@@ -77,7 +75,9 @@ class TrainConfig:
             batch split's busy time, measured on each rank) or ``datasheet`` (``hetcomm.topo.compute``
             only, no batch split: every decision then depends on the data alone, so a run repeats bit for bit,
             e.g. a resumed one its uninterrupted twin), or ``oracle`` (the emulation's compute factors
-            from the cluster file, used wherever measured speeds would be: :mod:`hetcomm.train.speed_modes`).
+            from the cluster file, ``emulation.compute_scale``, given and taken as true: nothing measured,
+            used wherever measured speeds would be: :mod:`hetcomm.train.speed_modes`).
+            Which levers are on follows from this and ``balance`` (:mod:`hetcomm.moe.policy`).
         balance_every / balance_cooldown: steps between plan evaluations / before an expert
             that moved may move again.
         powersgd_rank: PowerSGD rank for the dense gradients on cross-node pairs (0: off).
@@ -407,7 +407,10 @@ class _Rank:
         dense, expert: the data-parallel and the expert-parallel parameters (the balancer's
             spare slots among the experts).
         extras: the ``Stateful`` objects checkpoints and snapshots carry beside the model.
-        batch_split, cold, balancer, psgd: the balancing levers and PowerSGD (:func:`_add_levers`).
+        policy: which heterogeneity levers are on and why (:mod:`hetcomm.moe.policy`).
+        batch_split, measured, balancer, psgd: the batch split, the measured loop (replica
+            refresh, paging step end, cold move, the balancer's plans), the balancer and
+            PowerSGD (:func:`_add_levers`).
     """
 
     cfg: TrainConfig
@@ -421,11 +424,11 @@ class _Rank:
     dense: List[torch.nn.Parameter]
     expert: List[torch.nn.Parameter]
     extras: Dict[str, Any]
+    policy: Any = None
     batch_split: Any = None
-    cold: Optional[ColdMoves] = None
+    measured: Any = None
     balancer: Any = None
     psgd: Any = None
-    split_on: bool = False
     snap: Any = None
     snap_record: Any = None
     placement_from: str = "datasheet"
@@ -521,23 +524,15 @@ def _sync_gradients(job: _Rank) -> None:
 
 
 def _refresh_and_rebalance(job: _Rank, step: int, loss: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """After the optimizer: replicas refreshed from their owners (carrying the loss when one
-    refresh spans the whole group), paging's step end, the cold move and the balancer's plans.
-    Returns the loss slots and what is left of ``carry`` (empty: the loss was summed)."""
+    """After the optimizer: the measured loop (:class:`hetcomm.moe.MeasuredLoop`: replicas
+    refreshed, paging's step end, the policy's verdict, the cold move, the balancer's plans),
+    the first refresh over the whole group carrying the loss (one all-reduce fewer). Returns
+    the loss slots and what is left of ``carry`` (empty: the loss was summed)."""
     loss_slots = _loss_slots(loss, job.rank, job.world_size)
     carry = [loss_slots]
-    for m in job.model.moe_layers:
-        # Forced: the step has just moved the owners' weights, so the refresh is due on every
-        # rank without asking the group first (one all-reduce fewer per layer and step; a
-        # refresh of weights that did not move copies the same values). The first refresh
-        # over the whole group carries the loss (one more fewer).
-        m.sync_replicas(force=True, carry=carry)
-        m.end_page_step()  # after the refresh read the owners' weights: evictions, prefetch
-    for line in job.cold.after_step(step, job.opt):
-        job.mc.event(step, "migration", line)
-    if job.balancer is not None:
-        for line in job.balancer.after_step(step):
-            job.mc.event(step, "migration", line)
+    for ev in job.measured.after_step(step, carry=carry):
+        job.mc.event(step, ev.kind, ev.detail)
+    job.policy = job.measured.policy
     return loss_slots, carry
 
 
@@ -559,10 +554,11 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
     """The model, its optimizer, the data stream and the balancing levers of one rank (the
     snapshots' placement record read first: collective when snapshots are on)."""
     from hetcomm.moe import MoEConfig
+    from hetcomm.moe.policy import PolicyInputs, cluster_kind, decide
     from hetcomm.ops import hooks
     from hetcomm.train import speed_modes
     from hetcomm.train.expert_time import ExpertCpuClock
-    from hetcomm.train.het_defaults import MoETimeTracker, resolve_chunks, token_split_default
+    from hetcomm.train.het_defaults import MoETimeTracker
 
     task = MarkovTask(vocab_size=256, seed=1234 + cfg.seed)
     lm_cfg = LMConfig(
@@ -581,9 +577,14 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
             torch.nn.Linear(dim, cfg.hidden_dim), torch.nn.GELU(), torch.nn.Linear(cfg.hidden_dim, dim)
         ))
 
-    split_on = token_split_default(cfg.token_split, cfg.replicate, cluster, world_size) and cfg.page_budget == 0
     device = torch.device("cpu")  # the demo LM runs on CPU ranks
-    num_chunks, _ = resolve_chunks(cfg.chunks, device)  # None: measured once the model exists
+    # -- policy: every lever decided once, from agreed inputs (hetcomm.moe.policy) --
+    policy = decide(PolicyInputs(world_size, cluster_kind(cluster, world_size), balance=cfg.balance, speed=cfg.speed,
+                                 replicate=cfg.replicate, page_budget=cfg.page_budget,
+                                 powersgd_experts=cfg.powersgd_experts, token_split=cfg.token_split,
+                                 chunks=cfg.chunks, device_type=device.type))
+    num_chunks = policy.num_chunks  # None: measured once the model exists
+    # -- end policy --
 
     # Before the model: the in-memory snapshots' headers carry the measured speeds a restore onto
     # another membership places the experts by when no checkpoint directory records them.
@@ -607,9 +608,9 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
             wire_dtype=cfg.wire_dtype,
             seed=cfg.seed * 1000 + layer_index,
             page_budget=cfg.page_budget,
-            token_split=split_on,
+            token_split=policy.token_split.on,
             num_chunks=num_chunks or 1,
-            speed_every=speed_modes.layer_speed_every(cfg, MoEConfig.speed_every),  # 0: the prior stays
+            speed_every=speed_modes.layer_speed_every(cfg, MoEConfig.speed_every),  # 0: the given prior stays
             # The cluster file names the device classes; equal ranks pool their measurements, as
             # the batch split does (BatchSplit: noise between equal CPU ranks is 25-50 %).
             speed_pool="device" if cluster is not None else "rank",
@@ -642,15 +643,17 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
             m.attach_optimizer(opt)  # Adam's moments are paged with each expert
     job = _Rank(cfg, rank, world_size, cluster, task, model, opt,
                 gen=torch.Generator().manual_seed(cfg.seed * 7919 + rank), dense=dense, expert=expert, extras={},
-                split_on=split_on, snap=snap, snap_record=snap_record,
+                policy=policy, snap=snap, snap_record=snap_record,
                 placement_from=placement_from, moe_time=MoETimeTracker(), expert_clock=expert_clock)
     _add_levers(job, device)
     return job
 
 
 def _add_levers(job: _Rank, device: torch.device) -> None:
-    """The balancing levers and the state they checkpoint (:mod:`hetcomm.train.balance`,
-    :mod:`hetcomm.train.het_defaults`, :mod:`hetcomm.train.cold`)."""
+    """The balancing levers the policy turned on and the state they checkpoint
+    (:mod:`hetcomm.moe.policy`, :mod:`hetcomm.moe.measured_loop`, :mod:`hetcomm.train.balance`,
+    :mod:`hetcomm.train.het_defaults`)."""
+    from hetcomm.moe.measured_loop import MeasuredLoop
     from hetcomm.ops.checkpoint import PerRank
     from hetcomm.train.balance import ReplicaPowerSGD, TrainBalancer, make_powersgd
     from hetcomm.train.het_defaults import BatchSplit, device_classes
@@ -671,7 +674,7 @@ def _add_levers(job: _Rank, device: torch.device) -> None:
     # 0.68x of --no-balance on the plain demo (benchmarks/README.md, het_train_emulated.py): noisy
     # measured speeds of equal CPU ranks drove 13 migrations in 200 steps. The batch split (its
     # own gates: >10% apart, >3% gain, two agreements in a row) is on unless --no-balance.
-    if cfg.balance is True and world_size > 1:
+    if job.policy.migrations.on:
         from hetcomm.moe.placement.balancer import BalancerConfig
         from hetcomm.topo.compute import rank_speeds
 
@@ -683,18 +686,11 @@ def _add_levers(job: _Rank, device: torch.device) -> None:
         job.expert = job.expert + job.balancer.spare_parameters()  # a spare may hold an expert later
     if job.batch_split.enabled:
         job.extras["batch_split"] = job.batch_split
-    # Cold experts on the slow ranks: once per layer, the coldest experts by global load move
-    # to the ranks measured slower (hetcomm.train.cold). Not with --balance (the balancer owns the
-    # map), --no-balance, --speed datasheet (nothing is measured), paging or --powersgd-experts
-    # (its error feedback follows the replicas' rows).
-    job.cold = ColdMoves(model.moe_layers,
-                         enabled=cfg.balance == "auto" and cfg.speed == "measured" and cfg.replicate and world_size > 1
-                         and cfg.page_budget == 0 and not cfg.powersgd_experts)
-    if job.balancer is None:
-        # A placement changed at run time travels with every checkpoint and snapshot: a restore
-        # re-places the layers before their experts load (the balancer carries its own map).
-        job.extras["placement"] = LayerPlacements(model.moe_layers)
-        job.extras["cold_moves"] = job.cold
+    # The per-step work after the optimizer, as any loop runs it (the cold move when the policy
+    # turned it on). A placement changed at run time travels with every checkpoint and snapshot:
+    # a restore re-places the layers before their experts load (the balancer carries its own map).
+    job.measured = MeasuredLoop(model.moe_layers, job.opt, policy=job.policy, planner=job.balancer)
+    job.extras.update(job.measured.extras())
     if cfg.powersgd_rank:
         job.psgd = make_powersgd(cluster, world_size, cfg.powersgd_rank, cfg.seed, cfg.steps)
         job.extras["powersgd"] = PerRank(job.psgd, rank)  # each leader's own error feedback, not one rank's
@@ -715,6 +711,7 @@ def _start(job: _Rank, start_step: int, resumed_from: Optional[str]) -> None:
     hetcomm.reset_stats()
     job.progress = Progress(rank == 0, cfg, world_size, cluster, job.balancer, detected=cfg.cluster == DETECT)
     job.mc = hooks.metrics_collector(cfg, rank, world_size, cluster, model, start_step, resumed_from)
+    job.mc.event(start_step, "policy", job.policy.line())  # the levers and why, before the first step
     job.change, job.probe = elastic.start(cfg, rank, world_size, cluster, model, start_step, job.mc,
                                           job.placement_from, job.snap_record, job.snap)
 
@@ -738,20 +735,19 @@ def _finish(job: _Rank, t0: float) -> int:
         job.balancer.finish_pending()
 
     elapsed = time.perf_counter() - t0
+    # Which levers were on opens the summary (the policy's rows); these say what they did.
     het_rows = [("batch split (by measured busy time)", job.batch_split.summary()),
-                *([] if job.balancer is not None
-                  else [("balancer", "off" + (" (--no-balance)" if cfg.balance is False else ""))]),
-                ("token split (per step, by measured speed)", "on" if job.split_on else "off"),
-                ("cold experts (coldest by global load on measured-slow ranks)", job.cold.summary()),
+                ("cold experts (coldest by global load on measured-slow ranks)", job.measured.cold.summary()),
                 ("per-rank MoE time max/mean", MoETimeTracker.summary(job.moe_time.gather(world_size))),
                 ("expert FFN share (fwd + bwd)", ExpertCpuClock.summary(job.expert_clock.gather(world_size))),
                 *snap_rows,
                 *membership_rows(job.change, expert_census(model))]  # collective: the census
     compression = compression_per_rank(job.psgd, model, cfg, rank, world_size)  # collective
     summary = summarise(rank, world_size, cfg, job.cluster, job.task, model, job.losses, elapsed,
-                        job.tokens_per_step, job.balancer, job.psgd, het_rows, detected=cfg.cluster == DETECT)
+                        job.tokens_per_step, job.balancer, job.psgd, het_rows, detected=cfg.cluster == DETECT,
+                        policy=job.policy)
     summary.update(compression, losses=list(job.losses), process_groups=group_backends(),
-                   speed_decisions=speed_record(model.moe_layers, job.batch_split, job.cold))
+                   speed_decisions=speed_record(model.moe_layers, job.batch_split, job.measured.cold))
     _LAST_SUMMARY[:] = [summary]
     hooks.record_verdict(cfg, rank, summary)
     if rank == 0:

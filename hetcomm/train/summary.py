@@ -189,9 +189,10 @@ def _groups_row() -> str:
 
 
 def summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, tokens_per_step,
-              balancer=None, psgd=None, het_rows=(), *, detected: bool = False) -> Dict[str, Any]:
-    """The end-of-run summary: ``ok`` (the verdict), ``text`` (the table), ``first``/``last`` loss
-    (means of a window), the task's ``unigram`` baseline and ``optimum``, ``verdict``."""
+              balancer=None, psgd=None, het_rows=(), *, detected: bool = False, policy=None) -> Dict[str, Any]:
+    """The end-of-run summary: ``ok`` (the verdict), ``text`` (the table, the policy's levers
+    first: :class:`hetcomm.moe.policy.Policy`), ``first``/``last`` loss (means of a window),
+    the task's ``unigram`` baseline and ``optimum``, ``verdict``."""
     unigram = task.unigram_entropy()
     optimum = task.conditional_entropy()
     window = max(1, min(20, len(losses) // 5))
@@ -210,6 +211,7 @@ def summarise(rank, world_size, cfg, cluster, task, model, losses, elapsed, toke
     layer = model.moe_layers[0]
     st = layer.step_stats()
     rows = [
+        *(policy.rows() if policy is not None else []),
         ("ranks", f"{world_size} ({', '.join(sorted({cluster.rank(r).model for r in range(world_size)}))}; "
                   f"{'detected, no cluster file' if detected else 'labels on CPU'})"),
         ("steps", f"{cfg.steps} in {elapsed:.1f} s"),

@@ -33,14 +33,18 @@ def test_one_record_per_step_with_every_field(demo_run):
         assert {"NVLINK", "NET_ROCE_GDR", "HOST_BRIDGE"} <= set(s.bytes_by_link_class)
         assert s.page_hits is None and s.migrations is None  # not reported by this layer: null, not 0
         assert s.max_rss_bytes and s.max_rss_bytes > 10 * 2**20
-    assert [(e.step, e.event) for e in log.events] == [(s, "checkpoint") for s in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY)]
+    # The policy before the first step (balance=False: no verdict changes a lever later), then the checkpoints.
+    assert [(e.step, e.event) for e in log.events] == [(0, "policy")] + [
+        (s, "checkpoint") for s in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY)]
+    assert "migrations off (--no-balance)" in log.events[0].detail and "cold_placement off" in log.events[0].detail
 
 
 def test_report_prints_a_summary_and_draws_four_pngs(demo_run, tmp_path, capsys):
     _, metrics, _ = demo_run
     assert main(["report", metrics, "--plot", str(tmp_path / "plots")]) == 0
     out = capsys.readouterr().out
-    for needle in ("step time (rank 0)", "time by phase", "bytes over HOST_BRIDGE", "layer1 expert load"):
+    for needle in ("step time (rank 0)", "time by phase", "bytes over HOST_BRIDGE", "layer1 expert load",
+                   "initial_weights on (", "cold_placement off (--no-balance)"):
         assert needle in out, out
     want = ", ".join(str(s) for s in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY))
     assert [ln.split(None, 1)[1].strip() for ln in out.splitlines() if ln.startswith("checkpoints")] == [want]
@@ -55,6 +59,7 @@ def test_reader_names_file_line_and_key(tmp_path, demo_run, capsys):
     _, metrics, _ = demo_run
     lines = open(metrics).read().splitlines()
     bad = tmp_path / "bad.jsonl"
+    assert json.loads(lines[1])["event"] == "policy"  # the run header, the policy, then the steps
     step = json.loads(lines[2])
     step["bytes_per_rail"] = step.pop("bytes_by_rail")
     bad.write_text("\n".join([lines[0], lines[1], json.dumps(step)]) + "\n")
@@ -66,7 +71,7 @@ def test_reader_names_file_line_and_key(tmp_path, demo_run, capsys):
         read_metrics(str(bad))
     assert e.value.line == 2
     torn = tmp_path / "torn.jsonl"  # a job killed mid-write: the last line is cut
-    torn.write_text("\n".join(lines[:3]) + "\n" + lines[3][:20])
+    torn.write_text("\n".join(lines[:4]) + "\n" + lines[4][:20])
     assert len(read_metrics(str(torn)).steps) == 2
     assert main(["report", str(bad)]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err

@@ -1,5 +1,5 @@
-"""hetcomm train's heterogeneity defaults (hetcomm.train.het_defaults): the split is on for a
-mixed cluster, off on an equal one or with --no-balance; --chunks parsing; the MoE-time row."""
+"""hetcomm train's heterogeneity parts (hetcomm.train.het_defaults): --chunks parsing; the
+MoE-time row; the batch split. Which levers are on: tests/moe/test_policy.py."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import torch
 from hetcomm.errors import ConfigError
 from hetcomm.topo.cluster import load_cluster
 from hetcomm.train.het_defaults import (
-    BATCH_MIN_GAIN, SATURATED, BatchSplit, MoETimeTracker, cluster_is_mixed, resolve_chunks, speeds_differ,
-    token_split_default,
+    BATCH_MIN_GAIN, SATURATED, BatchSplit, MoETimeTracker, speeds_differ,
 )
 from hetcomm.train.loop import TrainConfig
 
@@ -22,16 +21,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _cluster(name):
     return load_cluster(os.path.join(REPO, "configs", "clusters", name))
-
-
-def test_split_on_for_mixed_clusters_only():
-    mixed, half, equal = _cluster("mixed-mini.yaml"), _cluster("mixed-mini-halfspeed.yaml"), _cluster("mixed-mini-equal.yaml")
-    assert cluster_is_mixed(mixed, 4) and cluster_is_mixed(half, 4)
-    assert token_split_default(None, True, mixed, 4) and token_split_default(None, True, half, 4)
-    assert token_split_default(None, True, equal, 4) == cluster_is_mixed(equal, 4)
-    assert not token_split_default(False, True, mixed, 4)  # --no-balance
-    assert not token_split_default(None, False, mixed, 4)  # no copies to split among
-    assert not token_split_default(True, True, mixed, 1)
 
 
 def test_no_balance_and_chunks_reach_the_config():
@@ -53,7 +42,6 @@ def test_no_balance_and_chunks_reach_the_config():
     with pytest.raises(ConfigError) as ei:
         TrainConfig(chunks=0)
     assert ei.value.key == "train.chunks"
-    assert resolve_chunks("auto", torch.device("cpu"))[0] == 1 and resolve_chunks(3, torch.device("cpu"))[0] == 3
 
 
 def test_moe_time_row_is_the_median_max_over_mean():
@@ -223,7 +211,6 @@ def test_measure_chunks_picks_a_candidate_and_leaves_the_layers_there():
     n, times = measure_chunks([layer], step, candidates=(1, 2), repeats=1)
     assert n in (1, 2) and set(times) == {1, 2} and layer.config.num_chunks == n
     assert torch.allclose(layer(x), ref, atol=1e-6)  # chunking never changes the result
-    assert resolve_chunks("auto", torch.device("cuda"))[0] is None  # a device measures
 
 
 def test_compute_bound_config_loads():

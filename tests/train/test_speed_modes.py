@@ -63,9 +63,12 @@ def test_no_balance_reads_no_speed_on_a_cluster_with_unequal_labels():
         assert not rec["cold_enabled"]
     text = out[0][2]
     assert _row(text, "batch split (by measured busy time)") == "off"
-    assert _row(text, "balancer ") == "off (--no-balance)"
-    assert _row(text, "token split (per step, by measured speed)") == "off"
     assert _row(text, "cold experts (coldest by global load on measured-slow ranks)") == "off"
+    assert _row(text, "policy: initial weights").startswith("off (--no-balance: speed-blind")
+    assert _row(text, "policy: replica holders").endswith("never re-chosen by speed (--no-balance))")
+    assert _row(text, "policy: token split").startswith("off")
+    for lever in ("migrations", "cold placement"):
+        assert _row(text, f"policy: {lever}") == "off (--no-balance)", lever
 
 
 def test_oracle_places_deals_and_holds_by_the_emulated_speeds():
@@ -86,12 +89,12 @@ def test_oracle_places_deals_and_holds_by_the_emulated_speeds():
 def test_mislabelled_clusters_hide_the_slow_node_from_every_label():
     from hetcomm.emulate.spec import plan_network, settings_from_cluster
     from hetcomm.topo.compute import rank_speeds
-    from hetcomm.train.het_defaults import cluster_is_mixed
+    from hetcomm.moe.policy import cluster_kind
 
     half, twin = load_cluster(HALF), load_cluster(TWIN)
     for c in (half, twin):
         assert len({c.rank(r).model for r in range(4)}) == 1 and c.strong_ranks == [0, 1, 2, 3]
-        assert len(set(rank_speeds(c, range(4)))) == 1 and not cluster_is_mixed(c, 4)
+        assert len(set(rank_speeds(c, range(4)))) == 1 and cluster_kind(c, 4) == "equal"
     cpus = {n.node: n.cpus for n in plan_network(half, settings_from_cluster(half, num_cpus=2), "abcdef").nodes}
     assert cpus == {"pair-0": 0.5, "solo-0": 0.5, "slow-0": 0.25}
     cpus = {n.node: n.cpus for n in plan_network(twin, settings_from_cluster(twin, num_cpus=2), "abcdef").nodes}

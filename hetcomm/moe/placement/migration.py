@@ -314,11 +314,13 @@ def migrate_now(layer, expert_to_rank: Sequence[int], optimizer=None, *, timeout
 
 def cold_placement_due(layer) -> bool:
     """Whether :func:`place_cold_on_slow` has what it needs for ``layer`` (a
-    :class:`~hetcomm.moe.MoELayer`): an agreed measured speed vector and a full hot-set window of
-    the replication EMA (the layer's global load), more than one rank, no paging. Identical on
-    every rank (agreed values and step counts)."""
+    :class:`~hetcomm.moe.MoELayer`): an agreed speed vector (measured, or given: a meter that
+    never measures, ``speed_every=0``, holds its prior as the final vector) and a full hot-set
+    window of the replication EMA (the layer's global load), more than one rank, no paging.
+    Identical on every rank (agreed values and step counts)."""
     rep = layer.replicator
-    return (rep is not None and layer.world_size > 1 and layer.speed.measured and rep.steps >= rep.every
+    agreed = layer.speed.measured or layer.speed.every == 0
+    return (rep is not None and layer.world_size > 1 and agreed and rep.steps >= rep.every
             and layer.config.page_budget == 0)
 
 

@@ -1,0 +1,140 @@
+"""A user's loop with the one call (hetcomm.moe.MeasuredLoop) takes the placement decisions
+``hetcomm train`` takes, on two real ranks: with given unequal speeds (``--speed oracle``) both move
+each layer's coldest experts onto the slow rank at the same step, by the same rule; on equal ranks
+(measured, pooled by device class: exactly equal) neither moves anything. ``hetcomm train`` prints
+its policy at the top of the summary and writes it to the metrics file."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from tests.backends.ranks import run_ranks
+from tests.ops.jobs import _free_port
+
+_NODE = """  - name: {name}
+    count: 1
+    device: {{model: {model}, count: {count}, strong: {strong}, tflops: {tflops}}}
+    fabric: {fabric}
+    nics:
+      - {{class: NET_ROCE_GDR, gbps: 200, count: 1}}
+"""
+_TAIL = """interconnect:
+  same_vendor: auto
+  cross_vendor: {class: HOST_BRIDGE, gbps: 100, latency_us: 30}
+wire_dtype:
+  HOST_BRIDGE: fp16
+"""
+
+
+def _clusters(tmp_path) -> Dict[str, str]:
+    """``halfspeed``: an A100 rank and a 910B rank at half its datasheet speed; ``equal``: two
+    A100 ranks on one node."""
+    half = ("name: two-halfspeed\nnode_groups:\n"
+            + _NODE.format(name="a100", model="A100-SXM4-80GB", count=1, strong="true", tflops=100, fabric="NVLINK")
+            + _NODE.format(name="ascend", model="910B", count=1, strong="false", tflops=50, fabric="HCCS") + _TAIL)
+    equal = ("name: two-equal\nnode_groups:\n"
+             + _NODE.format(name="a100", model="A100-SXM4-80GB", count=2, strong="true", tflops=100, fabric="NVLINK")
+             + _TAIL)
+    out = {}
+    for name, text in (("halfspeed", half), ("equal", equal)):
+        out[name] = str(tmp_path / f"{name}.yaml")
+        with open(out[name], "w") as f:
+            f.write(text)
+    return out
+
+
+def _train_rank(rank: int, world_size: int, cfg, port: int) -> str:
+    import torch.distributed as dist
+
+    from hetcomm.train.loop import last_summary, train_worker
+
+    dist.destroy_process_group()  # train_worker makes its own group, as under torchrun
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    train_worker(rank, world_size, cfg)
+    return last_summary()["text"]
+
+
+def _user_rank(rank: int, world_size: int, cluster: str, speed: str) -> Dict[str, Any]:
+    """A loop of the user's own: a model with one MoE layer, AdamW, the one call per step."""
+    import torch.distributed as dist
+
+    from hetcomm.moe import MeasuredLoop, MoELayer
+    from hetcomm.moe.policy import policy_of_layers
+
+    torch.manual_seed(0)
+    layer = MoELayer(16, 4, k=2, cluster=cluster, replicate=True, speed_pool="device",
+                     speed_every=0 if speed == "oracle" else 10)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), layer)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loop = MeasuredLoop(model, opt, policy=policy_of_layers([layer], speed=speed))
+    dense = [p for p in model.parameters() if p.requires_grad and not getattr(p, "hetcomm_expert", False)]
+    gen = torch.Generator().manual_seed(rank)
+    owners: List[List[int]] = []
+    emas: List[List[float]] = []
+    for step in range(1, 13):
+        loss = model(torch.randn(32, 16, generator=gen)).square().mean() + 0.01 * layer.l_aux
+        opt.zero_grad()
+        loss.backward()
+        for p in dense:
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+        opt.step()
+        emas.append(layer.replicator.ema.tolist())  # the load the cold move ranks by, before it
+        owners.append(list(layer.placement.owner))
+        loop.after_step(step)
+    # A restart builds the layer with the initial placement; the loop's state re-places it (and
+    # remembers the move), so recovery never depends on the initial placement.
+    torch.manual_seed(0)
+    fresh = MoELayer(16, 4, k=2, cluster=cluster, replicate=True, speed_pool="device",
+                     speed_every=0 if speed == "oracle" else 10)
+    restarted = MeasuredLoop([fresh], None, policy=policy_of_layers([fresh], speed=speed))
+    restarted.load_state_dict(loop.state_dict())
+    restored = {"owner": list(fresh.placement.owner), "rows": list(restarted.cold.rows), "done": restarted.cold.done}
+    return {"rows": list(loop.cold.rows), "line": loop.policy.line(), "owners": owners, "emas": emas,
+            "final": list(layer.placement.owner), "restored": restored}
+
+
+def _cold_lever(line: str) -> str:
+    return re.search(r"cold_placement (on|off) \(([^)]*)\)", line).group(0)
+
+
+@pytest.mark.timeout(400)
+def test_user_loop_and_hetcomm_train_take_the_same_placement_decisions(tmp_path):
+    from hetcomm.moe.placement.assign import cold_on_slow
+    from hetcomm.ops.metrics import read_metrics
+    from hetcomm.train.loop import TrainConfig
+
+    clusters = _clusters(tmp_path)
+    for kind, speed in (("halfspeed", "oracle"), ("equal", "measured")):
+        metrics = str(tmp_path / f"{kind}.jsonl")
+        cfg = TrainConfig(cluster=clusters[kind], steps=12, experts=4, layers=1, model_dim=16, hidden_dim=32,
+                          batch_size=4, seq_len=8, speed=speed, metrics=metrics, snapshot_every=0, probe_every=0,
+                          log_every=100, timeout_s=60.0)
+        text = run_ranks(_train_rank, 2, cluster=clusters[kind], args=(cfg, _free_port()), timeout=180)[0]
+        user = run_ranks(_user_rank, 2, cluster=clusters[kind], args=(clusters[kind], speed), timeout=120)
+        lines = text.splitlines()
+        assert lines[3].startswith("policy: initial weights"), text  # the policy opens the summary
+        cold_row = next(line for line in lines if line.startswith("cold experts"))
+        events = [e for e in read_metrics(metrics).events if e.event == "policy"]
+        assert events and events[0].step == 0, events  # written before the first step
+        assert _cold_lever(events[-1].detail) == _cold_lever(user[0]["line"]), (events[-1].detail, user[0]["line"])
+        for u in user:
+            assert u == user[0] or u["rows"] == user[0]["rows"]  # every rank decided the same
+        assert len(user[0]["rows"]) == 1 and user[0]["rows"][0].startswith("layer 0 at step 10: "), user[0]["rows"]
+        assert "layer 0 at step 10: " in cold_row, cold_row  # the same step in hetcomm train
+        before, after = user[0]["owners"][9], user[0]["owners"][10]  # around step 10's call
+        for u in user:
+            assert u["restored"] == {"owner": u["final"], "rows": u["rows"], "done": [True]}, u["restored"]
+        if kind == "halfspeed":
+            assert "cold_placement on (the agreed speeds differ" in events[-1].detail
+            # the loop placed by the rule: the slow rank 1 now holds the coldest experts
+            assert after == cold_on_slow(before, user[0]["emas"][9], [1]), user[0]
+        else:
+            assert "cold_placement off (the agreed speeds are equal" in events[-1].detail
+            assert "nothing to move" in cold_row and "nothing to move" in user[0]["rows"][0]
+            assert after == before == user[0]["final"]

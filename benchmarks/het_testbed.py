@@ -30,6 +30,7 @@ emulation runs below full speed. Needs root (network namespaces, cgroups).
 from __future__ import annotations
 
 import argparse
+import calendar
 import os
 import re
 import signal
@@ -47,7 +48,7 @@ VARIANTS: Dict[str, tuple] = {
     "speed-blind": ("half", ["--no-balance"]),
     "default": ("half", []),
     "oracle": ("half", ["--speed", "oracle", "--token-split", "on"]),
-    "ceiling (twin, speed-blind)": ("twin", ["--no-balance"]),
+    "ceiling": ("twin", ["--no-balance"]),  # speed-blind on the full-speed twin
 }
 ROWS = ("tokens/s (all ranks)", "expert FFN share (fwd + bwd)", "batch split (by measured busy time)",
         "cold experts (coldest by global load on measured-slow ranks)", "per-rank MoE time max/mean", "verdict")
@@ -68,12 +69,13 @@ def _load() -> float:
         return float(f.read().split()[0])
 
 
-def _wait_for_quiet(max_load: float, max_wait_s: float) -> bool:
-    """Wait until the 1-minute load is below ``max_load``; False after ``max_wait_s``."""
+def _wait_for_quiet(max_load: float, max_wait_s: float, until: Optional[float] = None) -> bool:
+    """Wait until the 1-minute load is below ``max_load``; False after ``max_wait_s`` or past
+    ``until`` (epoch seconds)."""
     t0 = time.monotonic()
     last = -1e9
-    while _load() >= max_load:
-        if time.monotonic() - t0 > max_wait_s:
+    while _load() >= max_load or (until is not None and time.time() > until):
+        if time.monotonic() - t0 > max_wait_s or (until is not None and time.time() > until):
             return False
         if time.monotonic() - last >= 30:
             print(f"  waiting: load {_load():.2f} >= {max_load:g} (waited {time.monotonic() - t0:.0f} s of "
@@ -136,6 +138,8 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--max-load", type=float, default=2.0, help="start a pair only below this 1-minute load")
     ap.add_argument("--max-wait", type=float, default=1800.0, help="seconds to wait for the load before giving up")
+    ap.add_argument("--until", default=None, metavar="HH:MM",
+                    help="start no pair after this UTC time today (a shared machine's deadline)")
     ap.add_argument("--only", nargs="+", choices=list(VARIANTS), default=None, help="run these variants only")
     ap.add_argument("--subnet", default="10.221.0.0/16")
     ap.add_argument("--subnet-twin", default="10.222.0.0/16")
@@ -143,6 +147,11 @@ def main() -> int:
     args = ap.parse_args()
     # A SIGTERM (a kill, a session ending) still takes the emulations down (the finally below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    until = None
+    if args.until:
+        hh, mm = (int(x) for x in args.until.split(":"))
+        now = time.gmtime()
+        until = calendar.timegm((now.tm_year, now.tm_mon, now.tm_mday, hh, mm, 0, 0, 0, 0))
     variants = {k: v for k, v in VARIANTS.items() if args.only is None or k in args.only}
     slow = _slow_ranks(args.cluster)
     rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -157,9 +166,9 @@ def main() -> int:
         if any(where == "twin" for where, _ in variants.values()):
             ids["twin"] = _up(args.twin, args.subnet_twin, args.state_dir)
         for i in range(args.pairs):
-            if not _wait_for_quiet(args.max_load, args.max_wait):
-                print(f"het_testbed: the load stayed >= {args.max_load:g} for {args.max_wait:g} s; "
-                      f"stopping after {i} pair(s)", flush=True)
+            if not _wait_for_quiet(args.max_load, args.max_wait, until):
+                print(f"het_testbed: the load stayed >= {args.max_load:g} (waited up to {args.max_wait:g} s"
+                      f"{', until ' + args.until + ' UTC' if args.until else ''}); stopping after {i} pair(s)", flush=True)
                 break
             start_loads.append(_load())
             order = list(variants) if i % 2 == 0 else list(reversed(variants))
@@ -185,8 +194,8 @@ def main() -> int:
     print(f"\n{args.cluster} (twin {args.twin}) under emulate --compute, config {args.config}, "
           f"{n} pair(s), start loads {[round(x, 2) for x in start_loads]}, end load {_load():.2f}, "
           f"{time.time() - t0:.0f} s, commit {rev}")
-    print("| variant | tokens/s median (min-max) | runs | x speed-blind | slow rank expert share of busy CPU, "
-          "median (min-max) | batch split (last run) |")
+    print("| variant | tokens/s median (min-max) | runs | x speed-blind (per pair min-max) | slow rank expert "
+          "share of busy CPU, median (min-max) | batch split (last run) |")
     print("|---|---|---|---|---|---|")
     for name, rs in done.items():
         tok = [r["tok_s"] for r in rs]
@@ -194,8 +203,9 @@ def main() -> int:
         share = _spread(sl, "{:.0f} %") if sl else "-"
         split = rs[-1].get("batch split (by measured busy time)", "-")
         split = split.split(";")[0]
+        pairs = [a["tok_s"] / b["tok_s"] for a, b in zip(rs, done.get("speed-blind", rs))]
         print(f"| {name} | {_spread(tok)} | {' / '.join(f'{x:,.0f}' for x in tok)} | "
-              f"{statistics.median(tok) / base:.2f} | {share} | {split} |")
+              f"{statistics.median(tok) / base:.2f} ({min(pairs):.2f}-{max(pairs):.2f}) | {share} | {split} |")
     if "oracle" in done and "speed-blind" in done:
         ratio = statistics.median(r["tok_s"] for r in done["oracle"]) / base
         blind_share = [r["shares"][s] for r in done["speed-blind"] for s in slow if len(r["shares"]) > s]

@@ -4,7 +4,7 @@ record (:mod:`hetcomm.moe.policy`), not here.
 
 - :class:`BatchSplit`: the per-rank sequences of a step, dealt by each rank's measured busy
   time (:mod:`hetcomm.train.rank_time`: what it computes, not what it waits) so that the
-  predicted slowest rank finishes soonest; on unless ``--no-balance`` or ``--speed datasheet``.
+  predicted slowest rank finishes soonest; on unless ``--no-balance`` or ``--speed datasheet`` (``--speed oracle``: dealt once by the given speeds).
 - :class:`MoETimeTracker`: each step's forward expert seconds of this rank, summed over layers;
   at the end one ``all_gather`` gives every step's per-rank vector, and the summary row
   ``per-rank MoE time max/mean`` is the median over steps of ``max / mean``.

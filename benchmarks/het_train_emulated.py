@@ -6,13 +6,8 @@ variants alternately, ``--pairs`` times each, and prints per variant: median tok
 ``per-rank MoE time max/mean``, the batch split and balancer rows of the last run, the ratio of
 medians against ``--no-balance``, and each rank's CPU seconds per wall second over the middle half
 of the last run (``/proc/PID/stat``; a rank at its cgroup quota is the bottleneck, one far below
-it waits). ``--no-compute`` also runs ``--no-balance`` on a second emulation of the same links
-without cpu cgroups (every rank at full speed), interleaved with the others: no balancing of
-compute can beat that. ``--bound CLUSTER`` (e.g. ``configs/clusters/mixed-mini-equal.yaml``: the same
-devices and links with the 910B as fast as the others) runs ``--no-balance`` under ``emulate --compute``
-of that file instead, interleaved the same way: the half-speed cluster with its slow rank made fast,
-which no balancing of the slow rank's work can beat either (the same work, no rank slower). Needs
-root (network namespaces, cgroups). The load average is printed before and after: the machine is
+it waits). Speed-blind against the default and an oracle, with the full-speed twin as the
+ceiling, is ``benchmarks/het_testbed.py``. Needs root (network namespaces, cgroups). The load average is printed before and after: the machine is
 shared, compare only numbers of one run.
 
 ``--config FILE`` trains that config (e.g. ``configs/train/compute-bound.yaml``: expert compute
@@ -22,8 +17,7 @@ heartbeat threads, gloo's and torch's native ones); ``--profile-rank R`` samples
 ``record`` from ``--profile-after`` seconds into the run, for ``--profile-seconds``) and prints the functions holding
 most samples, with the flame data under ``--profile-dir``.
 
-    sudo .venv/bin/python benchmarks/het_train_emulated.py --pairs 3 --steps 60 --no-compute
-    sudo .venv/bin/python benchmarks/het_train_emulated.py --pairs 3 --steps 60 --bound configs/clusters/mixed-mini-equal.yaml
+    sudo .venv/bin/python benchmarks/het_train_emulated.py --pairs 3 --steps 60 --threads
     .venv/bin/python benchmarks/het_train_emulated.py --plain --cluster configs/clusters/mixed-mini.yaml --steps 200
     .venv/bin/python benchmarks/het_train_emulated.py --pairs 1 --only default --profile-rank 3
     .venv/bin/python benchmarks/het_train_emulated.py --pairs 1 --config configs/train/compute-bound.yaml
@@ -238,11 +232,7 @@ def main() -> int:
     ap.add_argument("--cluster", default="configs/clusters/mixed-mini-halfspeed.yaml")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--no-compute", action="store_true", help="also run --no-balance on an emulation without cgroups")
     ap.add_argument("--subnet", default="10.219.0.0/16")
-    ap.add_argument("--subnet-full", default="10.220.0.0/16", help="subnet of the --no-compute or --bound emulation")
-    ap.add_argument("--bound", default=None, metavar="CLUSTER",
-                    help="also run --no-balance under emulate --compute of this cluster file (the slow device made fast)")
     ap.add_argument("--state-dir", default="/run/hetcomm/emulate-het-train")
     ap.add_argument("--plain", action="store_true",
                     help="no emulation: the plain demo (make demo's job) with and without --no-balance")
@@ -257,10 +247,6 @@ def main() -> int:
                     help="per-thread CPU (/proc/PID/task/*/stat) of every rank over the middle half of each run")
     ap.add_argument("--profile-dir", default="/tmp/hetcomm-het-train-profile", help="py-spy raw flame files")
     args = ap.parse_args()
-    if args.no_compute and args.bound:
-        ap.error("--no-compute and --bound each bring up the second emulation: give one")
-    if args.plain and (args.no_compute or args.bound):
-        ap.error("--plain runs no emulation: --no-compute and --bound need one")
     variants = {"default (no flags)": [], "--no-balance": ["--no-balance"]}
     if args.only == "default":
         del variants["--no-balance"]
@@ -269,18 +255,12 @@ def main() -> int:
     t0 = time.time()
     print(f"start {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {_load()}", flush=True)
     ids = {"compute": None if args.plain else _up(args.cluster, True, args.subnet, args.state_dir)}
-    if args.no_compute:  # a second emulation, same links, no cgroups; its runs interleave with the others
-        ids["full speed"] = _up(args.cluster, False, args.subnet_full, args.state_dir)
-        variants["--no-balance, no cpu cgroups"] = ["--no-balance"]
-    if args.bound:  # a second emulation, same links, the bound's compute shares
-        ids["full speed"] = _up(args.bound, True, args.subnet_full, args.state_dir)
-        variants[f"--no-balance, emulated as {os.path.basename(args.bound)}"] = ["--no-balance"]
     results = {k: [] for k in variants}
     try:
         for i in range(args.pairs):
             order = list(variants) if i % 2 == 0 else list(reversed(variants))
             for name in order:
-                rid = ids["full speed"] if name.startswith("--no-balance, ") else ids["compute"]
+                rid = ids["compute"]
                 prof = None
                 if args.profile_rank is not None:
                     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")

@@ -71,10 +71,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="also run the expert balancer: migrations by measured speed (default: only the one-time "
                    "move of the coldest experts onto ranks measured slower beyond noise; docs/MOE.md)")
     p.add_argument("--no-balance", dest="no_balance", action="store_true", default=False,
-                   help="no balancing at all: no migrations, no cold move, no per-step token split")
-    p.add_argument("--speed", choices=("measured", "datasheet"), default=None,
-                   help="rank speeds for balancing: measured on the ranks (default) or the datasheet's "
-                   "(decisions then depend on the data only: runs repeat bit for bit)")
+                   help="speed-blind: no decision reads a speed -- equal contiguous expert placement, nothing "
+                   "measured, no migrations, no cold move, no per-step token split")
+    p.add_argument("--speed", choices=("measured", "datasheet", "oracle"), default=None,
+                   help="rank speeds for balancing: measured on the ranks (default), the datasheet's "
+                   "(decisions then depend on the data only: runs repeat bit for bit), or oracle: the "
+                   "emulation's compute factors from the cluster file (emulation.compute_scale; a benchmark aid)")
     p.add_argument("--token-split", choices=("on", "off", "auto"), default=None,
                    help="per-step, time-proportional split of hot experts' rows among their copies by measured "
                    "speed (default off: at the demo's size it cost 11-16%% of tokens/s; auto: on for a mixed "

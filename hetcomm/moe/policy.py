@@ -5,11 +5,12 @@ The levers of an MoE job on unequal ranks, each with its rule (:func:`decide`):
 =================  =======================================================================================
 lever              on when
 =================  =======================================================================================
-initial_weights    more than one rank and a cluster whose ranks differ (strong flags, device models or
-                   datasheet speeds): the first placement gives the strong ranks more experts.
+initial_weights    more than one rank, not ``--no-balance`` (speed-blind: equal contiguous shares), and
+                   either ``oracle`` speeds (shares by them) or a cluster whose ranks differ (strong flags,
+                   device models or datasheet speeds): the first placement gives the strong ranks more experts.
 replica_holders    replication on and more than one rank: hot experts are copied onto the strong ranks
                    with room, re-chosen by the agreed measured speed (by the datasheet's strong flags
-                   when speeds are not measured).
+                   when speeds are not measured; by the oracle's speeds with ``oracle``).
 token_split        ``token_split`` True, or ``auto`` on a mixed cluster with balancing not off; needs
                    replication, more than one rank and no paging.
 migrations         ``balance`` True (``--balance``) and more than one rank: the expert balancer moves
@@ -184,6 +185,10 @@ def decide(inputs: PolicyInputs) -> Policy:
 
     if not multi:
         weights = Lever(False, "one rank: it holds every expert")
+    elif off:
+        weights = Lever(False, "--no-balance: speed-blind, equal contiguous expert shares")
+    elif x.speed == "oracle":
+        weights = Lever(True, "the given (oracle) speeds weigh each rank's expert share")
     elif x.cluster_kind == "none":
         weights = Lever(False, "no cluster file: every rank counts as equal")
     elif x.cluster_kind == "equal":
@@ -195,6 +200,8 @@ def decide(inputs: PolicyInputs) -> Policy:
         holders = Lever(False, "replication is off")
     elif not multi:
         holders = Lever(False, "one rank: nowhere to copy to")
+    elif off:
+        holders = Lever(True, "hot experts copied onto the strong ranks, never re-chosen by speed (--no-balance)")
     elif x.speed == "measured":
         holders = Lever(True, "hot experts copied onto the strong ranks with room, re-chosen by measured speed")
     else:

@@ -67,12 +67,14 @@ class TrainConfig:
             by global load onto the ranks measured slower beyond noise
             (``MoELayer.place_cold_on_slow``, :func:`hetcomm.moe.speed.slow_ranks`); True
             (``--balance``): the expert balancer's migrations by measured speed
-            (:mod:`hetcomm.train.balance`); False: none of them.
+            (:mod:`hetcomm.train.balance`); False: none of them, and no decision reads a speed
+            (equal contiguous placement, nothing measured: :mod:`hetcomm.train.speed_modes`).
         speed: where rank speeds come from: ``measured`` (default; the layers' one rank-speed
-            source, :mod:`hetcomm.moe.speed`) or ``datasheet`` (``hetcomm.topo.compute`` only:
+            source, :mod:`hetcomm.moe.speed`), ``datasheet`` (``hetcomm.topo.compute`` only:
             every decision then depends on the data alone, so a run repeats bit for bit,
-            e.g. a resumed one its uninterrupted twin) or ``oracle`` (the cluster's speeds given and taken as
-            true, as on an emulated cluster whose speeds are known: nothing measured, the speed levers act on them).
+            e.g. a resumed one its uninterrupted twin) or ``oracle`` (the emulation's compute factors
+            from the cluster file, ``emulation.compute_scale``, given and taken as true: nothing measured,
+            used wherever measured speeds would be: :mod:`hetcomm.train.speed_modes`).
             Which levers are on follows from this and ``balance`` (:mod:`hetcomm.moe.policy`).
         balance_every / balance_cooldown: steps between plan evaluations / before an expert
             that moved may move again.
@@ -426,6 +428,7 @@ class _Rank:
     snap: Any = None
     snap_record: Any = None
     placement_from: str = "datasheet"
+    expert_clock: Any = None
     losses: List[float] = field(default_factory=list)
     mc: Any = None
     progress: Any = None
@@ -474,6 +477,7 @@ def _step(job: _Rank, step: int) -> None:
     if carry:  # no refresh over the whole group this step (none hot yet, or holders only)
         dist.all_reduce(loss_slots)
     job.losses.append(_loss_sum(loss_slots) / job.world_size)
+    job.expert_clock.end_step()
     mc.mark("loss_sync")
     mc.end_step(step, job.losses[-1], job.tokens_per_step * job.world_size)
     _save(job, step)
@@ -538,6 +542,8 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
     from hetcomm.moe import MoEConfig
     from hetcomm.moe.policy import PolicyInputs, cluster_kind, decide
     from hetcomm.ops import hooks
+    from hetcomm.train import speed_modes
+    from hetcomm.train.expert_time import ExpertCpuClock
 
     task = MarkovTask(vocab_size=256, seed=1234 + cfg.seed)
     lm_cfg = LMConfig(
@@ -549,10 +555,12 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
         hidden_dim=cfg.hidden_dim,
     )
 
+    expert_clock = ExpertCpuClock()  # the experts' share of the rank's busy time (summary row)
+
     def expert_factory(dim: int) -> torch.nn.Module:
-        return torch.nn.Sequential(
+        return expert_clock.instrument(torch.nn.Sequential(
             torch.nn.Linear(dim, cfg.hidden_dim), torch.nn.GELU(), torch.nn.Linear(cfg.hidden_dim, dim)
-        )
+        ))
 
     device = torch.device("cpu")  # the demo LM runs on CPU ranks
     # -- policy: every lever decided once, from agreed inputs (hetcomm.moe.policy) --
@@ -569,6 +577,8 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
     elastic_weights, placement_from, snap_record = elastic.placement(cfg, cluster, world_size, snap)
     if snap is not None:
         snap.weights = elastic_weights  # carried in each header: a restart on this membership keeps it
+    # Speed-blind (--no-balance): equal weights; --speed oracle: the emulation's (speed_modes).
+    initial_weights = speed_modes.placement_weights(cfg, cluster, world_size, elastic_weights)
 
     def make_moe(layer_index: int):
         return MoELayer(
@@ -585,17 +595,19 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
             page_budget=cfg.page_budget,
             token_split=policy.token_split.on,
             num_chunks=num_chunks or 1,
-            speed_every=MoEConfig.speed_every if cfg.speed == "measured" else 0,  # 0: the given prior stays
+            speed_every=speed_modes.layer_speed_every(cfg, MoEConfig.speed_every),  # 0: the given prior stays
             # The layer's default of 3 hot experts, but never more than the layer has (--experts 2).
             replicate_top=min(MoEConfig.replicate_top, cfg.experts),
             # --powersgd-experts: compression starts where the dense one does (make_powersgd).
             replicate_powersgd=cfg.powersgd_experts,
             replicate_powersgd_start=max(10, cfg.steps // 10),
-            **elastic.placement_kwargs(elastic_weights, cfg.experts, world_size),
+            **elastic.placement_kwargs(initial_weights, cfg.experts, world_size),
         )
 
     torch.manual_seed(cfg.seed)  # dense weights identical on every rank
     model = MoETransformerLM(lm_cfg, make_moe)
+    if cfg.speed == "oracle":
+        speed_modes.apply_oracle(model.moe_layers, speed_modes.oracle_speeds(cluster, world_size))
     dense, expert = _split_parameters(model)
     if num_chunks is None:  # --chunks auto on a device: a short measurement decides (het_defaults)
         from hetcomm.train.het_defaults import measure_chunks
@@ -614,7 +626,7 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
     job = _Rank(cfg, rank, world_size, cluster, task, model, opt,
                 gen=torch.Generator().manual_seed(cfg.seed * 7919 + rank), dense=dense, expert=expert, extras={},
                 policy=policy, snap=snap, snap_record=snap_record,
-                placement_from=placement_from)
+                placement_from=placement_from, expert_clock=expert_clock)
     _add_levers(job)
     return job
 
@@ -674,7 +686,9 @@ def _finish(job: _Rank, t0: float) -> int:
     from hetcomm.ops import hooks
     from hetcomm.ops.membership import expert_census
     from hetcomm.ops.membership import summary_rows as membership_rows
+    from hetcomm.train.expert_time import ExpertCpuClock
     from hetcomm.train.het_defaults import moe_time_summary
+    from hetcomm.train.speed_modes import speed_record
 
     cfg, rank, world_size, model = job.cfg, job.rank, job.world_size, job.model
     hooks.finish_checkpoints(job.mc)  # --checkpoint-async: the last one is committed before the summary
@@ -687,13 +701,16 @@ def _finish(job: _Rank, t0: float) -> int:
     elapsed = time.perf_counter() - t0
     # Which levers were on opens the summary (the policy's rows); these say what they did.
     het_rows = [("cold experts (coldest by global load on measured-slow ranks)", job.measured.cold.summary()),
-                ("per-rank MoE time max/mean", moe_time_summary(model.moe_layers)), *snap_rows,
+                ("per-rank MoE time max/mean", moe_time_summary(model.moe_layers)),
+                ("expert FFN share (fwd + bwd)", ExpertCpuClock.summary(job.expert_clock.gather(world_size))),
+                *snap_rows,
                 *membership_rows(job.change, expert_census(model))]  # collective: the census
     compression = compression_per_rank(job.psgd, model, cfg, rank, world_size)  # collective
     summary = summarise(rank, world_size, cfg, job.cluster, job.task, model, job.losses, elapsed,
                         job.tokens_per_step, job.balancer, job.psgd, het_rows, detected=cfg.cluster == DETECT,
                         policy=job.policy)
-    summary.update(compression, losses=list(job.losses), process_groups=group_backends())
+    summary.update(compression, losses=list(job.losses), process_groups=group_backends(),
+                   speed_decisions=speed_record(model.moe_layers, job.measured.cold))
     _LAST_SUMMARY[:] = [summary]
     hooks.record_verdict(cfg, rank, summary)
     if rank == 0:
@@ -711,6 +728,6 @@ def last_summary() -> Optional[Dict[str, Any]]:
     """The summary of the last run this process trained (every rank keeps its own), for callers
     that run :func:`train_worker` in-process (tests, benchmarks): ``ok``, ``text``, ``first``,
     ``last``, ``losses`` (per step, the mean over ranks), ``process_groups`` (this rank's groups'
-    backends), ``powersgd_ranks`` with ``--powersgd`` and ``replica_grad_ranks`` with replication
+    backends), ``speed_decisions`` (:func:`hetcomm.train.speed_modes.speed_record`), ``powersgd_ranks`` with ``--powersgd`` and ``replica_grad_ranks`` with replication
     (one dict per rank, :func:`hetcomm.train.summary.compression_per_rank`)."""
     return _LAST_SUMMARY[0] if _LAST_SUMMARY else None

@@ -44,7 +44,7 @@ def test_report_prints_a_summary_and_draws_four_pngs(demo_run, tmp_path, capsys)
     assert main(["report", metrics, "--plot", str(tmp_path / "plots")]) == 0
     out = capsys.readouterr().out
     for needle in ("step time (rank 0)", "time by phase", "bytes over HOST_BRIDGE", "layer1 expert load",
-                   "initial_weights on (", "cold_placement off (--no-balance)"):
+                   "initial_weights off (--no-balance: speed-blind", "cold_placement off (--no-balance)"):
         assert needle in out, out
     want = ", ".join(str(s) for s in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY))
     assert [ln.split(None, 1)[1].strip() for ln in out.splitlines() if ln.startswith("checkpoints")] == [want]

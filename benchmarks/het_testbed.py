@@ -1,0 +1,221 @@
+"""The heterogeneity testbed: speed-blind, the default and the oracle on one emulation of a
+cluster whose labels hide its slow node, and the full-speed twin as the ceiling.
+
+Brings up ``hetcomm emulate up --compute`` of ``--cluster`` (default
+``configs/clusters/mislabelled-halfspeed.yaml``: every device labelled alike, the third node's
+ranks at half the CPU quota) and of ``--twin`` (``mislabelled-fullspeed.yaml``: the same file with
+that node at full speed), then trains ``--config`` (default ``configs/train/testbed.yaml``, a job
+whose expert FFNs are most of a rank's work) in four variants, interleaved: each pair runs every
+variant once, in an order that alternates from pair to pair.
+
+- ``speed-blind``: ``hetcomm train --no-balance``: no decision reads a speed (equal contiguous
+  placement, nothing measured, no cold move, no token split);
+- ``default``: ``hetcomm train`` with no balancing flags: what measurement finds;
+- ``oracle``: ``hetcomm train --speed oracle --token-split on``: placement weights, replica
+  holders and the token split from the emulation's known compute factors;
+- ``ceiling``: ``--no-balance`` on the full-speed twin: the same work with no rank slower.
+
+A pair starts only when the 1-minute load average is below ``--max-load`` (default 2: the
+machine is shared; a waiting message is printed every 30 s, and after ``--max-wait`` seconds the
+benchmark gives up with exit 3). Per variant it prints the median tokens/s with the spread (min-max)
+and each run, the ratio of medians to speed-blind, and the slow ranks' expert FFN share of their
+busy CPU -- forward and backward, measured by the run itself (the summary's ``expert FFN share``
+row, :mod:`hetcomm.train.expert_time`) -- median and spread. The slow ranks are those the
+emulation runs below full speed. Needs root (network namespaces, cgroups).
+
+    sudo PYTHONPATH=. .venv/bin/python benchmarks/het_testbed.py --pairs 5
+    sudo PYTHONPATH=. .venv/bin/python benchmarks/het_testbed.py --pairs 1 --max-load 100   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import calendar
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+#: variant -> (which emulation, hetcomm train flags)
+VARIANTS: Dict[str, tuple] = {
+    "speed-blind": ("half", ["--no-balance"]),
+    "default": ("half", []),
+    "oracle": ("half", ["--speed", "oracle", "--token-split", "on"]),
+    "ceiling": ("twin", ["--no-balance"]),  # speed-blind on the full-speed twin
+}
+ROWS = ("tokens/s (all ranks)", "expert FFN share (fwd + bwd)", "cold experts (coldest by global load on measured-slow ranks)", "per-rank MoE time max/mean", "verdict")
+
+
+COLD = "cold experts (coldest by global load on measured-slow ranks)"
+
+
+def _hetcomm(*args: str) -> List[str]:
+    return [sys.executable, "-m", "hetcomm", *args]
+
+
+def _env() -> Dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _load() -> float:
+    with open("/proc/loadavg", encoding="utf-8") as f:
+        return float(f.read().split()[0])
+
+
+def _wait_for_quiet(max_load: float, max_wait_s: float, until: Optional[float] = None) -> bool:
+    """Wait until the 1-minute load is below ``max_load``; False after ``max_wait_s`` or past
+    ``until`` (epoch seconds)."""
+    t0 = time.monotonic()
+    last = -1e9
+    while _load() >= max_load or (until is not None and time.time() > until):
+        if time.monotonic() - t0 > max_wait_s or (until is not None and time.time() > until):
+            return False
+        if time.monotonic() - last >= 30:
+            print(f"  waiting: load {_load():.2f} >= {max_load:g} (waited {time.monotonic() - t0:.0f} s of "
+                  f"{max_wait_s:g})", flush=True)
+            last = time.monotonic()
+        time.sleep(5)
+    return True
+
+
+def _up(cluster: str, subnet: str, state: str) -> str:
+    out = subprocess.run(_hetcomm("emulate", "up", "--compute", "--cluster", cluster, "--subnet", subnet,
+                                  "--state-dir", state), capture_output=True, text=True, env=_env(), cwd=REPO)
+    if out.returncode != 0:
+        sys.exit(f"het_testbed: emulate up {cluster} failed:\n{out.stdout}{out.stderr}")
+    return out.stdout.strip().splitlines()[-1].strip()
+
+
+def _run(run_id: str, state: str, cluster: str, config: str, steps: Optional[int], flags: List[str]) -> dict:
+    cmd = _hetcomm("train", "--cluster", cluster, "--config", config, *flags)
+    if steps is not None:
+        cmd += ["--steps", str(steps)]
+    cmd = _hetcomm("emulate", "run", "--id", run_id, "--state-dir", state, "--timeout", "900", "--", *cmd)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO)
+    rows: dict = {"rc": out.returncode}
+    for line in out.stdout.splitlines():
+        for key in ROWS:
+            if line.startswith(key):
+                rows[key] = line[len(key):].strip()
+    m = re.match(r"([\d,]+)", rows.get("tokens/s (all ranks)", ""))
+    rows["tok_s"] = float(m.group(1).replace(",", "")) if m else float("nan")
+    from hetcomm.train.expert_time import parse_shares
+
+    rows["shares"] = parse_shares(rows.get("expert FFN share (fwd + bwd)", ""))
+    if out.returncode not in (0, 1) or not m:
+        print((out.stdout + out.stderr)[-3000:], file=sys.stderr)
+    return rows
+
+
+def _slow_ranks(cluster: str) -> List[int]:
+    """Ranks the emulation runs below full speed (the oracle's speeds)."""
+    from hetcomm.topo.cluster import load_cluster
+    from hetcomm.train.speed_modes import oracle_speeds
+
+    c = load_cluster(os.path.join(REPO, cluster))
+    speeds = oracle_speeds(c, c.num_ranks)
+    return [r for r, s in enumerate(speeds) if s < max(speeds)]
+
+
+def _spread(xs: List[float], fmt: str = "{:,.0f}") -> str:
+    return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cluster", default="configs/clusters/mislabelled-halfspeed.yaml")
+    ap.add_argument("--twin", default="configs/clusters/mislabelled-fullspeed.yaml",
+                    help="the full-speed twin: the ceiling's cluster")
+    ap.add_argument("--config", default="configs/train/testbed.yaml")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default: the config's)")
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--max-load", type=float, default=2.0, help="start a pair only below this 1-minute load")
+    ap.add_argument("--max-wait", type=float, default=1800.0, help="seconds to wait for the load before giving up")
+    ap.add_argument("--until", default=None, metavar="HH:MM",
+                    help="start no pair after this UTC time today (a shared machine's deadline)")
+    ap.add_argument("--only", nargs="+", choices=list(VARIANTS), default=None, help="run these variants only")
+    ap.add_argument("--subnet", default="10.221.0.0/16")
+    ap.add_argument("--subnet-twin", default="10.222.0.0/16")
+    ap.add_argument("--state-dir", default="/run/hetcomm/emulate-het-testbed")
+    args = ap.parse_args()
+    # A SIGTERM (a kill, a session ending) still takes the emulations down (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    until = None
+    if args.until:
+        hh, mm = (int(x) for x in args.until.split(":"))
+        now = time.gmtime()
+        until = calendar.timegm((now.tm_year, now.tm_mon, now.tm_mday, hh, mm, 0, 0, 0, 0))
+    variants = {k: v for k, v in VARIANTS.items() if args.only is None or k in args.only}
+    slow = _slow_ranks(args.cluster)
+    rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    t0 = time.time()
+    print(f"start {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {rev}, load {_load():.2f}; "
+          f"slow ranks {slow}; {args.pairs} pairs of {list(variants)}", flush=True)
+    ids: Dict[str, str] = {}
+    results: Dict[str, List[dict]] = {k: [] for k in variants}
+    start_loads: List[float] = []
+    try:
+        ids["half"] = _up(args.cluster, args.subnet, args.state_dir)
+        if any(where == "twin" for where, _ in variants.values()):
+            ids["twin"] = _up(args.twin, args.subnet_twin, args.state_dir)
+        for i in range(args.pairs):
+            if not _wait_for_quiet(args.max_load, args.max_wait, until):
+                print(f"het_testbed: the load stayed >= {args.max_load:g} (waited up to {args.max_wait:g} s"
+                      f"{', until ' + args.until + ' UTC' if args.until else ''}); stopping after {i} pair(s)", flush=True)
+                break
+            start_loads.append(_load())
+            order = list(variants) if i % 2 == 0 else list(reversed(variants))
+            for name in order:
+                where, flags = variants[name]
+                cluster = args.cluster if where == "half" else args.twin
+                r = _run(ids[where], args.state_dir, cluster, args.config, args.steps, flags)
+                results[name].append(r)
+                shares = r["shares"]
+                print(f"  pair {i + 1} {name}: {r['tok_s']:,.0f} tok/s, expert share by rank {shares} %, "
+                      f"{r.get('verdict', 'no verdict')[:4]}, rc {r['rc']}, load {_load():.2f}", flush=True)
+                print(f"    cold move: {r.get(COLD, '-')}", flush=True)
+    finally:
+        for rid in ids.values():
+            subprocess.run(_hetcomm("emulate", "down", "--id", rid, "--state-dir", args.state_dir),
+                           capture_output=True, env=_env(), cwd=REPO)
+    done = {k: [r for r in v if r["tok_s"] == r["tok_s"]] for k, v in results.items()}
+    if not all(done.values()):
+        print("het_testbed: a variant has no finished run; no table")
+        return 1
+    base = statistics.median(r["tok_s"] for r in done.get("speed-blind") or next(iter(done.values())))
+    n = min(len(v) for v in done.values())
+    print(f"\n{args.cluster} (twin {args.twin}) under emulate --compute, config {args.config}, "
+          f"{n} pair(s), start loads {[round(x, 2) for x in start_loads]}, end load {_load():.2f}, "
+          f"{time.time() - t0:.0f} s, commit {rev}")
+    print("| variant | tokens/s median (min-max) | runs | x speed-blind (per pair min-max) | slow rank expert "
+          "share of busy CPU, median (min-max) | cold move (last run) |")
+    print("|---|---|---|---|---|---|")
+    for name, rs in done.items():
+        tok = [r["tok_s"] for r in rs]
+        sl = [r["shares"][s] for r in rs for s in slow if len(r["shares"]) > s and r["shares"][s] is not None]
+        share = _spread(sl, "{:.0f} %") if sl else "-"
+        split = rs[-1].get(COLD, "-")
+        pairs = [a["tok_s"] / b["tok_s"] for a, b in zip(rs, done.get("speed-blind", rs))]
+        print(f"| {name} | {_spread(tok)} | {' / '.join(f'{x:,.0f}' for x in tok)} | "
+              f"{statistics.median(tok) / base:.2f} ({min(pairs):.2f}-{max(pairs):.2f}) | {share} | {split} |")
+    if "oracle" in done and "speed-blind" in done:
+        ratio = statistics.median(r["tok_s"] for r in done["oracle"]) / base
+        blind_share = [r["shares"][s] for r in done["speed-blind"] for s in slow if len(r["shares"]) > s]
+        share = statistics.median(blind_share) if blind_share else float("nan")
+        ok = ratio >= 1.35 and share >= 60 and n >= 5 and all(x < 2 for x in start_loads)
+        print(f"\nT0 (oracle >= 1.35x speed-blind, slow rank's expert share >= 60 %, >= 5 pairs started at "
+              f"load < 2): oracle {ratio:.2f}x, share {share:.0f} % -> {'met' if ok else 'not met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,9 +1,9 @@
 """``hetcomm train`` (no flags: balancing by default) against ``hetcomm train --no-balance``,
-side by side in one emulation (issue 19, "Done when" 2).
+side by side in one emulation.
 
 Brings up one ``hetcomm emulate up --compute`` of the cluster (or joins ``--id``), then runs the
 variants alternately, ``--pairs`` times each, and prints per variant: median tokens/s, the summary's
-``per-rank MoE time max/mean``, the batch split and balancer rows of the last run, the ratio of
+``per-rank MoE time max/mean``, the cold-move and balancer rows of the last run, the ratio of
 medians against ``--no-balance``, and each rank's CPU seconds per wall second over the middle half
 of the last run (``/proc/PID/stat``; a rank at its cgroup quota is the bottleneck, one far below
 it waits). Speed-blind against the default and an oracle, with the full-speed twin as the
@@ -35,8 +35,9 @@ import time
 from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLD = "cold experts (coldest by global load on measured-slow ranks)"
 HETCOMM = os.path.join(REPO, ".venv", "bin", "hetcomm")
-ROWS = ("tokens/s (all ranks)", "per-rank MoE time max/mean", "batch split (by measured busy time)",
+ROWS = ("tokens/s (all ranks)", "per-rank MoE time max/mean", COLD,
         "balancer speeds", "balancer  ", "verdict")
 
 
@@ -271,7 +272,7 @@ def main() -> int:
                 print(f"  pair {i + 1} {name}: {r['tok_s']:,.0f} tok/s, MoE max/mean {r['moe_mm']:.2f}, "
                       f"CPU s per s by rank {r.get('cpu_rate')}, {r.get('verdict', 'no verdict')[:5]}, load {_load()}",
                       flush=True)
-                print(f"    batch split: {r.get('batch split (by measured busy time)', '-')}", flush=True)
+                print(f"    cold move: {r.get(COLD, '-')}", flush=True)
                 if r.get("thread_rate"):
                     _print_threads(r, args.config)
                 if r.get("profile"):
@@ -287,14 +288,14 @@ def main() -> int:
     print(f"\n{args.cluster} {where}, config {args.config or 'demo'}, {args.steps} steps, {args.pairs} runs each "
           f"(alternating); end load {_load()}, {time.time() - t0:.0f} s")
     print("| variant | tokens/s (median; runs) | x --no-balance | per-rank MoE time max/mean (median) | "
-          "CPU s per wall s by rank (last run) | batch split (last run) | balancer (last run) |")
+          "CPU s per wall s by rank (last run) | cold move (last run) | balancer (last run) |")
     print("|---|---|---|---|---|---|---|")
     for name, rs in results.items():
         med = statistics.median(x["tok_s"] for x in rs)
         runs = " / ".join(f"{x['tok_s']:,.0f}" for x in rs)
         mm = statistics.median(x["moe_mm"] for x in rs)
         print(f"| {name} | {med:,.0f} ({runs}) | {med / base:.2f} | {mm:.2f} | {rs[-1].get('cpu_rate', '-')} | "
-              f"{rs[-1].get('batch split (by measured busy time)', '-')} "
+              f"{rs[-1].get(COLD, '-')} "
               f"| {rs[-1].get('balancer', '-')}; {rs[-1].get('balancer speeds', '')} |")
     return 0
 

@@ -475,7 +475,7 @@ class _CommStore:
 
 _cache_lock = threading.Lock()
 # (id, name) of the group -> (weak reference to the group, its communicator). Weak: the cache must
-# not keep a destroyed group alive until the interpreter's finalisation (#21 item 12).
+# not keep a destroyed group alive until the interpreter's finalisation.
 _cache: Dict[Tuple[int, str], Tuple[Any, "Communicator"]] = {}
 
 

@@ -125,14 +125,19 @@ def _contract_body(rank, world_size):
 
     hetcomm.reset_stats()
     marks = {}
+    # The tag of each collective in the log is its sequence number in the group (on torch 2.14
+    # dist.* hands back c10d's own Work, not hetcomm's, so it is read from the group).
+    face = hetcomm_group()
     with devices.tracing() as log:
         x1, y1 = torch.arange(8.0) + 100 * rank, torch.empty(8)
         w1 = dist.all_to_all_single(y1, x1, async_op=True)  # async: the executor thread runs it
+        w1_tag = face._get_sequence_number_for_group()
         box = {}
 
         def other_caller():
             x2, y2 = torch.arange(6.0) - rank, torch.empty(6)
             box["work"] = dist.all_to_all_single(y2, x2, async_op=True)
+            box["tag"] = face._get_sequence_number_for_group()
             box["ok"] = (x2, y2)
 
         t = threading.Thread(target=other_caller, name="second-caller")
@@ -161,8 +166,8 @@ def _contract_body(rank, world_size):
         "marks": marks,
         "rails": hetcomm_group().rail_names("cpu"),
         "bridge": dict(hetcomm.stats().get("bridge", {})),
-        "w1_tag": w1.seq,
-        "w2_tag": box["work"].seq,
+        "w1_tag": w1_tag,
+        "w2_tag": box["tag"],
     }
 
 

@@ -59,9 +59,10 @@ def program(rank: int, n: int, strategy: str) -> dict:
     result["sent"] = sum(c["bytes_sent"] for c in counters.values())
     result["a2a"] = out
     # 2. this rank's own plan object, through run_plan, on raw bytes
-    pg = dist.group.WORLD
+    from hetcomm.backends import hetcomm_group
+
     out2 = torch.empty(sum(out_splits), WIDTH)
-    pg.run_plan(plan, out2, inp).wait()
+    hetcomm_group(dist.group.WORLD).run_plan(plan, out2, inp).wait()
     result["run_plan"] = out2
     # 3. the reference
     gloo = dist.new_group(backend="gloo")

@@ -44,7 +44,7 @@ Layout of one dispatch (the same on every rank, decided by the exchanged counts)
     4. rows, one all-to-all per chunk over raw bytes, each peer's segment in that pair's wire
        dtype (:mod:`.wire`: ``comm.wire_dtype(peer, dtype)``), cast on the wire only. Rows for
        this rank's own experts never enter an exchange: they are read straight from ``x``.
-    5. expansion on arrival: ``recv_x[r] = token_rows[expand_index[r]]``, experts in local
+    5. expansion on arrival: ``recv_x[r] = token_rows[slot_index[r] // k]``, experts in local
        order; inside an expert the rows from other ranks by source rank, then the own rows.
        (``TokenSwitch``'s ``flat`` layout skips it: its slots are the token rows,
        ``Plan.as_token_rows``.)

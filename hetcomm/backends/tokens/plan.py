@@ -45,7 +45,6 @@ class Plan:
     recv_splits: Tuple[Tuple[int, ...], ...]  # [C][W] token rows from each rank (0 from self)
     send_token: Tuple[torch.Tensor, ...]  # [C] of [U_c] int64: remote rows, then own rows
     num_own: Tuple[int, ...]  # [C] own rows (the tail of send_token[c] and of the received rows)
-    expand_index: Tuple[torch.Tensor, ...]  # [C] of [R_c] int64 into the received token rows
     slot_index: Tuple[torch.Tensor, ...]  # [C] of [R_c] int64: row * k + slot of each copy
     # [C] of [R_c] int64 token ids when nothing came from other ranks (one gather from x), or None
     own_expand: Tuple[Optional[torch.Tensor], ...]
@@ -538,7 +537,7 @@ def plan_dispatch(
     src_off = [sum(recv_split[:s]) for s in range(W)]
 
     row_chunk = row_cell % C
-    send_token, expand_index, slot_index, own_expand, chunk_rows, recv_w = [], [], [], [], [], []
+    send_token, slot_index, own_expand, chunk_rows, recv_w = [], [], [], [], []
     runs, remote_src, own_src = [], [], []
     for c in range(C):
         in_c = row_chunk == c
@@ -556,13 +555,13 @@ def plan_dispatch(
         wts = decode_weights(m[:, :, 0].reshape(-1))
         sel = (loc >= 0).nonzero().flatten()
         sidx = sel[torch.argsort(loc[sel], stable=True)]  # expert-major; inside: other sources in order, own rows last
-        expand_index.append(sidx // k)
+        rows = sidx // k  # [R_c] each copy's row in the received token rows (own rows last)
         slot_index.append(sidx)
         recv_w.append(wts[sidx])
         chunk_rows.append(sum(recv_counts[bounds[c][0] : bounds[c][1]]))
         # Nothing received from other ranks: expand straight from x (no gather of own rows).
         Ur = sum(recv_rows[c])
-        own_expand.append(own_tok[sidx // k] if Ur == 0 else None)
+        own_expand.append(own_tok[rows] if Ur == 0 else None)
         rc, a = [], 0
         for l in range(bounds[c][0], bounds[c][1]):
             n_own = counts_from[rank][C + l]
@@ -571,7 +570,6 @@ def plan_dispatch(
             a += n_rem + n_own
         runs.append(tuple(rc))
         if Ur:
-            rows = sidx // k
             # Stable: the remote positions first, in order (expert by expert), then the own ones.
             order = torch.argsort((rows >= Ur).to(torch.int8), stable=True)
             n_rem_all = sum(r[1] for r in rc)
@@ -590,7 +588,6 @@ def plan_dispatch(
         recv_splits=tuple(tuple(r) for r in recv_rows),
         send_token=tuple(send_token),
         num_own=tuple(num_own),
-        expand_index=tuple(expand_index),
         slot_index=tuple(slot_index),
         own_expand=tuple(own_expand),
         runs=tuple(runs),

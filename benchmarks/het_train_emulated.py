@@ -35,7 +35,7 @@ import time
 from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COLD = "cold experts (coldest by global load on measured-slow ranks)"
+COLD = "placement by speed (measured busy time evened once per layer)"
 HETCOMM = os.path.join(REPO, ".venv", "bin", "hetcomm")
 ROWS = ("tokens/s (all ranks)", "per-rank MoE time max/mean", COLD,
         "balancer speeds", "balancer  ", "verdict")

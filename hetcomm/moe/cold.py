@@ -1,26 +1,36 @@
-"""The one-time cold move of the measured loop (:class:`~hetcomm.moe.measured_loop.MeasuredLoop`):
-once per MoE layer, as soon as its speed vector is agreed and its load EMA has a full window, the
-coldest experts by global load move onto the ranks measured slower
-(:func:`hetcomm.moe.placement.migration.place_cold_on_slow`), when the policy's
-``cold_placement`` lever is on (:mod:`hetcomm.moe.policy`).
+"""The one-time placement by speed of the measured loop (:class:`~hetcomm.moe.measured_loop.MeasuredLoop`):
+once per MoE layer, as soon as the agreed speeds have a verdict and every rank's busy time is
+measured, the experts are re-placed so the ranks' predicted busy time per step evens out
+(:func:`hetcomm.moe.placement.migration.place_by_speed`), when the policy's ``cold_placement``
+lever is on (:mod:`hetcomm.moe.policy`). A slow rank ends with fewer experts, the coldest among
+them: it is slow at its dense work too, which no move takes away.
+
+The prediction per rank is its measured busy seconds per step (the speed source's whole-step
+clock, :attr:`~hetcomm.moe.speed.SpeedSnapshot.step_seconds`) with this layer's expert time
+replaced by its new experts' rows at the rank's measured seconds per row. Layers due at the same
+step are placed in order, each against the prediction the earlier ones left. The rows per
+expert are the layer's mean global picks per training forward, from its load observer.
 
 Which layers have had their move is training state: it travels in checkpoints and snapshots
 (as an ``extras`` entry beside :class:`~hetcomm.moe.placement.state.LayerPlacements`, which
-carries the maps themselves), so a restarted job neither moves a layer twice nor forgets that
-it moved.
+carries the maps themselves and restores a changed expert count), so a restarted job neither
+moves a layer twice nor forgets that it moved.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from hetcomm.moe.placement.assign import busy_times
+from hetcomm.moe.placement.migration import busy_model
 
 __all__ = ["ColdMoves"]
 
 
 class ColdMoves:
-    """The cold move of each layer in ``layers``, at most once per layer (``Stateful``).
+    """The placement by speed of each layer in ``layers``, at most once per layer (``Stateful``).
 
     Args:
         layers: the model's MoE layers.
@@ -32,21 +42,53 @@ class ColdMoves:
         self.enabled = enabled
         self.done = [not enabled] * len(self.layers)
         self.rows: List[str] = []
+        self._picks: List[Optional[torch.Tensor]] = [None] * len(self.layers)
+        self._forwards = [0] * len(self.layers)
+        if enabled:
+            for i, layer in enumerate(self.layers):
+                layer.add_load_observer(self._observer(i))
+
+    def _observer(self, i: int):
+        def observe(global_picks: torch.Tensor, global_probs, num_tokens, global_fast) -> None:
+            if not self.done[i]:
+                p = self._picks[i]
+                self._picks[i] = global_picks.detach().double().clone() if p is None else p + global_picks.double()
+                self._forwards[i] += 1
+        return observe
+
+    def expert_rows(self, i: int) -> List[float]:
+        """``[E]`` layer ``i``'s mean global picks per training forward since the start (identical
+        on every rank); empty before its first."""
+        p = self._picks[i]
+        return [] if p is None or self._forwards[i] == 0 else (p / self._forwards[i]).tolist()
 
     def after_step(self, step: int, optimizer, allowed: bool = True) -> List[str]:
-        """Move each layer whose move is due (collective when due: the conditions are agreed
+        """Place each layer whose move is due (collective when due: the conditions are agreed
         values and step counts, the same on every rank). ``allowed``: the policy's verdict at
         this step (False: a due layer is done with nothing moved, the agreed speeds being
         equal). Returns one line per layer moved."""
         events = []
+        predicted: Optional[List[float]] = None
         for i, layer in enumerate(self.layers):
-            if self.done[i] or not layer.cold_placement_due():
+            if self.done[i] or not layer.speed_placement_due() or not self.expert_rows(i):
                 continue
             self.done[i] = True
-            moved = layer.place_cold_on_slow(optimizer) if allowed else []
-            self.rows.append(f"layer {i} at step {step}: " + (f"experts {moved} moved" if moved else "nothing to move"))
+            moved: List[int] = []
+            if allowed:
+                per_row, step_seconds = busy_model(layer)
+                if predicted is None:
+                    predicted = step_seconds
+                rows = self.expert_rows(i)
+                now = busy_times(layer.placement.owner, rows, per_row, [0.0] * layer.world_size)
+                fixed = [max(0.0, t - n) for t, n in zip(predicted, now)]
+                moved = layer.place_by_speed(rows, fixed, optimizer)
+                predicted = busy_times(layer.placement.owner, rows, per_row, fixed)
+            counts = [list(layer.placement.owner).count(r) for r in range(layer.world_size)]
+            self.rows.append(f"layer {i} at step {step}: " + (f"experts {moved} moved, {counts} per rank"
+                                                               if moved else "nothing to move"))
             if moved:
-                events.append(f"layer {i}: coldest experts onto the measured-slow ranks, moved {moved}")
+                events.append(f"layer {i}: experts re-placed by measured busy time, moved {moved}, "
+                              f"experts per rank {counts}")
         return events
 
     def summary(self) -> str:

@@ -63,6 +63,8 @@ class ExpertStore(ExpertBank, metaclass=abc.ABCMeta):
         restored checkpoint's), in local order."""
         self.ids = tuple(int(e) for e in ids)
         self.experts = nn.ModuleList(modules)
+        for p in self.experts.parameters():
+            p.hetcomm_expert = True  # a module built for the move is an expert like the others
 
     # -- one forward -------------------------------------------------------------------------
     @property

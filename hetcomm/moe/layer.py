@@ -310,16 +310,16 @@ class MoELayer(nn.Module):
         Returns the global ids of the experts that moved."""
         return migration.rebalance(self, expert_load, optimizer)
 
-    def cold_placement_due(self) -> bool:
-        """Whether :meth:`place_cold_on_slow` has what it needs (identical on every rank;
-        :func:`~hetcomm.moe.placement.migration.cold_placement_due`)."""
-        return migration.cold_placement_due(self)
+    def speed_placement_due(self) -> bool:
+        """Whether :meth:`place_by_speed` has what it needs (identical on every rank;
+        :func:`~hetcomm.moe.placement.migration.speed_placement_due`)."""
+        return migration.speed_placement_due(self)
 
-    def place_cold_on_slow(self, optimizer=None) -> List[int]:
-        """Move the coldest experts by global load onto the measured-slow ranks, now (collective;
-        between steps; :func:`~hetcomm.moe.placement.migration.place_cold_on_slow`). Returns the
+    def place_by_speed(self, expert_rows: Sequence[float], fixed_seconds: Sequence[float], optimizer=None) -> List[int]:
+        """Re-place the experts so the ranks' predicted busy time evens out, now (collective;
+        between steps; :func:`~hetcomm.moe.placement.migration.place_by_speed`). Returns the
         experts that moved."""
-        return migration.place_cold_on_slow(self, optimizer)
+        return migration.place_by_speed(self, expert_rows, fixed_seconds, optimizer)
 
     def sync_replicas(self, force: bool = False, carry: Optional[List[torch.Tensor]] = None) -> bool:
         """Refresh replicas from their owners now (collective). Returns True if weights moved.

@@ -94,7 +94,7 @@ class MoEConfig:
     page_budget: float = 0.0
     paging: Optional[PagingConfig] = None
     token_split: bool = False
-    speed_every: int = 10
+    speed_every: int = 5
     speed_alpha: float = 0.8
     speed_pool: str = "device"
     replicate_powersgd: int = 0

@@ -97,7 +97,7 @@ class MeasuredLoop:
         self.policy: Policy = policy if policy is not None else policy_of_layers(self.layers)
         self.planner = planner
         self.cold = ColdMoves(self.layers, enabled=self.policy.cold_placement.on)
-        self.placements = LayerPlacements(self.layers)
+        self.placements = LayerPlacements(self.layers, optimizer)
 
     def after_step(self, step: int, carry: Optional[List[torch.Tensor]] = None) -> List[LoopEvent]:
         """The step's refresh, paging end, verdict, cold move and plans (collective; call on every

@@ -15,9 +15,10 @@ token_split        ``token_split`` True, or ``auto`` on a mixed cluster with bal
                    replication, more than one rank and no paging.
 migrations         ``balance`` True (``--balance``) and more than one rank: the expert balancer moves
                    experts by measured speed.
-cold_placement     ``balance`` auto, speeds measured (or given as true, ``oracle``), replication on, more
-                   than one rank, no paging, no replica PowerSGD, and the agreed verdict not "equal":
-                   once per layer the coldest experts move onto the slow ranks.
+cold_placement     ``balance`` auto, speeds measured (or given as true, ``oracle``), more than one rank,
+                   no paging, no replica PowerSGD, and the agreed verdict not "equal": once per layer
+                   the experts are re-placed to even the measured busy time, the slow ranks keeping
+                   fewer, the coldest (:mod:`hetcomm.moe.cold`).
 chunks             ``chunks`` > 1, or ``auto`` on a CUDA/NPU device (measured at the start).
 paging             a page budget above 0.
 =================  =======================================================================================
@@ -260,8 +261,6 @@ def _cold(x: PolicyInputs, multi: bool, paging: bool) -> Lever:
         return Lever(False, "--no-balance")
     if x.speed == "datasheet":
         return Lever(False, "datasheet speeds: nothing measured to place by")
-    if not x.replicate:
-        return Lever(False, "needs replication (its load EMA ranks the experts)")
     if not multi:
         return Lever(False, "one rank: nowhere to move to")
     if paging:
@@ -269,9 +268,9 @@ def _cold(x: PolicyInputs, multi: bool, paging: bool) -> Lever:
     if x.powersgd_experts:
         return Lever(False, "not with replica PowerSGD (its error feedback follows the replicas' rows)")
     if x.differ is None:
-        return Lever(True, "waits for the agreed speeds, then moves the coldest experts onto slow ranks once per layer")
+        return Lever(True, "waits for the agreed speeds, then evens the measured busy time once per layer")
     if x.differ:
-        return Lever(True, "the agreed speeds differ: the coldest experts move onto the slow ranks once per layer")
+        return Lever(True, "the agreed speeds differ: experts re-placed once per layer to even the measured busy time")
     return Lever(False, "the agreed speeds are equal: nothing to move")
 
 

@@ -402,8 +402,8 @@ class _Rank:
     """One rank's training job: what :func:`_build` makes and the per-step parts read.
 
     Attributes:
-        dense, expert: the data-parallel and the expert-parallel parameters (the balancer's
-            spare slots among the experts).
+        dense: the data-parallel parameters (the expert-parallel ones are read from the model
+            each step: a placement by speed may add or drop expert modules).
         extras: the ``Stateful`` objects checkpoints and snapshots carry beside the model.
         policy: which heterogeneity levers are on and why (:mod:`hetcomm.moe.policy`).
         measured, balancer, psgd: the measured loop (replica refresh, paging step end, cold
@@ -419,7 +419,6 @@ class _Rank:
     opt: torch.optim.Optimizer
     gen: torch.Generator
     dense: List[torch.nn.Parameter]
-    expert: List[torch.nn.Parameter]
     extras: Dict[str, Any]
     policy: Any = None
     measured: Any = None
@@ -495,7 +494,10 @@ def _forward(job: _Rank, batch: torch.Tensor) -> Tuple[torch.Tensor, torch.Tenso
 def _sync_gradients(job: _Rank) -> None:
     """Expert gradients scaled to the global mean; the balancer's migrations land; the dense
     gradients averaged over the group (PowerSGD on cross-node pairs with ``--powersgd``)."""
-    for p in job.expert:  # the global loss is the mean over ranks: scale the expert-parallel grads
+    # The experts of now: a placement by speed or a restore may have added or dropped modules.
+    expert = _split_parameters(job.model)[1] + (job.balancer.spare_parameters() if job.balancer is not None else [])
+    expert = list({id(p): p for p in expert}.values())  # a balancer's spare may be in the model now
+    for p in expert:  # the global loss is the mean over ranks: scale the expert-parallel grads
         if p.grad is not None:
             p.grad /= job.world_size
     if job.balancer is not None:
@@ -624,7 +626,7 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
         for m in model.moe_layers:
             m.attach_optimizer(opt)  # Adam's moments are paged with each expert
     job = _Rank(cfg, rank, world_size, cluster, task, model, opt,
-                gen=torch.Generator().manual_seed(cfg.seed * 7919 + rank), dense=dense, expert=expert, extras={},
+                gen=torch.Generator().manual_seed(cfg.seed * 7919 + rank), dense=dense, extras={},
                 policy=policy, snap=snap, snap_record=snap_record,
                 placement_from=placement_from, expert_clock=expert_clock)
     _add_levers(job)
@@ -649,7 +651,6 @@ def _add_levers(job: _Rank) -> None:
                                      BalancerConfig(every=cfg.balance_every, cooldown=cfg.balance_cooldown),
                                      flops_per_token=6 * 2 * cfg.model_dim * cfg.hidden_dim)
         job.extras["balancer"] = job.balancer
-        job.expert = job.expert + job.balancer.spare_parameters()  # a spare may hold an expert later
     # The per-step work after the optimizer, as any loop runs it (the cold move when the policy
     # turned it on). A placement changed at run time travels with every checkpoint and snapshot:
     # a restore re-places the layers before their experts load (the balancer carries its own map).
@@ -700,7 +701,7 @@ def _finish(job: _Rank, t0: float) -> int:
 
     elapsed = time.perf_counter() - t0
     # Which levers were on opens the summary (the policy's rows); these say what they did.
-    het_rows = [("cold experts (coldest by global load on measured-slow ranks)", job.measured.cold.summary()),
+    het_rows = [("placement by speed (measured busy time evened once per layer)", job.measured.cold.summary()),
                 ("per-rank MoE time max/mean", moe_time_summary(model.moe_layers)),
                 ("expert FFN share (fwd + bwd)", ExpertCpuClock.summary(job.expert_clock.gather(world_size))),
                 *snap_rows,

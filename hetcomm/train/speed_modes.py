@@ -13,8 +13,12 @@
   each node (``emulation.compute_scale`` of the cluster file, else its datasheet ratio:
   :func:`hetcomm.emulate.spec.node_compute_scale`) are used wherever measured speeds would be --
   the initial placement's weights, the replica holders (:func:`~hetcomm.moe.placement.replicate.choose_holders`),
-  and the layers' speed vector that the per-step token split reads (nothing is measured: it stays). A benchmark aid: it shows what the levers reach when the
-  speeds are known, on a cluster whose labels hide them (``configs/clusters/mislabelled-halfspeed.yaml``).
+  the layers' speed vector that the per-step token split reads and its verdict (given: it
+  stays, ``SpeedMeter.set_prior(given=True)``). The layers still agree what only a run
+  measures, each rank's busy seconds per step and per expert row, so the placement by speed
+  (:mod:`hetcomm.moe.cold`) runs at the first agreement instead of waiting for a noise
+  estimate. A benchmark aid: it shows what the levers reach when the speeds are known, on a
+  cluster whose labels hide them (``configs/clusters/mislabelled-halfspeed.yaml``).
 """
 
 from __future__ import annotations
@@ -59,9 +63,10 @@ def placement_weights(cfg: Any, cluster: Any, world_size: int,
 
 
 def layer_speed_every(cfg: Any, default: int) -> int:
-    """``MoEConfig.speed_every`` for the run: ``default`` when speeds are measured and used, 0
-    (the prior stays) when speed-blind or when speeds come from the datasheet or the oracle."""
-    return default if cfg.speed == "measured" and cfg.balance is not False else 0
+    """``MoEConfig.speed_every`` for the run: ``default`` when speeds are measured or given by
+    the oracle (whose agreements bring only the busy times the placement by speed balances),
+    0 (the prior stays, nothing agreed) when speed-blind or with the datasheet's speeds."""
+    return default if cfg.speed in ("measured", "oracle") and cfg.balance is not False else 0
 
 
 def apply_oracle(layers: Sequence[Any], speeds: Sequence[float]) -> None:
@@ -72,7 +77,7 @@ def apply_oracle(layers: Sequence[Any], speeds: Sequence[float]) -> None:
 
     for m in layers:
         group_speeds = [float(speeds[g]) for g in m.global_ranks]
-        m.speed.set_prior(group_speeds)
+        m.speed.set_prior(group_speeds, given=True)
         if m.replicator is not None:
             room = [r in m.replicator.candidates for r in range(len(group_speeds))]
             m.replicator.set_hot(m.replicator.hot, holders=choose_holders(group_speeds, room, m.replicator.candidates))

@@ -44,26 +44,26 @@ def wait_in_a_collective(rank: int, world_size: int) -> Dict[str, Any]:
 
 
 def equal_ranks_cold_move(rank: int, world_size: int) -> Dict[str, Any]:
-    """Equal ranks train one replicated MoE layer with the library's defaults (agreement every
-    10 steps, hot set every 10) until the cold move is due, then make it as ``hetcomm train``
-    does: nothing may move, and every rank holds the same agreed snapshot."""
-    from hetcomm.moe import MoELayer
+    """Equal ranks train one replicated MoE layer with the library's defaults (an agreement
+    every 5 steps) through the measured loop until its placement by speed is due: nothing may
+    move, and every rank holds the same agreed snapshot."""
+    from hetcomm.moe import MeasuredLoop, MoELayer
 
     torch.manual_seed(0)
     layer = MoELayer(64, 8, k=2, dropless=True, calibrate=False, replicate=True)
     opt = torch.optim.SGD(layer.parameters(), lr=1e-3)
-    moved, due_at = None, None
+    loop = MeasuredLoop([layer], opt)
+    due_at, events = None, []
     for step in range(1, 41):
         x = torch.randn(512, 64, generator=torch.Generator().manual_seed(1000 * rank + step))
         layer(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-        layer.sync_replicas()
-        if layer.cold_placement_due():
+        events += [str(e) for e in loop.after_step(step) if e.kind == "migration"]
+        if loop.cold.done[0]:
             due_at = step
-            moved = layer.place_cold_on_slow(opt)
             break
     snap = layer.speed.snapshot()
-    return {"moved": moved, "due_at": due_at, "speeds": snap.rows_per_s, "noise": snap.noise,
+    return {"moved": events, "due_at": due_at, "rows": loop.cold.rows, "speeds": snap.rows_per_s, "noise": snap.noise,
             "differ": snap.differ, "own": snap.own_rows_per_s, "agreements": snap.agreements,
             "owner": list(layer.placement.owner)}

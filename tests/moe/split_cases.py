@@ -77,6 +77,7 @@ def speed_agreement(rank: int, world_size: int) -> Dict[str, Any]:
     import time
 
     from hetcomm.moe import MoELayer
+    from hetcomm.moe.cold import ColdMoves
 
     class Slow(torch.nn.Module):
         def __init__(self, d: int, delay: float):
@@ -94,6 +95,7 @@ def speed_agreement(rank: int, world_size: int) -> Dict[str, Any]:
     delay = 0.05 if rank == 1 else 0.0
     layer = MoELayer(16, 4, k=2, dropless=True, calibrate=False, speed_every=2, expert=lambda d: Slow(d, delay),
                      replicate=True, replicate_top=1, replicate_every=2)
+    cold = ColdMoves([layer], enabled=True)
     seen: List[Any] = []
     for step in range(6):
         x = torch.randn(64, 16, generator=torch.Generator().manual_seed(rank * 10 + step + 3))
@@ -103,12 +105,12 @@ def speed_agreement(rank: int, world_size: int) -> Dict[str, Any]:
     layer.sync_replicas()  # collective: the refresh at step 6 (after an agreement with a verdict) lands
     rep = layer.replicator
     before = list(layer.placement.owner)
-    due = layer.cold_placement_due()
-    ema_at_move = rep.ema.tolist()  # the load the move reads (the forward below adds to it)
-    moved = layer.place_cold_on_slow()  # collective: the coldest experts onto the slow rank 1
+    due = layer.speed_placement_due()
+    rows = cold.expert_rows(0)
+    events = cold.after_step(6, None)  # collective: the placement by the measured busy time
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(99))
     layer(x).sum().backward()  # the layer runs on the new map (replicas rebuilt from the new owners)
     return {"seen": seen, "local": layer.speed.local_speed(), "room": layer.speed.room, "holders": rep.holders,
             "differ": layer.speed.differ, "noise": layer.speed.noise,
-            "replicas": sorted(rep.replicas), "hot": rep.hot, "due": due, "moved": moved, "before": before,
-            "owner": list(layer.placement.owner), "ema": rep.ema.tolist(), "ema_at_move": ema_at_move}
+            "replicas": sorted(rep.replicas), "hot": rep.hot, "due": due, "events": events, "before": before,
+            "owner": list(layer.placement.owner), "rows": rows}

@@ -1,7 +1,7 @@
 """A placement changed at run time survives a restore (hetcomm.moe.placement.state).
 
 4 real ranks move experts between ranks mid-training (``migrate_now``, as ``hetcomm train``'s
-cold move does), then snapshot into shared memory and checkpoint to disk. A fresh model, built
+placement by speed does; in layer 0 a rank gives an expert and another gains one), then snapshot into shared memory and checkpoint to disk. A fresh model, built
 with the initial placement as a restarted job builds it, restores from each: with the
 ``LayerPlacements`` extra it takes the moved placement and every expert's weights and Adam
 moments by global id; without it the snapshot is refused ("taken by another model"), which is
@@ -18,8 +18,9 @@ from tests.backends.ranks import run_ranks
 
 NODES = ["a100", "a100", "h800", "ascend"]  # mixed-mini's ranks
 EXPERTS = 8
-#: Experts 0 (rank 0) and 7 (rank 3) trade places in layer 0, 2 (rank 1) and 5 (rank 2) in layer 1.
-MOVES = {0: [3, 0, 1, 1, 2, 2, 3, 0], 1: [0, 0, 2, 1, 2, 1, 3, 3]}
+#: Layer 0: expert 7 leaves rank 3 for rank 0 (3 experts on rank 0, 1 on rank 3); layer 1: 2 (rank 1)
+#: and 5 (rank 2) trade places.
+MOVES = {0: [0, 0, 1, 1, 2, 2, 3, 0], 1: [0, 0, 2, 1, 2, 1, 3, 3]}
 
 
 def _model():
@@ -82,7 +83,12 @@ def _move_then_restore(rank: int, world_size: int, root: str):
     gen = torch.Generator().manual_seed(rank)
     _step(model, opt, gen)
     moved = {i: migrate_now(model[i], MOVES[i], opt) for i in MOVES}
+    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
     _step(model, opt, gen)
+    # every expert held now is in the optimizer and took both steps (a gained module's too)
+    steps = sorted({float(opt.state[p]["step"]) for layer in model for p in layer.experts.parameters()})
+    held = all(id(p) in in_opt for layer in model for p in layer.experts.parameters())
+    counts = [len(layer.local_expert_ids) for layer in model]
     snap = Snapshotter(rank, world_size, NODES, every=1, peer=True, timeout_s=30)
     extras = {"placement": LayerPlacements(list(model))}
     snap.take(2, model, opt, gen, extras)
@@ -93,7 +99,8 @@ def _move_then_restore(rank: int, world_size: int, root: str):
     probe = torch.randn(5, 8, generator=torch.Generator().manual_seed(7))
     want_out = model(probe).detach()
 
-    results = {"moved": moved, "initial": initial}
+    results = {"moved": moved, "initial": initial, "steps": steps, "held": held, "counts": counts,
+               "opt_params": sum(len(g["params"]) for g in opt.param_groups)}
     # A restarted job builds the initial placement; without the extra the snapshot cannot load.
     bare = _model()
     bare_opt = torch.optim.AdamW(bare.parameters(), lr=0.01)
@@ -108,7 +115,7 @@ def _move_then_restore(rank: int, world_size: int, root: str):
         fresh = _model()
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
         fresh_gen = torch.Generator()
-        placements = LayerPlacements(list(fresh))
+        placements = LayerPlacements(list(fresh), fresh_opt)
         if source == "snapshot":
             got = Snapshotter(rank, world_size, NODES, every=1, peer=True, timeout_s=30).restore(
                 fresh, fresh_opt, fresh_gen, {"placement": placements})
@@ -121,6 +128,7 @@ def _move_then_restore(rank: int, world_size: int, root: str):
             "same_state": _same(want, _by_expert(fresh, fresh_opt)),
             "same_output": torch.equal(fresh(probe).detach(), want_out),
             "same_stream": torch.equal(fresh_gen.get_state(), gen.get_state()),
+            "opt_params": sum(len(g["params"]) for g in fresh_opt.param_groups),
         }
     return results
 
@@ -130,13 +138,17 @@ def test_a_moved_placement_comes_back_from_snapshots_and_checkpoints(tmp_path):
     res = run_ranks(_move_then_restore, 4, args=(str(tmp_path),), timeout=150)
     for rank, r in enumerate(res):
         assert r["initial"] == [[0, 0, 1, 1, 2, 2, 3, 3]] * 2, r["initial"]
-        assert r["moved"] == {0: [0, 7], 1: [2, 5]}, r["moved"]
-        assert "taken by another model" in r["bare"], (rank, r["bare"])
+        assert r["moved"] == {0: [7], 1: [2, 5]}, r["moved"]
+        assert r["counts"] == [[3, 2, 2, 1][rank], 2], r["counts"]
+        assert r["held"] and r["steps"] == [2.0], (rank, r)
+        # rank 0 only gained expert 7: its bare model loads what it had and silently lacks 7
+        assert rank == 0 or "taken by another model" in r["bare"], (rank, r["bare"])
         for source in ("snapshot", "checkpoint"):
             got = r[source]
             assert got["owner"] == [MOVES[0], MOVES[1]], (rank, source, got)
             assert got["restored_layers"] == [0, 1], (rank, source, got)
             assert got["same_state"] and got["same_output"] and got["same_stream"], (rank, source, got)
+            assert got["opt_params"] == r["opt_params"], (rank, source, got)
 
 
 def test_a_saved_placement_that_does_not_fit_is_refused_by_layer():
@@ -154,6 +166,6 @@ def test_a_saved_placement_that_does_not_fit_is_refused_by_layer():
         LayerPlacements(layers).load_state_dict({"owner0": state["owner0"], "owner1": torch.zeros(3, dtype=torch.int64)})
     with pytest.raises(ConfigError, match="no placement of MoE layer 1"):
         LayerPlacements(layers).load_state_dict({"owner0": state["owner0"]})
-    with pytest.raises(ConfigError, match="MoE layer 1: the saved placement gives rank 0 3 experts but it holds 4"):
+    with pytest.raises(ConfigError, match="MoE layer 1: the saved placement gives rank 0 no expert"):
         LayerPlacements(layers).load_state_dict({"owner0": state["owner0"],
-                                                 "owner1": torch.tensor([0, 0, 1, 0], dtype=torch.int64)})
+                                                 "owner1": torch.tensor([1, 1, 1, 1], dtype=torch.int64)})

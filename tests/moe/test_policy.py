@@ -36,7 +36,7 @@ ROWS = [
     ("oracle-labels-alike", dict(cluster_kind="equal", speed="oracle"), "1100100"),
     ("split-off", dict(cluster_kind="mixed", token_split=False), "1100100"),
     ("split-asked-equal-cluster", dict(cluster_kind="equal", token_split=True), "0110100"),
-    ("no-replication", dict(cluster_kind="mixed", replicate=False, token_split=True), "1000000"),
+    ("no-replication", dict(cluster_kind="mixed", replicate=False, token_split=True), "1000100"),
     ("paging", dict(cluster_kind="mixed", page_budget=0.5, token_split=True), "1100001"),
     ("paging-auto", dict(cluster_kind="mixed", page_budget="auto"), "1100001"),
     ("powersgd-experts", dict(cluster_kind="mixed", powersgd_experts=2), "1110000"),

@@ -61,7 +61,7 @@ def test_no_balance_reads_no_speed_on_a_cluster_with_unequal_labels():
         assert rec["measured"] == [False, False] and rec["agreements"] == [0, 0], rec
         assert not rec["cold_enabled"]
     text = out[0][2]
-    assert _row(text, "cold experts (coldest by global load on measured-slow ranks)") == "off"
+    assert _row(text, "placement by speed (measured busy time evened once per layer)") == "off"
     assert _row(text, "policy: initial weights").startswith("off (--no-balance: speed-blind")
     assert _row(text, "policy: replica holders").endswith("never re-chosen by speed (--no-balance))")
     assert _row(text, "policy: token split").startswith("off")
@@ -71,8 +71,9 @@ def test_no_balance_reads_no_speed_on_a_cluster_with_unequal_labels():
 
 def test_oracle_places_and_holds_by_the_emulated_speeds():
     # The mislabelled cluster: labels alike, the third node emulated at half speed. The oracle
-    # reads emulation.compute_scale: experts by [1, 1, 1, 0.5].
-    cfg = _cfg("--speed", "oracle", "--cluster", HALF, "--steps", "6", "--experts", "8")
+    # reads emulation.compute_scale: experts by [1, 1, 1, 0.5] (4 steps: before the first
+    # agreement, whose placement by speed would re-place them).
+    cfg = _cfg("--speed", "oracle", "--cluster", HALF, "--steps", "4", "--experts", "8")
     out = run_ranks(_train_summary, 4, cluster=HALF, args=(cfg, _free_port()), timeout=180)
     weighted = list(place_experts(8, 4, rank_weights=[1.0, 1.0, 1.0, 0.5]).owner)
     assert weighted != list(place_experts(8, 4, rank_weights=[1.0] * 4).owner)
@@ -124,7 +125,7 @@ def test_placement_weights_and_speed_every_by_mode():
     assert placement_weights(oracle, half, 4, None) == [1.0, 1.0, 1.0, 0.5]
     assert placement_weights(default, half, 4, None) is None  # the layer's own (the strong flag)
     assert placement_weights(blind, half, 4, [3.0, 1.0, 1.0, 1.0]) == [3.0, 1.0, 1.0, 1.0]  # a resume's record
-    assert [layer_speed_every(c, 10) for c in (blind, oracle, default)] == [0, 0, 10]
+    assert [layer_speed_every(c, 10) for c in (blind, oracle, default)] == [0, 10, 10]
     from hetcomm.train.loop import TrainConfig
 
     with pytest.raises(ConfigError) as ei:

@@ -24,7 +24,7 @@ from hetcomm.errors import ConfigError
 from hetcomm.moe.speed import slow_ranks  # the one rule of "speeds differ" (re-exported)
 
 __all__ = ["ExpertPlacement", "place_experts", "split_by_weight", "check_placement", "check_adopted_map", "slow_ranks",
-           "cold_on_slow"]
+           "busy_times", "balance_busy_time", "MIN_GAIN"]
 
 
 @dataclass(frozen=True)
@@ -284,38 +284,84 @@ def check_adopted_map(
     return mine
 
 
-def cold_on_slow(owner: Sequence[int], expert_load: Sequence[float], slow: Sequence[int]) -> List[int]:
-    """The expert map that puts the coldest experts on the ``slow`` ranks, with the fewest moves.
+#: A change to the expert map must shorten the predicted slowest rank's step by this fraction.
+MIN_GAIN = 0.02
 
-    Every rank keeps its number of experts (``L_r``); the slow ranks together hold
-    ``n = sum of their L_r`` experts, and those become the ``n`` coldest by ``expert_load`` (the
-    layer's global load, identical on every rank), not the highest ids. An expert already in
-    place stays; each hot expert on a slow rank trades places with a cold one on a fast rank
-    (hottest leaving with coldest arriving; ties broken by expert id), so the same inputs give
-    the same map on every rank.
+
+def busy_times(owner: Sequence[int], expert_rows: Sequence[float], seconds_per_row: Sequence[float],
+               fixed_seconds: Sequence[float]) -> List[float]:
+    """``[W]`` predicted busy seconds per step of each rank under the map ``owner``: its
+    ``fixed_seconds`` plus the rows of the experts it owns at its ``seconds_per_row``."""
+    t = [float(f) for f in fixed_seconds]
+    for e, r in enumerate(owner):
+        t[r] += float(expert_rows[e]) * float(seconds_per_row[r])
+    return t
+
+
+def balance_busy_time(owner: Sequence[int], expert_rows: Sequence[float], seconds_per_row: Sequence[float],
+                      fixed_seconds: Sequence[float], min_gain: float = MIN_GAIN) -> List[int]:
+    """The expert map that evens the ranks' predicted busy time per step, found from ``owner``.
+
+    Rank ``r``'s step is ``fixed_seconds[r] + sum(expert_rows[e] * seconds_per_row[r])`` over
+    the experts it owns (:func:`busy_times`): a slow rank is slow at its dense work too, which
+    no expert move takes away, so it gets fewer experts than its speed share. Local search from
+    the map in force: while the slowest rank can hand one of its experts to another rank (or
+    trade it for a colder one there) so that both end more than ``min_gain`` below the slowest
+    rank's time now, the change that leaves the two the shortest is made (ties: the less busy
+    receiver, the coldest expert, the lowest ids). Each change lowers the sorted vector of rank
+    times, so the search ends. Every rank keeps at least one expert (its speed stays measured). The same
+    inputs give the same map on every rank.
 
     Args:
         owner: ``[E]`` current owner of each expert.
-        expert_load: ``[E]`` load per expert (e.g. the replication EMA of global token counts).
-        slow: the slow ranks (:func:`slow_ranks`).
+        expert_rows: ``[E]`` rows per step of each expert over the group (its load).
+        seconds_per_row: ``[W]`` each rank's busy seconds per expert row, forward and backward.
+        fixed_seconds: ``[W]`` each rank's busy seconds per step outside these experts.
+        min_gain: the least relative gain a change must bring.
     Returns:
-        ``[E]`` new owner of each expert (equal to ``owner`` when nothing needs to move).
+        ``[E]`` new owner of each expert (``owner`` itself when nothing pays).
 
     Raises:
-        ConfigError: ``expert_load`` does not have one entry per expert.
+        ConfigError: inputs of the wrong length, or a negative or non-finite figure.
     """
-    E = len(owner)
-    if len(expert_load) != E:
-        raise ConfigError(f"expert_load has {len(expert_load)} entries for {E} experts", key="moe.expert_load")
-    slow_set = set(int(r) for r in slow)
-    n = sum(1 for r in owner if r in slow_set)
-    # coldest first; among equal loads the experts already on a slow rank first (they stay)
-    by_cold = sorted(range(E), key=lambda e: (float(expert_load[e]), 0 if owner[e] in slow_set else 1, e))
-    cold = set(by_cold[:n])
-    arriving = sorted((e for e in cold if owner[e] not in slow_set), key=lambda e: (float(expert_load[e]), e))
-    leaving = sorted((e for e in range(E) if owner[e] in slow_set and e not in cold),
-                     key=lambda e: (-float(expert_load[e]), e))
+    E, W = len(owner), len(seconds_per_row)
+    if len(expert_rows) != E:
+        raise ConfigError(f"expert_rows has {len(expert_rows)} entries for {E} experts", key="moe.expert_load")
+    if len(fixed_seconds) != W:
+        raise ConfigError(f"fixed_seconds has {len(fixed_seconds)} entries for {W} ranks", key="moe.busy_time")
+    for name, xs in (("expert_rows", expert_rows), ("seconds_per_row", seconds_per_row),
+                     ("fixed_seconds", fixed_seconds)):
+        bad = [i for i, x in enumerate(xs) if not (math.isfinite(float(x)) and float(x) >= 0)]
+        if bad:
+            raise ConfigError(f"{name}[{bad[0]}] is {xs[bad[0]]!r}; it must be a finite number >= 0", key="moe.busy_time")
     new = [int(r) for r in owner]
-    for hot_e, cold_e in zip(leaving, arriving):  # equal lengths: each rank keeps its count
-        new[hot_e], new[cold_e] = owner[cold_e], owner[hot_e]
+    t = busy_times(new, expert_rows, seconds_per_row, fixed_seconds)
+    for _ in range(E * W):  # each accepted change shortens the slowest step: a bound, not a budget
+        slowest = max(range(W), key=lambda r: (t[r], -r))
+        here = [e for e in range(E) if new[e] == slowest]
+        if len(here) <= 1:
+            break
+        best = None  # (the pair's new max, the receiver's new time, expert rows moved, e, q, f)
+        for e in here:
+            out = float(expert_rows[e]) * seconds_per_row[slowest]
+            for q in range(W):
+                if q == slowest:
+                    continue
+                into = float(expert_rows[e]) * seconds_per_row[q]
+                cands = [(None, t[slowest] - out, t[q] + into)]
+                for f in (f for f in range(E) if new[f] == q and expert_rows[f] < expert_rows[e]):
+                    back = float(expert_rows[f])
+                    cands.append((f, t[slowest] - out + back * seconds_per_row[slowest],
+                                  t[q] + into - back * seconds_per_row[q]))
+                for f, ts, tq in cands:
+                    key = (max(ts, tq), tq, float(expert_rows[e]), e, q, -1 if f is None else f)
+                    if best is None or key < best[0]:
+                        best = (key, e, q, f, ts, tq)
+        if best is None or best[0][0] > t[slowest] * (1.0 - min_gain):
+            break
+        _, e, q, f, ts, tq = best
+        new[e] = q
+        if f is not None:
+            new[f] = slowest
+        t[slowest], t[q] = ts, tq
     return new

@@ -36,7 +36,7 @@ from torch import nn
 from hetcomm.errors import ConfigError, PeerTimeout
 from hetcomm.moe.placement.balancer import BalancerConfig, ExpertBalancer, ExpertMap, Move
 
-__all__ = ["ExpertSlots", "ExpertMigrator", "migrate_now", "state_layout", "cold_placement_due", "place_cold_on_slow",
+__all__ = ["ExpertSlots", "ExpertMigrator", "migrate_now", "resize_expert_modules", "state_layout", "speed_placement_due", "place_by_speed", "busy_model", "FORWARD_AND_BACKWARD",
            "rebalance"]
 
 
@@ -273,8 +273,11 @@ def migrate_now(layer, expert_to_rank: Sequence[int], optimizer=None, *, timeout
 
     Parameters, optimizer state (Adam/AdamW moments and step, SGD momentum) and gradients move
     with each expert, so training continues as if nothing had moved. Call it between steps
-    (after ``optimizer.step()``). Every rank keeps its expert modules (the optimizer holds
-    them): a rank may not end up with more experts than it holds now.
+    (after ``optimizer.step()``). A rank may end with another number of experts: one that
+    receives more than it gives builds fresh modules for them (:meth:`~hetcomm.moe.MoELayer.make_expert`,
+    on its experts' device and dtype) and adds their parameters to ``optimizer``'s param group
+    that holds the layer's experts; one that gives more than it receives drops the modules left
+    free, from the layer and from ``optimizer``. Every rank keeps at least one expert.
 
     Args:
         layer: a :class:`~hetcomm.moe.MoELayer`.
@@ -284,8 +287,8 @@ def migrate_now(layer, expert_to_rank: Sequence[int], optimizer=None, *, timeout
     Returns:
         Global ids of the experts that changed owner.
     Raises:
-        ConfigError: a map of the wrong size, a rank given more experts than it holds, or an
-            optimizer whose state the engine does not know.
+        ConfigError: a map of the wrong size, a rank left without an expert, or an optimizer
+            whose state the engine does not know or that does not hold this rank's experts.
         PeerTimeout: a transfer did not complete within ``timeout_s``.
     """
     old = list(layer.placement.owner)
@@ -293,68 +296,121 @@ def migrate_now(layer, expert_to_rank: Sequence[int], optimizer=None, *, timeout
     E, W, rank = len(old), layer.world_size, layer.rank
     if len(new) != E:
         raise ConfigError(f"the map names {len(new)} experts but the layer has {E} (rank {rank})", key="moe.placement")
-    have = [old.count(r) for r in range(W)]
-    want = [new.count(r) for r in range(W)]
-    over = [r for r in range(W) if want[r] > have[r]]
-    if over:
-        raise ConfigError(
-            f"a migration keeps every rank's expert modules: rank {over[0]} holds {have[over[0]]} experts but "
-            f"the new map gives it {want[over[0]]} (experts per rank now {have}, asked {want})",
-            key="moe.placement",
-        )
+    empty = [r for r in range(W) if r not in new]
+    if empty:
+        raise ConfigError(f"the new map leaves rank {empty[0]} without an expert; every rank keeps at least one "
+                          f"(rank {rank})", key="moe.placement")
     moves = [Move(e, old[e], new[e], old[e]) for e in range(E) if old[e] != new[e]]
-    slots = ExpertSlots(list(layer.experts.experts), list(layer.local_expert_ids))
+    modules = list(layer.experts.experts)
+    have = len(modules)
+    if new.count(rank) > have:  # fresh slots for what arrives beyond what leaves
+        modules = resize_expert_modules(layer, modules, new.count(rank), optimizer)
+    slots = ExpertSlots(modules, list(layer.local_expert_ids) + [None] * (len(modules) - have))
     if moves and W > 1:
         layer.sync_pages()  # start() copies the experts out: no page write-back half done
         mig = ExpertMigrator(layer.group, timeout_s=timeout_s)
         mig.start(moves, slots, optimizer)
         mig.finish(slots, optimizer)
+    kept = [m for m, e in zip(slots.modules, slots.expert_of) if e is not None]
+    if len(kept) < len(slots.modules):  # the slots left free leave the layer and the optimizer
+        resize_expert_modules(layer, slots.modules, len(kept), optimizer, keep=kept)
     layer.apply_placement(new, {e: slots.module(e) for e in range(E) if new[e] == rank})
     return [mv.expert for mv in moves]
 
 
-def cold_placement_due(layer) -> bool:
-    """Whether :func:`place_cold_on_slow` has what it needs for ``layer`` (a
-    :class:`~hetcomm.moe.MoELayer`): an agreed verdict on the speeds
-    (:attr:`hetcomm.moe.speed.SpeedSnapshot.differ` is not None: agreed measurements with a noise
-    estimate, or given speeds, ``speed_every=0``, whose verdict holds from the start) and a full
-    hot-set window of the replication EMA (the layer's global load), more than one rank, no
-    paging. Identical on every rank (agreed values and step counts)."""
-    rep = layer.replicator
-    return (rep is not None and layer.world_size > 1 and layer.speed.differ is not None and rep.steps >= rep.every
-            and layer.config.page_budget == 0)
-
-
-def place_cold_on_slow(layer, optimizer=None) -> List[int]:
-    """Move ``layer``'s coldest experts onto the slowest ranks, now (collective; between steps).
-
-    Slow ranks: slower than another rank beyond noise by the agreed measured speed
-    (``layer.speed``; :func:`hetcomm.moe.speed.slow_ranks`, the one rule; none while the
-    snapshot has no verdict);
-    coldest: by the replication EMA of global token counts (identical on every rank), not by
-    expert id. Each rank keeps its number of experts and the fewest experts move
-    (:func:`~hetcomm.moe.placement.assign.cold_on_slow`), through :func:`migrate_now`
-    (parameters, optimizer state and gradients travel, so training continues exactly).
-    ``hetcomm train`` calls it once per layer, when :func:`cold_placement_due` first holds.
-
-    Args:
-        layer: a :class:`~hetcomm.moe.MoELayer` with replication on.
-        optimizer: the optimizer holding the layer's parameters, or None.
-    Returns:
-        Global ids of the experts that moved (none when the agreed speeds agree within noise).
+def resize_expert_modules(layer, modules: Sequence[nn.Module], count: int, optimizer=None,
+                          keep: Optional[Sequence[nn.Module]] = None) -> List[nn.Module]:
+    """``count`` expert modules for this rank of ``layer``: ``modules`` (or, when shrinking, the
+    ``keep`` among them, else the first ``count``) plus fresh ones
+    (:meth:`~hetcomm.moe.MoELayer.make_expert`, on ``modules[0]``'s device and dtype). The
+    param group of ``optimizer`` holding the layer's experts loses the dropped modules'
+    parameters (and their state) and gains the fresh ones'.
 
     Raises:
-        ConfigError: replication is off (its EMA is the load).
+        ConfigError: ``optimizer`` does not hold this layer's expert parameters (naming the rank).
     """
-    from hetcomm.moe.placement.assign import cold_on_slow
+    modules = list(modules)
+    ref = next(modules[0].parameters())
+    group = None
+    if optimizer is not None:
+        group = next((g for g in optimizer.param_groups if any(p is ref for p in g["params"])), None)
+        if group is None:
+            raise ConfigError(f"the optimizer does not hold this MoE layer's expert parameters (rank {layer.rank}); "
+                              f"pass the optimizer built over the model's parameters", key="moe.optimizer")
+    if count <= len(modules):
+        out = list(keep) if keep is not None else modules[:count]
+        dropped = [m for m in modules if all(m is not k for k in out)]
+        if group is not None:
+            gone = {id(p) for m in dropped for p in m.parameters()}
+            group["params"] = [p for p in group["params"] if id(p) not in gone]
+            for m in dropped:
+                for p in m.parameters():
+                    optimizer.state.pop(p, None)
+        return out
+    fresh = [layer.make_expert(0).to(device=ref.device, dtype=ref.dtype) for _ in range(count - len(modules))]
+    if group is not None:
+        group["params"].extend(p for m in fresh for p in m.parameters())
+    return modules + fresh
 
-    if layer.replicator is None:
-        raise ConfigError("place_cold_on_slow() reads the replication EMA as the layer's global load; "
-                          "set replicate=True", key="moe.replicate")
-    if layer.world_size == 1:
-        return []
+
+#: An expert row's forward and backward cost over its forward alone: the backward of each of the
+#: FFN's matmuls is two matmuls of the forward's size (the input's and the weight's gradients).
+FORWARD_AND_BACKWARD = 3.0
+
+
+def speed_placement_due(layer) -> bool:
+    """Whether :func:`place_by_speed` has what it needs for ``layer`` (a
+    :class:`~hetcomm.moe.MoELayer`): a verdict on the speeds (:attr:`SpeedSnapshot.differ
+    <hetcomm.moe.speed.SpeedSnapshot>` is not None: agreed measurements with a noise estimate, or
+    given speeds) and an agreement that measured every rank's expert rows and whole step, more
+    than one rank, no paging. Identical on every rank (agreed values)."""
+    snap = layer.speed.agreed
+    measured = (len(snap.step_seconds) == layer.world_size and all(t > 0 for t in snap.step_seconds)
+                and all(v > 0 for v in snap.own_rows_per_s) and all(t > 0 for t in snap.seconds_per_step))
+    return layer.world_size > 1 and snap.differ is not None and measured and layer.config.page_budget == 0
+
+
+def busy_model(layer) -> Tuple[List[float], List[float]]:
+    """``(seconds_per_row, step_seconds)``, each ``[W]``, from ``layer``'s agreed snapshot: each
+    rank's busy seconds per expert row, forward and backward (:data:`FORWARD_AND_BACKWARD` times
+    the measured forward), and per whole step. With given speeds (``SpeedMeter.given``: the
+    oracle) the ranks' measurements are pooled at full speed and spread by the given speeds, so
+    the known factors decide and the run's noise does not."""
+    snap, meter = layer.speed.agreed, layer.speed
+    per_row = [FORWARD_AND_BACKWARD / v for v in snap.own_rows_per_s]
+    step = [float(t) for t in snap.step_seconds]
+    if meter.given:
+        top = max(meter.prior)
+        scale = [p / top for p in meter.prior]  # 1 at full speed
+        row_full = sum(r * s for r, s in zip(per_row, scale)) / len(scale)
+        step_full = sum(t * s for t, s in zip(step, scale)) / len(scale)
+        per_row = [row_full / s for s in scale]
+        step = [step_full / s for s in scale]
+    return per_row, step
+
+
+def place_by_speed(layer, expert_rows: Sequence[float], fixed_seconds: Sequence[float], optimizer=None) -> List[int]:
+    """Re-place ``layer``'s experts so the ranks' predicted busy time per step evens out, now
+    (collective; between steps).
+
+    The map comes from :func:`~hetcomm.moe.placement.assign.balance_busy_time` with each rank's
+    measured seconds per row (:func:`busy_model`) and ``fixed_seconds``; a rank may end with
+    more or fewer experts, and :func:`migrate_now` carries parameters, optimizer state and
+    gradients, so training continues exactly.
+
+    Args:
+        layer: a :class:`~hetcomm.moe.MoELayer` (:func:`speed_placement_due` holds).
+        expert_rows: ``[E]`` rows per step of each expert over the group, identical on every rank.
+        fixed_seconds: ``[W]`` each rank's busy seconds per step outside this layer's experts.
+        optimizer: the optimizer holding the layer's parameters, or None.
+    Returns:
+        Global ids of the experts that moved (none when no change pays).
+    """
+    from hetcomm.moe.placement.assign import balance_busy_time
+
     owner = list(layer.placement.owner)
-    new = cold_on_slow(owner, layer.replicator.ema.tolist(), layer.speed.agreed.slow())
+    per_row, _ = busy_model(layer)
+    new = balance_busy_time(owner, expert_rows, per_row, fixed_seconds)
     if new == owner:
         return []
     return migrate_now(layer, new, optimizer)

@@ -21,33 +21,37 @@ from hetcomm.errors import ConfigError
 __all__ = ["LayerPlacements", "restore_placement"]
 
 
-def restore_placement(layer, owner: Sequence[int]) -> bool:
+def restore_placement(layer, owner: Sequence[int], optimizer=None) -> bool:
     """Give ``layer`` (a :class:`~hetcomm.moe.MoELayer`) the expert -> rank map ``owner`` with
     the expert modules this rank holds now, renamed in ascending global id; their weights are the
     checkpoint load's to fill (local, not collective; every rank calls it with the same map).
 
+    A run-time move may have changed how many experts a rank holds: a rank the map gives more
+    experts builds fresh modules for them (the load fills them), one it gives fewer drops the
+    surplus; ``optimizer`` (the one whose state loads next) gains and loses their parameters the
+    way :func:`~hetcomm.moe.placement.migration.migrate_now` does.
+
     Args:
         layer: the MoE layer.
         owner: ``[E]`` owner rank of each global expert, identical on every rank.
+        optimizer: the optimizer over the layer's parameters, or None.
     Returns:
         Whether the map differed from the layer's (False: nothing changed).
 
     Raises:
-        ConfigError: (``key='moe.placement'``) the map gives this rank another number of experts
-            than it holds (a run-time move keeps every rank's count; a map from another cluster
-            or expert count does not), naming the rank and both counts.
+        ConfigError: (``key='moe.placement'``) the map leaves this rank without an expert.
     """
+    from hetcomm.moe.placement.migration import resize_expert_modules
+
     owner = [int(r) for r in owner]
     if owner == list(layer.placement.owner):
         return False
     mine = [e for e, r in enumerate(owner) if r == layer.rank]
-    modules = list(layer.experts.experts)
-    if len(mine) != len(modules):
+    if not mine:
         raise ConfigError(
-            f"the saved placement gives rank {layer.rank} {len(mine)} experts but it holds {len(modules)}: the state "
-            f"was saved by a job with another cluster or expert count; resume with the settings it was saved with",
-            key="moe.placement",
-        )
+            f"the saved placement gives rank {layer.rank} no expert: the state was saved by a job with another "
+            f"cluster or expert count; resume with the settings it was saved with", key="moe.placement")
+    modules = resize_expert_modules(layer, list(layer.experts.experts), len(mine), optimizer)
     layer.apply_placement(owner, dict(zip(mine, modules)), migrated=False)
     return True
 
@@ -58,10 +62,13 @@ class LayerPlacements:
 
     Args:
         layers: the model's :class:`~hetcomm.moe.MoELayer` s, in a fixed order.
+        optimizer: the optimizer over their parameters (a restore that changes a rank's expert
+            count adds or drops parameters in it), or None.
     """
 
-    def __init__(self, layers: Sequence) -> None:
+    def __init__(self, layers: Sequence, optimizer=None) -> None:
         self.layers = list(layers)
+        self.optimizer = optimizer
         #: Layers whose placement the last :meth:`load_state_dict` changed.
         self.restored: List[int] = []
 
@@ -89,7 +96,7 @@ class LayerPlacements:
                                   f"{layer.config.num_experts}; resume with the expert count it was saved with",
                                   key="moe.placement")
             try:
-                changed = restore_placement(layer, owner)
+                changed = restore_placement(layer, owner, self.optimizer)
             except ConfigError as e:
                 raise ConfigError(f"MoE layer {i}: {e.detail}", key="moe.placement") from None
             if changed:

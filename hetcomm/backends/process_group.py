@@ -335,6 +335,14 @@ class _HetcommFace:
     def gather(self, output_tensors, input_tensors, opts=None):
         return self._delegated.gather(output_tensors, input_tensors, opts)
 
+    def gather_single(self, output, input, opts=None):
+        """``dist.gather_into_tensor`` / ``dist.gather_single`` (torch >= 2.14; 2.13 has neither)."""
+        return self._delegated.gather_single(output, input, opts)
+
+    def gather_into_tensor(self, output, input, opts=None):
+        """Deprecated torch 2.14 name of :meth:`gather_single`."""
+        return self.gather_single(output, input, opts)
+
     def scatter(self, output_tensors, input_tensors, opts=None):
         return self._delegated.scatter(output_tensors, input_tensors, opts)
 

@@ -1,7 +1,8 @@
 """Delegated collectives: the ones a hetcomm group runs on its inner gloo group.
 
-all_reduce, broadcast, all_gather(_into_tensor), reduce_scatter(_tensor), gather, scatter, reduce,
-barrier and the coalesced forms run on ``gloo0`` (:attr:`RailSet.gloo
+all_reduce, broadcast, all_gather(_into_tensor), reduce_scatter(_tensor), gather (also into one
+tensor: :meth:`DelegatedCollectives.gather_single`), scatter, reduce, barrier and the coalesced
+forms run on ``gloo0`` (:attr:`RailSet.gloo
 <hetcomm.backends.railset.RailSet.gloo>`), so their results are gloo's. This module adds what gloo
 lacks:
 
@@ -598,10 +599,10 @@ class DelegatedCollectives:
         return self._run(call, lambda: self.gloo.gather(s_out, s_in, opts), list(outs), st, _is_async(opts))
 
     def gather_single(self, output, input, opts=None):
-        """``dist.gather_into_tensor`` / ``dist.gather_single`` (torch >= 2.14): every rank's
+        """Gather into one tensor (``dist.gather_into_tensor``'s semantics): every rank's
         ``input`` (any shape, ``numel`` elements, one dtype on every rank) lands in rank order in
         the root's ``output`` (``size * numel`` elements: flat or ``[size, *input.shape]``).
-        Off the root ``output`` is unused (c10d passes an empty tensor)."""
+        Off the root ``output`` is unused (an empty tensor)."""
         opts = opts if opts is not None else dist.GatherOptions()
         root = opts.rootRank
         call = _Call("gather_into_tensor", input.dtype, input.numel(), tuple(input.shape), root=root,

@@ -1,5 +1,7 @@
 """hetcomm as torch's c10d ``Backend`` (torch >= 2.14): DeviceMesh, DTensor, FSDP2, functional
-collectives, each equal bit for bit to the same thing on gloo in the same job.
+collectives, each equal bit for bit to the same thing on gloo in the same job; and what the
+Backend face cannot serve (``dist.recv`` without ``src``, ``dist.gather_into_tensor``) next to
+hetcomm's replacement (the gather one runs on torch 2.13 too).
 
 Every test runs one job of 4 real rank processes whose default group is ``hetcomm`` and builds
 its gloo twin beside it (``init_device_mesh(..., backend_override=...)`` / ``new_group(backend=

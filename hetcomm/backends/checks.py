@@ -84,6 +84,7 @@ KINDS = (
     # collectives on the wire, so a sparse tensor on one rank and a dense one on another must
     # not pass the check as the same call (they hung until the group timeout)
     "all_reduce_sparse",
+    "gather_into_tensor",
 )
 _KIND = {k: i for i, k in enumerate(KINDS) if k}
 #: Reduce ops by name (``dist.ReduceOp.SUM`` -> ``"SUM"``); 0 = the collective has none.
@@ -343,7 +344,7 @@ def check_meta(
 
 
 def _piece(op: str) -> str:
-    if op in ("all_gather", "all_gather_into_tensor", "gather", "all_gather_coalesced"):
+    if op in ("all_gather", "all_gather_into_tensor", "gather", "gather_into_tensor", "all_gather_coalesced"):
         return "inputs"
     if op in ("scatter", "reduce_scatter", "reduce_scatter_tensor"):
         return "outputs"

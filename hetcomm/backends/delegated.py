@@ -1,7 +1,8 @@
 """Delegated collectives: the ones a hetcomm group runs on its inner gloo group.
 
-all_reduce, broadcast, all_gather(_into_tensor), reduce_scatter(_tensor), gather, scatter, reduce,
-barrier and the coalesced forms run on ``gloo0`` (:attr:`RailSet.gloo
+all_reduce, broadcast, all_gather(_into_tensor), reduce_scatter(_tensor), gather (also into one
+tensor: :meth:`DelegatedCollectives.gather_single`), scatter, reduce, barrier and the coalesced
+forms run on ``gloo0`` (:attr:`RailSet.gloo
 <hetcomm.backends.railset.RailSet.gloo>`), so their results are gloo's. This module adds what gloo
 lacks:
 
@@ -596,6 +597,36 @@ class DelegatedCollectives:
         s_in = [st.stage(t, False)]
         s_out = [[st.stage(x, True) for x in outs]] if output_tensors else []
         return self._run(call, lambda: self.gloo.gather(s_out, s_in, opts), list(outs), st, _is_async(opts))
+
+    def gather_single(self, output, input, opts=None):
+        """Gather into one tensor (``dist.gather_into_tensor``'s semantics): every rank's
+        ``input`` (any shape, ``numel`` elements, one dtype on every rank) lands in rank order in
+        the root's ``output`` (``size * numel`` elements: flat or ``[size, *input.shape]``).
+        Off the root ``output`` is unused (an empty tensor)."""
+        opts = opts if opts is not None else dist.GatherOptions()
+        root = opts.rootRank
+        call = _Call("gather_into_tensor", input.dtype, input.numel(), tuple(input.shape), root=root,
+                     payload=_nbytes([input]) * self.size)
+        call.local_error = self._root_error(root)
+        if call.local_error is None and self.rank == root and (
+            output.numel() != self.size * input.numel() or output.dtype != input.dtype
+        ):
+            call.local_error = (
+                f"the output on dst (group rank {root}) has {output.numel()} elements of {output.dtype}; "
+                f"gather_into_tensor needs group size x input = {self.size} x {input.numel()} elements of "
+                f"{input.dtype}: pass a tensor of shape ({self.size} * tensor.numel(),) or "
+                f"({self.size}, *tensor.shape)"
+            )
+        st = _Staging("move")
+        s_in = [st.stage(input, False)]
+        s_out = []
+        if self.rank == root and call.local_error is None:
+            # gloo's list gather into the rows of the root's (staged, contiguous) output: the
+            # same bytes as torch 2.14's gloo gather_single, and the one path on 2.13 too, whose
+            # gloo has no gather_single
+            whole = st.stage(output, True)
+            s_out = [list(whole.view(self.size, *s_in[0].shape).unbind(0))] if st.error is None else []
+        return self._run(call, lambda: self.gloo.gather(s_out, s_in, opts), [output], st, _is_async(opts))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else dist.ScatterOptions()

@@ -19,14 +19,15 @@ wire-dtype policy. Every c10d method forwards:
 
 * routed collectives (``all_to_all_single``, ``all_to_all``, plans) to
   :class:`~hetcomm.backends.routed.RoutedCollectives`: every peer over its own rail;
-* delegated collectives (all_reduce, broadcast, all_gather, reduce_scatter, gather, scatter,
-  reduce, barrier) to :class:`~hetcomm.backends.delegated.DelegatedCollectives` on the inner gloo
+* delegated collectives (all_reduce, broadcast, all_gather, reduce_scatter, gather, gather into
+  one tensor, scatter, reduce, barrier) to :class:`~hetcomm.backends.delegated.DelegatedCollectives` on the inner gloo
   group, so their results are exactly gloo's; send/recv to :class:`~hetcomm.backends.p2p.PointToPoint`
   over it. The functional all_gather/reduce_scatter (C++ callers) reach the same path through
   the trampoline's ``*_single_coalesced`` methods, never gloo with the GIL held. On 2.13 the
   inner gloo group is also registered as the group's C++ fallback backend, for C++ callers of
   methods that trampoline does not forward; a 2.14 ``Backend`` has no fallback, and the methods
-  its trampoline does not forward raise torch's "does not support" error (docs/BACKEND.md).
+  its trampoline does not forward raise torch's "does not support" error (docs/BACKEND.md):
+  ``gather_single`` is one, so ``hetcomm.backends.gather_into_tensor`` calls it directly.
 
 Device tensors follow torch's stream contract (ordered after the caller's current stream,
 results ready on the waiting thread's stream; :mod:`hetcomm.backends.devices`): the routed
@@ -334,6 +335,16 @@ class _HetcommFace:
 
     def gather(self, output_tensors, input_tensors, opts=None):
         return self._delegated.gather(output_tensors, input_tensors, opts)
+
+    def gather_single(self, output, input, opts=None):
+        """Gather into one tensor: the method ``dist.gather_into_tensor`` / ``dist.gather_single``
+        dispatch to, which torch 2.14.1's trampoline does not forward (and 2.13 has neither), so
+        :func:`hetcomm.backends.gather_into_tensor` calls it directly, on both versions."""
+        return self._delegated.gather_single(output, input, opts)
+
+    def gather_into_tensor(self, output, input, opts=None):
+        """Deprecated torch 2.14 name of :meth:`gather_single`."""
+        return self.gather_single(output, input, opts)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         return self._delegated.scatter(output_tensors, input_tensors, opts)

@@ -1,5 +1,7 @@
 """hetcomm as torch's c10d ``Backend`` (torch >= 2.14): DeviceMesh, DTensor, FSDP2, functional
-collectives, each equal bit for bit to the same thing on gloo in the same job.
+collectives, each equal bit for bit to the same thing on gloo in the same job; and what the
+Backend face cannot serve (``dist.recv`` without ``src``, ``dist.gather_into_tensor``) next to
+hetcomm's replacement (the gather one runs on torch 2.13 too).
 
 Every test runs one job of 4 real rank processes whose default group is ``hetcomm`` and builds
 its gloo twin beside it (``init_device_mesh(..., backend_override=...)`` / ``new_group(backend=
@@ -236,3 +238,122 @@ def test_recv_without_src_needs_recv_any_on_the_backend_face():
     assert got["error"].startswith("sourceRank() may only be called on work objects"), got
     assert got["delivered"] == 5.0
     assert got["recv_any"] == (1, 6.0)
+
+
+# -- gather_into_tensor: hetcomm.backends.gather_into_tensor (torch 2.14 cannot forward dist's) --
+#: (dtype, input shape, output on dst: flat or stacked, global dst)
+_GATHER_CASES = (
+    (torch.float32, (2, 3), "stacked", 1),
+    (torch.int64, (5,), "flat", 3),
+    (torch.bfloat16, (3, 1, 2), "flat", 2),
+    (torch.float64, (0,), "flat", 1),
+    (torch.int16, (4, 2), "stacked", 3),  # gloo refuses int16: hetcomm moves its bytes
+)
+
+
+def _gather_input(rank: int, case: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    numel = int(torch.Size(shape).numel())
+    return (torch.arange(numel, dtype=torch.float64) * (case + 2) - 7 * rank - 0.5 * case).to(dtype).reshape(shape)
+
+
+def _gloo_gather_into_tensor(x, o, dst: int, group) -> None:
+    """gloo's result of a gather into one tensor: its list gather into ``o``'s rows (gloo has no
+    ``gather_single`` on torch 2.14.1 either: "Backend gloo does not support gather_single")."""
+    import torch.distributed as dist
+
+    rows = list(o.view(dist.get_world_size(group), *x.shape).unbind(0)) if o is not None else None
+    dist.gather(x, rows, dst=dst, group=group)
+
+
+def gather_into_tensor(rank: int, n: int) -> dict:
+    import warnings
+
+    import torch.distributed as dist
+
+    from hetcomm.backends import gather_into_tensor as het_gather
+    from hetcomm.errors import CrossRankMismatch
+
+    warnings.simplefilter("ignore", FutureWarning)  # torch 2.14: gather_into_tensor is gather_single's old name
+    groups = {"hetcomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    # a subgroup whose group ranks differ from the global ones (dst 3 is group rank 2)
+    sub_ranks = [1, 2, 3]
+    subs = {"hetcomm": dist.new_group(sub_ranks, backend="hetcomm"), "gloo": dist.new_group(sub_ranks, backend="gloo")}
+    out = {}
+    for name in ("hetcomm", "gloo"):
+        gather = het_gather if name == "hetcomm" else _gloo_gather_into_tensor
+        r = {}
+        for case, (dtype, shape, form, dst) in enumerate(_GATHER_CASES):
+            if dtype == torch.int16 and name == "gloo":
+                continue
+            x = _gather_input(rank, case, dtype, shape)
+            o = None
+            if rank == dst:
+                o = torch.full((n, *shape) if form == "stacked" else (n * x.numel(),), 99, dtype=dtype)
+            gather(x, o, dst=dst, group=groups[name])
+            r[case] = o
+        if rank in sub_ranks:
+            x = _gather_input(rank, 10, torch.float32, (2, 2))
+            o = torch.zeros(len(sub_ranks), 2, 2) if rank == 3 else None
+            gather(x, o, dst=3, group=subs[name])
+            r["subgroup"] = o
+        out[name] = r
+    # async_op, group_dst, and a strided view of a bigger tensor as the destination
+    x = _gather_input(rank, 9, torch.float32, (4,))
+    base = torch.zeros(n, 8)
+    work = het_gather(x, base[:, ::2] if rank == 2 else None, group_dst=2, async_op=True)
+    work.wait()
+    out["async_strided"] = base if rank == 2 else None
+    # dist's own function: torch 2.14.1 serves it on no CPU backend (hetcomm: the trampoline does
+    # not forward gather_single; gloo: not implemented); torch 2.13 has none
+    if hasattr(dist, "gather_into_tensor"):
+        for name, g in groups.items():
+            try:
+                dist.gather_into_tensor(x, torch.zeros(n * 4) if rank == 0 else None, dst=0, group=g)
+                out["dist_" + name] = "served"
+            except RuntimeError as e:
+                out["dist_" + name] = str(e).splitlines()[0]
+    # a wrong output size on dst 2: every rank raises, before any byte moved; the group goes on
+    x = torch.ones(3)
+    o = torch.zeros(n * 3 + 1) if rank == 2 else None
+    try:
+        het_gather(x, o, dst=2)
+        out["bad"] = ("ok",)
+    except CrossRankMismatch as e:
+        out["bad"] = (type(e).__name__, e.field, e.ranks, str(e))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out["after"] = t.item()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_gather_into_tensor_matches_gloo():
+    got = run_ranks(gather_into_tensor, world_size=4, timeout=180, env=DETAIL, start_method="spawn")
+    n = 4
+    for rank, r in enumerate(got):
+        for case, (dtype, shape, form, dst) in enumerate(_GATHER_CASES):
+            v = r["hetcomm"][case]
+            if rank != dst:
+                assert v is None
+                continue
+            want = torch.stack([_gather_input(p, case, dtype, shape) for p in range(n)])
+            assert v.dtype == dtype and v.shape == ((n, *shape) if form == "stacked" else (want.numel(),))
+            assert torch.equal(v.reshape(want.shape), want), f"case {case} on dst {dst}: {v} != {want}"
+            if dtype != torch.int16:
+                assert torch.equal(v, r["gloo"][case]), f"case {case}: hetcomm {v} != gloo {r['gloo'][case]}"
+        if rank == 3:
+            want = torch.stack([_gather_input(p, 10, torch.float32, (2, 2)) for p in (1, 2, 3)])
+            assert torch.equal(r["hetcomm"]["subgroup"], want) and torch.equal(r["gloo"]["subgroup"], want)
+        if rank == 2:
+            base = r["async_strided"]
+            want = torch.stack([_gather_input(p, 9, torch.float32, (4,)) for p in range(n)])
+            assert torch.equal(base[:, ::2], want) and not base[:, 1::2].any(), base  # only the view's elements
+        if _TORCH >= (2, 14):
+            for name in ("hetcomm", "gloo"):
+                assert r["dist_" + name] == f"Backend {name} does not support gather_single", r["dist_" + name]
+        kind, field, ranks, msg = r["bad"]
+        assert (kind, field, ranks) == ("CrossRankMismatch", "arguments", [2]), r["bad"]
+        assert msg.startswith("hetcomm gather_into_tensor: invalid arguments, detected on rank") and "rank 2 refused its own arguments" in msg, msg
+        if rank == 2:
+            assert "13 elements" in msg and "4 x 3 elements" in msg and "pass a tensor of shape (4 * tensor.numel(),)" in msg, msg
+        assert r["after"] == 4.0

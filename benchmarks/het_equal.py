@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
 import shutil
@@ -93,62 +92,64 @@ _VERDICT = re.compile(r"speed verdict: ([^;]+)$")
 
 
 # -- what a run did ------------------------------------------------------------------------------
-def read_metrics(path: str) -> List[Dict[str, Any]]:
-    """The records of a ``--metrics`` JSON-lines file (empty when the run wrote none)."""
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_log(path: str) -> Any:
+    """The run's metrics file read back (:func:`hetcomm.ops.metrics.read_metrics`), or None when
+    the run wrote none."""
+    from hetcomm.ops.metrics import read_metrics
+
+    return read_metrics(path) if os.path.exists(path) else None
 
 
-def actions_of(records: Sequence[Dict[str, Any]], cold_row: str = "") -> List[str]:
+def actions_of(log: Any, cold_row: str = "") -> List[str]:
     """The balancing actions a run took, sorted, each once: ``move`` (a ``migration`` event, a
     step record with ``migrations`` > 0, or a cold-move summary row naming experts moved),
     ``split`` (a ``policy`` event turning the token split on or off, or the agreed speed vector's
-    shares changing while the split is on), and the kind of any other non-bookkeeping event.
+    shares changing between steps while the split is on), and the kind of any other event that is
+    not bookkeeping (:data:`BOOKKEEPING`).
 
     Args:
-        records: the run's metrics records (:func:`read_metrics`), in file order.
+        log: the run's :class:`hetcomm.ops.metrics.MetricsLog` (:func:`read_log`), or None.
         cold_row: the summary's cold-move row (``layer 0 at step 20: experts [3] moved; ...``).
     """
     found = set()
-    split_on: Optional[bool] = None
+    split_from: List[tuple] = []  # (step, on): the split's state from that step on, by policy events
+    for ev in log.events if log is not None else []:
+        if ev.event == "migration":
+            found.add("move")
+        elif ev.event == "policy":
+            m = _SPLIT.search(ev.detail)
+            on = m is not None and m.group(1) == "on"
+            if split_from and on != split_from[-1][1]:
+                found.add("split")
+            split_from.append((ev.step, on))
+        elif ev.event not in BOOKKEEPING:
+            found.add(ev.event)
     shares: Optional[List[float]] = None
-    for r in records:
-        kind = r.get("kind")
-        if kind == "event":
-            ev = r.get("event", "")
-            if ev == "migration":
-                found.add("move")
-            elif ev == "policy":
-                m = _SPLIT.search(r.get("detail", ""))
-                on = m is not None and m.group(1) == "on"
-                if split_on is not None and on != split_on:
-                    found.add("split")
-                split_on = on
-            elif ev not in BOOKKEEPING:
-                found.add(ev)
-        elif kind == "step":
-            if (r.get("migrations") or 0) > 0:
-                found.add("move")
-            speeds = r.get("speed_rows_per_s")
-            if split_on and speeds and sum(speeds) > 0:
-                now = [s / sum(speeds) for s in speeds]
-                if shares is not None and max(abs(a - b) for a, b in zip(now, shares)) > 1e-6:
-                    found.add("split")
-                shares = now
+    for st in log.steps if log is not None else []:
+        if (st.migrations or 0) > 0:
+            found.add("move")
+        on = False
+        for since, state in split_from:  # the last policy event at or before this step
+            if since <= st.step:
+                on = state
+        speeds = st.speed_rows_per_s
+        if on and speeds and sum(speeds) > 0:
+            now = [v / sum(speeds) for v in speeds]
+            if shares is not None and max(abs(x - y) for x, y in zip(now, shares)) > 1e-6:
+                found.add("split")
+            shares = now
     if re.search(r"experts \[[\d, ]+\] moved", cold_row):
         found.add("move")
     return sorted(found)
 
 
-def verdict_of(records: Sequence[Dict[str, Any]]) -> str:
+def verdict_of(log: Any) -> str:
     """The last ``policy`` event's speed verdict (``ranks equal``, ``ranks differ``, ``not
     agreed yet``), or ``-`` without one."""
     last = "-"
-    for r in records:
-        if r.get("kind") == "event" and r.get("event") == "policy":
-            m = _VERDICT.search(r.get("detail", ""))
+    for ev in log.events if log is not None else []:
+        if ev.event == "policy":
+            m = _VERDICT.search(ev.detail)
             if m:
                 last = m.group(1).strip()
     return last
@@ -175,7 +176,7 @@ def summary_rows(stdout: str) -> Dict[str, str]:
 def run_once(setup: Setup, flags: List[str], steps: Optional[int], run_id: Optional[str], state: str,
              workdir: str) -> Dict[str, Any]:
     """One ``hetcomm train`` of ``setup`` with ``flags`` (under the emulation ``run_id`` when
-    emulated); returns rc, the summary rows, the metrics records, actions, verdict and busy CPU."""
+    emulated); returns rc, the summary rows, the actions and verdict its metrics show, and its busy CPU."""
     metrics = os.path.join(workdir, f"run-{len(os.listdir(workdir))}-{time.monotonic_ns()}.jsonl")
     cmd = ["train", "--config", setup.config, "--metrics", metrics, *flags]
     if setup.cluster is not None:
@@ -189,14 +190,14 @@ def run_once(setup: Setup, flags: List[str], steps: Optional[int], run_id: Optio
         cmd = tb._hetcomm(*cmd)
     out = subprocess.run(cmd, capture_output=True, text=True, env=tb._env(), cwd=REPO)
     rows = summary_rows(out.stdout)
-    records = read_metrics(metrics)
-    if os.path.exists(metrics):
+    log = read_log(metrics)
+    if log is not None:
         os.unlink(metrics)
     busy = busy_ms(rows.get("expert FFN share (fwd + bwd)", ""))
     if out.returncode not in (0, 1) or busy is None:
         print((out.stdout + out.stderr)[-3000:], file=sys.stderr)
-    return {"rc": out.returncode, "rows": rows, "actions": actions_of(records, rows.get(tb.COLD, "")),
-            "verdict": verdict_of(records), "busy_ms": busy}
+    return {"rc": out.returncode, "rows": rows, "actions": actions_of(log, rows.get(tb.COLD, "")),
+            "verdict": verdict_of(log), "busy_ms": busy}
 
 
 # -- inside the job: collectives and timers ------------------------------------------------------
@@ -209,15 +210,21 @@ def _job_config(setup: Setup, steps: Optional[int], speed: str) -> Any:
     return load_train_config(os.path.join(REPO, setup.config), **over)
 
 
-def _launch(target: Any, cfg: Any) -> List[Dict[str, Any]]:
+def _launch(target: Any, cfg: Any, workdir: str) -> List[Dict[str, Any]]:
+    """``target(cfg)`` on every rank of ``cfg.cluster`` (no emulation); each rank's output goes to a
+    log in ``workdir``, printed when a rank fails."""
     from hetcomm.launcher import launch
     from hetcomm.topo.cluster import CLUSTER_ENV, load_cluster
 
     world = load_cluster(cfg.cluster).num_ranks
+    logs = {r: os.path.join(workdir, f"rank{r}-{time.monotonic_ns()}.log") for r in range(world)}
     out = launch(target, world, args=(cfg,), env={CLUSTER_ENV: None}, store=True, store_timeout_s=cfg.timeout_s,
-                 timeout_s=cfg.timeout_s + 10.0 * cfg.steps, grace_s=0.0, clean_shm=True, name="het-equal")
+                 timeout_s=cfg.timeout_s + 10.0 * cfg.steps, grace_s=0.0, clean_shm=True, name="het-equal", logs=logs)
     if not out.ok:
-        sys.exit("het_equal: a rank failed:\n" + out.ranks[out.failures[0].rank].describe())
+        bad = out.failures[0].rank
+        with open(logs[bad], encoding="utf-8", errors="replace") as f:
+            tail = f.read()[-3000:]
+        sys.exit(f"het_equal: a rank failed:\n{out.ranks[bad].describe()}\n{tail}")
     return list(out.results)
 
 
@@ -278,15 +285,15 @@ def _timed_rank(cfg: Any) -> Dict[str, Any]:
     return {"rc": rc, "spent": dict(spent), "calls": dict(calls), "steps": steps}
 
 
-def inside(setup: Setup, steps: Optional[int]) -> Dict[str, Any]:
+def inside(setup: Setup, steps: Optional[int], workdir: str) -> Dict[str, Any]:
     """Collectives per step (default vs datasheet) and the timers' CPU per step, for ``setup``."""
     from count_collectives import _rank_main
 
     cfg = _job_config(setup, steps, "measured")
     n = cfg.steps
-    default = per_step_collectives(_launch(_rank_main, cfg), n)
-    sheet = per_step_collectives(_launch(_rank_main, _job_config(setup, steps, "datasheet")), n)
-    timed = _launch(_timed_rank, cfg)
+    default = per_step_collectives(_launch(_rank_main, cfg, workdir), n)
+    sheet = per_step_collectives(_launch(_rank_main, _job_config(setup, steps, "datasheet"), workdir), n)
+    timed = _launch(_timed_rank, cfg, workdir)
     skip = max(1, n // 10)  # first tenth left out, as the summary's busy figure
     step_s = statistics.mean(s for r in timed for s in r["steps"][skip:])
     parts = {p: sum(r["spent"].get(p, 0.0) for r in timed) / (len(timed) * n) for p in ("clock", "ema+agreement", "verdict+cold")}
@@ -398,7 +405,7 @@ def main() -> int:
                 subprocess.run(tb._hetcomm("emulate", "down", "--id", ids.pop(name), "--state-dir", args.state_dir),
                                capture_output=True, env=tb._env(), cwd=REPO)
             if args.inside:
-                res["inside"] = inside(s, args.steps)
+                res["inside"] = inside(s, args.steps, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         for rid in ids.values():

@@ -88,7 +88,6 @@ BOOKKEEPING = ("policy", "checkpoint", "snapshots", "snapshot-skipped", "resume"
 DATASHEET = ["--speed", "datasheet"]
 _BUSY = re.compile(r"busy ([\d.]+(?:/[\d.]+)*) ms CPU per step")
 _SPLIT = re.compile(r"token_split (on|off)")
-_VERDICT = re.compile(r"speed verdict: ([^;]+)$")
 
 
 # -- what a run did ------------------------------------------------------------------------------
@@ -144,15 +143,12 @@ def actions_of(log: Any, cold_row: str = "") -> List[str]:
 
 
 def verdict_of(log: Any) -> str:
-    """The last ``policy`` event's speed verdict (``ranks equal``, ``ranks differ``, ``not
-    agreed yet``), or ``-`` without one."""
-    last = "-"
-    for ev in log.events if log is not None else []:
-        if ev.event == "policy":
-            m = _VERDICT.search(ev.detail)
-            if m:
-                last = m.group(1).strip()
-    return last
+    """The agreed speed verdict at the run's last step (layer 0's ``speed_differ`` in its step
+    record): ``ranks differ``, ``ranks equal`` or ``not agreed``; ``-`` without steps."""
+    steps = log.steps if log is not None else []
+    if not steps:
+        return "-"
+    return {None: "not agreed", True: "ranks differ", False: "ranks equal"}[steps[-1].speed_differ]
 
 
 def busy_ms(row: str) -> Optional[float]:
@@ -396,7 +392,8 @@ def main() -> int:
                                  args.state_dir, workdir)
                     got[variant] = r
                     print(f"  {name} run {i + 1} {variant}: rc {r['rc']}, actions {r['actions'] or 'none'}, "
-                          f"verdict {r['verdict']}, busy {r['busy_ms']} ms CPU/step, load {tb._load():.2f}", flush=True)
+                          f"verdict {r['verdict']}, busy "
+                          f"{'-' if r['busy_ms'] is None else format(r['busy_ms'], '.1f')} ms CPU/step, load {tb._load():.2f}", flush=True)
                     print(f"    cold move: {r['rows'].get(tb.COLD, '-')}", flush=True)
                 res["runs"].append(got["default"])
                 if "datasheet" in got:

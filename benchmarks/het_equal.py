@@ -269,6 +269,15 @@ def _timed_rank(cfg: Any) -> Dict[str, Any]:
     timed(measured_loop, "speed_verdict", "verdict+cold")
     timed(Policy, "with_verdict", "verdict+cold")
     timed(ColdMoves, "after_step", "verdict+cold")
+    timed_cold = ColdMoves.after_step
+    moved: List[str] = []
+
+    def cold_step(self: Any, *a: Any, **kw: Any) -> List[str]:
+        lines = timed_cold(self, *a, **kw)
+        moved.extend(lines)  # a move's own CPU is in verdict+cold: the table says whether one came
+        return lines
+
+    ColdMoves.after_step = cold_step
     orig_step = loop._step
 
     def one_step(job: Any, step: int) -> None:
@@ -278,7 +287,7 @@ def _timed_rank(cfg: Any) -> Dict[str, Any]:
 
     loop._step = one_step
     rc = loop.train_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg)
-    return {"rc": rc, "spent": dict(spent), "calls": dict(calls), "steps": steps}
+    return {"rc": rc, "spent": dict(spent), "calls": dict(calls), "steps": steps, "moved": moved}
 
 
 def inside(setup: Setup, steps: Optional[int], workdir: str) -> Dict[str, Any]:
@@ -293,7 +302,8 @@ def inside(setup: Setup, steps: Optional[int], workdir: str) -> Dict[str, Any]:
     skip = max(1, n // 10)  # first tenth left out, as the summary's busy figure
     step_s = statistics.mean(s for r in timed for s in r["steps"][skip:])
     parts = {p: sum(r["spent"].get(p, 0.0) for r in timed) / (len(timed) * n) for p in ("clock", "ema+agreement", "verdict+cold")}
-    return {"default": default, "datasheet": sheet, "step_cpu_s": step_s, "parts_s": parts, "steps": n}
+    return {"default": default, "datasheet": sheet, "step_cpu_s": step_s, "parts_s": parts, "steps": n,
+            "moved": len(timed[0]["moved"]) > 0}
 
 
 # -- the tables ----------------------------------------------------------------------------------
@@ -326,8 +336,8 @@ def print_tables(results: Dict[str, Dict[str, Any]], header: str) -> None:
     print("\nInside the default job (no emulation): collectives per step and rank, and thread CPU of the speed meter "
           "and the measured loop's decisions against the step's process CPU")
     print("| setup | steps | collectives/step default | datasheet | added (% of the step's) | clock us/step | "
-          "EMA + agreement us/step | verdict + cold us/step | step CPU ms | machinery % of step CPU |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "EMA + agreement us/step | verdict + cold us/step | cold move in this run | step CPU ms | machinery % of step CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, res in results.items():
         if "inside" not in res:
             continue
@@ -337,6 +347,7 @@ def print_tables(results: Dict[str, Dict[str, Any]], header: str) -> None:
         total = sum(p.values())
         print(f"| {name} | {x['steps']} | {d:.2f} | {s:.2f} | {d - s:+.2f} ({(d - s) / d * 100:+.1f} %) | "
               f"{p['clock'] * 1e6:.0f} | {p['ema+agreement'] * 1e6:.0f} | {p['verdict+cold'] * 1e6:.0f} | "
+              f"{'yes' if x['moved'] else 'no'} | "
               f"{x['step_cpu_s'] * 1e3:.1f} | {total / x['step_cpu_s'] * 100:.2f} |")
     for name, res in results.items():
         if "inside" not in res:

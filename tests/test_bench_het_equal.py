@@ -91,6 +91,6 @@ def test_busy_cpu_per_step_is_summed_over_ranks():
     assert abs(het_equal.busy_ms(row) - (71.6 + 66.2 + 65.8 + 57.3)) < 1e-9
     assert het_equal.busy_ms("") is None
     rows = het_equal.summary_rows(f"expert FFN share (fwd + bwd)   {row}\n"
-                                  f"cold experts (coldest by global load on measured-slow ranks)  {MOVED}\n")
+                                  f"{het_equal.tb.COLD}  {MOVED}\n")
     assert rows["expert FFN share (fwd + bwd)"] == row
     assert rows[het_equal.tb.COLD] == MOVED

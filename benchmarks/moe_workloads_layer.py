@@ -28,6 +28,9 @@ pick it: its weight is frozen to the identity on the first ``E`` input dimension
 token carries ``8`` at its first expert, ``7`` at its second and ``0`` elsewhere (dropless, no
 calibration): its top-k is ``workload_routing(w, spec, seed, step, rank)``.
 
+The slow rank's expert share: its forward expert seconds times 3 (forward and backward) over
+the step time, median over steps: how much of a step any balancing can act on.
+
 One step, timed on every rank from a barrier, reported as the slowest rank's: forward, backward
 (the replica-gradient all-reduce runs at its end), ``AdamW.step()``, then the policy's after-step
 work (the replica weight refresh, ``sync_replicas(force=True)``, for all four; the measured loop's
@@ -166,7 +169,7 @@ def _rank_main(args) -> int:
         for pair in range(args.pairs):
             for w in args.workload_list:
                 states = {p: make(p, seed=1000 * pair + 7) for p in POLICIES}
-                rec = {p: {"step_s": [], "rows": []} for p in POLICIES}
+                rec = {p: {"step_s": [], "rows": [], "expert_s": []} for p in POLICIES}
                 for step in range(1, args.warmup + args.steps + 1):
                     idx = workload_routing(w, spec, args.seed, step, rank)
                     g = torch.Generator().manual_seed(step * 131 + rank)
@@ -186,17 +189,21 @@ def _rank_main(args) -> int:
                         after(p, st, step)
                         t = torch.tensor([time.perf_counter() - t0])
                         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                        rows = torch.zeros(world)
-                        rows[rank] = float(layer.speed.last_step[0])
+                        rows = torch.zeros(2, world)  # [rows computed, forward expert seconds] per rank
+                        rows[0, rank] = float(layer.speed.last_step[0])
+                        rows[1, rank] = float(layer.step_stats().expert_s)
                         dist.all_reduce(rows)
                         if step > args.warmup:
                             rec[p]["step_s"].append(float(t))
-                            rec[p]["rows"].append(rows.tolist())
+                            rec[p]["rows"].append(rows[0].tolist())
+                            rec[p]["expert_s"].append(rows[1].tolist())
                 for p in POLICIES:
                     layer = states[p]["layer"]
                     rec[p]["owners_per_rank"] = list(layer.placement.num_local_experts_per_rank)
                     rec[p]["events"] = states[p]["events"]
                     rec[p]["speeds"] = list(layer.speed.speeds)
+                    loop = states[p]["loop"]
+                    rec[p]["cold"] = loop.cold.summary() if loop is not None else "off"
                 res.setdefault(w, []).append(rec)
         with open(os.path.join(args.worker_out, f"rank{rank}.json"), "w") as f:
             json.dump({"quotas": quotas, "runs": res}, f)
@@ -212,15 +219,24 @@ def summarize(result: Dict[str, Any]) -> Dict[str, Any]:
     """Per workload: each policy's median step time per pair, the median over pairs and the
     spread, the ratios of default to the others (ratio of medians, and per pair min-max), and
     the model's predicted ratio beside each."""
+    from hetcomm.moe.placement.migration import FORWARD_AND_BACKWARD
+
     quotas = result["quotas"]
+    slow = [r for r, q in enumerate(quotas) if q < max(quotas)]
     out: Dict[str, Any] = {}
     for w, pairs in result["runs"].items():
         med = {p: [statistics.median(r[p]["step_s"]) for r in pairs] for p in POLICIES}
         model = {p: [sum(model_makespan(rows, quotas) for rows in r[p]["rows"]) for r in pairs] for p in POLICIES}
         row: Dict[str, Any] = {"median_s": {p: statistics.median(v) for p, v in med.items()},
                                "spread_s": {p: (min(v), max(v)) for p, v in med.items()}, "ratios": {},
-                               "last": {p: {k: pairs[-1][p][k] for k in ("owners_per_rank", "events", "speeds")}
-                                        for p in POLICIES}}
+                               "last": {p: {k: pairs[-1][p][k] for k in ("owners_per_rank", "events", "speeds", "cold")}
+                                        for p in POLICIES},
+                               # The slow ranks' expert work (forward x FORWARD_AND_BACKWARD) over the
+                               # step, per policy: how much of a step any balancing can act on.
+                               "slow_expert_share": {p: statistics.median(
+                                   FORWARD_AND_BACKWARD * max(es[s] for s in slow) / t
+                                   for r in pairs for es, t in zip(r[p]["expert_s"], r[p]["step_s"])) if slow else None
+                                   for p in POLICIES}}
         for other in ("token-equal", "EPLB", "oracle"):
             per_pair = [o / d for o, d in zip(med[other], med["default"])]
             measured = statistics.median(med[other]) / statistics.median(med["default"])
@@ -237,8 +253,8 @@ def render(summary: Dict[str, Any], args, header: str) -> str:
              "median step s (slowest rank; min-max over pairs) per policy; x = the default's speedup over it "
              "(its median step time / the default's), measured (per-pair min-max) and by the rows/speed model",
              "| workload | token-equal | EPLB | default | oracle | x token-equal (model) | x EPLB (model) | "
-             "default/oracle time (model) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "default/oracle time (model) | slow rank expert share, default / token-equal |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for w, r in summary.items():
         cells = [f"{r['median_s'][p]:.3f} ({r['spread_s'][p][0]:.3f}-{r['spread_s'][p][1]:.3f})" for p in POLICIES]
         x = []
@@ -248,6 +264,8 @@ def render(summary: Dict[str, Any], args, header: str) -> str:
             if other == "oracle":  # time ratio default / oracle
                 m, lo, hi, mo = 1 / m, 1 / hi, 1 / lo, 1 / mo
             x.append(f"{m:.2f} ({lo:.2f}-{hi:.2f}) ({mo:.2f})")
+        sh = r["slow_expert_share"]
+        x.append(" / ".join("-" if sh[p] is None else f"{100 * sh[p]:.0f} %" for p in ("default", "token-equal")))
         lines.append(f"| {w}{' *' if w in HOT else ''} | " + " | ".join(cells + x) + " |")
     lines += ["", "* a workload with a hot set (T3: x token-equal >= 1.15, x EPLB >= 1.15, default/oracle <= 1.20, "
               "model within 15 %)"]
@@ -256,7 +274,7 @@ def render(summary: Dict[str, Any], args, header: str) -> str:
         info = summary[last]["last"][p]
         ev = "; ".join(info["events"][-3:]) or "none"
         lines.append(f"{p} (last run of {last}): experts per rank {info['owners_per_rank']}, speeds "
-                     f"{[round(s, 2) for s in info['speeds']]}, events: {ev}")
+                     f"{[round(s, 2) for s in info['speeds']]}, placement by speed: {info['cold']}, events: {ev}")
     return "\n".join(lines)
 
 
@@ -270,7 +288,7 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=512, help="tokens per rank per step")
     ap.add_argument("--replicate-top", type=int, default=4, help="hot experts copied (every policy)")
-    ap.add_argument("--eplb-every", type=int, default=4, help="steps between EPLB's re-packs")
+    ap.add_argument("--eplb-every", type=int, default=8, help="steps between EPLB's re-packs")
     ap.add_argument("--model-dim", type=int, default=256)
     ap.add_argument("--hidden-dim", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)

@@ -23,6 +23,11 @@ fresh layers, one per policy, trained step by step in an order that rotates ever
   and given speeds, ``token_split`` on, the policy with ``speed="oracle"``): what
   ``hetcomm train --speed oracle --token-split on`` sets.
 
+Links: ``--scale`` (default 1e-2, ten times the cluster file's 1e-3). Replication is on for
+every policy, and each hot expert's weight refresh and gradient sum cross the emulated links
+every step: at the file's rate they alone outweigh the expert work of a few thousand rows per
+rank, and no policy could show a difference; ``--scale 1e-3`` runs the file's rate.
+
 Routing: the workload's, exactly. ``MoELayer`` has no fixed-routing input, so the gate is made to
 pick it: its weight is frozen to the identity on the first ``E`` input dimensions, where each
 token carries ``8`` at its first expert, ``7`` at its second and ``0`` elsewhere (dropless, no
@@ -286,13 +291,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="timed steps per workload and pair")
     ap.add_argument("--warmup", type=int, default=12, help="untimed steps first (the default measures and places)")
     ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--tokens", type=int, default=512, help="tokens per rank per step")
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank per step")
     ap.add_argument("--replicate-top", type=int, default=4, help="hot experts copied (every policy)")
     ap.add_argument("--eplb-every", type=int, default=8, help="steps between EPLB's re-packs")
     ap.add_argument("--model-dim", type=int, default=256)
     ap.add_argument("--hidden-dim", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scale", type=float, default=1e-3, help="emulated link rate factor")
+    ap.add_argument("--scale", type=float, default=1e-2, help="emulated link rate factor (the cluster file says 1e-3: see the module)")
     ap.add_argument("--subnet", default="10.223.0.0/16")
     ap.add_argument("--max-load", type=float, default=2.0, help="start only below this 1-minute load")
     ap.add_argument("--timeout", type=float, default=1500.0)

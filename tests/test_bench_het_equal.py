@@ -1,6 +1,6 @@
 """``benchmarks/het_equal.py`` reads a run's balancing actions from its metrics file and its CPU
 per step from its summary: checked on the metrics of a real demo run whose cold move happened
-(``tests/fixtures/metrics_demo_cold_move.jsonl``: 20 steps of ``hetcomm train --config
+(``tests/fixtures_bench/metrics_demo_cold_move.jsonl``: 20 steps of ``hetcomm train --config
 configs/train/demo.yaml --metrics``; layer 0 moved experts [3, 4, 5, 6] at step 20) and on
 copies of it with one kind of line changed."""
 
@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import het_equal  # noqa: E402
 
-FIXTURE = os.path.join(REPO, "tests", "fixtures", "metrics_demo_cold_move.jsonl")
+FIXTURE = os.path.join(REPO, "tests", "fixtures_bench", "metrics_demo_cold_move.jsonl")
 MOVED = "layer 0 at step 20: experts [3, 4, 5, 6] moved; layer 1 at step 20: nothing to move"
 NOTHING = "layer 0 at step 20: nothing to move; layer 1 at step 20: nothing to move"
 

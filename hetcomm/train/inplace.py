@@ -141,7 +141,13 @@ def shrink(job, err: BaseException, MoELayer) -> Tuple[Any, int]:
     if job.rank == min(r for r in range(job.world_size) if r not in dict(lost)):  # one line per job
         print(f"hetcomm train: {cause}", file=sys.stderr, flush=True)
     _let_go(job)
+    c10d = dist.distributed_c10d
+    count = c10d._world.group_count
     dist.shrink_group([r for r, _ in lost])
+    # Shrinking the default group destroys it, and torch then resets its group counter: the
+    # next new_group would take an old group's name, hence its store prefix, and read the dead
+    # group's keys (hetcomm's rank claim refuses them). Names go on from where they were.
+    c10d._world.group_count = max(c10d._world.group_count, count)
     rank, world = dist.get_rank(), dist.get_world_size()
     slots = [s for r, s in enumerate(slots) if r not in dict(lost)]
     text = survivors_cluster_yaml(cfg.cluster, slots)

@@ -134,10 +134,11 @@ def test_killed_rank_survivors_shrink_in_place_and_finish(tmp_path):
     assert not os.path.exists(res[0]["snap_dir"]), os.listdir(res[0]["snap_dir"])
 
 
-def test_without_shrink_in_place_the_survivors_fail_naming_the_rank(tmp_path):
-    """Today's path (and torch 2.13's with the flag): the survivors raise, naming rank 2, and a
-    restart (hetcomm launch) is what continues the job."""
-    out, _ = _run(tmp_path, in_place=False)
+@pytest.mark.parametrize("in_place", [False] + ([True] if not supported() else []))
+def test_without_shrink_in_place_the_survivors_fail_naming_the_rank(tmp_path, in_place):
+    """Without the flag (and on torch 2.13 with it, which has no shrink_group): the survivors
+    raise, naming rank 2, and a restart (hetcomm launch) is what continues the job."""
+    out, _ = _run(tmp_path, in_place=in_place)
     ranks = list(out.ranks)
     assert ranks[VICTIM].exitcode == -signal.SIGKILL, ranks[VICTIM].describe()
     for r in (0, 1, 3):

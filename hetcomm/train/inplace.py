@@ -28,6 +28,7 @@ stays (docs/OPERATIONS.md, "In place or by restart").
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any, List, Optional, Tuple
@@ -126,6 +127,7 @@ def shrink(job, err: BaseException, MoELayer) -> Tuple[Any, int]:
     """
     import torch.distributed as dist
 
+    from hetcomm import settings
     from hetcomm.ops import hooks
     from hetcomm.ops.job_cluster import survivors_cluster_yaml
     from hetcomm.topo.cluster import load_cluster, load_cluster_text
@@ -152,6 +154,11 @@ def shrink(job, err: BaseException, MoELayer) -> Tuple[Any, int]:
     slots = [s for r, s in enumerate(slots) if r not in dict(lost)]
     text = survivors_cluster_yaml(cfg.cluster, slots)
     cluster = load_cluster_text(text, path=f"{cfg.cluster} (survivors: cluster ranks {slots})")
+    if job.snap is not None and not settings.LAUNCH_NONCE.get():
+        # Outside hetcomm launch the launch's nonce is rank 0's process mark, agreed at start; the
+        # new rank 0 may be another process (old rank 0 lost), and a nonce other than the
+        # directory's record would take the snapshots for a dead launch's and delete them.
+        os.environ[settings.LAUNCH_NONCE.name] = job.snap.launch.nonce
     new = loop._build(rank, world, cfg, MoELayer, cluster)
     new.slots = slots
     start_step, resumed_from = hooks.restore(cfg, new.model, new.opt, new.gen, new.extras or None, new.snap)

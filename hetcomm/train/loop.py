@@ -267,6 +267,10 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
 
         snapshot_job = f"train-{uuid.uuid4().hex[:12]}"
         env[settings.JOB_ID.name] = snapshot_job  # names the ranks' snapshot segments; removed below
+        if in_place:  # one launch whatever rank is lost (else rank 0's process names it)
+            from hetcomm.ops.job_identity import new_launch_env
+
+            env.update(new_launch_env())
     try:
         outcome = _launch_ranks(launch_ranks, world_size, cfg, env, limit_s, in_place)
     finally:

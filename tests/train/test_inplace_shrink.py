@@ -32,11 +32,13 @@ from tests.backends.ranks import MIXED_MINI
 from tests.ops.jobs import TINY
 
 STEPS, KILL_AFTER, VICTIM = 8, 4, 2
+#: What the membership record says each victim was, and which node(s) it names as leaving.
+WHO = {2: ("H800 on h800-0", "node(s) h800-0 left"), 0: ("A100-SXM4-80GB on a100-0", "node(s) a100-0 left")}
 
 needs_214 = pytest.mark.skipif(not supported(), reason="an in-place shrink needs torch >= 2.14 (dist.shrink_group)")
 
 
-def _rank(cfg) -> dict:
+def _rank(cfg, victim: int = VICTIM) -> dict:
     """One rank: ``train_worker`` with rank ``VICTIM`` set to die after step ``KILL_AFTER``, and
     the end of training captured (world, pids, weights)."""
     import torch
@@ -49,7 +51,7 @@ def _rank(cfg) -> dict:
     real_step, real_finish = loop._step, loop._finish
 
     def step(job, n: int) -> None:
-        if rank == VICTIM and n == KILL_AFTER + 1:
+        if rank == victim and n == KILL_AFTER + 1:
             job.snap._join()  # step KILL_AFTER's peer copies are written everywhere
             for name in os.listdir(job.snap.dir):
                 if name.startswith(f"r{rank}-"):  # this rank's own memory lost: its buddy's copy serves
@@ -73,7 +75,7 @@ def _rank(cfg) -> dict:
             **seen}
 
 
-def _run(tmp_path, in_place: bool):
+def _run(tmp_path, in_place: bool, victim: int = VICTIM):
     from hetcomm.launcher import launch
     from hetcomm.train.loop import load_train_config
 
@@ -85,20 +87,21 @@ def _run(tmp_path, in_place: bool):
     os.makedirs(tmp_path / "shm")
     # As hetcomm train launches its ranks (loop._launch_ranks): the launcher hosts the store;
     # grace_s=None: a dead rank stops nobody.
-    out = launch(_rank, 4, args=(cfg,), store=True, store_timeout_s=30.0, timeout_s=400, grace_s=None,
+    out = launch(_rank, 4, args=(cfg, victim), store=True, store_timeout_s=30.0, timeout_s=400, grace_s=None,
                  name="train", env=env)
     return out, metrics
 
 
 @needs_214
-def test_killed_rank_survivors_shrink_in_place_and_finish(tmp_path):
+@pytest.mark.parametrize("victim", [VICTIM, 0])  # 0: half of a node lost, and the rank that hosts no store here
+def test_killed_rank_survivors_shrink_in_place_and_finish(tmp_path, victim):
     from hetcomm.ops.metrics import read_metrics
     from hetcomm.ops.ops_records import sibling_path
 
-    out, metrics = _run(tmp_path, in_place=True)
+    out, metrics = _run(tmp_path, in_place=True, victim=victim)
     ranks = list(out.ranks)
-    assert ranks[VICTIM].exitcode == -signal.SIGKILL, ranks[VICTIM].describe()
-    survivors = [r for r in range(4) if r != VICTIM]
+    assert ranks[victim].exitcode == -signal.SIGKILL, ranks[victim].describe()
+    survivors = [r for r in range(4) if r != victim]
     bad = [ranks[r].describe() + "\n" + (ranks[r].traceback or "") for r in survivors if not ranks[r].ok]
     assert not bad, "\n".join(bad)
     res = {r: ranks[r].result for r in survivors}
@@ -110,28 +113,30 @@ def test_killed_rank_survivors_shrink_in_place_and_finish(tmp_path):
         assert (got["world"], got["rank"], got["shrinks"], got["slots"]) == (3, new, 1, survivors), got
         assert got["finite"], f"rank {r}: a weight is not finite"
         assert len(got["losses"]) == STEPS and all(math.isfinite(x) for x in got["losses"]), got["losses"]
-    assert res[0]["losses"] == res[1]["losses"] == res[3]["losses"]
-    text = res[0]["text"]
+    first = res[survivors[0]]
+    assert all(res[r]["losses"] == first["losses"] for r in survivors)
+    text = first["text"]
     assert "every expert owned by exactly one rank" in text, text
     row = next(ln for ln in text.splitlines() if "restores / steps lost" in ln)
     assert "1 / 0" in row or "1 / 1" in row, row  # at most one step redone
-    assert "from peers" in row and "[2]" in row, row  # old rank 2's state came from its buddy's copy
+    assert "from peers" in row and f"[{victim}]" in row, row  # the victim's state came from its buddy's copy
 
     log = read_metrics(metrics)
     change = [e for e in log.events if e.event == "membership"]
     assert len(change) == 1, change
     line = change[0].detail
-    assert line.startswith(f"4 -> 3 ranks after step {change[0].step}: node(s) h800-0 left"), line
+    what, left = WHO[victim]
+    assert line.startswith(f"4 -> 3 ranks after step {change[0].step}: {left}"), line
     assert KILL_AFTER - 1 <= change[0].step <= KILL_AFTER, line
-    assert "cause: rank 2 exited (H800 on h800-0) (seen by the heartbeat)" in line and "shrink_group" in line, line
+    assert f"cause: rank {victim} exited ({what}) (seen by the heartbeat)" in line and "shrink_group" in line, line
     with open(sibling_path(metrics), encoding="utf-8") as f:
         rec = [json.loads(ln) for ln in f if '"membership"' in ln]
     assert len(rec) == 1 and rec[0]["before"] == 4 and rec[0]["after"] == 3, rec
     assert rec[0]["steps_redone"] is not None and rec[0]["steps_redone"] <= 1, rec
-    assert [r["rank"] for r in rec[0]["left"]] == [VICTIM] and "rank 2 exited" in rec[0]["cause"], rec
+    assert f"rank {victim} exited" in rec[0]["cause"], rec
     assert rec[0]["experts_present"] == rec[0]["experts_total"], rec
     # the job's snapshots (the 4-rank world's and rank 2's peer copies included) are gone
-    assert not os.path.exists(res[0]["snap_dir"]), os.listdir(res[0]["snap_dir"])
+    assert not os.path.exists(first["snap_dir"]), os.listdir(first["snap_dir"])
 
 
 @pytest.mark.parametrize("in_place", [False] + ([True] if not supported() else []))

@@ -14,7 +14,7 @@ with it when a step fails (:func:`shrink`):
 3. ``dist.shrink_group(lost)``: the survivors agree on the new membership through the store and
    get a new default group numbered in their old order (every other group is destroyed).
 4. **The job is rebuilt on the smaller world by the restart's own code**: the survivors' cluster
-   (:func:`hetcomm.ops.job_cluster.survivors_cluster_yaml`), ``_build`` (placement by the
+   (:func:`hetcomm.ops.job_cluster.survivors_cluster_yaml`), the loop's ``_build`` (placement by the
    snapshots' measured speeds, MoE layers, optimizer, levers, a new snapshotter), the restore
    from the in-memory snapshots resharded by global expert id (the lost rank's state from its
    own file or its buddy's copy), and ``_start`` with the membership record, whose cause names
@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 __all__ = ["enabled", "confirmed_losses", "shrink", "outcome_code", "CONFIRM_S"]
 
@@ -114,9 +114,14 @@ def _cause(lost: List[Tuple[int, str]], cluster, slots: List[int], err: BaseExce
             f"(dist.shrink_group) after {type(err).__name__}: {first}")
 
 
-def shrink(job, err: BaseException, MoELayer) -> Tuple[Any, int]:
+def shrink(job, err: BaseException, build: Callable[[int, int, Any], Any],
+           start: Callable[..., None]) -> Tuple[Any, int]:
     """Drop the ranks the heartbeat saw exit and rebuild ``job`` on the survivors (module
     docstring). Called by every survivor whose step raised ``err``.
+
+    Args:
+        build: ``(rank, world size, cluster) -> job``, the loop's own build of a rank's job.
+        start: the loop's ``_start(job, start_step, resumed_from, cause=...)``.
 
     Returns:
         ``(new job, next step)``: the job on the smaller world, restored from memory, and the
@@ -131,7 +136,6 @@ def shrink(job, err: BaseException, MoELayer) -> Tuple[Any, int]:
     from hetcomm.ops import hooks
     from hetcomm.ops.job_cluster import survivors_cluster_yaml
     from hetcomm.topo.cluster import load_cluster, load_cluster_text
-    from hetcomm.train import loop
 
     lost = confirmed_losses()
     if not lost:
@@ -159,12 +163,12 @@ def shrink(job, err: BaseException, MoELayer) -> Tuple[Any, int]:
         # new rank 0 may be another process (old rank 0 lost), and a nonce other than the
         # directory's record would take the snapshots for a dead launch's and delete them.
         os.environ[settings.LAUNCH_NONCE.name] = job.snap.launch.nonce
-    new = loop._build(rank, world, cfg, MoELayer, cluster)
+    new = build(rank, world, cluster)
     new.slots = slots
     start_step, resumed_from = hooks.restore(cfg, new.model, new.opt, new.gen, new.extras or None, new.snap)
     # The losses of the steps kept (the ones after the restored step are trained again).
     new.losses = list(job.losses[: max(0, start_step - job.start_step)])
-    loop._start(new, start_step, resumed_from, cause=cause)
+    start(new, start_step, resumed_from, cause=cause)
     new.start_step = job.start_step
     new.shrinks = job.shrinks + 1
     return new, start_step + 1

@@ -490,7 +490,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         except Exception as e:  # noqa: BLE001 - a lost peer's, confirmed by the heartbeat, or raised again
             if not in_place:
                 raise
-            job, step = inplace.shrink(job, e, MoELayer)  # the same processes on the survivors
+            job, step = inplace.shrink(job, e, lambda r, w, c: _build(r, w, cfg, MoELayer, c), _start)
             continue
         step += 1
     return _finish(job, t0)

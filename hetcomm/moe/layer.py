@@ -265,8 +265,6 @@ class MoELayer(nn.Module):
         depend only on the seed and the id): spare slots for migrations, references."""
         return build_expert(self._expert_spec, self.config.model_dim, expert_id, self.config.seed)
 
-    _make_expert = make_expert
-
     def apply_placement(self, expert_to_rank: Union[ExpertPlacement, Sequence[int]], modules: Mapping[int, nn.Module],
                         *, migrated: bool = True) -> List[int]:
         """Adopt a new expert -> rank map whose parameters have already moved (a balancer's
@@ -371,9 +369,10 @@ class MoELayer(nn.Module):
         update = self.training and (self.gate.calibrator is not None or rep is not None or bool(self._load.observers))
         pending = split_table = None
         if update:
-            pending, split_table = self._load.launch(
+            pending, split_table = self._load.launch(  # the speed agreement rides along when due
                 g.probs, route.picks, T, self.group, self.distributed, world_size=self.world_size,
-                split_row=splitter.table_row(route.send_counts) if splitter is not None else None)
+                split_row=splitter.table_row(route.send_counts) if splitter is not None else None,
+                speed_row=self.speed.agreement_row(g.probs.device))
 
         weights_flat = g.topk_weights.t().reshape(-1)  # [A], choice-major like assignments
         idx_send = route.send_idx
@@ -425,7 +424,7 @@ class MoELayer(nn.Module):
 
         # Statistics, after the experts so that the all-reduce was hidden behind them.
         global_picks = self._load.deliver(pending, self.gate.calibrator, rep, D * x2.element_size()) if update else None
-        self.speed.finish_step()  # collective every speed_every forwards (the agreement)
+        self.speed.finish_step(pending.speed_table if pending is not None else None)  # the agreement when due
         if self.splitter is not None:
             self.splitter.last_expert_s = self.speed.last_step[1]  # busy seconds: the speed's own clock
         migrations, self._migrations = self._migrations, (0 if self._migrations is not None else None)

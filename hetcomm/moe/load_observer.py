@@ -2,8 +2,10 @@
 statistics, summed over the layer's group in one all-reduce, and the subscribers they go to.
 
 The vector is ``[probs (E), picks (E), tokens (1)]`` float64, plus the balancer's fast signal
-(``[E]``) when a subscriber asked for it, plus the per-step split's ``[W, E + 1]`` count table
-when the split runs (it rides in the same all-reduce and is cut off before delivery). It is
+(``[E]``) when a subscriber asked for it, plus the speed agreement's ``[W, 6]`` table at the
+forwards it is due (:meth:`~hetcomm.moe.speed.SpeedMeter.agreement_row`) and the per-step
+split's ``[W, E + 1]`` count table when the split runs (both ride in the same all-reduce and are
+cut off before delivery). It is
 launched after routing and awaited after the experts, so the all-reduce hides behind them;
 then the gate's calibrator, the replicator and every subscriber
 (:meth:`~hetcomm.moe.MoELayer.add_load_observer`) read the same sums.
@@ -31,6 +33,8 @@ class PendingLoad:
     work: Any
     num_experts: int
     fast: bool
+    speed_rows: int = 0  # elements of the speed agreement's rows after the statistics
+    speed_table: Optional[torch.Tensor] = None  # those rows summed over the group (after deliver)
 
 
 class LoadObserver:
@@ -69,7 +73,8 @@ class LoadObserver:
         self.observers.append(observer)
 
     def launch(self, probs: torch.Tensor, picks: torch.Tensor, num_tokens: int, group: Any, distributed: bool,
-               split_row: Optional[torch.Tensor] = None, world_size: int = 1) -> Tuple[PendingLoad, Optional[list]]:
+               split_row: Optional[torch.Tensor] = None, world_size: int = 1,
+               speed_row: Optional[torch.Tensor] = None) -> Tuple[PendingLoad, Optional[list]]:
         """Start this forward's all-reduce.
 
         Args:
@@ -81,6 +86,9 @@ class LoadObserver:
                 (:meth:`~hetcomm.moe.token_split.TokenSplitter.table_row`), or None. With it the
                 all-reduce blocks (the split needs its table before the dispatch).
             world_size: ``W`` (shapes the split's table).
+            speed_row: this rank's row of the speed agreement
+                (:meth:`~hetcomm.moe.speed.SpeedMeter.agreement_row`), or None; summed here, it is
+                :attr:`PendingLoad.speed_table` once delivered.
         Returns:
             The pending statistics, and the split's summed table (``[W][E + 1]`` lists) or None.
         """
@@ -92,6 +100,8 @@ class LoadObserver:
 
             parts.append(fast_signal(torch.log(probs.detach().clamp_min(1e-30)), self.fast_topk).to(torch.float64))
         n_stat = sum(int(p.numel()) for p in parts)
+        if speed_row is not None:  # the speed agreement rides along: no collective of its own
+            parts.append(speed_row.to(probs.device))
         if split_row is not None:  # the split's [W, E + 1] count table rides in the same all-reduce
             parts.append(split_row.reshape(-1))
         vec = torch.cat(parts)
@@ -101,10 +111,10 @@ class LoadObserver:
             # instead of two: a checked hetcomm all-reduce costs ~3x gloo's at this size).
             work = dist.all_reduce(vec, group=group, async_op=split_row is None)
         table = None
+        n_speed = int(speed_row.numel()) if speed_row is not None else 0
         if split_row is not None:
-            table = vec[n_stat:].view(world_size, E + 1).tolist()
-            vec = vec[:n_stat]
-        return PendingLoad(vec, work, E, bool(self.fast_topk)), table
+            table = vec[n_stat + n_speed:].view(world_size, E + 1).tolist()
+        return PendingLoad(vec, work, E, bool(self.fast_topk), speed_rows=n_speed), table
 
     def deliver(self, pending: PendingLoad, calibrator: Any, replicator: Any, row_bytes: int) -> torch.Tensor:
         """Wait for the all-reduce and hand the sums to the calibrator, the replicator (rows of
@@ -112,6 +122,10 @@ class LoadObserver:
         if pending.work is not None:
             pending.work.wait()
         vec, E = pending.vec, pending.num_experts
+        n_stat = 2 * E + 1 + (E if pending.fast else 0)
+        if pending.speed_rows:
+            pending.speed_table = vec[n_stat:n_stat + pending.speed_rows]
+        vec = vec[:n_stat]
         gp, gpicks, gT = vec[:E], vec[E : 2 * E], float(vec[2 * E])
         if calibrator is not None:
             calibrator.update(gp, gT)

@@ -581,12 +581,30 @@ class SpeedMeter:
     def step_seconds_ema(self) -> float:
         return self._step_s / self._step_w if self._step_w > 0 else 0.0
 
-    def finish_step(self) -> bool:
+    def _due(self) -> bool:
+        """Whether the forward about to finish (:meth:`finish_step`) is an agreement's."""
+        return self.every > 0 and (self.steps + 1) % self.every == 0
+
+    def agreement_row(self, device: torch.device) -> Optional[torch.Tensor]:
+        """This rank's row of the ``[W, 6]`` table, flattened (``[W * 6]`` float64 on ``device``,
+        zeros elsewhere), when this forward is an agreement's and the group has several ranks;
+        else None. A caller whose own all-reduce sums it over the group (the layer's load
+        statistics, :mod:`hetcomm.moe.load_observer`) hands the sum to :meth:`finish_step`: the
+        agreement then costs no collective of its own. The row holds the EMAs through the
+        previous forward."""
+        if not self._due() or self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return None
+        buf = torch.zeros(self.world_size, len(TABLE_COLUMNS), dtype=torch.float64, device=device)
+        buf[self.rank] = torch.tensor(self._my_row(), dtype=torch.float64, device=device)
+        return buf.reshape(-1)
+
+    def finish_step(self, table: Optional[torch.Tensor] = None) -> bool:
         """End of one forward: fold its timings in; every ``every`` steps agree the snapshot
         (collective on the group: every rank calls this at the same forward; never with
-        ``every == 0``). Returns True when an agreement ran."""
+        ``every == 0``). ``table``: the group's sum of :meth:`agreement_row` when the caller's
+        all-reduce carried it (no collective here then). Returns True when an agreement ran."""
+        agree = self._due()
         self.steps += 1
-        agree = self.every > 0 and self.steps % self.every == 0
         rows = secs = 0.0
         if self._timer is not None:
             for r, s in self._timer.collect(wait=agree):
@@ -596,15 +614,20 @@ class SpeedMeter:
             for s in self._timer.collect_steps(wait=agree):
                 self.observe_step(s)
         self.observe(rows, secs)
-        if agree:
+        if agree and table is not None:
+            self._adopt(table.reshape(self.world_size, len(TABLE_COLUMNS)).tolist())
+        elif agree:
             self.agree()
         return agree
 
+    def _my_row(self) -> List[float]:
+        noise = self.agreement_noise()  # advances the drift: once per agreement
+        return [self.rows_ema, self.seconds_ema, float(self.room_here), -1.0 if noise is None else noise,
+                float(self.measured_steps), self.step_seconds_ema]
+
     def agree(self) -> SpeedSnapshot:
         """Exchange every rank's row of the ``[W, 6]`` table and set :attr:`agreed` (collective)."""
-        noise = self.agreement_noise()
-        mine = [self.rows_ema, self.seconds_ema, float(self.room_here), -1.0 if noise is None else noise,
-                float(self.measured_steps), self.step_seconds_ema]
+        mine = self._my_row()
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             dev = self._timer_device if self._timer_device is not None else torch.device("cpu")
             if dist.get_backend(self.group) == "nccl" and dev.type == "cpu":
@@ -616,6 +639,10 @@ class SpeedMeter:
             table = buf.tolist()
         else:
             table = [mine]
+        return self._adopt(table)
+
+    def _adopt(self, table: List[List[float]]) -> SpeedSnapshot:
+        """Set :attr:`agreed` from the group's ``[W, 6]`` table (identical on every rank)."""
         if self.given:
             speeds, noise_v, differ = self.prior, (0.0,) * self.world_size, speeds_differ(self.prior)
         else:

@@ -63,9 +63,9 @@ class TrainConfig:
         keep_checkpoints: committed checkpoints kept in ``checkpoint_dir``; older ones are deleted
             once a newer one is complete (0: keep all).
         resume: continue from ``checkpoint_dir``'s latest checkpoint when there is one.
-        balance: heterogeneity balancing. ``auto`` (default): once per layer the coldest experts
-            by global load onto the ranks measured slower beyond noise
-            (``MoELayer.place_cold_on_slow``, :func:`hetcomm.moe.speed.slow_ranks`); True
+        balance: heterogeneity balancing. ``auto`` (default): once per layer the experts
+            re-placed to even the ranks' measured busy time when their speeds differ beyond
+            noise (:mod:`hetcomm.moe.cold`, :func:`hetcomm.moe.speed.slow_ranks`); True
             (``--balance``): the expert balancer's migrations by measured speed
             (:mod:`hetcomm.train.balance`); False: none of them, and no decision reads a speed
             (equal contiguous placement, nothing measured: :mod:`hetcomm.train.speed_modes`).

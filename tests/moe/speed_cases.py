@@ -67,3 +67,30 @@ def equal_ranks_cold_move(rank: int, world_size: int) -> Dict[str, Any]:
     return {"moved": events, "due_at": due_at, "rows": loop.cold.rows, "speeds": snap.rows_per_s, "noise": snap.noise,
             "differ": snap.differ, "own": snap.own_rows_per_s, "agreements": snap.agreements,
             "owner": list(layer.placement.owner)}
+
+
+def agreement_collectives(rank: int, world_size: int, calibrate: bool) -> Dict[str, Any]:
+    """Ten training forwards of one layer (agreements at 5 and 10), counting the all-reduces:
+    with load statistics to sum (the gate's calibration) the agreement rides in their all-reduce,
+    without them it makes its own."""
+    from hetcomm.moe import MoELayer
+
+    torch.manual_seed(0)
+    layer = MoELayer(16, 4, k=2, calibrate=calibrate, replicate=False)
+    calls = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tuple(tensor.shape))
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        for step in range(10):
+            x = torch.randn(32, 16, generator=torch.Generator().manual_seed(10 * rank + step))
+            layer(x).sum().backward()
+    finally:
+        dist.all_reduce = real
+    snap = layer.speed.snapshot()
+    return {"calls": calls, "agreements": snap.agreements, "step_seconds": snap.step_seconds,
+            "seconds": snap.seconds_per_step, "rows": snap.own_rows_per_s}

@@ -155,7 +155,7 @@ def test_apply_placement_validates_and_names_the_expert():
         assert info.value.key == "moe.placement"
     # A valid map: expert 3 gets a fresh module (as a migration would bring it); the layer
     # computes with it and the pager is rebuilt over the new modules.
-    fresh = layer._make_expert(3)
+    fresh = layer.make_expert(3)
     with torch.no_grad():
         for p in fresh.parameters():
             p.mul_(2.0)

@@ -154,6 +154,20 @@ def test_four_equal_ranks_agree_one_snapshot_and_one_decision():
         assert len(set(res[0]["speeds"])) == 1 and res[0]["moved"] == [] and "nothing to move" in res[0]["rows"][0]
 
 
+@pytest.mark.timeout(240)
+def test_the_agreement_rides_in_the_load_all_reduce():
+    res = run_ranks(speed_cases.agreement_collectives, world_size=2, backend="gloo", cluster=None, timeout=200,
+                    args=(True,))
+    stats = 2 * 4 + 1  # the load statistics: probs and picks of 4 experts, the token count
+    for r in res:
+        assert r["agreements"] == 2, r
+        # one all-reduce per forward, the [2, 6] table inside it at the 5th and 10th
+        assert r["calls"] == [(stats,)] * 4 + [(stats + 12,)] + [(stats,)] * 4 + [(stats + 12,)], r["calls"]
+        assert all(t > 0 for t in r["step_seconds"]) and all(v > 0 for v in r["rows"]), r
+        for key in ("step_seconds", "seconds", "rows"):
+            assert r[key] == res[0][key], key  # the same table on both ranks
+
+
 def test_given_speeds_have_their_verdict_and_are_still_timed():
     m = SpeedMeter(2, 0, [100.0, 50.0], every=0)  # --speed datasheet / oracle: never agreed
     assert m.differ is True and m.agreed.slow() == [1] and not m.measured

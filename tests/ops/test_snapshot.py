@@ -265,14 +265,20 @@ def test_recovery_parts_add_up_from_the_end_marks_and_the_startup_marks(tmp_path
 
 
 def test_job_recovers_a_rank_killed_after_its_experts_moved(tmp_path):
-    # A `hetcomm launch -- train` whose coldest experts move onto the slow rank at step 10: the
-    # half-speed cluster's speeds are given (--speed oracle), so the move happens in every run,
+    # A `hetcomm launch -- train` whose experts are re-placed by speed at step 5 (the slow rank
+    # keeps fewer: expert counts change): the half-speed cluster's speeds are given (--speed
+    # oracle), so the move happens in every run,
     # whatever the machine's load (measured speeds decide it only beyond their noise; the
     # default job's recovery under kill -9 is benchmarks/snapshot_kill.py). Before the placement
     # travelled in the snapshots, every restart after that move refused them ("taken by another
     # model") and the job failed for good.
     steps, kill_at = 30, 14
-    args = ["--steps", str(steps), "--cluster", HALFSPEED, "--speed", "oracle"]
+    # Wide experts (16 of 64 x 2048) make the slow rank's experts worth moving; with the demo's
+    # it already holds the one expert every rank keeps.
+    wide = tmp_path / "wide.yaml"
+    with open(os.path.join(REPO, "configs", "train", "demo.yaml"), encoding="utf-8") as f:
+        wide.write_text(f.read().replace("hidden_dim: 128", "hidden_dim: 2048"))
+    args = ["--config", str(wide), "--experts", "16", "--steps", str(steps), "--cluster", HALFSPEED, "--speed", "oracle"]
     code, out, metrics, shm, killed = _launch_and_kill(tmp_path, "coldkill", args, kill_at, 1, limit_s=300)
     assert killed is not None, "the job ended before rank 1 could be killed"
     log = read_metrics(metrics)
@@ -284,7 +290,7 @@ def test_job_recovers_a_rank_killed_after_its_experts_moved(tmp_path):
     resumes = [e for e in log.events if e.event == "resume"]
     assert len(resumes) == 1 and resumes[0].detail.startswith("from memory"), [e.detail for e in resumes]
     assert resumes[0].step >= kill_at - 1, resumes[0].step  # after the move: at most one step lost
-    cold = next(line for line in out.splitlines() if line.startswith("cold experts"))
+    cold = next(line for line in out.splitlines() if line.startswith("placement by speed"))
     assert f"at step {moves[0].step}" in cold and "moved" in cold, cold  # the restarted ranks remember the move
     assert [s.step for s in log.steps] == list(range(1, steps + 1))
     assert not os.path.exists(shm), os.listdir(shm)

@@ -149,3 +149,22 @@ def test_without_shrink_in_place_the_survivors_fail_naming_the_rank(tmp_path, in
     for r in (0, 1, 3):
         got = ranks[r].result if ranks[r].ok else {"error": ranks[r].error or ""}
         assert "error" in got and "rank 2" in got["error"], (r, got)
+
+
+def test_exit_code_of_a_job_that_shrank_in_place():
+    """``hetcomm train``'s verdict after an in-place shrink: the lowest survivor's when every
+    failed rank was killed by a signal; anything else is the old failure report (None)."""
+    from hetcomm.launcher import LaunchOutcome, RankOutcome
+    from hetcomm.train.inplace import outcome_code
+
+    def run(*ranks):
+        return LaunchOutcome(ranks=tuple(ranks), first_failure=None, timed_out=(), end_order=(), wall_s=1.0)
+
+    ok = [RankOutcome(r, True, result=0, exitcode=0) for r in range(4)]
+    killed = RankOutcome(0, False, exitcode=-9)
+    assert outcome_code(run(killed, *ok[1:])) == 0
+    assert outcome_code(run(killed, RankOutcome(1, True, result=1, exitcode=0), *ok[2:])) == 1  # the loss check failed
+    raised = RankOutcome(0, False, error_type="CollectiveError", error="peer lost", exitcode=1)
+    assert outcome_code(run(raised, *ok[1:])) is None  # a survivor that raised: a failure, as before
+    assert outcome_code(run(*ok)) is None
+    assert outcome_code(run(killed, RankOutcome(1, False, exitcode=-9))) is None  # nobody finished

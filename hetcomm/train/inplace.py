@@ -137,6 +137,7 @@ def shrink(job, err: BaseException, build: Callable[[int, int, Any], Any],
     from hetcomm.ops.job_cluster import survivors_cluster_yaml
     from hetcomm.topo.cluster import load_cluster, load_cluster_text
 
+    failed_at = time.time()
     lost = confirmed_losses()
     if not lost:
         raise err
@@ -168,7 +169,10 @@ def shrink(job, err: BaseException, build: Callable[[int, int, Any], Any],
     start_step, resumed_from = hooks.restore(cfg, new.model, new.opt, new.gen, new.extras or None, new.snap)
     # The losses of the steps kept (the ones after the restored step are trained again).
     new.losses = list(job.losses[: max(0, start_step - job.start_step)])
-    start(new, start_step, resumed_from, cause=cause)
+    # From the last step this process finished (or from the failure, when it finished none):
+    # the shrink's whole cost in time, as the membership record counts a restart's.
+    down = time.time() - (job.step_done_at if job.step_done_at is not None else failed_at)
+    start(new, start_step, resumed_from, cause=cause, down_s=down)
     new.start_step = job.start_step
     new.shrinks = job.shrinks + 1
     return new, start_step + 1

@@ -429,7 +429,8 @@ class _Rank:
         policy: which heterogeneity levers are on and why (:mod:`hetcomm.moe.policy`).
         measured, balancer, psgd: the measured loop (replica refresh, paging step end, cold
             move, the balancer's plans), the balancer and PowerSGD (:func:`_add_levers`).
-        start_step: the step this process's training started after; slots: the cluster file's
+        start_step: the step this process's training started after; step_done_at: when its
+            last step finished (``time.time()``; None: none yet); slots: the cluster file's
             rank of each rank after an in-place shrink (empty: rank r is slot r); shrinks: how
             many (:mod:`hetcomm.train.inplace`).
     """
@@ -458,6 +459,7 @@ class _Rank:
     probe: Any = None
     change: Any = None
     start_step: int = 0
+    step_done_at: Optional[float] = None
     slots: List[int] = field(default_factory=list)
     shrinks: int = 0
 
@@ -487,6 +489,7 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     while step <= cfg.steps:
         try:
             _step(job, step)
+            job.step_done_at = time.time()
         except Exception as e:  # noqa: BLE001 - a lost peer's, confirmed by the heartbeat, or raised again
             if not in_place:
                 raise
@@ -703,10 +706,12 @@ def _add_levers(job: _Rank) -> None:
         job.extras["powersgd_experts"] = PerRank(ReplicaPowerSGD(model), rank)
 
 
-def _start(job: _Rank, start_step: int, resumed_from: Optional[str], cause: Optional[str] = None) -> None:
+def _start(job: _Rank, start_step: int, resumed_from: Optional[str], cause: Optional[str] = None,
+           down_s: Optional[float] = None) -> None:
     """After the restore: a migration in flight at the save restarts, the warm-up seeds, the
     counters start, and the metrics, progress and probe open (with the membership record;
-    ``cause``: why the membership changed, when this process knows: an in-place shrink)."""
+    ``cause`` and ``down_s``: why the membership changed and the seconds from the last finished
+    step to the restored state, when this process knows: an in-place shrink)."""
     import hetcomm
     from hetcomm.ops import hooks
 
@@ -720,7 +725,8 @@ def _start(job: _Rank, start_step: int, resumed_from: Optional[str], cause: Opti
     job.mc.event(start_step, "policy", job.policy.line())  # the levers and why, before the first step
     job.start_step = start_step
     job.change, job.probe = elastic.start(cfg, rank, world_size, cluster, model, start_step, job.mc,
-                                          job.placement_from, job.snap_record, job.snap, cause=cause)
+                                          job.placement_from, job.snap_record, job.snap, cause=cause,
+                                          down_s=down_s)
 
 
 def _finish(job: _Rank, t0: float) -> int:

@@ -135,6 +135,7 @@ def test_killed_rank_survivors_shrink_in_place_and_finish(tmp_path, victim):
     assert rec[0]["steps_redone"] is not None and rec[0]["steps_redone"] <= 1, rec
     assert f"rank {victim} exited" in rec[0]["cause"], rec
     assert rec[0]["experts_present"] == rec[0]["experts_total"], rec
+    assert rec[0]["down_s"] is not None and rec[0]["down_s"] > 0, rec  # measured in place
     # the job's snapshots (the 4-rank world's and rank 2's peer copies included) are gone
     assert not os.path.exists(first["snap_dir"]), os.listdir(first["snap_dir"])
 

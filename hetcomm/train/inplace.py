@@ -45,10 +45,17 @@ _SETTLE_BEATS = 3
 def enabled(cfg) -> bool:
     """Whether ``cfg`` asks for in-place shrinking and this process can do it: torch >= 2.14
     (``shrink_group``), the ``hetcomm`` backend, a cluster file (the survivors' cluster is
-    derived from it)."""
+    derived from it), and not a torchrun worker (:func:`_under_torchrun`)."""
     from hetcomm.backends.reconfigure import supported
 
-    return bool(cfg.shrink_in_place) and cfg.backend == "hetcomm" and cfg.cluster != "detect" and supported()
+    return (bool(cfg.shrink_in_place) and cfg.backend == "hetcomm" and cfg.cluster != "detect" and supported()
+            and not _under_torchrun())
+
+
+def _under_torchrun() -> bool:
+    """Whether torchrun's agent runs this process (``hetcomm launch``): it stops every worker of
+    the node when one fails, so survivors would be stopped in the middle of their shrink."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def why_not(cfg) -> Optional[str]:
@@ -61,6 +68,9 @@ def why_not(cfg) -> Optional[str]:
         return f"--shrink-in-place needs the hetcomm backend (this job runs on {cfg.backend})"
     if cfg.cluster == "detect":
         return "--shrink-in-place needs a cluster file (the survivors' cluster is derived from it), not detect"
+    if _under_torchrun():
+        return ("--shrink-in-place is off under torchrun (hetcomm launch): its agent stops every worker of the "
+                "node when one fails and restarts them; run `hetcomm train --shrink-in-place` on one machine")
     return (f"--shrink-in-place needs torch >= 2.14 (dist.shrink_group); this is torch {torch.__version__}: "
             "a lost rank ends the run as before (hetcomm launch restarts it)")
 

@@ -98,10 +98,8 @@ def confirmed_losses(wait_s: float = CONFIRM_S) -> List[Tuple[int, str]]:
 
 def _let_go(job) -> None:
     """The old job's threads and files, without a collective: its group has a dead member."""
-    snap = job.snap
-    if snap is not None and snap._thread is not None:
-        snap._thread.join(5.0)  # a peer copy in flight ends with the lost peer's connection
-        snap._thread, snap._error = None, None
+    if job.snap is not None:
+        job.snap.abandon()
     if job.probe is not None:
         try:
             job.probe.close(timeout_s=2.0)
@@ -131,7 +129,7 @@ def shrink(job, err: BaseException, build: Callable[[int, int, Any], Any],
 
     Args:
         build: ``(rank, world size, cluster) -> job``, the loop's own build of a rank's job.
-        start: the loop's ``_start(job, start_step, resumed_from, cause=...)``.
+        start: the loop's ``_start(job, start_step, resumed_from, cause=..., down_s=...)``.
 
     Returns:
         ``(new job, next step)``: the job on the smaller world, restored from memory, and the

@@ -64,6 +64,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "auto (default): every step under torchrun / hetcomm launch, none otherwise (docs/OPERATIONS.md)")
     p.add_argument("--no-snapshot-peer", dest="snapshot_peer", action="store_false", default=None,
                    help="keep snapshots in this node's shared memory only (no copy on a peer node)")
+    p.add_argument("--shrink-in-place", action="store_true", default=None,
+                   help="torch >= 2.14, one machine: when a rank dies the survivors drop it with dist.shrink_group "
+                   "and go on in the same processes from the in-memory snapshots (docs/OPERATIONS.md)")
     p.add_argument("--checkpoint-async", action="store_true", default=None,
                    help="write the --checkpoint-every checkpoints in the background (DCP async_save)")
     p.add_argument("--warmup-from", metavar="METRICS.jsonl", default=None, help="seed calibrators and hot experts from a previous run's metrics")
@@ -185,6 +188,7 @@ def train_config(args: argparse.Namespace):
         snapshot_every=_snapshot_every(args.snapshot_every),
         snapshot_peer=args.snapshot_peer,
         checkpoint_async=args.checkpoint_async,
+        shrink_in_place=args.shrink_in_place,
         token_split={"on": True, "off": False, "auto": "auto", None: None}[args.token_split],
     )
     if args.no_balance:

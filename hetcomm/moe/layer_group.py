@@ -124,7 +124,7 @@ def layer_communicator(group, cluster, world_size: int, rank: int) -> token_disp
     from hetcomm.backends.communicator import Communicator, communicator
 
     comm = communicator(group)
-    if cluster is None or _same_cluster(cluster, comm.cluster):
+    if cluster is None or _same_cluster(cluster, comm.cluster) or _describes(cluster, comm):
         return comm
     if comm.routed is not None:
         raise ConfigError(
@@ -144,6 +144,21 @@ def layer_communicator(group, cluster, world_size: int, rank: int) -> token_disp
 #: Communicators over non-hetcomm groups for layers that name their own cluster, by (group,
 #: file); the group held weakly (a destroyed group must not live on until the interpreter exits).
 _CLUSTER_COMMS: Dict[Any, Any] = {}
+
+
+def _describes(cluster, comm) -> bool:
+    """Whether ``cluster`` is the group's own view of its communicator's cluster: rank ``r`` of
+    ``cluster`` has the device model of the cluster slot the backend placed rank ``r`` at, and
+    ranks share a node exactly where their slots do (a group shrunk in place: the backend keeps
+    the file and each survivor's slot, the job describes the survivors alone)."""
+    have, ranks = comm.cluster, comm.placement.ranks
+    if have is None or cluster.num_ranks != len(ranks):
+        return False
+    slots = [have.rank(p.global_rank) for p in ranks]
+    mine = [cluster.rank(r) for r in range(len(ranks))]
+    return all(a.model == b.model for a, b in zip(mine, slots)) and all(
+        (a.node.name == b.node.name) == (c.node.name == d.node.name)
+        for a, c in zip(mine, slots) for b, d in zip(mine, slots))
 
 
 def _same_cluster(a, b) -> bool:

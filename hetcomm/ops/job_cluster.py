@@ -22,7 +22,7 @@ from hetcomm._yaml import load_yaml
 from hetcomm.errors import ConfigError
 from hetcomm.topo.cluster import load_cluster, load_cluster_text
 
-__all__ = ["job_cluster_yaml", "node_names"]
+__all__ = ["job_cluster_yaml", "node_names", "survivors_cluster_yaml"]
 
 
 def node_names(path: str) -> List[str]:
@@ -36,6 +36,35 @@ def job_cluster_yaml(path: str, order: Sequence[str]) -> str:
     Raises:
         ConfigError: a name in ``order`` is not a node of the cluster, or appears twice.
     """
+    return _restricted(path, order, {})
+
+
+def survivors_cluster_yaml(path: str, slots: Sequence[int]) -> str:
+    """The YAML text of the cluster at ``path`` restricted to its ranks ``slots`` (ascending): the
+    cluster of a group shrunk in place, whose new rank ``i`` stands for old rank ``slots[i]``.
+
+    A node that keeps every rank keeps its group as :func:`job_cluster_yaml` does; a node that
+    keeps some becomes a group of its own (named as a lone node there) with that many devices;
+    a node that keeps none is left out.
+
+    Raises:
+        ConfigError: a slot out of range, repeated or out of order.
+    """
+    cluster = load_cluster(path)
+    if list(slots) != sorted(set(slots)) or not slots or slots[0] < 0 or slots[-1] >= cluster.num_ranks:
+        raise ConfigError(f"survivor ranks {list(slots)} are not ascending distinct ranks of the cluster's "
+                          f"{cluster.num_ranks}", path=path)
+    kept: Dict[str, int] = {}
+    for s in slots:
+        name = cluster.rank(s).node.name
+        kept[name] = kept.get(name, 0) + 1
+    order = [n.name for n in cluster.nodes if n.name in kept]
+    partial = {n.name: kept[n.name] for n in cluster.nodes if 0 < kept.get(n.name, 0) < n.num_devices}
+    return _restricted(path, order, partial)
+
+
+def _restricted(path: str, order: Sequence[str], partial: Dict[str, int]) -> str:
+    """:func:`job_cluster_yaml`; a node in ``partial`` keeps only that many devices (a group of its own)."""
     cluster = load_cluster(path)
     known = {n.name: n for n in cluster.nodes}
     for name in order:
@@ -56,7 +85,7 @@ def job_cluster_yaml(path: str, order: Sequence[str]) -> str:
         gname = node.group.name
         # The longest run g-0, g-1, ... starting here keeps the group's own name.
         j = i
-        while j < len(order) and order[j] == f"{gname}-{j - i}":
+        while j < len(order) and order[j] == f"{gname}-{j - i}" and order[j] not in partial:
             j += 1
         entry = copy.deepcopy(groups[gname])
         if j > i:
@@ -65,6 +94,8 @@ def job_cluster_yaml(path: str, order: Sequence[str]) -> str:
         else:
             entry["name"] = node.name.replace("-", "_")
             entry["count"] = 1
+            if node.name in partial:
+                entry["device"] = dict(entry["device"], count=partial[node.name])
             i += 1
         out.append(entry)
     doc = copy.deepcopy(raw)

@@ -333,7 +333,8 @@ def snapshot_members(record: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any
 
 def on_start(cfg, rank: int, world_size: int, cluster, model: torch.nn.Module, start_step: int, mc,
              placement: str = "datasheet", snapshots: Optional[Dict[str, Any]] = None,
-             snapshot_lost: Optional[int] = None) -> Optional[MembershipChange]:
+             snapshot_lost: Optional[int] = None, cause: Optional[str] = None,
+             down_s: Optional[float] = None) -> Optional[MembershipChange]:
     """After the resume: record this attempt's membership, and the change if there is one.
 
     Collective when ``cfg.checkpoint_dir`` is set, or when the state came from in-memory
@@ -348,6 +349,10 @@ def on_start(cfg, rank: int, world_size: int, cluster, model: torch.nn.Module, s
             ``membership.json`` its headers are the previous membership (:func:`snapshot_members`).
         snapshot_lost: the snapshots' count of steps redone at that restore
             (:attr:`hetcomm.ops.snapshot_format.Restored.lost`), for a job without metrics.
+        cause: why the membership changed, when the caller knows (an in-place shrink: the lost
+            ranks the heartbeat saw); None: the previous attempt's end marks say.
+        down_s: the seconds from the last finished step to the restored state, when the caller
+            measured them (an in-place shrink); None: from ``membership.json`` and the metrics.
 
     Returns:
         The change, or None (every rank gets the same answer; the ``cause`` is read on rank 0 only).
@@ -373,7 +378,9 @@ def on_start(cfg, rank: int, world_size: int, cluster, model: torch.nn.Module, s
             redone = snapshot_lost
         down, down_unknown = None, ""
         started = prev.get("started_at")
-        if last_t is not None and isinstance(started, (int, float)):
+        if down_s is not None:
+            down = max(0.0, float(down_s))
+        elif last_t is not None and isinstance(started, (int, float)):
             down = max(0.0, time.time() - (float(started) + float(last_t)))
         elif previous == "snapshots":
             down_unknown = f"without a checkpoint directory no {MEMBERSHIP_FILE} records when the previous attempt started"
@@ -381,7 +388,8 @@ def on_start(cfg, rank: int, world_size: int, cluster, model: torch.nn.Module, s
             step=start_step, before=int(prev["world_size"]), after=world_size, left=left, joined=joined,
             nodes_left=[n for n in prev.get("nodes", []) if n not in cur["nodes"]],
             nodes_joined=[n for n in cur["nodes"] if n not in prev.get("nodes", [])],
-            cause=(_cause(prev) if left or not joined else _joined_cause(joined)) if rank == 0 else "",
+            cause=(cause if cause is not None else _cause(prev) if left or not joined else _joined_cause(joined))
+            if rank == 0 else "",
             steps_redone=redone, down_s=down, placement=placement,
             experts=census.line(), experts_present=sum(census.present), experts_total=sum(census.total),
             owners=[list(m.placement.owner) for m in model.moe_layers], previous=previous, down_unknown=down_unknown,

@@ -492,6 +492,15 @@ class Snapshotter:
                 op="snapshot", rank=self.rank, peer=self.buddy,
             ) from None
 
+    def abandon(self, timeout_s: float = 5.0) -> None:
+        """Let the transfer in flight go without a collective (this job's group lost a member and
+        is being shrunk in place, :mod:`hetcomm.train.inplace`): its thread gets ``timeout_s``
+        (a copy to or from the lost peer ends with its connection), its error is dropped, and
+        every file stays for the restore."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._thread, self._error = None, None
+
     # -- restoring -----------------------------------------------------------------------
 
     def placement_record(self, not_before: int = 0, below: Optional[int] = None) -> Optional[Dict[str, object]]:

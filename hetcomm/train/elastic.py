@@ -38,15 +38,18 @@ def placement_kwargs(weights: Optional[List[float]], experts: int, world_size: i
 
 
 def start(cfg, rank: int, world_size: int, cluster, model, start_step: int, mc,
-          placement_from: str, snap_record=None, snap=None):
+          placement_from: str, snap_record=None, snap=None, cause: Optional[str] = None,
+          down_s: Optional[float] = None):
     """After the resume: the membership record/change (collective with a checkpoint directory or
-    a restore from snapshots of another membership) and the job's probe. Returns ``(change,
-    probe)``."""
+    a restore from snapshots of another membership; ``cause`` and ``down_s``: why, and the seconds
+    from the last finished step to the restored state, when the caller knows) and
+    the job's probe. Returns ``(change, probe)``."""
     from hetcomm.ops.membership import on_start
     from hetcomm.ops.probe import probe_for
 
     restored = snap.restored if snap is not None else None
     lost = restored.lost if restored is not None and restored.step == start_step else None
     change = on_start(cfg, rank, world_size, cluster, model, start_step, mc, placement_from,
-                      snapshots=snap_record, snapshot_lost=lost)
+                      snapshots=snap_record, snapshot_lost=lost, cause=cause,
+                      down_s=down_s)
     return change, probe_for(cfg, rank, world_size, cluster, model)

@@ -96,6 +96,9 @@ class TrainConfig:
         probe_every: steps per window of the in-training health probe (:mod:`hetcomm.ops.probe`:
             each rank's expert compute and links judged against its device/link class, written
             to the health records beside ``metrics`` / in the launch directory; 0: off).
+        shrink_in_place: when a rank dies, the survivors shrink the group (``dist.shrink_group``,
+            torch >= 2.14) and rebuild the job on the smaller world in the same processes, from
+            the in-memory snapshots (:mod:`hetcomm.train.inplace`); needs ``snapshot_every`` > 0.
     """
 
     cluster: str = "configs/clusters/mixed-mini.yaml"
@@ -133,6 +136,7 @@ class TrainConfig:
     snapshot_peer: bool = True
     checkpoint_async: bool = False
     probe_every: int = 50
+    shrink_in_place: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
@@ -175,6 +179,11 @@ class TrainConfig:
         se = self.snapshot_every
         if se != "auto" and (isinstance(se, bool) or not isinstance(se, int) or se < 0):
             raise ConfigError(f"must be a whole number >= 0 or 'auto', got {se!r}", key="train.snapshot_every")
+        if not isinstance(self.shrink_in_place, bool):
+            raise ConfigError(f"must be true or false, got {self.shrink_in_place!r}", key="train.shrink_in_place")
+        if self.shrink_in_place and se == 0:
+            raise ConfigError("an in-place shrink restores the survivors from the in-memory snapshots; "
+                              "set snapshot_every to N > 0 or 'auto'", key="train.snapshot_every")
         if self.chunks != "auto" and (isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1):
             raise ConfigError(f"must be a positive whole number or 'auto', got {self.chunks!r}", key="train.chunks")
 
@@ -248,15 +257,22 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
     limit_s = cfg.timeout_s + cfg.steps * 10.0
     env: Dict[str, Optional[str]] = {CLUSTER_ENV: None}  # the ranks get the cluster as an object (pg_options)
     snapshot_job = None
-    if isinstance(cfg.snapshot_every, int) and cfg.snapshot_every > 0:
+    from hetcomm.train import inplace
+
+    in_place = inplace.enabled(cfg)  # a lost rank's survivors go on: snapshots on, nobody stopped
+    if (isinstance(cfg.snapshot_every, int) and cfg.snapshot_every > 0) or in_place:
         import uuid
 
         from hetcomm import settings
 
         snapshot_job = f"train-{uuid.uuid4().hex[:12]}"
         env[settings.JOB_ID.name] = snapshot_job  # names the ranks' snapshot segments; removed below
+        if in_place:  # one launch whatever rank is lost (else rank 0's process names it)
+            from hetcomm.ops.job_identity import new_launch_env
+
+            env.update(new_launch_env())
     try:
-        outcome = _launch_ranks(launch_ranks, world_size, cfg, env, limit_s)
+        outcome = _launch_ranks(launch_ranks, world_size, cfg, env, limit_s, in_place)
     finally:
         if snapshot_job is not None:
             from hetcomm.ops.snapshot import remove_job
@@ -266,6 +282,9 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
         print(f"hetcomm train: the run exceeded its time limit ({limit_s:g} s); ranks {list(outcome.timed_out)} "
               "had not finished; stopped all ranks", file=sys.stderr)
         return 1
+    code = inplace.outcome_code(outcome) if in_place and not outcome.ok else None
+    if code is not None:
+        return code
     if not outcome.ok:
         first = outcome.ranks[outcome.first_failure if outcome.first_failure is not None else outcome.failures[0].rank]
         usage = [r for r in outcome.ranks if r.error_type in _usage_error_names()]
@@ -281,7 +300,7 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
     return 0 if outcome.results[0] == 0 else 1
 
 
-def _launch_ranks(launch_ranks, world_size: int, cfg: TrainConfig, env, limit_s: float):
+def _launch_ranks(launch_ranks, world_size: int, cfg: TrainConfig, env, limit_s: float, in_place: bool = False):
     return launch_ranks(
         _rank_main,
         world_size,
@@ -290,7 +309,9 @@ def _launch_ranks(launch_ranks, world_size: int, cfg: TrainConfig, env, limit_s:
         store=True,
         store_timeout_s=cfg.timeout_s,
         timeout_s=limit_s,
-        grace_s=0.0,  # one rank failed: the others would wait for it until their timeout
+        # One rank failed: the others would wait for it until their timeout; with an in-place
+        # shrink they drop it and go on (a survivor that cannot fails by itself).
+        grace_s=None if in_place else 0.0,
         clean_shm=True,
         name="train",
     )
@@ -408,6 +429,10 @@ class _Rank:
         policy: which heterogeneity levers are on and why (:mod:`hetcomm.moe.policy`).
         measured, balancer, psgd: the measured loop (replica refresh, paging step end, cold
             move, the balancer's plans), the balancer and PowerSGD (:func:`_add_levers`).
+        start_step: the step this process's training started after; step_done_at: when its
+            last step finished (``time.time()``; None: none yet); slots: the cluster file's
+            rank of each rank after an in-place shrink (empty: rank r is slot r); shrinks: how
+            many (:mod:`hetcomm.train.inplace`).
     """
 
     cfg: TrainConfig
@@ -433,6 +458,10 @@ class _Rank:
     progress: Any = None
     probe: Any = None
     change: Any = None
+    start_step: int = 0
+    step_done_at: Optional[float] = None
+    slots: List[int] = field(default_factory=list)
+    shrinks: int = 0
 
     @property
     def tokens_per_step(self) -> int:
@@ -450,9 +479,23 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     if start_step >= cfg.steps:  # nothing left to train: report the recorded verdict, not a fresh one
         return hooks.nothing_to_train(cfg, rank, start_step)
     _start(job, start_step, resumed_from)
+    from hetcomm.train import inplace
+
+    in_place = inplace.enabled(cfg)
+    if rank == 0 and inplace.why_not(cfg):
+        print(f"hetcomm train: {inplace.why_not(cfg)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    for step in range(start_step + 1, cfg.steps + 1):
-        _step(job, step)
+    step = start_step + 1
+    while step <= cfg.steps:
+        try:
+            _step(job, step)
+            job.step_done_at = time.time()
+        except Exception as e:  # noqa: BLE001 - a lost peer's, confirmed by the heartbeat, or raised again
+            if not in_place:
+                raise
+            job, step = inplace.shrink(job, e, lambda r, w, c: _build(r, w, cfg, MoELayer, c), _start)
+            continue
+        step += 1
     return _finish(job, t0)
 
 
@@ -663,9 +706,12 @@ def _add_levers(job: _Rank) -> None:
         job.extras["powersgd_experts"] = PerRank(ReplicaPowerSGD(model), rank)
 
 
-def _start(job: _Rank, start_step: int, resumed_from: Optional[str]) -> None:
+def _start(job: _Rank, start_step: int, resumed_from: Optional[str], cause: Optional[str] = None,
+           down_s: Optional[float] = None) -> None:
     """After the restore: a migration in flight at the save restarts, the warm-up seeds, the
-    counters start, and the metrics, progress and probe open (with the membership record)."""
+    counters start, and the metrics, progress and probe open (with the membership record;
+    ``cause`` and ``down_s``: why the membership changed and the seconds from the last finished
+    step to the restored state, when this process knows: an in-place shrink)."""
     import hetcomm
     from hetcomm.ops import hooks
 
@@ -677,8 +723,10 @@ def _start(job: _Rank, start_step: int, resumed_from: Optional[str]) -> None:
     job.progress = Progress(rank == 0, cfg, world_size, cluster, job.balancer, detected=cfg.cluster == DETECT)
     job.mc = hooks.metrics_collector(cfg, rank, world_size, cluster, model, start_step, resumed_from)
     job.mc.event(start_step, "policy", job.policy.line())  # the levers and why, before the first step
+    job.start_step = start_step
     job.change, job.probe = elastic.start(cfg, rank, world_size, cluster, model, start_step, job.mc,
-                                          job.placement_from, job.snap_record, job.snap)
+                                          job.placement_from, job.snap_record, job.snap, cause=cause,
+                                          down_s=down_s)
 
 
 def _finish(job: _Rank, t0: float) -> int:

@@ -52,6 +52,23 @@ def test_job_cluster_follows_torchrun_order_and_drops_absent_nodes():
     assert [n.name for n in c.nodes] == ["fast-0", "fast-1"]
 
 
+def test_survivors_cluster_keeps_whole_nodes_and_gives_a_part_node_its_own_group():
+    """The cluster of a group shrunk in place (hetcomm.train.inplace): new rank i is old rank slots[i]."""
+    from hetcomm.errors import ConfigError
+    from hetcomm.ops.job_cluster import survivors_cluster_yaml
+
+    c = load_cluster_text(survivors_cluster_yaml(MINI, [0, 1, 3]))  # the H800 node lost
+    assert [(c.rank(r).node.name, c.rank(r).model) for r in range(3)] == [
+        ("a100-0", "A100-SXM4-80GB"), ("a100-0", "A100-SXM4-80GB"), ("ascend-0", "910B")]
+    c = load_cluster_text(survivors_cluster_yaml(MINI, [1, 2, 3]))  # one of the A100 node's two ranks lost
+    assert [(c.rank(r).node.name, c.rank(r).model) for r in range(3)] == [
+        ("a100_0-0", "A100-SXM4-80GB"), ("h800-0", "H800"), ("ascend-0", "910B")]
+    assert c.rank(0).strong and not c.rank(2).strong
+    for bad in ([3, 1], [0, 0], [4], []):
+        with pytest.raises(ConfigError, match="survivor ranks"):
+            survivors_cluster_yaml(MINI, bad)
+
+
 @pytest.mark.emulate
 @pytest.mark.slow
 def test_health_check_finds_the_slow_node_and_eject_starts_without_it(tmp_path):

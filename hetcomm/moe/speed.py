@@ -31,12 +31,14 @@ step-to-step spread says). It is known from the second agreement with measuremen
 :data:`NOISE_MIN_STEPS` steps were measured.
 
 **Agreed.** Every ``every`` steps each rank contributes one row ``(rows_ema, seconds_ema, room,
-noise, steps, step_seconds_ema)`` to one all-reduce of a ``[W, 6]`` float64 table (zeros
-elsewhere: the sum is exact; ``step_seconds_ema`` is the same clock over the whole step, between
-two forwards of the layer: what the one-time placement balances, :mod:`hetcomm.moe.cold`), so every rank holds the identical :class:`SpeedSnapshot` afterwards and the decisions
-taken from it are identical without another message. Before the first agreement the vector is
-the *prior* (datasheet TFLOPS, or equal speeds without a cluster), in arbitrary units; a rank
-that measured nothing yet is given its prior times the median measured/prior ratio.
+noise, steps, step_seconds_ema)`` to one all-reduce of a ``[W, 6]`` float64 table (riding in the
+layer's load all-reduce where it runs, :meth:`SpeedMeter.agreement_row`; zeros elsewhere:
+the sum is exact; ``step_seconds_ema`` is the same clock over the whole step, between two forwards
+of the layer: what the one-time placement balances, :mod:`hetcomm.moe.cold`), so every rank holds
+the identical :class:`SpeedSnapshot` afterwards and the decisions taken from it are identical
+without another message. Before the first agreement the vector is the *prior* (datasheet TFLOPS, or
+equal speeds without a cluster), in arbitrary units; a rank that measured nothing yet is given its
+prior times the median measured/prior ratio.
 
 **The rule.** Rank ``s`` is slower than rank ``f`` when ``speed_f / speed_s - 1`` exceeds
 ``max(MIN_SPREAD, NOISE_SIGMAS * hypot(noise_f, noise_s))`` (:func:`differs`); the speeds of a
@@ -261,7 +263,7 @@ class EventTimer(ComputeTimer):
     def __init__(self, module: Any, device: torch.device) -> None:
         self._module, self._device = module, device
         self._pending: List[Tuple[Any, Any, int]] = []
-        self._step_events: List[Any] = []  # the last mark first; pairs of neighbours are the steps
+        self._step_events: List[Any] = []  # oldest first; two neighbours bound a step
 
     def begin(self) -> Any:
         ev = self._module.Event(enable_timing=True)

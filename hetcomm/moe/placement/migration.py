@@ -36,8 +36,8 @@ from torch import nn
 from hetcomm.errors import ConfigError, PeerTimeout
 from hetcomm.moe.placement.balancer import BalancerConfig, ExpertBalancer, ExpertMap, Move
 
-__all__ = ["ExpertSlots", "ExpertMigrator", "migrate_now", "resize_expert_modules", "state_layout", "speed_placement_due", "place_by_speed", "busy_model", "FORWARD_AND_BACKWARD",
-           "rebalance"]
+__all__ = ["ExpertSlots", "ExpertMigrator", "migrate_now", "resize_expert_modules", "state_layout",
+           "speed_placement_due", "place_by_speed", "busy_model", "FORWARD_AND_BACKWARD", "rebalance"]
 
 
 def state_layout(optimizer: Optional[torch.optim.Optimizer]) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:

@@ -5,11 +5,13 @@ measured, the experts are re-placed so the ranks' predicted busy time per step e
 lever is on (:mod:`hetcomm.moe.policy`). A slow rank ends with fewer experts, the coldest among
 them: it is slow at its dense work too, which no move takes away.
 
-The prediction per rank is its measured busy seconds per step (the speed source's whole-step
-clock, :attr:`~hetcomm.moe.speed.SpeedSnapshot.step_seconds`) with this layer's expert time
-replaced by its new experts' rows at the rank's measured seconds per row. Layers due at the same
-step are placed in order, each against the prediction the earlier ones left. The rows per
-expert are the layer's mean global picks per training forward, from its load observer.
+The prediction per rank is its dense seconds per step (the speed source's whole-step clock,
+:attr:`~hetcomm.moe.speed.SpeedSnapshot.step_seconds`, minus every layer's measured expert
+seconds) plus each layer's experts' rows at the rank's measured seconds per row. Layers due at
+the same step are placed in order, each against the prediction the earlier ones left. The rows
+per expert are the layer's mean global picks per training forward, from its load observer. With
+given speeds (``--speed oracle``) the dense and per-row seconds are pooled over the ranks at full
+speed and spread by the given factors (:func:`~hetcomm.moe.placement.migration.given_spread`).
 
 Which layers have had their move is training state: it travels in checkpoints and snapshots
 (as an ``extras`` entry beside :class:`~hetcomm.moe.placement.state.LayerPlacements`, which
@@ -24,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from hetcomm.moe.placement.assign import busy_times
-from hetcomm.moe.placement.migration import busy_model
+from hetcomm.moe.placement.migration import FORWARD_AND_BACKWARD, dense_seconds, seconds_per_row
 
 __all__ = ["ColdMoves"]
 
@@ -67,22 +69,28 @@ class ColdMoves:
         values and step counts, the same on every rank). ``allowed``: the policy's verdict at
         this step (False: a due layer is done with nothing moved, the agreed speeds being
         equal). Returns one line per layer moved."""
+        due = [i for i, layer in enumerate(self.layers)
+               if not self.done[i] and layer.speed_placement_due() and self.expert_rows(i)]
+        if not due:
+            return []
+        W = self.layers[due[0]].world_size
+        one_group = all(m.world_size == W for m in self.layers)
+        # each rank's step: its dense seconds plus every layer's expert seconds (the model's where
+        # the load is known, the measured ones elsewhere); each layer is placed against the rest
+        dense = dense_seconds(self.layers if one_group else [self.layers[due[0]]])
+        experts = [self._expert_seconds(j) for j in range(len(self.layers))] if one_group else []
         events = []
-        predicted: Optional[List[float]] = None
-        for i, layer in enumerate(self.layers):
-            if self.done[i] or not layer.speed_placement_due() or not self.expert_rows(i):
-                continue
+        for i in due:
+            layer = self.layers[i]
             self.done[i] = True
             moved: List[int] = []
             if allowed:
-                per_row, step_seconds = busy_model(layer)
-                if predicted is None:
-                    predicted = step_seconds
-                rows = self.expert_rows(i)
-                now = busy_times(layer.placement.owner, rows, per_row, [0.0] * layer.world_size)
-                fixed = [max(0.0, t - n) for t, n in zip(predicted, now)]
+                rows, per_row = self.expert_rows(i), seconds_per_row(layer)
+                others = [sum(e[r] for j, e in enumerate(experts) if j != i) for r in range(W)]
+                fixed = [d + o for d, o in zip(dense, others)] if one_group else dense
                 moved = layer.place_by_speed(rows, fixed, optimizer)
-                predicted = busy_times(layer.placement.owner, rows, per_row, fixed)
+                if one_group:
+                    experts[i] = busy_times(layer.placement.owner, rows, per_row, [0.0] * W)
             counts = [list(layer.placement.owner).count(r) for r in range(layer.world_size)]
             self.rows.append(f"layer {i} at step {step}: " + (f"experts {moved} moved, {counts} per rank"
                                                                if moved else "nothing to move"))
@@ -90,6 +98,15 @@ class ColdMoves:
                 events.append(f"layer {i}: experts re-placed by measured busy time, moved {moved}, "
                               f"experts per rank {counts}")
         return events
+
+    def _expert_seconds(self, j: int) -> List[float]:
+        """``[W]`` layer ``j``'s expert seconds per step on each rank: its rows at the ranks'
+        seconds per row where its load and speeds are known, else its measured seconds."""
+        layer = self.layers[j]
+        rows = self.expert_rows(j)
+        if rows and layer.speed_placement_due():
+            return busy_times(layer.placement.owner, rows, seconds_per_row(layer), [0.0] * layer.world_size)
+        return [FORWARD_AND_BACKWARD * t for t in layer.speed.agreed.seconds_per_step] or [0.0] * layer.world_size
 
     def summary(self) -> str:
         if not self.enabled:

@@ -63,3 +63,15 @@ def test_bad_inputs_name_the_figure_and_one_rank_never_moves():
     with pytest.raises(ConfigError, match="fixed_seconds has 1 entries for 2 ranks"):
         balance_busy_time([0, 1], [1.0, 1.0], [0.1, 0.1], [0.0])
     assert not MoELayer(8, 4, calibrate=False).speed_placement_due()  # one rank: never
+
+
+def test_given_speeds_pool_the_measured_seconds_and_spread_them_by_the_known_factors():
+    from hetcomm.moe.placement.migration import given_spread
+    from hetcomm.moe.speed import SpeedMeter
+
+    meter = SpeedMeter(4, 0, [100.0, 100.0, 100.0, 50.0], every=5)
+    noisy = [0.9, 1.1, 1.0, 2.4]  # seconds; rank 3 at half speed, read 20 % slower still
+    assert given_spread(meter, noisy) == noisy  # measured speeds: each rank's own
+    meter.set_prior(meter.prior, given=True)
+    # pooled at full speed (1.05 s), spread by the given factors: the noise is gone
+    assert given_spread(meter, noisy) == pytest.approx([1.05, 1.05, 1.05, 2.1])

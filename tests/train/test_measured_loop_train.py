@@ -64,8 +64,8 @@ def _user_rank(rank: int, world_size: int, cluster: str, speed: str) -> Dict[str
     import torch.distributed as dist
 
     from hetcomm.moe import MeasuredLoop, MoELayer
-    from hetcomm.moe.placement.assign import balance_busy_time, busy_times
-    from hetcomm.moe.placement.migration import busy_model
+    from hetcomm.moe.placement.assign import balance_busy_time
+    from hetcomm.moe.placement.migration import dense_seconds, seconds_per_row
     from hetcomm.moe.policy import policy_of_layers
 
     torch.manual_seed(0)
@@ -91,11 +91,8 @@ def _user_rank(rank: int, world_size: int, cluster: str, speed: str) -> Dict[str
         owners.append(list(layer.placement.owner))
         if not expected and not loop.cold.done[0] and layer.speed_placement_due():
             # what the placement by speed must decide from the agreed busy times and the load
-            per_row, step_seconds = busy_model(layer)
             rows = loop.cold.expert_rows(0)
-            now = busy_times(owners[-1], rows, per_row, [0.0, 0.0])
-            fixed = [max(0.0, t - n) for t, n in zip(step_seconds, now)]
-            expected = balance_busy_time(owners[-1], rows, per_row, fixed)
+            expected = balance_busy_time(owners[-1], rows, seconds_per_row(layer), dense_seconds([layer]))
         undecided = not loop.cold.done[0]
         loop.after_step(step)
         if undecided and loop.cold.done[0]:

@@ -37,7 +37,8 @@ from hetcomm.errors import ConfigError, PeerTimeout
 from hetcomm.moe.placement.balancer import BalancerConfig, ExpertBalancer, ExpertMap, Move
 
 __all__ = ["ExpertSlots", "ExpertMigrator", "migrate_now", "resize_expert_modules", "state_layout",
-           "speed_placement_due", "place_by_speed", "busy_model", "FORWARD_AND_BACKWARD", "rebalance"]
+           "speed_placement_due", "place_by_speed", "seconds_per_row", "dense_seconds", "given_spread",
+           "FORWARD_AND_BACKWARD", "rebalance"]
 
 
 def state_layout(optimizer: Optional[torch.optim.Optimizer]) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
@@ -370,23 +371,39 @@ def speed_placement_due(layer) -> bool:
     return layer.world_size > 1 and snap.differ is not None and measured and layer.config.page_budget == 0
 
 
-def busy_model(layer) -> Tuple[List[float], List[float]]:
-    """``(seconds_per_row, step_seconds)``, each ``[W]``, from ``layer``'s agreed snapshot: each
-    rank's busy seconds per expert row, forward and backward (:data:`FORWARD_AND_BACKWARD` times
-    the measured forward), and per whole step. With given speeds (``SpeedMeter.given``: the
-    oracle) the ranks' measurements are pooled at full speed and spread by the given speeds, so
-    the known factors decide and the run's noise does not."""
-    snap, meter = layer.speed.agreed, layer.speed
-    per_row = [FORWARD_AND_BACKWARD / v for v in snap.own_rows_per_s]
-    step = [float(t) for t in snap.step_seconds]
-    if meter.given:
-        top = max(meter.prior)
-        scale = [p / top for p in meter.prior]  # 1 at full speed
-        row_full = sum(r * s for r, s in zip(per_row, scale)) / len(scale)
-        step_full = sum(t * s for t, s in zip(step, scale)) / len(scale)
-        per_row = [row_full / s for s in scale]
-        step = [step_full / s for s in scale]
-    return per_row, step
+def seconds_per_row(layer) -> List[float]:
+    """``[W]`` each rank's busy seconds per expert row of ``layer``, forward and backward
+    (:data:`FORWARD_AND_BACKWARD` times the agreed measured forward), spread by the given speeds
+    when the layer's speeds are given (:func:`given_spread`)."""
+    own = layer.speed.agreed.own_rows_per_s
+    return given_spread(layer.speed, [FORWARD_AND_BACKWARD / v if v > 0 else 0.0 for v in own])
+
+
+def dense_seconds(layers: Sequence) -> List[float]:
+    """``[W]`` each rank's busy seconds per step outside the experts of ``layers`` (the model's
+    MoE layers over one group): the whole step (the speed source's step clock, agreed) minus each
+    layer's measured expert seconds, forward and backward; spread by the given speeds when they
+    are given (:func:`given_spread`)."""
+    first = layers[0].speed
+    step = first.agreed.step_seconds
+    out = []
+    for r in range(len(step)):
+        experts = sum(FORWARD_AND_BACKWARD * m.speed.agreed.seconds_per_step[r] for m in layers
+                      if len(m.speed.agreed.seconds_per_step) == len(step))
+        out.append(max(0.0, float(step[r]) - experts))
+    return given_spread(first, out)
+
+
+def given_spread(meter, values: Sequence[float]) -> List[float]:
+    """``values`` (``[W]`` seconds per rank) as they are, or -- when ``meter``'s speeds are given
+    (``SpeedMeter.given``: the oracle) -- pooled at full speed over the ranks and spread by the
+    given speeds, so the known factors decide and one run's noise does not."""
+    if not meter.given:
+        return [float(v) for v in values]
+    top = max(meter.prior)
+    scale = [p / top for p in meter.prior]  # 1 at full speed
+    full = sum(float(v) * s for v, s in zip(values, scale)) / len(scale)
+    return [full / s for s in scale]
 
 
 def place_by_speed(layer, expert_rows: Sequence[float], fixed_seconds: Sequence[float], optimizer=None) -> List[int]:
@@ -394,7 +411,7 @@ def place_by_speed(layer, expert_rows: Sequence[float], fixed_seconds: Sequence[
     (collective; between steps).
 
     The map comes from :func:`~hetcomm.moe.placement.assign.balance_busy_time` with each rank's
-    measured seconds per row (:func:`busy_model`) and ``fixed_seconds``; a rank may end with
+    measured seconds per row (:func:`seconds_per_row`) and ``fixed_seconds``; a rank may end with
     more or fewer experts, and :func:`migrate_now` carries parameters, optimizer state and
     gradients, so training continues exactly.
 
@@ -409,8 +426,7 @@ def place_by_speed(layer, expert_rows: Sequence[float], fixed_seconds: Sequence[
     from hetcomm.moe.placement.assign import balance_busy_time
 
     owner = list(layer.placement.owner)
-    per_row, _ = busy_model(layer)
-    new = balance_busy_time(owner, expert_rows, per_row, fixed_seconds)
+    new = balance_busy_time(owner, expert_rows, seconds_per_row(layer), fixed_seconds)
     if new == owner:
         return []
     return migrate_now(layer, new, optimizer)

@@ -72,10 +72,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--warmup-from", metavar="METRICS.jsonl", default=None, help="seed calibrators and hot experts from a previous run's metrics")
     p.add_argument("--balance", action="store_true", default=None,
                    help="also run the expert balancer: migrations by measured speed (default: only the one-time "
-                   "move of the coldest experts onto ranks measured slower beyond noise; docs/MOE.md)")
+                   "placement by speed, each layer's experts re-placed to even the measured busy time when "
+                   "the ranks differ beyond noise; docs/MOE.md)")
     p.add_argument("--no-balance", dest="no_balance", action="store_true", default=False,
                    help="speed-blind: no decision reads a speed -- equal contiguous expert placement, nothing "
-                   "measured, no migrations, no cold move, no per-step token split")
+                   "measured, no migrations, no placement by speed, no per-step token split")
     p.add_argument("--speed", choices=("measured", "datasheet", "oracle"), default=None,
                    help="rank speeds for balancing: measured on the ranks (default), the datasheet's "
                    "(decisions then depend on the data only: runs repeat bit for bit), or oracle: the "

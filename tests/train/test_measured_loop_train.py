@@ -1,7 +1,7 @@
 """A user's loop with the one call (hetcomm.moe.MeasuredLoop) takes the placement decisions
-``hetcomm train`` takes, on two real ranks: with given unequal speeds (``--speed oracle``) both move
-each layer's coldest experts onto the slow rank at the same step, by the same rule; on equal ranks
-(measured, pooled by device class: exactly equal) neither moves anything. ``hetcomm train`` prints
+``hetcomm train`` takes, on two real ranks: with given unequal speeds (``--speed oracle``) both place
+each layer by speed at the same step, by the same rule; with measured speeds each decides at its
+second agreement, as its own verdict says. ``hetcomm train`` prints
 its policy at the top of the summary and writes it to the metrics file."""
 
 from __future__ import annotations

@@ -72,6 +72,32 @@ def eplb_policy(E: int, W: int, redundant: int, every: int):
     return f
 
 
+def freeze_gate_to_routing(layer, num_experts: int, model_dim: int) -> None:
+    """Make ``layer``'s gate pick, for an input from :func:`routed_input`, exactly the experts
+    that input names: its weight is the identity on the first ``num_experts`` dimensions, frozen."""
+    import torch
+
+    with torch.no_grad():
+        wg = torch.zeros(num_experts, model_dim)
+        wg[:, :num_experts] = torch.eye(num_experts)
+        layer.gate.wg.weight.copy_(wg)
+    layer.gate.wg.weight.requires_grad_(False)
+
+
+def routed_input(idx, num_experts: int, model_dim: int, step: int, rank: int):
+    """``[T, model_dim]`` float32 tokens that a gate frozen by :func:`freeze_gate_to_routing` routes
+    to ``idx`` (``[T, k]`` int64 experts): small noise, the first ``num_experts`` dimensions zero but
+    8 at a token's first expert, 7 at its second, and so on."""
+    import torch
+
+    g = torch.Generator().manual_seed(step * 131 + rank)
+    x = torch.randn(idx.size(0), model_dim, generator=g) * 0.1
+    x[:, :num_experts] = 0.0
+    for j in range(idx.size(1)):
+        x[torch.arange(idx.size(0)), idx[:, j]] = 8.0 - j
+    return x
+
+
 def model_part(args) -> Dict[str, Any]:
     from hetcomm.moe.workload_sim import simulate_workload
     from hetcomm.moe.workloads import WORKLOADS, WorkloadSpec
@@ -124,11 +150,7 @@ def _rank_main(args) -> int:
                 replicate_alpha=0.5, speed_every=4 if policy == "hetcomm" else 0,
                 expert=lambda d: torch.nn.Sequential(torch.nn.Linear(d, F), torch.nn.GELU(), torch.nn.Linear(F, d)),
             )
-            with torch.no_grad():
-                wg = torch.zeros(E, D)
-                wg[:, :E] = torch.eye(E)
-                layer.gate.wg.weight.copy_(wg)
-            layer.gate.wg.weight.requires_grad_(False)
+            freeze_gate_to_routing(layer, E, D)
             if policy == "token-equal":
                 layer.speed.set_prior([1.0] * world)
             return layer
@@ -139,11 +161,7 @@ def _rank_main(args) -> int:
             res[w] = {p: {"step_s": [], "expert_s": []} for p in MEASURED}
             for step in range(args.warmup + args.steps):
                 idx = workload_routing(w, spec, args.seed, step, rank)
-                g = torch.Generator().manual_seed(step * 131 + rank)
-                x = torch.randn(idx.size(0), D, generator=g) * 0.1
-                x[:, :E] = 0.0
-                for j in range(idx.size(1)):
-                    x[torch.arange(idx.size(0)), idx[:, j]] = 8.0 - j
+                x = routed_input(idx, E, D, step, rank)
                 order = list(MEASURED[step % 3:] + MEASURED[: step % 3])  # rotate who goes first
                 for p in order:
                     layer = layers[p]

@@ -113,6 +113,7 @@ def _rank_main(args) -> int:
     from hetcomm.moe.placement import migration, place_experts
     from hetcomm.moe.policy import policy_of_layers
     from hetcomm.moe.workloads import WorkloadSpec, workload_routing
+    from moe_workloads import freeze_gate_to_routing, routed_input  # benchmarks/: on sys.path above
     from hetcomm.topo.cluster import load_cluster
     from hetcomm.train import speed_modes
 
@@ -142,11 +143,7 @@ def _rank_main(args) -> int:
                 layer = MoELayer(D, E, k=2, token_split=policy == "token-equal", speed_every=0,
                                  placement=place_experts(E, world), **common)
                 layer.speed.set_prior([1.0] * world, given=True)
-            with torch.no_grad():  # the gate picks the workload's experts (the module docstring)
-                wg = torch.zeros(E, D)
-                wg[:, :E] = torch.eye(E)
-                layer.gate.wg.weight.copy_(wg)
-            layer.gate.wg.weight.requires_grad_(False)
+            freeze_gate_to_routing(layer, E, D)  # the gate picks the workload's experts (the module docstring)
             opt = torch.optim.AdamW([p for p in layer.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
             loop = None
             if policy in ("default", "oracle"):
@@ -177,11 +174,7 @@ def _rank_main(args) -> int:
                 rec = {p: {"step_s": [], "rows": [], "expert_s": []} for p in POLICIES}
                 for step in range(1, args.warmup + args.steps + 1):
                     idx = workload_routing(w, spec, args.seed, step, rank)
-                    g = torch.Generator().manual_seed(step * 131 + rank)
-                    x = torch.randn(idx.size(0), D, generator=g) * 0.1
-                    x[:, :E] = 0.0
-                    for j in range(idx.size(1)):
-                        x[torch.arange(idx.size(0)), idx[:, j]] = 8.0 - j
+                    x = routed_input(idx, E, D, step, rank)
                     k0 = step % len(POLICIES)
                     for p in POLICIES[k0:] + POLICIES[:k0]:  # rotate who goes first
                         st = states[p]

@@ -33,6 +33,7 @@ class PendingLoad:
     work: Any
     num_experts: int
     fast: bool
+    num_stats: int  # elements of the statistics at the head of ``vec``
     speed_rows: int = 0  # elements of the speed agreement's rows after the statistics
     speed_table: Optional[torch.Tensor] = None  # those rows summed over the group (after deliver)
 
@@ -114,7 +115,7 @@ class LoadObserver:
         n_speed = int(speed_row.numel()) if speed_row is not None else 0
         if split_row is not None:
             table = vec[n_stat + n_speed:].view(world_size, E + 1).tolist()
-        return PendingLoad(vec, work, E, bool(self.fast_topk), speed_rows=n_speed), table
+        return PendingLoad(vec, work, E, bool(self.fast_topk), n_stat, speed_rows=n_speed), table
 
     def deliver(self, pending: PendingLoad, calibrator: Any, replicator: Any, row_bytes: int) -> torch.Tensor:
         """Wait for the all-reduce and hand the sums to the calibrator, the replicator (rows of
@@ -122,7 +123,7 @@ class LoadObserver:
         if pending.work is not None:
             pending.work.wait()
         vec, E = pending.vec, pending.num_experts
-        n_stat = 2 * E + 1 + (E if pending.fast else 0)
+        n_stat = pending.num_stats
         if pending.speed_rows:
             pending.speed_table = vec[n_stat:n_stat + pending.speed_rows]
         vec = vec[:n_stat]

@@ -69,14 +69,13 @@ def equal_ranks_cold_move(rank: int, world_size: int) -> Dict[str, Any]:
             "owner": list(layer.placement.owner)}
 
 
-def agreement_collectives(rank: int, world_size: int, calibrate: bool) -> Dict[str, Any]:
-    """Ten training forwards of one layer (agreements at 5 and 10), counting the all-reduces:
-    with load statistics to sum (the gate's calibration) the agreement rides in their all-reduce,
-    without them it makes its own."""
+def agreement_collectives(rank: int, world_size: int) -> Dict[str, Any]:
+    """Ten training forwards of one layer (agreements at 5 and 10), counting the all-reduces: the
+    agreement rides in the all-reduce of the load statistics (the gate's calibration sums them)."""
     from hetcomm.moe import MoELayer
 
     torch.manual_seed(0)
-    layer = MoELayer(16, 4, k=2, calibrate=calibrate, replicate=False)
+    layer = MoELayer(16, 4, k=2, calibrate=True, replicate=False)
     calls = []
     real = dist.all_reduce
 

@@ -156,8 +156,7 @@ def test_four_equal_ranks_agree_one_snapshot_and_one_decision():
 
 @pytest.mark.timeout(240)
 def test_the_agreement_rides_in_the_load_all_reduce():
-    res = run_ranks(speed_cases.agreement_collectives, world_size=2, backend="gloo", cluster=None, timeout=200,
-                    args=(True,))
+    res = run_ranks(speed_cases.agreement_collectives, world_size=2, backend="gloo", cluster=None, timeout=200)
     stats = 2 * 4 + 1  # the load statistics: probs and picks of 4 experts, the token count
     for r in res:
         assert r["agreements"] == 2, r

@@ -366,6 +366,8 @@ def _print_state(state, live: Optional[set]) -> None:
             print(
                 f"  compute {n['node']:<12} x{n.get('compute_scale', 1):.3g}: {n['cpus']:.3g} CPUs "
                 f"per rank (cgroups {state.prefix}{n['node']}-r<rank>)"
+                + (f", {n['device_cpus']:.3g} for its training thread (<rank cgroup>/device)"
+                   if n.get("device_cpus") is not None else "")
             )
     for q in state.qdiscs:
         if "cross-vendor" in q:

@@ -20,6 +20,18 @@ speeds would flatten. Each node's cgroup therefore gets a high weight (v1 ``cpu.
 ``cpu.weight``): the quota, not the neighbours, sets its pace. That is safe for the host because
 the quotas add up to at most the machine's cores by default (``emulation.cpu_per_rank``).
 
+**Host threads not slowed** (``emulation.host_share``). A whole-process quota slows a rank's
+communication threads with its compute, which a real node does not: a slow accelerator does
+not slow the host threads that feed its NICs. With a host share the rank's cgroup is limited to
+``cpu_per_rank`` and its training thread (the process's main thread, where every forward and
+backward runs) is moved into a child cgroup, ``<rank cgroup>/device``, limited to the device's
+share: ``compute_scale x cpu_per_rank x (1 - host_share)``. The quotas are hierarchical, so the
+two together never exceed ``cpu_per_rank``. A thread inherits its creator's cgroup, so threads
+the training thread starts later land in ``device`` too; :func:`release_host_threads` moves them
+back out, and the emulation's runner calls it a few times a second while its ranks run. cgroup
+v1 only, because it is the only version that places single threads without making the rank's
+cgroup a threaded domain; a v2 host gets a clear error.
+
 Which hierarchy: cgroup v2 where the unified hierarchy has the ``cpu`` controller, else the v1
 hierarchy the ``cpu`` controller is mounted on (this machine: v1 at /sys/fs/cgroup/cpu, a v2 mount
 without controllers at /sys/fs/cgroup/unified). Found from ``/proc/self/mounts``.
@@ -32,7 +44,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from hetcomm.emulate.kernel import KernelError
 
@@ -46,6 +58,10 @@ __all__ = [
     "create_cgroup",
     "read_cpu_limit",
     "cgroup_pids",
+    "DEVICE_CGROUP",
+    "device_cgroup_dir",
+    "move_thread",
+    "release_host_threads",
     "throttle_stats",
     "remove_cgroup",
     "list_run_cgroups",
@@ -140,15 +156,34 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def create_cgroup(h: CpuHierarchy, path: str, cpus: float) -> Tuple[int, int]:
+#: Name of the child cgroup that holds a rank's training thread under a host share.
+DEVICE_CGROUP = "device"
+
+
+def device_cgroup_dir(path: str) -> str:
+    """``<rank cgroup>/device``: where a rank's training thread runs under a host share."""
+    return os.path.join(path, DEVICE_CGROUP)
+
+
+def create_cgroup(
+    h: CpuHierarchy, path: str, cpus: float, device_cpus: Optional[float] = None
+) -> Tuple[int, int]:
     """Make cgroup ``path`` (it must not exist) limited to ``cpus`` CPUs; return (quota, period)
-    in microseconds.
+    in microseconds. With ``device_cpus``, also make its ``device`` child limited to that many
+    (module docstring: host threads not slowed).
 
     Raises:
-        KernelError: the directory exists already, or the kernel refused the limit.
+        KernelError: the directory exists already, the kernel refused the limit, or a device
+            child was asked for on cgroup v2.
     """
     if os.path.dirname(path) != h.root:
         raise KernelError(f"cgroup {path} is not directly under the cpu hierarchy {h.root}")
+    if device_cpus is not None and h.version != 1:
+        raise KernelError(
+            f"emulation.host_share needs the cgroup v1 'cpu' hierarchy (single threads are placed "
+            f"through its 'tasks' file); this host's cpu controller is on v2 at {h.root}: set "
+            f"emulation.host_share to 0"
+        )
     if h.version == 2:
         ctl = os.path.join(h.root, "cgroup.subtree_control")
         if "cpu" not in _read(ctl).split():
@@ -162,6 +197,20 @@ def create_cgroup(h: CpuHierarchy, path: str, cpus: float) -> Tuple[int, int]:
         ) from None
     except OSError as e:
         raise KernelError(f"cannot create cgroup {path}: {e.strerror}") from None
+    quota, period = _limit(h, path, cpus)
+    if device_cpus is not None:
+        child = device_cgroup_dir(path)
+        try:
+            os.mkdir(child, 0o755)
+        except OSError as e:
+            raise KernelError(f"cannot create cgroup {child}: {e.strerror}") from None
+        # The child's high weight lets the training thread take its quota first; the host
+        # threads get the rest of the rank's.
+        _limit(h, child, device_cpus)
+    return quota, period
+
+
+def _limit(h: CpuHierarchy, path: str, cpus: float) -> Tuple[int, int]:
     period = period_us_for(cpus)
     quota = quota_us_for(cpus, period)
     if h.version == 2:
@@ -172,6 +221,28 @@ def create_cgroup(h: CpuHierarchy, path: str, cpus: float) -> Tuple[int, int]:
         _write(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
         _write(os.path.join(path, "cpu.shares"), str(SHARES_V1))
     return quota, period
+
+
+def move_thread(path: str, tid: int) -> bool:
+    """Move thread ``tid`` alone into v1 cgroup ``path``; False when it has exited already."""
+    try:
+        with open(os.path.join(path, "tasks"), "w", encoding="utf-8") as f:
+            f.write(str(tid))
+    except ProcessLookupError:
+        return False
+    except OSError as e:
+        raise KernelError(f"cannot move thread {tid} into {path}: {e.strerror}") from None
+    return True
+
+
+def release_host_threads(path: str, main_tids: Sequence[int]) -> int:
+    """Move every thread in ``path``'s ``device`` child except ``main_tids`` (the ranks'
+    training threads) back into ``path``; return how many moved. v1 only."""
+    try:
+        tids = [int(x) for x in _read(os.path.join(device_cgroup_dir(path), "tasks")).split()]
+    except OSError:
+        return 0  # not made yet, or torn down
+    return sum(move_thread(path, t) for t in tids if t not in main_tids)
 
 
 def read_cpu_limit(h: CpuHierarchy, path: str) -> Tuple[Optional[int], int]:
@@ -185,11 +256,15 @@ def read_cpu_limit(h: CpuHierarchy, path: str) -> Tuple[Optional[int], int]:
 
 
 def cgroup_pids(path: str) -> List[int]:
-    """Processes in cgroup ``path`` (empty when it does not exist)."""
-    try:
-        return [int(x) for x in _read(os.path.join(path, "cgroup.procs")).split()]
-    except OSError:
-        return []
+    """Processes with a thread in cgroup ``path`` or its ``device`` child (empty when it does
+    not exist)."""
+    pids: List[int] = []
+    for d in (path, device_cgroup_dir(path)):
+        try:
+            pids += [int(x) for x in _read(os.path.join(d, "cgroup.procs")).split()]
+        except OSError:
+            pass
+    return sorted(set(pids))
 
 
 def throttle_stats(path: str) -> Dict[str, int]:
@@ -206,6 +281,11 @@ def remove_cgroup(path: str, grace_s: float = 5.0) -> Optional[str]:
     """Kill what is left in cgroup ``path`` and remove it; return a problem, or None when it is
     gone. Only call it for a cgroup this emulation recorded (see ``state.validate_state``): only
     root can move a process into it, so whatever runs there was started by the emulation."""
+    child = device_cgroup_dir(path)
+    if os.path.isdir(child):
+        problem = remove_cgroup(child, grace_s)
+        if problem is not None:
+            return problem
     deadline = time.monotonic() + grace_s
     while os.path.isdir(path):
         for pid in cgroup_pids(path):

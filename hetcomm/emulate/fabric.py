@@ -118,6 +118,7 @@ def bring_up(
                 "ranks": list(n.ranks),
                 "compute_scale": n.compute_scale,
                 "cpus": n.cpus,
+                "device_cpus": n.device_cpus,
                 "ifaces": [
                     {
                         "name": i.name,
@@ -165,11 +166,11 @@ def _create(plan: NetPlan, state: EmulationState, progress) -> None:
     if state.cgroups:
         hierarchy = find_cpu_hierarchy()
         assert hierarchy is not None  # checked in bring_up
-        cpus = {rank_cgroup_name(n.node, r): n.cpus for n in plan.nodes for r in n.ranks}
+        by_name = {rank_cgroup_name(n.node, r): n for n in plan.nodes for r in n.ranks}
         for path in state.cgroups:
-            share = cpus[os.path.basename(path)[len(state.prefix) :]]
-            assert share is not None
-            create_cgroup(hierarchy, path, share)
+            node = by_name[os.path.basename(path)[len(state.prefix) :]]
+            assert node.cpus is not None
+            create_cgroup(hierarchy, path, node.cpus, node.device_cpus)
         _say(
             progress,
             f"emulate: {len(state.cgroups)} cpu cgroups (v{hierarchy.version}) limit compute",

@@ -14,7 +14,10 @@ removing the directory, even when a rank was killed before it could unlink.
 With compute emulation a small shell in the root namespace first moves itself into the rank's
 cpu cgroup (``echo $$ > <cgroup>/cgroup.procs``) and then execs ``ip netns exec ...``: the rank
 and everything it starts inherit the cgroup. It is done before ``ip netns exec`` because that
-remounts ``/sys`` for the namespace, which hides the host's cgroup mounts. The rank is also pinned
+remounts ``/sys`` for the namespace, which hides the host's cgroup mounts. Under a host share the
+shell also moves its one thread into the rank's ``device`` child, so the rank's main (training)
+thread starts there, and the run moves every other thread of the rank back out while it runs
+(:class:`_HostThreadSweeper`). The rank is also pinned
 to one core (``taskset -c``), rank ``r`` on the ``r mod n``-th of the ``n`` cores this process may
 use (two ranks a core for four ranks on two): a rank free to run on every core spreads its quota
 over all of them, and its time then depends on where its neighbours run as much as on its quota.
@@ -42,9 +45,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, TextIO, Union
 
+from hetcomm.emulate.cgroup import device_cgroup_dir, release_host_threads
+from hetcomm.emulate.kernel import KernelError
 from hetcomm.emulate.state import EmulationState, rank_cgroup_name, save_state
 from hetcomm.errors import UsageError
 
@@ -52,6 +58,9 @@ __all__ = ["RankResult", "RunOutcome", "rank_env", "run_ranks"]
 
 # After the first failure the other ranks get this long to exit on SIGTERM before SIGKILL.
 _KILL_GRACE_S = 3.0
+# How often host threads are moved out of the device cgroups (a thread started by the training
+# thread runs at the device's quota until then; each sweep reads one small file per rank).
+_SWEEP_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -194,11 +203,15 @@ def run_ranks(
     if rank0_out is not None:
         outputs[0] = rank0_out.fileno()
 
+    sweeper = _HostThreadSweeper(_device_split_cgroups(state))
+
     def on_start(rank: int, pid: int) -> None:
         state.rank_pids.append(pid)
+        sweeper.add_main_thread(pid)
         if rank == world - 1:
             save_state(state_dir, state)
 
+    sweeper.start()
     try:
         outcome = launch(
             list(cmd),
@@ -215,9 +228,54 @@ def run_ranks(
             on_start=on_start,
         )
     finally:
+        sweeper.stop()
         state.rank_pids = []
         save_state(state_dir, state)
     return _run_outcome(state, outcome, logs, timeout_s)
+
+
+def _device_split_cgroups(state: EmulationState) -> List[str]:
+    """The rank cgroups whose training thread runs in a ``device`` child (a host share)."""
+    return [c for c in state.cgroups if os.path.isdir(device_cgroup_dir(c))]
+
+
+class _HostThreadSweeper:
+    """Keeps every thread but the ranks' training threads out of their ``device`` cgroups while
+    the ranks run (:mod:`hetcomm.emulate.cgroup`, host threads not slowed). A thread starts in
+    its creator's cgroup, so one started by the training thread runs at the device's quota until
+    the next sweep, at most :data:`_SWEEP_S` later."""
+
+    def __init__(self, cgroups: Sequence[str]) -> None:
+        self._cgroups = list(cgroups)
+        self._main: List[int] = []
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.moved = 0
+
+    def add_main_thread(self, pid: int) -> None:
+        # A rank's wrapper execs down to the rank itself, so its pid is the training thread's id.
+        self._main.append(pid)
+
+    def start(self) -> None:
+        if self._cgroups:
+            self._thread = threading.Thread(target=self._run, name="emulate-host-threads", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * _SWEEP_S)
+
+    def _run(self) -> None:
+        while not self._stop.wait(_SWEEP_S):
+            main = frozenset(self._main)
+            for cg in self._cgroups:
+                try:
+                    self.moved += release_host_threads(cg, main)
+                except KernelError as e:
+                    print(f"emulate: host threads of {cg} stay at the device's quota: {e}", file=sys.stderr)
+                    self._cgroups.remove(cg)
+                    break
 
 
 def _rank_prefix(state: EmulationState, rank: int) -> List[str]:
@@ -229,7 +287,12 @@ def _rank_prefix(state: EmulationState, rank: int) -> List[str]:
     # The recorded (and validated) cgroups, by "<node>-r<rank>".
     cgroups = {os.path.basename(c)[len(state.prefix) :]: c for c in state.cgroups}
     cg = cgroups.get(rank_cgroup_name(node["node"], rank))
-    if cg is not None:
+    if cg is not None and os.path.isdir(device_cgroup_dir(cg)):
+        # The rank in its cgroup, then its one thread (the training thread to be) in `device`.
+        argv = ["sh", "-c", 'echo $$ > "$0" && echo $$ > "$1" && shift && exec "$@"',
+                os.path.join(cg, "cgroup.procs"), os.path.join(device_cgroup_dir(cg), "tasks"),
+                "taskset", "-c", str(rank_core(rank)), *argv]
+    elif cg is not None:
         argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(cg, "cgroup.procs"),
                 "taskset", "-c", str(rank_core(rank)), *argv]
     return argv

@@ -77,6 +77,7 @@ _SETTINGS_KEYS = (
     "compute",
     "compute_scale",
     "cpu_per_rank",
+    "host_share",
 )
 _MODES = ("bridge", "p2p")
 # A CPU-only node beside an H800 would get a thousandth of a core: floor it (the quota is at least
@@ -107,6 +108,12 @@ class EmulationSettings:
         cpu_per_rank: CPUs one rank of speed 1 may use (default: this machine's cores shared
             evenly by all ranks, at most 1, so the fastest ranks never wait for a core that
             another rank's quota already holds).
+        host_share: the part of ``cpu_per_rank`` kept for a rank's host threads, in [0, 0.9].
+            0 (the default): the whole process runs under its node's quota, communication
+            threads included. Above 0: only the rank's training thread (its "device") is held
+            to ``compute_scale x cpu_per_rank x (1 - host_share)``; its other threads share the
+            rest of ``cpu_per_rank`` with it, so a slow node's host work is not slowed with its
+            device, as on a real node (see :mod:`hetcomm.emulate.cgroup`).
     """
 
     subnet: ipaddress.IPv4Network = ipaddress.IPv4Network(DEFAULT_SUBNET)
@@ -117,6 +124,7 @@ class EmulationSettings:
     compute: bool = False
     compute_scale: Tuple[Tuple[str, float], ...] = ()
     cpu_per_rank: float = 1.0
+    host_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -182,8 +190,10 @@ class NodeNs:
         ifaces: its emulated NICs; ``ifaces[0]`` carries gloo (``GLOO_SOCKET_IFNAME``).
         address: the node's primary address (``ifaces[0]``'s, without prefix).
         compute_scale: relative compute speed (1 = fastest).
-        cpus: CPU quota of each of the node's ranks (``compute_scale x cpu_per_rank``), or None
-            when compute speed is not emulated.
+        cpus: CPU quota of each of the node's ranks (``compute_scale x cpu_per_rank``; with a
+            ``host_share``, ``cpu_per_rank``), or None when compute speed is not emulated.
+        device_cpus: with a ``host_share``, the quota of each rank's training thread
+            (``compute_scale x cpu_per_rank x (1 - host_share)``); else None.
     """
 
     ns: str
@@ -194,6 +204,7 @@ class NodeNs:
     ifaces: Tuple[Iface, ...]
     compute_scale: float = 1.0
     cpus: Optional[float] = None
+    device_cpus: Optional[float] = None
 
     @property
     def address(self) -> str:
@@ -317,6 +328,13 @@ def settings_from_cluster(
             "cpu_per_rank",
             f"expected CPUs per rank in [0.01, {cores}] (this machine's cores), got {cpr!r}",
         )
+    host_share = raw.get("host_share", 0.0)
+    if isinstance(host_share, bool) or not isinstance(host_share, (int, float)) or not 0 <= host_share <= 0.9:
+        raise err(
+            "host_share",
+            f"expected the part of a rank's CPU kept for its host threads, in [0, 0.9] "
+            f"(0 = the whole process is slowed), got {host_share!r}",
+        )
     return EmulationSettings(
         subnet=net,
         scale=float(scale_v),
@@ -326,6 +344,7 @@ def settings_from_cluster(
         compute=compute_v,
         compute_scale=scales,
         cpu_per_rank=float(cpr),
+        host_share=float(host_share),
     )
 
 
@@ -444,8 +463,13 @@ def _with_compute(cluster: Cluster, settings: EmulationSettings, plan: NetPlan) 
     nodes = []
     for nn in plan.nodes:
         s = node_compute_scale(cluster, settings, by_name[nn.node])
-        cpus = s * settings.cpu_per_rank if settings.compute else None
-        nodes.append(dataclasses.replace(nn, compute_scale=s, cpus=cpus))
+        cpus = device_cpus = None
+        if settings.compute and settings.host_share > 0:
+            cpus = settings.cpu_per_rank
+            device_cpus = s * settings.cpu_per_rank * (1 - settings.host_share)
+        elif settings.compute:
+            cpus = s * settings.cpu_per_rank
+        nodes.append(dataclasses.replace(nn, compute_scale=s, cpus=cpus, device_cpus=device_cpus))
     notes = list(plan.notes)
     if settings.compute:
         notes.append(
@@ -455,6 +479,12 @@ def _with_compute(cluster: Cluster, settings: EmulationSettings, plan: NetPlan) 
             )
             + f"; {settings.cpu_per_rank:.3g} CPUs per rank at x1"
         )
+        if settings.host_share > 0:
+            notes.append(
+                "host threads not slowed: each rank's training thread is held to "
+                + ", ".join(f"{n.node} {n.device_cpus:.3g}" for n in nodes)
+                + f" CPUs; its other threads share the rank's {settings.cpu_per_rank:.3g} with it"
+            )
     elif settings.compute_scale:
         notes.append("compute_scale given but compute emulation is off (emulation.compute: false)")
     return dataclasses.replace(plan, nodes=tuple(nodes), notes=tuple(notes))

@@ -113,3 +113,41 @@ def test_the_same_gemm_is_held_to_each_nodes_quota(tmp_path, capfd, monkeypatch)
     ratio = sum(ascend["wall_s"]) / sum(h800["wall_s"])
     print(f"910B/H800 wall-time ratio {ratio:.2f} (configured 2.0)")
     assert _no_cgroups(rid)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(
+    find_cpu_hierarchy() is None or find_cpu_hierarchy().version != 1,
+    reason="emulation.host_share places single threads through cgroup v1",
+)
+def test_host_share_holds_only_the_training_thread(tmp_path, capfd):
+    """With ``emulation.host_share`` a rank's cgroup gets ``cpu_per_rank`` and its main thread a
+    ``device`` child at the node's speed; a thread the main thread starts is moved out of it.
+    Asserted: where each thread ends up, both quotas, and the kernel's guarantee that the main
+    thread gets no more CPU than its device quota, which on the slow node is a quarter of the
+    rank's: without the device cgroup its main thread would take about half the rank's."""
+    cluster = tmp_path / "half-host.yaml"
+    text = open(HALF).read()
+    assert "\nemulation:\n" in text
+    cluster.write_text(text.replace("\nemulation:\n", "\nemulation:\n  host_share: 0.5\n"))
+    out = tmp_path / "out"
+    out.mkdir()
+    code = hetcomm_main(
+        [
+            "emulate", "run", "--cluster", str(cluster), "--state-dir", str(tmp_path / "sd"),
+            "--compute", "--cpu-per-rank", "0.4", "--timeout", "100", "--",
+            sys.executable, os.path.join(HERE, "rank_threads.py"), str(out), "3",
+        ]
+    )  # fmt: skip
+    err = capfd.readouterr().err
+    assert code == 0, err
+    for rank, device_cpus in ((2, 0.4 * 0.5), (3, 0.5 * 0.4 * 0.5)):
+        rec = json.loads((out / f"rank{rank}.json").read_text())
+        main, helper = rec["cgroups"]["main"], rec["cgroups"]["helper"]
+        assert main.endswith("/device") and helper == main[: -len("/device")], rec
+        bound = device_cpus * (rec["wall_s"] + period_us_for(device_cpus) / 1e6)
+        assert rec["cpu_s"] <= 1.05 * bound, (rec, bound)
+    from hetcomm.emulate.cgroup import CpuHierarchy, KernelError, create_cgroup
+
+    with pytest.raises(KernelError, match="host_share needs the cgroup v1"):
+        create_cgroup(CpuHierarchy(2, str(tmp_path)), str(tmp_path / "hcx-n-r0"), 0.4, 0.2)

@@ -277,6 +277,24 @@ def test_compute_scale_gives_each_node_its_cpu_share():
     assert all(n.cpus is None for n in plan_network(c, off, "abcdef").nodes)
 
 
+def test_host_share_holds_the_training_thread_to_the_node_speed():
+    """``emulation.host_share``: the rank keeps ``cpu_per_rank`` (its host threads are not slowed
+    with its device) and its training thread gets ``compute_scale x cpu_per_rank x (1 - share)``;
+    a share outside [0, 0.9] is refused naming the key and its line."""
+    c = load_cluster_text(_mini_text("compute_scale: {a100: 1, ascend: 0.5}\nhost_share: 0.25\n"))
+    settings = settings_from_cluster(c, num_cpus=2)
+    assert settings.host_share == 0.25
+    got = {n.node: (n.cpus, n.device_cpus) for n in plan_network(c, settings, "abcdef").nodes}
+    assert got == {"a100-0": (0.5, 0.375), "h800-0": (0.5, 0.375), "ascend-0": (0.5, 0.1875)}
+    plain = load_cluster_text(_mini_text("compute_scale: {ascend: 0.5}\n"))
+    assert all(n.device_cpus is None for n in plan_network(plain, settings_from_cluster(plain, num_cpus=2), "abcdef").nodes)
+    for bad in ("0.95", "-0.1", "true", "half"):
+        c = load_cluster_text(_mini_text(f"compute_scale: {{ascend: 0.5}}\nhost_share: {bad}\n"))
+        with pytest.raises(ConfigError, match=r"host_share.*in \[0, 0.9\]") as e:
+            settings_from_cluster(c, num_cpus=2)
+        assert e.value.key == "emulation.host_share"
+
+
 def test_cgroup_quota_and_hierarchy_detection(tmp_path):
     from hetcomm.emulate.cgroup import MIN_PERIOD_US, find_cpu_hierarchy, period_us_for, quota_us_for
 

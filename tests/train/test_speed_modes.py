@@ -92,10 +92,11 @@ def test_mislabelled_clusters_hide_the_slow_node_from_every_label():
     for c in (half, twin):
         assert len({c.rank(r).model for r in range(4)}) == 1 and c.strong_ranks == [0, 1, 2, 3]
         assert len(set(rank_speeds(c, range(4)))) == 1 and cluster_kind(c, 4) == "equal"
-    cpus = {n.node: n.cpus for n in plan_network(half, settings_from_cluster(half, num_cpus=2), "abcdef").nodes}
-    assert cpus == {"pair-0": 0.5, "solo-0": 0.5, "slow-0": 0.25}
-    cpus = {n.node: n.cpus for n in plan_network(twin, settings_from_cluster(twin, num_cpus=2), "abcdef").nodes}
-    assert cpus == {"pair-0": 0.5, "solo-0": 0.5, "slow-0": 0.5}
+    # Each rank keeps half a core; its training thread gets three quarters of that at full speed.
+    cpus = {n.node: (n.cpus, n.device_cpus) for n in plan_network(half, settings_from_cluster(half, num_cpus=2), "abcdef").nodes}
+    assert cpus == {"pair-0": (0.5, 0.375), "solo-0": (0.5, 0.375), "slow-0": (0.5, 0.1875)}
+    cpus = {n.node: (n.cpus, n.device_cpus) for n in plan_network(twin, settings_from_cluster(twin, num_cpus=2), "abcdef").nodes}
+    assert cpus == {"pair-0": (0.5, 0.375), "solo-0": (0.5, 0.375), "slow-0": (0.5, 0.375)}
     assert oracle_speeds(half, 4) == [1.0, 1.0, 1.0, 0.5] and oracle_speeds(twin, 4) == [1.0] * 4
     # mixed-mini-halfspeed keeps its speeds from device.tflops (no compute_scale).
     assert oracle_speeds(load_cluster(os.path.join(REPO, "configs", "clusters", "mixed-mini-halfspeed.yaml")), 4) \

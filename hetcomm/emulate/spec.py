@@ -472,18 +472,20 @@ def _with_compute(cluster: Cluster, settings: EmulationSettings, plan: NetPlan) 
         nodes.append(dataclasses.replace(nn, compute_scale=s, cpus=cpus, device_cpus=device_cpus))
     notes = list(plan.notes)
     if settings.compute:
-        notes.append(
-            "compute speed: "
-            + ", ".join(
-                f"{n.node} x{n.compute_scale:.3g} ({n.cpus:.3g} CPUs per rank)" for n in nodes
-            )
-            + f"; {settings.cpu_per_rank:.3g} CPUs per rank at x1"
-        )
         if settings.host_share > 0:
             notes.append(
-                "host threads not slowed: each rank's training thread is held to "
-                + ", ".join(f"{n.node} {n.device_cpus:.3g}" for n in nodes)
-                + f" CPUs; its other threads share the rank's {settings.cpu_per_rank:.3g} with it"
+                "compute speed: "
+                + ", ".join(f"{n.node} x{n.compute_scale:.3g} ({n.device_cpus:.3g} CPUs)" for n in nodes)
+                + f" for each rank's training thread; its other threads share the rank's "
+                f"{settings.cpu_per_rank:.3g} CPUs with it (host_share {settings.host_share:g})"
+            )
+        else:
+            notes.append(
+                "compute speed: "
+                + ", ".join(
+                    f"{n.node} x{n.compute_scale:.3g} ({n.cpus:.3g} CPUs per rank)" for n in nodes
+                )
+                + f"; {settings.cpu_per_rank:.3g} CPUs per rank at x1"
             )
     elif settings.compute_scale:
         notes.append("compute_scale given but compute emulation is off (emulation.compute: false)")

@@ -31,14 +31,16 @@ from __future__ import annotations
 
 import argparse
 import calendar
+import json
 import os
 import re
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -95,13 +97,42 @@ def _up(cluster: str, subnet: str, state: str) -> str:
     return out.stdout.strip().splitlines()[-1].strip()
 
 
-def _run(run_id: str, state: str, cluster: str, config: str, steps: Optional[int], flags: List[str]) -> dict:
-    cmd = _hetcomm("train", "--cluster", cluster, "--config", config, *flags)
+def steady_pace(metrics_path: str, from_step: int) -> Tuple[float, float]:
+    """From a run's metrics file, over the steps after ``from_step`` (every variant's one-time
+    placement is done by then): tokens/s of all ranks, and the median over those steps of the
+    ranks' expert busy seconds max/mean (``expert_s_by_rank``, forward). NaN where the run
+    ended first."""
+    steps = []
+    with open(metrics_path, encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("kind") == "step":
+                steps.append((int(rec["step"]), float(rec["time_s"]), float(rec["tokens"]),
+                              rec.get("expert_s_by_rank") or []))
+    start = [t for s, t, _, _ in steps if s == from_step]
+    after = [(t, n, e) for s, t, n, e in steps if s > from_step]
+    if not start or not after:
+        return float("nan"), float("nan")
+    spread = [max(e) / (sum(e) / len(e)) for _, _, e in after if e and sum(e) > 0]
+    return (sum(n for _, n, _ in after) / (after[-1][0] - start[0]),
+            statistics.median(spread) if spread else float("nan"))
+
+
+def _run(run_id: str, state: str, cluster: str, config: str, steps: Optional[int], flags: List[str],
+         steady_from: int) -> dict:
+    metrics = tempfile.NamedTemporaryFile(prefix="het-testbed-", suffix=".jsonl", delete=False).name
+    cmd = _hetcomm("train", "--cluster", cluster, "--config", config, "--metrics", metrics, *flags)
     if steps is not None:
         cmd += ["--steps", str(steps)]
     cmd = _hetcomm("emulate", "run", "--id", run_id, "--state-dir", state, "--timeout", "900", "--", *cmd)
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO)
     rows: dict = {"rc": out.returncode}
+    try:
+        rows["steady"], rows["expert_spread"] = steady_pace(metrics, steady_from)
+    except (OSError, ValueError, KeyError):
+        rows["steady"] = rows["expert_spread"] = float("nan")
+    finally:
+        os.unlink(metrics)
     for line in out.stdout.splitlines():
         for key in ROWS:
             if line.startswith(key):
@@ -138,6 +169,9 @@ def main() -> int:
     ap.add_argument("--config", default="configs/train/testbed.yaml")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: the config's)")
     ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--steady-from", type=int, default=20,
+                    help="the steady pace is timed over the steps after this one (default 20: every "
+                    "variant's one-time placement is done by then)")
     ap.add_argument("--max-load", type=float, default=2.0, help="start a pair only below this 1-minute load")
     ap.add_argument("--max-wait", type=float, default=1800.0, help="seconds to wait for the load before giving up")
     ap.add_argument("--until", default=None, metavar="HH:MM",
@@ -177,10 +211,12 @@ def main() -> int:
             for name in order:
                 where, flags = variants[name]
                 cluster = args.cluster if where == "half" else args.twin
-                r = _run(ids[where], args.state_dir, cluster, args.config, args.steps, flags)
+                r = _run(ids[where], args.state_dir, cluster, args.config, args.steps, flags, args.steady_from)
                 results[name].append(r)
                 shares = r["shares"]
-                print(f"  pair {i + 1} {name}: {r['tok_s']:,.0f} tok/s, expert share by rank {shares} %, "
+                print(f"  pair {i + 1} {name}: {r['tok_s']:,.0f} tok/s ({r['steady']:,.0f} after step "
+                      f"{args.steady_from}), expert share by rank {shares} %, "
+                      f"expert time max/mean {r['expert_spread']:.2f}, "
                       f"{r.get('verdict', 'no verdict')[:4]}, rc {r['rc']}, load {_load():.2f}", flush=True)
                 print(f"    cold move: {r.get(COLD, '-')}", flush=True)
     finally:
@@ -196,17 +232,29 @@ def main() -> int:
     print(f"\n{args.cluster} (twin {args.twin}) under emulate --compute, config {args.config}, "
           f"{n} pair(s), start loads {[round(x, 2) for x in start_loads]}, end load {_load():.2f}, "
           f"{time.time() - t0:.0f} s, commit {rev}")
-    print("| variant | tokens/s median (min-max) | runs | x speed-blind (per pair min-max) | slow rank expert "
-          "share of busy CPU, median (min-max) | cold move (last run) |")
-    print("|---|---|---|---|---|---|")
+    print(f"| variant | tokens/s median (min-max) | runs | x speed-blind per pair: median (min-max) | "
+          f"after step {args.steady_from}: x speed-blind per pair | slow rank expert share of busy CPU, "
+          f"median (min-max) | expert busy time max/mean over ranks, median of steps (min-max of runs) | placement (last run) |")
+    print("|---|---|---|---|---|---|---|---|")
+    blind = done.get("speed-blind")
     for name, rs in done.items():
         tok = [r["tok_s"] for r in rs]
         sl = [r["shares"][s] for r in rs for s in slow if len(r["shares"]) > s and r["shares"][s] is not None]
         share = _spread(sl, "{:.0f} %") if sl else "-"
         split = rs[-1].get(COLD, "-")
-        pairs = [a["tok_s"] / b["tok_s"] for a, b in zip(rs, done.get("speed-blind", rs))]
+        pairs = [a["tok_s"] / b["tok_s"] for a, b in zip(rs, blind or rs)]
+        steady = [a["steady"] / b["steady"] for a, b in zip(rs, blind or rs)]
+        spread = [r["expert_spread"] for r in rs if r["expert_spread"] == r["expert_spread"]]
         print(f"| {name} | {_spread(tok)} | {' / '.join(f'{x:,.0f}' for x in tok)} | "
-              f"{statistics.median(tok) / base:.2f} ({min(pairs):.2f}-{max(pairs):.2f}) | {share} | {split} |")
+              f"{_spread(pairs, '{:.2f}')} | {_spread(steady, '{:.2f}')} | {share} | "
+              f"{_spread(spread, '{:.2f}') if spread else '-'} | {split} |")
+    if "oracle" in done and "default" in done and blind:
+        for label, key in (("whole run", "tok_s"), (f"after step {args.steady_from}", "steady")):
+            gap = [(d[key] - b[key]) / (o[key] - b[key]) * 100
+                   for d, o, b in zip(done["default"], done["oracle"], blind) if o[key] != b[key]]
+            if gap:
+                print(f"T1 ({label}): the default recovers {statistics.median(gap):.0f} % of the gap to the oracle "
+                      f"(per pair {' / '.join(f'{g:.0f}' for g in gap)} %; target >= 70 %)")
     if "oracle" in done and "speed-blind" in done:
         ratio = statistics.median(r["tok_s"] for r in done["oracle"]) / base
         blind_share = [r["shares"][s] for r in done["speed-blind"] for s in slow if len(r["shares"]) > s]

@@ -1,17 +1,19 @@
 """The one-time placement by speed of the measured loop (:class:`~hetcomm.moe.measured_loop.MeasuredLoop`):
-once per MoE layer, as soon as the agreed speeds have a verdict and every rank's busy time is
-measured, the experts are re-placed so the ranks' predicted busy time per step evens out
-(:func:`hetcomm.moe.placement.migration.place_by_speed`), when the policy's ``cold_placement``
-lever is on (:mod:`hetcomm.moe.policy`). A slow rank ends with fewer experts, the coldest among
-them: it is slow at its dense work too, which no move takes away.
+once per MoE layer, as soon as the agreed speeds have a verdict and every rank's expert rows are
+measured, the layer's experts are re-placed so its ranks' predicted expert busy time per step
+evens out (:func:`hetcomm.moe.placement.migration.place_by_speed`), when the policy's
+``cold_placement`` lever is on (:mod:`hetcomm.moe.policy`). A slow rank ends with fewer experts,
+the coldest among them.
 
-The prediction per rank is its dense seconds per step (the speed source's whole-step clock,
-:attr:`~hetcomm.moe.speed.SpeedSnapshot.step_seconds`, minus every layer's measured expert
-seconds) plus each layer's experts' rows at the rank's measured seconds per row. Layers due at
-the same step are placed in order, each against the prediction the earlier ones left. The rows
-per expert are the layer's mean global picks per training forward, from its load observer. With
-given speeds (``--speed oracle``) the dense and per-row seconds are pooled over the ranks at full
-speed and spread by the given factors (:func:`~hetcomm.moe.placement.migration.given_spread`).
+Each layer is evened on its own, and a rank's dense work is left out, because every layer's
+dispatch and combine are points every rank waits at: a slow rank's dense work delays the others
+at the next dispatch whatever the experts are, so fewer experts there only leave it idle inside
+the layer (on the half-speed testbed the speed-proportional ``[5, 5, 4, 2]`` of each layer ran
+faster than maps that also took the dense work off the slow rank). The prediction per rank is the
+layer's experts' rows at the rank's measured seconds per row; the rows per expert are the layer's
+mean global picks per training forward, from its load observer. With given speeds
+(``--speed oracle``) the per-row seconds are pooled over the ranks at full speed and spread by
+the given factors (:func:`~hetcomm.moe.placement.migration.given_spread`).
 
 Which layers have had their move is training state: it travels in checkpoints and snapshots
 (as an ``extras`` entry beside :class:`~hetcomm.moe.placement.state.LayerPlacements`, which
@@ -24,9 +26,6 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 import torch
-
-from hetcomm.moe.placement.assign import busy_times
-from hetcomm.moe.placement.migration import FORWARD_AND_BACKWARD, dense_seconds, seconds_per_row
 
 __all__ = ["ColdMoves"]
 
@@ -73,24 +72,13 @@ class ColdMoves:
                if not self.done[i] and layer.speed_placement_due() and self.expert_rows(i)]
         if not due:
             return []
-        W = self.layers[due[0]].world_size
-        one_group = all(m.world_size == W for m in self.layers)
-        # each rank's step: its dense seconds plus every layer's expert seconds (the model's where
-        # the load is known, the measured ones elsewhere); each layer is placed against the rest
-        dense = dense_seconds(self.layers if one_group else [self.layers[due[0]]])
-        experts = [self._expert_seconds(j) for j in range(len(self.layers))] if one_group else []
         events = []
         for i in due:
             layer = self.layers[i]
             self.done[i] = True
             moved: List[int] = []
             if allowed:
-                rows, per_row = self.expert_rows(i), seconds_per_row(layer)
-                others = [sum(e[r] for j, e in enumerate(experts) if j != i) for r in range(W)]
-                fixed = [d + o for d, o in zip(dense, others)] if one_group else dense
-                moved = layer.place_by_speed(rows, fixed, optimizer)
-                if one_group:
-                    experts[i] = busy_times(layer.placement.owner, rows, per_row, [0.0] * W)
+                moved = layer.place_by_speed(self.expert_rows(i), optimizer)
             counts = [list(layer.placement.owner).count(r) for r in range(layer.world_size)]
             self.rows.append(f"layer {i} at step {step}: " + (f"experts {moved} moved, {counts} per rank"
                                                                if moved else "nothing to move"))
@@ -98,15 +86,6 @@ class ColdMoves:
                 events.append(f"layer {i}: experts re-placed by measured busy time, moved {moved}, "
                               f"experts per rank {counts}")
         return events
-
-    def _expert_seconds(self, j: int) -> List[float]:
-        """``[W]`` layer ``j``'s expert seconds per step on each rank: its rows at the ranks'
-        seconds per row where its load and speeds are known, else its measured seconds."""
-        layer = self.layers[j]
-        rows = self.expert_rows(j)
-        if rows and layer.speed_placement_due():
-            return busy_times(layer.placement.owner, rows, seconds_per_row(layer), [0.0] * layer.world_size)
-        return [FORWARD_AND_BACKWARD * t for t in layer.speed.agreed.seconds_per_step] or [0.0] * layer.world_size
 
     def summary(self) -> str:
         if not self.enabled:

@@ -313,11 +313,11 @@ class MoELayer(nn.Module):
         :func:`~hetcomm.moe.placement.migration.speed_placement_due`)."""
         return migration.speed_placement_due(self)
 
-    def place_by_speed(self, expert_rows: Sequence[float], fixed_seconds: Sequence[float], optimizer=None) -> List[int]:
-        """Re-place the experts so the ranks' predicted busy time evens out, now (collective;
-        between steps; :func:`~hetcomm.moe.placement.migration.place_by_speed`). Returns the
-        experts that moved."""
-        return migration.place_by_speed(self, expert_rows, fixed_seconds, optimizer)
+    def place_by_speed(self, expert_rows: Sequence[float], optimizer=None) -> List[int]:
+        """Re-place the experts so the ranks' predicted expert busy time evens out, now
+        (collective; between steps; :func:`~hetcomm.moe.placement.migration.place_by_speed`).
+        Returns the experts that moved."""
+        return migration.place_by_speed(self, expert_rows, optimizer)
 
     def sync_replicas(self, force: bool = False, carry: Optional[List[torch.Tensor]] = None) -> bool:
         """Refresh replicas from their owners now (collective). Returns True if weights moved.

@@ -31,10 +31,9 @@ step-to-step spread says). It is known from the second agreement with measuremen
 :data:`NOISE_MIN_STEPS` steps were measured.
 
 **Agreed.** Every ``every`` steps each rank contributes one row ``(rows_ema, seconds_ema, room,
-noise, steps, step_seconds_ema)`` to one all-reduce of a ``[W, 6]`` float64 table (riding in the
-layer's load all-reduce where it runs, :meth:`SpeedMeter.agreement_row`; zeros elsewhere:
-the sum is exact; ``step_seconds_ema`` is the same clock over the whole step, between two forwards
-of the layer: what the one-time placement balances, :mod:`hetcomm.moe.cold`), so every rank holds
+noise, steps)`` to one all-reduce of a ``[W, 5]`` float64 table (riding in the layer's load
+all-reduce where it runs, :meth:`SpeedMeter.agreement_row`; zeros elsewhere: the sum is
+exact), so every rank holds
 the identical :class:`SpeedSnapshot` afterwards and the decisions taken from it are identical
 without another message. Before the first agreement the vector is the *prior* (datasheet TFLOPS, or
 equal speeds without a cluster), in arbitrary units; a rank that measured nothing yet is given its
@@ -83,7 +82,7 @@ NOISE_MIN_STEPS = 3
 #: Per-thread scheduler statistics: ``run_ns ready_ns timeslices``.
 SCHEDSTAT = "/proc/thread-self/schedstat"
 #: Columns of the agreed table, one row per rank.
-TABLE_COLUMNS = ("rows_ema", "seconds_ema", "room", "noise", "steps", "step_seconds_ema")
+TABLE_COLUMNS = ("rows_ema", "seconds_ema", "room", "noise", "steps")
 
 
 # -- the rule ------------------------------------------------------------------------------------
@@ -202,15 +201,6 @@ class ComputeTimer:
     def collect(self, wait: bool = False) -> List[Tuple[int, float]]:
         raise NotImplementedError
 
-    def mark_step(self) -> None:
-        """Mark the end of one training step on the calling thread (the next interval begins)."""
-        raise NotImplementedError
-
-    def collect_steps(self, wait: bool = False) -> List[float]:
-        """Busy seconds of the intervals between consecutive :meth:`mark_step` calls measured
-        since the last collect."""
-        raise NotImplementedError
-
 
 class CpuTimer(ComputeTimer):
     """:class:`BusyClock` around the call, one clock per calling thread: right where compute is
@@ -218,7 +208,6 @@ class CpuTimer(ComputeTimer):
 
     def __init__(self) -> None:
         self._done: List[Tuple[int, float]] = []
-        self._steps: List[float] = []
         self._local = threading.local()
 
     def clock(self) -> BusyClock:
@@ -238,32 +227,18 @@ class CpuTimer(ComputeTimer):
         done, self._done = self._done, []
         return done
 
-    def mark_step(self) -> None:
-        now = self.clock().read()
-        last = getattr(self._local, "step_mark", None)
-        if last is not None:
-            self._steps.append(max(0.0, now - last))
-        self._local.step_mark = now
-
-    def collect_steps(self, wait: bool = False) -> List[float]:
-        done, self._steps = self._steps, []
-        return done
-
 
 class EventTimer(ComputeTimer):
     """Timing events on the device's current stream (the compute stream the experts run on).
 
     ``module`` is ``torch.cuda`` or ``torch_npu``'s ``torch.npu``: both expose
     ``Event(enable_timing=True)``, ``.record()``, ``.query()`` and ``.elapsed_time()`` (ms).
-    Imported lazily by :func:`timer_for`; nothing here runs on a CPU-only host. A step's interval
-    (:meth:`mark_step`) is the stream's time between two marks: idle gaps while the stream waits
-    for a transfer count too, so on a device the step's busy time is an upper bound.
+    Imported lazily by :func:`timer_for`; nothing here runs on a CPU-only host.
     """
 
     def __init__(self, module: Any, device: torch.device) -> None:
         self._module, self._device = module, device
         self._pending: List[Tuple[Any, Any, int]] = []
-        self._step_events: List[Any] = []  # oldest first; two neighbours bound a step
 
     def begin(self) -> Any:
         ev = self._module.Event(enable_timing=True)
@@ -285,23 +260,6 @@ class EventTimer(ComputeTimer):
             else:
                 keep.append((start, stop, rows))
         self._pending = keep
-        return done
-
-    def mark_step(self) -> None:
-        ev = self._module.Event(enable_timing=True)
-        ev.record(self._module.current_stream(self._device))
-        self._step_events.append(ev)
-
-    def collect_steps(self, wait: bool = False) -> List[float]:
-        done = []
-        while len(self._step_events) >= 2:
-            start, stop = self._step_events[0], self._step_events[1]
-            if wait:
-                stop.synchronize()
-            if not stop.query():
-                break
-            done.append(start.elapsed_time(stop) / 1e3)
-            self._step_events.pop(0)
         return done
 
 
@@ -332,8 +290,6 @@ class SpeedSnapshot:
         own_rows_per_s: ``[W]`` each rank's own measured speed, unpooled (0: none yet).
         seconds_per_step: ``[W]`` each rank's EMA of busy expert seconds per measured step.
         room: ``[W]`` the rank has room for hot-expert replicas.
-        step_seconds: ``[W]`` each rank's EMA of busy seconds per whole training step (all of
-            its work between two forwards of the layer, the experts included; 0: not yet known).
     """
 
     rows_per_s: Tuple[float, ...]
@@ -344,7 +300,6 @@ class SpeedSnapshot:
     own_rows_per_s: Tuple[float, ...] = ()
     seconds_per_step: Tuple[float, ...] = ()
     room: Tuple[bool, ...] = field(default=())
-    step_seconds: Tuple[float, ...] = ()
 
     def slow(self) -> List[int]:
         """The slow ranks by the rule (:func:`slow_ranks`): none before a verdict."""
@@ -353,7 +308,7 @@ class SpeedSnapshot:
 
 def agree_table(rows: Sequence[Sequence[float]], prior: Sequence[float],
                 classes: Optional[Sequence[int]] = None) -> Tuple[Tuple[float, ...], Tuple[float, ...], Optional[bool]]:
-    """``(speeds, noise, differ)`` from the agreed ``[W, 6]`` table (:data:`TABLE_COLUMNS`).
+    """``(speeds, noise, differ)`` from the agreed ``[W, 5]`` table (:data:`TABLE_COLUMNS`).
 
     Measured ranks get ``rows_ema / seconds_ema``; with ``classes``, the members of a class whose
     measurements agree (:func:`speeds_differ` is False among them) get the class's summed rows
@@ -445,7 +400,6 @@ class SpeedMeter:
         self._var = self._var_w = 0.0
         self._agreed_local: Optional[float] = None  # this rank's estimate at the previous agreement
         self._drift = self._drift_w = 0.0  # EMA of squared log-changes between agreements
-        self._step_s = self._step_w = 0.0  # EMA of the whole step's busy seconds and its weight
         self._timer: Optional[ComputeTimer] = None
         self._timer_device: Optional[torch.device] = None
 
@@ -482,7 +436,7 @@ class SpeedMeter:
             speeds: ``[W]`` positive speeds, any unit.
             given: the speeds are the truth (an emulation's known factors): they and their
                 verdict stay in force, and agreements (with ``every > 0``) only bring the
-                measured magnitudes (:attr:`SpeedSnapshot.seconds_per_step`, ``step_seconds``).
+                measured magnitudes (:attr:`SpeedSnapshot.seconds_per_step`).
         """
         if len(speeds) != self.world_size or not all(float(s) > 0 for s in speeds):
             raise ConfigError(
@@ -570,25 +524,12 @@ class SpeedMeter:
         self._w2 = a * a * self._w2 + (1 - a) ** 2
         self.measured_steps += 1
 
-    def observe_step(self, seconds: float) -> None:
-        """Fold one whole step's busy ``seconds`` (this rank's work between two forwards of the
-        layer) into its EMA."""
-        if seconds <= 0:
-            return
-        a = self.alpha
-        self._step_s = a * self._step_s + (1 - a) * seconds
-        self._step_w = a * self._step_w + (1 - a)
-
-    @property
-    def step_seconds_ema(self) -> float:
-        return self._step_s / self._step_w if self._step_w > 0 else 0.0
-
     def _due(self) -> bool:
         """Whether the forward about to finish (:meth:`finish_step`) is an agreement's."""
         return self.every > 0 and (self.steps + 1) % self.every == 0
 
     def agreement_row(self, device: torch.device) -> Optional[torch.Tensor]:
-        """This rank's row of the ``[W, 6]`` table, flattened (``[W * 6]`` float64 on ``device``,
+        """This rank's row of the ``[W, 5]`` table, flattened (``[W * 5]`` float64 on ``device``,
         zeros elsewhere), when this forward is an agreement's and the group has several ranks;
         else None. A caller whose own all-reduce sums it over the group (the layer's load
         statistics, :mod:`hetcomm.moe.load_observer`) hands the sum to :meth:`finish_step`: the
@@ -612,9 +553,6 @@ class SpeedMeter:
             for r, s in self._timer.collect(wait=agree):
                 rows += r
                 secs += s
-            self._timer.mark_step()  # one forward of this layer per step: marks a step apart
-            for s in self._timer.collect_steps(wait=agree):
-                self.observe_step(s)
         self.observe(rows, secs)
         if agree and table is not None:
             self._adopt(table.reshape(self.world_size, len(TABLE_COLUMNS)).tolist())
@@ -625,10 +563,10 @@ class SpeedMeter:
     def _my_row(self) -> List[float]:
         noise = self.agreement_noise()  # advances the drift: once per agreement
         return [self.rows_ema, self.seconds_ema, float(self.room_here), -1.0 if noise is None else noise,
-                float(self.measured_steps), self.step_seconds_ema]
+                float(self.measured_steps)]
 
     def agree(self) -> SpeedSnapshot:
-        """Exchange every rank's row of the ``[W, 6]`` table and set :attr:`agreed` (collective)."""
+        """Exchange every rank's row of the ``[W, 5]`` table and set :attr:`agreed` (collective)."""
         mine = self._my_row()
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             dev = self._timer_device if self._timer_device is not None else torch.device("cpu")
@@ -644,7 +582,7 @@ class SpeedMeter:
         return self._adopt(table)
 
     def _adopt(self, table: List[List[float]]) -> SpeedSnapshot:
-        """Set :attr:`agreed` from the group's ``[W, 6]`` table (identical on every rank)."""
+        """Set :attr:`agreed` from the group's ``[W, 5]`` table (identical on every rank)."""
         if self.given:
             speeds, noise_v, differ = self.prior, (0.0,) * self.world_size, speeds_differ(self.prior)
         else:
@@ -653,8 +591,7 @@ class SpeedMeter:
             speeds, noise_v, differ, measured=not self.given and any(r[0] > 0 and r[1] > 0 for r in table),
             agreements=self.agreements + 1,
             own_rows_per_s=tuple(r[0] / r[1] if r[0] > 0 and r[1] > 0 else 0.0 for r in table),
-            seconds_per_step=tuple(float(r[1]) for r in table), room=tuple(float(r[2]) > 0.5 for r in table),
-            step_seconds=tuple(float(r[5]) for r in table))
+            seconds_per_step=tuple(float(r[1]) for r in table), room=tuple(float(r[2]) > 0.5 for r in table))
         return self.agreed
 
     def snapshot(self) -> SpeedSnapshot:

@@ -91,5 +91,5 @@ def agreement_collectives(rank: int, world_size: int) -> Dict[str, Any]:
     finally:
         dist.all_reduce = real
     snap = layer.speed.snapshot()
-    return {"calls": calls, "agreements": snap.agreements, "step_seconds": snap.step_seconds,
-            "seconds": snap.seconds_per_step, "rows": snap.own_rows_per_s}
+    return {"calls": calls, "agreements": snap.agreements, "seconds": snap.seconds_per_step,
+            "rows": snap.own_rows_per_s}

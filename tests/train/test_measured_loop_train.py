@@ -65,7 +65,7 @@ def _user_rank(rank: int, world_size: int, cluster: str, speed: str) -> Dict[str
 
     from hetcomm.moe import MeasuredLoop, MoELayer
     from hetcomm.moe.placement.assign import balance_busy_time
-    from hetcomm.moe.placement.migration import dense_seconds, seconds_per_row
+    from hetcomm.moe.placement.migration import seconds_per_row
     from hetcomm.moe.policy import policy_of_layers
 
     torch.manual_seed(0)
@@ -92,7 +92,7 @@ def _user_rank(rank: int, world_size: int, cluster: str, speed: str) -> Dict[str
         if not expected and not loop.cold.done[0] and layer.speed_placement_due():
             # what the placement by speed must decide from the agreed busy times and the load
             rows = loop.cold.expert_rows(0)
-            expected = balance_busy_time(owners[-1], rows, seconds_per_row(layer), dense_seconds([layer]))
+            expected = balance_busy_time(owners[-1], rows, seconds_per_row(layer))
         undecided = not loop.cold.done[0]
         loop.after_step(step)
         if undecided and loop.cold.done[0]:

@@ -4,8 +4,7 @@ One room, one job each:
 
 * :mod:`~hetcomm.moe.placement.assign` -- the initial assignment (``place_experts``: experts in
   proportion to rank weights, hottest spread over strong ranks given a load prior; once speeds
-  are measured, ``balance_busy_time``: the map that evens the ranks' predicted busy time, dense
-  work included) and the :class:`ExpertPlacement` map itself;
+  are measured, ``balance_busy_time``: the map that evens the ranks' predicted expert busy time) and the :class:`ExpertPlacement` map itself;
 * :mod:`~hetcomm.moe.placement.balancer` -- the one placement policy
   (:class:`ExpertBalancer`: predicted load, capacity-aware packing, refinement, cooldown);
   ``MoELayer.rebalance`` and ``hetcomm train --balance`` both decide through it;

@@ -288,23 +288,22 @@ def check_adopted_map(
 MIN_GAIN = 0.02
 
 
-def busy_times(owner: Sequence[int], expert_rows: Sequence[float], seconds_per_row: Sequence[float],
-               fixed_seconds: Sequence[float]) -> List[float]:
-    """``[W]`` predicted busy seconds per step of each rank under the map ``owner``: its
-    ``fixed_seconds`` plus the rows of the experts it owns at its ``seconds_per_row``."""
-    t = [float(f) for f in fixed_seconds]
+def busy_times(owner: Sequence[int], expert_rows: Sequence[float], seconds_per_row: Sequence[float]) -> List[float]:
+    """``[W]`` predicted expert busy seconds per step of each rank under the map ``owner``: the
+    rows of the experts it owns at its ``seconds_per_row``."""
+    t = [0.0] * len(seconds_per_row)
     for e, r in enumerate(owner):
         t[r] += float(expert_rows[e]) * float(seconds_per_row[r])
     return t
 
 
 def balance_busy_time(owner: Sequence[int], expert_rows: Sequence[float], seconds_per_row: Sequence[float],
-                      fixed_seconds: Sequence[float], min_gain: float = MIN_GAIN) -> List[int]:
-    """The expert map that evens the ranks' predicted busy time per step, found from ``owner``.
+                      min_gain: float = MIN_GAIN) -> List[int]:
+    """The expert map that evens the ranks' predicted expert busy time per step, found from
+    ``owner``.
 
-    Rank ``r``'s step is ``fixed_seconds[r] + sum(expert_rows[e] * seconds_per_row[r])`` over
-    the experts it owns (:func:`busy_times`): a slow rank is slow at its dense work too, which
-    no expert move takes away, so it gets fewer experts than its speed share. Local search from
+    Rank ``r``'s time is ``sum(expert_rows[e] * seconds_per_row[r])`` over the experts it owns
+    (:func:`busy_times`): a rank at half speed ends with about half the rows. Local search from
     the map in force: while the slowest rank can hand one of its experts to another rank (or
     trade it for a colder one there) so that both end more than ``min_gain`` below the slowest
     rank's time now, the change that leaves the two the shortest is made (ties: the less busy
@@ -316,7 +315,6 @@ def balance_busy_time(owner: Sequence[int], expert_rows: Sequence[float], second
         owner: ``[E]`` current owner of each expert.
         expert_rows: ``[E]`` rows per step of each expert over the group (its load).
         seconds_per_row: ``[W]`` each rank's busy seconds per expert row, forward and backward.
-        fixed_seconds: ``[W]`` each rank's busy seconds per step outside these experts.
         min_gain: the least relative gain a change must bring.
     Returns:
         ``[E]`` new owner of each expert (``owner`` itself when nothing pays).
@@ -327,15 +325,12 @@ def balance_busy_time(owner: Sequence[int], expert_rows: Sequence[float], second
     E, W = len(owner), len(seconds_per_row)
     if len(expert_rows) != E:
         raise ConfigError(f"expert_rows has {len(expert_rows)} entries for {E} experts", key="moe.expert_load")
-    if len(fixed_seconds) != W:
-        raise ConfigError(f"fixed_seconds has {len(fixed_seconds)} entries for {W} ranks", key="moe.busy_time")
-    for name, xs in (("expert_rows", expert_rows), ("seconds_per_row", seconds_per_row),
-                     ("fixed_seconds", fixed_seconds)):
+    for name, xs in (("expert_rows", expert_rows), ("seconds_per_row", seconds_per_row)):
         bad = [i for i, x in enumerate(xs) if not (math.isfinite(float(x)) and float(x) >= 0)]
         if bad:
             raise ConfigError(f"{name}[{bad[0]}] is {xs[bad[0]]!r}; it must be a finite number >= 0", key="moe.busy_time")
     new = [int(r) for r in owner]
-    t = busy_times(new, expert_rows, seconds_per_row, fixed_seconds)
+    t = busy_times(new, expert_rows, seconds_per_row)
     for _ in range(E * W):  # each accepted change shortens the slowest step: a bound, not a budget
         slowest = max(range(W), key=lambda r: (t[r], -r))
         here = [e for e in range(E) if new[e] == slowest]

@@ -37,7 +37,7 @@ from hetcomm.errors import ConfigError, PeerTimeout
 from hetcomm.moe.placement.balancer import BalancerConfig, ExpertBalancer, ExpertMap, Move
 
 __all__ = ["ExpertSlots", "ExpertMigrator", "migrate_now", "resize_expert_modules", "state_layout",
-           "speed_placement_due", "place_by_speed", "seconds_per_row", "dense_seconds", "given_spread",
+           "speed_placement_due", "place_by_speed", "seconds_per_row", "given_spread",
            "FORWARD_AND_BACKWARD", "rebalance"]
 
 
@@ -363,12 +363,13 @@ def speed_placement_due(layer) -> bool:
     """Whether :func:`place_by_speed` has what it needs for ``layer`` (a
     :class:`~hetcomm.moe.MoELayer`): a verdict on the speeds (:attr:`SpeedSnapshot.differ
     <hetcomm.moe.speed.SpeedSnapshot>` is not None: agreed measurements with a noise estimate, or
-    given speeds) and an agreement that measured every rank's expert rows and whole step, more
-    than one rank, no paging. Identical on every rank (agreed values)."""
+    given speeds) and an agreement that measured every rank's expert rows, more than one rank,
+    no paging. Identical on every rank (agreed values)."""
     snap = layer.speed.agreed
-    measured = (len(snap.step_seconds) == layer.world_size and all(t > 0 for t in snap.step_seconds)
+    W = layer.world_size
+    measured = (len(snap.own_rows_per_s) == len(snap.seconds_per_step) == W
                 and all(v > 0 for v in snap.own_rows_per_s) and all(t > 0 for t in snap.seconds_per_step))
-    return layer.world_size > 1 and snap.differ is not None and measured and layer.config.page_budget == 0
+    return W > 1 and snap.differ is not None and measured and layer.config.page_budget == 0
 
 
 def seconds_per_row(layer) -> List[float]:
@@ -377,21 +378,6 @@ def seconds_per_row(layer) -> List[float]:
     when the layer's speeds are given (:func:`given_spread`)."""
     own = layer.speed.agreed.own_rows_per_s
     return given_spread(layer.speed, [FORWARD_AND_BACKWARD / v if v > 0 else 0.0 for v in own])
-
-
-def dense_seconds(layers: Sequence) -> List[float]:
-    """``[W]`` each rank's busy seconds per step outside the experts of ``layers`` (the model's
-    MoE layers over one group): the whole step (the speed source's step clock, agreed) minus each
-    layer's measured expert seconds, forward and backward; spread by the given speeds when they
-    are given (:func:`given_spread`)."""
-    first = layers[0].speed
-    step = first.agreed.step_seconds
-    out = []
-    for r in range(len(step)):
-        experts = sum(FORWARD_AND_BACKWARD * m.speed.agreed.seconds_per_step[r] for m in layers
-                      if len(m.speed.agreed.seconds_per_step) == len(step))
-        out.append(max(0.0, float(step[r]) - experts))
-    return given_spread(first, out)
 
 
 def given_spread(meter, values: Sequence[float]) -> List[float]:
@@ -406,19 +392,20 @@ def given_spread(meter, values: Sequence[float]) -> List[float]:
     return [full / s for s in scale]
 
 
-def place_by_speed(layer, expert_rows: Sequence[float], fixed_seconds: Sequence[float], optimizer=None) -> List[int]:
-    """Re-place ``layer``'s experts so the ranks' predicted busy time per step evens out, now
-    (collective; between steps).
+def place_by_speed(layer, expert_rows: Sequence[float], optimizer=None) -> List[int]:
+    """Re-place ``layer``'s experts so the ranks' predicted busy time in its experts evens out,
+    now (collective; between steps). Only the layer's own expert time counts: its dispatch and
+    combine are points every rank waits at, so a rank's work outside them cannot be traded
+    against its experts (:mod:`hetcomm.moe.cold`).
 
     The map comes from :func:`~hetcomm.moe.placement.assign.balance_busy_time` with each rank's
-    measured seconds per row (:func:`seconds_per_row`) and ``fixed_seconds``; a rank may end with
-    more or fewer experts, and :func:`migrate_now` carries parameters, optimizer state and
-    gradients, so training continues exactly.
+    measured seconds per row (:func:`seconds_per_row`); a rank may end with more or fewer
+    experts, and :func:`migrate_now` carries parameters, optimizer state and gradients, so
+    training continues exactly.
 
     Args:
         layer: a :class:`~hetcomm.moe.MoELayer` (:func:`speed_placement_due` holds).
         expert_rows: ``[E]`` rows per step of each expert over the group, identical on every rank.
-        fixed_seconds: ``[W]`` each rank's busy seconds per step outside this layer's experts.
         optimizer: the optimizer holding the layer's parameters, or None.
     Returns:
         Global ids of the experts that moved (none when no change pays).
@@ -426,7 +413,7 @@ def place_by_speed(layer, expert_rows: Sequence[float], fixed_seconds: Sequence[
     from hetcomm.moe.placement.assign import balance_busy_time
 
     owner = list(layer.placement.owner)
-    new = balance_busy_time(owner, expert_rows, seconds_per_row(layer), fixed_seconds)
+    new = balance_busy_time(owner, expert_rows, seconds_per_row(layer))
     if new == owner:
         return []
     return migrate_now(layer, new, optimizer)

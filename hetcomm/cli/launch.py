@@ -4,7 +4,7 @@
                    [--nproc-per-node N] [--max-restarts R]
                    [--no-health] [--threshold 3] [--eject] [--probe-size 64K] [--probe-iters 10] [--probe-compute S]
                    [--warmup-from METRICS.jsonl] [--group-size N --group-delay S]
-                   [-- train ARGS...]
+                   [--shrink-in-place] [-- train ARGS...]
 
 Run it once per node (like torchrun). Without ``--node`` it is a one-machine job: one
 ``torchrun --standalone`` with the cluster's ranks.
@@ -34,6 +34,12 @@ dies makes the survivors raise (naming it), torchrun restarts every worker, and 
 and named by its attempt's failure marks is SIGKILLed by the launch (torchrun's SIGTERM would
 wait out its 30 s grace first). Exit code: the job's (0 ok, 1 a worker failed
 for good, with a summary line), 2 bad usage, 128 + signal after SIGTERM/SIGINT.
+
+With ``--shrink-in-place`` (one machine, torch >= 2.14, a ``train`` job) the job phase runs on
+hetcomm's own launcher instead of torchrun (:mod:`hetcomm.cli._launch_inplace`): a rank that
+dies is dropped by the survivors (``dist.shrink_group``), which finish in their processes; no
+restarts. The exit code is then the lowest survivor's verdict, and the last line names the
+ranks that died and those that finished in place.
 """
 
 from __future__ import annotations
@@ -59,7 +65,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "launch",
         help="start a job under torchrun: health check, warm-up, grouped start, restarts",
         description="Launch a hetcomm job on top of torchrun in three phases (health check with "
-        "optional ejection of slow nodes, warm-up, grouped start) with elastic restarts.",
+        "optional ejection of slow nodes, warm-up, grouped start) with elastic restarts; or, with "
+        "--shrink-in-place on one machine, the job on hetcomm's own launcher so that the survivors of a "
+        "lost rank shrink the group and finish without a restart.",
     )
     p.add_argument("--cluster", default=None, help="cluster YAML (default: $HETCOMM_CLUSTER or the demo's)")
     p.add_argument("--node", default=None, help="this node's name in the cluster YAML (multi-node jobs)")

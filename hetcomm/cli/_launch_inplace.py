@@ -69,6 +69,16 @@ def check_config(job: List[str]):
     return cfg
 
 
+def _signal_name(code) -> str:
+    """``SIGTERM`` for the launcher's ``SystemExit(128 + signal)``."""
+    import signal
+
+    try:
+        return signal.Signals(int(code) - 128).name
+    except (TypeError, ValueError):
+        return f"exit {code}"
+
+
 def run_job(job: List[str], cfg, nproc: int, env: Dict[str, str]) -> int:
     """Run the job's ``nproc`` ranks on hetcomm's launcher and return the launch's exit code:
     after an in-place shrink the lowest survivor's verdict, with one line naming the ranks that
@@ -80,5 +90,12 @@ def run_job(job: List[str], cfg, nproc: int, env: Dict[str, str]) -> int:
     opts = replace(launch_options(cfg, in_place=True), args=(job,), env=env, name="launch")
     print(f"hetcomm launch: starting the job on this machine under hetcomm's launcher (--shrink-in-place: a lost "
           f"rank's survivors go on in place; no restarts): {' '.join(job)}", file=sys.stderr, flush=True)
-    outcome = launch(in_place_rank, nproc, opts)
+    try:
+        outcome = launch(in_place_rank, nproc, opts)
+    except (SystemExit, KeyboardInterrupt) as e:
+        # The launcher forwarded SIGTERM/SIGINT to every rank and stopped them (SIGKILL after its
+        # grace); the launch ends 128 + signal as on the torchrun path, saying so.
+        name = "SIGINT" if isinstance(e, KeyboardInterrupt) else _signal_name(e.code)
+        print(f"hetcomm launch: {name} received during the job; stopped every rank", file=sys.stderr, flush=True)
+        raise
     return exit_code(outcome, True, who="hetcomm launch")

@@ -116,3 +116,40 @@ def test_shrink_in_place_refused_before_anything_starts(tmp_path, capsys, argv, 
     if "restores the survivors" not in says:
         assert "drop --shrink-in-place" in err or "drop it" in err, err  # the fix: the restart path
     assert not work.exists()  # nothing was started
+
+
+@needs_214
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_during_the_in_place_job_stops_every_rank(tmp_path):
+    """SIGTERM to the launch while the job runs on hetcomm's launcher: every rank stopped, exit
+    128 + 15 with one line saying so, no process of the launch left (as on the torchrun path)."""
+    import signal
+    import time
+
+    from tests.ops.test_launch_edges import _wait, _workers
+
+    work = str(tmp_path / "work")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               HETCOMM_SNAPSHOT_ROOT=str(tmp_path / "shm"))
+    os.makedirs(tmp_path / "shm")
+    proc = subprocess.Popen([sys.executable, "-m", "hetcomm.cli.main", "launch", "--no-health", "--shrink-in-place",
+                             "--work-dir", work, "--", "train", "--config", TINY, "--steps", "100000"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait(lambda: all(os.path.exists(os.path.join(work, f"job-0-rank{r}.started")) for r in range(4)), 240,
+              "every rank's start mark")
+        assert len(_workers(work)) >= 4  # the ranks carry the launch directory in their environment
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "hetcomm launch: SIGTERM received during the job; stopped every rank" in out, out[-3000:]
+    deadline = time.monotonic() + 10
+    while _workers(work) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _workers(work) == [], _workers(work)
+    assert os.listdir(tmp_path / "shm") == [], os.listdir(tmp_path / "shm")  # the job's snapshots removed

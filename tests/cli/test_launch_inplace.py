@@ -46,6 +46,14 @@ def test_launch_shrink_in_place_survivors_finish_in_their_processes(tmp_path, vi
     out_dir.mkdir()
     shm.mkdir()
     metrics = str(tmp_path / "m.jsonl")
+    # The tiny job with a 120 s group timeout: the launch's time limit (timeout_s + 10 s a step)
+    # then leaves room for four ranks importing torch on a loaded 2-core machine (~55 s seen).
+    config = tmp_path / "tiny.yaml"
+    with open(TINY, encoding="utf-8") as f:
+        text = f.read()
+    assert "timeout_s: 60" in text
+    config.write_text(text.replace("timeout_s: 60", "timeout_s: 120").replace(
+        "cluster: configs/clusters/mixed-mini.yaml", f"cluster: {REPO}/configs/clusters/mixed-mini.yaml"))
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                INPLACE_TEST_VICTIM=str(victim), INPLACE_TEST_OUT=str(out_dir), HETCOMM_SNAPSHOT_ROOT=str(shm))
     for name in ("HETCOMM_CLUSTER", "HETCOMM_JOB_ID", "HETCOMM_LAUNCH_NONCE", "HETCOMM_LAUNCH_OWNER"):
@@ -54,7 +62,7 @@ def test_launch_shrink_in_place_survivors_finish_in_their_processes(tmp_path, vi
         [sys.executable, "-m", "tests.cli.inplace_launch", "--shrink-in-place", "--work-dir", str(work),
          # the health verdict is not under test: a loaded machine's probes can take 3x the median
          "--probe-size", "4K", "--probe-iters", "2", "--threshold", "1e6",
-         "--", "train", "--config", TINY, "--steps", str(STEPS), "--metrics", metrics],
+         "--", "train", "--config", str(config), "--steps", str(STEPS), "--metrics", metrics],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=560)
     out = proc.stdout + proc.stderr
     assert "phase 1, health check" in out, out[-4000:]  # the phases before the job are unchanged

@@ -4,7 +4,7 @@
                    [--nproc-per-node N] [--max-restarts R]
                    [--no-health] [--threshold 3] [--eject] [--probe-size 64K] [--probe-iters 10] [--probe-compute S]
                    [--warmup-from METRICS.jsonl] [--group-size N --group-delay S]
-                   [-- train ARGS...]
+                   [--shrink-in-place] [-- train ARGS...]
 
 Run it once per node (like torchrun). Without ``--node`` it is a one-machine job: one
 ``torchrun --standalone`` with the cluster's ranks.
@@ -34,6 +34,12 @@ dies makes the survivors raise (naming it), torchrun restarts every worker, and 
 and named by its attempt's failure marks is SIGKILLed by the launch (torchrun's SIGTERM would
 wait out its 30 s grace first). Exit code: the job's (0 ok, 1 a worker failed
 for good, with a summary line), 2 bad usage, 128 + signal after SIGTERM/SIGINT.
+
+With ``--shrink-in-place`` (one machine, torch >= 2.14, a ``train`` job) the job phase runs on
+hetcomm's own launcher instead of torchrun (:mod:`hetcomm.cli._launch_inplace`): a rank that
+dies is dropped by the survivors (``dist.shrink_group``), which finish in their processes; no
+restarts. The exit code is then the lowest survivor's verdict, and the last line names the
+ranks that died and those that finished in place.
 """
 
 from __future__ import annotations
@@ -59,7 +65,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "launch",
         help="start a job under torchrun: health check, warm-up, grouped start, restarts",
         description="Launch a hetcomm job on top of torchrun in three phases (health check with "
-        "optional ejection of slow nodes, warm-up, grouped start) with elastic restarts.",
+        "optional ejection of slow nodes, warm-up, grouped start) with elastic restarts; or, with "
+        "--shrink-in-place on one machine, the job on hetcomm's own launcher so that the survivors of a "
+        "lost rank shrink the group and finish without a restart.",
     )
     p.add_argument("--cluster", default=None, help="cluster YAML (default: $HETCOMM_CLUSTER or the demo's)")
     p.add_argument("--node", default=None, help="this node's name in the cluster YAML (multi-node jobs)")
@@ -69,6 +77,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--rdzv-id", default=None, help="job id shared by every node's launch (default: random)")
     p.add_argument("--local-addr", default=None, help="this node's address other nodes reach it by (torchrun --local-addr)")
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun restarts after a worker failure (default 3)")
+    p.add_argument("--shrink-in-place", action="store_true",
+                   help="one machine, torch >= 2.14, a train job: run the job phase on hetcomm's own launcher instead "
+                   "of torchrun, so that when a rank dies the survivors drop it (dist.shrink_group) and finish in "
+                   "their processes from the in-memory snapshots (no restarts; --max-restarts does not apply; "
+                   "multi-node jobs and torch 2.13 keep the restart path; docs/OPERATIONS.md)")
     p.add_argument("--no-health", dest="health", action="store_false", help="skip phase 1")
     p.add_argument("--threshold", type=float, default=3.0, help="slow = best-peer probe time above this x the median (default 3)")
     p.add_argument("--eject", action="store_true", help="leave slow nodes out of the job")
@@ -304,6 +317,9 @@ def _run(args: argparse.Namespace, made: List[str], jobs: List[Tuple[str, str]])
     if job and job[0] == "--":
         job = job[1:]
     job = job or ["train"]
+    from hetcomm.cli import _launch_inplace
+
+    job = _launch_inplace.check(args, job)
     cluster_path = job_cluster(args.cluster or settings.CLUSTER.get(), job, "configs/clusters/mixed-mini.yaml")
     cluster = load_cluster(cluster_path)
     if args.warmup_from:
@@ -313,6 +329,7 @@ def _run(args: argparse.Namespace, made: List[str], jobs: List[Tuple[str, str]])
             raise UsageError("--warmup-from given to launch and to the job: give it once")
         job += ["--warmup-from", os.path.abspath(args.warmup_from)]
     job = check_job(job, cluster_path)
+    in_place_cfg = _launch_inplace.check_config(job) if args.shrink_in_place else None
     names = [n.name for n in cluster.nodes]
     if args.rdzv_endpoint is not None:
         check_rdzv_endpoint(args.rdzv_endpoint)
@@ -421,6 +438,9 @@ def _run(args: argparse.Namespace, made: List[str], jobs: List[Tuple[str, str]])
     if args.group_size:
         env["HETCOMM_GROUP_SIZE"] = str(args.group_size)
         env["HETCOMM_GROUP_DELAY"] = str(args.group_delay)
+    if in_place_cfg is not None:
+        clear_marks(work, "job")
+        return _launch_inplace.run_job(job, in_place_cfg, nproc, env)
     cmd = torchrun_command(
         ["hetcomm.cli.launch_worker"] + job, nproc=nproc, nnodes=(lo, hi), rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=rdzv_id, max_restarts=args.max_restarts, local_addr=args.local_addr,

@@ -135,8 +135,13 @@ def fresh_store() -> None:
     of each attempt publishes a free port under the attempt's own key; every rank points
     ``MASTER_PORT`` at it and lets rank 0 host the store (``TORCHELASTIC_USE_AGENT_STORE=False``),
     so each attempt starts from an empty store.
+
+    Not under hetcomm's own launcher (``hetcomm launch --shrink-in-place``: no
+    ``TORCHELASTIC_RUN_ID``): it runs one attempt, its store is empty when the ranks start, and
+    it must stay in the launcher, which outlives any rank (the survivors of a lost rank 0 go on
+    over it; a store in rank 0 would die with it).
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     import socket
 
@@ -161,8 +166,10 @@ def stagger() -> float:
     return wait
 
 
-def main(argv: Optional[List[str]] = None, *, build_parser: "Callable[[], argparse.ArgumentParser]", exit_usage: int) -> int:
-    """Run the job; a *finished* job's exit code is recorded, not returned.
+def main(argv: Optional[List[str]] = None, *, build_parser: "Callable[[], argparse.ArgumentParser]", exit_usage: int,
+         record_exit: bool = True) -> int:
+    """Run the job; a *finished* job's exit code is recorded, not returned (unless ``record_exit``
+    is False).
 
     torchrun restarts the workers when one exits non-zero, which is right for a crash (a dead
     peer, a collective error: they propagate from here with their traceback) but wrong for a
@@ -175,6 +182,10 @@ def main(argv: Optional[List[str]] = None, *, build_parser: "Callable[[], argpar
         argv: the hetcomm subcommand and its arguments (default ``sys.argv[1:]``).
         build_parser / exit_usage: the CLI's parser and usage exit code, passed in by the entry
             point :mod:`hetcomm.cli.launch_worker` (``ops`` does not import the floor above it).
+        record_exit: False under hetcomm's own launcher (``hetcomm launch --shrink-in-place``),
+            which restarts nobody and collects each rank's return value: the code is returned.
+            (Recording it there is rank 0's job, and after an in-place shrink that lost rank 0
+            no process has ``RANK=0``.)
     """
     EXIT_USAGE = exit_usage
     from hetcomm.errors import ConfigError, TopologyParseError, UsageError
@@ -198,6 +209,8 @@ def main(argv: Optional[List[str]] = None, *, build_parser: "Callable[[], argpar
         except (UsageError, ConfigError, TopologyParseError) as e:
             print(f"hetcomm {ns.command}: error: {e}", file=sys.stderr)
             code = EXIT_USAGE
+    if not record_exit:
+        return code
     if out and os.environ.get("RANK", "0") == "0":
         from hetcomm.ops.safe_fs import write_private
 

@@ -21,9 +21,10 @@ with it when a step fails (:func:`shrink`):
    the lost rank(s) as the heartbeat saw them. Training goes on from the restored step.
 
 The processes stay the same (pids, imported modules, the launcher's store), so the store must
-not live in a lost process: ``hetcomm train``'s launcher hosts it. Under ``hetcomm launch``
-(torchrun) the agent stops every worker of a node when one fails, so there the restart path
-stays (docs/OPERATIONS.md, "In place or by restart").
+not live in a lost process: hetcomm's own launcher hosts it (``hetcomm train``, and ``hetcomm
+launch --shrink-in-place``, whose job phase runs on it: :mod:`hetcomm.train.local_ranks`). Under
+torchrun (``hetcomm launch`` without the flag) the agent stops every worker of a node when one
+fails, so there the restart path stays (docs/OPERATIONS.md, "In place or by restart").
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def why_not(cfg) -> Optional[str]:
     if cfg.cluster == "detect":
         return "--shrink-in-place needs a cluster file (the survivors' cluster is derived from it), not detect"
     if _under_torchrun():
-        return ("--shrink-in-place is off under torchrun (hetcomm launch): its agent stops every worker of the "
-                "node when one fails and restarts them; run `hetcomm train --shrink-in-place` on one machine")
+        return ("--shrink-in-place is off under torchrun: its agent stops every worker of the node when one fails "
+                "and restarts them; run `hetcomm launch --shrink-in-place` (one machine) or `hetcomm train "
+                "--shrink-in-place`")
     return (f"--shrink-in-place needs torch >= 2.14 (dist.shrink_group); this is torch {torch.__version__}: "
             "a lost rank ends the run as before (hetcomm launch restarts it)")
 
@@ -186,15 +188,18 @@ def shrink(job, err: BaseException, build: Callable[[int, int, Any], Any],
     return new, start_step + 1
 
 
-def outcome_code(outcome) -> Optional[int]:
+def outcome_code(outcome, who: str = "hetcomm train") -> Optional[int]:
     """The job's exit code when it shrank in place: every rank that failed was killed by a signal
-    and every other rank finished; then the lowest survivor's verdict (0 or 1). None: not that
-    (the caller reports the failure as before)."""
+    and every other rank finished; then the lowest survivor's verdict (0 or 1), after one line
+    (prefixed ``who``) naming each rank that died and each that finished in place, with the pid
+    the launcher started it as (a survivor's is the pid that finished). None: not that (the
+    caller reports the failure as before)."""
     dead = [r for r in outcome.ranks if not r.ok]
     alive = [r for r in outcome.ranks if r.ok]
     if not dead or not alive or any(r.exitcode is None or r.exitcode >= 0 for r in dead):
         return None
-    print(f"hetcomm train: rank(s) {[r.rank for r in dead]} died "
-          f"({', '.join(f'rank {r.rank}: signal {-r.exitcode}' for r in dead)}); ranks {[r.rank for r in alive]} "
-          "shrank the group in place and finished", file=sys.stderr, flush=True)
+    print(f"{who}: rank(s) {[r.rank for r in dead]} died "
+          f"({', '.join(f'rank {r.rank} (pid {r.pid}): signal {-r.exitcode}' for r in dead)}); ranks "
+          f"{[r.rank for r in alive]} shrank the group in place and finished "
+          f"(pids {', '.join(f'{r.rank}:{r.pid}' for r in alive)})", file=sys.stderr, flush=True)
     return 0 if alive[0].result == 0 else 1

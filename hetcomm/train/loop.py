@@ -254,7 +254,6 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
 
         verify_checkpoint(hooks.latest_checkpoint(cfg.checkpoint_dir))  # a damaged one is still named
         return hooks.nothing_to_train(cfg, 0, done)
-    limit_s = cfg.timeout_s + cfg.steps * 10.0
     env: Dict[str, Optional[str]] = {CLUSTER_ENV: None}  # the ranks get the cluster as an object (pg_options)
     snapshot_job = None
     from hetcomm.train import inplace
@@ -271,62 +270,16 @@ def launch(cfg: TrainConfig, nprocs: Optional[int] = None) -> int:
             from hetcomm.ops.job_identity import new_launch_env
 
             env.update(new_launch_env())
+    from hetcomm.train.local_ranks import exit_code, launch_options
+
     try:
-        outcome = _launch_ranks(launch_ranks, world_size, cfg, env, limit_s, in_place)
+        outcome = launch_ranks(_rank_main, world_size, launch_options(cfg, in_place), env=env)
     finally:
         if snapshot_job is not None:
             from hetcomm.ops.snapshot import remove_job
 
             remove_job(snapshot_job)  # whatever the outcome: nothing left in shared memory
-    if outcome.timed_out:
-        print(f"hetcomm train: the run exceeded its time limit ({limit_s:g} s); ranks {list(outcome.timed_out)} "
-              "had not finished; stopped all ranks", file=sys.stderr)
-        return 1
-    code = inplace.outcome_code(outcome) if in_place and not outcome.ok else None
-    if code is not None:
-        return code
-    if not outcome.ok:
-        first = outcome.ranks[outcome.first_failure if outcome.first_failure is not None else outcome.failures[0].rank]
-        usage = [r for r in outcome.ranks if r.error_type in _usage_error_names()]
-        if usage:
-            # Bad input the ranks found (a damaged checkpoint, nothing to train): one line, exit 2.
-            # It is the cause even when a peer's report of the raising rank's exit came first.
-            print(f"hetcomm train: error: {usage[0].error}", file=sys.stderr)
-            return 2
-        if first.traceback:
-            print(first.traceback, file=sys.stderr, end="")
-        print(f"hetcomm train: {first.describe()}; stopped the other ranks", file=sys.stderr)
-        return 1
-    return 0 if outcome.results[0] == 0 else 1
-
-
-def _launch_ranks(launch_ranks, world_size: int, cfg: TrainConfig, env, limit_s: float, in_place: bool = False):
-    return launch_ranks(
-        _rank_main,
-        world_size,
-        args=(cfg,),
-        env=env,
-        store=True,
-        store_timeout_s=cfg.timeout_s,
-        timeout_s=limit_s,
-        # One rank failed: the others would wait for it until their timeout; with an in-place
-        # shrink they drop it and go on (a survivor that cannot fails by itself).
-        grace_s=None if in_place else 0.0,
-        clean_shm=True,
-        name="train",
-    )
-
-
-def _usage_error_names() -> set:
-    """Class names of the errors that mean bad input (CLI exit 2), as a rank reports them."""
-    from hetcomm.errors import UsageError
-
-    names, todo = set(), [ConfigError, UsageError]
-    while todo:
-        cls = todo.pop()
-        names.add(cls.__name__)
-        todo.extend(cls.__subclasses__())
-    return names
+    return exit_code(outcome, in_place)
 
 
 def _rank_main(cfg: TrainConfig) -> int:

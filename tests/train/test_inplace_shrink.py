@@ -24,6 +24,7 @@ import json
 import math
 import os
 import signal
+from typing import Callable
 
 import pytest
 
@@ -38,20 +39,24 @@ WHO = {2: ("H800 on h800-0", "node(s) h800-0 left"), 0: ("A100-SXM4-80GB on a100
 needs_214 = pytest.mark.skipif(not supported(), reason="an in-place shrink needs torch >= 2.14 (dist.shrink_group)")
 
 
-def _rank(cfg, victim: int = VICTIM) -> dict:
-    """One rank: ``train_worker`` with rank ``VICTIM`` set to die after step ``KILL_AFTER``, and
-    the end of training captured (world, pids, weights)."""
+def install_kill_hook(victim: int, on_finish: Callable[[dict], None], kill_after: int = KILL_AFTER) -> None:
+    """In this rank's process: rank ``victim`` finishes step ``kill_after``, waits for that step's
+    peer copies, deletes its own snapshots (its state can then only come back from its buddy's
+    copy) and SIGKILLs itself at the start of the next step; every rank that reaches the end of
+    training calls ``on_finish`` with what it ended as (world, rank, shrinks, slots, pid, whether
+    every weight is finite, the snapshot directory). Patches the loop's ``_step`` and ``_finish``
+    (the loop calls them by module name). Also used by ``tests/cli/test_launch_inplace.py``,
+    whose ranks ``hetcomm launch --shrink-in-place`` starts."""
     import torch
 
     from hetcomm.train import loop
 
     rank = int(os.environ["RANK"])
     pid = os.getpid()
-    seen: dict = {}
     real_step, real_finish = loop._step, loop._finish
 
     def step(job, n: int) -> None:
-        if rank == victim and n == KILL_AFTER + 1:
+        if rank == victim and n == kill_after + 1:
             job.snap._join()  # step KILL_AFTER's peer copies are written everywhere
             for name in os.listdir(job.snap.dir):
                 if name.startswith(f"r{rank}-"):  # this rank's own memory lost: its buddy's copy serves
@@ -60,19 +65,29 @@ def _rank(cfg, victim: int = VICTIM) -> dict:
         real_step(job, n)
 
     def finish(job, t0: float) -> int:
-        seen.update(world=job.world_size, rank=job.rank, shrinks=job.shrinks, slots=list(job.slots),
-                    finite=all(bool(torch.isfinite(p).all()) for p in job.model.parameters()),
-                    snap_dir=job.snap.dir if job.snap is not None else None)
+        on_finish(dict(world=job.world_size, rank=job.rank, shrinks=job.shrinks, slots=list(job.slots),
+                       pid_end=os.getpid(), finite=all(bool(torch.isfinite(p).all()) for p in job.model.parameters()),
+                       snap_dir=job.snap.dir if job.snap is not None else None))
         return real_finish(job, t0)
 
     loop._step, loop._finish = step, finish
+
+
+def _rank(cfg, victim: int = VICTIM) -> dict:
+    """One rank: ``train_worker`` with rank ``victim`` set to die after step ``KILL_AFTER``
+    (:func:`install_kill_hook`), and the end of training captured (world, pids, weights)."""
+    from hetcomm.train import loop
+
+    rank = int(os.environ["RANK"])
+    pid = os.getpid()
+    seen: dict = {}
+    install_kill_hook(victim, seen.update)
     try:
         code = loop.train_worker(rank, int(os.environ["WORLD_SIZE"]), cfg)
     except BaseException as e:  # noqa: BLE001 - the survivors' failure without an in-place shrink
         return {"pid": pid, "error": f"{type(e).__name__}: {e}"}
     summary = loop.last_summary()
-    return {"pid": pid, "pid_end": os.getpid(), "code": code, "losses": summary["losses"], "text": summary["text"],
-            **seen}
+    return {"pid": pid, "code": code, "losses": summary["losses"], "text": summary["text"], **seen}
 
 
 def _run(tmp_path, in_place: bool, victim: int = VICTIM):
@@ -85,7 +100,7 @@ def _run(tmp_path, in_place: bool, victim: int = VICTIM):
     env = {"HETCOMM_SNAPSHOT_ROOT": str(tmp_path / "shm"), "HETCOMM_JOB_ID": "inplace",
            "HETCOMM_CLUSTER": None}
     os.makedirs(tmp_path / "shm")
-    # As hetcomm train launches its ranks (loop._launch_ranks): the launcher hosts the store;
+    # As hetcomm train launches its ranks (train/local_ranks.launch_options): the launcher hosts the store;
     # grace_s=None: a dead rank stops nobody.
     out = launch(_rank, 4, args=(cfg, victim), store=True, store_timeout_s=30.0, timeout_s=400, grace_s=None,
                  name="train", env=env)

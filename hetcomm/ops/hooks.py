@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hetcomm.moe.paging import ExpertPager
 
 __all__ = [
-    "NullCollector", "metrics_collector", "checkpoint_group", "resume", "warmup", "maybe_checkpoint",
+    "NullCollector", "metrics_collector", "experts_per_rank", "checkpoint_group", "resume", "warmup", "maybe_checkpoint",
     "record_verdict", "nothing_to_train", "finish_checkpoints", "snapshotter", "restore", "maybe_snapshot", "close_snapshots",
 ]
 
@@ -81,9 +81,18 @@ def metrics_collector(cfg, rank: int, world_size: int, cluster, model: nn.Module
     if start_step or resumed_from:  # a restart from step 0 (nothing held) is a resume too
         from hetcomm.ops.rank_marks import startup_marks
 
-        mc.event(start_step, "resume", resumed_from or f"from {latest_checkpoint(cfg.checkpoint_dir)}",
-                 marks=startup_marks())
+        detail = resumed_from or f"from {latest_checkpoint(cfg.checkpoint_dir)}"
+        mc.event(start_step, "resume", detail + experts_per_rank(model.moe_layers, world_size), marks=startup_marks())
     return mc
+
+
+def experts_per_rank(layers: Sequence[nn.Module], world_size: int) -> str:
+    """``"; experts per rank: layer 0 [3, 5, 5, 3], layer 1 [...]"``: the placement a restarted
+    job trains on, as restored (a placement by speed changes the counts; a restore must bring
+    them back), for the ``resume`` event; empty without MoE layers. Host lists, no collective:
+    every rank holds every layer's owner map."""
+    rows = [f"layer {i} {[list(m.placement.owner).count(r) for r in range(world_size)]}" for i, m in enumerate(layers)]
+    return "; experts per rank: " + ", ".join(rows) if rows else ""
 
 
 def resume(

@@ -240,16 +240,21 @@ def test_pack_round_trip_keeps_dtype_shape_and_bytes():
         assert got.dtype == v.dtype and got.shape == v.shape and torch.equal(got, v), k
 
 
-def test_recovery_parts_add_up_from_the_end_marks_and_the_startup_marks(tmp_path):
-    # benchmarks/snapshot_kill.py's split of a recovery: the end marks' times (rank_marks.mark_times)
-    # and the resume event's startup marks; the parts add up to the recovery, None where unknown.
+def _snapshot_kill_module():
     import importlib.util
-
-    from hetcomm.ops.rank_marks import mark_times, write_mark
 
     spec = importlib.util.spec_from_file_location("snapshot_kill", os.path.join(REPO, "benchmarks", "snapshot_kill.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_recovery_parts_add_up_from_the_end_marks_and_the_startup_marks(tmp_path):
+    # benchmarks/snapshot_kill.py's split of a recovery: the end marks' times (rank_marks.mark_times)
+    # and the resume event's startup marks; the parts add up to the recovery, None where unknown.
+    from hetcomm.ops.rank_marks import mark_times, write_mark
+
+    bench = _snapshot_kill_module()
     for r, (status, t) in enumerate([("failed", 101.0), ("failed", 101.5), ("stopped", 102.0)]):
         write_mark(str(tmp_path), "job", 0, r, status)
         os.utime(tmp_path / f"job-0-rank{r}.json", (t, t))
@@ -262,6 +267,29 @@ def test_recovery_parts_add_up_from_the_end_marks_and_the_startup_marks(tmp_path
     assert sum(parts.values()) == 14.0
     partial = bench.recovery_parts(100.0, 114.0, {}, ended)
     assert partial["rendezvous_spawn"] is None and partial["first_step"] is None and partial["stop"] == 1.0
+
+
+def test_placement_check_reads_the_move_before_the_kill_and_the_counts_resumed_with():
+    # benchmarks/snapshot_kill.py --emulate: the placement by speed's `migration` events (cold.py's
+    # detail) at or before the kill step against the `resume` event's counts (hooks.experts_per_rank).
+    from types import SimpleNamespace
+
+    from hetcomm.ops.hooks import experts_per_rank
+    from hetcomm.ops.metrics import Event
+
+    bench = _snapshot_kill_module()
+    layers = [SimpleNamespace(placement=SimpleNamespace(owner=o)) for o in ([0, 0, 1, 1, 1, 2, 2, 3], [0, 1, 1, 2, 2, 2, 3, 3])]
+    resumed = "from memory after step 14 (memory); lost 1 step(s)" + experts_per_rank(layers, 4)
+    assert resumed.endswith("; experts per rank: layer 0 [2, 3, 2, 1], layer 1 [1, 2, 3, 2]")
+    moves = [Event(10, "migration", "layer 0: experts re-placed by measured busy time, moved [4], experts per rank [2, 3, 2, 1]"),
+             Event(10, "migration", "layer 1: experts re-placed by measured busy time, moved [2, 5], experts per rank [1, 2, 3, 2]")]
+    got = bench.placement_check(moves + [Event(14, "resume", resumed)], 15, resumed)
+    assert got["move_before_kill"] and got["counts_restored"], got
+    assert got["counts_after_restore"] == {0: [2, 3, 2, 1], 1: [1, 2, 3, 2]}
+    other = resumed.replace("layer 1 [1, 2, 3, 2]", "layer 1 [2, 2, 2, 2]")  # a restore that lost the move
+    assert bench.placement_check(moves, 15, other)["counts_restored"] is False
+    late = bench.placement_check(moves, 9, resumed)  # killed before the move: nothing to restore
+    assert not late["move_before_kill"] and late["counts_restored"] is None
 
 
 def test_job_recovers_a_rank_killed_after_its_experts_moved(tmp_path):
@@ -292,6 +320,8 @@ def test_job_recovers_a_rank_killed_after_its_experts_moved(tmp_path):
     assert resumes[0].step >= kill_at - 1, resumes[0].step  # after the move: at most one step lost
     cold = next(line for line in out.splitlines() if line.startswith("placement by speed"))
     assert f"at step {moves[0].step}" in cold and "moved" in cold, cold  # the restarted ranks remember the move
+    check = _snapshot_kill_module().placement_check(log.events, kill_at, resumes[0].detail)
+    assert check["counts_restored"], check  # the restarted job trains on the moved placement
     assert [s.step for s in log.steps] == list(range(1, steps + 1))
     assert not os.path.exists(shm), os.listdir(shm)
 

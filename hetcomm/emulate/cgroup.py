@@ -204,8 +204,8 @@ def create_cgroup(
             os.mkdir(child, 0o755)
         except OSError as e:
             raise KernelError(f"cannot create cgroup {child}: {e.strerror}") from None
-        # The child's high weight lets the training thread take its quota first; the host
-        # threads get the rest of the rank's.
+        # The same high weight as the rank's: a busy host thread can still take some of the
+        # training thread's share of the rank's quota (the quota, not the weight, is the bound).
         _limit(h, child, device_cpus)
     return quota, period
 

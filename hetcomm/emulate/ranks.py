@@ -250,7 +250,6 @@ class _HostThreadSweeper:
         self._main: List[int] = []
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self.moved = 0
 
     def add_main_thread(self, pid: int) -> None:
         # A rank's wrapper execs down to the rank itself, so its pid is the training thread's id.
@@ -271,7 +270,7 @@ class _HostThreadSweeper:
             main = frozenset(self._main)
             for cg in self._cgroups:
                 try:
-                    self.moved += release_host_threads(cg, main)
+                    release_host_threads(cg, main)
                 except KernelError as e:
                     print(f"emulate: host threads of {cg} stay at the device's quota: {e}", file=sys.stderr)
                     self._cgroups.remove(cg)

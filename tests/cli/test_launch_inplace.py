@@ -39,8 +39,7 @@ needs_214 = pytest.mark.skipif(not supported(), reason="an in-place shrink needs
 @pytest.mark.parametrize("victim", [2, 0])
 def test_launch_shrink_in_place_survivors_finish_in_their_processes(tmp_path, victim):
     from hetcomm.ops.metrics import read_metrics
-    from hetcomm.ops.ops_records import sibling_path
-    from tests.train.test_inplace_shrink import KILL_AFTER, WHO
+    from tests.train.test_inplace_shrink import check_membership_change
 
     work, out_dir, shm = tmp_path / "work", tmp_path / "out", tmp_path / "shm"
     out_dir.mkdir()
@@ -89,19 +88,8 @@ def test_launch_shrink_in_place_survivors_finish_in_their_processes(tmp_path, vi
 
     row = next(ln for ln in out.splitlines() if ln.startswith("restores / steps lost"))
     assert row.split()[4:7] in (["1", "/", "0"], ["1", "/", "1"]), row  # at most one step redone
-    log = read_metrics(metrics)
-    change = [e for e in log.events if e.event == "membership"]
-    assert len(change) == 1, change
-    detail = change[0].detail
-    what, left = WHO[victim]
-    assert detail.startswith(f"4 -> 3 ranks after step {change[0].step}: {left}"), detail
-    assert KILL_AFTER - 1 <= change[0].step <= KILL_AFTER, detail
-    assert f"cause: rank {victim} exited ({what}) (seen by the heartbeat)" in detail and "shrink_group" in detail, detail
-    with open(sibling_path(metrics), encoding="utf-8") as f:
-        rec = [json.loads(ln) for ln in f if '"membership"' in ln]
-    assert len(rec) == 1 and rec[0]["before"] == 4 and rec[0]["after"] == 3, rec
-    assert rec[0]["steps_redone"] is not None and rec[0]["steps_redone"] <= 1, rec
-    assert [s.step for s in log.steps][-1] == STEPS
+    check_membership_change(metrics, victim)
+    assert [s.step for s in read_metrics(metrics).steps][-1] == STEPS
     assert os.listdir(shm) == [], os.listdir(shm)  # the job's snapshots are gone
 
 

@@ -36,6 +36,27 @@ STEPS, KILL_AFTER, VICTIM = 8, 4, 2
 #: What the membership record says each victim was, and which node(s) it names as leaving.
 WHO = {2: ("H800 on h800-0", "node(s) h800-0 left"), 0: ("A100-SXM4-80GB on a100-0", "node(s) a100-0 left")}
 
+
+def check_membership_change(metrics: str, victim: int) -> dict:
+    """Assert the run's one membership change, 4 -> 3 after ``victim`` was killed after step
+    :data:`KILL_AFTER`, in the metrics (event) and the health record beside them; return the record."""
+    from hetcomm.ops.metrics import read_metrics
+    from hetcomm.ops.ops_records import sibling_path
+
+    log = read_metrics(metrics)
+    change = [e for e in log.events if e.event == "membership"]
+    assert len(change) == 1, change
+    line = change[0].detail
+    what, left = WHO[victim]
+    assert line.startswith(f"4 -> 3 ranks after step {change[0].step}: {left}"), line
+    assert KILL_AFTER - 1 <= change[0].step <= KILL_AFTER, line
+    assert f"cause: rank {victim} exited ({what}) (seen by the heartbeat)" in line and "shrink_group" in line, line
+    with open(sibling_path(metrics), encoding="utf-8") as f:
+        rec = [json.loads(ln) for ln in f if '"membership"' in ln]
+    assert len(rec) == 1 and rec[0]["before"] == 4 and rec[0]["after"] == 3, rec
+    assert rec[0]["steps_redone"] is not None and rec[0]["steps_redone"] <= 1, rec
+    return rec[0]
+
 needs_214 = pytest.mark.skipif(not supported(), reason="an in-place shrink needs torch >= 2.14 (dist.shrink_group)")
 
 
@@ -110,9 +131,6 @@ def _run(tmp_path, in_place: bool, victim: int = VICTIM):
 @needs_214
 @pytest.mark.parametrize("victim", [VICTIM, 0])  # 0: half of a node lost, and the rank that hosts no store here
 def test_killed_rank_survivors_shrink_in_place_and_finish(tmp_path, victim):
-    from hetcomm.ops.metrics import read_metrics
-    from hetcomm.ops.ops_records import sibling_path
-
     out, metrics = _run(tmp_path, in_place=True, victim=victim)
     ranks = list(out.ranks)
     assert ranks[victim].exitcode == -signal.SIGKILL, ranks[victim].describe()
@@ -136,21 +154,10 @@ def test_killed_rank_survivors_shrink_in_place_and_finish(tmp_path, victim):
     assert "1 / 0" in row or "1 / 1" in row, row  # at most one step redone
     assert "from peers" in row and f"[{victim}]" in row, row  # the victim's state came from its buddy's copy
 
-    log = read_metrics(metrics)
-    change = [e for e in log.events if e.event == "membership"]
-    assert len(change) == 1, change
-    line = change[0].detail
-    what, left = WHO[victim]
-    assert line.startswith(f"4 -> 3 ranks after step {change[0].step}: {left}"), line
-    assert KILL_AFTER - 1 <= change[0].step <= KILL_AFTER, line
-    assert f"cause: rank {victim} exited ({what}) (seen by the heartbeat)" in line and "shrink_group" in line, line
-    with open(sibling_path(metrics), encoding="utf-8") as f:
-        rec = [json.loads(ln) for ln in f if '"membership"' in ln]
-    assert len(rec) == 1 and rec[0]["before"] == 4 and rec[0]["after"] == 3, rec
-    assert rec[0]["steps_redone"] is not None and rec[0]["steps_redone"] <= 1, rec
-    assert f"rank {victim} exited" in rec[0]["cause"], rec
-    assert rec[0]["experts_present"] == rec[0]["experts_total"], rec
-    assert rec[0]["down_s"] is not None and rec[0]["down_s"] > 0, rec  # measured in place
+    rec = check_membership_change(metrics, victim)
+    assert f"rank {victim} exited" in rec["cause"], rec
+    assert rec["experts_present"] == rec["experts_total"], rec
+    assert rec["down_s"] is not None and rec["down_s"] > 0, rec  # measured in place
     # the job's snapshots (the 4-rank world's and rank 2's peer copies included) are gone
     assert not os.path.exists(first["snap_dir"]), os.listdir(first["snap_dir"])
 

@@ -52,7 +52,7 @@ VARIANTS: Dict[str, tuple] = {
     "oracle": ("half", ["--speed", "oracle", "--token-split", "on"]),
     "ceiling": ("twin", ["--no-balance"]),  # speed-blind on the full-speed twin
 }
-ROWS = ("tokens/s (all ranks)", "expert FFN share (fwd + bwd)", "placement by speed (measured busy time evened once per layer)", "per-rank MoE time max/mean", "verdict")
+ROWS = ("tokens/s (all ranks)", "expert FFN share (fwd + bwd)", "placement by speed (measured busy time evened once per layer)", "verdict")
 
 
 COLD = "placement by speed (measured busy time evened once per layer)"

@@ -28,8 +28,11 @@ def launch_options(cfg, in_place: bool):
     over it), the run is stopped after ``timeout_s + 10 s per step``, and the ranks' leftover
     shared memory is removed. ``grace_s``: one failed rank usually means the others wait for it
     until their timeout, so they are stopped at once; with an in-place shrink they drop it and
-    go on (a survivor that cannot fails by itself), so nobody is stopped early.
+    go on (a survivor that cannot fails by itself), so nobody is stopped early. With
+    ``--grow-back`` a rank killed by a signal is started once more in its slot, as a joiner
+    (``HETCOMM_JOIN=1``: :mod:`hetcomm.train.growback`).
     """
+    from hetcomm import settings
     from hetcomm.launch_options import LaunchOptions
 
     return LaunchOptions(
@@ -40,6 +43,7 @@ def launch_options(cfg, in_place: bool):
         grace_s=None if in_place else 0.0,
         clean_shm=True,
         name="train",
+        rejoin={settings.JOIN.name: "1"} if in_place and cfg.grow_back else None,
     )
 
 

@@ -7,7 +7,9 @@ a rank dies, and with ``--grow-back`` starts a replacement in a killed rank's sl
 H800) finishes step ``KILL_AFTER``, deletes its own snapshots and SIGKILLs itself (the hook of
 ``test_inplace_shrink.py``). The survivors shrink to 3 and go on; the launcher starts a
 replacement with ``HETCOMM_JOIN=1``, which creates a group of one, publishes its handle and
-waits; at the next step boundary after its handle is there, the survivors agree to take it in,
+waits; the survivors wait for its handle at the start of step ``WAIT_AT`` (the test's hook, so
+that the grow does not depend on how fast the replacement imports torch), and after that step
+they agree to take it in,
 reconfigure to 4 (the replacement in slot 2) and every rank rebuilds the job from the 3-rank
 snapshots resharded by global expert id.
 
@@ -16,7 +18,7 @@ and it finished training as rank 2 of 4; the survivors finished in their own pro
 0, 1, 3 of 4 after one shrink; every rank's losses agree (the joiner got the history with the
 plan), all finite; every expert owned by exactly one of the 4; the metrics say 4 -> 3 (cause:
 rank 2 exited) then 3 -> 4 (cause: cluster rank 2 rejoined), each with at most one step redone
-in the health record; the launch's exit code is 0. And the refusal: ``--grow-back`` without
+in the health record; the launch's exit code is the job's own verdict, not a failure. And the refusal: ``--grow-back`` without
 ``--shrink-in-place`` is a usage error naming the fix, before anything starts.
 """
 
@@ -35,7 +37,9 @@ from tests.backends.ranks import MIXED_MINI
 from tests.ops.jobs import TINY
 from tests.train.test_inplace_shrink import KILL_AFTER, install_kill_hook
 
-STEPS, VICTIM = 10, 2
+#: The step at whose start the shrunk survivors wait until the replacement's handle is in the
+#: store (the test's hook): the grow then comes after that step whatever the machine's load.
+STEPS, VICTIM, WAIT_AT = 10, 2, 7
 
 needs_214 = pytest.mark.skipif(not supported(), reason="grow-back needs torch >= 2.14 (shrink_group, _reconfigure)")
 
@@ -49,6 +53,21 @@ def _rank(cfg, victim: int) -> dict:
     seen: dict = {}
     joiner = growback.joining()
     install_kill_hook(-1 if joiner else victim, seen.update)
+    if not joiner:
+        inner = loop._step
+
+        def step(job, n: int) -> None:
+            if n == WAIT_AT and job.world_size == 3:
+                from datetime import timedelta
+
+                import torch.distributed as dist
+
+                store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                      timeout=timedelta(seconds=120))
+                store.wait([f"{growback.KEY}/{victim}/handle"], timedelta(seconds=120))
+            inner(job, n)
+
+        loop._step = step
     code = loop.train_worker(rank, int(os.environ["WORLD_SIZE"]), cfg)
     summary = loop.last_summary()
     return {"pid": os.getpid(), "code": code, "joiner": joiner, "grows": growback.grows(), "losses": summary["losses"],
@@ -88,7 +107,9 @@ def test_killed_rank_is_replaced_and_the_job_grows_back_in_place(tmp_path):
         assert len(got["losses"]) == STEPS and all(math.isfinite(x) for x in got["losses"]), (r, got["losses"])
         assert got["losses"] == res[0]["losses"], r
     assert "every expert owned by exactly one rank" in res[0]["text"], res[0]["text"]
-    assert exit_code(out, True) == 0
+    # The launch's exit code is the job's own loss verdict (10 steps do not reach the demo's
+    # target: 1), as for a job that lost nobody; no failure report.
+    assert exit_code(out, True) == res[0]["code"] == (0 if "PASS:" in res[0]["text"] else 1)
 
     events = [e for e in read_metrics(metrics).events if e.event == "membership"]
     assert [e.detail.split(" ranks")[0] for e in events] == ["4 -> 3", "3 -> 4"], [e.detail for e in events]
@@ -96,7 +117,7 @@ def test_killed_rank_is_replaced_and_the_job_grows_back_in_place(tmp_path):
     assert "cause: rank 2 exited (H800 on h800-0) (seen by the heartbeat)" in shrink.detail, shrink.detail
     assert "node(s) h800-0 joined" in grow.detail, grow.detail
     assert "cause: cluster rank 2 (H800 on h800-0) rejoined" in grow.detail and "_reconfigure" in grow.detail, grow.detail
-    assert KILL_AFTER - 1 <= shrink.step <= KILL_AFTER < grow.step <= STEPS, (shrink.step, grow.step)
+    assert KILL_AFTER - 1 <= shrink.step <= KILL_AFTER and grow.step == WAIT_AT, (shrink.step, grow.step)
     with open(sibling_path(metrics), encoding="utf-8") as f:
         recs = [json.loads(ln) for ln in f if '"membership"' in ln]
     assert [(r["before"], r["after"]) for r in recs] == [(4, 3), (3, 4)], recs

@@ -97,6 +97,8 @@ def test_launch_shrink_in_place_survivors_finish_in_their_processes(tmp_path, vi
     (["--node", "a100-0", "--rdzv-endpoint", "127.0.0.1:29400", "--shrink-in-place"],
      "--shrink-in-place with --node a100-0"),
     (["--shrink-in-place", "--", "bench"], "--shrink-in-place applies to `train` jobs, not `bench`"),
+    (["--grow-back"], "--grow-back takes a dead rank's slot back after an in-place shrink; add --shrink-in-place"),
+    (["--", "train", "--grow-back"], "--grow-back takes a killed rank's slot back after an in-place shrink; add "),
 ] + ([
     (["--shrink-in-place", "--", "train", "--backend", "gloo"], "--shrink-in-place needs the hetcomm backend"),
     (["--shrink-in-place", "--", "train", "--snapshot-every", "0"], "restores the survivors from the in-memory snapshots"),
@@ -109,9 +111,25 @@ def test_shrink_in_place_refused_before_anything_starts(tmp_path, capsys, argv, 
     err = capsys.readouterr().err.strip()
     assert code == 2, err
     assert says in err and len(err.splitlines()) == 1, err
-    if "restores the survivors" not in says:
+    if "restores the survivors" not in says and "--grow-back" not in says:
         assert "drop --shrink-in-place" in err or "drop it" in err, err  # the fix: the restart path
     assert not work.exists()  # nothing was started
+
+
+@needs_214
+def test_grow_back_is_passed_on_to_the_train_job():
+    """``hetcomm launch --shrink-in-place --grow-back``: the job gets both flags (once), and its
+    ranks' launch options start a replacement in a dead rank's slot (HETCOMM_JOIN)."""
+    from hetcomm.cli import _launch_inplace
+    from hetcomm.cli.main import build_parser
+    from hetcomm.train.local_ranks import launch_options
+
+    for extra in ([], ["--grow-back"]):
+        args = build_parser().parse_args(["launch", "--shrink-in-place", "--grow-back", "--", "train", *extra])
+        job = _launch_inplace.check(args, ["train", *extra])
+        assert job[0] == "train" and sorted(job[1:]) == ["--grow-back", "--shrink-in-place"], job
+    cfg = _launch_inplace.check_config(job + ["--config", TINY])
+    assert cfg.grow_back and launch_options(cfg, in_place=True).rejoin == {"HETCOMM_JOIN": "1"}
 
 
 @needs_214

@@ -7,7 +7,7 @@ a rank dies, and with ``--grow-back`` starts a replacement in a killed rank's sl
 H800) finishes step ``KILL_AFTER``, deletes its own snapshots and SIGKILLs itself (the hook of
 ``test_inplace_shrink.py``). The survivors shrink to 3 and go on; the launcher starts a
 replacement with ``HETCOMM_JOIN=1``, which creates a group of one, publishes its handle and
-waits; the survivors wait for its handle at the start of step ``WAIT_AT`` (the test's hook, so
+waits; the survivors wait for its handle at the start of step ``WAIT_AT`` if it is not there yet (the test's hook, so
 that the grow does not depend on how fast the replacement imports torch), and after that step
 they agree to take it in,
 reconfigure to 4 (the replacement in slot 2) and every rank rebuilds the job from the 3-rank
@@ -44,14 +44,20 @@ STEPS, VICTIM, WAIT_AT = 10, 2, 7
 needs_214 = pytest.mark.skipif(not supported(), reason="grow-back needs torch >= 2.14 (shrink_group, _reconfigure)")
 
 
-def _rank(cfg, victim: int) -> dict:
+def _rank(cfg, victim: int, joiner_dies: bool = False) -> dict:
     """One rank: ``train_worker``; rank ``victim``'s first process dies after step ``KILL_AFTER``,
-    its replacement (``HETCOMM_JOIN``) does not; what each process ended as."""
+    its replacement (``HETCOMM_JOIN``) does not, unless ``joiner_dies``: then it SIGKILLs itself
+    when it calls ``dist._reconfigure`` (its handle published, the survivors' plan read); what
+    each process ended as."""
     from hetcomm.train import growback, loop
 
     rank = int(os.environ["RANK"])
     seen: dict = {}
     joiner = growback.joining()
+    if joiner and joiner_dies:
+        import torch.distributed as dist
+
+        dist._reconfigure = lambda **kw: os.kill(os.getpid(), signal.SIGKILL)
     install_kill_hook(-1 if joiner else victim, seen.update)
     if not joiner:
         inner = loop._step
@@ -69,18 +75,14 @@ def _rank(cfg, victim: int) -> dict:
 
         loop._step = step
     code = loop.train_worker(rank, int(os.environ["WORLD_SIZE"]), cfg)
-    summary = loop.last_summary()
-    return {"pid": os.getpid(), "code": code, "joiner": joiner, "grows": growback.grows(), "losses": summary["losses"],
-            "text": summary["text"], **seen}
+    summary = loop.last_summary() or {}
+    return {"pid": os.getpid(), "code": code, "joiner": joiner, "grows": growback.grows(),
+            "losses": summary.get("losses"), "text": summary.get("text"), **seen}
 
 
-@needs_214
-@pytest.mark.timeout(600)
-def test_killed_rank_is_replaced_and_the_job_grows_back_in_place(tmp_path):
+def _run(tmp_path, joiner_dies: bool = False):
     from hetcomm.launcher import launch
-    from hetcomm.ops.metrics import read_metrics
-    from hetcomm.ops.ops_records import sibling_path
-    from hetcomm.train.local_ranks import exit_code, launch_options
+    from hetcomm.train.local_ranks import launch_options
     from hetcomm.train.loop import load_train_config
 
     metrics = str(tmp_path / "m.jsonl")
@@ -88,9 +90,22 @@ def test_killed_rank_is_replaced_and_the_job_grows_back_in_place(tmp_path):
                             shrink_in_place=True, grow_back=True, timeout_s=30.0)
     os.makedirs(tmp_path / "shm")
     env = {"HETCOMM_SNAPSHOT_ROOT": str(tmp_path / "shm"), "HETCOMM_JOB_ID": "growback", "HETCOMM_CLUSTER": None}
+    # As hetcomm train launches its ranks: the launcher hosts the store, stops nobody when a rank
+    # dies, and starts a replacement in a killed rank's slot (rejoin).
     opts = launch_options(cfg, in_place=True)
     assert opts.rejoin == {"HETCOMM_JOIN": "1"} and opts.grace_s is None
-    out = launch(_rank, 4, replace(opts, args=(cfg, VICTIM), env=env, store_timeout_s=30.0, timeout_s=400))
+    out = launch(_rank, 4, replace(opts, args=(cfg, VICTIM, joiner_dies), env=env, store_timeout_s=30.0, timeout_s=400))
+    return out, metrics
+
+
+@needs_214
+@pytest.mark.timeout(600)
+def test_killed_rank_is_replaced_and_the_job_grows_back_in_place(tmp_path):
+    from hetcomm.ops.metrics import read_metrics
+    from hetcomm.ops.ops_records import sibling_path
+    from hetcomm.train.local_ranks import exit_code
+
+    out, metrics = _run(tmp_path)
     ranks = list(out.ranks)
     bad = [o.describe() + "\n" + (o.traceback or "") for o in ranks if not o.ok]
     assert not bad, "\n".join(bad)
@@ -117,7 +132,7 @@ def test_killed_rank_is_replaced_and_the_job_grows_back_in_place(tmp_path):
     assert "cause: rank 2 exited (H800 on h800-0) (seen by the heartbeat)" in shrink.detail, shrink.detail
     assert "node(s) h800-0 joined" in grow.detail, grow.detail
     assert "cause: cluster rank 2 (H800 on h800-0) rejoined" in grow.detail and "_reconfigure" in grow.detail, grow.detail
-    assert KILL_AFTER - 1 <= shrink.step <= KILL_AFTER and grow.step == WAIT_AT, (shrink.step, grow.step)
+    assert KILL_AFTER - 1 <= shrink.step <= KILL_AFTER and shrink.step < grow.step <= WAIT_AT, (shrink.step, grow.step)
     with open(sibling_path(metrics), encoding="utf-8") as f:
         recs = [json.loads(ln) for ln in f if '"membership"' in ln]
     assert [(r["before"], r["after"]) for r in recs] == [(4, 3), (3, 4)], recs
@@ -125,6 +140,37 @@ def test_killed_rank_is_replaced_and_the_job_grows_back_in_place(tmp_path):
         assert rec["steps_redone"] is not None and rec["steps_redone"] <= 1, rec
         assert rec["experts_present"] == rec["experts_total"], rec
     assert not os.path.exists(res[0]["snap_dir"]), os.listdir(res[0]["snap_dir"])
+
+
+@needs_214
+@pytest.mark.timeout(600)
+def test_a_replacement_that_dies_before_joining_leaves_the_survivors_on_the_smaller_world(tmp_path, capfd):
+    """The replacement publishes its handle and is SIGKILLed when it would reconfigure: every
+    survivor's agreement ends at the job's timeout naming its handle, and the survivors go on
+    with the shrunk job (which the failed change left as it was) and finish on 3 ranks."""
+    from hetcomm.ops.metrics import read_metrics
+    from hetcomm.train.local_ranks import exit_code
+
+    out, metrics = _run(tmp_path, joiner_dies=True)
+    ranks = list(out.ranks)
+    victim = ranks[VICTIM]
+    assert victim.exitcode == -signal.SIGKILL and victim.replaced is not None, victim
+    assert victim.replaced[1] == -signal.SIGKILL and victim.replaced[0] != victim.pid, victim
+    survivors = [r for r in range(4) if r != VICTIM]
+    bad = [ranks[r].describe() + "\n" + (ranks[r].traceback or "") for r in survivors if not ranks[r].ok]
+    assert not bad, "\n".join(bad)
+    for new, r in enumerate(survivors):
+        got = ranks[r].result
+        assert got["pid"] == got["pid_end"] == ranks[r].pid, (r, got)
+        assert (got["world"], got["rank"], got["slots"], got["grows"]) == (3, new, survivors, 0), (r, got)
+        assert len(got["losses"]) == STEPS and got["finite"], (r, got)
+    events = [e for e in read_metrics(metrics).events if e.event == "membership"]
+    assert [e.detail.split(" ranks")[0] for e in events] == ["4 -> 3"], [e.detail for e in events]
+    err = capfd.readouterr().err
+    assert "--grow-back: the replacement(s) for cluster rank(s) [2] did not join (PeerTimeout" in err, err[-3000:]
+    assert "going on with 3 ranks" in err and "cluster rank(s) [2] did not come back" in err, err[-3000:]
+    # the replacement died by a signal, every survivor finished: the survivors' verdict
+    assert exit_code(out, True) == ranks[0].result["code"]
 
 
 def test_grow_back_without_shrink_in_place_is_refused(capsys):

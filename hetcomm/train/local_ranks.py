@@ -62,6 +62,8 @@ def usage_error_names() -> Set[str]:
 def exit_code(outcome, in_place: bool, who: str = "hetcomm train") -> int:
     """The run's exit code, with its lines on stderr (prefixed ``who``).
 
+    * first, one line per process started in a killed rank's slot (``--grow-back``), naming both
+      pids and how the new one ended;
     * ranks still running at the time limit: 1, naming them;
     * with ``in_place``, ranks killed by a signal while every other rank finished: the lowest
       survivor's verdict, naming who died and who finished in place
@@ -72,6 +74,11 @@ def exit_code(outcome, in_place: bool, who: str = "hetcomm train") -> int:
     """
     from hetcomm.train import inplace
 
+    for r in outcome.ranks:  # --grow-back: the processes started in a killed rank's slot
+        if r.replaced is not None:
+            print(f"{who}: rank {r.rank} (pid {r.replaced[0]}) was killed by signal {-r.replaced[1]}; pid {r.pid} "
+                  f"was started in its slot (--grow-back) and {'finished' if r.ok else r.how_it_ended()}",
+                  file=sys.stderr, flush=True)
     if outcome.timed_out:
         print(f"{who}: the run exceeded its time limit ({outcome.timeout_s:g} s); ranks {list(outcome.timed_out)} "
               "had not finished; stopped all ranks", file=sys.stderr)

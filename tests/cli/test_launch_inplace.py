@@ -93,6 +93,56 @@ def test_launch_shrink_in_place_survivors_finish_in_their_processes(tmp_path, vi
     assert os.listdir(shm) == [], os.listdir(shm)  # the job's snapshots are gone
 
 
+@needs_214
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_launch_grow_back_takes_the_killed_rank_back_in_place(tmp_path):
+    """``hetcomm launch --shrink-in-place --grow-back``: rank 2 killed after step 4, the survivors
+    shrink, the launcher starts a replacement in slot 2 (through the worker's own entry, as the
+    others), the survivors take it back in (at the latest after step 7: the wait hook) and all
+    four finish as ranks 0-3 of 4; the launch's last lines name both pids of rank 2."""
+    from hetcomm.ops.metrics import read_metrics
+
+    work, out_dir, shm = tmp_path / "work", tmp_path / "out", tmp_path / "shm"
+    out_dir.mkdir()
+    shm.mkdir()
+    metrics = str(tmp_path / "m.jsonl")
+    config = tmp_path / "tiny.yaml"
+    with open(TINY, encoding="utf-8") as f:
+        text = f.read()
+    config.write_text(text.replace("timeout_s: 60", "timeout_s: 120").replace(
+        "cluster: configs/clusters/mixed-mini.yaml", f"cluster: {REPO}/configs/clusters/mixed-mini.yaml"))
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               INPLACE_TEST_VICTIM="2", INPLACE_TEST_OUT=str(out_dir), INPLACE_TEST_GROW="1",
+               HETCOMM_SNAPSHOT_ROOT=str(shm))
+    for name in ("HETCOMM_CLUSTER", "HETCOMM_JOB_ID", "HETCOMM_LAUNCH_NONCE", "HETCOMM_LAUNCH_OWNER", "HETCOMM_JOIN"):
+        env.pop(name, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.cli.inplace_launch", "--shrink-in-place", "--grow-back", "--work-dir", str(work),
+         "--probe-size", "4K", "--probe-iters", "2", "--threshold", "1e6",
+         "--", "train", "--config", str(config), "--steps", "10", "--metrics", metrics],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=560)
+    out = proc.stdout + proc.stderr
+    verdict_pass = "verdict" in out and "PASS:" in out
+    assert proc.returncode == (0 if verdict_pass else 1), out[-4000:]
+    m = re.search(r"hetcomm launch: rank 2 \(pid (\d+)\) was killed by signal 9; pid (\d+) was started in its slot "
+                  r"\(--grow-back\) and finished", out)
+    assert m, out[-4000:]
+    assert "died" not in out.splitlines()[-1], out[-2000:]  # every process in the outcome finished
+    for r in range(4):
+        with open(out_dir / f"rank{r}.json", encoding="utf-8") as f:
+            got = json.load(f)
+        assert (got["world"], got["rank"], got["slots"], got["shrinks"]) == (4, r, [0, 1, 2, 3], 1), (r, got)
+        assert got["finite"], f"rank {r}: a weight is not finite"
+    with open(out_dir / "rank2.json", encoding="utf-8") as f:
+        assert json.load(f)["pid_end"] == int(m.group(2)) != int(m.group(1))
+    events = [e.detail for e in read_metrics(metrics).events if e.event == "membership"]
+    assert [e.split(" ranks")[0] for e in events] == ["4 -> 3", "3 -> 4"], events
+    assert "cause: cluster rank 2 (H800 on h800-0) rejoined" in events[1], events[1]
+    assert [s.step for s in read_metrics(metrics).steps][-1] == 10
+    assert os.listdir(shm) == [], os.listdir(shm)
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--node", "a100-0", "--rdzv-endpoint", "127.0.0.1:29400", "--shrink-in-place"],
      "--shrink-in-place with --node a100-0"),

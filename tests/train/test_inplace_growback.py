@@ -44,6 +44,31 @@ STEPS, VICTIM, WAIT_AT = 10, 2, 7
 needs_214 = pytest.mark.skipif(not supported(), reason="grow-back needs torch >= 2.14 (shrink_group, _reconfigure)")
 
 
+def install_wait_hook(victim: int, wait_at: int = WAIT_AT) -> None:
+    """In this rank's process: a survivor of a shrink to 3 ranks waits at the start of step
+    ``wait_at`` until rank ``victim``'s replacement has published its handle (so that the grow
+    comes at the latest after that step, however slowly the replacement starts); a replacement
+    waits for nothing. Patches the loop's ``_step``. Also used by ``tests/cli/inplace_launch.py``."""
+    from hetcomm.train import growback, loop
+
+    if growback.joining():
+        return
+    inner = loop._step
+
+    def step(job, n: int) -> None:
+        if n == wait_at and job.world_size == 3:
+            from datetime import timedelta
+
+            import torch.distributed as dist
+
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timedelta(seconds=120))
+            store.wait([f"{growback.KEY}/{victim}/handle"], timedelta(seconds=120))
+        inner(job, n)
+
+    loop._step = step
+
+
 def _rank(cfg, victim: int, joiner_dies: bool = False) -> dict:
     """One rank: ``train_worker``; rank ``victim``'s first process dies after step ``KILL_AFTER``,
     its replacement (``HETCOMM_JOIN``) does not, unless ``joiner_dies``: then it SIGKILLs itself
@@ -59,21 +84,7 @@ def _rank(cfg, victim: int, joiner_dies: bool = False) -> dict:
 
         dist._reconfigure = lambda **kw: os.kill(os.getpid(), signal.SIGKILL)
     install_kill_hook(-1 if joiner else victim, seen.update)
-    if not joiner:
-        inner = loop._step
-
-        def step(job, n: int) -> None:
-            if n == WAIT_AT and job.world_size == 3:
-                from datetime import timedelta
-
-                import torch.distributed as dist
-
-                store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                      timeout=timedelta(seconds=120))
-                store.wait([f"{growback.KEY}/{victim}/handle"], timedelta(seconds=120))
-            inner(job, n)
-
-        loop._step = step
+    install_wait_hook(victim)
     code = loop.train_worker(rank, int(os.environ["WORLD_SIZE"]), cfg)
     summary = loop.last_summary() or {}
     return {"pid": os.getpid(), "code": code, "joiner": joiner, "grows": growback.grows(),

@@ -41,9 +41,9 @@ import os
 import sys
 import time
 import uuid as uuid_mod
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Set, Tuple
 
-__all__ = ["joining", "join", "maybe_grow", "finished", "KEY"]
+__all__ = ["joining", "join", "maybe_grow", "finished", "grows", "KEY"]
 
 #: Store prefix of the grow-back's keys (the launcher's store; one launch, one job).
 KEY = "hetcomm/grow-back"
@@ -55,6 +55,7 @@ class _State:
     store: Any = None
     given_up: Set[int] = set()
     grows: int = 0
+    worlds: Dict[str, int] = {}  # cluster path -> its ranks (read once, not every step)
 
 
 def joining() -> bool:
@@ -75,9 +76,12 @@ def _store(timeout_s: float):
 
 
 def _original_world(cfg) -> int:
+    """The cluster file's ranks: the world the job grows back to."""
     from hetcomm.topo.cluster import load_cluster
 
-    return load_cluster(cfg.cluster).num_ranks
+    if cfg.cluster not in _State.worlds:
+        _State.worlds[cfg.cluster] = load_cluster(cfg.cluster).num_ranks
+    return _State.worlds[cfg.cluster]
 
 
 def _agree_group_count(count: int) -> None:
@@ -138,6 +142,8 @@ def _plan(job, cfg, slots: List[int], missing: List[int], mine: List[str], step:
 
     store = _store(cfg.timeout_s)
     joiners = {s: store.get(f"{KEY}/{s}/handle").decode() for s in missing}
+    for s in missing:  # taken: a later loss of the same slot must not find this process's handle
+        store.delete_key(f"{KEY}/{s}/handle")
     new_slots = sorted(slots + missing)
     handles = [mine[slots.index(s)] if s in slots else joiners[s] for s in new_slots]
     cluster = load_cluster(cfg.cluster)
@@ -242,8 +248,10 @@ def join(slot: int, world_size: int, cfg, build: Callable[[int, int, Any], Any],
 def finished(job) -> None:
     """At the end of training (every rank): rank 0 marks the job finished for a replacement that
     comes too late, and says which slots never came back."""
+    from hetcomm.train import inplace
+
     cfg = job.cfg
-    if not cfg.grow_back or job.rank != 0:
+    if not cfg.grow_back or job.rank != 0 or not inplace.enabled(cfg):
         return
     slots = list(job.slots) if job.slots else list(range(job.world_size))
     _store(cfg.timeout_s).set(f"{KEY}/done", f"at step {cfg.steps} with {job.world_size} ranks")

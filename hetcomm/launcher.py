@@ -34,7 +34,8 @@ What a launch does:
   After the first failure the others get ``grace_s`` seconds to end on their own (they usually
   see the broken connection and report their side of it), then they are stopped: SIGTERM, and
   SIGKILL after ``kill_grace_s``. ``grace_s=None`` never stops them early (fault tests read what
-  the survivors saw).
+  the survivors saw). With ``rejoin`` a rank killed by a signal is started once more in its slot
+  (``hetcomm train --grow-back``), and is a failure only if that process fails.
 * **Timeout.** ``timeout_s`` bounds the whole run; ranks still running then are stopped and
   named in :attr:`LaunchOutcome.timed_out` and in the message.
 * **Signals.** While the ranks run, SIGTERM and SIGINT are recorded and acted on at the

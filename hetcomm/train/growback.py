@@ -122,7 +122,7 @@ def maybe_grow(job, step: int, build: Callable[[int, int, Any], Any],
     if not int(flag.item()):
         return job, step
     if job.snap is not None:
-        job.snap._join()  # the last step's peer copies are complete before the old groups go
+        job.snap.settle()  # the last step's peer copies are complete before the old groups go
     mine: List[Any] = [None] * job.world_size
     dist.all_gather_object(mine, dist._get_reconfigure_handle())
     plan: List[Any] = [None]

@@ -43,6 +43,10 @@ class LaunchOptions:
         name: names the scratch directory (``hetcomm-<name>-*`` under ``$TMPDIR``).
         on_start: called as ``on_start(rank, pid)`` after each rank started (emulate records
             the pids in its state file).
+        rejoin: variables added to the environment of a process started once more in the slot
+            of a rank killed by a signal (once per rank; None: nobody is started again). The
+            rank's outcome is then the replacement's, and names the process it replaced
+            (``hetcomm train --grow-back``: the replacement joins the survivors in place).
 
     Raises:
         UsageError: ``start`` is neither ``exec`` nor ``forkserver``, or a time is negative.
@@ -66,6 +70,7 @@ class LaunchOptions:
     die_with_launcher: bool = True
     name: str = "ranks"
     on_start: Optional[Callable[[int, int], None]] = None
+    rejoin: Optional[Mapping[str, str]] = None
 
     def __post_init__(self) -> None:
         if self.start not in ("exec", "forkserver"):

@@ -34,7 +34,8 @@ What a launch does:
   After the first failure the others get ``grace_s`` seconds to end on their own (they usually
   see the broken connection and report their side of it), then they are stopped: SIGTERM, and
   SIGKILL after ``kill_grace_s``. ``grace_s=None`` never stops them early (fault tests read what
-  the survivors saw).
+  the survivors saw). With ``rejoin`` a rank killed by a signal is started once more in its slot
+  (``hetcomm train --grow-back``), and is a failure only if that process fails.
 * **Timeout.** ``timeout_s`` bounds the whole run; ranks still running then are stopped and
   named in :attr:`LaunchOutcome.timed_out` and in the message.
 * **Signals.** While the ranks run, SIGTERM and SIGINT are recorded and acted on at the
@@ -127,6 +128,8 @@ class RankOutcome:
         seconds: wall time from the launch to its end.
         log: where its output went (a path), or None.
         python: it ran a Python target (False: a command, which reports no result).
+        replaced: ``(pid, exit status)`` of the process this one was started to replace
+            (``LaunchOptions.rejoin``; None: the rank's first process).
     """
 
     rank: int
@@ -142,6 +145,7 @@ class RankOutcome:
     seconds: Optional[float] = None
     log: Optional[str] = None
     python: bool = True
+    replaced: Optional[Tuple[int, int]] = None
 
     @property
     def exit_warning(self) -> bool:
@@ -363,7 +367,16 @@ def launch(
                 if on_start is not None:
                     on_start(r, handles[-1].pid)
                 signals.check(lambda sig: _stop(handles, range(len(handles)), kill_grace_s, sig))
-            outcome = _watch(handles, run_dir, not is_command, t0, timeout_s, grace_s, kill_grace_s, signals)
+            def respawn(r: int) -> _Proc:  # a killed rank's slot started once more (opts.rejoin)
+                env_r = {**envs[r], **(opts.rejoin or {})}
+                if start == "forkserver":
+                    return _start_forked(target, tuple(args), r, env_r, run_dir, (logs or {}).get(r))  # type: ignore[arg-type]
+                argv = list(target) if is_command else [*SAFE_PYTHON, _EXEC_CHILD, spec_path, str(r), run_dir]  # type: ignore[arg-type]
+                return _start_exec([*prefix(r), *argv] if prefix is not None else argv, env_r, (logs or {}).get(r),
+                                   die_with_launcher)
+
+            outcome = _watch(handles, run_dir, not is_command, t0, timeout_s, grace_s, kill_grace_s, signals,
+                             respawn if opts.rejoin is not None else None)
     finally:
         _stop(handles, range(len(handles)), kill_grace_s)
         for h in handles:
@@ -635,8 +648,10 @@ def _signals_as_requests() -> Iterator[_SignalRequests]:
 
 
 def _watch(handles: List[_Proc], run_dir: str, reports: bool, t0: float, timeout_s: Optional[float],
-           grace_s: Optional[float], kill_grace_s: float, signals: _SignalRequests) -> LaunchOutcome:
+           grace_s: Optional[float], kill_grace_s: float, signals: _SignalRequests,
+           respawn: Optional[Callable[[int], _Proc]] = None) -> LaunchOutcome:
     n = len(handles)
+    replaced: Dict[int, Tuple[int, int]] = {}  # rank -> (pid, exit status) of the process respawn replaced
     ended: Dict[int, float] = {}
     end_order: List[int] = []
     first: Optional[int] = None
@@ -650,6 +665,11 @@ def _watch(handles: List[_Proc], run_dir: str, reports: bool, t0: float, timeout
             if r in ended:
                 continue
             code = h.poll()
+            if code is not None and code < 0 and respawn is not None and r not in replaced:
+                replaced[r] = (h.pid, code)
+                h.close()
+                handles[r] = respawn(r)
+                continue
             if code is not None:
                 ended[r] = now - t0
                 end_order.append(r)
@@ -689,7 +709,8 @@ def _watch(handles: List[_Proc], run_dir: str, reports: bool, t0: float, timeout
         if r not in ended:
             ended[r] = wall
             end_order.append(r)
-    ranks = tuple(_outcome(r, handles[r], run_dir, reports, stopped.get(r), ended.get(r)) for r in range(n))
+    ranks = tuple(replace(_outcome(r, handles[r], run_dir, reports, stopped.get(r), ended.get(r)), replaced=replaced.get(r))
+                  for r in range(n))
     return LaunchOutcome(
         ranks=ranks,
         first_failure=first,
@@ -757,7 +778,7 @@ def _with_shm_removed(outcome: LaunchOutcome) -> LaunchOutcome:
     exit, so only those of ranks that died early are left."""
     from hetcomm.backends.rails.shm import SHM_DIR, SHM_PREFIX
 
-    pids = {str(r.pid) for r in outcome.ranks if r.pid is not None}
+    pids = {str(p) for r in outcome.ranks for p in (r.pid, r.replaced[0] if r.replaced else None) if p is not None}
     removed = []
     try:
         names = os.listdir(SHM_DIR)
@@ -775,6 +796,4 @@ def _with_shm_removed(outcome: LaunchOutcome) -> LaunchOutcome:
                 removed.append(os.path.join(SHM_DIR, entry))
     if not removed:
         return outcome
-    from dataclasses import replace
-
     return replace(outcome, shm_removed=tuple(sorted(removed)))

@@ -384,6 +384,13 @@ LAUNCH_NONCE = StrSetting(
     readers=("hetcomm.ops.job_identity",),
     set_by=("hetcomm.cli.launch",),
 )
+JOIN = BoolSetting(
+    "HETCOMM_JOIN", False,
+    "set by hetcomm train --grow-back on the process it starts in a killed rank's slot (RANK, WORLD_SIZE: the "
+    "slot and the original world): it joins the survivors through dist._reconfigure instead of starting the job",
+    readers=("hetcomm.train.growback",),
+    set_by=("hetcomm.train.local_ranks",),
+)
 LAUNCH_OWNER = StrSetting(
     "HETCOMM_LAUNCH_OWNER", None,
     "boot id, pid and start time of the hetcomm launch process: while it lives its job's state is not stale",

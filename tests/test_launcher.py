@@ -228,3 +228,26 @@ def test_launch_options_are_one_record_and_keywords_still_work():
         LaunchOptions(kill_grace_s=-1)
     with pytest.raises(TypeError):
         launch(report_env, 2, timeout=5)
+
+
+def killed_once():
+    """Target: rank 1's first process SIGKILLs itself; a process started again in its slot
+    (``LAUNCH_REJOIN`` set by ``rejoin``) reports what it was given."""
+    if os.environ["RANK"] == "1" and not os.environ.get("LAUNCH_REJOIN"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"rank": os.environ["RANK"], "rejoin": os.environ.get("LAUNCH_REJOIN"), "pid": os.getpid()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start", ["forkserver", "exec"])
+def test_rejoin_starts_a_killed_rank_once_more_in_its_slot(start):
+    out = launch(killed_once, 3, start=start, grace_s=None, timeout_s=90, rejoin={"LAUNCH_REJOIN": "yes"})
+    assert out.ok, out.message()
+    assert [r["rejoin"] for r in out.results] == [None, "yes", None]
+    assert [r["rank"] for r in out.results] == ["0", "1", "2"]
+    pid, code = out.ranks[1].replaced
+    assert code == -signal.SIGKILL and pid != out.ranks[1].pid == out.results[1]["pid"]
+    assert out.ranks[0].replaced is None and out.ranks[2].replaced is None
+    # without rejoin the killed rank is a failure, as before
+    out = launch(killed_once, 3, start=start, grace_s=None, timeout_s=90)
+    assert not out.ok and out.ranks[1].exitcode == -signal.SIGKILL and out.ranks[1].replaced is None

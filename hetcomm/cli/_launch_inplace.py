@@ -32,12 +32,16 @@ _RESTART = "drop --shrink-in-place: the job then runs under torchrun and a lost 
 
 def check(args: argparse.Namespace, job: List[str]) -> List[str]:
     """Refuse ``--shrink-in-place`` where it cannot work; returns ``job`` (the argv after ``--``)
-    with ``--shrink-in-place`` for the train job (unchanged without the flag).
+    with ``--shrink-in-place`` (and ``--grow-back`` when given) for the train job (unchanged
+    without the flag).
 
     Raises:
         UsageError: with ``--node``, on torch < 2.14, or a job other than ``train``; naming the
-            fix (the restart path).
+            fix (the restart path); ``--grow-back`` without ``--shrink-in-place``.
     """
+    if args.grow_back and not args.shrink_in_place:
+        raise UsageError("--grow-back takes a dead rank's slot back after an in-place shrink; add --shrink-in-place "
+                         "(one machine, torch >= 2.14, a train job), or drop --grow-back")
     if not args.shrink_in_place:
         return job
     if args.node is not None:
@@ -53,7 +57,8 @@ def check(args: argparse.Namespace, job: List[str]) -> List[str]:
 
         raise UsageError(f"--shrink-in-place needs torch >= 2.14 (dist.shrink_group); this is torch "
                          f"{torch.__version__}: {_RESTART}")
-    return job if "--shrink-in-place" in job else job + ["--shrink-in-place"]
+    job = job if "--shrink-in-place" in job else job + ["--shrink-in-place"]
+    return job + ["--grow-back"] if args.grow_back and "--grow-back" not in job else job
 
 
 def check_config(job: List[str]):

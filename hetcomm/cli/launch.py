@@ -4,7 +4,7 @@
                    [--nproc-per-node N] [--max-restarts R]
                    [--no-health] [--threshold 3] [--eject] [--probe-size 64K] [--probe-iters 10] [--probe-compute S]
                    [--warmup-from METRICS.jsonl] [--group-size N --group-delay S]
-                   [--shrink-in-place] [-- train ARGS...]
+                   [--shrink-in-place [--grow-back]] [-- train ARGS...]
 
 Run it once per node (like torchrun). Without ``--node`` it is a one-machine job: one
 ``torchrun --standalone`` with the cluster's ranks.
@@ -39,7 +39,9 @@ With ``--shrink-in-place`` (one machine, torch >= 2.14, a ``train`` job) the job
 hetcomm's own launcher instead of torchrun (:mod:`hetcomm.cli._launch_inplace`): a rank that
 dies is dropped by the survivors (``dist.shrink_group``), which finish in their processes; no
 restarts. The exit code is then the lowest survivor's verdict, and the last line names the
-ranks that died and those that finished in place.
+ranks that died and those that finished in place. ``--grow-back`` (passed on to the job) also
+starts a replacement in a dead rank's slot, which the survivors take back in
+(:mod:`hetcomm.train.growback`).
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "of torchrun, so that when a rank dies the survivors drop it (dist.shrink_group) and finish in "
                    "their processes from the in-memory snapshots (no restarts; --max-restarts does not apply; "
                    "multi-node jobs and torch 2.13 keep the restart path; docs/OPERATIONS.md)")
+    p.add_argument("--grow-back", action="store_true",
+                   help="with --shrink-in-place: start a replacement in a dead rank's slot, which the survivors take "
+                   "back in through dist._reconfigure (passed on to the train job as --grow-back; docs/OPERATIONS.md)")
     p.add_argument("--no-health", dest="health", action="store_false", help="skip phase 1")
     p.add_argument("--threshold", type=float, default=3.0, help="slow = best-peer probe time above this x the median (default 3)")
     p.add_argument("--eject", action="store_true", help="leave slow nodes out of the job")

@@ -67,6 +67,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--shrink-in-place", action="store_true", default=None,
                    help="torch >= 2.14, one machine: when a rank dies the survivors drop it with dist.shrink_group "
                    "and go on in the same processes from the in-memory snapshots (docs/OPERATIONS.md)")
+    p.add_argument("--grow-back", action="store_true", default=None,
+                   help="with --shrink-in-place: the launcher starts a replacement in a killed rank's slot and the "
+                   "survivors take it back in (dist._reconfigure) at an agreed step (docs/OPERATIONS.md)")
     p.add_argument("--checkpoint-async", action="store_true", default=None,
                    help="write the --checkpoint-every checkpoints in the background (DCP async_save)")
     p.add_argument("--warmup-from", metavar="METRICS.jsonl", default=None, help="seed calibrators and hot experts from a previous run's metrics")
@@ -213,6 +216,13 @@ def train_config(args: argparse.Namespace):
         from dataclasses import replace
 
         cfg = replace(TrainConfig(), **{k: v for k, v in overrides.items() if v is not None})
+    if args.grow_back:
+        if not cfg.shrink_in_place:
+            raise UsageError("--grow-back takes a killed rank's slot back after an in-place shrink; add "
+                             "--shrink-in-place (torch >= 2.14, one machine), or drop --grow-back")
+        from dataclasses import replace
+
+        cfg = replace(cfg, grow_back=True)
     _check_chunks(cfg, from_flag=args.chunks is not None, config_path=config_path)
     given = [flag for flag, v in (("--balance-every", args.balance_every), ("--balance-cooldown", args.balance_cooldown))
              if v is not None]

@@ -492,6 +492,17 @@ class Snapshotter:
                 op="snapshot", rank=self.rank, peer=self.buddy,
             ) from None
 
+    def settle(self) -> None:
+        """Wait for the transfer in flight: the last snapshot's peer copies, which end with a
+        barrier of the snapshot group, so every rank settles at the same point. Called before the
+        job's group changes members on purpose (:mod:`hetcomm.train.growback`), whose restore
+        then finds that step complete.
+
+        Raises:
+            CollectiveError: that transfer failed (a dead buddy).
+        """
+        self._join()
+
     def abandon(self, timeout_s: float = 5.0) -> None:
         """Let the transfer in flight go without a collective (this job's group lost a member and
         is being shrunk in place, :mod:`hetcomm.train.inplace`): its thread gets ``timeout_s``

@@ -34,7 +34,7 @@ import sys
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
-__all__ = ["enabled", "confirmed_losses", "shrink", "outcome_code", "CONFIRM_S"]
+__all__ = ["enabled", "confirmed_losses", "shrink", "rebuild", "outcome_code", "CONFIRM_S"]
 
 #: Seconds a failed step waits for the heartbeat to confirm a lost peer (it sees an exited
 #: process within a beat; a loaded machine delays beats, never the /proc check's verdict long).
@@ -143,9 +143,7 @@ def shrink(job, err: BaseException, build: Callable[[int, int, Any], Any],
     import torch.distributed as dist
 
     from hetcomm import settings
-    from hetcomm.ops import hooks
-    from hetcomm.ops.job_cluster import survivors_cluster_yaml
-    from hetcomm.topo.cluster import load_cluster, load_cluster_text
+    from hetcomm.topo.cluster import load_cluster
 
     failed_at = time.time()
     lost = confirmed_losses()
@@ -165,27 +163,55 @@ def shrink(job, err: BaseException, build: Callable[[int, int, Any], Any],
     # next new_group would take an old group's name, hence its store prefix, and read the dead
     # group's keys (hetcomm's rank claim refuses them). Names go on from where they were.
     c10d._world.group_count = max(c10d._world.group_count, count)
-    rank, world = dist.get_rank(), dist.get_world_size()
     slots = [s for r, s in enumerate(slots) if r not in dict(lost)]
-    text = survivors_cluster_yaml(cfg.cluster, slots)
-    cluster = load_cluster_text(text, path=f"{cfg.cluster} (survivors: cluster ranks {slots})")
     if job.snap is not None and not settings.LAUNCH_NONCE.get():
         # Outside hetcomm launch the launch's nonce is rank 0's process mark, agreed at start; the
         # new rank 0 may be another process (old rank 0 lost), and a nonce other than the
         # directory's record would take the snapshots for a dead launch's and delete them.
         os.environ[settings.LAUNCH_NONCE.name] = job.snap.launch.nonce
-    new = build(rank, world, cluster)
-    new.slots = slots
-    start_step, resumed_from = hooks.restore(cfg, new.model, new.opt, new.gen, new.extras or None, new.snap)
-    # The losses of the steps kept (the ones after the restored step are trained again).
-    new.losses = list(job.losses[: max(0, start_step - job.start_step)])
     # From the last step this process finished (or from the failure, when it finished none):
     # the shrink's whole cost in time, as the membership record counts a restart's.
-    down = time.time() - (job.step_done_at if job.step_done_at is not None else failed_at)
-    start(new, start_step, resumed_from, cause=cause, down_s=down)
+    since = job.step_done_at if job.step_done_at is not None else failed_at
+    new, start_step = rebuild(cfg, slots, cause, since, build, start)
+    # The losses of the steps kept (the ones after the restored step are trained again).
+    new.losses = list(job.losses[: max(0, start_step - job.start_step)])
     new.start_step = job.start_step
     new.shrinks = job.shrinks + 1
     return new, start_step + 1
+
+
+def rebuild(cfg, slots: List[int], cause: str, since: float, build: Callable[[int, int, Any], Any],
+            start: Callable[..., None]) -> Tuple[Any, int]:
+    """The job rebuilt on the default group's new membership, whose rank ``i`` stands for the
+    cluster file's rank ``slots[i]``: the cluster of those slots, the loop's ``build``, the
+    restore from the in-memory snapshots (resharded by global expert id when the world size
+    changed) and ``start`` with the membership record naming ``cause``. Collective over the new
+    membership; the in-place shrink and the grow-back (:mod:`hetcomm.train.growback`) both end here.
+
+    Args:
+        since: ``time.time()`` the membership record counts the change's cost from.
+
+    Returns:
+        ``(new job, step restored)``; the caller sets what the old job carried (losses, counts).
+    """
+    import torch.distributed as dist
+
+    from hetcomm.ops import hooks
+    from hetcomm.ops.job_cluster import survivors_cluster_yaml
+    from hetcomm.topo.cluster import load_cluster, load_cluster_text
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    original = load_cluster(cfg.cluster)
+    if list(slots) == list(range(original.num_ranks)):
+        cluster = original  # every rank back: the file's own cluster
+    else:
+        text = survivors_cluster_yaml(cfg.cluster, slots)
+        cluster = load_cluster_text(text, path=f"{cfg.cluster} (survivors: cluster ranks {list(slots)})")
+    new = build(rank, world, cluster)
+    new.slots = list(slots)
+    start_step, resumed_from = hooks.restore(cfg, new.model, new.opt, new.gen, new.extras or None, new.snap)
+    start(new, start_step, resumed_from, cause=cause, down_s=time.time() - since)
+    return new, start_step
 
 
 def outcome_code(outcome, who: str = "hetcomm train") -> Optional[int]:

@@ -28,8 +28,11 @@ def launch_options(cfg, in_place: bool):
     over it), the run is stopped after ``timeout_s + 10 s per step``, and the ranks' leftover
     shared memory is removed. ``grace_s``: one failed rank usually means the others wait for it
     until their timeout, so they are stopped at once; with an in-place shrink they drop it and
-    go on (a survivor that cannot fails by itself), so nobody is stopped early.
+    go on (a survivor that cannot fails by itself), so nobody is stopped early. With
+    ``--grow-back`` a rank killed by a signal is started once more in its slot, as a joiner
+    (``HETCOMM_JOIN=1``: :mod:`hetcomm.train.growback`).
     """
+    from hetcomm import settings
     from hetcomm.launch_options import LaunchOptions
 
     return LaunchOptions(
@@ -40,6 +43,7 @@ def launch_options(cfg, in_place: bool):
         grace_s=None if in_place else 0.0,
         clean_shm=True,
         name="train",
+        rejoin={settings.JOIN.name: "1"} if in_place and cfg.grow_back else None,
     )
 
 
@@ -58,6 +62,8 @@ def usage_error_names() -> Set[str]:
 def exit_code(outcome, in_place: bool, who: str = "hetcomm train") -> int:
     """The run's exit code, with its lines on stderr (prefixed ``who``).
 
+    * first, one line per process started in a killed rank's slot (``--grow-back``), naming both
+      pids and how the new one ended;
     * ranks still running at the time limit: 1, naming them;
     * with ``in_place``, ranks killed by a signal while every other rank finished: the lowest
       survivor's verdict, naming who died and who finished in place
@@ -68,6 +74,11 @@ def exit_code(outcome, in_place: bool, who: str = "hetcomm train") -> int:
     """
     from hetcomm.train import inplace
 
+    for r in outcome.ranks:  # --grow-back: the processes started in a killed rank's slot
+        if r.replaced is not None:
+            print(f"{who}: rank {r.rank} (pid {r.replaced[0]}) was killed by signal {-r.replaced[1]}; pid {r.pid} "
+                  f"was started in its slot (--grow-back) and {'finished' if r.ok else r.how_it_ended()}",
+                  file=sys.stderr, flush=True)
     if outcome.timed_out:
         print(f"{who}: the run exceeded its time limit ({outcome.timeout_s:g} s); ranks {list(outcome.timed_out)} "
               "had not finished; stopped all ranks", file=sys.stderr)

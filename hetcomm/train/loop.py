@@ -99,6 +99,9 @@ class TrainConfig:
         shrink_in_place: when a rank dies, the survivors shrink the group (``dist.shrink_group``,
             torch >= 2.14) and rebuild the job on the smaller world in the same processes, from
             the in-memory snapshots (:mod:`hetcomm.train.inplace`); needs ``snapshot_every`` > 0.
+        grow_back: with ``shrink_in_place``, the launcher starts a replacement in a killed rank's
+            slot and the survivors take it back in through ``dist._reconfigure`` at an agreed step
+            (:mod:`hetcomm.train.growback`).
     """
 
     cluster: str = "configs/clusters/mixed-mini.yaml"
@@ -137,6 +140,7 @@ class TrainConfig:
     checkpoint_async: bool = False
     probe_every: int = 50
     shrink_in_place: bool = False
+    grow_back: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
@@ -181,6 +185,9 @@ class TrainConfig:
             raise ConfigError(f"must be a whole number >= 0 or 'auto', got {se!r}", key="train.snapshot_every")
         if not isinstance(self.shrink_in_place, bool):
             raise ConfigError(f"must be true or false, got {self.shrink_in_place!r}", key="train.shrink_in_place")
+        if not isinstance(self.grow_back, bool) or (self.grow_back and not self.shrink_in_place):
+            raise ConfigError(f"grows a job back after an in-place shrink: needs shrink_in_place: true (--shrink-in-place), "
+                              f"got grow_back {self.grow_back!r}", key="train.grow_back")
         if self.shrink_in_place and se == 0:
             raise ConfigError("an in-place shrink restores the survivors from the in-memory snapshots; "
                               "set snapshot_every to N > 0 or 'auto'", key="train.snapshot_every")
@@ -344,6 +351,16 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> int:
 
         pg_options = HetcommOptions(cluster=cluster)
     rank_marks.startup("imports")  # startup marks: the parts of a recovery (the resume event)
+    from hetcomm.train import growback
+
+    if growback.joining():  # a killed rank's replacement: a group of one until the survivors take it in
+        dist.init_process_group(cfg.backend, rank=0, world_size=1, timeout=datetime.timedelta(seconds=cfg.timeout_s),
+                                pg_options=pg_options, enable_reconfigure=True)
+        try:
+            return growback.join(rank, world_size, cfg, lambda r, w, c: _build(r, w, cfg, MoELayer, c), _start,
+                                 lambda job, step: _loop(job, step, MoELayer))
+        finally:
+            dist.destroy_process_group()
     dist.init_process_group(
         cfg.backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s),
         pg_options=pg_options,
@@ -434,11 +451,22 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     _start(job, start_step, resumed_from)
     from hetcomm.train import inplace
 
-    in_place = inplace.enabled(cfg)
     if rank == 0 and inplace.why_not(cfg):
         print(f"hetcomm train: {inplace.why_not(cfg)}", file=sys.stderr, flush=True)
+    return _loop(job, start_step + 1, MoELayer)
+
+
+def _loop(job: _Rank, step: int, MoELayer) -> int:
+    """Train from ``step`` to the last step (an in-place shrink or grow-back swaps ``job``), then finish."""
+    from hetcomm.train import growback, inplace
+
+    cfg = job.cfg
+    in_place = inplace.enabled(cfg)
     t0 = time.perf_counter()
-    step = start_step + 1
+
+    def build(r: int, w: int, c) -> _Rank:
+        return _build(r, w, cfg, MoELayer, c)
+
     while step <= cfg.steps:
         try:
             _step(job, step)
@@ -446,9 +474,12 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
         except Exception as e:  # noqa: BLE001 - a lost peer's, confirmed by the heartbeat, or raised again
             if not in_place:
                 raise
-            job, step = inplace.shrink(job, e, lambda r, w, c: _build(r, w, cfg, MoELayer, c), _start)
+            job, step = inplace.shrink(job, e, build, _start)
             continue
         step += 1
+        if in_place and cfg.grow_back:
+            job, step = growback.maybe_grow(job, step, build, _start)
+    growback.finished(job)
     return _finish(job, t0)
 
 

@@ -93,10 +93,62 @@ def test_launch_shrink_in_place_survivors_finish_in_their_processes(tmp_path, vi
     assert os.listdir(shm) == [], os.listdir(shm)  # the job's snapshots are gone
 
 
+@needs_214
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_launch_grow_back_takes_the_killed_rank_back_in_place(tmp_path):
+    """``hetcomm launch --shrink-in-place --grow-back``: rank 2 killed after step 4, the survivors
+    shrink, the launcher starts a replacement in slot 2 (through the worker's own entry, as the
+    others), the survivors take it back in (at the latest after step 7: the wait hook) and all
+    four finish as ranks 0-3 of 4; the launch's last lines name both pids of rank 2."""
+    from hetcomm.ops.metrics import read_metrics
+
+    work, out_dir, shm = tmp_path / "work", tmp_path / "out", tmp_path / "shm"
+    out_dir.mkdir()
+    shm.mkdir()
+    metrics = str(tmp_path / "m.jsonl")
+    config = tmp_path / "tiny.yaml"
+    with open(TINY, encoding="utf-8") as f:
+        text = f.read()
+    config.write_text(text.replace("timeout_s: 60", "timeout_s: 120").replace(
+        "cluster: configs/clusters/mixed-mini.yaml", f"cluster: {REPO}/configs/clusters/mixed-mini.yaml"))
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               INPLACE_TEST_VICTIM="2", INPLACE_TEST_OUT=str(out_dir), INPLACE_TEST_GROW="1",
+               HETCOMM_SNAPSHOT_ROOT=str(shm))
+    for name in ("HETCOMM_CLUSTER", "HETCOMM_JOB_ID", "HETCOMM_LAUNCH_NONCE", "HETCOMM_LAUNCH_OWNER", "HETCOMM_JOIN"):
+        env.pop(name, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.cli.inplace_launch", "--shrink-in-place", "--grow-back", "--work-dir", str(work),
+         "--probe-size", "4K", "--probe-iters", "2", "--threshold", "1e6",
+         "--", "train", "--config", str(config), "--steps", "10", "--metrics", metrics],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=560)
+    out = proc.stdout + proc.stderr
+    verdict_pass = "verdict" in out and "PASS:" in out
+    assert proc.returncode == (0 if verdict_pass else 1), out[-4000:]
+    m = re.search(r"hetcomm launch: rank 2 \(pid (\d+)\) was killed by signal 9; pid (\d+) was started in its slot "
+                  r"\(--grow-back\) and finished", out)
+    assert m, out[-4000:]
+    assert "died" not in out.splitlines()[-1], out[-2000:]  # every process in the outcome finished
+    for r in range(4):
+        with open(out_dir / f"rank{r}.json", encoding="utf-8") as f:
+            got = json.load(f)
+        assert (got["world"], got["rank"], got["slots"], got["shrinks"]) == (4, r, [0, 1, 2, 3], 1), (r, got)
+        assert got["finite"], f"rank {r}: a weight is not finite"
+    with open(out_dir / "rank2.json", encoding="utf-8") as f:
+        assert json.load(f)["pid_end"] == int(m.group(2)) != int(m.group(1))
+    events = [e.detail for e in read_metrics(metrics).events if e.event == "membership"]
+    assert [e.split(" ranks")[0] for e in events] == ["4 -> 3", "3 -> 4"], events
+    assert "cause: cluster rank 2 (H800 on h800-0) rejoined" in events[1], events[1]
+    assert [s.step for s in read_metrics(metrics).steps][-1] == 10
+    assert os.listdir(shm) == [], os.listdir(shm)
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--node", "a100-0", "--rdzv-endpoint", "127.0.0.1:29400", "--shrink-in-place"],
      "--shrink-in-place with --node a100-0"),
     (["--shrink-in-place", "--", "bench"], "--shrink-in-place applies to `train` jobs, not `bench`"),
+    (["--grow-back"], "--grow-back takes a dead rank's slot back after an in-place shrink; add --shrink-in-place"),
+    (["--", "train", "--grow-back"], "--grow-back takes a killed rank's slot back after an in-place shrink; add "),
 ] + ([
     (["--shrink-in-place", "--", "train", "--backend", "gloo"], "--shrink-in-place needs the hetcomm backend"),
     (["--shrink-in-place", "--", "train", "--snapshot-every", "0"], "restores the survivors from the in-memory snapshots"),
@@ -109,9 +161,25 @@ def test_shrink_in_place_refused_before_anything_starts(tmp_path, capsys, argv, 
     err = capsys.readouterr().err.strip()
     assert code == 2, err
     assert says in err and len(err.splitlines()) == 1, err
-    if "restores the survivors" not in says:
+    if "restores the survivors" not in says and "--grow-back" not in says:
         assert "drop --shrink-in-place" in err or "drop it" in err, err  # the fix: the restart path
     assert not work.exists()  # nothing was started
+
+
+@needs_214
+def test_grow_back_is_passed_on_to_the_train_job():
+    """``hetcomm launch --shrink-in-place --grow-back``: the job gets both flags (once), and its
+    ranks' launch options start a replacement in a dead rank's slot (HETCOMM_JOIN)."""
+    from hetcomm.cli import _launch_inplace
+    from hetcomm.cli.main import build_parser
+    from hetcomm.train.local_ranks import launch_options
+
+    for extra in ([], ["--grow-back"]):
+        args = build_parser().parse_args(["launch", "--shrink-in-place", "--grow-back", "--", "train", *extra])
+        job = _launch_inplace.check(args, ["train", *extra])
+        assert job[0] == "train" and sorted(job[1:]) == ["--grow-back", "--shrink-in-place"], job
+    cfg = _launch_inplace.check_config(job + ["--config", TINY])
+    assert cfg.grow_back and launch_options(cfg, in_place=True).rejoin == {"HETCOMM_JOIN": "1"}
 
 
 @needs_214

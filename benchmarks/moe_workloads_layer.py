@@ -23,10 +23,10 @@ fresh layers, one per policy, trained step by step in an order that rotates ever
   and given speeds, ``token_split`` on, the policy with ``speed="oracle"``): what
   ``hetcomm train --speed oracle --token-split on`` sets.
 
-Links: ``--scale`` (default 1e-2, ten times the cluster file's 1e-3). Replication is on for
+Links: ``--scale`` (default 1e-2, the testbed cluster file's own rate). Replication is on for
 every policy, and each hot expert's weight refresh and gradient sum cross the emulated links
-every step: at the file's rate they alone outweigh the expert work of a few thousand rows per
-rank, and no policy could show a difference; ``--scale 1e-3`` runs the file's rate.
+every step: at 1e-3 (the emulation's default, ``--scale 1e-3``) they alone outweigh the expert
+work of a few thousand rows per rank, and no policy could show a difference.
 
 Routing: the workload's, exactly. ``MoELayer`` has no fixed-routing input, so the gate is made to
 pick it: its weight is frozen to the identity on the first ``E`` input dimensions, where each
@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model-dim", type=int, default=256)
     ap.add_argument("--hidden-dim", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scale", type=float, default=1e-2, help="emulated link rate factor (the cluster file says 1e-3: see the module)")
+    ap.add_argument("--scale", type=float, default=1e-2, help="emulated link rate factor (default 1e-2, as the testbed cluster file: see the module)")
     ap.add_argument("--subnet", default="10.223.0.0/16")
     ap.add_argument("--max-load", type=float, default=2.0, help="start only below this 1-minute load")
     ap.add_argument("--timeout", type=float, default=1500.0)

@@ -174,7 +174,10 @@ def _rank_main(args) -> int:
                 rec = {p: {"step_s": [], "rows": [], "expert_s": []} for p in POLICIES}
                 for step in range(1, args.warmup + args.steps + 1):
                     idx = workload_routing(w, spec, args.seed, step, rank)
-                    x = routed_input(idx, E, D, step, rank)
+                    # As a layer's input in a model, x is in the graph: with the gate frozen, a rank
+                    # whose experts got no rows would otherwise have an output without a grad_fn
+                    # and sit out the backward that its peers' combine-backward waits on.
+                    x = routed_input(idx, E, D, step, rank).requires_grad_(True)
                     k0 = step % len(POLICIES)
                     for p in POLICIES[k0:] + POLICIES[:k0]:  # rotate who goes first
                         st = states[p]

@@ -206,8 +206,13 @@ def _rank_main(args) -> int:
                     loop = states[p]["loop"]
                     rec[p]["cold"] = loop.cold.summary() if loop is not None else "off"
                 res.setdefault(w, []).append(rec)
-        with open(os.path.join(args.worker_out, f"rank{rank}.json"), "w") as f:
-            json.dump({"quotas": quotas, "runs": res}, f)
+                if rank == 0:  # progress: a full run takes tens of minutes
+                    ms = {p: 1e3 * statistics.median(rec[p]["step_s"]) for p in POLICIES if rec[p]["step_s"]}
+                    print(f"  pair {pair + 1}/{args.pairs} {w}: median step " +
+                          ", ".join(f"{p} {v:.0f} ms" for p, v in ms.items()), flush=True)
+            # Written after every pair: a run stopped at its timeout keeps the pairs it finished.
+            with open(os.path.join(args.worker_out, f"rank{rank}.json"), "w") as f:
+                json.dump({"quotas": quotas, "runs": res}, f)
         return 0
     finally:
         dist.destroy_process_group()

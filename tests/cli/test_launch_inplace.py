@@ -31,6 +31,22 @@ STEPS = 8
 needs_214 = pytest.mark.skipif(not supported(), reason="an in-place shrink needs torch >= 2.14 (dist.shrink_group)")
 
 
+def _tiny_launch_dirs(tmp_path):
+    """``(work, out, shm, metrics path, config)`` of a launch of the tiny job, with a 120 s group
+    timeout: the launch's time limit (timeout_s + 10 s a step) then leaves room for four ranks
+    importing torch on a loaded 2-core machine (~55 s seen)."""
+    work, out_dir, shm = tmp_path / "work", tmp_path / "out", tmp_path / "shm"
+    out_dir.mkdir()
+    shm.mkdir()
+    config = tmp_path / "tiny.yaml"
+    with open(TINY, encoding="utf-8") as f:
+        text = f.read()
+    assert "timeout_s: 60" in text
+    config.write_text(text.replace("timeout_s: 60", "timeout_s: 120").replace(
+        "cluster: configs/clusters/mixed-mini.yaml", f"cluster: {REPO}/configs/clusters/mixed-mini.yaml"))
+    return work, out_dir, shm, str(tmp_path / "m.jsonl"), config
+
+
 @needs_214
 @pytest.mark.slow
 @pytest.mark.timeout(600)
@@ -41,18 +57,7 @@ def test_launch_shrink_in_place_survivors_finish_in_their_processes(tmp_path, vi
     from hetcomm.ops.metrics import read_metrics
     from tests.train.test_inplace_shrink import check_membership_change
 
-    work, out_dir, shm = tmp_path / "work", tmp_path / "out", tmp_path / "shm"
-    out_dir.mkdir()
-    shm.mkdir()
-    metrics = str(tmp_path / "m.jsonl")
-    # The tiny job with a 120 s group timeout: the launch's time limit (timeout_s + 10 s a step)
-    # then leaves room for four ranks importing torch on a loaded 2-core machine (~55 s seen).
-    config = tmp_path / "tiny.yaml"
-    with open(TINY, encoding="utf-8") as f:
-        text = f.read()
-    assert "timeout_s: 60" in text
-    config.write_text(text.replace("timeout_s: 60", "timeout_s: 120").replace(
-        "cluster: configs/clusters/mixed-mini.yaml", f"cluster: {REPO}/configs/clusters/mixed-mini.yaml"))
+    work, out_dir, shm, metrics, config = _tiny_launch_dirs(tmp_path)
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                INPLACE_TEST_VICTIM=str(victim), INPLACE_TEST_OUT=str(out_dir), HETCOMM_SNAPSHOT_ROOT=str(shm))
     for name in ("HETCOMM_CLUSTER", "HETCOMM_JOB_ID", "HETCOMM_LAUNCH_NONCE", "HETCOMM_LAUNCH_OWNER"):
@@ -103,15 +108,7 @@ def test_launch_grow_back_takes_the_killed_rank_back_in_place(tmp_path):
     four finish as ranks 0-3 of 4; the launch's last lines name both pids of rank 2."""
     from hetcomm.ops.metrics import read_metrics
 
-    work, out_dir, shm = tmp_path / "work", tmp_path / "out", tmp_path / "shm"
-    out_dir.mkdir()
-    shm.mkdir()
-    metrics = str(tmp_path / "m.jsonl")
-    config = tmp_path / "tiny.yaml"
-    with open(TINY, encoding="utf-8") as f:
-        text = f.read()
-    config.write_text(text.replace("timeout_s: 60", "timeout_s: 120").replace(
-        "cluster: configs/clusters/mixed-mini.yaml", f"cluster: {REPO}/configs/clusters/mixed-mini.yaml"))
+    work, out_dir, shm, metrics, config = _tiny_launch_dirs(tmp_path)
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                INPLACE_TEST_VICTIM="2", INPLACE_TEST_OUT=str(out_dir), INPLACE_TEST_GROW="1",
                HETCOMM_SNAPSHOT_ROOT=str(shm))

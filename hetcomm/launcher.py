@@ -355,25 +355,24 @@ def launch(
                     prep.pop("authkey", None)  # not picklable outside multiprocessing; unused here
                     pickle.dump(prep, f)
                     pickle.dump((target, tuple(args)), f)
-            for r in range(world_size):
+
+            def start_rank(r: int, env_r: Dict[str, str]) -> _Proc:
                 log = (logs or {}).get(r)
                 if start == "forkserver":
-                    handles.append(_start_forked(target, tuple(args), r, envs[r], run_dir, log))  # type: ignore[arg-type]
-                else:
-                    argv = list(target) if is_command else [*SAFE_PYTHON, _EXEC_CHILD, spec_path, str(r), run_dir]  # type: ignore[arg-type]
-                    if prefix is not None:
-                        argv = [*prefix(r), *argv]
-                    handles.append(_start_exec(argv, envs[r], log, die_with_launcher))
+                    return _start_forked(target, tuple(args), r, env_r, run_dir, log)  # type: ignore[arg-type]
+                argv = list(target) if is_command else [*SAFE_PYTHON, _EXEC_CHILD, spec_path, str(r), run_dir]  # type: ignore[arg-type]
+                if prefix is not None:
+                    argv = [*prefix(r), *argv]
+                return _start_exec(argv, env_r, log, die_with_launcher)
+
+            for r in range(world_size):
+                handles.append(start_rank(r, envs[r]))
                 if on_start is not None:
                     on_start(r, handles[-1].pid)
                 signals.check(lambda sig: _stop(handles, range(len(handles)), kill_grace_s, sig))
+
             def respawn(r: int) -> _Proc:  # a killed rank's slot started once more (opts.rejoin)
-                env_r = {**envs[r], **(opts.rejoin or {})}
-                if start == "forkserver":
-                    return _start_forked(target, tuple(args), r, env_r, run_dir, (logs or {}).get(r))  # type: ignore[arg-type]
-                argv = list(target) if is_command else [*SAFE_PYTHON, _EXEC_CHILD, spec_path, str(r), run_dir]  # type: ignore[arg-type]
-                return _start_exec([*prefix(r), *argv] if prefix is not None else argv, env_r, (logs or {}).get(r),
-                                   die_with_launcher)
+                return start_rank(r, {**envs[r], **(opts.rejoin or {})})
 
             outcome = _watch(handles, run_dir, not is_command, t0, timeout_s, grace_s, kill_grace_s, signals,
                              respawn if opts.rejoin is not None else None)

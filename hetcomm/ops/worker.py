@@ -32,7 +32,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, List, Optional
 
-__all__ = ["main", "round_store", "place", "fresh_store", "NODE_ENV", "GROUP_SIZE_ENV", "GROUP_DELAY_ENV"]
+__all__ = ["main", "round_store", "place", "fresh_store", "master_store", "NODE_ENV", "GROUP_SIZE_ENV", "GROUP_DELAY_ENV"]
 
 from hetcomm import settings
 
@@ -78,7 +78,9 @@ def round_store() -> None:
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
 
 
-def _torchrun_store(timeout_s: float):
+def master_store(timeout_s: float):
+    """A client of the store at ``MASTER_ADDR:MASTER_PORT``: torchrun's agent's, or the one
+    hetcomm's own launcher hosts (:mod:`hetcomm.launcher`, ``store=True``)."""
     import torch.distributed as dist
 
     return dist.TCPStore(
@@ -98,7 +100,7 @@ def place(argv: List[str]) -> List[str]:
         return argv
     group_rank = int(os.environ["GROUP_RANK"])
     num_nodes = int(os.environ["GROUP_WORLD_SIZE"])
-    store = _torchrun_store(120.0)
+    store = master_store(120.0)
     prefix = f"hetcomm/launch/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{_attempt()}/node/"
     if int(os.environ["LOCAL_RANK"]) == 0:
         store.set(prefix + str(group_rank), node)
@@ -145,7 +147,7 @@ def fresh_store() -> None:
         return
     import socket
 
-    store = _torchrun_store(120.0)
+    store = master_store(120.0)
     key = f"hetcomm/launch/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{_attempt()}/store_port"
     if os.environ.get("RANK") == "0":
         with socket.socket() as s:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import sys
 import time
 import uuid as uuid_mod
@@ -67,11 +66,10 @@ def joining() -> bool:
 
 def _store(timeout_s: float):
     """The launcher's store (``MASTER_ADDR``/``MASTER_PORT``), as a client; one per process."""
-    import torch.distributed as dist
+    from hetcomm.ops.worker import master_store
 
     if _State.store is None:
-        _State.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                     timeout=datetime.timedelta(seconds=timeout_s))
+        _State.store = master_store(timeout_s)
     return _State.store
 
 

@@ -59,11 +59,9 @@ def install_wait_hook(victim: int, wait_at: int = WAIT_AT) -> None:
         if n == wait_at and job.world_size == 3:
             from datetime import timedelta
 
-            import torch.distributed as dist
+            from hetcomm.ops.worker import master_store
 
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                  timeout=timedelta(seconds=120))
-            store.wait([f"{growback.KEY}/{victim}/handle"], timedelta(seconds=120))
+            master_store(120.0).wait([f"{growback.KEY}/{victim}/handle"], timedelta(seconds=120))
         inner(job, n)
 
     loop._step = step

@@ -22,11 +22,26 @@ from hetcomm.errors import ConfigError
 from hetcomm.moe.experts import ExpertBank
 from hetcomm.moe.overlap import PipelineTimes
 
-__all__ = ["ExpertStore", "ExpertOutput", "ResidentExperts"]
+__all__ = ["ExpertStore", "ExpertOutput", "ResidentExperts", "join_graph"]
 
 #: What :meth:`ExpertStore.compute` returns for the combine: one ``[n_l, D]`` output per local
 #: expert (rows delivered split by expert) or ``[R, D]`` for all of them.
 ExpertOutput = Union[torch.Tensor, List[torch.Tensor]]
+
+
+def join_graph(y: ExpertOutput) -> ExpertOutput:
+    """``y`` in the autograd graph whenever gradients are on, so every rank's output has a
+    ``grad_fn`` and every rank runs the combine's backward, the exchange its peers wait on.
+
+    A rank whose experts got no rows, from an input that needs no gradient (a frozen gate over
+    frozen embeddings), has nothing in ``y`` that requires grad; a zero scalar leaf that does is
+    added to its first tensor (same values, its gradient never read). ``y`` unchanged otherwise.
+    """
+    parts = y if isinstance(y, list) else [y]
+    if not torch.is_grad_enabled() or not parts or any(t.requires_grad for t in parts):
+        return y
+    anchor = torch.zeros((), dtype=parts[0].dtype, device=parts[0].device, requires_grad=True)
+    return [parts[0] + anchor] + parts[1:] if isinstance(y, list) else y + anchor
 
 
 class ExpertStore(ExpertBank, metaclass=abc.ABCMeta):

@@ -343,3 +343,26 @@ def subgroups(rank: int, world_size: int) -> Dict[str, Any]:
     res["auto_wire"] = names[layer.wire_dtype(1 - sub_rank)]
     res["strong"] = layer.strong_ranks
     return res
+
+
+def frozen_gate_idle_rank(rank: int, world_size: int) -> Dict[str, Any]:
+    """A frozen gate sends every token to rank 0's experts and the input needs no gradient (the
+    first layer of a model over frozen embeddings): rank 1's experts get no rows, and its output
+    must still join the backward that rank 0's combine-backward exchanges with it."""
+    from hetcomm.moe import MoELayer
+
+    D, E, T = 8, 4, 16  # experts 0, 1 on rank 0; 2, 3 on rank 1
+    layer = MoELayer(D, E, k=2, dropless=True, calibrate=False, wire_dtype="fp32")
+    with torch.no_grad():
+        layer.gate.wg.weight.zero_()
+        layer.gate.wg.weight[0:2] = 1.0  # positive inputs pick experts 0 and 1
+    layer.gate.wg.weight.requires_grad_(False)
+    x = torch.rand(T, D, generator=torch.Generator().manual_seed(rank)) + 0.1
+    out = layer(x)
+    flag = torch.tensor([1.0 if out.requires_grad else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    res: Dict[str, Any] = {"requires_grad": out.requires_grad, "rows": sum(layer.step_stats()["rows_per_expert"])}
+    if flag.item() == 1.0:  # every rank can run the backward (else it would hang on the one that cannot)
+        out.square().mean().backward()
+        res["expert_grad"] = sum(float(p.grad.abs().sum()) for p in layer.experts.parameters() if p.grad is not None)
+    return res

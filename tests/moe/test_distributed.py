@@ -193,3 +193,11 @@ def test_rebalance_evens_the_ranks_by_the_balancer_policy_without_changing_train
         # Adam moments and steps moved with the experts: the twin that never moved agrees.
         assert r["out_diff"] < 1e-6, r
         assert r["param_diff"] < 1e-6, r
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_experts_get_no_rows_joins_the_backward_with_a_frozen_gate():
+    res = run_ranks(cases.frozen_gate_idle_rank, world_size=2, backend=_backend(), cluster=None, timeout=90)
+    assert res[0]["rows"] > 0 and res[1]["rows"] == 0, res
+    assert all(r["requires_grad"] for r in res), res  # rank 1's output is in the graph
+    assert res[0]["expert_grad"] > 0 and res[1]["expert_grad"] == 0, res  # the backward ran on both

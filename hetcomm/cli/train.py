@@ -86,8 +86,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "emulation's compute factors from the cluster file (emulation.compute_scale; a benchmark aid)")
     p.add_argument("--token-split", choices=("on", "off", "auto"), default=None,
                    help="per-step, time-proportional split of hot experts' rows among their copies by measured "
-                   "speed (default off: at the demo's size it cost 11-16%% of tokens/s; auto: on for a mixed "
-                   "cluster; docs/MOE.md)")
+                   "speed (default auto: on once the ranks' agreed speeds differ; docs/MOE.md)")
     p.add_argument("--chunks", metavar="N|auto", default=None,
                    help="pipelined dispatch chunks per MoE layer (default auto: 1 on CPU ranks; docs/MOE.md)")
     p.add_argument("--balance-every", metavar="N", type=int, default=None, help="steps between balancer plans (default 50)")

@@ -33,12 +33,12 @@ import torch.distributed as dist
 from torch import nn
 
 from hetcomm.backends import tokens as token_dispatch
-from hetcomm.errors import ConfigError
+from hetcomm.errors import ConfigError, UsageError
 from hetcomm.moe.gate_calibration import LoadCalibrator
 from hetcomm.moe.routing import ChunkLayout, route_tokens, weighted_combine
 from hetcomm.moe.experts import ExpertSpec, build_expert
 from hetcomm.moe import paging_rule
-from hetcomm.moe.expert_store import ExpertStore, ResidentExperts
+from hetcomm.moe.expert_store import ExpertStore, ResidentExperts, join_graph
 from hetcomm.moe.paged_experts import PagedExperts
 from hetcomm.moe.gate import TopKGate
 from hetcomm.moe.routing_metrics import MetricsAccumulator
@@ -160,7 +160,11 @@ class MoELayer(nn.Module):
         classes = speed_classes(self.rank_tflops) if cfg.speed_pool == "device" else None  # one per datasheet speed
         self.speed = SpeedMeter(W, self.rank, self.rank_tflops, group, every=cfg.speed_every, alpha=cfg.speed_alpha,
                                 room=room, classes=classes)
-        self.splitter: Optional[TokenSplitter] = TokenSplitter(W, self.rank, group, num_experts) if cfg.token_split and W > 1 else None
+        # Built for True and for "auto" with copies to split among; "auto" starts off and follows the
+        # policy's lever (use_token_split, which MeasuredLoop calls after each agreement).
+        can_split = cfg.token_split is True or (cfg.token_split == "auto" and cfg.replicate)
+        self.splitter: Optional[TokenSplitter] = TokenSplitter(W, self.rank, group, num_experts) if can_split and W > 1 else None
+        self.token_split_on = cfg.token_split is True
 
     # -- helpers -----------------------------------------------------------------------------
     @property
@@ -220,6 +224,18 @@ class MoELayer(nn.Module):
         rank of the group must set the same number, as for ``MoEConfig.num_chunks``)."""
         self.config = replace(self.config, num_chunks=num_chunks)  # validated by MoEConfig
         self._adopt_layout(self.placement)
+
+    def use_token_split(self, on: bool) -> None:
+        """Split hot experts' rows among their copies from the next forward on, or stop (local;
+        every rank of the group must set the same, as the policy's agreed lever does).
+
+        Raises:
+            UsageError: ``on`` with no splitter: ``token_split=False``, no replication, or one rank.
+        """
+        if on and self.splitter is None:
+            raise UsageError(f"MoELayer (rank {self.rank}): no token split to turn on; build the layer with "
+                             "token_split=True or 'auto', replicate=True, on more than one rank")
+        self.token_split_on = bool(on)
 
     @property
     def local_expert_ids(self) -> Tuple[int, ...]:
@@ -357,7 +373,7 @@ class MoELayer(nn.Module):
         replica_here = rep.replica_here() if rep is not None and rep.replicas else None
         # Per-step split among copies (hetcomm.moe.token_split): every kept copy travels (a
         # holder's own rows stay local inside the dispatch), none is set aside for a replica.
-        splitter = self.splitter if self.splitter is not None and rep is not None and rep.hot and not paged else None
+        splitter = self.splitter if self.token_split_on and rep is not None and rep.hot and not paged else None
         if splitter is not None:
             replica_here = None
         # The only routing step: capacity, then the copies for local replicas set aside; the
@@ -401,7 +417,7 @@ class MoELayer(nn.Module):
             local_y = rep.compute_local(x2, route, self.layout.key_of_expert, self.experts)
             self.speed.end(mark, int(route.local_assign.numel()))
             times.expert_s += time.perf_counter() - te
-        y_recv = self.experts.compute(res, mods, times, self.speed, x2.device)
+        y_recv = join_graph(self.experts.compute(res, mods, times, self.speed, x2.device))
         tw = time.perf_counter()
         out = self.comm.combine(y_recv, res.handle)
         times.record_exchange(res, cfg.num_chunks, tw, t_start)

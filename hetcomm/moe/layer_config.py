@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from hetcomm.errors import ConfigError
 from hetcomm.moe.paging import PagingConfig
@@ -57,7 +57,10 @@ class MoEConfig:
             ``page_budget="auto"``: page only when the experts do not fit the device they are
             built on (:mod:`hetcomm.moe.paging_rule`; never on CPU ranks).
         token_split: per-step, time-proportional split of a replicated expert's rows among its
-            copies (:mod:`hetcomm.moe.token_split`; needs ``replicate``; off with paging).
+            copies (:mod:`hetcomm.moe.token_split`; off with paging). True: always (needs
+            ``replicate``); ``"auto"`` (default): the policy's ``token_split`` lever turns it on
+            and off (:class:`~hetcomm.moe.MeasuredLoop` applies it after each agreement: on once
+            the agreed speeds differ); off without replication or a :class:`MeasuredLoop`; False: never.
         speed_every: steps between agreements of the measured per-rank speed vector
             (:mod:`hetcomm.moe.speed`; 0 = keep the datasheet prior).
         speed_alpha: EMA decay of the measured rows and seconds.
@@ -93,7 +96,7 @@ class MoEConfig:
     seed: int = 0
     page_budget: float = 0.0
     paging: Optional[PagingConfig] = None
-    token_split: bool = False
+    token_split: Union[bool, str] = "auto"
     speed_every: int = 5
     speed_alpha: float = 0.8
     speed_pool: str = "device"
@@ -119,7 +122,9 @@ class MoEConfig:
             raise bad("rank_weights", f"expected 'strong' or 'throughput', got {self.rank_weights!r}")
         if self.speed_pool not in ("rank", "device"):
             raise bad("speed_pool", f"expected 'rank' or 'device', got {self.speed_pool!r}")
-        if self.token_split and not self.replicate:
+        if self.token_split not in (True, False, "auto"):
+            raise bad("token_split", f"must be True, False or 'auto', got {self.token_split!r}")
+        if self.token_split is True and not self.replicate:
             raise bad("token_split", "splits a replicated expert's rows among its copies: set replicate=True too")
         if not self.strong_expert_weight > 0:
             raise bad("strong_expert_weight", f"must be > 0, got {self.strong_expert_weight!r}")

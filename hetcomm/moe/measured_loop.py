@@ -16,7 +16,8 @@ collective lines up):
 2. each layer's paging step end (``MoELayer.end_page_step``: evictions and prefetch read the
    refreshed weights);
 3. the policy's speed verdict (:func:`~hetcomm.moe.policy.speed_verdict`, agreed values only),
-   and a ``policy`` event when it changed a lever;
+   and a ``policy`` event when it changed a lever; the ``token_split`` lever is applied to every
+   layer built with ``token_split="auto"`` (``MoELayer.use_token_split``);
 4. the cold move (:class:`~hetcomm.moe.cold.ColdMoves`) when the policy's ``cold_placement``
    lever is on;
 5. a step planner's plans (``hetcomm train --balance``: the migration balancer), when given.
@@ -94,7 +95,9 @@ class MeasuredLoop:
                  policy: Optional[Policy] = None, planner: Optional[StepPlanner] = None) -> None:
         self.layers = moe_layers_of(model_or_layers)
         self.optimizer = optimizer
-        self.policy: Policy = policy if policy is not None else policy_of_layers(self.layers)
+        given = policy if policy is not None else policy_of_layers(self.layers)
+        self.policy: Policy = given.with_verdict(speed_verdict([m.speed for m in self.layers]))  # given speeds: known now
+        self._apply_token_split()
         self.planner = planner
         self.cold = ColdMoves(self.layers, enabled=self.policy.cold_placement.on)
         self.placements = LayerPlacements(self.layers, optimizer)
@@ -119,11 +122,17 @@ class MeasuredLoop:
         self.policy = before.with_verdict(speed_verdict([m.speed for m in self.layers]))
         if self.policy.levers() != before.levers():
             events.append(LoopEvent("policy", self.policy.line()))
+            self._apply_token_split()
         for line in self.cold.after_step(step, self.optimizer, allowed=self.policy.cold_placement.on):
             events.append(LoopEvent("migration", line))
         if self.planner is not None:
             events.extend(LoopEvent("migration", line) for line in self.planner.after_step(step))
         return events
+
+    def _apply_token_split(self) -> None:
+        for m in self.layers:
+            if m.config.token_split == "auto" and m.splitter is not None:
+                m.use_token_split(self.policy.token_split.on)
 
     def extras(self) -> Dict[str, Any]:
         """The ``Stateful`` objects a checkpoint or snapshot carries beside the model:

@@ -11,8 +11,9 @@ initial_weights    more than one rank, not ``--no-balance`` (speed-blind: equal 
 replica_holders    replication on and more than one rank: hot experts are copied onto the strong ranks
                    with room, re-chosen by the agreed measured speed (by the datasheet's strong flags
                    when speeds are not measured; by the oracle's speeds with ``oracle``).
-token_split        ``token_split`` True, or ``auto`` on a mixed cluster with balancing not off; needs
-                   replication, more than one rank and no paging.
+token_split        ``token_split`` True, or ``auto`` once the agreed speed verdict says the ranks differ
+                   (measured beyond noise, or the given speeds), balancing not off; needs replication,
+                   more than one rank and no paging. Device labels alone never turn it on.
 migrations         ``balance`` True (``--balance``) and more than one rank: the expert balancer moves
                    experts by measured speed.
 cold_placement     ``balance`` auto, speeds measured (or given as true, ``oracle``), more than one rank,
@@ -209,7 +210,7 @@ def decide(inputs: PolicyInputs) -> Policy:
         holders = Lever(True, f"hot experts copied onto the strong ranks, chosen by the {x.speed} speeds")
 
     if x.token_split is False:
-        split = Lever(False, "not asked for (--token-split): at small expert sizes its exchange costs more than it saves")
+        split = Lever(False, "--token-split off")
     elif not x.replicate or not multi:
         split = Lever(False, "needs replicas on more than one rank to split among")
     elif paging:
@@ -218,10 +219,12 @@ def decide(inputs: PolicyInputs) -> Policy:
         split = Lever(True, "asked for: hot experts' rows split among their copies by speed")
     elif off:
         split = Lever(False, "--no-balance")
-    elif x.cluster_kind == "mixed":
-        split = Lever(True, "auto on a mixed cluster: hot experts' rows split among their copies by speed")
+    elif x.differ is None:
+        split = Lever(False, "auto: waits for the agreed speeds")
+    elif x.differ:
+        split = Lever(True, "auto, the agreed speeds differ: hot experts' rows split among their copies by speed")
     else:
-        split = Lever(False, "auto: the cluster is not mixed")
+        split = Lever(False, "auto: the agreed speeds are equal, equal rows are equal time")
 
     if x.balance is not True:
         migrations = Lever(False, "--no-balance" if off else

@@ -86,8 +86,8 @@ class TrainConfig:
         page_budget: expert paging (``MoEConfig.page_budget``): the fraction of each rank's
             experts kept on the device, the rest paged in from a host pool as routed (0: off).
         token_split: per-step, time-proportional split of hot experts' rows among their copies
-            by measured speed (:mod:`hetcomm.moe.policy`): False (default), True, or
-            ``auto`` (on for a mixed cluster).
+            by measured speed (:mod:`hetcomm.moe.policy`): ``auto`` (default: on once the agreed
+            speeds differ), True or False.
         chunks: pipelined dispatch chunks (``MoEConfig.num_chunks``), or ``auto``.
         snapshot_every: steps between in-memory snapshots (:mod:`hetcomm.ops.snapshot`; 0: none),
             or ``auto``: every step under torchrun (``hetcomm launch``), none otherwise.
@@ -133,7 +133,7 @@ class TrainConfig:
     powersgd_experts: int = 0
     warmup_from: Optional[str] = None
     page_budget: float = 0.0
-    token_split: Union[bool, str] = False
+    token_split: Union[bool, str] = "auto"
     chunks: Union[int, str] = "auto"
     snapshot_every: Union[int, str] = "auto"
     snapshot_peer: bool = True
@@ -622,7 +622,7 @@ def _build(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster) -> _
             wire_dtype=cfg.wire_dtype,
             seed=cfg.seed * 1000 + layer_index,
             page_budget=cfg.page_budget,
-            token_split=policy.token_split.on,
+            token_split="auto" if cfg.token_split == "auto" else policy.token_split.on,  # auto: MeasuredLoop applies the lever
             num_chunks=num_chunks or 1,
             speed_every=speed_modes.layer_speed_every(cfg, MoEConfig.speed_every),  # 0: the given prior stays
             # The layer's default of 3 hot experts, but never more than the layer has (--experts 2).

@@ -69,6 +69,30 @@ def split_vs_static(
     return out
 
 
+def auto_split_follows_the_verdict(rank: int, world_size: int, speeds: Sequence[float]) -> Dict[str, Any]:
+    """A layer built with the default ``token_split="auto"`` under a :class:`MeasuredLoop`: the
+    given speeds' verdict (known from the start) decides whether the hot experts' rows are split."""
+    from hetcomm.moe import MeasuredLoop, MoELayer
+
+    E, D, T = 8, 16, 64
+    layer = MoELayer(D, E, k=2, dropless=True, calibrate=False, wire_dtype="fp32", replicate=True, replicate_top=2,
+                     replicate_every=10**6, speed_every=0)
+    with torch.no_grad():
+        layer.gate.wg.weight.copy_(zipf_gate_weight(E, D, 1.2))
+    layer.replicator.set_hot([0, 1])
+    layer.speed.set_prior(speeds, given=True)
+    opt = torch.optim.SGD([p for p in layer.parameters() if p.requires_grad], lr=0.05)
+    loop = MeasuredLoop(layer, opt)
+    split_experts = []
+    for step in range(1, 3):
+        layer(zipf_gate_input(T, E, D, 1.2, seed=50 + step + rank).requires_grad_(True)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        loop.after_step(step)
+        split_experts.append(layer.step_stats().get("split_experts"))
+    return {"on": layer.token_split_on, "lever": str(loop.policy.token_split), "split_experts": split_experts}
+
+
 def speed_agreement(rank: int, world_size: int) -> Dict[str, Any]:
     """Layers measure their expert compute and agree one vector every 2 steps; rank 1's experts
     are made slower (the expert spins on the CPU: busy time, not a sleep, which the busy clock

@@ -18,31 +18,32 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # chunks, paging (LEVERS order); 1 on, 0 off.
 ROWS = [
     # id, inputs (beyond world_size=4), expected
-    ("default-mixed-unmeasured", dict(cluster_kind="mixed"), "1110100"),
+    ("default-mixed-unmeasured", dict(cluster_kind="mixed"), "1100100"),
     ("default-mixed-differ", dict(cluster_kind="mixed", differ=True), "1110100"),
-    ("default-mixed-equal-speeds", dict(cluster_kind="mixed", differ=False), "1110000"),
+    ("default-mixed-equal-speeds", dict(cluster_kind="mixed", differ=False), "1100000"),
     ("default-equal-cluster", dict(cluster_kind="equal"), "0100100"),
+    ("labels-alike-measured-differ", dict(cluster_kind="equal", differ=True), "0110100"),
     ("strong-flags-only", dict(cluster_kind="strong"), "1100100"),
     ("no-cluster", dict(cluster_kind="none"), "0100100"),
-    ("no-cluster-differ", dict(cluster_kind="none", differ=True), "0100100"),
+    ("no-cluster-differ", dict(cluster_kind="none", differ=True), "0110100"),
     ("no-balance", dict(cluster_kind="mixed", balance=False), "0100000"),
     ("no-balance-split-asked", dict(cluster_kind="mixed", balance=False, token_split=True), "0110000"),
-    ("balance", dict(cluster_kind="mixed", balance=True), "1111000"),
+    ("balance", dict(cluster_kind="mixed", balance=True), "1101000"),
     ("balance-differ", dict(cluster_kind="mixed", balance=True, differ=True), "1111000"),
-    ("datasheet", dict(cluster_kind="mixed", speed="datasheet"), "1110000"),
+    ("datasheet", dict(cluster_kind="mixed", speed="datasheet"), "1100000"),
     ("datasheet-differ", dict(cluster_kind="mixed", speed="datasheet", differ=True), "1110000"),
     ("oracle-differ", dict(cluster_kind="mixed", speed="oracle", differ=True), "1110100"),
-    ("oracle-equal", dict(cluster_kind="mixed", speed="oracle", differ=False), "1110000"),
+    ("oracle-equal", dict(cluster_kind="mixed", speed="oracle", differ=False), "1100000"),
     ("oracle-labels-alike", dict(cluster_kind="equal", speed="oracle"), "1100100"),
     ("split-off", dict(cluster_kind="mixed", token_split=False), "1100100"),
     ("split-asked-equal-cluster", dict(cluster_kind="equal", token_split=True), "0110100"),
     ("no-replication", dict(cluster_kind="mixed", replicate=False, token_split=True), "1000100"),
     ("paging", dict(cluster_kind="mixed", page_budget=0.5, token_split=True), "1100001"),
     ("paging-auto", dict(cluster_kind="mixed", page_budget="auto"), "1100001"),
-    ("powersgd-experts", dict(cluster_kind="mixed", powersgd_experts=2), "1110000"),
-    ("chunks-given", dict(cluster_kind="mixed", chunks=2), "1110110"),
-    ("chunks-one", dict(cluster_kind="mixed", chunks=1, device_type="cuda"), "1110100"),
-    ("chunks-auto-cuda", dict(cluster_kind="mixed", device_type="cuda"), "1110110"),
+    ("powersgd-experts", dict(cluster_kind="mixed", powersgd_experts=2), "1100000"),
+    ("chunks-given", dict(cluster_kind="mixed", chunks=2), "1100110"),
+    ("chunks-one", dict(cluster_kind="mixed", chunks=1, device_type="cuda"), "1100100"),
+    ("chunks-auto-cuda", dict(cluster_kind="mixed", device_type="cuda"), "1100110"),
     ("one-rank", dict(world_size=1, cluster_kind="mixed", token_split=True, balance=True), "0000000"),
 ]
 
@@ -62,13 +63,19 @@ def test_chunk_count_follows_the_chunks_lever():
     assert decide(PolicyInputs(4, chunks=3)).num_chunks == 3
 
 
-def test_verdict_changes_only_the_cold_lever_and_says_so():
+def test_verdict_changes_the_cold_and_split_levers_and_says_so():
+    def changed(p, q):
+        return [n for (n, a), (_, b) in zip(p.levers(), q.levers()) if a != b]
+
     p = decide(PolicyInputs(4, cluster_kind="mixed"))
     assert p.with_verdict(None) is p
     q = p.with_verdict(False)
-    changed = [n for (n, a), (_, b) in zip(p.levers(), q.levers()) if a != b]
-    assert changed == ["cold_placement"] and not q.cold_placement.on
+    assert changed(p, q) == ["token_split", "cold_placement"] and not q.cold_placement.on
+    assert not q.token_split.on and "equal" in q.token_split.reason  # still off, now for the verdict's reason
     assert "equal" in q.cold_placement.reason and q.line().endswith("speed verdict: ranks equal")
+    r = p.with_verdict(True)  # measured beyond noise: the split turns on, the cold move says why it acts
+    assert changed(p, r) == ["token_split", "cold_placement"] and r.token_split.on and r.cold_placement.on
+    assert "differ" in r.token_split.reason and r.line().endswith("speed verdict: ranks differ")
     assert [n for n, _ in p.levers()] == list(LEVERS)
     assert [f.name for f in dataclasses.fields(p)][1:1 + len(LEVERS)] == list(LEVERS)  # one field per lever
     assert [k for k, _ in p.rows()][0] == "policy: initial weights"

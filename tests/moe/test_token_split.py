@@ -138,6 +138,21 @@ def test_speed_knobs_and_token_split_need_replication():
     assert ei.value.key == "moe.speed_every"
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("speeds,on", [([2.0, 1.0], True), ([1.0, 1.0], False)], ids=["differ", "equal"])
+def test_auto_split_is_on_exactly_when_the_agreed_speeds_differ(speeds, on):
+    res = run_ranks(split_cases.auto_split_follows_the_verdict, world_size=2, backend="gloo", cluster=None,
+                    timeout=200, args=(speeds,))
+    for r in res:
+        assert r["on"] is on and r["lever"].startswith("on" if on else "off"), r
+        # the rows of both hot experts are split every step when on; no split record when off
+        assert r["split_experts"] == ([(0, 1)] * 2 if on else [None] * 2), r
+    layer = MoELayer(8, 4, calibrate=False)  # token_split="auto" without replication: nothing to turn on
+    assert layer.splitter is None and not layer.token_split_on
+    with pytest.raises(UsageError, match="no token split to turn on"):
+        layer.use_token_split(True)
+
+
 def test_one_rank_split_layer_equals_static_and_measures():
     res = split_cases.split_vs_static(0, 1, [1.0], hot=[0, 1])
     assert res["out"] < TOL and res["x_grad"] < TOL and res["grad"] < TOL and res["param"] < TOL, res

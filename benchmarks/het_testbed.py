@@ -13,7 +13,9 @@ variant once, in an order that alternates from pair to pair.
 - ``default``: ``hetcomm train`` with no balancing flags: what measurement finds;
 - ``oracle``: ``hetcomm train --speed oracle --token-split on``: placement weights, replica
   holders and the token split from the emulation's known compute factors;
-- ``ceiling``: ``--no-balance`` on the full-speed twin: the same work with no rank slower.
+- ``ceiling``: ``--no-balance`` on the full-speed twin: the same work with no rank slower;
+- ``split-off``: the default with ``--token-split off`` (what the split adds, with replication on;
+  only with ``--only``: the four above are the default set).
 
 A pair starts only when the 1-minute load average is below ``--max-load`` (default 2: the
 machine is shared; a waiting message is printed every 30 s, and after ``--max-wait`` seconds the
@@ -51,6 +53,7 @@ VARIANTS: Dict[str, tuple] = {
     "default": ("half", []),
     "oracle": ("half", ["--speed", "oracle", "--token-split", "on"]),
     "ceiling": ("twin", ["--no-balance"]),  # speed-blind on the full-speed twin
+    "split-off": ("half", ["--token-split", "off"]),  # the default without its per-step split
 }
 ROWS = ("tokens/s (all ranks)", "expert FFN share (fwd + bwd)", "placement by speed (measured busy time evened once per layer)", "verdict")
 
@@ -188,7 +191,7 @@ def main() -> int:
         hh, mm = (int(x) for x in args.until.split(":"))
         now = time.gmtime()
         until = calendar.timegm((now.tm_year, now.tm_mon, now.tm_mday, hh, mm, 0, 0, 0, 0))
-    variants = {k: v for k, v in VARIANTS.items() if args.only is None or k in args.only}
+    variants = {k: v for k, v in VARIANTS.items() if (k in args.only if args.only else k != "split-off")}
     slow = _slow_ranks(args.cluster)
     rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     t0 = time.time()
@@ -227,23 +230,25 @@ def main() -> int:
     if not all(done.values()):
         print("het_testbed: a variant has no finished run; no table")
         return 1
-    base = statistics.median(r["tok_s"] for r in done.get("speed-blind") or next(iter(done.values())))
+    ref = "speed-blind" if "speed-blind" in done else next(iter(done))  # the ratios' baseline
+    base = statistics.median(r["tok_s"] for r in done[ref])
     n = min(len(v) for v in done.values())
     print(f"\n{args.cluster} (twin {args.twin}) under emulate --compute, config {args.config}, "
           f"{n} pair(s), start loads {[round(x, 2) for x in start_loads]}, end load {_load():.2f}, "
           f"{time.time() - t0:.0f} s, commit {rev}")
-    print(f"| variant | tokens/s median (min-max) | runs | x speed-blind per pair: median (min-max) | "
-          f"after step {args.steady_from}: x speed-blind per pair | slow rank expert share of busy CPU, "
+    print(f"| variant | tokens/s median (min-max) | runs | x {ref} per pair: median (min-max) | "
+          f"after step {args.steady_from}: x {ref} per pair | slow rank expert share of busy CPU, "
           f"median (min-max) | expert busy time max/mean over ranks, median of steps (min-max of runs) | placement (last run) |")
     print("|---|---|---|---|---|---|---|---|")
     blind = done.get("speed-blind")
+    reference = done[ref]
     for name, rs in done.items():
         tok = [r["tok_s"] for r in rs]
         sl = [r["shares"][s] for r in rs for s in slow if len(r["shares"]) > s and r["shares"][s] is not None]
         share = _spread(sl, "{:.0f} %") if sl else "-"
         split = rs[-1].get(COLD, "-")
-        pairs = [a["tok_s"] / b["tok_s"] for a, b in zip(rs, blind or rs)]
-        steady = [a["steady"] / b["steady"] for a, b in zip(rs, blind or rs)]
+        pairs = [a["tok_s"] / b["tok_s"] for a, b in zip(rs, reference)]
+        steady = [a["steady"] / b["steady"] for a, b in zip(rs, reference)]
         spread = [r["expert_spread"] for r in rs if r["expert_spread"] == r["expert_spread"]]
         print(f"| {name} | {_spread(tok)} | {' / '.join(f'{x:,.0f}' for x in tok)} | "
               f"{_spread(pairs, '{:.2f}')} | {_spread(steady, '{:.2f}')} | {share} | "

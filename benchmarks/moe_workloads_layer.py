@@ -42,10 +42,14 @@ work (the replica weight refresh, ``sync_replicas(force=True)``, for all four; t
 verdict and placement for ``default`` and ``oracle``; EPLB's re-pack when due). The first
 ``--warmup`` steps are not timed (the default's placement by speed needs a few agreements).
 
-The model's prediction: per step and policy the slowest rank's ``rows_r / q_r`` (rows the rank's
-experts and replicas computed, forward; ``q`` the emulation's quotas), summed over the timed
-steps; the predicted ratio of two policies is the ratio of those sums, beside the measured ratio
-of median step times.
+The model's prediction: a step takes ``o + c * M``, with ``M`` the step's makespan in rows, the
+slowest rank's ``rows_r / q_r`` (rows the rank's experts and replicas computed, forward; ``q``
+the emulation's quotas). ``c`` (seconds of one row at full speed, forward and backward) and
+``o`` (the rest of a step: gate, exchanges, optimizer, refresh) are measured on token-equal in
+the same pair: ``c`` its slowest rank's expert seconds x ``FORWARD_AND_BACKWARD`` over ``M``,
+``o`` its step time less ``c * M`` (medians over the timed steps). Each policy's predicted time
+is ``o + c *`` its own median ``M``: whether the rows a policy gives each rank explain its time.
+The predicted ratio of two policies (median over pairs) stands beside the measured one.
 
     sudo PYTHONPATH=. .venv/bin/python benchmarks/moe_workloads_layer.py --pairs 5
     sudo PYTHONPATH=. .venv/bin/python benchmarks/moe_workloads_layer.py --pairs 1 --steps 3 \\
@@ -97,6 +101,25 @@ def eplb_owners(load: Sequence[float], hot: Sequence[int], world_size: int) -> L
 def model_makespan(rows: Sequence[float], quotas: Sequence[float]) -> float:
     """The rows/speed model of one step: the slowest rank's ``rows_r / q_r``."""
     return max(r / q for r, q in zip(rows, quotas))
+
+
+def model_step_s(pair: Dict[str, Any], quotas: Sequence[float]) -> Dict[str, float]:
+    """Each policy's predicted step time in one pair, ``o + c * median M`` (module docstring),
+    with ``c`` and ``o`` measured on the pair's token-equal steps."""
+    from hetcomm.moe.placement.migration import FORWARD_AND_BACKWARD
+
+    ref = pair["token-equal"]
+    per_row, fixed = [], []
+    for rows, es in zip(ref["rows"], ref["expert_s"]):
+        m = model_makespan(rows, quotas)
+        if m > 0:
+            slowest = max(range(len(rows)), key=lambda r: rows[r] / quotas[r])
+            per_row.append(FORWARD_AND_BACKWARD * es[slowest] / m)
+    c = statistics.median(per_row) if per_row else 0.0
+    for rows, t in zip(ref["rows"], ref["step_s"]):
+        fixed.append(t - c * model_makespan(rows, quotas))
+    o = statistics.median(fixed)
+    return {p: o + c * statistics.median(model_makespan(rows, quotas) for rows in pair[p]["rows"]) for p in POLICIES}
 
 
 # -- one rank (inside the emulation) -----------------------------------------------------------
@@ -174,9 +197,8 @@ def _rank_main(args) -> int:
                 rec = {p: {"step_s": [], "rows": [], "expert_s": []} for p in POLICIES}
                 for step in range(1, args.warmup + args.steps + 1):
                     idx = workload_routing(w, spec, args.seed, step, rank)
-                    # As a layer's input in a model, x is in the graph: with the gate frozen, a rank
-                    # whose experts got no rows would otherwise have an output without a grad_fn
-                    # and sit out the backward that its peers' combine-backward waits on.
+                    # As a layer's input in a model, x is in the graph: its gradient flows on to
+                    # the layers below, so the backward's exchanges are a model's.
                     x = routed_input(idx, E, D, step, rank).requires_grad_(True)
                     k0 = step % len(POLICIES)
                     for p in POLICIES[k0:] + POLICIES[:k0]:  # rotate who goes first
@@ -232,7 +254,7 @@ def summarize(result: Dict[str, Any]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for w, pairs in result["runs"].items():
         med = {p: [statistics.median(r[p]["step_s"]) for r in pairs] for p in POLICIES}
-        model = {p: [sum(model_makespan(rows, quotas) for rows in r[p]["rows"]) for r in pairs] for p in POLICIES}
+        model = [model_step_s(r, quotas) for r in pairs]
         row: Dict[str, Any] = {"median_s": {p: statistics.median(v) for p, v in med.items()},
                                "spread_s": {p: (min(v), max(v)) for p, v in med.items()}, "ratios": {},
                                "last": {p: {k: pairs[-1][p][k] for k in ("owners_per_rank", "events", "speeds", "cold")}
@@ -246,7 +268,7 @@ def summarize(result: Dict[str, Any]) -> Dict[str, Any]:
         for other in ("token-equal", "EPLB", "oracle"):
             per_pair = [o / d for o, d in zip(med[other], med["default"])]
             measured = statistics.median(med[other]) / statistics.median(med["default"])
-            predicted = sum(model[other]) / sum(model["default"]) if sum(model["default"]) > 0 else float("nan")
+            predicted = statistics.median(m[other] / m["default"] for m in model)
             # default's speedup over `other` (>1: default faster), for oracle default/oracle time.
             row["ratios"][other] = {"measured": measured, "pairs": (min(per_pair), max(per_pair)),
                                     "model": predicted, "model_error": predicted / measured - 1}
@@ -257,7 +279,7 @@ def summarize(result: Dict[str, Any]) -> Dict[str, Any]:
 def render(summary: Dict[str, Any], args, header: str) -> str:
     lines = [header, "",
              "median step s (slowest rank; min-max over pairs) per policy; x = the default's speedup over it "
-             "(its median step time / the default's), measured (per-pair min-max) and by the rows/speed model",
+             "(its median step time / the default's), measured (per-pair min-max) and by the model o + c x makespan",
              "| workload | token-equal | EPLB | default | oracle | x token-equal (model) | x EPLB (model) | "
              "default/oracle time (model) | slow rank expert share, default / token-equal |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -39,27 +39,32 @@ def test_model_makespan_is_the_slowest_rank_at_its_quota():
 
 
 def _rec(step_s, rows, slow_expert_s=0.1):
-    return {"step_s": step_s, "rows": rows, "expert_s": [[0.3, 0.3, 0.3, slow_expert_s]] * len(step_s),
+    return {"step_s": step_s, "rows": rows * len(step_s), "expert_s": [[0.3, 0.3, 0.3, slow_expert_s]] * len(step_s),
             "owners_per_rank": [8, 8, 8, 8], "events": [], "speeds": [1, 1, 1, 1], "cold": "off"}
 
 
-def test_summary_ratios_are_of_medians_and_the_model_of_summed_makespans():
+def test_summary_ratios_are_of_medians_and_the_model_measured_on_token_equal():
     quotas = [1.0, 1.0, 1.0, 0.5]
-    equal, balanced = [[100, 100, 100, 100]] * 2, [[120, 120, 120, 60]] * 2
+    equal, balanced = [[100, 100, 100, 100]], [[120, 120, 120, 60]]
     pair = {"token-equal": _rec([2.0, 2.2, 9.0], equal), "EPLB": _rec([3.0, 3.0, 3.0], equal),
             "default": _rec([1.0, 1.1, 1.2], balanced), "oracle": _rec([1.0, 1.0, 1.0], balanced)}
+    # token-equal: the half-speed rank's 100 rows are a makespan of 200 and took 3 x 0.1 s forward
+    # and backward: c = 0.3 / 200 s per row; o = median(2.0, 2.2, 9.0) - 0.3 = 1.9 s.
+    model = mwl.model_step_s(pair, quotas)
+    assert model["token-equal"] == pytest.approx(2.2) and model["EPLB"] == pytest.approx(2.2)
+    assert model["default"] == pytest.approx(1.9 + 0.3 * 120 / 200)
     out = mwl.summarize({"quotas": quotas, "runs": {"W1_hot_set": [pair]}})["W1_hot_set"]
     assert out["median_s"] == {"token-equal": 2.2, "EPLB": 3.0, "default": 1.1, "oracle": 1.0}
     r = out["ratios"]
     assert r["token-equal"]["measured"] == pytest.approx(2.0)
     assert r["EPLB"]["measured"] == pytest.approx(3.0 / 1.1)
-    assert r["token-equal"]["model"] == pytest.approx(200 / 120)  # the half-speed rank's 100 rows take 200
-    assert r["token-equal"]["model_error"] == pytest.approx((200 / 120) / 2.0 - 1)
+    assert r["token-equal"]["model"] == pytest.approx(2.2 / 2.08)
+    assert r["token-equal"]["model_error"] == pytest.approx((2.2 / 2.08) / 2.0 - 1)
     assert r["oracle"]["model"] == pytest.approx(1.0)
     # The half-speed rank's forward expert seconds x 3 over each step, median: 0.3 / 1.1 for the default.
     assert out["slow_expert_share"]["default"] == pytest.approx(0.3 / 1.1)
     text = mwl.render({"W1_hot_set": out}, None, "header")
     assert "| W1_hot_set * | 2.200 (2.200-2.200) |" in text
-    assert "2.00 (2.00-2.00) (1.67)" in text  # x token-equal, per pair, model
+    assert "2.00 (2.00-2.00) (1.06)" in text  # x token-equal, per pair, model
     assert "1.10 (1.10-1.10) (1.00)" in text  # default / oracle time
     assert "| 27 % / 14 % |" in text  # slow rank's expert share: default / token-equal (0.3 / 2.2)

@@ -32,8 +32,9 @@ equal as the copies allow:
    their owner), so outputs equal the unsplit layer's; replica gradients are summed into the
    owner's after backward (the replicator's end-of-backward reduction).
 
-The split is on with ``MoEConfig(token_split=True)`` (and replication: the copies to split among);
-not combined with paging (the pager indexes the rank's own experts).
+The split is on with ``MoEConfig(token_split=True)``, or with the default ``"auto"`` once the
+policy's lever is on (:mod:`hetcomm.moe.policy`: the agreed speeds differ); it needs replication
+(the copies to split among) and is not combined with paging (the pager indexes the rank's own experts).
 """
 
 from __future__ import annotations

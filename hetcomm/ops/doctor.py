@@ -35,6 +35,8 @@ code                           fires when
 ``slow-rank`` / ``slow-link``  a health record names a rank slower than its device / link class
 ``membership-change``          the job resumed on other ranks (who, cause, cost, experts)
 ``work-lost``                  a restart redid finished steps (from which step, how many, why)
+``store-reverse-dns``          torch's TCPStore logged a failed reverse lookup of a connection
+                               (:mod:`hetcomm.ops.doctor_store`)
 =============================  ==============================================================
 
 Why by hand: these are the symptoms of the MegaScale-MoE troubleshooting table turned into
@@ -53,6 +55,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from hetcomm.errors import ConfigError
 from hetcomm.ops.doctor_health import HEALTH_CODES, HealthFile, rule_membership_change, rule_slow_rank
+from hetcomm.ops.doctor_store import STORE_CODES, rule_store_reverse_dns
 from hetcomm.ops.metrics import MetricsLog, read_metrics
 from hetcomm.topo.audit import FindingSpec
 from hetcomm.topo.model import Finding
@@ -148,6 +151,7 @@ DOCTOR_CODES: Dict[str, FindingSpec] = {
     )
 }
 DOCTOR_CODES.update(HEALTH_CODES)
+DOCTOR_CODES.update(STORE_CODES)
 
 
 @dataclass(frozen=True)
@@ -669,6 +673,11 @@ def rule_health_records(rec: JobRecord) -> List[Finding]:
     return rule_slow_rank(rec.health) + rule_membership_change(rec.health, events)
 
 
+def rule_store_connections(rec: JobRecord) -> List[Finding]:
+    """``store-reverse-dns`` (:mod:`hetcomm.ops.doctor_store`)."""
+    return rule_store_reverse_dns(rec.logs)
+
+
 _LOST = re.compile(r"lost (\d+) step")
 
 
@@ -716,6 +725,7 @@ RULES: Tuple[Rule, ...] = (
     rule_env_async_error_handling,
     rule_health_records,
     rule_work_lost,
+    rule_store_connections,
 )
 
 _ORDER = {"error": 0, "warning": 1, "info": 2}

@@ -65,6 +65,7 @@ CASES = [
     ("slow-link", ["slow-link.health.jsonl"], ["probe-throttled-h800.health.jsonl"]),
     ("membership-change", ["shrink-stop.health.jsonl"], ["probe-throttled-h800.health.jsonl"]),
     ("work-lost", ["work_lost.jsonl"], ["demo_clean.jsonl"]),
+    ("store-reverse-dns", ["store_reverse_dns.log"], ["store_dns_ok.log"]),
 ]
 
 

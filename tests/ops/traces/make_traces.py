@@ -5,6 +5,7 @@ Inputs, recorded:
     tests/ops/traces/demo_clean.jsonl           ``hetcomm train --metrics`` of the demo (200 steps)
     tests/fixtures/nccl_log_g6e_l40s_shm.txt    a real NCCL_DEBUG=INFO log, every init completes
     tests/fixtures/nccl_log_h100_2node_roce_gdrdma_p2pipc.txt   real RoCE log, GID index 3 set
+    tests/ops/traces/store_reverse_dns.log      an emulated 4-rank run's output with c10d's failed lookup
 
 Outputs (each changes one thing of a recorded trace, named after the rule it fires):
     jitter.jsonl           every 6th step after step 30: +2 s in grad_sync on rank 0, rank 2 slowest
@@ -15,6 +16,7 @@ Outputs (each changes one thing of a recorded trace, named after the rule it fir
     big_alltoall.jsonl     bytes per step x 2000 (a real-size model's all-to-all on the 910B rank)
     nccl_init_hang.txt     the g6e log cut after two of the four ranks' 'Init COMPLETE'
     nccl_roce_no_gid.txt   the RoCE log without its NCCL_IB_GID_INDEX lines
+    store_dns_ok.log       the emulated run's output without c10d's failed lookup (the quiet case)
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ def main(out_dir: str) -> None:
     _write(out_dir, "nccl_init_hang.txt", ["# derived: tests/fixtures/nccl_log_g6e_l40s_shm.txt cut where ranks 1 and 3 had not completed init"] + g6e[1 : cut + 1])
     roce = _lines(os.path.join(FIX, "nccl_log_h100_2node_roce_gdrdma_p2pipc.txt"))
     _write(out_dir, "nccl_roce_no_gid.txt", ["# derived: tests/fixtures/nccl_log_h100_2node_roce_gdrdma_p2pipc.txt without NCCL_IB_GID_INDEX"] + [ln for ln in roce[1:] if "NCCL_IB_GID_INDEX" not in ln])
+    store = _lines(os.path.join(HERE, "store_reverse_dns.log"))
+    _write(out_dir, "store_dns_ok.log", [ln for ln in store if "[c10d] The hostname" not in ln])
 
 
 if __name__ == "__main__":

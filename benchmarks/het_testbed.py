@@ -14,8 +14,8 @@ variant once, in an order that alternates from pair to pair.
 - ``oracle``: ``hetcomm train --speed oracle --token-split on``: placement weights, replica
   holders and the token split from the emulation's known compute factors;
 - ``ceiling``: ``--no-balance`` on the full-speed twin: the same work with no rank slower;
-- ``split-off``: the default with ``--token-split off`` (what the split adds, with replication on;
-  only with ``--only``: the four above are the default set).
+- ``split-on`` / ``split-off``: the default with ``--token-split on`` / ``off`` (what the split
+  costs or saves with replication on; only with ``--only``: the four above are the default set).
 
 A pair starts only when the 1-minute load average is below ``--max-load`` (default 2: the
 machine is shared; a waiting message is printed every 30 s, and after ``--max-wait`` seconds the
@@ -53,7 +53,8 @@ VARIANTS: Dict[str, tuple] = {
     "default": ("half", []),
     "oracle": ("half", ["--speed", "oracle", "--token-split", "on"]),
     "ceiling": ("twin", ["--no-balance"]),  # speed-blind on the full-speed twin
-    "split-off": ("half", ["--token-split", "off"]),  # the default without its per-step split
+    "split-on": ("half", ["--token-split", "on"]),  # the default with its per-step split forced on
+    "split-off": ("half", ["--token-split", "off"]),  # ... and forced off
 }
 ROWS = ("tokens/s (all ranks)", "expert FFN share (fwd + bwd)", "placement by speed (measured busy time evened once per layer)", "verdict")
 
@@ -191,7 +192,7 @@ def main() -> int:
         hh, mm = (int(x) for x in args.until.split(":"))
         now = time.gmtime()
         until = calendar.timegm((now.tm_year, now.tm_mon, now.tm_mday, hh, mm, 0, 0, 0, 0))
-    variants = {k: v for k, v in VARIANTS.items() if (k in args.only if args.only else k != "split-off")}
+    variants = {k: v for k, v in VARIANTS.items() if (k in args.only if args.only else not k.startswith("split-"))}
     slow = _slow_ranks(args.cluster)
     rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     t0 = time.time()

@@ -440,7 +440,8 @@ class MoELayer(nn.Module):
 
         # Statistics, after the experts so that the all-reduce was hidden behind them.
         global_picks = self._load.deliver(pending, self.gate.calibrator, rep, D * x2.element_size()) if update else None
-        self.speed.finish_step(pending.speed_table if pending is not None else None)  # the agreement when due
+        self.speed.finish_step(pending.speed_table if pending is not None else None,  # the agreement when due
+                               forward_s=time.perf_counter() - t_start)
         if self.splitter is not None:
             self.splitter.last_expert_s = self.speed.last_step[1]  # busy seconds: the speed's own clock
         migrations, self._migrations = self._migrations, (0 if self._migrations is not None else None)

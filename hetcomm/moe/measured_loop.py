@@ -15,8 +15,9 @@ collective lines up):
    step has just moved the owners' weights, so no rank needs to ask whether it is due);
 2. each layer's paging step end (``MoELayer.end_page_step``: evictions and prefetch read the
    refreshed weights);
-3. the policy's speed verdict (:func:`~hetcomm.moe.policy.speed_verdict`, agreed values only),
-   and a ``policy`` event when it changed a lever; the ``token_split`` lever is applied to every
+3. the policy's speed verdict (:func:`~hetcomm.moe.policy.speed_verdict`) and the experts'
+   share of a step (:func:`~hetcomm.moe.policy.expert_share`), agreed values only, and a
+   ``policy`` event when they changed a lever; the ``token_split`` lever is applied to every
    layer built with ``token_split="auto"`` (``MoELayer.use_token_split``);
 4. the cold move (:class:`~hetcomm.moe.cold.ColdMoves`) when the policy's ``cold_placement``
    lever is on;
@@ -39,7 +40,7 @@ import torch
 from hetcomm.errors import ConfigError
 from hetcomm.moe.cold import ColdMoves
 from hetcomm.moe.placement.state import LayerPlacements
-from hetcomm.moe.policy import Policy, policy_of_layers, speed_verdict
+from hetcomm.moe.policy import Policy, expert_share, policy_of_layers, speed_verdict
 
 __all__ = ["MeasuredLoop", "LoopEvent", "StepPlanner"]
 
@@ -96,7 +97,7 @@ class MeasuredLoop:
         self.layers = moe_layers_of(model_or_layers)
         self.optimizer = optimizer
         given = policy if policy is not None else policy_of_layers(self.layers)
-        self.policy: Policy = given.with_verdict(speed_verdict([m.speed for m in self.layers]))  # given speeds: known now
+        self.policy: Policy = self._redecided(given)  # given speeds: known now
         self._apply_token_split()
         self.planner = planner
         self.cold = ColdMoves(self.layers, enabled=self.policy.cold_placement.on)
@@ -119,7 +120,7 @@ class MeasuredLoop:
             m.end_page_step()  # after the refresh read the owners' weights: evictions, prefetch
         events: List[LoopEvent] = []
         before = self.policy
-        self.policy = before.with_verdict(speed_verdict([m.speed for m in self.layers]))
+        self.policy = self._redecided(before)
         if self.policy.levers() != before.levers():
             events.append(LoopEvent("policy", self.policy.line()))
             self._apply_token_split()
@@ -128,6 +129,10 @@ class MeasuredLoop:
         if self.planner is not None:
             events.extend(LoopEvent("migration", line) for line in self.planner.after_step(step))
         return events
+
+    def _redecided(self, policy: Policy) -> Policy:
+        meters = [m.speed for m in self.layers]
+        return policy.with_verdict(speed_verdict(meters), expert_share(meters))
 
     def _apply_token_split(self) -> None:
         for m in self.layers:

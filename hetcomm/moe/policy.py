@@ -12,8 +12,10 @@ replica_holders    replication on and more than one rank: hot experts are copied
                    with room, re-chosen by the agreed measured speed (by the datasheet's strong flags
                    when speeds are not measured; by the oracle's speeds with ``oracle``).
 token_split        ``token_split`` True, or ``auto`` once the agreed speed verdict says the ranks differ
-                   (measured beyond noise, or the given speeds), balancing not off; needs replication,
-                   more than one rank and no paging. Device labels alone never turn it on.
+                   (measured beyond noise, or the given speeds) and, when measured, the experts are at
+                   least :data:`SPLIT_MIN_EXPERT_SHARE` of a rank's MoE forward (:func:`expert_share`);
+                   balancing not off; needs replication, more than one rank and no paging. Device
+                   labels alone never turn it on.
 migrations         ``balance`` True (``--balance``) and more than one rank: the expert balancer moves
                    experts by measured speed.
 cold_placement     ``balance`` auto, speeds measured (or given as true, ``oracle``), more than one rank,
@@ -28,7 +30,8 @@ Every input is the same on every rank (the flags, the cluster file, the world si
 speed verdict), so the record is too: a decision taken from it never needs another message.
 
 The verdict ``differ`` (the agreed speed vector says the ranks differ beyond noise; None before
-the first agreement) is read in one place, :func:`speed_verdict`.
+the first agreement) is read in one place, :func:`speed_verdict`; the experts' share of the MoE
+forward in one, :func:`expert_share`.
 """
 
 from __future__ import annotations
@@ -39,13 +42,18 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 from hetcomm.errors import ConfigError
 
 __all__ = ["Lever", "PolicyInputs", "Policy", "decide", "policy_of_layers", "cluster_is_mixed", "cluster_kind",
-           "speed_verdict", "LEVERS", "SPEEDS"]
+           "speed_verdict", "expert_share", "LEVERS", "SPEEDS", "SPLIT_MIN_EXPERT_SHARE"]
 
 #: Where rank speeds come from: measured on each rank and agreed; the datasheet's, fixed (every
 #: decision depends on the data alone); given and taken as true (an emulation's known speeds).
 SPEEDS = ("measured", "datasheet", "oracle")
 #: The levers, in the order the record prints them.
 LEVERS = ("initial_weights", "replica_holders", "token_split", "migrations", "cold_placement", "chunks", "paging")
+#: The split evens expert time at the price of a blocking count exchange per layer and step and of
+#: copies that travel instead of staying with a local replica; where expert compute is less than
+#: this share of a rank's MoE forward there is too little to even. The demo job (experts a small
+#: part of the forward) ran slower with it, the layer benchmark's (most of it) faster.
+SPLIT_MIN_EXPERT_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,8 @@ class PolicyInputs:
         device_type: ``"cpu"``, ``"cuda"`` or ``"npu"``.
         differ: the agreed speed verdict: True (the ranks differ), False (equal within noise),
             None (not agreed yet).
+        expert_share: the largest share of a rank's MoE forward spent in expert compute (every
+            layer; :func:`expert_share`), or None: not measured (yet).
     """
 
     world_size: int
@@ -91,6 +101,7 @@ class PolicyInputs:
     chunks: Union[int, str] = "auto"
     device_type: str = "cpu"
     differ: Optional[bool] = None
+    expert_share: Optional[float] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -138,11 +149,17 @@ class Policy:
         verdict = {None: "not agreed yet", True: "ranks differ", False: "ranks equal"}[self.inputs.differ]
         return "; ".join(f"{n} {lv}" for n, lv in self.levers()) + f"; speed verdict: {verdict}"
 
-    def with_verdict(self, differ: Optional[bool]) -> "Policy":
-        """The policy re-decided with the agreed speed verdict ``differ`` (self when unchanged)."""
-        if differ == self.inputs.differ:
+    def with_verdict(self, differ: Optional[bool], share: Optional[float] = None) -> "Policy":
+        """The policy re-decided with the agreed speed verdict ``differ`` and the experts' share
+        of the MoE forward ``share`` (:func:`expert_share`; None keeps the one decided with),
+        self when no lever changes."""
+        share = self.inputs.expert_share if share is None else share
+        if differ == self.inputs.differ and share == self.inputs.expert_share:
             return self
-        return decide(replace(self.inputs, differ=differ))
+        again = decide(replace(self.inputs, differ=differ, expert_share=share))
+        # A share that moves without moving a lever is not a new decision (no event, same reasons).
+        same = differ == self.inputs.differ and [lv.on for _, lv in again.levers()] == [lv.on for _, lv in self.levers()]
+        return self if same else again
 
 
 def cluster_is_mixed(cluster: Any, world_size: int) -> bool:
@@ -176,6 +193,21 @@ def speed_verdict(meters: Sequence[Any]) -> Optional[bool]:
     if not verdicts or any(v is None for v in verdicts):
         return None
     return any(verdicts)
+
+
+def expert_share(meters: Sequence[Any]) -> Optional[float]:
+    """The largest share of a rank's MoE forward spent in expert compute, from the layers' agreed
+    speed snapshots: per rank, the busy expert seconds per forward summed over layers, over the
+    layers' forward wall seconds summed; the maximum over ranks. A layer's forward is where the
+    split both costs (its blocking count exchange, travelling copies) and saves (the rows it
+    moves off slow ranks). None until every meter agreed measurements with forward times.
+    Identical on every rank (agreed values)."""
+    snaps = [m.agreed for m in meters]
+    if not snaps or not all(s.measured and s.forward_seconds and all(t > 0 for t in s.forward_seconds) for s in snaps):
+        return None
+    ranks = range(len(snaps[0].forward_seconds))
+    return round(max(sum(s.seconds_per_step[r] for s in snaps) / sum(s.forward_seconds[r] for s in snaps)
+                     for r in ranks), 3)
 
 
 def decide(inputs: PolicyInputs) -> Policy:
@@ -221,6 +253,12 @@ def decide(inputs: PolicyInputs) -> Policy:
         split = Lever(False, "--no-balance")
     elif x.differ is None:
         split = Lever(False, "auto: waits for the agreed speeds")
+    elif x.differ and x.expert_share is not None and x.expert_share < SPLIT_MIN_EXPERT_SHARE:
+        split = Lever(False, f"auto: the speeds differ, but experts are {x.expert_share:.0%} of the MoE "
+                             f"forward (< {SPLIT_MIN_EXPERT_SHARE:.0%}): too little to even")
+    elif x.differ and x.expert_share is not None:
+        split = Lever(True, f"auto: the speeds differ, experts are {x.expert_share:.0%} of the MoE forward: "
+                            "hot rows split among copies by speed")
     elif x.differ:
         split = Lever(True, "auto, the agreed speeds differ: hot experts' rows split among their copies by speed")
     else:
@@ -306,5 +344,6 @@ def policy_of_layers(layers: Sequence[Any], balance: Union[bool, str] = "auto", 
         chunks=cfg.num_chunks,
         device_type=params[0].device.type if params else "cpu",
         differ=speed_verdict([m.speed for m in layers]),
+        expert_share=expert_share([m.speed for m in layers]),
     )
     return decide(inputs)

@@ -31,7 +31,7 @@ step-to-step spread says). It is known from the second agreement with measuremen
 :data:`NOISE_MIN_STEPS` steps were measured.
 
 **Agreed.** Every ``every`` steps each rank contributes one row ``(rows_ema, seconds_ema, room,
-noise, steps)`` to one all-reduce of a ``[W, 5]`` float64 table (riding in the layer's load
+noise, steps, forward_seconds_ema)`` to one all-reduce of a ``[W, 6]`` float64 table (riding in the layer's load
 all-reduce where it runs, :meth:`SpeedMeter.agreement_row`; zeros elsewhere: the sum is
 exact), so every rank holds
 the identical :class:`SpeedSnapshot` afterwards and the decisions taken from it are identical
@@ -82,7 +82,7 @@ NOISE_MIN_STEPS = 3
 #: Per-thread scheduler statistics: ``run_ns ready_ns timeslices``.
 SCHEDSTAT = "/proc/thread-self/schedstat"
 #: Columns of the agreed table, one row per rank.
-TABLE_COLUMNS = ("rows_ema", "seconds_ema", "room", "noise", "steps")
+TABLE_COLUMNS = ("rows_ema", "seconds_ema", "room", "noise", "steps", "forward_seconds_ema")
 
 
 # -- the rule ------------------------------------------------------------------------------------
@@ -289,6 +289,8 @@ class SpeedSnapshot:
         agreements: agreements so far.
         own_rows_per_s: ``[W]`` each rank's own measured speed, unpooled (0: none yet).
         seconds_per_step: ``[W]`` each rank's EMA of busy expert seconds per measured step.
+        forward_seconds: ``[W]`` each rank's EMA of the layer's forward wall seconds (gate,
+            exchanges and experts; 0 where the layer does not report it).
         room: ``[W]`` the rank has room for hot-expert replicas.
     """
 
@@ -300,6 +302,7 @@ class SpeedSnapshot:
     own_rows_per_s: Tuple[float, ...] = ()
     seconds_per_step: Tuple[float, ...] = ()
     room: Tuple[bool, ...] = field(default=())
+    forward_seconds: Tuple[float, ...] = ()
 
     def slow(self) -> List[int]:
         """The slow ranks by the rule (:func:`slow_ranks`): none before a verdict."""
@@ -308,7 +311,7 @@ class SpeedSnapshot:
 
 def agree_table(rows: Sequence[Sequence[float]], prior: Sequence[float],
                 classes: Optional[Sequence[int]] = None) -> Tuple[Tuple[float, ...], Tuple[float, ...], Optional[bool]]:
-    """``(speeds, noise, differ)`` from the agreed ``[W, 5]`` table (:data:`TABLE_COLUMNS`).
+    """``(speeds, noise, differ)`` from the agreed ``[W, 6]`` table (:data:`TABLE_COLUMNS`).
 
     Measured ranks get ``rows_ema / seconds_ema``; with ``classes``, the members of a class whose
     measurements agree (:func:`speeds_differ` is False among them) get the class's summed rows
@@ -400,6 +403,7 @@ class SpeedMeter:
         self._var = self._var_w = 0.0
         self._agreed_local: Optional[float] = None  # this rank's estimate at the previous agreement
         self._drift = self._drift_w = 0.0  # EMA of squared log-changes between agreements
+        self._fwd_secs = self._fwd_w = 0.0  # EMA of the layer's forward wall seconds, and its weight
         self._timer: Optional[ComputeTimer] = None
         self._timer_device: Optional[torch.device] = None
 
@@ -529,7 +533,7 @@ class SpeedMeter:
         return self.every > 0 and (self.steps + 1) % self.every == 0
 
     def agreement_row(self, device: torch.device) -> Optional[torch.Tensor]:
-        """This rank's row of the ``[W, 5]`` table, flattened (``[W * 5]`` float64 on ``device``,
+        """This rank's row of the ``[W, 6]`` table, flattened (``[W * 6]`` float64 on ``device``,
         zeros elsewhere), when this forward is an agreement's and the group has several ranks;
         else None. A caller whose own all-reduce sums it over the group (the layer's load
         statistics, :mod:`hetcomm.moe.load_observer`) hands the sum to :meth:`finish_step`: the
@@ -541,13 +545,19 @@ class SpeedMeter:
         buf[self.rank] = torch.tensor(self._my_row(), dtype=torch.float64, device=device)
         return buf.reshape(-1)
 
-    def finish_step(self, table: Optional[torch.Tensor] = None) -> bool:
+    def finish_step(self, table: Optional[torch.Tensor] = None, forward_s: Optional[float] = None) -> bool:
         """End of one forward: fold its timings in; every ``every`` steps agree the snapshot
         (collective on the group: every rank calls this at the same forward; never with
         ``every == 0``). ``table``: the group's sum of :meth:`agreement_row` when the caller's
-        all-reduce carried it (no collective here then). Returns True when an agreement ran."""
+        all-reduce carried it (no collective here then); ``forward_s``: the forward's wall
+        seconds (the layer's; :attr:`SpeedSnapshot.forward_seconds`). Returns True when an
+        agreement ran."""
         agree = self._due()
         self.steps += 1
+        if forward_s is not None:
+            a = self.alpha
+            self._fwd_secs = a * self._fwd_secs + (1 - a) * float(forward_s)
+            self._fwd_w = a * self._fwd_w + (1 - a)
         rows = secs = 0.0
         if self._timer is not None:
             for r, s in self._timer.collect(wait=agree):
@@ -562,11 +572,12 @@ class SpeedMeter:
 
     def _my_row(self) -> List[float]:
         noise = self.agreement_noise()  # advances the drift: once per agreement
+        forward_s = self._fwd_secs / self._fwd_w if self._fwd_w > 0 else 0.0
         return [self.rows_ema, self.seconds_ema, float(self.room_here), -1.0 if noise is None else noise,
-                float(self.measured_steps)]
+                float(self.measured_steps), forward_s]
 
     def agree(self) -> SpeedSnapshot:
-        """Exchange every rank's row of the ``[W, 5]`` table and set :attr:`agreed` (collective)."""
+        """Exchange every rank's row of the ``[W, 6]`` table and set :attr:`agreed` (collective)."""
         mine = self._my_row()
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             dev = self._timer_device if self._timer_device is not None else torch.device("cpu")
@@ -582,7 +593,7 @@ class SpeedMeter:
         return self._adopt(table)
 
     def _adopt(self, table: List[List[float]]) -> SpeedSnapshot:
-        """Set :attr:`agreed` from the group's ``[W, 5]`` table (identical on every rank)."""
+        """Set :attr:`agreed` from the group's ``[W, 6]`` table (identical on every rank)."""
         if self.given:
             speeds, noise_v, differ = self.prior, (0.0,) * self.world_size, speeds_differ(self.prior)
         else:
@@ -591,7 +602,8 @@ class SpeedMeter:
             speeds, noise_v, differ, measured=not self.given and any(r[0] > 0 and r[1] > 0 for r in table),
             agreements=self.agreements + 1,
             own_rows_per_s=tuple(r[0] / r[1] if r[0] > 0 and r[1] > 0 else 0.0 for r in table),
-            seconds_per_step=tuple(float(r[1]) for r in table), room=tuple(float(r[2]) > 0.5 for r in table))
+            seconds_per_step=tuple(float(r[1]) for r in table), room=tuple(float(r[2]) > 0.5 for r in table),
+            forward_seconds=tuple(float(r[5]) for r in table))
         return self.agreed
 
     def snapshot(self) -> SpeedSnapshot:

@@ -92,4 +92,4 @@ def agreement_collectives(rank: int, world_size: int) -> Dict[str, Any]:
         dist.all_reduce = real
     snap = layer.speed.snapshot()
     return {"calls": calls, "agreements": snap.agreements, "seconds": snap.seconds_per_step,
-            "rows": snap.own_rows_per_s}
+            "rows": snap.own_rows_per_s, "forward": snap.forward_seconds}

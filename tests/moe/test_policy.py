@@ -23,6 +23,8 @@ ROWS = [
     ("default-mixed-equal-speeds", dict(cluster_kind="mixed", differ=False), "1100000"),
     ("default-equal-cluster", dict(cluster_kind="equal"), "0100100"),
     ("labels-alike-measured-differ", dict(cluster_kind="equal", differ=True), "0110100"),
+    ("differ-experts-half-a-step", dict(cluster_kind="equal", differ=True, expert_share=0.5), "0110100"),
+    ("differ-experts-a-few-percent", dict(cluster_kind="equal", differ=True, expert_share=0.05), "0100100"),
     ("strong-flags-only", dict(cluster_kind="strong"), "1100100"),
     ("no-cluster", dict(cluster_kind="none"), "0100100"),
     ("no-cluster-differ", dict(cluster_kind="none", differ=True), "0110100"),
@@ -110,6 +112,28 @@ class _Agreed:
 
 
 _Meter = _Agreed
+
+
+def test_expert_share_is_the_busiest_rank_over_its_forward_and_moves_the_split_only_across_the_floor():
+    from hetcomm.moe.policy import SPLIT_MIN_EXPERT_SHARE, expert_share
+    from hetcomm.moe.speed import SpeedMeter, SpeedSnapshot
+
+    def meter(busy, forward):
+        m = SpeedMeter(2, 0, [1.0, 1.0])
+        m.agreed = SpeedSnapshot((1.0, 1.0), (0.1, 0.1), True, measured=True, agreements=2,
+                                 seconds_per_step=tuple(busy), forward_seconds=tuple(forward))
+        return m
+
+    assert expert_share([SpeedMeter(2, 0, [1.0, 1.0])]) is None  # nothing agreed yet
+    assert expert_share([meter([0.01, 0.02], [0.0, 0.1])]) is None  # a rank without a forward time
+    # two layers: rank 1 busy 0.02 + 0.04 s in forwards of 0.1 + 0.1 s
+    assert expert_share([meter([0.01, 0.02], [0.1, 0.1]), meter([0.01, 0.04], [0.1, 0.1])]) == pytest.approx(0.3)
+    p = decide(PolicyInputs(4, cluster_kind="equal", differ=True, expert_share=0.05))
+    assert not p.token_split.on and "5% of the MoE forward" in p.token_split.reason
+    assert p.with_verdict(True, 0.06) is p  # the share moved, no lever did: the same decision
+    q = p.with_verdict(True, SPLIT_MIN_EXPERT_SHARE + 0.2)
+    assert q.token_split.on and q.inputs.expert_share == SPLIT_MIN_EXPERT_SHARE + 0.2
+    assert q.with_verdict(True, None) is q  # not measured this time: the last share stands
 
 
 def test_speed_verdict_waits_for_every_meter_and_reads_slow_ranks():

@@ -160,10 +160,12 @@ def test_the_agreement_rides_in_the_load_all_reduce():
     stats = 2 * 4 + 1  # the load statistics: probs and picks of 4 experts, the token count
     for r in res:
         assert r["agreements"] == 2, r
-        # one all-reduce per forward, the [2, 5] table inside it at the 5th and 10th
-        assert r["calls"] == [(stats,)] * 4 + [(stats + 10,)] + [(stats,)] * 4 + [(stats + 10,)], r["calls"]
+        # one all-reduce per forward, the [2, 6] table inside it at the 5th and 10th
+        assert r["calls"] == [(stats,)] * 4 + [(stats + 12,)] + [(stats,)] * 4 + [(stats + 12,)], r["calls"]
         assert all(t > 0 for t in r["seconds"]) and all(v > 0 for v in r["rows"]), r
-        for key in ("seconds", "rows"):
+        # the layer's forward holds its expert compute: the experts' share of it is below 1
+        assert all(0 < e < f for e, f in zip(r["seconds"], r["forward"])), r
+        for key in ("seconds", "rows", "forward"):
             assert r[key] == res[0][key], key  # the same table on both ranks
 
 

@@ -51,8 +51,8 @@ SPEEDS = ("measured", "datasheet", "oracle")
 LEVERS = ("initial_weights", "replica_holders", "token_split", "migrations", "cold_placement", "chunks", "paging")
 #: The split evens expert time at the price of a blocking count exchange per layer and step and of
 #: copies that travel instead of staying with a local replica; where expert compute is less than
-#: this share of a rank's MoE forward there is too little to even. The demo job (experts a small
-#: part of the forward) ran slower with it, the layer benchmark's (most of it) faster.
+#: this share of a rank's MoE forward there is too little to even (the jobs on either side of it:
+#: benchmarks/README.md, het_testbed.py and moe_workloads_layer.py).
 SPLIT_MIN_EXPERT_SHARE = 0.25
 
 

@@ -682,6 +682,7 @@ def _add_levers(job: _Rank) -> None:
     # turned it on). A placement changed at run time travels with every checkpoint and snapshot:
     # a restore re-places the layers before their experts load (the balancer carries its own map).
     job.measured = MeasuredLoop(model.moe_layers, job.opt, policy=job.policy, planner=job.balancer)
+    job.policy = job.measured.policy  # given speeds have their verdict already: the record says so
     job.extras.update(job.measured.extras())
     if cfg.powersgd_rank:
         job.psgd = make_powersgd(cluster, world_size, cfg.powersgd_rank, cfg.seed, cfg.steps)

@@ -16,7 +16,7 @@ collective lines up):
 2. each layer's paging step end (``MoELayer.end_page_step``: evictions and prefetch read the
    refreshed weights);
 3. the policy's speed verdict (:func:`~hetcomm.moe.policy.speed_verdict`) and the experts'
-   share of a step (:func:`~hetcomm.moe.policy.expert_share`), agreed values only, and a
+   share of the MoE forward (:func:`~hetcomm.moe.policy.expert_share`), agreed values only, and a
    ``policy`` event when they changed a lever; the ``token_split`` lever is applied to every
    layer built with ``token_split="auto"`` (``MoELayer.use_token_split``);
 4. the cold move (:class:`~hetcomm.moe.cold.ColdMoves`) when the policy's ``cold_placement``

@@ -74,7 +74,9 @@ def _wait(cond, timeout: float, what: str):
 @pytest.mark.slow
 def test_a_stopped_store_host_is_named_and_the_job_restarts_instead_of_hanging(tmp_path):
     work, metrics = str(tmp_path / "work"), str(tmp_path / "m.jsonl")
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    shm = tmp_path / "shm"  # the job's snapshots: the test SIGKILLs everyone, so nothing cleans /dev/shm
+    shm.mkdir(mode=0o700)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), HETCOMM_SNAPSHOT_ROOT=str(shm))
     proc = subprocess.Popen(
         [sys.executable, "-m", "hetcomm.cli.main", "launch", "--no-health", "--max-restarts", "1", "--work-dir", work,
          "--", "train", "--config", TINY, "--steps", "100000", "--metrics", metrics],

@@ -154,8 +154,6 @@ class Policy:
         of the MoE forward ``share`` (:func:`expert_share`; None keeps the one decided with),
         self when no lever changes."""
         share = self.inputs.expert_share if share is None else share
-        if differ == self.inputs.differ and share == self.inputs.expert_share:
-            return self
         again = decide(replace(self.inputs, differ=differ, expert_share=share))
         # A share that moves without moving a lever is not a new decision (no event, same reasons).
         same = differ == self.inputs.differ and [lv.on for _, lv in again.levers()] == [lv.on for _, lv in self.levers()]
@@ -253,16 +251,16 @@ def decide(inputs: PolicyInputs) -> Policy:
         split = Lever(False, "--no-balance")
     elif x.differ is None:
         split = Lever(False, "auto: waits for the agreed speeds")
-    elif x.differ and x.expert_share is not None and x.expert_share < SPLIT_MIN_EXPERT_SHARE:
+    elif not x.differ:
+        split = Lever(False, "auto: the agreed speeds are equal, equal rows are equal time")
+    elif x.expert_share is None:  # given speeds: nothing measured to weigh the split against
+        split = Lever(True, "auto, the agreed speeds differ: hot experts' rows split among their copies by speed")
+    elif x.expert_share < SPLIT_MIN_EXPERT_SHARE:
         split = Lever(False, f"auto: the speeds differ, but experts are {x.expert_share:.0%} of the MoE "
                              f"forward (< {SPLIT_MIN_EXPERT_SHARE:.0%}): too little to even")
-    elif x.differ and x.expert_share is not None:
+    else:
         split = Lever(True, f"auto: the speeds differ, experts are {x.expert_share:.0%} of the MoE forward: "
                             "hot rows split among copies by speed")
-    elif x.differ:
-        split = Lever(True, "auto, the agreed speeds differ: hot experts' rows split among their copies by speed")
-    else:
-        split = Lever(False, "auto: the agreed speeds are equal, equal rows are equal time")
 
     if x.balance is not True:
         migrations = Lever(False, "--no-balance" if off else

@@ -109,16 +109,11 @@ def model_step_s(pair: Dict[str, Any], quotas: Sequence[float]) -> Dict[str, flo
     from hetcomm.moe.placement.migration import FORWARD_AND_BACKWARD
 
     ref = pair["token-equal"]
-    per_row, fixed = [], []
-    for rows, es in zip(ref["rows"], ref["expert_s"]):
-        m = model_makespan(rows, quotas)
-        if m > 0:
-            slowest = max(range(len(rows)), key=lambda r: rows[r] / quotas[r])
-            per_row.append(FORWARD_AND_BACKWARD * es[slowest] / m)
+    spans = [model_makespan(rows, quotas) for rows in ref["rows"]]
+    per_row = [FORWARD_AND_BACKWARD * es[max(range(len(rows)), key=lambda r: rows[r] / quotas[r])] / m
+               for rows, es, m in zip(ref["rows"], ref["expert_s"], spans) if m > 0]  # the slowest rank's
     c = statistics.median(per_row) if per_row else 0.0
-    for rows, t in zip(ref["rows"], ref["step_s"]):
-        fixed.append(t - c * model_makespan(rows, quotas))
-    o = statistics.median(fixed)
+    o = statistics.median(t - c * m for t, m in zip(ref["step_s"], spans))
     return {p: o + c * statistics.median(model_makespan(rows, quotas) for rows in pair[p]["rows"]) for p in POLICIES}
 
 

@@ -22,6 +22,12 @@ fresh layers, one per policy, trained step by step in an order that rotates ever
 - ``oracle``: the known quotas (``hetcomm.train.speed_modes``: placement weights, replica holders
   and given speeds, ``token_split`` on, the policy with ``speed="oracle"``): what
   ``hetcomm train --speed oracle --token-split on`` sets.
+- ``default-copies``, with ``--compare-copies EVERY,ALPHA`` only: the default with its hot set
+  re-chosen every ``EVERY`` steps from an EMA of decay ``ALPHA`` (``replicate_every``,
+  ``replicate_alpha``), timed beside the rest: how the copies' cadence decides a step.
+
+Every policy copies the hot experts with the layer's cadence (``MoEConfig.replicate_every`` and
+``replicate_alpha``), so the comparisons isolate what each does with the copies and the speeds.
 
 Links: ``--scale`` (default 1e-2, the testbed cluster file's own rate). Replication is on for
 every policy, and each hot expert's weight refresh and gradient sum cross the emulated links
@@ -73,6 +79,16 @@ sys.path.insert(0, REPO)
 
 WORLD_SIZE = 4
 POLICIES = ("token-equal", "EPLB", "default", "oracle")
+#: With ``--compare-copies EVERY,ALPHA``: the default layer whose hot set is re-chosen every
+#: ``EVERY`` steps from an EMA of decay ``ALPHA`` (``replicate_every``, ``replicate_alpha``), timed
+#: beside the others: a decision on the layer's defaults for the copies' cadence.
+COPIES = "default-copies"
+
+
+def policies_of(result_or_args: Any) -> tuple:
+    """The policies of a run: :data:`POLICIES`, and :data:`COPIES` when it compared copies."""
+    copies = result_or_args.get("copies") if isinstance(result_or_args, dict) else result_or_args.compare_copies
+    return POLICIES + ((COPIES,) if copies else ())
 HOT = ("W1_hot_set", "W2_hot_rank", "W3_spread", "W6_rotating_hotspot", "W7_burst")  # T3's workloads with a hot set
 
 
@@ -114,7 +130,7 @@ def model_step_s(pair: Dict[str, Any], quotas: Sequence[float]) -> Dict[str, flo
                for rows, es, m in zip(ref["rows"], ref["expert_s"], spans) if m > 0]  # the slowest rank's
     c = statistics.median(per_row) if per_row else 0.0
     o = statistics.median(t - c * m for t, m in zip(ref["step_s"], spans))
-    return {p: o + c * statistics.median(model_makespan(rows, quotas) for rows in pair[p]["rows"]) for p in POLICIES}
+    return {p: o + c * statistics.median(model_makespan(rows, quotas) for rows in pair[p]["rows"]) for p in pair}
 
 
 # -- one rank (inside the emulation) -----------------------------------------------------------
@@ -153,6 +169,9 @@ def _rank_main(args) -> int:
                           expert=expert, seed=seed)
             if policy == "default":
                 layer = MoELayer(D, E, k=2, **common)
+            elif policy == COPIES:
+                every, alpha = parse_copies(args.compare_copies)
+                layer = MoELayer(D, E, k=2, replicate_every=every, replicate_alpha=alpha, **common)
             elif policy == "oracle":
                 layer = MoELayer(D, E, k=2, token_split=True, placement=place_experts(E, world, rank_weights=quotas),
                                  **common)
@@ -164,7 +183,7 @@ def _rank_main(args) -> int:
             freeze_gate_to_routing(layer, E, D)  # the gate picks the workload's experts (the module docstring)
             opt = torch.optim.AdamW([p for p in layer.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
             loop = None
-            if policy in ("default", "oracle"):
+            if policy in ("default", "oracle", COPIES):
                 loop = MeasuredLoop(layer, opt, policy=policy_of_layers([layer], speed="oracle") if policy == "oracle" else None)
             loads: List[List[float]] = []
             if policy == "EPLB":
@@ -186,17 +205,18 @@ def _rank_main(args) -> int:
                     st["events"].append(f"step {step}: EPLB moved {len(moved)} experts")
 
         res: Dict[str, Any] = {}
+        policies = policies_of(args)
         for pair in range(args.pairs):
             for w in args.workload_list:
-                states = {p: make(p, seed=1000 * pair + 7) for p in POLICIES}
-                rec = {p: {"step_s": [], "rows": [], "expert_s": []} for p in POLICIES}
+                states = {p: make(p, seed=1000 * pair + 7) for p in policies}
+                rec = {p: {"step_s": [], "rows": [], "expert_s": []} for p in policies}
                 for step in range(1, args.warmup + args.steps + 1):
                     idx = workload_routing(w, spec, args.seed, step, rank)
                     # As a layer's input in a model, x is in the graph: its gradient flows on to
                     # the layers below, so the backward's exchanges are a model's.
                     x = routed_input(idx, E, D, step, rank).requires_grad_(True)
-                    k0 = step % len(POLICIES)
-                    for p in POLICIES[k0:] + POLICIES[:k0]:  # rotate who goes first
+                    k0 = step % len(policies)
+                    for p in policies[k0:] + policies[:k0]:  # rotate who goes first
                         st = states[p]
                         layer, opt = st["layer"], st["opt"]
                         opt.zero_grad(set_to_none=True)
@@ -215,7 +235,7 @@ def _rank_main(args) -> int:
                             rec[p]["step_s"].append(float(t))
                             rec[p]["rows"].append(rows[0].tolist())
                             rec[p]["expert_s"].append(rows[1].tolist())
-                for p in POLICIES:
+                for p in policies:
                     layer = states[p]["layer"]
                     rec[p]["owners_per_rank"] = list(layer.placement.num_local_experts_per_rank)
                     rec[p]["events"] = states[p]["events"]
@@ -224,12 +244,12 @@ def _rank_main(args) -> int:
                     rec[p]["cold"] = loop.cold.summary() if loop is not None else "off"
                 res.setdefault(w, []).append(rec)
                 if rank == 0:  # progress: a full run takes tens of minutes
-                    ms = {p: 1e3 * statistics.median(rec[p]["step_s"]) for p in POLICIES if rec[p]["step_s"]}
+                    ms = {p: 1e3 * statistics.median(rec[p]["step_s"]) for p in policies if rec[p]["step_s"]}
                     print(f"  pair {pair + 1}/{args.pairs} {w}: median step " +
                           ", ".join(f"{p} {v:.0f} ms" for p, v in ms.items()), flush=True)
             # Written after every pair: a run stopped at its timeout keeps the pairs it finished.
             with open(os.path.join(args.worker_out, f"rank{rank}.json"), "w") as f:
-                json.dump({"quotas": quotas, "runs": res}, f)
+                json.dump({"quotas": quotas, "copies": args.compare_copies, "runs": res}, f)
         return 0
     finally:
         dist.destroy_process_group()
@@ -245,22 +265,23 @@ def summarize(result: Dict[str, Any]) -> Dict[str, Any]:
     from hetcomm.moe.placement.migration import FORWARD_AND_BACKWARD
 
     quotas = result["quotas"]
+    policies = policies_of(result)
     slow = [r for r, q in enumerate(quotas) if q < max(quotas)]
     out: Dict[str, Any] = {}
     for w, pairs in result["runs"].items():
-        med = {p: [statistics.median(r[p]["step_s"]) for r in pairs] for p in POLICIES}
+        med = {p: [statistics.median(r[p]["step_s"]) for r in pairs] for p in policies}
         model = [model_step_s(r, quotas) for r in pairs]
         row: Dict[str, Any] = {"median_s": {p: statistics.median(v) for p, v in med.items()},
                                "spread_s": {p: (min(v), max(v)) for p, v in med.items()}, "ratios": {},
                                "last": {p: {k: pairs[-1][p][k] for k in ("owners_per_rank", "events", "speeds", "cold")}
-                                        for p in POLICIES},
+                                        for p in policies},
                                # The slow ranks' expert work (forward x FORWARD_AND_BACKWARD) over the
                                # step, per policy: how much of a step any balancing can act on.
                                "slow_expert_share": {p: statistics.median(
                                    FORWARD_AND_BACKWARD * max(es[s] for s in slow) / t
                                    for r in pairs for es, t in zip(r[p]["expert_s"], r[p]["step_s"])) if slow else None
-                                   for p in POLICIES}}
-        for other in ("token-equal", "EPLB", "oracle"):
+                                   for p in policies}}
+        for other in [p for p in policies if p != "default"]:
             per_pair = [o / d for o, d in zip(med[other], med["default"])]
             measured = statistics.median(med[other]) / statistics.median(med["default"])
             predicted = statistics.median(m[other] / m["default"] for m in model)
@@ -272,14 +293,18 @@ def summarize(result: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def render(summary: Dict[str, Any], args, header: str) -> str:
+    copies = any(COPIES in r["median_s"] for r in summary.values())
+    policies = POLICIES + ((COPIES,) if copies else ())
+    extra = (f" {COPIES} ({args.compare_copies}) |", " x the copies' old cadence |",
+             "---|---|") if copies else ("", "", "")
     lines = [header, "",
              "median step s (slowest rank; min-max over pairs) per policy; x = the default's speedup over it "
              "(its median step time / the default's), measured (per-pair min-max) and by the model o + c x makespan",
-             "| workload | token-equal | EPLB | default | oracle | x token-equal (model) | x EPLB (model) | "
-             "default/oracle time (model) | slow rank expert share, default / token-equal |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| workload | token-equal | EPLB | default | oracle |" + extra[0] + " x token-equal (model) | x EPLB (model) | "
+             "default/oracle time (model) | slow rank expert share, default / token-equal |" + extra[1],
+             "|---|---|---|---|---|---|---|---|---|" + extra[2]]
     for w, r in summary.items():
-        cells = [f"{r['median_s'][p]:.3f} ({r['spread_s'][p][0]:.3f}-{r['spread_s'][p][1]:.3f})" for p in POLICIES]
+        cells = [f"{r['median_s'][p]:.3f} ({r['spread_s'][p][0]:.3f}-{r['spread_s'][p][1]:.3f})" for p in policies]
         x = []
         for other in ("token-equal", "EPLB", "oracle"):
             q = r["ratios"][other]
@@ -289,16 +314,28 @@ def render(summary: Dict[str, Any], args, header: str) -> str:
             x.append(f"{m:.2f} ({lo:.2f}-{hi:.2f}) ({mo:.2f})")
         sh = r["slow_expert_share"]
         x.append(" / ".join("-" if sh[p] is None else f"{100 * sh[p]:.0f} %" for p in ("default", "token-equal")))
+        if copies:
+            q = r["ratios"][COPIES]
+            x.append(f"{q['measured']:.2f} ({q['pairs'][0]:.2f}-{q['pairs'][1]:.2f})")
         lines.append(f"| {w}{' *' if w in HOT else ''} | " + " | ".join(cells + x) + " |")
     lines += ["", "* a workload with a hot set (T3: x token-equal >= 1.15, x EPLB >= 1.15, default/oracle <= 1.20, "
               "model within 15 %)"]
     last = list(summary)[-1]
-    for p in POLICIES:
+    for p in policies:
         info = summary[last]["last"][p]
         ev = "; ".join(info["events"][-3:]) or "none"
         lines.append(f"{p} (last run of {last}): experts per rank {info['owners_per_rank']}, speeds "
                      f"{[round(s, 2) for s in info['speeds']]}, placement by speed: {info['cold']}, events: {ev}")
     return "\n".join(lines)
+
+
+def parse_copies(text: str) -> tuple:
+    """``"10,0.99"`` -> ``(10, 0.99)``: ``--compare-copies``."""
+    every, _, alpha = text.partition(",")
+    try:
+        return int(every), float(alpha)
+    except ValueError:
+        raise SystemExit(f"moe_workloads_layer: --compare-copies expects EVERY,ALPHA (e.g. 10,0.99), got {text!r}") from None
 
 
 def main(argv=None) -> int:
@@ -312,6 +349,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank per step")
     ap.add_argument("--replicate-top", type=int, default=4, help="hot experts copied (every policy)")
     ap.add_argument("--eplb-every", type=int, default=8, help="steps between EPLB's re-packs")
+    ap.add_argument("--compare-copies", default=None, metavar="EVERY,ALPHA",
+                    help="also time the default layer with replicate_every=EVERY, replicate_alpha=ALPHA")
     ap.add_argument("--model-dim", type=int, default=256)
     ap.add_argument("--hidden-dim", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
@@ -327,6 +366,8 @@ def main(argv=None) -> int:
         args.workload_list = args.workload_list.split(",")
         return _rank_main(args)
     args.workload_list = ",".join(parse_workloads(args.workloads))
+    if args.compare_copies:
+        parse_copies(args.compare_copies)  # a bad value stops here, before the emulation starts
     args.cluster = os.path.join(REPO, args.cluster) if not os.path.isabs(args.cluster) else args.cluster
 
     from emulated_runs import run_in_emulation
@@ -342,6 +383,7 @@ def main(argv=None) -> int:
     rc, runs = run_in_emulation(
         "moe_workloads_layer", __file__, args,
         ("cluster", "workload_list", "pairs", "steps", "warmup", "experts", "tokens", "replicate_top", "eplb_every",
+         *(("compare_copies",) if args.compare_copies else ()),
          "model_dim", "hidden_dim", "seed", "timeout"),
         WORLD_SIZE, up_options=("--compute", "--subnet", args.subnet), up_timeout=180,
     )

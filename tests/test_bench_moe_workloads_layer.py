@@ -68,3 +68,24 @@ def test_summary_ratios_are_of_medians_and_the_model_measured_on_token_equal():
     assert "2.00 (2.00-2.00) (1.06)" in text  # x token-equal, per pair, model
     assert "1.10 (1.10-1.10) (1.00)" in text  # default / oracle time
     assert "| 27 % / 14 % |" in text  # slow rank's expert share: default / token-equal (0.3 / 2.2)
+
+
+def test_a_run_comparing_copies_reports_the_default_against_its_old_cadence():
+    quotas = [1.0, 1.0, 1.0, 0.5]
+    equal, balanced = [[100, 100, 100, 100]], [[120, 120, 120, 60]]
+    pair = {"token-equal": _rec([2.0], equal), "EPLB": _rec([3.0], equal), "default": _rec([1.0], balanced),
+            "oracle": _rec([1.0], balanced), mwl.COPIES: _rec([1.5], equal)}
+    out = mwl.summarize({"quotas": quotas, "copies": "10,0.99", "runs": {"W6_rotating_hotspot": [pair]}})
+    assert out["W6_rotating_hotspot"]["ratios"][mwl.COPIES]["measured"] == pytest.approx(1.5)
+
+    class Args:
+        compare_copies = "10,0.99"
+
+    text = mwl.render(out, Args, "header")
+    assert "| default-copies (10,0.99) | x token-equal (model)" in text
+    assert text.splitlines()[5].endswith("| 1.50 (1.50-1.50) |")
+    # A run without the comparison has four policies, whatever the summary's file says.
+    assert mwl.policies_of({"quotas": quotas, "runs": {}}) == mwl.POLICIES
+    assert mwl.parse_copies("1,0.5") == (1, 0.5)
+    with pytest.raises(SystemExit, match="EVERY,ALPHA"):
+        mwl.parse_copies("every step")

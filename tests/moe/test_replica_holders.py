@@ -95,3 +95,29 @@ def test_layer_wires_measured_speed_and_paging_into_room():
     assert layer.speed.room_here and layer.replicator.measured() is None  # not measured yet
     paged = MoELayer(D, 4, replicate=True, replicate_top=1, calibrate=False, page_budget=0.5)
     assert not paged.speed.room_here  # its own experts do not fit: no room for copies
+
+
+def test_a_moving_hot_set_reuses_its_replica_modules_and_refreshes_them_from_the_owners():
+    built = []
+
+    def make(e):
+        built.append(e)
+        return nn.Sequential(nn.Linear(D, F), nn.Linear(F, D))
+
+    placement = ExpertPlacement(owner=(0, 1, 2, 3, 0, 1, 2, 3), world_size=4)
+    rep = HotExpertReplicator(placement, 0, (0, 1, 2), make, {0: make(0), 4: make(4)}, None, num_hot=2,
+                              every=1, alpha=0.0)
+    built.clear()
+    rep.observe(torch.tensor([1, 1, 1, 50, 1, 1, 40, 1], dtype=torch.float64))  # hot: 3, 6
+    assert rep.sync() and set(rep.replicas) == {3, 6} and sorted(built) == [3, 6]
+    first = {id(m) for m in rep.replicas.values()}
+    rep.observe(torch.tensor([1, 40, 1, 1, 1, 50, 1, 1], dtype=torch.float64))  # moved: 1, 5
+    assert rep.sync()  # new experts on the old modules: refreshed
+    assert set(rep.replicas) == {1, 5} and {id(m) for m in rep.replicas.values()} == first
+    assert sorted(built) == [3, 6]  # nothing built for the move
+    assert not rep.sync()  # nothing changed since
+    # Away and back before any refresh: the same set as the last refresh, but the modules may
+    # have swapped experts, so the next sync refreshes all the same.
+    rep.set_hot([3, 6])
+    rep.set_hot([1, 5])
+    assert rep.sync()

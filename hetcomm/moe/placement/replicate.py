@@ -18,9 +18,14 @@ own tokens for them locally.
 
 - **Compute.** The layer sets aside the copies its gate routes to replicas held here (routing)
   and :meth:`HotExpertReplicator.compute_local` runs them while the dispatch is in flight.
-- **Which experts.** An EMA (``alpha = 0.99``) of each expert's *global* token count (the
-  all-reduced picks, identical on every rank, so every rank picks the same hot set without
-  talking about it). Every ``M`` steps the top-``N`` become the hot set.
+- **Which experts.** An EMA (``alpha``, 0.25 by default) of each expert's *global* token count
+  (the all-reduced picks, identical on every rank, so every rank picks the same hot set without
+  talking about it). Every ``M`` steps (every step by default) the top-``N`` become the hot set.
+  Following the heat each step costs no extra transfer: the replicas are refreshed after each
+  optimizer step anyway, and the refresh that applies a new set brings its weights; a replica
+  leaving the set is reused for one joining it. With ``alpha < 0.5`` a hot set that moved is
+  followed after one step (the new experts' EMA passes the old ones' at the first step whenever
+  ``(1 - 2 alpha) x`` the heat exceeds the noise).
 - **Weights.** A replica is a copy of the owner's expert, refreshed whenever the owner's
   parameters changed (their autograd version counters moved, i.e. an optimizer stepped) or the
   hot set changed: one all-reduce of ``[N, P]`` where only owners contribute non-zeros
@@ -344,15 +349,17 @@ class HotExpertReplicator:
             return
         self.hot, self.holders = hot, new_holders
         wanted = {e for e in hot if self.rank in self.holders and self.placement.owner[e] != self.rank}
-        for e in list(self.replicas):
-            if e not in wanted:
-                del self.replicas[e]
+        # A replica that leaves the hot set becomes one that joins it: the layer builds every
+        # expert alike, and the refresh before its next use overwrites its values. A hot set that
+        # moves every step then builds (and initialises) no module.
+        spare = [self.replicas.pop(e) for e in sorted(self.replicas) if e not in wanted]
         for e in sorted(wanted):
             if e not in self.replicas:
-                m = self.make_expert(e).to(self.device)
+                m = spare.pop() if spare else self.make_expert(e).to(self.device)
                 for p in m.parameters():
                     p.requires_grad_(True)
                 self.replicas[e] = m
+        self._synced_hot = ()  # the next sync refreshes, even if the set came back to the synced one
 
     def adopt_placement(self, placement, owned: Dict[int, nn.Module]) -> None:
         """Experts changed owners (:mod:`hetcomm.moe.placement.migration`): drop every replica and rebuild

@@ -70,7 +70,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -85,10 +85,9 @@ POLICIES = ("token-equal", "EPLB", "default", "oracle")
 COPIES = "default-copies"
 
 
-def policies_of(result_or_args: Any) -> tuple:
+def policies_of(compare_copies: Optional[str]) -> tuple:
     """The policies of a run: :data:`POLICIES`, and :data:`COPIES` when it compared copies."""
-    copies = result_or_args.get("copies") if isinstance(result_or_args, dict) else result_or_args.compare_copies
-    return POLICIES + ((COPIES,) if copies else ())
+    return POLICIES + ((COPIES,) if compare_copies else ())
 HOT = ("W1_hot_set", "W2_hot_rank", "W3_spread", "W6_rotating_hotspot", "W7_burst")  # T3's workloads with a hot set
 
 
@@ -205,7 +204,7 @@ def _rank_main(args) -> int:
                     st["events"].append(f"step {step}: EPLB moved {len(moved)} experts")
 
         res: Dict[str, Any] = {}
-        policies = policies_of(args)
+        policies = policies_of(args.compare_copies)
         for pair in range(args.pairs):
             for w in args.workload_list:
                 states = {p: make(p, seed=1000 * pair + 7) for p in policies}
@@ -265,7 +264,7 @@ def summarize(result: Dict[str, Any]) -> Dict[str, Any]:
     from hetcomm.moe.placement.migration import FORWARD_AND_BACKWARD
 
     quotas = result["quotas"]
-    policies = policies_of(result)
+    policies = policies_of(result.get("copies"))
     slow = [r for r, q in enumerate(quotas) if q < max(quotas)]
     out: Dict[str, Any] = {}
     for w, pairs in result["runs"].items():
@@ -294,9 +293,8 @@ def summarize(result: Dict[str, Any]) -> Dict[str, Any]:
 
 def render(summary: Dict[str, Any], args, header: str) -> str:
     copies = any(COPIES in r["median_s"] for r in summary.values())
-    policies = POLICIES + ((COPIES,) if copies else ())
-    extra = (f" {COPIES} ({args.compare_copies}) |", " x the copies' old cadence |",
-             "---|---|") if copies else ("", "", "")
+    policies = policies_of(args.compare_copies if copies else None)
+    extra = (f" {COPIES} ({args.compare_copies}) |", f" x {COPIES} |", "---|---|") if copies else ("", "", "")
     lines = [header, "",
              "median step s (slowest rank; min-max over pairs) per policy; x = the default's speedup over it "
              "(its median step time / the default's), measured (per-pair min-max) and by the model o + c x makespan",

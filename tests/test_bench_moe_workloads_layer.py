@@ -85,7 +85,7 @@ def test_a_run_comparing_copies_reports_the_default_against_its_old_cadence():
     assert "| default-copies (10,0.99) | x token-equal (model)" in text
     assert text.splitlines()[5].endswith("| 1.50 (1.50-1.50) |")
     # A run without the comparison has four policies, whatever the summary's file says.
-    assert mwl.policies_of({"quotas": quotas, "runs": {}}) == mwl.POLICIES
+    assert mwl.policies_of(None) == mwl.POLICIES
     assert mwl.parse_copies("1,0.5") == (1, 0.5)
     with pytest.raises(SystemExit, match="EVERY,ALPHA"):
         mwl.parse_copies("every step")

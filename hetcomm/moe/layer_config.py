@@ -39,7 +39,8 @@ class MoEConfig:
         replicate_every: ``M`` steps between hot-set refreshes (1: every step; a new hot set
             costs no extra transfer, the after-step refresh brings its weights).
         replicate_alpha: EMA decay of per-expert token counts (below 0.5, the top ``N``
-            follow a hot set that moved after one step).
+            follow a hot set that moved after one step; with ``replicate_every=1`` that follows
+            a moving hotspot, see docs/MOE.md).
         replicate_policy: ``always`` replicates the top ``N``; ``profitable`` only those whose
             saved all-to-all bytes exceed their weight and gradient sync bytes
             (:mod:`hetcomm.moe.replicate`).
@@ -90,8 +91,8 @@ class MoEConfig:
     num_chunks: int = 1
     replicate: bool = False
     replicate_top: int = 3
-    replicate_every: int = 1
-    replicate_alpha: float = 0.25
+    replicate_every: int = 10
+    replicate_alpha: float = 0.99
     replicate_policy: str = "always"
     strong_expert_weight: float = 2.0
     rank_weights: str = "strong"

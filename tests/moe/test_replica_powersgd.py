@@ -185,7 +185,5 @@ def test_train_powersgd_sends_every_byte_on_hetcomm_groups():
         d = out[r]["dense"]
         assert d["compressed_calls"] == 2 and d["compressed_bytes"] > 0
         assert 0 < d["rail_bytes"] <= d["uncompressed_bytes"] / 4, d  # on hetcomm rails, >= 4x fewer
-    # the hot set forms at the first step (replicate_every 1): its sums ran every step, exact for
-    # their first replicate_powersgd_start (10) reductions, compressed after them
-    e = out[2]["experts"]
-    assert e["calls"] > 10 and 0 < e["compressed_calls"] <= e["calls"] - 10, e
+    # the hot set forms at step 10 (replicate_every): its sums ran, exact before their own start
+    assert out[2]["experts"]["calls"] > 0 and out[2]["experts"]["compressed_calls"] == 0

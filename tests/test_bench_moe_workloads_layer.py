@@ -70,7 +70,7 @@ def test_summary_ratios_are_of_medians_and_the_model_measured_on_token_equal():
     assert "| 27 % / 14 % |" in text  # slow rank's expert share: default / token-equal (0.3 / 2.2)
 
 
-def test_a_run_comparing_copies_reports_the_default_against_its_old_cadence():
+def test_a_run_comparing_copies_reports_the_default_against_the_other_cadence():
     quotas = [1.0, 1.0, 1.0, 0.5]
     equal, balanced = [[100, 100, 100, 100]], [[120, 120, 120, 60]]
     pair = {"token-equal": _rec([2.0], equal), "EPLB": _rec([3.0], equal), "default": _rec([1.0], balanced),
@@ -84,7 +84,7 @@ def test_a_run_comparing_copies_reports_the_default_against_its_old_cadence():
     text = mwl.render(out, Args, "header")
     assert "| default-copies (10,0.99) | x token-equal (model)" in text
     assert text.splitlines()[5].endswith("| 1.50 (1.50-1.50) |")
-    # A run without the comparison has four policies, whatever the summary's file says.
+    # Without the comparison: the four policies.
     assert mwl.policies_of(None) == mwl.POLICIES
     assert mwl.parse_copies("1,0.5") == (1, 0.5)
     with pytest.raises(SystemExit, match="EVERY,ALPHA"):

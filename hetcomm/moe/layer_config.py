@@ -38,9 +38,8 @@ class MoEConfig:
         replicate_top: ``N`` hot experts replicated.
         replicate_every: ``M`` steps between hot-set refreshes (1: every step; a new hot set
             costs no extra transfer, the after-step refresh brings its weights).
-        replicate_alpha: EMA decay of per-expert token counts (below 0.5, the top ``N``
-            follow a hot set that moved after one step; with ``replicate_every=1`` that follows
-            a moving hotspot, see docs/MOE.md).
+        replicate_alpha: EMA decay of per-expert token counts (below 0.5, a hot set that moved
+            is followed after one step: with ``replicate_every=1``, a moving hotspot; docs/MOE.md).
         replicate_policy: ``always`` replicates the top ``N``; ``profitable`` only those whose
             saved all-to-all bytes exceed their weight and gradient sync bytes
             (:mod:`hetcomm.moe.replicate`).

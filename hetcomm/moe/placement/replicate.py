@@ -20,8 +20,8 @@ own tokens for them locally.
   and :meth:`HotExpertReplicator.compute_local` runs them while the dispatch is in flight.
 - **Which experts.** An EMA (``alpha``, 0.99 by default) of each expert's *global* token count
   (the all-reduced picks, identical on every rank, so every rank picks the same hot set without
-  talking about it). Every ``M`` steps (10 by default) the top-``N`` become the hot set.
-  Following the heat each step (``M = 1``) costs no extra transfer: the replicas are refreshed after each
+  talking about it). Every ``M`` steps (10 by default) the top-``N`` become the hot set. A new
+  set costs no extra transfer, even every step (``M = 1``): the replicas are refreshed after each
   optimizer step anyway, and the refresh that applies a new set brings its weights; a replica
   leaving the set is reused for one joining it. With ``alpha < 0.5`` a hot set that moved is
   followed after one step (the new experts' EMA passes the old ones' at the first step whenever

@@ -154,6 +154,8 @@ class Policy:
         of the MoE forward ``share`` (:func:`expert_share`; None keeps the one decided with),
         self when no lever changes."""
         share = self.inputs.expert_share if share is None else share
+        if differ == self.inputs.differ and share == self.inputs.expert_share:
+            return self  # the inputs of this record (decide is pure): no decision to take each step
         again = decide(replace(self.inputs, differ=differ, expert_share=share))
         # A share that moves without moving a lever is not a new decision (no event, same reasons).
         same = differ == self.inputs.differ and [lv.on for _, lv in again.levers()] == [lv.on for _, lv in self.levers()]

@@ -144,7 +144,8 @@ class MoELayer(nn.Module):
                 cfg, placement, self.rank, self.replica_candidates, self.make_expert,
                 dict(zip(local_ids, self.experts.experts)), group, self.cluster, initial_holders=self.strong_ranks,
                 # The agreed speeds, room flags and noise (self.speed is built below; read lazily).
-                measured=lambda: (self.speed.speeds, self.speed.room, self.speed.noise) if self.speed.measured else None)
+                measured=lambda: (self.speed.speeds, self.speed.room, self.speed.noise) if self.speed.measured else None,
+                ready=lambda: self.speed.differ is not None)  # copies after the first verdict: replicate.py
         self.l_aux: torch.Tensor = torch.zeros((), device="cpu")  # replaced by the first forward
         self.last_stats: Optional[StepStats] = None  # set by every forward
         self.metrics = MetricsAccumulator()
@@ -415,7 +416,7 @@ class MoELayer(nn.Module):
             te = time.perf_counter()
             mark = self.speed.begin(x2.device)
             local_y = rep.compute_local(x2, route, self.layout.key_of_expert, self.experts)
-            self.speed.end(mark, int(route.local_assign.numel()))
+            self.speed.end(mark, int(route.local_assign.numel()), learn=False)  # busy, not the speed: speed.py
             times.expert_s += time.perf_counter() - te
         y_recv = join_graph(self.experts.compute(res, mods, times, self.speed, x2.device))
         tw = time.perf_counter()

@@ -33,8 +33,8 @@ class MoEConfig:
             (the cluster's per-link policy; FP32 without a cluster, FP16 between vendors) or
             ``fp32``/``fp16``/``bf16`` for every pair.
         num_chunks: chunks of the pipelined dispatch/combine (1 = no pipelining).
-        replicate: hot-expert replication on strong ranks: once speeds are measured, on the
-            fastest of them with room (:func:`~hetcomm.moe.placement.replicate.choose_holders`).
+        replicate: hot-expert replication on strong ranks, from the first speed verdict on, on
+            the fastest of them with room (:func:`~hetcomm.moe.placement.replicate.choose_holders`).
         replicate_top: ``N`` hot experts replicated.
         replicate_every: ``M`` steps between hot-set refreshes (1: every step; a new hot set
             costs no extra transfer, the after-step refresh brings its weights).
@@ -90,8 +90,8 @@ class MoEConfig:
     num_chunks: int = 1
     replicate: bool = False
     replicate_top: int = 3
-    replicate_every: int = 10
-    replicate_alpha: float = 0.99
+    replicate_every: int = 1
+    replicate_alpha: float = 0.25
     replicate_policy: str = "always"
     strong_expert_weight: float = 2.0
     rank_weights: str = "strong"

@@ -2,7 +2,7 @@
 statistics, summed over the layer's group in one all-reduce, and the subscribers they go to.
 
 The vector is ``[probs (E), picks (E), tokens (1)]`` float64, plus the balancer's fast signal
-(``[E]``) when a subscriber asked for it, plus the speed agreement's ``[W, 6]`` table at the
+(``[E]``) when a subscriber asked for it, plus the speed agreement's ``[W, 7]`` table at the
 forwards it is due (:meth:`~hetcomm.moe.speed.SpeedMeter.agreement_row`) and the per-step
 split's ``[W, E + 1]`` count table when the split runs (both ride in the same all-reduce and are
 cut off before delivery). It is

@@ -20,7 +20,13 @@ it waits for:
   or two late, which the EMA does not mind. ``torch_npu`` is imported only on an NPU rank.
 
 **Per rank.** A step's rows and seconds are folded into EMAs (``alpha``); this rank's speed is
-``rows_ema / seconds_ema`` (rows/s). Its *noise* is the relative standard deviation of that
+``rows_ema / seconds_ema`` (rows/s). Only the sections that run the way every rank's do teach the
+speed: an owner's experts on the rows the dispatch delivered. A holder's replica rows, computed
+while the dispatch is still in flight (its rail threads share the cores) and in a few small calls
+(fixed costs spread over few rows), read several times slower per row on a CPU rank; counted, they
+would make the ranks that hold copies look slow. Their seconds count as busy time
+(``busy_seconds_ema``, :attr:`SpeedSnapshot.seconds_per_step`) and not toward the speed
+(:meth:`SpeedMeter.end` with ``learn=False``). Its *noise* is the relative standard deviation of that
 estimate, the larger of two spreads: an EMA of the squared deviation of each step's speed from
 the estimate, in logarithms (``ln(step / estimate)``: a step the scheduler stalled tenfold counts
 as much as one ten times faster, not a hundred times more), times the EMA's averaging of
@@ -31,7 +37,7 @@ step-to-step spread says). It is known from the second agreement with measuremen
 :data:`NOISE_MIN_STEPS` steps were measured.
 
 **Agreed.** Every ``every`` steps each rank contributes one row ``(rows_ema, seconds_ema, room,
-noise, steps, forward_seconds_ema)`` to one all-reduce of a ``[W, 6]`` float64 table (riding in the layer's load
+noise, steps, forward_seconds_ema, busy_seconds_ema)`` to one all-reduce of a ``[W, 7]`` float64 table (riding in the layer's load
 all-reduce where it runs, :meth:`SpeedMeter.agreement_row`; zeros elsewhere: the sum is
 exact), so every rank holds
 the identical :class:`SpeedSnapshot` afterwards and the decisions taken from it are identical
@@ -82,7 +88,7 @@ NOISE_MIN_STEPS = 3
 #: Per-thread scheduler statistics: ``run_ns ready_ns timeslices``.
 SCHEDSTAT = "/proc/thread-self/schedstat"
 #: Columns of the agreed table, one row per rank.
-TABLE_COLUMNS = ("rows_ema", "seconds_ema", "room", "noise", "steps", "forward_seconds_ema")
+TABLE_COLUMNS = ("rows_ema", "seconds_ema", "room", "noise", "steps", "forward_seconds_ema", "busy_seconds_ema")
 
 
 # -- the rule ------------------------------------------------------------------------------------
@@ -189,16 +195,17 @@ class BusyClock:
 
 
 class ComputeTimer:
-    """Times expert computations on one device: ``mark = begin()`` ... ``end(mark, rows)``;
-    ``collect()`` returns the ``(rows, seconds)`` of the computations whose timing is known."""
+    """Times expert computations on one device: ``mark = begin()`` ... ``end(mark, rows, learn)``;
+    ``collect()`` returns the ``(rows, seconds, learn)`` of the computations whose timing is known
+    (``learn``: the section teaches the speed, :meth:`SpeedMeter.end`)."""
 
     def begin(self) -> Any:
         raise NotImplementedError
 
-    def end(self, mark: Any, rows: int) -> None:
+    def end(self, mark: Any, rows: int, learn: bool = True) -> None:
         raise NotImplementedError
 
-    def collect(self, wait: bool = False) -> List[Tuple[int, float]]:
+    def collect(self, wait: bool = False) -> List[Tuple[int, float, bool]]:
         raise NotImplementedError
 
 
@@ -207,7 +214,7 @@ class CpuTimer(ComputeTimer):
     synchronous on the calling thread (CPU ranks)."""
 
     def __init__(self) -> None:
-        self._done: List[Tuple[int, float]] = []
+        self._done: List[Tuple[int, float, bool]] = []
         self._local = threading.local()
 
     def clock(self) -> BusyClock:
@@ -220,10 +227,10 @@ class CpuTimer(ComputeTimer):
     def begin(self) -> float:
         return self.clock().read()
 
-    def end(self, mark: float, rows: int) -> None:
-        self._done.append((int(rows), max(0.0, self.clock().read() - mark)))
+    def end(self, mark: float, rows: int, learn: bool = True) -> None:
+        self._done.append((int(rows), max(0.0, self.clock().read() - mark), bool(learn)))
 
-    def collect(self, wait: bool = False) -> List[Tuple[int, float]]:
+    def collect(self, wait: bool = False) -> List[Tuple[int, float, bool]]:
         done, self._done = self._done, []
         return done
 
@@ -238,27 +245,27 @@ class EventTimer(ComputeTimer):
 
     def __init__(self, module: Any, device: torch.device) -> None:
         self._module, self._device = module, device
-        self._pending: List[Tuple[Any, Any, int]] = []
+        self._pending: List[Tuple[Any, Any, int, bool]] = []
 
     def begin(self) -> Any:
         ev = self._module.Event(enable_timing=True)
         ev.record(self._module.current_stream(self._device))
         return ev
 
-    def end(self, mark: Any, rows: int) -> None:
+    def end(self, mark: Any, rows: int, learn: bool = True) -> None:
         ev = self._module.Event(enable_timing=True)
         ev.record(self._module.current_stream(self._device))
-        self._pending.append((mark, ev, int(rows)))
+        self._pending.append((mark, ev, int(rows), bool(learn)))
 
-    def collect(self, wait: bool = False) -> List[Tuple[int, float]]:
+    def collect(self, wait: bool = False) -> List[Tuple[int, float, bool]]:
         done, keep = [], []
-        for start, stop, rows in self._pending:
+        for start, stop, rows, learn in self._pending:
             if wait:
                 stop.synchronize()
             if stop.query():
-                done.append((rows, start.elapsed_time(stop) / 1e3))
+                done.append((rows, start.elapsed_time(stop) / 1e3, learn))
             else:
-                keep.append((start, stop, rows))
+                keep.append((start, stop, rows, learn))
         self._pending = keep
         return done
 
@@ -288,7 +295,8 @@ class SpeedSnapshot:
         measured: some rank has measured (else ``rows_per_s`` is the prior).
         agreements: agreements so far.
         own_rows_per_s: ``[W]`` each rank's own measured speed, unpooled (0: none yet).
-        seconds_per_step: ``[W]`` each rank's EMA of busy expert seconds per measured step.
+        seconds_per_step: ``[W]`` each rank's EMA of busy expert seconds per measured step, every
+            timed section (replica rows too).
         forward_seconds: ``[W]`` each rank's EMA of the layer's forward wall seconds (gate,
             exchanges and experts; 0 where the layer does not report it).
         room: ``[W]`` the rank has room for hot-expert replicas.
@@ -311,7 +319,7 @@ class SpeedSnapshot:
 
 def agree_table(rows: Sequence[Sequence[float]], prior: Sequence[float],
                 classes: Optional[Sequence[int]] = None) -> Tuple[Tuple[float, ...], Tuple[float, ...], Optional[bool]]:
-    """``(speeds, noise, differ)`` from the agreed ``[W, 6]`` table (:data:`TABLE_COLUMNS`).
+    """``(speeds, noise, differ)`` from the agreed ``[W, 7]`` table (:data:`TABLE_COLUMNS`).
 
     Measured ranks get ``rows_ema / seconds_ema``; with ``classes``, the members of a class whose
     measurements agree (:func:`speeds_differ` is False among them) get the class's summed rows
@@ -396,9 +404,13 @@ class SpeedMeter:
         self.steps = 0
         #: Steps that measured rows on this rank.
         self.measured_steps = 0
-        #: This step's ``(rows, busy seconds)`` on this rank (the health probe's window reads it).
+        #: This step's ``(rows, busy seconds)`` on this rank, every timed section.
         self.last_step: Tuple[int, float] = (0, 0.0)
+        #: This step's ``(rows, seconds)`` of the sections that teach the speed (the health probe's
+        #: window reads it).
+        self.last_speed_step: Tuple[int, float] = (0, 0.0)
         self._rows = self._secs = self._w = 0.0  # EMAs from 0 and their weight (bias correction)
+        self._busy = self._busy_w = 0.0  # EMA of every section's seconds, and its weight
         self._w2 = 0.0  # sum of the EMA's squared step weights (its averaging of independent steps)
         self._var = self._var_w = 0.0
         self._agreed_local: Optional[float] = None  # this rank's estimate at the previous agreement
@@ -466,10 +478,13 @@ class SpeedMeter:
             self._timer, self._timer_device = timer_for(device), device
         return self._timer.begin()
 
-    def end(self, mark: Any, rows: int) -> None:
-        """Stop timing the computation begun at ``mark``, which processed ``rows`` rows."""
+    def end(self, mark: Any, rows: int, learn: bool = True) -> None:
+        """Stop timing the computation begun at ``mark``, which processed ``rows`` rows.
+
+        ``learn=False``: its seconds are busy time but do not teach the speed (a holder's replica
+        rows; the module docstring says why)."""
         if mark is not None and self._timer is not None:
-            self._timer.end(mark, rows)
+            self._timer.end(mark, rows, learn)
 
     @property
     def rows_ema(self) -> float:
@@ -511,12 +526,21 @@ class SpeedMeter:
             return None
         return max(ema_noise, math.sqrt(self._drift / self._drift_w / 2))
 
-    def observe(self, rows: float, seconds: float) -> None:
-        """Fold one step's ``rows`` and busy ``seconds`` into the EMAs and the noise."""
-        self.last_step = (int(rows), float(seconds))
+    def observe(self, rows: float, seconds: float, busy_rows: Optional[float] = None,
+                busy_seconds: Optional[float] = None) -> None:
+        """Fold one step into the EMAs and the noise: ``rows`` and ``seconds`` of the sections
+        that teach the speed; ``busy_rows`` and ``busy_seconds`` of every section (default: the
+        same)."""
+        busy_rows = rows if busy_rows is None else busy_rows
+        busy_seconds = seconds if busy_seconds is None else busy_seconds
+        self.last_step = (int(busy_rows), float(busy_seconds))
+        self.last_speed_step = (int(rows), float(seconds))
+        a = self.alpha
+        if busy_rows > 0 and busy_seconds > 0:
+            self._busy = a * self._busy + (1 - a) * busy_seconds
+            self._busy_w = a * self._busy_w + (1 - a)
         if rows <= 0 or seconds <= 0:
             return
-        a = self.alpha
         prev = self.local_speed()
         if prev is not None:
             d = math.log(rows / seconds / prev)
@@ -533,7 +557,7 @@ class SpeedMeter:
         return self.every > 0 and (self.steps + 1) % self.every == 0
 
     def agreement_row(self, device: torch.device) -> Optional[torch.Tensor]:
-        """This rank's row of the ``[W, 6]`` table, flattened (``[W * 6]`` float64 on ``device``,
+        """This rank's row of the ``[W, 7]`` table, flattened (``[W * 7]`` float64 on ``device``,
         zeros elsewhere), when this forward is an agreement's and the group has several ranks;
         else None. A caller whose own all-reduce sums it over the group (the layer's load
         statistics, :mod:`hetcomm.moe.load_observer`) hands the sum to :meth:`finish_step`: the
@@ -558,12 +582,15 @@ class SpeedMeter:
             a = self.alpha
             self._fwd_secs = a * self._fwd_secs + (1 - a) * float(forward_s)
             self._fwd_w = a * self._fwd_w + (1 - a)
-        rows = secs = 0.0
+        rows = secs = busy_rows = busy = 0.0
         if self._timer is not None:
-            for r, s in self._timer.collect(wait=agree):
-                rows += r
-                secs += s
-        self.observe(rows, secs)
+            for r, s, learn in self._timer.collect(wait=agree):
+                busy_rows += r
+                busy += s
+                if learn:
+                    rows += r
+                    secs += s
+        self.observe(rows, secs, busy_rows, busy)
         if agree and table is not None:
             self._adopt(table.reshape(self.world_size, len(TABLE_COLUMNS)).tolist())
         elif agree:
@@ -573,11 +600,12 @@ class SpeedMeter:
     def _my_row(self) -> List[float]:
         noise = self.agreement_noise()  # advances the drift: once per agreement
         forward_s = self._fwd_secs / self._fwd_w if self._fwd_w > 0 else 0.0
+        busy_s = self._busy / self._busy_w if self._busy_w > 0 else 0.0
         return [self.rows_ema, self.seconds_ema, float(self.room_here), -1.0 if noise is None else noise,
-                float(self.measured_steps), forward_s]
+                float(self.measured_steps), forward_s, busy_s]
 
     def agree(self) -> SpeedSnapshot:
-        """Exchange every rank's row of the ``[W, 6]`` table and set :attr:`agreed` (collective)."""
+        """Exchange every rank's row of the ``[W, 7]`` table and set :attr:`agreed` (collective)."""
         mine = self._my_row()
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             dev = self._timer_device if self._timer_device is not None else torch.device("cpu")
@@ -593,7 +621,7 @@ class SpeedMeter:
         return self._adopt(table)
 
     def _adopt(self, table: List[List[float]]) -> SpeedSnapshot:
-        """Set :attr:`agreed` from the group's ``[W, 6]`` table (identical on every rank)."""
+        """Set :attr:`agreed` from the group's ``[W, 7]`` table (identical on every rank)."""
         if self.given:
             speeds, noise_v, differ = self.prior, (0.0,) * self.world_size, speeds_differ(self.prior)
         else:
@@ -602,7 +630,7 @@ class SpeedMeter:
             speeds, noise_v, differ, measured=not self.given and any(r[0] > 0 and r[1] > 0 for r in table),
             agreements=self.agreements + 1,
             own_rows_per_s=tuple(r[0] / r[1] if r[0] > 0 and r[1] > 0 else 0.0 for r in table),
-            seconds_per_step=tuple(float(r[1]) for r in table), room=tuple(float(r[2]) > 0.5 for r in table),
+            seconds_per_step=tuple(float(r[6]) for r in table), room=tuple(float(r[2]) > 0.5 for r in table),
             forward_seconds=tuple(float(r[5]) for r in table))
         return self.agreed
 

@@ -5,8 +5,9 @@ before the job; a GPU that throttles or a link that degrades an hour in is only 
 that keeps running. This one measures what training already does, so it adds no work to a step:
 
 * **compute** — each rank's busy expert seconds per expert row of each step, summed over the MoE
-  layers: the one rank-speed source's clock and rows (``MoELayer.speed.last_step``,
-  :mod:`hetcomm.moe.speed`: compute, never the waits for the all-to-all); the window's
+  layers: the one rank-speed source's clock and the rows that teach the speed
+  (``MoELayer.speed.last_speed_step``, :mod:`hetcomm.moe.speed`: compute, never the waits for the
+  all-to-all; a holder's replica rows, which read slow per row, left out); the window's
   measurement is the median over its steps (a step the scheduler stalled does not make a rank
   slow). Judged per device model by
   :func:`hetcomm.ops.health_class.judge_by_class` (time normalised by the rank's declared speed;
@@ -214,8 +215,8 @@ class TrainingProbe:
             self._rails0 = self._rail_counters()
             return
         rows = secs = 0.0
-        for m in layers:  # the speed meter's step: rows and busy seconds (hetcomm.moe.speed)
-            r, sec = m.speed.last_step
+        for m in layers:  # the speed meter's step: the rows and seconds that teach the speed (hetcomm.moe.speed)
+            r, sec = m.speed.last_speed_step
             rows += float(r)
             secs += float(sec)
         if rows > 0 and secs > 0:

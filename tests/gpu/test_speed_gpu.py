@@ -23,8 +23,8 @@ def test_event_timer_measures_device_compute_not_the_enqueue():
     for _ in range(20):
         a = a @ a / 4096
     timer.end(mark, rows=4096)
-    (rows, seconds), = timer.collect(wait=True)
-    assert rows == 4096 and seconds > 0
+    (rows, seconds, learn), = timer.collect(wait=True)
+    assert rows == 4096 and seconds > 0 and learn
 
 
 @needs_cuda

@@ -121,3 +121,31 @@ def test_a_moving_hot_set_reuses_its_replica_modules_and_refreshes_them_from_the
     rep.set_hot([3, 6])
     rep.set_hot([1, 5])
     assert rep.sync()
+
+
+def test_hot_sets_wait_for_the_speed_verdict_and_a_held_refresh_runs_right_after_it():
+    placement = ExpertPlacement(owner=(0, 1, 2, 3, 0, 1, 2, 3), world_size=4)
+    verdict = []
+    make = lambda e: nn.Sequential(nn.Linear(D, F), nn.Linear(F, D))  # noqa: E731
+    rep = HotExpertReplicator(placement, 0, (0, 1, 2), make, {0: make(0), 4: make(4)}, None, num_hot=2,
+                              every=3, alpha=0.0, ready=lambda: bool(verdict))
+    load = torch.tensor([1, 1, 1, 50, 1, 1, 40, 1], dtype=torch.float64)
+    for _ in range(4):  # a refresh falls due at the third step: held, no verdict yet
+        rep.observe(load)
+        assert rep.next_hot == ()
+    verdict.append(True)
+    rep.observe(load)  # the fifth step: not due by the cadence, but the held refresh runs
+    assert rep.next_hot == (3, 6)
+    rep.set_hot([1])
+    rep.observe(load)  # the sixth: due by the cadence
+    assert rep.next_hot == (3, 6)
+    rep.set_hot([1])
+    rep.observe(load)  # the seventh: nothing held, not due
+    assert rep.next_hot == (1,)
+
+
+def test_the_layer_copies_only_after_its_speed_verdict():
+    measured = MoELayer(D, 4, replicate=True, replicate_top=1, calibrate=False)
+    assert not measured.replicator.ready()  # measured speeds: their verdict comes at the second agreement
+    given = MoELayer(D, 4, replicate=True, replicate_top=1, calibrate=False, speed_every=0)
+    assert given.replicator.ready()  # the prior is kept: its verdict holds from the start

@@ -93,8 +93,8 @@ def test_cpu_timer_counts_compute_not_sleeping():
         a = a * 1.0
     timer.end(mark, 7)
     wall = time.perf_counter() - t
-    (rows, busy), = timer.collect()
-    assert rows == 7 and 0.05 <= busy < wall - 0.25  # the sleep is not busy time
+    (rows, busy, learn), = timer.collect()
+    assert rows == 7 and learn and 0.05 <= busy < wall - 0.25  # the sleep is not busy time
 
 
 @pytest.mark.skipif(not HAS_SCHEDSTAT, reason="needs /proc/thread-self/schedstat (CONFIG_SCHEDSTATS)")
@@ -160,8 +160,8 @@ def test_the_agreement_rides_in_the_load_all_reduce():
     stats = 2 * 4 + 1  # the load statistics: probs and picks of 4 experts, the token count
     for r in res:
         assert r["agreements"] == 2, r
-        # one all-reduce per forward, the [2, 6] table inside it at the 5th and 10th
-        assert r["calls"] == [(stats,)] * 4 + [(stats + 12,)] + [(stats,)] * 4 + [(stats + 12,)], r["calls"]
+        # one all-reduce per forward, the [2, 7] table inside it at the 5th and 10th
+        assert r["calls"] == [(stats,)] * 4 + [(stats + 14,)] + [(stats,)] * 4 + [(stats + 14,)], r["calls"]
         assert all(t > 0 for t in r["seconds"]) and all(v > 0 for v in r["rows"]), r
         # the layer's forward holds its expert compute: the experts' share of it is below 1
         assert all(0 < e < f for e, f in zip(r["seconds"], r["forward"])), r
@@ -181,3 +181,29 @@ def test_given_speeds_have_their_verdict_and_are_still_timed():
     assert not m.finish_step()  # no agreement, no collective
     assert m.last_step[0] == 10 and m.last_step[1] >= 0.01  # the probe's and the metrics' busy seconds
     assert m.speeds == (100.0, 50.0)
+
+
+def _spin(meter: SpeedMeter, seconds: float, rows: int, learn: bool = True) -> None:
+    mark = meter.begin(torch.device("cpu"))
+    spent = time.thread_time() + seconds
+    while time.thread_time() < spent:
+        pass
+    meter.end(mark, rows, learn=learn)
+
+
+def test_sections_that_do_not_learn_are_busy_time_but_not_speed():
+    """A holder's replica rows (``learn=False``) read slow per row on a CPU rank: they count in
+    the busy seconds the summary and the metrics show, and not in the speed or the probe's window."""
+    m = SpeedMeter(1, 0, [1.0], every=1)
+    _spin(m, 0.01, 100)
+    _spin(m, 0.02, 10, learn=False)  # ten times slower per row than the owner's section
+    m.finish_step()
+    rows, secs = m.last_speed_step
+    assert rows == 100 and 0.01 <= secs < 0.02
+    assert m.last_step[0] == 110 and m.last_step[1] >= 0.03
+    assert m.local_speed() == pytest.approx(rows / secs)  # the owner's rows alone
+    assert m.agreed.own_rows_per_s == (pytest.approx(rows / secs),)
+    assert m.agreed.seconds_per_step == (pytest.approx(m.last_step[1]),)  # busy: both sections
+    _spin(m, 0.01, 10, learn=False)  # a step of replica rows only: busy, nothing learned
+    m.finish_step()
+    assert m.measured_steps == 1 and m.last_speed_step == (0, 0.0) and m.last_step[0] == 10

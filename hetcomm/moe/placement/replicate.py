@@ -26,6 +26,12 @@ own tokens for them locally.
   leaving the set is reused for one joining it. With ``alpha < 0.5`` a hot set that moved is
   followed after one step (the new experts' EMA passes the old ones' at the first step whenever
   ``(1 - 2 alpha) x`` the heat exceeds the noise).
+- **Not before the first speed verdict** (``ready``: the layer's speeds have one). Copies change
+  the rows each owner computes: a holder computes its own tokens for the hot experts, the hot
+  experts' owners receive fewer. The first verdict places the experts for the rest of the run
+  (:mod:`hetcomm.moe.cold`), so it is taken on the placement as it is. With copies from the first
+  step, equal CPU ranks read apart and moved experts (docs/MOE.md, "Only owners' rows teach the
+  speed"). A refresh due before the verdict runs at the first step after it.
 - **Weights.** A replica is a copy of the owner's expert, refreshed whenever the owner's
   parameters changed (their autograd version counters moved, i.e. an optimizer stepped) or the
   hot set changed: one all-reduce of ``[N, P]`` where only owners contribute non-zeros
@@ -140,6 +146,9 @@ class HotExpertReplicator:
         measured: ``measured()`` -> ``(speeds [W], room [W], noise [W])`` once the group agreed its measured
             speed (identical on every rank), else None; each hot-set refresh then re-chooses the
             holders with :func:`choose_holders`. None: the holders never change.
+        ready: ``ready()`` -> whether hot sets may be chosen (the layer: its speeds have a verdict;
+            identical on every rank); refreshes due before are held until it is True. None:
+            from the first step.
     """
 
     def __init__(
@@ -160,6 +169,7 @@ class HotExpertReplicator:
         node_ids: Optional[Sequence[int]] = None,
         initial_holders: Optional[Sequence[int]] = None,
         measured: Optional[Callable[[], Optional[Tuple[Sequence[float], Sequence[bool], Sequence[float]]]]] = None,
+        ready: Optional[Callable[[], bool]] = None,
     ) -> None:
         if num_hot < 0 or num_hot > placement.num_experts:
             raise ConfigError(
@@ -182,6 +192,8 @@ class HotExpertReplicator:
         self.holders = self.candidates if initial_holders is None else tuple(
             sorted(set(initial_holders) & set(self.candidates)))
         self.measured = measured
+        self.ready = ready
+        self._held = False  # a refresh fell due before ready()
         self._pending_holders: Optional[Tuple[int, ...]] = None
         self._synced_holders: Tuple[int, ...] = self.holders
         self.make_expert = make_expert
@@ -238,7 +250,8 @@ class HotExpertReplicator:
     def for_layer(cls, cfg, placement, rank: int, candidates: Sequence[int], make_expert: Callable[[int], nn.Module],
                   owned: Dict[int, nn.Module], group: Optional[dist.ProcessGroup], cluster, *,
                   initial_holders: Sequence[int],
-                  measured: Callable[[], Optional[Tuple[Sequence[float], Sequence[bool]]]]) -> "HotExpertReplicator":
+                  measured: Callable[[], Optional[Tuple[Sequence[float], Sequence[bool]]]],
+                  ready: Optional[Callable[[], bool]] = None) -> "HotExpertReplicator":
         """The replicator of a :class:`~hetcomm.moe.MoELayer` with ``cfg`` (its
         :class:`~hetcomm.moe.layer_config.MoEConfig`): ``replicate_*`` options as the knobs,
         ``cluster``'s nodes for PowerSGD (None: no cluster), the other arguments as for the
@@ -263,6 +276,7 @@ class HotExpertReplicator:
             node_ids=node_ids_of(cluster, cluster.num_ranks) if cluster is not None and cfg.replicate_powersgd else None,
             initial_holders=initial_holders,  # the datasheet's choice: the prior
             measured=measured,
+            ready=ready,
         )
     def _make_compressors(self, rank: int, start: int, node_ids: Optional[Sequence[int]], world: int) -> None:
         """The SlowLinkPowerSGD of each candidate reduction group (collective, like new_group)."""
@@ -297,7 +311,9 @@ class HotExpertReplicator:
         """
         self.ema.mul_(self.alpha).add_(global_picks.double().cpu(), alpha=1.0 - self.alpha)
         self.steps += 1
-        if self.num_hot and self.steps % self.every == 0:
+        due = self._held or self.steps % self.every == 0
+        self._held = due and self.ready is not None and not self.ready()
+        if self.num_hot and due and not self._held:
             # Ties broken by expert id (sort is by (-ema, id)) so every rank picks the same set.
             order = sorted(range(self.ema.numel()), key=lambda e: (-float(self.ema[e]), e))
             hot = order[: self.num_hot]

@@ -120,9 +120,11 @@ def replication(rank: int, world_size: int, num_hot_list: List[int], steps: int 
     w = zipf_gate_weight(E, D, 1.2)
 
     def make(replicate: bool, num_hot: int, wire: str = "auto"):
+        # speed_every=0: the prior's verdict holds from the start, so copies come after one step
+        # (measured speeds would hold them until their verdict, at step 10).
         layer = MoELayer(
             D, E, k=2, dropless=True, calibrate=False, replicate=replicate, replicate_top=num_hot, wire_dtype=wire,
-            replicate_every=1, expert=lambda d: torch.nn.Sequential(torch.nn.Linear(d, 32), torch.nn.GELU(), torch.nn.Linear(32, d)),
+            replicate_every=1, speed_every=0, expert=lambda d: torch.nn.Sequential(torch.nn.Linear(d, 32), torch.nn.GELU(), torch.nn.Linear(32, d)),
         )
         with torch.no_grad():
             layer.gate.wg.weight.copy_(w)

@@ -18,14 +18,15 @@ own tokens for them locally.
 
 - **Compute.** The layer sets aside the copies its gate routes to replicas held here (routing)
   and :meth:`HotExpertReplicator.compute_local` runs them while the dispatch is in flight.
-- **Which experts.** An EMA (``alpha``, 0.99 by default) of each expert's *global* token count
+- **Which experts.** An EMA (``alpha``, 0.25 by default) of each expert's *global* token count
   (the all-reduced picks, identical on every rank, so every rank picks the same hot set without
-  talking about it). Every ``M`` steps (10 by default) the top-``N`` become the hot set. A new
-  set costs no extra transfer, even every step (``M = 1``): the replicas are refreshed after each
-  optimizer step anyway, and the refresh that applies a new set brings its weights; a replica
-  leaving the set is reused for one joining it. With ``alpha < 0.5`` a hot set that moved is
-  followed after one step (the new experts' EMA passes the old ones' at the first step whenever
-  ``(1 - 2 alpha) x`` the heat exceeds the noise).
+  talking about it). Every ``M`` steps (by default every step) the top-``N`` become the hot set.
+  A new set costs no extra transfer: the replicas are refreshed after each optimizer step anyway,
+  and the refresh that applies a new set brings its weights; a replica leaving the set is reused
+  for one joining it. With ``alpha < 0.5`` a hot set that moved is followed after one step (the
+  new experts' EMA passes the old ones' at the first step whenever ``(1 - 2 alpha) x`` the heat
+  exceeds the noise). Every 10 steps with ``alpha`` 0.99, the former default, the copies held
+  experts that had cooled on a hotspot that moves (docs/MOE.md).
 - **Not before the first speed verdict** (``ready``: the layer's speeds have one). Copies change
   the rows each owner computes: a holder computes its own tokens for the hot experts, the hot
   experts' owners receive fewer. The first verdict places the experts for the rest of the run
@@ -161,8 +162,8 @@ class HotExpertReplicator:
         group: Optional[dist.ProcessGroup],
         *,
         num_hot: int = 3,
-        every: int = 10,
-        alpha: float = 0.99,
+        every: int = 1,
+        alpha: float = 0.25,
         policy: str = "always",
         powersgd_rank: int = 0,
         powersgd_start: int = 10,

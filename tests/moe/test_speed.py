@@ -199,8 +199,9 @@ def test_sections_that_do_not_learn_are_busy_time_but_not_speed():
     _spin(m, 0.02, 10, learn=False)  # ten times slower per row than the owner's section
     m.finish_step()
     rows, secs = m.last_speed_step
-    assert rows == 100 and 0.01 <= secs < 0.02
-    assert m.last_step[0] == 110 and m.last_step[1] >= 0.03
+    # busy time is at least the CPU each section spun (a loaded host only adds its wait)
+    assert rows == 100 and secs >= 0.01 and m.last_step[0] == 110
+    assert m.last_step[1] >= secs + 0.02  # the replica section's seconds are busy time
     assert m.local_speed() == pytest.approx(rows / secs)  # the owner's rows alone
     assert m.agreed.own_rows_per_s == (pytest.approx(rows / secs),)
     assert m.agreed.seconds_per_step == (pytest.approx(m.last_step[1]),)  # busy: both sections

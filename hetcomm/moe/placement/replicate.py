@@ -25,8 +25,7 @@ own tokens for them locally.
   and the refresh that applies a new set brings its weights; a replica leaving the set is reused
   for one joining it. With ``alpha < 0.5`` a hot set that moved is followed after one step (the
   new experts' EMA passes the old ones' at the first step whenever ``(1 - 2 alpha) x`` the heat
-  exceeds the noise). Every 10 steps with ``alpha`` 0.99, the former default, the copies held
-  experts that had cooled on a hotspot that moves (docs/MOE.md).
+  exceeds the noise): the copies hold the experts that are hot now, not those that were.
 - **Not before the first speed verdict** (``ready``: the layer's speeds have one). Copies change
   the rows each owner computes: a holder computes its own tokens for the hot experts, the hot
   experts' owners receive fewer. The first verdict places the experts for the rest of the run

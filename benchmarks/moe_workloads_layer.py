@@ -83,12 +83,12 @@ POLICIES = ("token-equal", "EPLB", "default", "oracle")
 #: ``EVERY`` steps from an EMA of decay ``ALPHA`` (``replicate_every``, ``replicate_alpha``), timed
 #: beside the others: a decision on the layer's defaults for the copies' cadence.
 COPIES = "default-copies"
+HOT = ("W1_hot_set", "W2_hot_rank", "W3_spread", "W6_rotating_hotspot", "W7_burst")  # T3's workloads with a hot set
 
 
 def policies_of(compare_copies: Optional[str]) -> tuple:
     """The policies of a run: :data:`POLICIES`, and :data:`COPIES` when it compared copies."""
     return POLICIES + ((COPIES,) if compare_copies else ())
-HOT = ("W1_hot_set", "W2_hot_rank", "W3_spread", "W6_rotating_hotspot", "W7_burst")  # T3's workloads with a hot set
 
 
 def parse_workloads(text: str) -> List[str]:

@@ -250,7 +250,7 @@ class HotExpertReplicator:
     def for_layer(cls, cfg, placement, rank: int, candidates: Sequence[int], make_expert: Callable[[int], nn.Module],
                   owned: Dict[int, nn.Module], group: Optional[dist.ProcessGroup], cluster, *,
                   initial_holders: Sequence[int],
-                  measured: Callable[[], Optional[Tuple[Sequence[float], Sequence[bool]]]],
+                  measured: Callable[[], Optional[Tuple[Sequence[float], Sequence[bool], Sequence[float]]]],
                   ready: Optional[Callable[[], bool]] = None) -> "HotExpertReplicator":
         """The replicator of a :class:`~hetcomm.moe.MoELayer` with ``cfg`` (its
         :class:`~hetcomm.moe.layer_config.MoEConfig`): ``replicate_*`` options as the knobs,

@@ -101,11 +101,11 @@ def _up(cluster: str, subnet: str, state: str) -> str:
     return out.stdout.strip().splitlines()[-1].strip()
 
 
-def steady_pace(metrics_path: str, from_step: int) -> Tuple[float, float]:
+def steady_pace(metrics_path: str, from_step: int, first: int = 0) -> Tuple[float, float, float]:
     """From a run's metrics file, over the steps after ``from_step`` (every variant's one-time
     placement is done by then): tokens/s of all ranks, and the median over those steps of the
-    ranks' expert busy seconds max/mean (``expert_s_by_rank``, forward). NaN where the run
-    ended first."""
+    ranks' expert busy seconds max/mean (``expert_s_by_rank``, forward); and the tokens/s of the
+    first ``first`` steps (what a run of that many steps times). NaN where the run ended first."""
     steps = []
     with open(metrics_path, encoding="utf-8") as f:
         for line in f:
@@ -113,17 +113,19 @@ def steady_pace(metrics_path: str, from_step: int) -> Tuple[float, float]:
             if rec.get("kind") == "step":
                 steps.append((int(rec["step"]), float(rec["time_s"]), float(rec["tokens"]),
                               rec.get("expert_s_by_rank") or []))
+    head = [(t, n) for s, t, n, _ in steps if s <= first]
+    head_pace = sum(n for _, n in head) / head[-1][0] if first and len(head) == first else float("nan")
     start = [t for s, t, _, _ in steps if s == from_step]
     after = [(t, n, e) for s, t, n, e in steps if s > from_step]
     if not start or not after:
-        return float("nan"), float("nan")
+        return float("nan"), float("nan"), head_pace
     spread = [max(e) / (sum(e) / len(e)) for _, _, e in after if e and sum(e) > 0]
     return (sum(n for _, n, _ in after) / (after[-1][0] - start[0]),
-            statistics.median(spread) if spread else float("nan"))
+            statistics.median(spread) if spread else float("nan"), head_pace)
 
 
 def _run(run_id: str, state: str, cluster: str, config: str, steps: Optional[int], flags: List[str],
-         steady_from: int) -> dict:
+         steady_from: int, first: int) -> dict:
     metrics = tempfile.NamedTemporaryFile(prefix="het-testbed-", suffix=".jsonl", delete=False).name
     cmd = _hetcomm("train", "--cluster", cluster, "--config", config, "--metrics", metrics, *flags)
     if steps is not None:
@@ -132,9 +134,9 @@ def _run(run_id: str, state: str, cluster: str, config: str, steps: Optional[int
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO)
     rows: dict = {"rc": out.returncode}
     try:
-        rows["steady"], rows["expert_spread"] = steady_pace(metrics, steady_from)
+        rows["steady"], rows["expert_spread"], rows["first"] = steady_pace(metrics, steady_from, first)
     except (OSError, ValueError, KeyError):
-        rows["steady"] = rows["expert_spread"] = float("nan")
+        rows["steady"] = rows["expert_spread"] = rows["first"] = float("nan")
     finally:
         os.unlink(metrics)
     for line in out.stdout.splitlines():
@@ -176,6 +178,9 @@ def main() -> int:
     ap.add_argument("--steady-from", type=int, default=20,
                     help="the steady pace is timed over the steps after this one (default 20: every "
                     "variant's one-time placement is done by then)")
+    ap.add_argument("--first", type=int, default=0, metavar="N",
+                    help="also time the first N steps of every run (what an N-step run measures): a "
+                    "column and a T1 line of their own")
     ap.add_argument("--max-load", type=float, default=2.0, help="start a pair only below this 1-minute load")
     ap.add_argument("--max-wait", type=float, default=1800.0, help="seconds to wait for the load before giving up")
     ap.add_argument("--until", default=None, metavar="HH:MM",
@@ -215,11 +220,13 @@ def main() -> int:
             for name in order:
                 where, flags = variants[name]
                 cluster = args.cluster if where == "half" else args.twin
-                r = _run(ids[where], args.state_dir, cluster, args.config, args.steps, flags, args.steady_from)
+                r = _run(ids[where], args.state_dir, cluster, args.config, args.steps, flags, args.steady_from,
+                         args.first)
                 results[name].append(r)
                 shares = r["shares"]
+                head = f", {r['first']:,.0f} in the first {args.first}" if args.first else ""
                 print(f"  pair {i + 1} {name}: {r['tok_s']:,.0f} tok/s ({r['steady']:,.0f} after step "
-                      f"{args.steady_from}), expert share by rank {shares} %, "
+                      f"{args.steady_from}{head}), expert share by rank {shares} %, "
                       f"expert time max/mean {r['expert_spread']:.2f}, "
                       f"{r.get('verdict', 'no verdict')[:4]}, rc {r['rc']}, load {_load():.2f}", flush=True)
                 print(f"    cold move: {r.get(COLD, '-')}", flush=True)
@@ -238,9 +245,10 @@ def main() -> int:
           f"{n} pair(s), start loads {[round(x, 2) for x in start_loads]}, end load {_load():.2f}, "
           f"{time.time() - t0:.0f} s, commit {rev}")
     print(f"| variant | tokens/s median (min-max) | runs | x {ref} per pair: median (min-max) | "
-          f"after step {args.steady_from}: x {ref} per pair | slow rank expert share of busy CPU, "
+          f"after step {args.steady_from}: x {ref} per pair | "
+          f"{f'first {args.first} steps: x {ref} per pair | ' if args.first else ''}slow rank expert share of busy CPU, "
           f"median (min-max) | expert busy time max/mean over ranks, median of steps (min-max of runs) | placement (last run) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if args.first else ""))
     blind = done.get("speed-blind")
     reference = done[ref]
     for name, rs in done.items():
@@ -250,12 +258,15 @@ def main() -> int:
         split = rs[-1].get(COLD, "-")
         pairs = [a["tok_s"] / b["tok_s"] for a, b in zip(rs, reference)]
         steady = [a["steady"] / b["steady"] for a, b in zip(rs, reference)]
+        head = [a["first"] / b["first"] for a, b in zip(rs, reference)]
         spread = [r["expert_spread"] for r in rs if r["expert_spread"] == r["expert_spread"]]
         print(f"| {name} | {_spread(tok)} | {' / '.join(f'{x:,.0f}' for x in tok)} | "
-              f"{_spread(pairs, '{:.2f}')} | {_spread(steady, '{:.2f}')} | {share} | "
+              f"{_spread(pairs, '{:.2f}')} | {_spread(steady, '{:.2f}')} | "
+              f"{_spread(head, '{:.2f}') + ' | ' if args.first else ''}{share} | "
               f"{_spread(spread, '{:.2f}') if spread else '-'} | {split} |")
     if "oracle" in done and "default" in done and blind:
-        for label, key in (("whole run", "tok_s"), (f"after step {args.steady_from}", "steady")):
+        windows = [("whole run", "tok_s"), (f"after step {args.steady_from}", "steady")]
+        for label, key in windows + ([(f"first {args.first} steps", "first")] if args.first else []):
             gap = [(d[key] - b[key]) / (o[key] - b[key]) * 100
                    for d, o, b in zip(done["default"], done["oracle"], blind) if o[key] != b[key]]
             if gap:

@@ -18,11 +18,12 @@ def test_steady_pace_times_only_the_steps_after_the_given_one():
     steps = [json.loads(x) for x in open(METRICS) if '"kind":"step"' in x]
     by = {s["step"]: s for s in steps}
     last = max(by)
-    tok_s, spread = steady_pace(METRICS, 5)
+    tok_s, spread, head = steady_pace(METRICS, 5, first=4)
+    assert head == pytest.approx(sum(by[s]["tokens"] for s in range(1, 5)) / by[4]["time_s"])  # an N-step run
     after = [s for s in steps if s["step"] > 5]
     assert tok_s == pytest.approx(sum(s["tokens"] for s in after) / (by[last]["time_s"] - by[5]["time_s"]))
     e = [s["expert_s_by_rank"] for s in after]
     assert spread == pytest.approx(statistics.median(max(x) / (sum(x) / len(x)) for x in e))
     # A run that ended before the step: nothing to time.
-    nan = steady_pace(METRICS, last)
+    nan = steady_pace(METRICS, last, first=last + 1)
     assert all(v != v for v in nan)

@@ -448,6 +448,10 @@ def _train(rank: int, world_size: int, cfg: TrainConfig, MoELayer, cluster=None)
     rank_marks.startup("restore")
     if start_step >= cfg.steps:  # nothing left to train: report the recorded verdict, not a fresh one
         return hooks.nothing_to_train(cfg, rank, start_step)
+    # The clocks (the summary's, the metrics', the progress line's) start when every rank is
+    # ready: a rank that builds its model slower (a slower device) would otherwise put its build
+    # time into the other ranks' first step, and into the run's tokens/s.
+    dist.barrier()
     _start(job, start_step, resumed_from)
     from hetcomm.train import inplace
 

@@ -273,12 +273,16 @@ def main() -> int:
                 print(f"T1 ({label}): the default recovers {statistics.median(gap):.0f} % of the gap to the oracle "
                       f"(per pair {' / '.join(f'{g:.0f}' for g in gap)} %; target >= 70 %)")
     if "oracle" in done and "speed-blind" in done:
-        ratio = statistics.median(r["tok_s"] for r in done["oracle"]) / base
+        # The median of the per-pair ratios: each pair's runs share the machine's state, which
+        # drifts from pair to pair on a shared host (the ratio of the medians mixes pairs).
+        ratio = statistics.median(o["tok_s"] / b["tok_s"] for o, b in zip(done["oracle"], done["speed-blind"]))
+        of_medians = statistics.median(r["tok_s"] for r in done["oracle"]) / base
         blind_share = [r["shares"][s] for r in done["speed-blind"] for s in slow if len(r["shares"]) > s]
         share = statistics.median(blind_share) if blind_share else float("nan")
         ok = ratio >= 1.35 and share >= 60 and n >= 5 and all(x < 2 for x in start_loads)
         print(f"\nT0 (oracle >= 1.35x speed-blind, slow rank's expert share >= 60 %, >= 5 pairs started at "
-              f"load < 2): oracle {ratio:.2f}x, share {share:.0f} % -> {'met' if ok else 'not met'}")
+              f"load < 2): oracle {ratio:.2f}x (median of the pairs; ratio of the medians {of_medians:.2f}x), "
+              f"share {share:.0f} % -> {'met' if ok else 'not met'}")
     return 0
 
 

@@ -15,8 +15,11 @@ real ranks (``--nprocs N`` local processes, like ``hetcomm bench alltoall``):
 * ``--face``: ``communicator`` (``Communicator.dispatch``/``combine``, the default),
   ``tokenswitch`` (``TokenSwitch.create_routing`` + ``dispatch`` as the dispatch phase,
   ``combine``; the flat layout, ``max_recv_tokens`` = the routing's own slots),
-  ``tokenswitch-expert-major`` (the same in the expert_major layout: the communicator's rows),
-  or several, comma-separated: the faces take turns inside every iteration (the order
+  ``tokenswitch-expert-major`` (the same in the expert_major layout: the communicator's rows).
+  Every face computes the same function, ``out[t] = sum_k w[t, k] * x[t]`` (identity experts):
+  TokenSwitch's combine is unweighted, so its experts scale their rows by their gate weight
+  inside the combine phase (as a user's MoE block over it does), where the communicator's
+  weighted combine does it itself. Or several, comma-separated: the faces take turns inside every iteration (the order
   alternates), on the same routing, bytes and ranks; per face the *step* (the four phases, the
   slowest rank's per iteration) gets its median and spread, and each face its ratio to the
   first, also as the median of the per-iteration ratios (interleaved steps);
@@ -260,7 +263,7 @@ def dispatch_rank_entry(payload: str, rank: int, world_size: int, store) -> Opti
             for face in (config.faces if it % 2 == 0 else config.faces[::-1]):
                 dist.barrier()
                 c0 = time.process_time()  # this process's threads: the work, whatever the load
-                durations = steps[face](timer, x, idx, gate)
+                durations, _, _ = steps[face](timer, x, idx, gate)
                 if timed:
                     cpu[face].append(time.process_time() - c0)
                     for phase, d in zip(PHASES, durations):
@@ -290,8 +293,10 @@ def dispatch_rank_entry(payload: str, rank: int, world_size: int, store) -> Opti
 
 
 def _face_step(face: str, comm, config: DispatchBenchConfig, expert_to_rank):
-    """``step(timer, x, idx, gate) -> (dispatch, combine, combine-backward, dispatch-backward)``
-    seconds of one step over ``face`` (the experts: identity, so the rows are known)."""
+    """``step(timer, x, idx, gate) -> ((dispatch, combine, combine-backward, dispatch-backward)
+    seconds, out [T, H], grad of x [T, H])`` of one step over ``face``: every face computes
+    ``out[t] = sum_k gate[t, k] * x[t]`` (the experts are the identity, weighted by their gate)
+    and ``x``'s gradient under an all-ones output gradient."""
     import torch
 
     if face == "communicator":
@@ -309,8 +314,8 @@ def _face_step(face: str, comm, config: DispatchBenchConfig, expert_to_rank):
             (gy,) = torch.autograd.grad(out, y, torch.ones_like(out))
             d_cbwd = timer.stop(t)
             t = timer.start()
-            torch.autograd.grad(res.recv_x, xg, gy)
-            return d_dispatch, d_combine, d_cbwd, timer.stop(t)
+            (gx,) = torch.autograd.grad(res.recv_x, xg, gy)
+            return (d_dispatch, d_combine, d_cbwd, timer.stop(t)), out.detach(), gx
 
         return step
     import hetcomm
@@ -326,18 +331,20 @@ def _face_step(face: str, comm, config: DispatchBenchConfig, expert_to_rank):
         xg = x.detach().requires_grad_(True)
         t = timer.start()
         routing = ts.create_routing(idx, layout=layout)
-        out_tokens, _w, _i = ts.dispatch(routing, xg, gate, routing.num_recv_tokens)
+        out_tokens, out_w, _i = ts.dispatch(routing, xg, gate, routing.num_recv_tokens)
         d_dispatch = timer.stop(t)
         y = out_tokens.detach().requires_grad_(True)
         t = timer.start()
-        out = ts.combine(routing, y)
+        # The experts' gate weights: a slot's (flat: its local experts', 0 elsewhere) summed.
+        w = out_w if out_w.dim() == 1 else out_w.sum(1)
+        out = ts.combine(routing, y * w.unsqueeze(1).to(y.dtype))
         d_combine = timer.stop(t)
         t = timer.start()
         (gy,) = torch.autograd.grad(out, y, torch.ones_like(out))
         d_cbwd = timer.stop(t)
         t = timer.start()
-        torch.autograd.grad(out_tokens, xg, gy)
-        return d_dispatch, d_combine, d_cbwd, timer.stop(t)
+        (gx,) = torch.autograd.grad(out_tokens, xg, gy)
+        return (d_dispatch, d_combine, d_cbwd, timer.stop(t)), out.detach(), gx
 
     return step
 

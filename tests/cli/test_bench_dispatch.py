@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hetcomm.cli.bench_dispatch import FACES, PHASES, routing_weights
 from hetcomm.cli.main import main
@@ -148,3 +149,36 @@ def test_routing_weights():
     assert routing_weights("zipf:1", 3) == pytest.approx([1.0, 0.5, 1 / 3])
     with pytest.raises(UsageError):
         routing_weights("hot:0:0.5", 4)
+
+
+def _faces_body(rank: int, world_size: int):
+    import torch
+
+    import hetcomm
+    from hetcomm.cli.bench_dispatch import DispatchBenchConfig, _face_step, _route, _Timer
+
+    config = DispatchBenchConfig(tokens=24, hidden=8, topk=3, experts=8, routing="zipf:1.0", wire_dtype="exact",
+                                 dtype="float32", iters=1, warmup_iters=0, timeout_s=60.0, faces=FACES)
+    comm = hetcomm.communicator()
+    x, idx, gate = _route(config, rank, torch.device("cpu"))
+    expert_to_rank = torch.arange(config.experts) // (config.experts // world_size)
+    timer = _Timer(torch.device("cpu"))
+    out = {}
+    for face in FACES:
+        _, y, gx = _face_step(face, comm, config, expert_to_rank)(timer, x, idx, gate)
+        out[face] = (y, gx)
+    return {"x": x, "gate": gate, "faces": out}
+
+
+def test_every_face_computes_the_same_weighted_sum_and_gradient():
+    """The faces are compared on equal work: out[t] = sum_k gate[t, k] * x[t] (identity experts;
+    TokenSwitch's experts apply the weights its combine leaves to them), and x's gradient
+    sum_k gate[t, k]. A face that dropped the weights, or counted a slot twice, fails."""
+    from tests.backends.ranks import run_ranks
+
+    for rank, got in enumerate(run_ranks(_faces_body, 4, backend="hetcomm", timeout=120)):
+        x, gate = got["x"], got["gate"]
+        want_out, want_grad = x * gate.sum(1, keepdim=True), gate.sum(1, keepdim=True).expand_as(x)
+        for face, (y, gx) in got["faces"].items():
+            assert torch.allclose(y, want_out, atol=1e-6), (rank, face)
+            assert torch.allclose(gx, want_grad, atol=1e-6), (rank, face)

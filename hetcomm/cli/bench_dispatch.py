@@ -15,14 +15,14 @@ real ranks (``--nprocs N`` local processes, like ``hetcomm bench alltoall``):
 * ``--face``: ``communicator`` (``Communicator.dispatch``/``combine``, the default),
   ``tokenswitch`` (``TokenSwitch.create_routing`` + ``dispatch`` as the dispatch phase,
   ``combine``; the flat layout, ``max_recv_tokens`` = the routing's own slots),
-  ``tokenswitch-expert-major`` (the same in the expert_major layout: the communicator's rows).
-  Every face computes the same function, ``out[t] = sum_k w[t, k] * x[t]`` (identity experts):
-  TokenSwitch's combine is unweighted, so its experts scale their rows by their gate weight
-  inside the combine phase (as a user's MoE block over it does), where the communicator's
-  weighted combine does it itself. Or several, comma-separated: the faces take turns inside every iteration (the order
-  alternates), on the same routing, bytes and ranks; per face the *step* (the four phases, the
-  slowest rank's per iteration) gets its median and spread, and each face its ratio to the
-  first, also as the median of the per-iteration ratios (interleaved steps);
+  ``tokenswitch-expert-major`` (the same in the expert_major layout: the communicator's rows),
+  or several, comma-separated. Every face computes the same function, ``out[t] = sum_k w[t, k]
+  * x[t]`` (identity experts): TokenSwitch's combine is unweighted, so its experts scale their
+  rows by their gate weight inside the combine phase (as a user's MoE block over it does), where
+  the communicator's weighted combine does it itself. The faces take turns inside every iteration
+  (the order alternates), on the same routing, bytes and ranks; per face the *step* (the four
+  phases, the slowest rank's per iteration) gets its median and spread, and each face its ratio
+  to the first, also as the median of the per-iteration ratios (interleaved steps);
 * per rank and phase: p50/p90/p99/p999 (nearest rank over the iterations) and the **logical
   bandwidth** as DeepEP defines it: the token-row bytes a rank receives (dispatch-shaped phases)
   or sends (combine-shaped phases) to or from *other* ranks, in their wire dtype, divided by the

@@ -161,7 +161,7 @@ def _faces_body(rank: int, world_size: int):
                                  dtype="float32", iters=1, warmup_iters=0, timeout_s=60.0, faces=FACES)
     comm = hetcomm.communicator()
     x, idx, gate = _route(config, rank, torch.device("cpu"))
-    expert_to_rank = torch.arange(config.experts) // (config.experts // world_size)
+    expert_to_rank = torch.arange(config.experts, device=x.device) // (config.experts // world_size)
     timer = _Timer(torch.device("cpu"))
     out = {}
     for face in FACES:

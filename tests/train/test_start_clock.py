@@ -52,4 +52,3 @@ def test_the_clocks_start_after_the_slowest_rank_built_its_model():
     marks = run_ranks(_train_rank, 4, backend="gloo", args=(cfg, _free_port()), timeout=150)
     # Ordered by the barrier, not by timing: rank 0 reaches its clocks only after rank 1 is built.
     assert marks[0]["clocks"] >= marks[1]["built"], marks
-    assert marks[1]["built"] - marks[0]["built"] > SLOW_BUILD_S / 2, marks  # the slow build did happen

@@ -25,7 +25,7 @@ busy CPU -- forward and backward, measured by the run itself (the summary's ``ex
 row, :mod:`hetcomm.train.expert_time`) -- median and spread. The slow ranks are those the
 emulation runs below full speed. Needs root (network namespaces, cgroups).
 
-    sudo PYTHONPATH=. .venv/bin/python benchmarks/het_testbed.py --pairs 5
+    sudo PYTHONPATH=. .venv/bin/python benchmarks/het_testbed.py --pairs 5 --first 60
     sudo PYTHONPATH=. .venv/bin/python benchmarks/het_testbed.py --pairs 1 --max-load 100   # a smoke run
 """
 

@@ -190,6 +190,13 @@ def main() -> int:
     ap.add_argument("--subnet-twin", default="10.222.0.0/16")
     ap.add_argument("--state-dir", default="/run/hetcomm/emulate-het-testbed")
     args = ap.parse_args()
+    if args.first:  # refused before any emulation starts: a window the runs cannot fill times nothing
+        from hetcomm.train.loop import load_train_config
+
+        steps = args.steps or load_train_config(os.path.join(REPO, args.config)).steps
+        if not 0 < args.first <= steps:
+            ap.error(f"--first {args.first}: give a number from 1 to the run's {steps} steps ({args.config}"
+                     f"{'' if args.steps is None else ', --steps'})")
     # A SIGTERM (a kill, a session ending) still takes the emulations down (the finally below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     until = None

@@ -27,3 +27,12 @@ def test_steady_pace_times_only_the_steps_after_the_given_one():
     # A run that ended before the step: nothing to time.
     nan = steady_pace(METRICS, last, first=last + 1)
     assert all(v != v for v in nan)
+
+
+@pytest.mark.parametrize("argv, steps", [(["--first", "200"], "120"), (["--first", "50", "--steps", "40"], "40")])
+def test_a_first_window_the_runs_cannot_fill_is_refused_before_any_emulation(argv, steps):
+    import subprocess
+
+    out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "het_testbed.py"), *argv],
+                         capture_output=True, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), timeout=60)
+    assert out.returncode == 2 and f"--first {argv[1]}: give a number from 1 to the run's {steps} steps" in out.stderr
